@@ -17,20 +17,19 @@ Decoding (DESIGN §3.3) is the case ``num_real = 1 + m`` (``x_{n-1}`` and m cand
 ``n-1``, groups anchored at ``e = g + 1`` for g = 0..num_groups-1. Training (DESIGN §3.2) is
 ``cache_len = 0``, ``num_real = seq_len`` and one group per span start ``s`` (``e = s``).
 
-Example, the first decode step after a 3-token prompt... is ``decode_layout(2, 0, 1, k=2)``;
-a full step with n = 3, k = 2 and both groups G_0, G_1 (``decode_layout(2, 2, 2, k=2)``)::
+Example: a step with n = 3 (two tokens cached), k = 2 candidates and groups G_0, G_1::
 
-    render(decode_layout(cache_len=2, num_candidates=2, num_groups=2, k=2))
+    >>> print(render(decode_layout(cache_len=2, num_candidates=2, num_groups=2, k=2)))
     cache | block
-    oo    | o.......   x     pos 2
-    oo    | oo......   c1    pos 3
-    oo    | ooo.....   c2    pos 4
-    oo    | o..o....   G0m0  pos 3
-    oo    | o..oo...   G0m1  pos 4
-    oo    | oo...o..   G1m0  pos 4
-    oo    | oo...oo.   G1m1  pos 5
+    oo    | o......   x     pos 2
+    oo    | oo.....   c1    pos 3
+    oo    | ooo....   c2    pos 4
+    oo    | o..o...   G0m0  pos 3
+    oo    | o..oo..   G0m1  pos 4
+    oo    | oo...o.   G1m0  pos 4
+    oo    | oo...oo   G1m1  pos 5
 
-(The grid shows only block columns after the cache marker; every row sees the whole cache.)
+Columns left of ``|`` are cached tokens, right of it the block; ``o`` = may attend.
 """
 from __future__ import annotations
 

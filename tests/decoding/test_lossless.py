@@ -1,0 +1,133 @@
+"""Greedy SPACE == AR greedy, token for token, in every configuration (DESIGN §3.4)."""
+import pytest
+import torch
+
+import space.decoding.space as space_mod
+from space.decoding import SpaceDecoder, ar_generate
+
+STOP = 10  # an ordinary byte id used as the stop token, so EOS lands inside steps
+
+
+def cases(n_cases, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n_cases):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        yield torch.randint(11, 250, (n,), generator=gen), int(torch.randint(1, 48, (1,), generator=gen))
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_exact_all_k_and_groups(tiny, k):
+    model, _, spec = tiny
+    for prompt, max_new in cases(3, seed=k):
+        ar = ar_generate(model, prompt, max_new, stop_token_ids=[STOP], suppress_ids=spec.token_ids)
+        for groups in range(1, k + 2):
+            out = SpaceDecoder(model, spec, k, groups).generate(prompt, max_new, stop_token_ids=[STOP])
+            assert out.new_ids == ar.new_ids, (k, groups, prompt.tolist(), max_new)
+            assert len(out.new_ids) <= max_new and sum(out.step_tokens) == len(out.new_ids)
+
+
+def test_untied_head_exact(tiny_untied):
+    model, _, spec = tiny_untied
+    for prompt, max_new in cases(4, seed=99):
+        ar = ar_generate(model, prompt, max_new, suppress_ids=spec.token_ids)
+        assert SpaceDecoder(model, spec, 4).generate(prompt, max_new).new_ids == ar.new_ids
+
+
+def oracle(truth, corrupt_at, k):
+    """Candidates from the true AR continuation, with candidate ``corrupt_at`` (0-based) wrong."""
+    def override(generated, drafts):
+        c = list(truth[len(generated): len(generated) + k])
+        c += [11] * (k - len(c))
+        if corrupt_at < len(c):
+            c[corrupt_at] = (c[corrupt_at] + 1) % 250
+        return torch.tensor(c)
+    return override
+
+
+@pytest.mark.parametrize("k,groups", [(3, 4), (5, 6), (5, 2), (4, 1)])
+def test_every_accept_length_and_cache_crop(tiny, monkeypatch, k, groups):
+    model, _, spec = tiny
+    prompt = torch.randint(11, 250, (9,), generator=torch.Generator().manual_seed(3))
+    truth = ar_generate(model, prompt, 120, suppress_ids=spec.token_ids).new_ids
+    crops = []
+    real_crop = space_mod.crop_cache
+
+    def spy(cache, keep):
+        crops.append(keep)
+        real_crop(cache, keep)
+        assert cache.get_seq_length() == keep
+
+    monkeypatch.setattr(space_mod, "crop_cache", spy)
+    seen = set()
+    for corrupt_at in range(k + 1):  # k + 1: no corruption, every candidate accepted
+        crops.clear()
+        out = SpaceDecoder(model, spec, k, groups).generate(prompt, 120, draft_override=oracle(truth, corrupt_at, k))
+        assert out.new_ids == truth
+        seen.update(out.accept_lengths)
+        # the cache keeps exactly prompt + accepted tokens: n-1 before a step, n+a after it
+        n = len(prompt)
+        for keep, a, emitted in zip(crops, out.accept_lengths, out.step_tokens):
+            assert keep == n + a
+            n += emitted
+        if corrupt_at < k:
+            assert max(out.accept_lengths[1:]) == corrupt_at
+    assert seen == set(range(k + 1))
+
+
+def test_eos_and_max_new_tokens_inside_a_step(tiny):
+    model, _, spec = tiny
+    prompt = torch.randint(11, 250, (6,), generator=torch.Generator().manual_seed(5))
+    truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+    stop = truth[17]
+    ar = ar_generate(model, prompt, 60, stop_token_ids=[stop], suppress_ids=spec.token_ids)
+    out = SpaceDecoder(model, spec, 5).generate(prompt, 60, stop_token_ids=[stop], draft_override=oracle(truth, 9, 5))
+    assert out.new_ids == ar.new_ids and out.new_ids[-1] == stop and out.stop_reason == "eos"
+    for max_new in (1, 2, 7, 13):
+        out = SpaceDecoder(model, spec, 5).generate(prompt, max_new, draft_override=oracle(truth, 9, 5))
+        assert out.new_ids == truth[:max_new] and out.stop_reason == "length"
+
+
+def test_mask_token_never_emitted(tiny_untied):
+    model, _, spec = tiny_untied
+    mask_id = spec.token_ids[0]
+
+    def boost(module, args, out):  # the mask token's logit becomes the largest on every row
+        out[..., mask_id] += 1e4
+        return out
+
+    hook = model.get_output_embeddings().register_forward_hook(boost)
+    try:
+        prompt = torch.tensor([20, 30, 40])
+        with torch.no_grad():
+            assert int(model(input_ids=prompt[None]).logits[0, -1].argmax()) == mask_id
+        out = SpaceDecoder(model, spec, 3).generate(prompt, 20)
+        assert mask_id not in out.new_ids and len(out.new_ids) == 20
+        assert out.new_ids == ar_generate(model, prompt, 20, suppress_ids=spec.token_ids).new_ids
+    finally:
+        hook.remove()
+
+
+def test_streaming_callback(tiny):
+    model, _, spec = tiny
+    chunks = []
+    out = SpaceDecoder(model, spec, 3).generate(torch.tensor([40, 41]), 15, on_tokens=chunks.append)
+    assert sum(chunks, []) == out.new_ids and len(chunks) == out.num_steps
+
+
+def test_bad_input(tiny):
+    model, _, spec = tiny
+    dec = SpaceDecoder(model, spec, 3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate(torch.tensor([], dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="batch size"):
+        dec.generate(torch.ones(2, 4, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        dec.generate(torch.ones(2040, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        ar_generate(model, torch.ones(2046, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="mask_num"):
+        SpaceDecoder(model, spec, 0)
+    with pytest.raises(ValueError, match="maximum"):
+        SpaceDecoder(model, spec, 17)
+    with pytest.raises(ValueError, match="num_groups"):
+        SpaceDecoder(model, spec, 3, num_groups=5)

@@ -1,0 +1,128 @@
+"""The layout core against DESIGN §3.1-§3.3, written out by hand, and against the model."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from space.masking import (IGNORE_INDEX, build_layout, decode_layout, render, targets, to_additive_4d,
+                           train_layout, truncate_layout)
+
+DRAWING = """cache | block
+oo    | o......   x     pos 2
+oo    | oo.....   c1    pos 3
+oo    | ooo....   c2    pos 4
+oo    | o..o...   G0m0  pos 3
+oo    | o..oo..   G0m1  pos 4
+oo    | oo...o.   G1m0  pos 4
+oo    | oo...oo   G1m1  pos 5"""
+
+
+def test_render_matches_docstring_drawing():
+    lay = decode_layout(cache_len=2, num_candidates=2, num_groups=2, k=2)
+    assert render(lay) == DRAWING
+    import space.masking
+    assert "\n".join("    " + line for line in DRAWING.splitlines()) in space.masking.__doc__
+
+
+def reference_decode(n, m, groups, k):
+    """DESIGN §3.3 row by row: (name, position, set of visible block rows) with rows named."""
+    rows = [("x", n - 1, {0})] + [(f"c{i}", n - 1 + i, set(range(i + 1))) for i in range(1, m + 1)]
+    for g in range(groups):
+        start = 1 + m + g * k
+        for j in range(k):
+            rows.append((f"G{g}m{j}", n + g + j, set(range(g + 1)) | set(range(start, start + j + 1))))
+    return rows
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [1, 4])
+def test_decode_visibility_and_positions(k, n):
+    for m in range(k + 1):
+        for groups in range(1, m + 2):
+            lay = decode_layout(n - 1, m, groups, k)
+            ref = reference_decode(n, m, groups, k)
+            assert lay.num_rows == len(ref)
+            for i, (_, pos, vis) in enumerate(ref):
+                assert int(lay.position_ids[i]) == pos
+                assert lay.allowed[i, : n - 1].all()  # every row sees the cache
+                assert set(lay.allowed[i, n - 1:].nonzero().flatten().tolist()) == vis
+            # no real token sees a mask
+            assert not lay.allowed[: 1 + m, n - 1 + 1 + m:].any()
+
+
+def test_first_step_is_x_and_g0():
+    lay = decode_layout(cache_len=6, num_candidates=0, num_groups=1, k=3)
+    assert lay.position_ids.tolist() == [6, 7, 8, 9]
+    assert lay.is_mask.tolist() == [False, True, True, True]
+
+
+def test_train_layout_targets_follow_skip_one_offset():
+    ids = torch.arange(100, 110)  # x_0..x_9
+    lay = train_layout(10, [3, 7], k=4)
+    tgt = targets(lay, ids)
+    # real rows: next token; last real row has none
+    assert tgt[:9].tolist() == ids[1:].tolist() and tgt[9] == IGNORE_INDEX
+    # group at s=3: mask j at position 3+j, sees x_0..x_2, predicts x_{3+j+1}
+    rows = lay.group_rows(0)
+    assert lay.position_ids[rows].tolist() == [3, 4, 5, 6]
+    assert tgt[rows].tolist() == [104, 105, 106, 107]
+    for j, r in enumerate(rows.tolist()):
+        assert lay.allowed[r, :10].nonzero().flatten().tolist() == [0, 1, 2]
+        assert lay.allowed[r, rows].tolist() == [i <= j for i in range(4)]
+    # group at s=7: targets past the end are ignored
+    assert tgt[lay.group_rows(1)].tolist() == [108, 109, IGNORE_INDEX, IGNORE_INDEX]
+    assert not lay.allowed[:10, 10:].any()
+    # prompt tokens excluded from the loss
+    assert (targets(lay, ids, first_target=5)[:4] == IGNORE_INDEX).all()
+
+
+def test_truncate_layout_has_dummy_mask():
+    ids = torch.arange(100, 110)
+    lay = truncate_layout(4, k=3)
+    assert lay.num_rows == 4 + 4
+    tgt = targets(lay, ids, drop_offset=3)
+    assert tgt.tolist() == [101, 102, 103, 104, 105, 106, 107, IGNORE_INDEX]
+    assert lay.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_bad_layout_arguments():
+    with pytest.raises(ValueError, match="mask_num"):
+        build_layout(0, 3, [1], k=0)
+    with pytest.raises(ValueError, match="context"):
+        build_layout(0, 3, [4], k=2)
+    with pytest.raises(ValueError, match="num_groups"):
+        decode_layout(3, 1, 3, k=2)
+
+
+def forward(model, ids, cache=None, lay=None):
+    kw = {}
+    if lay is not None:
+        kw = dict(position_ids=lay.position_ids[None], attention_mask=to_additive_4d(lay.allowed))
+    return model(input_ids=ids[None], past_key_values=cache, use_cache=cache is not None, **kw).logits[0]
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_verification_rows_equal_ar_logits(tiny, k):
+    model, _, spec = tiny
+    gen = torch.Generator().manual_seed(k)
+    for n in (1, 5, 17):
+        seq = torch.randint(0, 250, (n + k,), generator=gen)
+        with torch.no_grad():
+            ar = forward(model, seq)  # plain causal forward over prefix + candidates
+            cache = DynamicCache(config=model.config)
+            if n > 1:
+                forward(model, seq[: n - 1], cache)
+            lay = decode_layout(n - 1, k, k + 1, k)
+            out = forward(model, lay.input_ids(seq[n - 1:], torch.tensor(spec.token_ids)), cache, lay)
+        assert (out[: k + 1] - ar[n - 1:]).abs().max() < 1e-5
+        # each group G_g equals a separate forward of prefix + c_1..c_g + masks
+        for g in range(k + 1):
+            with torch.no_grad():
+                sep = forward(model, torch.cat([seq[: n + g], torch.full((k,), spec.token_ids[0])]))
+            assert (out[lay.group_rows(g)] - sep[n + g:]).abs().max() < 1e-5
+
+
+def test_to_additive_4d_shape():
+    lay = decode_layout(3, 2, 3, 2)
+    m = to_additive_4d(lay.allowed)
+    assert m.shape == (1, 1, lay.num_rows, 3 + lay.num_rows)
+    assert (m == 0).sum() == lay.allowed.sum()
