@@ -1,0 +1,193 @@
+"""Training modes and SPACE artifacts (DESIGN §3.6): full, lora, frozen-base.
+
+* ``full``: every weight trains, the mask rows of the embedding included; saved as a HF checkpoint.
+* ``lora``: peft LoRA on every token plus trainable mask embeddings; saved as a small adapter.
+* ``frozen-base``: base weights frozen; trainable mask embeddings plus a LoRA whose update is
+  multiplied by a gate that is 1 on mask rows and 0 on real rows. Real tokens never attend to
+  masks, so every real-token logit equals the original model's: SPACE is lossless against the
+  user's own checkpoint.
+
+The gate is computed where the token ids are known, in :class:`MaskEmbedding` (the model's input
+embedding, swapped in through ``set_input_embeddings``), and applied by forward hooks on the peft
+``lora_B`` modules. So any forward of the model (our decoders, HF ``generate``, the trainer) gets
+the right gate, with no attribute set on the model and no modeling file forked.
+
+Artifact layout (lora / frozen-base): ``adapter_model.safetensors`` + ``adapter_config.json``
+(peft), ``mask_embedding.safetensors`` (the k or 1 mask rows), ``space_config.json`` (base model,
+mode, mask ids, mask_num, training data, commit). Written to a temporary directory and renamed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .models import load_model
+from .tokens import MaskSpec, add_mask_tokens, mask_spec
+
+MODES = ("full", "lora", "frozen-base")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SPACE_CONFIG = "space_config.json"
+MASK_EMBEDDING = "mask_embedding.safetensors"
+
+
+class MaskEmbedding(nn.Module):
+    """Input embedding with trainable mask rows; also records which rows are masks (the gate).
+
+    Args:
+        base: the model's original embedding (frozen in lora / frozen-base).
+        mask_ids: contiguous mask token ids.
+
+    ``forward(input_ids (batch, seq)) -> (batch, seq, hidden)``; sets ``self.gate`` to
+    (batch, seq, 1), 1.0 on mask tokens and 0.0 elsewhere.
+    """
+
+    def __init__(self, base: nn.Embedding, mask_ids: tuple[int, ...]):
+        super().__init__()
+        if list(mask_ids) != list(range(mask_ids[0], mask_ids[0] + len(mask_ids))):
+            raise ValueError(f"mask ids must be contiguous, got {mask_ids}")
+        self.base = base
+        self.first_id, self.num = mask_ids[0], len(mask_ids)
+        self.mask_rows = nn.Parameter(base.weight[list(mask_ids)].detach().clone())
+        self.gate: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:  # HF utilities (tying, resizing) look for .weight
+        return self.base.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.base(input_ids)
+        is_mask = (input_ids >= self.first_id) & (input_ids < self.first_id + self.num)
+        rows = self.mask_rows[(input_ids - self.first_id).clamp(0, self.num - 1)]
+        self.gate = is_mask[..., None].to(out.dtype)
+        return torch.where(is_mask[..., None], rows.to(out.dtype), out)
+
+
+def _gate_lora(model, emb: MaskEmbedding) -> None:
+    """Multiply every LoRA update by the mask gate (frozen-base): exact zero on real rows."""
+    def hook(module, args, out):
+        return out if emb.gate is None else out * emb.gate
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for lora_b in module.lora_B.values():
+                lora_b.register_forward_hook(hook)
+
+
+def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = False, lora_r: int = 16,
+                  lora_alpha: int = 32, lora_dropout: float = 0.0, lora_targets=LORA_TARGETS):
+    """Add mask tokens and set up the training mode.
+
+    Returns:
+        (model, MaskSpec): the model to train (a peft model for lora / frozen-base).
+
+    Raises:
+        ValueError: unknown mode or mask_num out of range.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown training mode {mode!r}; choose one of {MODES}")
+    spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
+    if mode == "full":
+        model.requires_grad_(True)
+        return model, spec
+    emb = MaskEmbedding(model.get_input_embeddings(), spec.token_ids)
+    model.set_input_embeddings(emb)
+    cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                     target_modules=list(lora_targets), task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    emb.mask_rows.requires_grad_(True)  # peft froze everything that is not LoRA
+    if mode == "frozen-base":
+        _gate_lora(peft_model, emb)
+    return peft_model, spec
+
+
+def mask_embedding(model) -> MaskEmbedding | None:
+    emb = model.get_input_embeddings()
+    return emb if isinstance(emb, MaskEmbedding) else None
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, mode: str, meta: dict) -> Path:
+    """Write the trained SPACE model atomically (temporary directory, then rename).
+
+    Args:
+        meta: extra provenance for space_config.json (base model, training data, steps, ...).
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    config = {"mode": mode, "mask_token_ids": list(spec.token_ids), "mask_num": spec.mask_num,
+              "mask_diff": spec.mask_diff, "commit": git_commit(), **meta}
+    if mode == "full":
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp)  # peft: LoRA weights + adapter_config.json only
+        save_file({"mask_rows": mask_embedding(model).mask_rows.detach().float().contiguous().cpu()}, tmp / MASK_EMBEDDING)
+    (tmp / SPACE_CONFIG).write_text(json.dumps(config, indent=2))
+    for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = 5,
+               dtype="float32", device: str = "cpu"):
+    """Load a model ready for SPACE decoding.
+
+    Args:
+        model: alias or path of the base (default: the adapter's recorded base, else SmolLM2).
+        adapter: a lora / frozen-base artifact directory, or None.
+        mask_num: k for a model that has no mask token yet (untrained masks: exact, accepts little).
+
+    Returns:
+        (model, tokenizer, MaskSpec). A lora adapter is merged into the weights; a frozen-base
+        adapter stays separate with its gate, so real-token logits are the base model's.
+
+    Raises:
+        FileNotFoundError: adapter directory without space_config.json, unknown model.
+        ValueError: the base's tokenizer gives the mask token another id than recorded.
+    """
+    if adapter is None:
+        base, tok = load_model(model or "smollm2-135m-instruct", dtype, device)
+        try:
+            return base, tok, mask_spec(base, tok)
+        except ValueError:
+            return base, tok, add_mask_tokens(base, tok, mask_num)
+    adapter = Path(adapter)
+    if not (adapter / SPACE_CONFIG).is_file():
+        raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
+    cfg = json.loads((adapter / SPACE_CONFIG).read_text())
+    if cfg["mode"] == "full":
+        raise ValueError(f"{adapter} is a full checkpoint: pass it as the model, not as an adapter")
+    base, tok = load_model(model or cfg["base_model"], dtype, device)
+    spec = add_mask_tokens(base, tok, cfg["mask_num"], cfg["mask_diff"])
+    if list(spec.token_ids) != cfg["mask_token_ids"]:
+        raise ValueError(f"mask ids {spec.token_ids} differ from the adapter's {cfg['mask_token_ids']}: wrong base model?")
+    emb = MaskEmbedding(base.get_input_embeddings(), spec.token_ids)
+    with torch.no_grad():
+        emb.mask_rows.copy_(load_file(adapter / MASK_EMBEDDING)["mask_rows"])
+    base.set_input_embeddings(emb)
+    peft_model = PeftModel.from_pretrained(base, adapter).to(device=device, dtype=base.dtype).eval()
+    if cfg["mode"] == "lora":
+        return peft_model.merge_and_unload(), tok, spec
+    _gate_lora(peft_model, emb)
+    return peft_model, tok, spec

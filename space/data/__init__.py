@@ -1,0 +1,1 @@
+"""Data: prompt formatting, instruction datasets, the SAR-SFT collator."""

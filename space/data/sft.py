@@ -1,0 +1,146 @@
+"""Instruction data for SAR-SFT: raw files -> (context messages, response) -> token ids.
+
+Formats (DESIGN §5; detected per row):
+
+* Alpaca / LIMA: ``instruction``, optional ``input``, ``output``, optional ``history`` ([[q, a], ...]).
+* ShareGPT: ``conversations`` with ``from``/``value`` or ``role``/``content``; the last assistant
+  turn is the response, earlier turns are context.
+* MBPP: ``text`` + ``code``, turned into a prompt that states the task and the signature.
+* Self-distilled JSONL: ``prompt`` (a string or a message list) + ``response``.
+
+A registry maps names to files under the data root (default ``../shared/data``, or
+``$SPACE_DATA``); any other name is read as a path to a .json/.jsonl file. Malformed rows raise
+ValueError naming the file and the row. No masks here: the collator adds them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset
+
+from .prompts import chat_ids, mbpp_prompt
+
+REGISTRY = {
+    "mbpp": "mbpp/mbpp.jsonl",
+    "lima": "lima/lima.json",
+    "mt-bench": "mt-bench/question.jsonl",
+}
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+          "chatgpt": "assistant", "bard": "assistant", "bing": "assistant"}
+
+
+def data_root(root: str | os.PathLike | None = None) -> Path:
+    """The shared data folder: ``root``, else ``$SPACE_DATA``, else ``../shared/data`` of the repo."""
+    if root is not None:
+        return Path(root)
+    if "SPACE_DATA" in os.environ:
+        return Path(os.environ["SPACE_DATA"])
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+@dataclass
+class Example:
+    """One training pair: ``context`` messages (role/content) and the assistant ``response``."""
+
+    context: list[dict]
+    response: str
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a .json (list) or .jsonl file. Raises FileNotFoundError / ValueError (file:line)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: expected a JSON list of rows")
+        return rows
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    return rows
+
+
+def to_example(row: dict) -> Example:
+    """Normalize one row of any supported format. Raises ValueError saying what is missing."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected an object, got {type(row).__name__}")
+    if "instruction" in row and "output" in row:
+        context = []
+        for turn in row.get("history") or []:
+            if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
+                raise ValueError("'history' must be a list of [question, answer] pairs")
+            context += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
+        question = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        return _checked(context + [{"role": "user", "content": question}], row["output"])
+    if "conversations" in row:
+        turns = [{"role": _ROLES.get(str(t.get("from", t.get("role"))).lower(), "user"),
+                  "content": t.get("value", t.get("content"))} for t in row["conversations"]]
+        last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=None)
+        if last is None:
+            raise ValueError("'conversations' has no assistant turn")
+        return _checked(turns[:last], turns[last]["content"])
+    if "text" in row and "code" in row:
+        return _checked([{"role": "user", "content": mbpp_prompt(row["text"], row["code"], row.get("test_list"))}],
+                        f"```python\n{row['code'].replace(chr(13), '').strip()}\n```")
+    if "prompt" in row and "response" in row:
+        prompt = row["prompt"]
+        context = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return _checked(context, row["response"])
+    raise ValueError(f"unknown row format with keys {sorted(row)}; expected instruction/output, "
+                     "conversations, text/code or prompt/response")
+
+
+def _checked(context: list[dict], response) -> Example:
+    if not isinstance(response, str) or not response.strip():
+        raise ValueError("empty or non-string response")
+    if not context or not all(isinstance(m.get("content"), str) for m in context):
+        raise ValueError("missing or non-string prompt")
+    return Example(context, response)
+
+
+def load_examples(name: str, root: str | os.PathLike | None = None, limit: int | None = None) -> list[Example]:
+    """Examples of a registered dataset name or a .json/.jsonl path.
+
+    Raises:
+        FileNotFoundError: unknown name that is not a file either (lists the registered names).
+        ValueError: a malformed row, naming file and row.
+    """
+    path = data_root(root) / REGISTRY[name] if name in REGISTRY else Path(name)
+    if name not in REGISTRY and not path.is_file():
+        raise FileNotFoundError(f"unknown dataset {name!r}: not one of {sorted(REGISTRY)} and not a file")
+    out = []
+    for i, row in enumerate(read_rows(path)[:limit]):
+        try:
+            out.append(to_example(row))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: row {i}: {e}") from None
+    return out
+
+
+def tokenize(examples: list[Example], tokenizer, max_length: int) -> Dataset:
+    """Token ids (prompt + response + EOS) cut to ``max_length``, with ``prompt_len`` and ``idx``.
+
+    Prompt tokens are excluded from the loss by the collator (targets before ``prompt_len``).
+    Samples whose prompt alone fills ``max_length`` are dropped.
+    """
+    rows = []
+    for i, ex in enumerate(examples):
+        prompt = chat_ids(tokenizer, ex.context)
+        full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
+        if full[: len(prompt)] != prompt:  # templates that re-render the prompt differently
+            full = prompt + tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(prompt) + 2 <= max_length:
+            rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i})
+    return Dataset.from_list(rows)

@@ -1,0 +1,1 @@
+"""SAR-SFT training: loss, Trainer subclass, run entry point."""
