@@ -1,0 +1,86 @@
+"""Every YAML config parses; bad training input gets a clear error."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from space.config import parse_train_args
+from space.data.sft import load_examples, to_example
+from space.train.run import run_sft
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_train_config_parses(path):
+    # GPU recipes ask for bf16, which TrainingArguments refuses on a CPU-only machine
+    # and a DeepSpeed config needs the process group that torchrun creates (tested in tests/train)
+    raw = yaml.safe_load(path.read_text())
+    cpu = [] if torch.cuda.is_available() or "bf16" not in raw else ["--bf16", "false"]
+    model, data, mask, train = parse_train_args(["--config", str(path), *cpu, "--deepspeed", ""])
+    assert mask.mask_num >= 1 and train.output_dir
+    assert data.datasets and model.mode in ("full", "lora", "frozen-base")
+    if "deepspeed" in raw:
+        assert (ROOT / raw["deepspeed"]).is_file()
+
+
+def test_deepspeed_configs_are_json_with_auto_values():
+    for path in (ROOT / "configs" / "deepspeed").glob("*.json"):
+        cfg = json.loads(path.read_text())
+        assert cfg["train_micro_batch_size_per_gpu"] == "auto" and cfg["zero_optimization"]["stage"] in (2, 3)
+
+
+def test_cli_overrides_yaml():
+    _, _, mask, train = parse_train_args(["--config", str(ROOT / "configs/train/tiny_smoke.yaml"),
+                                          "--mask_num", "7", "--learning_rate", "3e-4"])
+    assert mask.mask_num == 7 and train.learning_rate == 3e-4
+
+
+def test_unknown_and_missing_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"output_dir": "x", "mask_nmu": 3}))
+    with pytest.raises(ValueError, match="unknown config keys.*mask_nmu"):
+        parse_train_args(["--config", str(bad)])
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump({"mask_num": 3}))
+    with pytest.raises(ValueError, match="missing config key: output_dir"):
+        parse_train_args(["--config", str(missing)])
+
+
+def test_bad_mask_num_in_training(tmp_path):
+    args = parse_train_args(["--config", str(ROOT / "configs/train/tiny_smoke.yaml"), "--output_dir", str(tmp_path),
+                             "--mask_num", "0"])
+    with pytest.raises(ValueError, match="mask_num"):
+        run_sft(*args)
+
+
+def test_unknown_dataset_and_malformed_rows(tmp_path):
+    with pytest.raises(FileNotFoundError, match="unknown dataset 'nope'"):
+        load_examples("nope")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a"\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2"):
+        load_examples(str(bad))
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"question": "a", "answer": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: row 1: unknown row format"):
+        load_examples(str(bad))
+    bad.write_text('{"prompt": "a", "response": ""}\n')
+    with pytest.raises(ValueError, match="row 0: empty"):
+        load_examples(str(bad))
+
+
+def test_all_formats_normalize():
+    lima = load_examples("lima", limit=50)
+    assert len(lima) == 50 and lima[0].context[-1]["role"] == "user"
+    assert any(len(ex.context) > 1 for ex in load_examples("lima"))  # history turns kept
+    mbpp = load_examples("mbpp", limit=3)
+    assert "def min_cost" in mbpp[0].context[0]["content"] and mbpp[0].response.startswith("```python")
+    share = to_example({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
+    assert share.context == [{"role": "user", "content": "hi"}] and share.response == "hello"
+    chat = to_example({"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    assert chat.response == "a"
+    distilled = to_example({"prompt": [{"role": "user", "content": "q"}], "response": "r"})
+    assert distilled.context[0]["content"] == "q"

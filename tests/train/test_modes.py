@@ -1,0 +1,82 @@
+"""The three training modes on tiny-random-llama: losses go down, outputs reload, frozen-base is exact."""
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from space.adapters import load_space, prepare_model
+from space.config import parse_train_args
+from space.data.collator import SpaceCollator
+from space.models import load_model
+from space.train.run import run_sft
+
+
+def train(tmp_path, mode, steps=40, extra=()):
+    args = parse_train_args([
+        "--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / mode), "--mode", mode,
+        "--limit", "4", "--max_steps", str(steps), "--learning_rate", "1e-2", "--save_steps", "1000",
+        "--logging_steps", "5", "--mask_num", "3", "--spans_per_sample", "4", "--lr_scheduler_type", "constant",
+        *extra])
+    out = run_sft(*args)
+    history = json.loads((tmp_path / mode / "log_history.json").read_text())
+    return out, [h for h in history if "mask_loss" in h]
+
+
+def test_frozen_base_keeps_real_logits_and_learns_masks(tmp_path):
+    out, logs = train(tmp_path, "frozen-base")
+    assert logs[-1]["mask_loss"] < 0.7 * logs[0]["mask_loss"]
+    assert "ar_loss" not in logs[0]  # two-pass: real tokens run without gradients
+    model, _, spec = load_space(adapter=out)
+    base, _ = load_model("tiny-random-llama")
+    ids = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, base(input_ids=ids).logits
+    assert torch.equal(got[..., : want.shape[-1]][..., :259], want[..., :259])  # bit-identical
+    assert (out / "adapter_model.safetensors").stat().st_size < 1_000_000
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_full_and_lora_learn_and_reload(tmp_path, mode):
+    out, logs = train(tmp_path, mode)
+    assert logs[-1]["ar_loss"] < 0.7 * logs[0]["ar_loss"] and logs[-1]["mask_loss"] < 0.7 * logs[0]["mask_loss"]
+    model, tok, spec = load_space(model=str(out)) if mode == "full" else load_space(adapter=out)
+    assert spec.mask_num == 3 and spec.token_ids == (259,)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_two_pass_equals_gated_one_pass():
+    """frozen-base: the trainer's two passes give the same mask logits as one gated forward."""
+    model, tok = load_model("tiny-random-llama")
+    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    for name, p in model.named_parameters():  # make the LoRA update non-zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    col = SpaceCollator(spec.ids_for(3), 3, tok.pad_token_id, spans_per_sample=2)
+    b = col([{"input_ids": list(range(30, 60)), "prompt_len": 5, "idx": 0},
+             {"input_ids": list(range(70, 90)), "prompt_len": 5, "idx": 1}])
+    T = b["num_real"]
+    with torch.no_grad():
+        one = model(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=b["attention_mask"]).logits
+        cache = DynamicCache(config=model.config)
+        with model.disable_adapter():
+            model.get_base_model().get_decoder()(input_ids=b["input_ids"][:, :T], position_ids=b["position_ids"][:, :T],
+                                                 attention_mask=b["attention_mask"][:, :, :T, :T],
+                                                 past_key_values=cache, use_cache=True)
+        two = model(input_ids=b["input_ids"][:, T:], position_ids=b["position_ids"][:, T:],
+                    attention_mask=b["attention_mask"][:, :, T:, :], past_key_values=cache, use_cache=True).logits
+    rows = b["mask_offset"][:, T:] >= 0
+    assert (one[:, T:][rows] - two[rows]).abs().max() < 1e-4
+
+
+def test_resume_from_last_checkpoint(tmp_path, capsys):
+    train(tmp_path, "frozen-base", steps=4, extra=("--save_steps", "2"))
+    rows_before = load_space(adapter=tmp_path / "frozen-base" / "final")[0].get_base_model().get_input_embeddings().mask_rows.clone()
+    capsys.readouterr()
+    out, _ = train(tmp_path, "frozen-base", steps=6, extra=("--save_steps", "2"))
+    assert "resuming from" in capsys.readouterr().out and "checkpoint-4" in str(sorted((tmp_path / "frozen-base").iterdir()))
+    cfg = json.loads((out / "space_config.json").read_text())
+    assert cfg["global_step"] == 6 and cfg["mode"] == "frozen-base" and cfg["base_model"] == "tiny-random-llama"
+    rows_after = load_space(adapter=out)[0].get_base_model().get_input_embeddings().mask_rows
+    assert not torch.equal(rows_before, rows_after)
