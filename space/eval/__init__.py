@@ -1,0 +1,1 @@
+"""Evaluation: prompt sets, timed runs of every method, execution, reports."""

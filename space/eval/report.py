@@ -1,0 +1,176 @@
+"""Records -> summary.json, summary.md (paper Table 1 columns) and plots; never runs a model.
+
+Definitions (DESIGN §6): tokens/s = new tokens / wall time summed over all turns; speedup = a
+method's tokens/s over the baseline's on the same prompts; tokens/step (MAT) = new tokens /
+target forward passes, first step and bonus token counted; acceptance of offset j = share of
+steps with candidates (the first step of a turn has none) that accepted more than j drafts;
+exactness = share of turns whose greedy SPACE ids equal the AR ids.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from .execute import estimate_pass_at_k
+
+
+def _method_stats(rows: list[dict]) -> dict:
+    tokens = sum(n for r in rows for c in r["choices"] for n in c["new_tokens"])
+    wall = sum(t for r in rows for c in r["choices"] for t in c["wall_time"])
+    steps = [s for r in rows for c in r["choices"] for s in c["steps"]]
+    stats = {"samples": len(rows), "new_tokens": tokens, "wall_time_s": round(wall, 3),
+             "tokens_per_s": round(tokens / wall, 3) if wall else 0.0}
+    if steps and None not in steps:
+        stats["forward_passes"] = sum(steps)
+        stats["tokens_per_step"] = round(tokens / max(sum(steps), 1), 3)
+    return stats
+
+
+def _acceptance(rows: list[dict], k: int) -> tuple[dict, list[float]]:
+    """Histogram of tokens per step (1..k+1) and per-offset acceptance."""
+    per_step = [a for r in rows for c in r["choices"] for turn in c["accept_lengths"] for a in turn[1:]]
+    hist = Counter(a + 1 for a in per_step)
+    accept = [round(sum(a > j for a in per_step) / len(per_step), 4) if per_step else 0.0 for j in range(k)]
+    return {str(n): hist.get(n, 0) for n in range(1, k + 2)}, accept
+
+
+def _pass_at(rows: list[dict], k: int = 1):
+    results = [[c["exec"] for c in r["choices"] if "exec" in c] for r in rows]
+    results = [res for res in results if res]
+    if not results:
+        return None
+    if all(x["result"].startswith("n/a") for res in results for x in res):
+        return results[0][0]["result"]
+    per_q = [estimate_pass_at_k(len(res), sum(x["passed"] for x in res), k) for res in results if len(res) >= k]
+    return round(sum(per_q) / len(per_q), 4) if per_q else None
+
+
+def summarize(records: list[dict], meta: dict) -> dict:
+    """summary.json content from the per-sample records and the run metadata."""
+    by_method = defaultdict(list)
+    for r in records:
+        by_method[r["model_id"]].append(r)
+    methods = {m: _method_stats(rows) for m, rows in by_method.items()}
+    summary = {"meta": meta, "methods": methods, "speedup": {}, "pass_at_1": {}}
+    for base in ("ar", "hf"):
+        for m in methods:
+            if m != base and base in methods and methods[base]["tokens_per_s"]:
+                summary["speedup"][f"{m}_vs_{base}"] = round(methods[m]["tokens_per_s"] / methods[base]["tokens_per_s"], 3)
+    for m, rows in by_method.items():
+        summary["pass_at_1"][m] = _pass_at(rows, 1)
+        n = max(len(r["choices"]) for r in rows)
+        if n > 1:
+            summary.setdefault(f"pass_at_{n}", {})[m] = _pass_at(rows, n)
+    if "space" in by_method:
+        k = meta.get("mask_num", 5)
+        hist, accept = _acceptance(by_method["space"], k)
+        methods["space"].update({"tokens_per_step_histogram": hist, "acceptance_per_offset": accept})
+        if "ar" in by_method and meta.get("temperature", 0) == 0:
+            ar = {r["question_id"]: r for r in by_method["ar"]}
+            pairs = [(t_s, t_a) for r in by_method["space"] if r["question_id"] in ar
+                     for c_s, c_a in zip(r["choices"], ar[r["question_id"]]["choices"])
+                     for t_s, t_a in zip(c_s["token_ids"], c_a["token_ids"])]
+            summary["exact_match_rate"] = round(sum(a == b for a, b in pairs) / len(pairs), 4) if pairs else None
+        cats = defaultdict(list)
+        for r in by_method["space"]:
+            cats[r["category"]].append(r)
+        summary["categories"] = {}
+        for cat, rows in sorted(cats.items()):
+            entry = {"space_tokens_per_step": _method_stats(rows).get("tokens_per_step")}
+            ids = {r["question_id"] for r in rows}
+            for base in ("ar", "hf"):
+                if base in by_method:
+                    b = _method_stats([r for r in by_method[base] if r["question_id"] in ids])
+                    entry[f"speedup_vs_{base}"] = round(_method_stats(rows)["tokens_per_s"] / b["tokens_per_s"], 3) if b["tokens_per_s"] else None
+            summary["categories"][cat] = entry
+    return summary
+
+
+def _fmt(x, pct=False):
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return f"{100 * x:.1f}" if pct else f"{x:.2f}"
+
+
+def to_markdown(s: dict) -> str:
+    """Paper Table 1 columns first, then one row per method and per category."""
+    m, meta, sp, p1 = s["methods"], s["meta"], s["speedup"], s["pass_at_1"]
+    model = meta.get("model", "?") + (f" + {Path(meta['adapter']).name}" if meta.get("adapter") else "")
+    lines = [f"# SPACE evaluation: {meta.get('dataset')} ({meta.get('num_questions')} questions)", "",
+             f"k = {meta.get('mask_num')}, num_groups = {meta.get('num_groups')}, max_new_tokens = "
+             f"{meta.get('max_new_tokens')}, temperature = {meta.get('temperature')}, dtype = {meta.get('dtype')}, "
+             f"device = {meta.get('device')} ({meta.get('machine')}), torch {meta.get('torch')}, "
+             f"transformers {meta.get('transformers')}", "",
+             "| Model | Dataset | Pass@1 SPACE (AR) | tokens/step | speedup vs AR | speedup vs HF | PLD speedup vs HF | exact |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| {model} | {meta.get('dataset')} | {_fmt(p1.get('space'), True)} ({_fmt(p1.get('ar'), True)}) | "
+             f"{_fmt(m.get('space', {}).get('tokens_per_step'))} | {_fmt(sp.get('space_vs_ar'))} | "
+             f"{_fmt(sp.get('space_vs_hf'))} | {_fmt(sp.get('pld_vs_hf'))} | {_fmt(s.get('exact_match_rate'), True)} % |",
+             "", "| method | new tokens | time (s) | tokens/s | tokens/step | speedup vs AR | speedup vs HF | pass@1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, st in m.items():
+        lines.append(f"| {name} | {st['new_tokens']} | {st['wall_time_s']:.1f} | {st['tokens_per_s']:.2f} | "
+                     f"{_fmt(st.get('tokens_per_step'))} | {_fmt(1.0 if name == 'ar' else sp.get(f'{name}_vs_ar'))} | "
+                     f"{_fmt(1.0 if name == 'hf' else sp.get(f'{name}_vs_hf'))} | {_fmt(p1.get(name), True)} |")
+    if "space" in m:
+        lines += ["", "Tokens per step (histogram, 1..k+1): " + ", ".join(
+            f"{n}: {c}" for n, c in m["space"]["tokens_per_step_histogram"].items()),
+            "Acceptance per offset j (share of steps accepting > j drafts): " + ", ".join(
+            f"{a:.2f}" for a in m["space"]["acceptance_per_offset"])]
+    if len(s.get("categories", {})) > 1:
+        lines += ["", "| category | tokens/step | speedup vs AR | speedup vs HF |", "|---|---|---|---|"]
+        lines += [f"| {c} | {_fmt(e['space_tokens_per_step'])} | {_fmt(e.get('speedup_vs_ar'))} | "
+                  f"{_fmt(e.get('speedup_vs_hf'))} |" for c, e in s["categories"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(s: dict, out_dir: Path) -> list[Path]:
+    """PNG plots: tokens/step histogram, tokens/s per method, tokens/step per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    m = s["methods"]
+    if "space" in m:
+        hist = m["space"]["tokens_per_step_histogram"]
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.bar(list(hist), list(hist.values()), color="#4c72b0")
+        ax.set(xlabel="tokens emitted per step", ylabel="steps", title="SPACE accept-length histogram")
+        paths.append(_save(fig, out_dir / "accept_hist.png"))
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(list(m), [st["tokens_per_s"] for st in m.values()], color="#55a868")
+    ax.set(ylabel="tokens/s", title=f"Decoding speed ({s['meta'].get('device')})")
+    paths.append(_save(fig, out_dir / "tokens_per_s.png"))
+    cats = s.get("categories", {})
+    if cats:
+        fig, ax = plt.subplots(figsize=(max(5, len(cats) * 0.9), 3.2))
+        ax.bar(list(cats), [e["space_tokens_per_step"] or 0 for e in cats.values()], color="#c44e52")
+        ax.set(ylabel="tokens/step", title="SPACE tokens per step by category")
+        ax.tick_params(axis="x", rotation=30)
+        paths.append(_save(fig, out_dir / "tokens_per_step_by_category.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_reports(records: list[dict], meta: dict, out_dir: Path) -> dict:
+    """Write summary.json, summary.md and the plots into ``out_dir``; returns the summary."""
+    s = summarize(records, meta)
+    tmp = out_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(s, indent=2))
+    tmp.replace(out_dir / "summary.json")
+    (out_dir / "summary.md").write_text(to_markdown(s))
+    plot(s, out_dir)
+    return s

