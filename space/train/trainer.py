@@ -31,20 +31,7 @@ class SpaceTrainer(Trainer):
         self._counts: dict[str, int] = defaultdict(int)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        labels, offsets, T = inputs["labels"], inputs["mask_offset"], inputs["num_real"]
-        ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
-        if self.two_pass:
-            peft_model = self.accelerator.unwrap_model(model)
-            cache = DynamicCache(config=peft_model.config)
-            with torch.no_grad(), peft_model.disable_adapter():
-                peft_model.get_base_model().get_decoder()(
-                    input_ids=ids[:, :T], position_ids=pos[:, :T], attention_mask=attn[:, :, :T, :T],
-                    past_key_values=cache, use_cache=True)
-            out = model(input_ids=ids[:, T:], position_ids=pos[:, T:], attention_mask=attn[:, :, T:, :],
-                        past_key_values=cache, use_cache=True)
-            labels, offsets = labels[:, T:], offsets[:, T:]
-        else:
-            out = model(input_ids=ids, position_ids=pos, attention_mask=attn)
+        out, labels, offsets = sar_forward(model, self.accelerator.unwrap_model(model), inputs, self.two_pass)
         loss, metrics = space_loss(out.logits, labels, offsets, self.mask_loss_weight, self.mask_num)
         metrics["short_samples"] = float(inputs["num_short"])
         for key, value in metrics.items():
@@ -57,6 +44,29 @@ class SpaceTrainer(Trainer):
             logs.update({k: round(self._sums[k] / self._counts[k], 4) for k in sorted(self._sums)})
             self._sums.clear(), self._counts.clear()
         super().log(logs, *args, **kwargs)
+
+
+def sar_forward(model, unwrapped, inputs: dict, two_pass: bool):
+    """Forward a SpaceCollator batch; returns (model output, labels, mask_offset) of the rows scored.
+
+    Args:
+        model: what to call with gradients (the DeepSpeed/DDP wrapper when there is one).
+        unwrapped: the peft model inside it (two_pass only).
+        two_pass: run real columns ``:T`` under no_grad with the adapter disabled into a KV cache,
+            then the mask rows ``T:`` with gradients (frozen-base).
+    """
+    labels, offsets, T = inputs["labels"], inputs["mask_offset"], inputs["num_real"]
+    ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
+    if not two_pass:
+        return model(input_ids=ids, position_ids=pos, attention_mask=attn), labels, offsets
+    cache = DynamicCache(config=unwrapped.config)
+    with torch.no_grad(), unwrapped.disable_adapter():
+        unwrapped.get_base_model().get_decoder()(
+            input_ids=ids[:, :T], position_ids=pos[:, :T], attention_mask=attn[:, :, :T, :T],
+            past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids[:, T:], position_ids=pos[:, T:], attention_mask=attn[:, :, T:, :],
+                past_key_values=cache, use_cache=True)
+    return out, labels[:, T:], offsets[:, T:]
 
 
 class EpochSeedCallback(TrainerCallback):
