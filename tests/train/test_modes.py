@@ -3,13 +3,12 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
-
 from space.adapters import load_space, prepare_model
 from space.config import parse_train_args
 from space.data.collator import SpaceCollator
 from space.models import load_model
 from space.train.run import run_sft
+from space.train.trainer import sar_forward
 
 
 def train(tmp_path, mode, steps=40, extra=()):
@@ -58,14 +57,8 @@ def test_two_pass_equals_gated_one_pass():
              {"input_ids": list(range(70, 90)), "prompt_len": 5, "idx": 1}])
     T = b["num_real"]
     with torch.no_grad():
-        one = model(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=b["attention_mask"]).logits
-        cache = DynamicCache(config=model.config)
-        with model.disable_adapter():
-            model.get_base_model().get_decoder()(input_ids=b["input_ids"][:, :T], position_ids=b["position_ids"][:, :T],
-                                                 attention_mask=b["attention_mask"][:, :, :T, :T],
-                                                 past_key_values=cache, use_cache=True)
-        two = model(input_ids=b["input_ids"][:, T:], position_ids=b["position_ids"][:, T:],
-                    attention_mask=b["attention_mask"][:, :, T:, :], past_key_values=cache, use_cache=True).logits
+        one = sar_forward(model, model, b, two_pass=False)[0].logits
+        two = sar_forward(model, model, b, two_pass=True)[0].logits
     rows = b["mask_offset"][:, T:] >= 0
     assert (one[:, T:][rows] - two[rows]).abs().max() < 1e-4
 
