@@ -138,7 +138,9 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     else:
-        model.save_pretrained(tmp)  # peft: LoRA weights + adapter_config.json only
+        # peft: LoRA weights + adapter_config.json only; the base embedding (resized for the mask
+        # token) is the base model's, and the mask rows are saved on their own just below
+        model.save_pretrained(tmp, save_embedding_layers=False)
         save_file({"mask_rows": mask_embedding(model).mask_rows.detach().float().contiguous().cpu()}, tmp / MASK_EMBEDDING)
     (tmp / SPACE_CONFIG).write_text(json.dumps(config, indent=2))
     for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
