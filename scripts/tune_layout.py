@@ -31,14 +31,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/tune_layout.json"))
     a = ap.parse_args()
     model, tok, spec = load_space(a.model, a.adapter)
-    plain = model.get_base_model() if hasattr(model, "get_base_model") else model
     prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]
     grid = [(k, g) for k in map(int, a.mask_nums.split(",")) for g in sorted({1, 2, 3, k + 1}) if g <= k + 1]
     stats = {cfg: [0, 0.0, 0] for cfg in grid}
     ar_tokens = ar_time = 0.0
     for ids in prompts:
-        with model.disable_adapter() if hasattr(model, "disable_adapter") else torch.no_grad():
-            r = ar_generate(plain, ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])
+        r = ar_generate(model, ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])  # no masks: the base model
         ar_tokens, ar_time = ar_tokens + len(r.new_ids), ar_time + r.wall_time
         for k, g in grid:
             out = SpaceDecoder(model, spec, k, g).generate(ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])

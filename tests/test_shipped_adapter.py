@@ -9,6 +9,7 @@ from space.adapters import load_space
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import SpaceDecoder, ar_generate
 from space.eval.tasks import load_tasks
+from space.models import load_model
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
 
@@ -18,12 +19,12 @@ def test_shipped_adapter_exact_and_accepts():
     cfg = json.loads((ADAPTER / "space_config.json").read_text())
     assert cfg["mode"] == "frozen-base" and sum(f.stat().st_size for f in ADAPTER.iterdir()) < 25_000_000
     model, tok, spec = load_space(adapter=ADAPTER)
+    original, _ = load_model("smollm2-135m-instruct")  # a separate copy of the original weights
     decoder = SpaceDecoder(model, spec, spec.mask_num)
     steps = tokens = 0
     for task in load_tasks("humaneval", limit=2):
         ids = torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(task.problem["prompt"])}]))
-        with model.disable_adapter():  # the original SmolLM2 weights
-            ar = ar_generate(model.get_base_model(), ids, 32, stop_token_ids=[tok.eos_token_id])
+        ar = ar_generate(original, ids, 32, stop_token_ids=[tok.eos_token_id])
         out = decoder.generate(ids, 32, stop_token_ids=[tok.eos_token_id])
         assert out.new_ids == ar.new_ids
         steps, tokens = steps + out.num_steps, tokens + len(out.new_ids)

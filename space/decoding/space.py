@@ -10,8 +10,8 @@ holds ``x_0..x_{n-2}``, with the layout core's 4-D mask and position ids, then
 4. drafts the next candidates from group G_a (or, when G_a was not attached, from the deepest
    group by shifting: DESIGN §3.5).
 
-The LM head runs only on the rows that are needed: the m+1 verification rows, then the chosen
-group's rows. Greedy output is token-for-token the AR greedy output of the same weights.
+The LM head runs on the m+1 verification rows, then on the chosen group's rows; or once on every
+row when that wastes few rows (one read of the head's weight instead of two). Greedy output is token-for-token the AR greedy output of the same weights.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ class SpaceDecoder:
     """SPACE decoding for a HF causal LM with mask tokens (batch size 1).
 
     Args:
-        model: a ``LlamaForCausalLM``-like model (or a peft model wrapping one) whose vocabulary
-            contains the mask token(s) of ``mask``.
+        model: a ``LlamaForCausalLM``-like model whose vocabulary contains the mask token(s) of
+            ``mask`` (``space.adapters.load_space`` gives one; a peft model is unwrapped).
         mask: the model's MaskSpec (``space.tokens.mask_spec``).
         mask_num: k, candidates drafted per step (1..MAX_MASK_NUM).
         num_groups: mask groups attached per step, 1..k+1 (default k+1, the paper's layout);
@@ -113,8 +113,11 @@ class SpaceDecoder:
         hidden = self.decoder(input_ids=block[None], position_ids=lay.position_ids[None].to(device),
                               attention_mask=to_additive_4d(lay.allowed, self.head.weight.dtype).to(device),
                               past_key_values=cache, use_cache=True).last_hidden_state[0]  # (q, hidden)
-        # 3. verify the candidates on the m+1 verification rows
-        target = self._logits(hidden[: m + 1])  # (m+1, vocab)
+        # 3. verify the candidates on the m+1 verification rows. The LM head's cost is mostly one
+        # read of its (vocab, hidden) weight, so when few rows would be wasted, run it once on
+        # every row (drafts included) rather than twice (measured: scripts/bench_decode.py)
+        logits = self._logits(hidden) if lay.num_rows <= 2 * (m + 1 + self.k) else None
+        target = logits[: m + 1] if logits is not None else self._logits(hidden[: m + 1])  # (m+1, vocab)
         if sampling.greedy:
             a, bonus = verify_greedy(target, cands.to(device))
         else:
@@ -125,7 +128,8 @@ class SpaceDecoder:
         # 6. next drafts from G_a, or shifted from the deepest attached group (DESIGN §3.5)
         g = min(a, lay.group_ctx.numel() - 1)
         rows = lay.group_rows(g)[a - g:]  # mask j of G_g proposes position n+g+1+j
-        draft_logits = self._logits(hidden[rows.to(device)])  # (<=k, vocab)
+        rows = rows.to(device)
+        draft_logits = logits[rows] if logits is not None else self._logits(hidden[rows])  # (<=k, vocab)
         if not rows.numel():  # all k accepted with only G_0 attached: next step drafts afresh
             return bonus, rows, None, emitted, a
         if sampling.greedy:

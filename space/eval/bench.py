@@ -1,14 +1,13 @@
 """Timed generation of every method on the same prompts (DESIGN §6): records, never summaries.
 
 Methods: ``ar`` (our cached loop), ``hf`` (HF ``generate``), ``pld`` (HF prompt lookup decoding),
-``space``. The AR-like methods run on the original weights (a frozen-base adapter is disabled for
-them); methods are interleaved per prompt so that machine drift hits all of them alike, after one
+``space``. The AR-like methods run on the original weights: a frozen-base adapter
+(``space.adapters.GatedLoraLinear``) does nothing on inputs without mask tokens; methods are interleaved per prompt so that machine drift hits all of them alike, after one
 untimed warm-up each. One JSONL line per (question, method), written when the question is done,
 so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ class Target:
     """The model under evaluation.
 
     Attributes:
-        model: the SPACE model (a peft model for adapters).
+        model: the SPACE model from ``space.adapters.load_space`` (a plain HF causal LM).
         tokenizer: its tokenizer.
         mask: its MaskSpec.
         decoder: the SpaceDecoder (mask_num, num_groups).
@@ -43,17 +42,9 @@ class Target:
     mask: MaskSpec
     decoder: SpaceDecoder
 
-    def plain(self):
-        """Context in which ``self.hf_model`` is the original model (adapter disabled)."""
-        return self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else contextlib.nullcontext()
-
-    @property
-    def hf_model(self):
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-
     @property
     def stop_ids(self) -> list[int]:
-        eos = self.hf_model.generation_config.eos_token_id
+        eos = self.model.generation_config.eos_token_id
         ids = {self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
         return sorted(i for i in ids if i is not None)
 
@@ -64,24 +55,23 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
     if method == "space":
         r = target.decoder.generate(prompt, max_new_tokens, sampling, target.stop_ids)
         return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths}
-    with target.plain():
-        if method == "ar":
-            r = ar_generate(target.hf_model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids)
-            return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": []}
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
-                               eos_token_id=target.stop_ids, pad_token_id=target.tokenizer.pad_token_id,
-                               prompt_lookup_num_tokens=10 if method == "pld" else None,
-                               **({} if sampling.greedy else {"temperature": sampling.temperature,
-                                                               "top_p": sampling.top_p, "top_k": sampling.top_k}))
-        if not sampling.greedy:
-            torch.manual_seed(sampling.seed)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = target.hf_model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
-                                           generation_config=cfg)
-        wall = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
-        return {"ids": new, "wall_time": wall, "steps": len(new) if method == "hf" else None, "accept_lengths": []}
+    if method == "ar":
+        r = ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids)
+        return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": []}
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
+                           eos_token_id=target.stop_ids, pad_token_id=target.tokenizer.pad_token_id,
+                           prompt_lookup_num_tokens=10 if method == "pld" else None,
+                           **({} if sampling.greedy else {"temperature": sampling.temperature,
+                                                           "top_p": sampling.top_p, "top_k": sampling.top_k}))
+    if not sampling.greedy:
+        torch.manual_seed(sampling.seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                                    generation_config=cfg)
+    wall = time.perf_counter() - t0
+    new = out[0, len(ids):].tolist()
+    return {"ids": new, "wall_time": wall, "steps": len(new) if method == "hf" else None, "accept_lengths": []}
 
 
 def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: int, sampling: SamplingConfig,

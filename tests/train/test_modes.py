@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from space.adapters import load_space, prepare_model
+from space.adapters import GatedLoraLinear, fuse_frozen_base, load_space, prepare_model
 from space.config import parse_train_args
 from space.data.collator import SpaceCollator
 from space.models import load_model
@@ -63,13 +63,38 @@ def test_two_pass_equals_gated_one_pass():
     assert (one[:, T:][rows] - two[rows]).abs().max() < 1e-4
 
 
+def test_fused_gated_lora_equals_peft():
+    """Decoding's GatedLoraLinear gives the peft-gated model's logits: mask rows close, real rows
+    bit-identical, and a forward without masks is exactly the base model."""
+    model, tok = load_model("tiny-random-llama")
+    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    for name, p in model.named_parameters():  # make the LoRA update non-zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    mask = spec.token_ids[0]
+    block = torch.tensor([[5, 6, 7, 8, mask, mask, mask, 9, mask, mask]])  # a real token inside the mask suffix
+    plain = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, want_plain = model(input_ids=block).logits, model(input_ids=plain).logits
+        with model.disable_adapter():
+            base_block, base_plain = model(input_ids=block).logits, model(input_ids=plain).logits
+        fused = fuse_frozen_base(model)
+        got, got_plain = fused(input_ids=block).logits, fused(input_ids=plain).logits
+    assert sum(isinstance(m, GatedLoraLinear) for m in fused.modules()) == 7 * fused.config.num_hidden_layers
+    assert (want[0, 4:] - base_block[0, 4:]).abs().max() > 1e-2  # the update really acts on mask rows
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(got[0, :4], want[0, :4]) and torch.equal(got_plain, base_plain) and torch.equal(want_plain, base_plain)
+    with pytest.raises(ValueError, match="frozen-base"):
+        fuse_frozen_base(load_model("tiny-random-llama")[0])
+
+
 def test_resume_from_last_checkpoint(tmp_path, capsys):
     train(tmp_path, "frozen-base", steps=4, extra=("--save_steps", "2"))
-    rows_before = load_space(adapter=tmp_path / "frozen-base" / "final")[0].get_base_model().get_input_embeddings().mask_rows.clone()
+    rows_before = load_space(adapter=tmp_path / "frozen-base" / "final")[0].get_input_embeddings().mask_rows.clone()
     capsys.readouterr()
     out, _ = train(tmp_path, "frozen-base", steps=6, extra=("--save_steps", "2"))
     assert "resuming from" in capsys.readouterr().out and "checkpoint-4" in str(sorted((tmp_path / "frozen-base").iterdir()))
     cfg = json.loads((out / "space_config.json").read_text())
     assert cfg["global_step"] == 6 and cfg["mode"] == "frozen-base" and cfg["base_model"] == "tiny-random-llama"
-    rows_after = load_space(adapter=out)[0].get_base_model().get_input_embeddings().mask_rows
+    rows_after = load_space(adapter=out)[0].get_input_embeddings().mask_rows
     assert not torch.equal(rows_before, rows_after)
