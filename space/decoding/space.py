@@ -11,7 +11,8 @@ holds ``x_0..x_{n-2}``, with the layout core's 4-D mask and position ids, then
    group by shifting: DESIGN §3.5).
 
 The LM head runs on the m+1 verification rows, then on the chosen group's rows; or once on every
-row when that wastes few rows (one read of the head's weight instead of two). Greedy output is token-for-token the AR greedy output of the same weights.
+row when that wastes few rows (one read of the head's weight instead of two). Greedy output is
+token-for-token the AR greedy output of the same weights.
 """
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ class SpaceDecoder:
                               past_key_values=cache, use_cache=True).last_hidden_state[0]  # (q, hidden)
         # 3. verify the candidates on the m+1 verification rows. The LM head's cost is mostly one
         # read of its (vocab, hidden) weight, so when few rows would be wasted, run it once on
-        # every row (drafts included) rather than twice (measured: scripts/bench_decode.py)
+        # every row (drafts included) rather than twice (SmolLM2 head on a 2-core CPU: 12 ms for
+        # 1 row, 27 ms for 4, 37 ms for 10)
         logits = self._logits(hidden) if lay.num_rows <= 2 * (m + 1 + self.k) else None
         target = logits[: m + 1] if logits is not None else self._logits(hidden[: m + 1])  # (m+1, vocab)
         if sampling.greedy:
@@ -127,8 +129,7 @@ class SpaceDecoder:
         crop_cache(cache, L + 1 + a)
         # 6. next drafts from G_a, or shifted from the deepest attached group (DESIGN §3.5)
         g = min(a, lay.group_ctx.numel() - 1)
-        rows = lay.group_rows(g)[a - g:]  # mask j of G_g proposes position n+g+1+j
-        rows = rows.to(device)
+        rows = lay.group_rows(g)[a - g:].to(device)  # mask j of G_g proposes position n+g+1+j
         draft_logits = logits[rows] if logits is not None else self._logits(hidden[rows])  # (<=k, vocab)
         if not rows.numel():  # all k accepted with only G_0 attached: next step drafts afresh
             return bonus, rows, None, emitted, a

@@ -2,9 +2,10 @@
 
 Methods: ``ar`` (our cached loop), ``hf`` (HF ``generate``), ``pld`` (HF prompt lookup decoding),
 ``space``. The AR-like methods run on the original weights: a frozen-base adapter
-(``space.adapters.GatedLoraLinear``) does nothing on inputs without mask tokens; methods are interleaved per prompt so that machine drift hits all of them alike, after one
-untimed warm-up each. One JSONL line per (question, method), written when the question is done,
-so an interrupted run resumes where it stopped.
+(``space.adapters.GatedLoraLinear``) does nothing on inputs without mask tokens. Methods are
+interleaved per prompt so that machine drift hits all of them alike, after one untimed warm-up each.
+One JSONL line per (question, method), written when the question is done, so an interrupted run
+resumes where it stopped.
 """
 from __future__ import annotations
 
