@@ -1,7 +1,8 @@
 """Records -> summary.json, summary.md (paper Table 1 columns) and plots; never runs a model.
 
 Definitions (DESIGN §6): tokens/s = new tokens / wall time summed over all turns; speedup = a
-method's tokens/s over the baseline's on the same prompts; tokens/step (MAT) = new tokens /
+method's tokens/s over the baseline's on the same prompts (also reported as the median over
+questions of the per-question ratio, which one slow outlier cannot move); tokens/step (MAT) = new tokens /
 target forward passes, first step and bonus token counted; acceptance of offset j = share of
 steps with candidates (the first step of a turn has none) that accepted more than j drafts;
 exactness = share of turns whose greedy SPACE ids equal the AR ids.
@@ -9,6 +10,7 @@ exactness = share of turns whose greedy SPACE ids equal the AR ids.
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -57,6 +59,12 @@ def summarize(records: list[dict], meta: dict) -> dict:
         for m in methods:
             if m != base and base in methods and methods[base]["tokens_per_s"]:
                 summary["speedup"][f"{m}_vs_{base}"] = round(methods[m]["tokens_per_s"] / methods[base]["tokens_per_s"], 3)
+    per_q = {m: {r["question_id"]: _method_stats([r])["tokens_per_s"] for r in rows} for m, rows in by_method.items()}
+    summary["median_question_speedup"] = {}
+    for key in summary["speedup"]:
+        m, base = key.split("_vs_")
+        ratios = [tps / per_q[base][q] for q, tps in per_q[m].items() if per_q[base].get(q)]
+        summary["median_question_speedup"][key] = round(statistics.median(ratios), 3) if ratios else None
     for m, rows in by_method.items():
         summary["pass_at_1"][m] = _pass_at(rows, 1)
         n = max(len(r["choices"]) for r in rows)
@@ -115,6 +123,10 @@ def to_markdown(s: dict) -> str:
         lines.append(f"| {name} | {st['new_tokens']} | {st['wall_time_s']:.1f} | {st['tokens_per_s']:.2f} | "
                      f"{_fmt(st.get('tokens_per_step'))} | {_fmt(1.0 if name == 'ar' else sp.get(f'{name}_vs_ar'))} | "
                      f"{_fmt(1.0 if name == 'hf' else sp.get(f'{name}_vs_hf'))} | {_fmt(p1.get(name), True)} |")
+    med = s.get("median_question_speedup", {})
+    if med:
+        lines += ["", "Median per-question speedup: " + ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.2f}"
+                                                              for k, v in med.items() if v is not None)]
     if "space" in m:
         lines += ["", "Tokens per step (histogram, 1..k+1): " + ", ".join(
             f"{n}: {c}" for n, c in m["space"]["tokens_per_step_histogram"].items()),

@@ -104,3 +104,19 @@ def test_bad_input(tmp_path):
         eval_main(["--model", "no/such/model", "--limit", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="unknown method"):
         eval_main(["--model", "tiny-random-llama", "--methods", "ar,medusa", "--out", str(tmp_path)])
+
+
+def test_median_question_speedup_resists_an_outlier():
+    from space.eval.report import summarize
+
+    def rec(q, m, tokens, wall):
+        return {"question_id": q, "category": "c", "model_id": m,
+                "choices": [{"new_tokens": [tokens], "wall_time": [wall], "steps": [tokens], "accept_lengths": [[]],
+                             "token_ids": [[0] * tokens]}]}
+    # SPACE is 2x faster on q0 and q1, 10x slower on q2 (a machine hiccup): the total ratio is dragged
+    # below 1, the median per-question ratio stays 2
+    records = [rec("q0", "ar", 10, 1.0), rec("q0", "space", 10, 0.5), rec("q1", "ar", 10, 1.0),
+               rec("q1", "space", 10, 0.5), rec("q2", "ar", 10, 1.0), rec("q2", "space", 10, 10.0)]
+    s = summarize(records, {"mask_num": 3})
+    assert s["speedup"]["space_vs_ar"] == pytest.approx(30 / 11 / 10, rel=1e-2)
+    assert s["median_question_speedup"]["space_vs_ar"] == pytest.approx(2.0)
