@@ -1,9 +1,9 @@
 """Records -> summary.json, summary.md (paper Table 1 columns) and plots; never runs a model.
 
 Definitions (DESIGN §6): tokens/s = new tokens / wall time summed over all turns; speedup = a
-method's tokens/s over the baseline's on the same prompts (also reported as the median over
-questions of the per-question ratio, which one slow outlier cannot move); tokens/step (MAT) = new tokens /
-target forward passes, first step and bonus token counted; acceptance of offset j = share of
+method's tokens/s over the baseline's on the same prompts (also reported as the median of the
+per-question ratios, which one slow outlier cannot move); tokens/step (MAT) = new tokens / target
+forward passes, first step and bonus token counted; acceptance of offset j = share of
 steps with candidates (the first step of a turn has none) that accepted more than j drafts;
 exactness = share of turns whose greedy SPACE ids equal the AR ids.
 """
@@ -54,17 +54,15 @@ def summarize(records: list[dict], meta: dict) -> dict:
     for r in records:
         by_method[r["model_id"]].append(r)
     methods = {m: _method_stats(rows) for m, rows in by_method.items()}
-    summary = {"meta": meta, "methods": methods, "speedup": {}, "pass_at_1": {}}
+    summary = {"meta": meta, "methods": methods, "speedup": {}, "median_question_speedup": {}, "pass_at_1": {}}
+    per_q = {m: {r["question_id"]: _method_stats([r])["tokens_per_s"] for r in rows} for m, rows in by_method.items()}
     for base in ("ar", "hf"):
         for m in methods:
             if m != base and base in methods and methods[base]["tokens_per_s"]:
-                summary["speedup"][f"{m}_vs_{base}"] = round(methods[m]["tokens_per_s"] / methods[base]["tokens_per_s"], 3)
-    per_q = {m: {r["question_id"]: _method_stats([r])["tokens_per_s"] for r in rows} for m, rows in by_method.items()}
-    summary["median_question_speedup"] = {}
-    for key in summary["speedup"]:
-        m, base = key.split("_vs_")
-        ratios = [tps / per_q[base][q] for q, tps in per_q[m].items() if per_q[base].get(q)]
-        summary["median_question_speedup"][key] = round(statistics.median(ratios), 3) if ratios else None
+                key = f"{m}_vs_{base}"
+                summary["speedup"][key] = round(methods[m]["tokens_per_s"] / methods[base]["tokens_per_s"], 3)
+                ratios = [tps / per_q[base][q] for q, tps in per_q[m].items() if per_q[base].get(q)]
+                summary["median_question_speedup"][key] = round(statistics.median(ratios), 3) if ratios else None
     for m, rows in by_method.items():
         summary["pass_at_1"][m] = _pass_at(rows, 1)
         n = max(len(r["choices"]) for r in rows)

@@ -5,6 +5,7 @@ import pytest
 
 from space.eval.__main__ import main as eval_main
 from space.eval.execute import check, estimate_pass_at_k
+from space.eval.report import summarize
 from space.eval.tasks import load_tasks
 
 
@@ -107,8 +108,6 @@ def test_bad_input(tmp_path):
 
 
 def test_median_question_speedup_resists_an_outlier():
-    from space.eval.report import summarize
-
     def rec(q, m, tokens, wall):
         return {"question_id": q, "category": "c", "model_id": m,
                 "choices": [{"new_tokens": [tokens], "wall_time": [wall], "steps": [tokens], "accept_lengths": [[]],
