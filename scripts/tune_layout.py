@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from space.adapters import load_space
+from space.cpu_kernels import optimize_for_cpu
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
 from space.decoding import SpaceDecoder, ar_generate
@@ -28,9 +29,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--mask-nums", default="2,3,4,5")
+    ap.add_argument("--kernels", choices=("fast", "stock"), default="fast", help="as in space-eval")
     ap.add_argument("--out", type=Path, default=Path("results/tune_layout.json"))
     a = ap.parse_args()
     model, tok, spec = load_space(a.model, a.adapter)
+    kernels = optimize_for_cpu(model) if a.kernels == "fast" else {"packed_linears": 0, "attention": "sdpa"}
     prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]
     grid = [(k, g) for k in map(int, a.mask_nums.split(",")) for g in sorted({1, 2, 3, k + 1}) if g <= k + 1]
     stats = {cfg: [0, 0.0, 0] for cfg in grid}
@@ -50,7 +53,8 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"ar_tokens_per_s": round(ar_tps, 2), "ranking": rows}, indent=2))
+    a.out.write_text(json.dumps({"kernels": {"choice": a.kernels, **kernels}, "prompts": a.prompts,
+                                 "max_new_tokens": a.max_new_tokens, "ar_tokens_per_s": round(ar_tps, 2), "ranking": rows}, indent=2))
     print(f"best: mask_num {rows[0]['mask_num']}, num_groups {rows[0]['num_groups']} -> {a.out}")
 
 

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .models import load_model
+from .cpu_kernels import PackedLinear
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
 
 MODES = ("full", "lora", "frozen-base")
@@ -66,6 +67,7 @@ class MaskEmbedding(nn.Module):
         self.mask_rows = nn.Parameter(base.weight[list(mask_ids)].detach().clone())
         self.gate: torch.Tensor | None = None
         self.mask_start: int | None = None  # first sequence position holding a mask token, if any
+        self.tail_is_mask = False  # every token from mask_start on is a mask (SPACE blocks)
 
     @property
     def weight(self) -> torch.Tensor:  # HF utilities (tying, resizing) look for .weight
@@ -78,6 +80,7 @@ class MaskEmbedding(nn.Module):
         self.gate = is_mask[..., None].to(out.dtype)
         first = is_mask.any(0).nonzero()
         self.mask_start = int(first[0]) if first.numel() else None
+        self.tail_is_mask = self.mask_start is not None and bool(is_mask[:, self.mask_start:].all())
         return torch.where(is_mask[..., None], rows.to(out.dtype), out)
 
 
@@ -101,13 +104,19 @@ class GatedLoraLinear(nn.Module):
         self.lora_a, self.lora_b = nn.Parameter(lora_a, requires_grad=False), nn.Parameter(lora_b, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         emb = self.emb[0]
-        if emb.mask_start is None:
-            return y
         s = emb.mask_start
-        update = nn.functional.linear(nn.functional.linear(x[:, s:], self.lora_a), self.lora_b)
-        y[:, s:] += update * emb.gate[:, s:]
+        if isinstance(self.base, PackedLinear) and self.base.extra_out:  # A packed under W: one call
+            y, xa = self.base.forward_extra(x)
+            if s is not None and x.shape[0] == 1 and emb.tail_is_mask:  # a SPACE block: one gemm
+                y[0, s:].addmm_(xa[0, s:], self.lora_b.T)
+                return y
+        else:
+            y, xa = self.base(x), None
+        if s is None:
+            return y
+        xa = nn.functional.linear(x[:, s:], self.lora_a) if xa is None else xa[:, s:]
+        y[:, s:] += nn.functional.linear(xa, self.lora_b) * emb.gate[:, s:]
         return y
 
 

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from ..adapters import git_commit, load_space
+from ..cpu_kernels import optimize_for_cpu
 from ..decoding import SamplingConfig, SpaceDecoder
 from ..models import SMOLLM2
 from .bench import METHODS, Target, run_bench
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32 is fastest on CPU)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--kernels", choices=("fast", "stock"), default="fast",
+                   help="fast: oneDNN-packed linears + GQA attention for every method on an fp32 CPU "
+                        "(space/cpu_kernels.py); stock: transformers' own kernels")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     return p
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.threads:
             torch.set_num_threads(args.threads)
         model, tok, spec = load_space(args.model, args.adapter, args.mask_num or 5, args.dtype, args.device)
+        kernels = optimize_for_cpu(model) if args.kernels == "fast" else {"packed_linears": 0, "attention": "sdpa"}
         k = args.mask_num or spec.mask_num or 5
         decoder = SpaceDecoder(model, spec, k, args.num_groups)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
             "mask_num": k, "num_groups": decoder.num_groups, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
+            "kernels": {"choice": args.kernels, **kernels},
             "machine": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
             "transformers": transformers.__version__, "commit": git_commit()}
     records = run_bench(Target(model, tok, spec, decoder), tasks, methods, out / "samples.jsonl",

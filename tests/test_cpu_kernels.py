@@ -1,0 +1,85 @@
+"""CPU kernels (space/cpu_kernels.py): same numbers as the stock kernels, and SPACE stays exact on them."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from space.adapters import fuse_frozen_base, prepare_model
+from space.cpu_kernels import SDPA_GQA, PackedLinear, optimize_for_cpu, packing_available
+from space.decoding import SpaceDecoder, ar_generate
+from space.masking import to_additive_4d
+from space.models import load_model
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_and_ignores_row_count(bias):
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(96, 80, bias=bias)
+    extra = torch.randn(16, 96, generator=gen)
+    plain, with_extra = PackedLinear(lin), PackedLinear(lin, extra=extra)
+    x = torch.randn(2, 7, 96, generator=gen)
+    with torch.no_grad():
+        y = plain(x)
+        y2, xa = with_extra.forward_extra(x)
+        assert y.shape == (2, 7, 80) and xa.shape == (2, 7, 16)
+        assert torch.allclose(y, lin(x), atol=1e-5) and torch.allclose(xa, x @ extra.T, atol=1e-5)
+        assert torch.equal(y2, y) and torch.equal(with_extra(x), y)  # the extra rows change no W column
+        one_row = torch.cat([plain(x[i, j][None]) for i in range(2) for j in range(7)])
+        assert torch.equal(one_row, y.reshape(-1, 80))  # a row's result does not depend on its call's size
+    with pytest.raises(ValueError, match="fp32"):
+        PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_greedy_exact_on_optimized_model(tiny, k):
+    model, _, spec = tiny
+    fast = copy.deepcopy(model)
+    assert optimize_for_cpu(fast) == {"packed_linears": 15, "attention": SDPA_GQA}
+    gen = torch.Generator().manual_seed(k)
+    for _ in range(3):
+        prompt = torch.randint(11, 250, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
+        max_new = int(torch.randint(1, 48, (1,), generator=gen))
+        ar = ar_generate(fast, prompt, max_new, stop_token_ids=[10], suppress_ids=spec.token_ids)
+        stock = ar_generate(model, prompt, max_new, stop_token_ids=[10], suppress_ids=spec.token_ids)
+        assert ar.new_ids == stock.new_ids
+        for groups in (1, k + 1):
+            out = SpaceDecoder(fast, spec, k, groups).generate(prompt, max_new, stop_token_ids=[10])
+            assert out.new_ids == ar.new_ids, (k, groups, prompt.tolist(), max_new)
+
+
+def test_gqa_attention_equals_sdpa_with_a_4d_mask(tiny):
+    model, _, _ = tiny
+    fast = copy.deepcopy(model)
+    fast.set_attn_implementation(SDPA_GQA)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(11, 250, (1, 12), generator=gen)
+    allowed = torch.ones(12, 12).tril().bool() & (torch.rand(12, 12, generator=gen) > 0.3)
+    allowed |= torch.eye(12, dtype=torch.bool)  # a SPACE-like pattern: causal, some keys hidden
+    mask = to_additive_4d(allowed, torch.float32)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(fast(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+        got = fast(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_packed_frozen_base_equals_unpacked():
+    """A frozen-base model's packed layers (LoRA A packed under W) give the unpacked logits, on a
+    SPACE-like block (masks last: the one-gemm path) and with a real token among the masks."""
+    model, tok = load_model("tiny-random-llama")
+    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    fused = fuse_frozen_base(model)
+    fast = copy.deepcopy(fused)
+    assert optimize_for_cpu(fast)["packed_linears"] == 15
+    mask = spec.token_ids[0]
+    with torch.no_grad():
+        for block in ([5, 6, 7, 8, mask, mask, mask], [5, 6, 7, 8, mask, mask, mask, 9, mask, mask], [5, 6, 7]):
+            ids = torch.tensor([block])
+            assert torch.allclose(fast(input_ids=ids).logits, fused(input_ids=ids).logits, atol=1e-5), block
