@@ -54,6 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# settings that shape every sample: a folder's samples are only resumed under the same values
+RESUME_KEYS = ("model", "adapter", "dataset", "mask_num", "num_groups", "max_new_tokens", "temperature", "top_p",
+               "top_k", "seed", "dtype", "kernels")
+
+
+def check_resume(out: Path, meta: dict) -> None:
+    """Record the run's settings in ``out/run_config.json``; refuse to mix in samples made otherwise.
+
+    Raises:
+        ValueError: ``out`` holds samples whose recorded settings (run_config.json, or the meta of
+            an older summary.json) differ from ``meta`` in a RESUME_KEYS entry.
+    """
+    recorded = next((out / name for name in ("run_config.json", "summary.json") if (out / name).is_file()), None)
+    if recorded is not None and (out / "samples.jsonl").is_file():
+        old = json.loads(recorded.read_text())
+        old = old.get("meta", old)
+        diff = {k: (old.get(k), meta[k]) for k in RESUME_KEYS if old.get(k) != meta[k]}
+        if diff:
+            raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
+                             f"(theirs, now): {diff}. Use another --out, or delete it to start over")
+    tmp = out / "run_config.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(out / "run_config.json")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -85,6 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
             "kernels": {"choice": args.kernels, **kernels},
             "machine": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
             "transformers": transformers.__version__, "commit": git_commit()}
+    try:
+        check_resume(out, meta)
+    except ValueError as e:
+        sys.exit(f"space-eval: error: {e}")
     records = run_bench(Target(model, tok, spec, decoder), tasks, methods, out / "samples.jsonl",
                         args.max_new_tokens, sampling, args.num_samples)
     wanted = {t.question_id for t in tasks}

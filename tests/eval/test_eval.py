@@ -50,6 +50,9 @@ def test_resume_skips_finished_samples(tmp_path):
     lines = (tmp_path / "samples.jsonl").read_text().splitlines()
     assert (tmp_path / "samples.jsonl").read_text().startswith(first)
     assert len(lines) == 4 and all(json.loads(line) for line in lines)
+    with pytest.raises(SystemExit, match=r"other settings.*'max_new_tokens': \(12, 20\)"):
+        run(tmp_path, "--methods", "ar,space", "--max-new-tokens", "20")  # would mix 12- and 20-token samples
+    assert (tmp_path / "samples.jsonl").read_text().splitlines() == lines
 
 
 def test_mt_bench_two_turns(tmp_path):
