@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers import DynamicCache, GenerationConfig
 
-from space.cpu_kernels import optimize_for_cpu
+from space.cpu_kernels import KERNEL_CHOICES, apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import SpaceDecoder, ar_generate
 from space.eval.tasks import load_tasks
@@ -65,17 +65,17 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=200, help="tokens in the KV cache")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--gen-tokens", type=int, default=128, help="new tokens for the AR vs HF comparison")
-    ap.add_argument("--kernels", choices=("fast", "stock"), default="fast", help="as in space-eval")
+    ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
     ap.add_argument("--out", type=Path, default=Path("results/bench_decode.json"))
     a = ap.parse_args()
     model, tok = load_model(a.model)
     spec = add_mask_tokens(model, tok, 8)
-    kernels = optimize_for_cpu(model) if a.kernels == "fast" else {"packed_linears": 0, "attention": "sdpa"}
+    kernels = apply_kernels(model, a.kernels)
     mid = spec.token_ids[0]
     prefix = torch.randint(0, 1000, (a.cache,))
     res = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
            "transformers": transformers.__version__, "model": a.model, "cache": a.cache,
-           "kernels": {"choice": a.kernels, **kernels}}
+           "kernels": kernels}
 
     # 1. latency vs query tokens: a causal block of q real tokens (attention shape is what matters)
     res["latency_vs_query_tokens_ms"] = {}

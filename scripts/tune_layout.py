@@ -1,8 +1,8 @@
 """Pick mask_num and num_groups for this machine by measurement (DESIGN §3.5, cost-aware layout).
 
 Decodes a few training prompts (MBPP by default: never the evaluation sets) with every
-(k, num_groups) in the grid, interleaved with the AR loop, and ranks them by tokens/s. Output is
-exact in every configuration, so only speed is compared.
+(k, num_groups, lookup_tokens) in the grid, interleaved with the AR loop, and ranks them by
+tokens/s. Output is exact in every configuration, so only speed is compared.
 
     python scripts/tune_layout.py --adapter adapters/smollm2-135m-space --out results/tune_layout.json
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from space.adapters import load_space
-from space.cpu_kernels import optimize_for_cpu
+from space.cpu_kernels import KERNEL_CHOICES, apply_kernels
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
 from space.decoding import SpaceDecoder, ar_generate
@@ -29,33 +29,38 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--mask-nums", default="2,3,4,5")
-    ap.add_argument("--kernels", choices=("fast", "stock"), default="fast", help="as in space-eval")
+    ap.add_argument("--lookup-tokens", default="0", help="comma list of SpaceDecoder lookup_tokens (0 = pure SPACE)")
+    ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
     ap.add_argument("--out", type=Path, default=Path("results/tune_layout.json"))
     a = ap.parse_args()
     model, tok, spec = load_space(a.model, a.adapter)
-    kernels = optimize_for_cpu(model) if a.kernels == "fast" else {"packed_linears": 0, "attention": "sdpa"}
+    kernels = apply_kernels(model, a.kernels)
     prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]
-    grid = [(k, g) for k in map(int, a.mask_nums.split(",")) for g in sorted({1, 2, 3, k + 1}) if g <= k + 1]
+    grid = [(k, g, lt) for k in map(int, a.mask_nums.split(",")) for g in sorted({1, 2, 3, k + 1}) if g <= k + 1
+            for lt in map(int, a.lookup_tokens.split(","))]
     stats = {cfg: [0, 0.0, 0] for cfg in grid}
     ar_tokens = ar_time = 0.0
     for ids in prompts:
         r = ar_generate(model, ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])  # no masks: the base model
         ar_tokens, ar_time = ar_tokens + len(r.new_ids), ar_time + r.wall_time
-        for k, g in grid:
-            out = SpaceDecoder(model, spec, k, g).generate(ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])
-            s = stats[(k, g)]
+        for k, g, lt in grid:
+            dec = SpaceDecoder(model, spec, k, g, lookup_tokens=lt)
+            out = dec.generate(ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])
+            s = stats[(k, g, lt)]
             s[0], s[1], s[2] = s[0] + len(out.new_ids), s[1] + out.wall_time, s[2] + out.num_steps
         print(f"prompt done: AR {len(r.new_ids)} tokens", flush=True)
     ar_tps = ar_tokens / ar_time
-    rows = sorted(({"mask_num": k, "num_groups": g, "tokens_per_s": round(n / t, 2), "tokens_per_step": round(n / st, 2),
-                    "speedup_vs_ar": round(n / t / ar_tps, 3)} for (k, g), (n, t, st) in stats.items()),
+    rows = sorted(({"mask_num": k, "num_groups": g, "lookup_tokens": lt, "tokens_per_s": round(n / t, 2), "tokens_per_step": round(n / st, 2),
+                    "speedup_vs_ar": round(n / t / ar_tps, 3)} for (k, g, lt), (n, t, st) in stats.items()),
                   key=lambda r: -r["tokens_per_s"])
     for r in rows:
         print(json.dumps(r))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"kernels": {"choice": a.kernels, **kernels}, "prompts": a.prompts,
+    a.out.write_text(json.dumps({"kernels": kernels, "prompts": a.prompts,
                                  "max_new_tokens": a.max_new_tokens, "ar_tokens_per_s": round(ar_tps, 2), "ranking": rows}, indent=2))
-    print(f"best: mask_num {rows[0]['mask_num']}, num_groups {rows[0]['num_groups']} -> {a.out}")
+    best = rows[0]
+    print(f"best: mask_num {best['mask_num']}, num_groups {best['num_groups']}, lookup_tokens {best['lookup_tokens']}"
+          f" -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -154,3 +154,21 @@ def optimize_for_cpu(model: nn.Module) -> dict:
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(SDPA_GQA)
     return {"packed_linears": packed, "attention": model.config._attn_implementation}
+
+
+KERNEL_CHOICES = ("fast", "stock")
+
+
+def apply_kernels(model: nn.Module, choice: str) -> dict:
+    """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`,
+    ``stock`` keeps transformers' own kernels. Returns the run-record entry
+    ``{"choice": choice, "packed_linears": n, "attention": name}``.
+
+    Raises:
+        ValueError: choice not in KERNEL_CHOICES.
+    """
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
+    done = (optimize_for_cpu(model) if choice == "fast"
+            else {"packed_linears": 0, "attention": model.config._attn_implementation})
+    return {"choice": choice, **done}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from space.adapters import fuse_frozen_base, prepare_model
-from space.cpu_kernels import SDPA_GQA, PackedLinear, optimize_for_cpu, packing_available
+from space.cpu_kernels import SDPA_GQA, PackedLinear, apply_kernels, optimize_for_cpu, packing_available
 from space.decoding import SpaceDecoder, ar_generate
 from space.masking import to_additive_4d
 from space.models import load_model
@@ -31,6 +31,16 @@ def test_packed_linear_matches_f_linear_and_ignores_row_count(bias):
         assert torch.equal(one_row, y.reshape(-1, 80))  # a row's result does not depend on its call's size
     with pytest.raises(ValueError, match="fp32"):
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
+
+
+def test_kernels_flag(tiny):
+    model, _, _ = tiny
+    stock, fast = copy.deepcopy(model), copy.deepcopy(model)
+    assert apply_kernels(stock, "stock") == {"choice": "stock", "packed_linears": 0, "attention": "sdpa"}
+    assert not any(isinstance(m, PackedLinear) for m in stock.modules())  # stock leaves the model alone
+    assert apply_kernels(fast, "fast") == {"choice": "fast", "packed_linears": 15, "attention": SDPA_GQA}
+    with pytest.raises(ValueError, match="kernels"):
+        apply_kernels(stock, "turbo")
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 8])

@@ -13,6 +13,13 @@ holds ``x_0..x_{n-2}``, with the layout core's 4-D mask and position ids, then
 The LM head runs on the m+1 verification rows, then on the chosen group's rows; or once on every
 row when that wastes few rows (one read of the head's weight instead of two). Greedy output is
 token-for-token the AR greedy output of the same weights.
+
+Optional prompt lookup (``lookup_tokens``, our addition): after each step, when the last n-gram of
+the text so far (prompt + output) occurred earlier, the tokens that followed it replace the mask
+drafts as the next candidates (transformers' ``PromptLookupCandidateGenerator`` finds them). Any
+candidates are verified the same way, so output stays exact; the mask groups are attached as usual,
+so a step whose lookup fails still yields mask drafts for the next one. In sampling mode a lookup
+candidate's draft distribution q is one-hot.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from transformers import DynamicCache
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from ..masking import decode_layout, to_additive_4d
 from ..tokens import MaskSpec, check_mask_num
@@ -46,21 +54,31 @@ class SpaceDecoder:
         mask_num: k, candidates drafted per step (1..MAX_MASK_NUM).
         num_groups: mask groups attached per step, 1..k+1 (default k+1, the paper's layout);
             fewer groups make a step cheaper, drafts after a long accept get staler.
+        lookup_tokens: 0 (default) for pure SPACE; else up to this many prompt-lookup candidates
+            per step when the text's last n-gram recurs (see the module docstring).
+        lookup_ngram: longest n-gram matched by prompt lookup.
 
     Raises:
-        ValueError: k or num_groups out of range.
+        ValueError: k, num_groups, lookup_tokens or lookup_ngram out of range.
     """
 
-    def __init__(self, model, mask: MaskSpec, mask_num: int = 5, num_groups: int | None = None):
+    def __init__(self, model, mask: MaskSpec, mask_num: int = 5, num_groups: int | None = None,
+                 lookup_tokens: int = 0, lookup_ngram: int = 2):
         check_mask_num(mask_num, mask)
         num_groups = mask_num + 1 if num_groups is None else num_groups
         if not 1 <= num_groups <= mask_num + 1:
             raise ValueError(f"num_groups must lie in 1..{mask_num + 1} (k+1), got {num_groups}")
+        if lookup_tokens < 0 or lookup_ngram < 1:
+            raise ValueError(f"lookup_tokens must be >= 0 and lookup_ngram >= 1, got {lookup_tokens}, {lookup_ngram}")
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
         self.mask, self.k, self.num_groups = mask, mask_num, num_groups
         self.mask_ids = mask.ids_for(mask_num)
         self.config = base.config
+        self.lookup_tokens = lookup_tokens
+        self.lookup = PromptLookupCandidateGenerator(
+            num_output_tokens=lookup_tokens, max_matching_ngram_size=lookup_ngram,
+            max_length=self.config.max_position_embeddings) if lookup_tokens else None
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
@@ -75,6 +93,7 @@ class SpaceDecoder:
             on_tokens: streaming callback, called with each step's new tokens.
             draft_override: greedy only, for tests and ablations: called with (tokens generated so
                 far, the model's drafts (m,)), returns the candidates (<= k ids) to verify next.
+                It is applied after prompt lookup.
 
         Returns:
             DecodeResult with the new ids and per-step statistics.
@@ -82,7 +101,8 @@ class SpaceDecoder:
         Raises:
             ValueError: empty prompt, batch > 1, or prompt + max_new_tokens + 2k over the context.
         """
-        ids = check_prompt(input_ids, max_new_tokens, self.config.max_position_embeddings, reserve=2 * self.k)
+        ids = check_prompt(input_ids, max_new_tokens, self.config.max_position_embeddings,
+                           reserve=self.k + max(self.k, self.lookup_tokens))
         device = self.head.weight.device
         res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
         gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
@@ -94,9 +114,13 @@ class SpaceDecoder:
         last = int(ids[-1])
         cands = torch.empty(0, dtype=torch.long)
         q = None  # (m, vocab) draft distributions of cands, when sampling
+        seq = ids.tolist()  # prompt + output so far, for prompt lookup
         while True:
             t0 = time.perf_counter()
             last, cands, q, emitted, a = self._step(cache, last, cands, q, sampling, gen)
+            if self.lookup is not None:
+                seq.extend(emitted)
+                cands, q = self._lookup(seq, cands, q, sampling)
             if res.emit(emitted, time.perf_counter() - t0 + prefill_s, accepted=a):
                 return res
             if draft_override is not None and sampling.greedy:
@@ -137,6 +161,15 @@ class SpaceDecoder:
             return bonus, draft_logits.argmax(-1).cpu(), None, emitted, a
         q_next = logits_to_probs(draft_logits, sampling).cpu()
         return bonus, sample(q_next, gen), q_next, emitted, a
+
+    def _lookup(self, seq: list[int], cands: torch.Tensor, q, sampling: SamplingConfig):
+        """Prompt-lookup candidates for the next step when the last n-gram recurs, else the drafts."""
+        found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):]
+        if not found.numel():
+            return cands, q
+        if sampling.greedy:
+            return found, None
+        return found, torch.nn.functional.one_hot(found, self.head.weight.shape[0]).float()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on selected rows only, mask tokens suppressed: (rows, hidden) -> (rows, vocab)."""

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from ..adapters import git_commit, load_space
-from ..cpu_kernels import optimize_for_cpu
+from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
 from ..decoding import SamplingConfig, SpaceDecoder
 from ..models import SMOLLM2
 from .bench import METHODS, Target, run_bench
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N questions (default all)")
     p.add_argument("--mask-num", type=int, default=None, help="k drafts per step (default: the adapter's k, else 5)")
     p.add_argument("--num-groups", type=int, default=None, help="mask groups per step, 1..k+1 (default k+1)")
+    p.add_argument("--lookup-tokens", type=int, default=0,
+                   help="space: also try up to N prompt-lookup candidates per step when an n-gram recurs (0 = pure SPACE)")
     p.add_argument("--methods", default="ar,hf,pld,space", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32 is fastest on CPU)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kernels", choices=("fast", "stock"), default="fast",
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast",
                    help="fast: oneDNN-packed linears + GQA attention for every method on an fp32 CPU "
                         "(space/cpu_kernels.py); stock: transformers' own kernels")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -55,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # settings that shape every sample: a folder's samples are only resumed under the same values
-RESUME_KEYS = ("model", "adapter", "dataset", "mask_num", "num_groups", "max_new_tokens", "temperature", "top_p",
-               "top_k", "seed", "dtype", "kernels")
+RESUME_KEYS = ("model", "adapter", "dataset", "mask_num", "num_groups", "lookup_tokens", "max_new_tokens",
+               "temperature", "top_p", "top_k", "seed", "dtype", "kernels")
 
 
 def check_resume(out: Path, meta: dict) -> None:
@@ -69,7 +71,7 @@ def check_resume(out: Path, meta: dict) -> None:
     recorded = next((out / name for name in ("run_config.json", "summary.json") if (out / name).is_file()), None)
     if recorded is not None and (out / "samples.jsonl").is_file():
         old = json.loads(recorded.read_text())
-        old = old.get("meta", old)
+        old = {"lookup_tokens": 0, **old.get("meta", old)}  # runs from before the option were pure SPACE
         diff = {k: (old.get(k), meta[k]) for k in RESUME_KEYS if old.get(k) != meta[k]}
         if diff:
             raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
@@ -93,9 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.threads:
             torch.set_num_threads(args.threads)
         model, tok, spec = load_space(args.model, args.adapter, args.mask_num or 5, args.dtype, args.device)
-        kernels = optimize_for_cpu(model) if args.kernels == "fast" else {"packed_linears": 0, "attention": "sdpa"}
+        kernels = apply_kernels(model, args.kernels)
         k = args.mask_num or spec.mask_num or 5
-        decoder = SpaceDecoder(model, spec, k, args.num_groups)
+        decoder = SpaceDecoder(model, spec, k, args.num_groups, lookup_tokens=args.lookup_tokens)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         sys.exit(f"space-eval: error: {e}")
     out = args.out or Path("runs/eval") / args.dataset.replace(":", "-").replace("/", "_")
@@ -104,10 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
                           if args.adapter else SMOLLM2)
     meta = {"model": base, "adapter": args.adapter,
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
-            "mask_num": k, "num_groups": decoder.num_groups, "max_new_tokens": args.max_new_tokens,
+            "mask_num": k, "num_groups": decoder.num_groups, "lookup_tokens": args.lookup_tokens, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
-            "kernels": {"choice": args.kernels, **kernels},
+            "kernels": kernels,
             "machine": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
             "transformers": transformers.__version__, "commit": git_commit()}
     try:

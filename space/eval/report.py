@@ -30,7 +30,7 @@ def _method_stats(rows: list[dict]) -> dict:
 
 
 def _acceptance(rows: list[dict], k: int) -> tuple[dict, list[float]]:
-    """Histogram of tokens per step (1..k+1) and per-offset acceptance."""
+    """Histogram of tokens per step (1..k+1) and per-offset acceptance, k = most candidates in a step."""
     per_step = [a for r in rows for c in r["choices"] for turn in c["accept_lengths"] for a in turn[1:]]
     hist = Counter(a + 1 for a in per_step)
     accept = [round(sum(a > j for a in per_step) / len(per_step), 4) if per_step else 0.0 for j in range(k)]
@@ -69,7 +69,8 @@ def summarize(records: list[dict], meta: dict) -> dict:
         if n > 1:
             summary.setdefault(f"pass_at_{n}", {})[m] = _pass_at(rows, n)
     if "space" in by_method:
-        k = meta.get("mask_num", 5)
+        # a step verifies up to k mask drafts, or up to lookup_tokens prompt-lookup candidates
+        k = max(meta.get("mask_num", 5), meta.get("lookup_tokens") or 0)
         hist, accept = _acceptance(by_method["space"], k)
         methods["space"].update({"tokens_per_step_histogram": hist, "acceptance_per_offset": accept})
         if "ar" in by_method and meta.get("temperature", 0) == 0:
@@ -126,7 +127,7 @@ def to_markdown(s: dict) -> str:
         lines += ["", "Median per-question speedup: " + ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.2f}"
                                                               for k, v in med.items() if v is not None)]
     if "space" in m:
-        lines += ["", "Tokens per step (histogram, 1..k+1): " + ", ".join(
+        lines += ["", "Tokens per step (histogram, 1..most candidates+1): " + ", ".join(
             f"{n}: {c}" for n, c in m["space"]["tokens_per_step_histogram"].items()),
             "Acceptance per offset j (share of steps accepting > j drafts): " + ", ".join(
             f"{a:.2f}" for a in m["space"]["acceptance_per_offset"])]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import space.decoding.space as space_mod
-from space.decoding import SpaceDecoder, ar_generate
+from space.decoding import SamplingConfig, SpaceDecoder, ar_generate
 
 STOP = 10  # an ordinary byte id used as the stop token, so EOS lands inside steps
 
@@ -31,6 +31,24 @@ def test_untied_head_exact(tiny_untied):
     for prompt, max_new in cases(4, seed=99):
         ar = ar_generate(model, prompt, max_new, suppress_ids=spec.token_ids)
         assert SpaceDecoder(model, spec, 4).generate(prompt, max_new).new_ids == ar.new_ids
+
+
+@pytest.mark.parametrize("k,groups,lookup", [(1, 1, 4), (3, 2, 10)])
+def test_prompt_lookup_exact(tiny, k, groups, lookup):
+    model, _, spec = tiny
+    gen = torch.Generator().manual_seed(7)
+    dec = SpaceDecoder(model, spec, k, groups, lookup_tokens=lookup)
+    for _ in range(4):
+        pattern = torch.randint(11, 250, (6,), generator=gen)
+        prompt = torch.cat([pattern.repeat(3), torch.randint(11, 250, (5,), generator=gen)])  # n-grams recur
+        ar = ar_generate(model, prompt, 60, stop_token_ids=[STOP], suppress_ids=spec.token_ids)
+        assert dec.generate(prompt, 60, stop_token_ids=[STOP]).new_ids == ar.new_ids
+    found, _ = dec._lookup([5, 6, 7, 8, 9, 5, 6], torch.tensor([1]), None, SamplingConfig())
+    assert found.tolist() == [7, 8, 9, 5, 6][:lookup]  # the tokens after the earlier "5 6"
+    kept, _ = dec._lookup([5, 6, 7], torch.tensor([1]), None, SamplingConfig())
+    assert kept.tolist() == [1]  # no recurring n-gram: the mask drafts stay
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        SpaceDecoder(model, spec, k, lookup_tokens=-1)
 
 
 def oracle(truth, corrupt_at, k):

@@ -69,13 +69,13 @@ def exact_distribution(model, prompt, cfg, length=3):
     return probs
 
 
-@pytest.mark.parametrize("temperature,top_p,k", [(1.0, 1.0, 3), (0.7, 0.9, 2)])
-def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, top_p, k):
+@pytest.mark.parametrize("temperature,top_p,k,lookup", [(1.0, 1.0, 3, 0), (0.7, 0.9, 2, 0), (1.0, 1.0, 2, 3)])
+def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, top_p, k, lookup):
     model, spec = small_vocab_model
     prompt = [1, 3, 0, 2]
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1500
-    dec = SpaceDecoder(model, spec, k)
+    dec = SpaceDecoder(model, spec, k, lookup_tokens=lookup)  # lookup: one-hot q (4 real tokens: it hits often)
     space_counts, ar_counts, accepts = {}, {}, []
     for seed in range(n):
         cfg = SamplingConfig(temperature, top_p=top_p, seed=seed)

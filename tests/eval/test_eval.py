@@ -122,3 +122,13 @@ def test_median_question_speedup_resists_an_outlier():
     s = summarize(records, {"mask_num": 3})
     assert s["speedup"]["space_vs_ar"] == pytest.approx(30 / 11 / 10, rel=1e-2)
     assert s["median_question_speedup"]["space_vs_ar"] == pytest.approx(2.0)
+
+
+def test_histogram_covers_prompt_lookup_steps():
+    rec = {"question_id": "q0", "category": "c", "model_id": "space",
+           "choices": [{"new_tokens": [12], "wall_time": [1.0], "steps": [4], "accept_lengths": [[0, 1, 0, 7]],
+                        "token_ids": [[0] * 12]}]}
+    m = summarize([rec], {"mask_num": 1, "lookup_tokens": 10})["methods"]["space"]
+    assert sum(m["tokens_per_step_histogram"].values()) == 3  # every step after the first, 8 tokens included
+    assert m["tokens_per_step_histogram"]["8"] == 1 and len(m["tokens_per_step_histogram"]) == 11
+    assert m["acceptance_per_offset"][:2] == pytest.approx([2 / 3, 1 / 3], abs=1e-4)
