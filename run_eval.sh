@@ -6,15 +6,20 @@
 #   bash run_eval.sh --limit 164 --max-new-tokens 256 --out results/humaneval
 #   bash run_eval.sh --dataset mt-bench --limit 80
 #   ADAPTER=none bash run_eval.sh              # untrained mask token: exact, but accepts little
-# Flags: python -m space.eval --help. Writes samples.jsonl, summary.json, summary.md, plots.
+# Flags: python -m space.eval --help. The adapter is added only for its own base model (not for
+# --model tiny-random-llama) and not when you pass --adapter. Writes samples.jsonl, summary.*, plots.
 set -euo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,9p' "$0"; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,10p' "$0"; exit 0; fi
 cd "$(dirname "$0")"
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 ADAPTER=${ADAPTER:-adapters/smollm2-135m-space}
+model=""; prev=""
+for a in "$@"; do  # the user's --model, and whether they chose an adapter themselves
+  case "$prev" in --model) model=$a;; esac; case "$a" in --model=*) model=${a#--model=};; --adapter|--adapter=*) ADAPTER=none;; esac; prev=$a
+done
+base=$([ -d "$ADAPTER" ] && .venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model"])' "$ADAPTER/space_config.json" || true)
+[ -n "$model" ] && [ "$model" != "$base" ] && ADAPTER=none  # another model: the adapter does not fit it
 args=(--dataset humaneval --limit 5 --max-new-tokens 128 --out runs/eval/main)
-# mask_num 1 / num_groups 1: the fastest layout on a 2-core CPU with the default fast CPU kernels;
-# k=1/g=2 and k=2/g=1 are within 1.5 % (scripts/tune_layout.py, results/tune_layout.json)
-[ -d "$ADAPTER" ] && args+=(--mask-num 1 --num-groups 1)
+# the adapter decodes with its own tuned layout (space_config.json "decode"); --mask-num etc. override it
 [ -d "$ADAPTER" ] && args+=(--adapter "$ADAPTER")
 exec .venv/bin/python -m space.eval "${args[@]}" "$@"

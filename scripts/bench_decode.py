@@ -24,7 +24,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from space.cpu_kernels import KERNEL_CHOICES, apply_kernels
 from space.data.prompts import chat_ids, code_prompt
-from space.decoding import SpaceDecoder, ar_generate
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.eval.tasks import load_tasks
 from space.masking import build_layout, decode_layout, to_additive_4d
 from space.models import load_model
@@ -103,7 +103,7 @@ def main() -> None:
     cfg = GenerationConfig(max_new_tokens=a.gen_tokens, min_new_tokens=a.gen_tokens, do_sample=False,
                            pad_token_id=tok.pad_token_id)
     ar_t, hf_t, sp_t = [], [], []
-    dec = SpaceDecoder(model, spec, 5)
+    dec = SpaceDecoder(model, spec, DecodeConfig(5))
     for _ in range(3):
         r = ar_generate(model, ids, a.gen_tokens)
         ar_t.append(len(r.new_ids) / r.wall_time)

@@ -5,8 +5,11 @@ artifact exists), then ``space-eval`` on HumanEval-X languages with methods ar, 
 collect pass@1, tokens/step and speedups into a markdown table with the paper's columns.
 
     python scripts/reproduce_table1.py --models smollm2 --max-steps 200 --limit 10      # this CPU
-    python scripts/reproduce_table1.py --models llama2-7b,llama2-13b --languages python,cpp,java,js,go,rust \\
+    python scripts/reproduce_table1.py --models llama2-7b,llama2-70b --languages python,cpp,java,js,go,rust \\
         --device cuda --dtype bfloat16                                                   # a GPU cluster
+
+``--out`` is resolved against the folder the script is called from, once, so training (which runs
+from the repo root) and evaluation write and read the same place.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from space.cli import console
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {  # name -> training config; model paths for the LLaMA-2 family live in the configs
@@ -32,7 +37,7 @@ def sh(cmd: list[str], env: dict | None = None) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, **(env or {})})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--languages", default="python", help="HumanEval-X languages")
@@ -42,12 +47,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", type=Path, default=Path("runs/table1"))
-    a = ap.parse_args()
+    ap.add_argument("--out", type=lambda s: Path(s).resolve(), default=Path("runs/table1").resolve(),
+                    help="output folder (relative to the current folder)")
+    a = ap.parse_args(argv)
+    names = a.models.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:  # before any training: a typo in the last name must not cost the first model's run
+        raise ValueError(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
     rows = []
-    for name in a.models.split(","):
-        if name not in MODELS:
-            sys.exit(f"reproduce_table1: unknown model {name!r}; choose from {list(MODELS)}")
+    for name in names:
         run_dir = a.out / name
         final = run_dir / "final"
         if not (final / "space_config.json").is_file():
@@ -77,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    console("reproduce_table1", main)()

@@ -18,7 +18,7 @@ from space.adapters import load_space
 from space.cpu_kernels import KERNEL_CHOICES, apply_kernels
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
-from space.decoding import SpaceDecoder, ar_generate
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         r = ar_generate(model, ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])  # no masks: the base model
         ar_tokens, ar_time = ar_tokens + len(r.new_ids), ar_time + r.wall_time
         for k, g, lt in grid:
-            dec = SpaceDecoder(model, spec, k, g, lookup_tokens=lt)
+            dec = SpaceDecoder(model, spec, DecodeConfig(k, g, lookup_tokens=lt))
             out = dec.generate(ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])
             s = stats[(k, g, lt)]
             s[0], s[1], s[2] = s[0] + len(out.new_ids), s[1] + out.wall_time, s[2] + out.num_steps

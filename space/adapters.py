@@ -7,10 +7,12 @@
   masks, so every real-token logit equals the original model's: SPACE is lossless against the
   user's own checkpoint.
 
-The gate is computed where the token ids are known, in :class:`MaskEmbedding` (the model's input
-embedding, swapped in through ``set_input_embeddings``), and applied by forward hooks on the peft
-``lora_B`` modules during training. So any forward of the model (our decoders, HF ``generate``, the
-trainer) gets the right gate, with no attribute set on the model and no modeling file forked.
+Which rows are masks travels explicitly: the caller wraps its forward in
+``space.masking.mask_rows(start)`` (mask groups are always the block's tail, so one integer says it;
+the decoder and the frozen-base trainer do this), and forward hooks on the peft ``lora_B`` modules
+(training) or :class:`GatedLoraLinear` (decoding) read it. No module stores per-call state, and a
+forward outside such a block (AR, HF ``generate``) is exactly the base model. No modeling file is
+forked.
 
 For decoding, :func:`load_space` swaps each peft LoRA layer of a frozen-base adapter for a
 :class:`GatedLoraLinear`: the same update, computed only on the block's mask rows and skipped
@@ -37,8 +39,9 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .decoding.config import DEFAULT_MASK_NUM, DecodeConfig
+from .masking import mask_rows_start
 from .models import load_model
-from .cpu_kernels import PackedLinear
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
 
 MODES = ("full", "lora", "frozen-base")
@@ -48,14 +51,18 @@ MASK_EMBEDDING = "mask_embedding.safetensors"
 
 
 class MaskEmbedding(nn.Module):
-    """Input embedding with trainable mask rows; also records which rows are masks (the gate).
+    """Input embedding with trainable mask rows.
 
     Args:
         base: the model's original embedding (frozen in lora / frozen-base).
         mask_ids: contiguous mask token ids.
 
-    ``forward(input_ids (batch, seq)) -> (batch, seq, hidden)``; sets ``self.gate`` to
-    (batch, seq, 1), 1.0 on mask tokens and 0.0 elsewhere.
+    ``forward(input_ids (batch, seq)) -> (batch, seq, hidden)``: the base embedding, with the
+    trainable row of each mask token in its place. It records nothing: which rows are masks
+    travels through :func:`space.masking.mask_rows`.
+
+    Raises:
+        ValueError: mask ids that are not contiguous.
     """
 
     def __init__(self, base: nn.Embedding, mask_ids: tuple[int, ...]):
@@ -65,9 +72,6 @@ class MaskEmbedding(nn.Module):
         self.base = base
         self.first_id, self.num = mask_ids[0], len(mask_ids)
         self.mask_rows = nn.Parameter(base.weight[list(mask_ids)].detach().clone())
-        self.gate: torch.Tensor | None = None
-        self.mask_start: int | None = None  # first sequence position holding a mask token, if any
-        self.tail_is_mask = False  # every token from mask_start on is a mask (SPACE blocks)
 
     @property
     def weight(self) -> torch.Tensor:  # HF utilities (tying, resizing) look for .weight
@@ -77,46 +81,45 @@ class MaskEmbedding(nn.Module):
         out = self.base(input_ids)
         is_mask = (input_ids >= self.first_id) & (input_ids < self.first_id + self.num)
         rows = self.mask_rows[(input_ids - self.first_id).clamp(0, self.num - 1)]
-        self.gate = is_mask[..., None].to(out.dtype)
-        first = is_mask.any(0).nonzero()
-        self.mask_start = int(first[0]) if first.numel() else None
-        self.tail_is_mask = self.mask_start is not None and bool(is_mask[:, self.mask_start:].all())
         return torch.where(is_mask[..., None], rows.to(out.dtype), out)
 
 
 class GatedLoraLinear(nn.Module):
-    """A frozen-base LoRA linear for decoding: ``W x`` on real rows, ``W x + s B A x`` on mask rows.
+    """A frozen-base LoRA linear for decoding: ``W x`` on real rows, ``W x + B A x`` on mask rows.
 
     Args:
-        base: the frozen ``nn.Linear`` (in -> out).
+        base: the frozen ``nn.Linear`` (in -> out), or a ``space.cpu_kernels.PackedLinear`` that
+            packs ``lora_a`` under W (``extra_out`` > 0: one kernel call gives ``W x`` and ``A x``).
         lora_a: (r, in); lora_b: (out, r), already multiplied by the LoRA scaling.
-        emb: the model's MaskEmbedding, whose ``gate`` (batch, seq, 1) and ``mask_start`` describe
-            the current forward's tokens.
 
-    ``forward(x (batch, seq, in)) -> (batch, seq, out)``. The update runs only on positions from
-    ``mask_start`` on (SPACE blocks put the mask groups last), times the gate, so real rows are
-    exactly ``base(x)``, bit for bit, and a forward without masks costs what the base costs.
+    ``forward(x (batch, seq, in)) -> (batch, seq, out)``. Mask rows are rows
+    ``space.masking.mask_rows_start()`` on (the layout puts mask groups last); the update runs on
+    those rows only, so real rows are exactly ``base(x)``, bit for bit, and outside a
+    ``mask_rows`` block (AR, HF ``generate``) the layer costs what the base costs.
     """
 
-    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor, emb: MaskEmbedding):
+    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor):
         super().__init__()
-        self.base, self.emb = base, [emb]  # a list: keep emb out of this module's submodules
+        self.base = base
         self.lora_a, self.lora_b = nn.Parameter(lora_a, requires_grad=False), nn.Parameter(lora_b, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        emb = self.emb[0]
-        s = emb.mask_start
-        if isinstance(self.base, PackedLinear) and self.base.extra_out:  # A packed under W: one call
+        s = mask_rows_start()
+        if getattr(self.base, "extra_out", 0):  # A packed under W: x W^T and x A^T in one call
             y, xa = self.base.forward_extra(x)
-            if s is not None and x.shape[0] == 1 and emb.tail_is_mask:  # a SPACE block: one gemm
-                y[0, s:].addmm_(xa[0, s:], self.lora_b.T)
-                return y
+            if s is not None:
+                xa = xa[:, s:]
         else:
-            y, xa = self.base(x), None
+            y = self.base(x)
+            if s is None:
+                return y
+            xa = nn.functional.linear(x[:, s:], self.lora_a)
         if s is None:
             return y
-        xa = nn.functional.linear(x[:, s:], self.lora_a) if xa is None else xa[:, s:]
-        y[:, s:] += nn.functional.linear(xa, self.lora_b) * emb.gate[:, s:]
+        if x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
+            y[0, s:].addmm_(xa[0], self.lora_b.T)
+        else:
+            y[:, s:] += nn.functional.linear(xa, self.lora_b)
         return y
 
 
@@ -143,14 +146,21 @@ def fuse_frozen_base(peft_model) -> nn.Module:
         parent, _, attr = name.rpartition(".")
         a = layer.lora_A["default"].weight.detach()
         b = layer.lora_B["default"].weight.detach() * layer.scaling["default"]
-        setattr(model.get_submodule(parent), attr, GatedLoraLinear(layer.get_base_layer(), a, b, emb))
+        setattr(model.get_submodule(parent), attr, GatedLoraLinear(layer.get_base_layer(), a, b))
     return model.eval()
 
 
-def _gate_lora(model, emb: MaskEmbedding) -> None:
-    """Multiply every LoRA update by the mask gate (frozen-base): exact zero on real rows."""
+def _gate_lora(model) -> None:
+    """Apply every LoRA update to mask rows only (frozen-base training): rows before
+    ``mask_rows_start()`` get exactly zero, and outside a ``mask_rows`` block every row does."""
     def hook(module, args, out):
-        return out if emb.gate is None else out * emb.gate
+        s = mask_rows_start()
+        if s is None:
+            return out * 0.0  # keeps the graph: the trainable weights still get (zero) gradients
+        if s == 0:
+            return out
+        gate = (torch.arange(out.shape[-2], device=out.device) >= s).to(out.dtype)[:, None]
+        return out * gate
 
     for module in model.modules():
         if isinstance(module, LoraLayer):
@@ -181,7 +191,7 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     peft_model = get_peft_model(model, cfg)
     emb.mask_rows.requires_grad_(True)  # peft froze everything that is not LoRA
     if mode == "frozen-base":
-        _gate_lora(peft_model, emb)
+        _gate_lora(peft_model)
     return peft_model, spec
 
 
@@ -216,7 +226,7 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
         # peft: LoRA weights + adapter_config.json only; the base embedding (resized for the mask
         # token) is the base model's, and the mask rows are saved on their own just below
         model.save_pretrained(tmp, save_embedding_layers=False)
-        save_file({"mask_rows": mask_embedding(model).mask_rows.detach().float().contiguous().cpu()}, tmp / MASK_EMBEDDING)
+        save_mask_rows(mask_embedding(model), tmp / MASK_EMBEDDING)
     (tmp / SPACE_CONFIG).write_text(json.dumps(config, indent=2))
     for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -226,7 +236,7 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
     return out
 
 
-def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = 5,
+def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
                dtype="float32", device: str = "cpu"):
     """Load a model ready for SPACE decoding.
 
@@ -234,6 +244,9 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         model: alias or path of the base (default: the adapter's recorded base, else SmolLM2).
         adapter: a lora / frozen-base artifact directory, or None.
         mask_num: k for a model that has no mask token yet (untrained masks: exact, accepts little).
+
+    An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
+    returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``.
 
     Returns:
         (model, tokenizer, MaskSpec): a plain HF model in every case. A lora adapter is merged
@@ -243,7 +256,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
 
     Raises:
         FileNotFoundError: adapter directory without space_config.json, unknown model.
-        ValueError: the base's tokenizer gives the mask token another id than recorded.
+        ValueError: the base's tokenizer gives the mask token another id than recorded, or
+            space_config.json is not valid JSON or lacks a key (the file is named).
     """
     if adapter is None:
         base, tok = load_model(model or "smollm2-135m-instruct", dtype, device)
@@ -254,7 +268,13 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     adapter = Path(adapter)
     if not (adapter / SPACE_CONFIG).is_file():
         raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
-    cfg = json.loads((adapter / SPACE_CONFIG).read_text())
+    try:  # a truncated or hand-edited file: name it, rather than a bare JSONDecodeError / KeyError
+        cfg = json.loads((adapter / SPACE_CONFIG).read_text())
+        missing = [key for key in ("mode", "base_model", "mask_num", "mask_diff", "mask_token_ids") if key not in cfg]
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config ({e})") from None
+    if missing:
+        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config (missing {', '.join(missing)})")
     if cfg["mode"] == "full":
         raise ValueError(f"{adapter} is a full checkpoint: pass it as the model, not as an adapter")
     base, tok = load_model(model or cfg["base_model"], dtype, device)
@@ -262,10 +282,41 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     if list(spec.token_ids) != cfg["mask_token_ids"]:
         raise ValueError(f"mask ids {spec.token_ids} differ from the adapter's {cfg['mask_token_ids']}: wrong base model?")
     emb = MaskEmbedding(base.get_input_embeddings(), spec.token_ids)
-    with torch.no_grad():
-        emb.mask_rows.copy_(load_file(adapter / MASK_EMBEDDING)["mask_rows"])
+    load_mask_rows(emb, adapter / MASK_EMBEDDING)
     base.set_input_embeddings(emb)
     peft_model = PeftModel.from_pretrained(base, adapter).to(device=device, dtype=base.dtype).eval()
-    if cfg["mode"] == "lora":
-        return peft_model.merge_and_unload(), tok, spec
-    return fuse_frozen_base(peft_model), tok, spec
+    model = peft_model.merge_and_unload() if cfg["mode"] == "lora" else fuse_frozen_base(peft_model)
+    # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
+    model.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
+    return model, tok, spec
+
+
+def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> DecodeConfig:
+    """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
+    trained k with the paper's k+1 groups.
+
+    Raises:
+        ValueError: a malformed ``decode`` entry (``where`` names the file).
+    """
+    try:
+        return DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{where}: bad decode settings: {e}") from None
+
+
+def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike) -> None:
+    """Write the trainable mask rows of ``emb`` to ``path`` (safetensors, fp32, key ``mask_rows``)."""
+    save_file({"mask_rows": emb.mask_rows.detach().float().contiguous().cpu()}, path)
+
+
+def load_mask_rows(emb: MaskEmbedding, path: str | os.PathLike) -> None:
+    """Copy mask rows written by :func:`save_mask_rows` into ``emb``.
+
+    Raises:
+        ValueError: the file holds rows of another shape (another mask_diff, k or model width).
+    """
+    rows = load_file(path)["mask_rows"]
+    if rows.shape != emb.mask_rows.shape:
+        raise ValueError(f"{path}: mask rows of shape {tuple(rows.shape)}, expected {tuple(emb.mask_rows.shape)}")
+    with torch.no_grad():
+        emb.mask_rows.copy_(rows)

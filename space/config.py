@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
+
+from .cli import DEBUG_HELP
 
 
 @dataclass
@@ -42,6 +45,14 @@ class MaskArgs:
     mask_loss_weight: float = field(default=1.0, metadata={"help": "lambda in CE(AR) + lambda * CE(mask)"})
     spans_per_sample: int = field(default=4, metadata={"help": "G: mask groups per sample (efficient layout)"})
     layout: str = field(default="efficient", metadata={"help": "efficient | truncate (the paper's)"})
+    span_density: float = field(default=0.0, metadata={
+        "help": "dense supervision: share in (0, 1] of the answer positions that anchor a group (1 = every "
+                "one); overrides spans_per_sample. 0 = off (spans_per_sample groups)"})
+    mask_chunk_rows: int = field(default=0, metadata={
+        "help": "frozen-base: mask rows per forward/backward chunk (whole groups; 0 = all in one pass)"})
+    mask_target: str = field(default="token", metadata={
+        "help": "token: CE on the next tokens | teacher: soft CE on the frozen base's top-K at row e+j (frozen-base)"})
+    teacher_topk: int = field(default=20, metadata={"help": "K of the teacher's top-K distribution (renormalized)"})
 
 
 ARG_CLASSES = (ModelArgs, DataArgs, MaskArgs, TrainingArguments)
@@ -51,18 +62,27 @@ def parse_train_args(argv: list[str] | None = None):
     """Returns (ModelArgs, DataArgs, MaskArgs, TrainingArguments).
 
     Raises:
-        ValueError: unknown key in the YAML, or a required key (output_dir) missing.
+        ValueError: unknown key in the YAML, YAML that is broken or not a mapping, a required key
+            (output_dir) missing, or a value out of range (see :func:`check_train_args`).
         FileNotFoundError: the config file does not exist.
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(ARG_CLASSES, description="SAR-SFT training for SPACE (python -m space.train).")
+    # the console wrapper (space.cli) takes --debug off the command line, so TrainingArguments'
+    # own --debug option can only be set in the YAML
+    parser = HfArgumentParser(ARG_CLASSES, description="SAR-SFT training for SPACE (python -m space.train).",
+                              epilog=f"--debug: {DEBUG_HELP} (TrainingArguments' debug option: set it in the YAML)")
     parser.add_argument("--config", help="YAML file; command-line flags override its keys")
     values = {}
     if known.config:
         with open(known.config) as f:
-            values = yaml.safe_load(f) or {}
+            try:
+                values = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:  # its own message spans lines: make it one, and name the file
+                raise ValueError(f"{known.config}: not valid YAML ({' '.join(str(e).split())})") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{known.config}: expected a mapping of config keys, got {type(values).__name__}")
         fields = {f.name for cls in ARG_CLASSES for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
         if unknown:
@@ -71,4 +91,31 @@ def parse_train_args(argv: list[str] | None = None):
     wants_help = any(a in ("-h", "--help") for a in rest)
     if not wants_help and "output_dir" not in values and not any(a.startswith("--output_dir") for a in rest):
         raise ValueError("missing config key: output_dir (set it in the YAML or pass --output_dir)")
-    return tuple(parser.parse_args_into_dataclasses(rest)[:4])
+    args = tuple(parser.parse_args_into_dataclasses(rest)[:4])
+    check_train_args(*args)
+    return args
+
+
+def check_train_args(model_args, data_args, mask_args, train_args) -> None:
+    """Range checks that need no model, so a typo fails before the model loads.
+
+    Raises:
+        ValueError: unknown mode or layout, mask_num outside 1..MAX_MASK_NUM, spans_per_sample,
+            limit or max_length too small, mask_prob outside [0, 1], or output_dir that is a file.
+    """
+    from .adapters import MODES  # here, not at the top: importing the config needs no model code
+    from .tokens import check_mask_num
+
+    if model_args.mode not in MODES:
+        raise ValueError(f"unknown mode {model_args.mode!r}; choose one of {MODES}")
+    if mask_args.layout not in ("efficient", "truncate"):
+        raise ValueError(f"unknown layout {mask_args.layout!r}; choose efficient or truncate")
+    check_mask_num(mask_args.mask_num)
+    for name, value, minimum in (("spans_per_sample", mask_args.spans_per_sample, 1),
+                                 ("limit", data_args.limit, 1), ("max_length", data_args.max_length, 2)):
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not 0 <= mask_args.mask_prob <= 1:
+        raise ValueError(f"mask_prob must lie in [0, 1], got {mask_args.mask_prob}")
+    if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
+        raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")

@@ -88,25 +88,24 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place.
 
-    The base of each frozen-base :class:`~space.adapters.GatedLoraLinear` is packed together with
-    its LoRA ``A``, so the gated update costs one small matmul instead of two linears (on SmolLM2,
-    the 210 unfused LoRA updates took ~40 ms of a ~130 ms SPACE step on a 2-core CPU).
+    A module with a ``base`` linear and a ``lora_a`` (r, in) weight (the frozen-base
+    ``space.adapters.GatedLoraLinear``) gets ``lora_a`` packed under W, so the gated update costs
+    one small matmul instead of two linears (on SmolLM2, the 210 unfused LoRA updates took ~40 ms
+    of a ~130 ms SPACE step on a 2-core CPU). Duck-typed, so this module imports nothing of ours.
 
     Returns:
         how many linears were packed (0 when the model is not fp32 on CPU or oneDNN is missing,
         so callers can pack unconditionally and report the number).
     """
-    from .adapters import GatedLoraLinear  # imported here: adapters imports this module
-
     if not packing_available():
         return 0
 
-    def packable(m: nn.Module) -> bool:
+    def packable(m: nn.Module | None) -> bool:
         return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
 
     count = 0
     for m in model.modules():
-        if isinstance(m, GatedLoraLinear) and packable(m.base):
+        if isinstance(getattr(m, "lora_a", None), torch.Tensor) and packable(getattr(m, "base", None)):
             m.base = PackedLinear(m.base, extra=m.lora_a)
             count += 1
     for name, m in list(model.named_modules()):
@@ -137,8 +136,11 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)  # the masks sdpa itself would get
+def register_attention() -> None:
+    """Register :data:`SDPA_GQA` with transformers (idempotent). Called when kernels are applied,
+    never at import, so ``import space`` leaves transformers' registries untouched."""
+    AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)  # the masks sdpa itself would get
 
 
 def optimize_for_cpu(model: nn.Module) -> dict:
@@ -152,6 +154,7 @@ def optimize_for_cpu(model: nn.Module) -> dict:
         return {"packed_linears": 0, "attention": model.config._attn_implementation}
     packed = pack_linears(model)
     if model.config._attn_implementation == "sdpa":
+        register_attention()
         model.set_attn_implementation(SDPA_GQA)
     return {"packed_linears": packed, "attention": model.config._attn_implementation}
 

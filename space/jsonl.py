@@ -1,4 +1,8 @@
-"""Append-only JSONL files that survive interruption: a torn last line is dropped on reread."""
+"""Append-only JSONL files that survive interruption: a torn last line is dropped on reread.
+
+Lines end at ``"\\n"`` only. ``json.dumps(..., ensure_ascii=False)`` writes U+2028, U+2029 and
+U+0085 raw inside strings, and ``str.splitlines`` would split a record there, so nothing here uses it.
+"""
 from __future__ import annotations
 
 import json
@@ -6,19 +10,34 @@ from pathlib import Path
 
 
 def read_jsonl_resumable(path: Path) -> list[dict]:
-    """Complete rows of ``path`` ([] when missing); rewrites the file without a torn last line."""
+    """Complete rows of ``path`` ([] when missing); rewrites the file without a torn last line.
+
+    Only the last line may be torn (an interrupted append); it is dropped, and the file rewritten
+    without it, so the next append starts on a fresh line.
+
+    Raises:
+        ValueError: a line other than the last is not valid JSON (file and line named): the file
+            was damaged some other way, and dropping that line would lose a record.
+    """
     if not path.is_file():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows, good = [], []
-    for line in lines:
+    for i, line in enumerate(lines):
+        if not line.strip():  # blank lines, and the "" after the final newline
+            continue
         try:
             rows.append(json.loads(line))
-            good.append(line if line.endswith("\n") else line + "\n")
-        except json.JSONDecodeError:
-            pass
-    if len(good) != len(lines):
-        path.write_text("".join(good), encoding="utf-8")
+            good.append(line)
+        except json.JSONDecodeError as e:
+            if i < last:
+                raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}); fix or delete the file") from None
+            # else: the torn last line of an interrupted write, dropped
+    good = "".join(line + "\n" for line in good)
+    if good != text:
+        path.write_text(good, encoding="utf-8")
     return rows
 
 

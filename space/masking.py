@@ -34,9 +34,14 @@ Columns left of ``|`` are cached tokens, right of it the block; ``o`` = may atte
 from __future__ import annotations
 
 import argparse
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from .cli import add_debug_flag, console
 
 IGNORE_INDEX = -100
 
@@ -202,6 +207,40 @@ def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     return out[:, None]
 
 
+_ROWS = threading.local()  # per thread: a plain attribute read, which torch.compile can trace
+
+
+@contextmanager
+def mask_rows(start: int) -> Iterator[None]:
+    """Declare that the model calls inside this block feed mask rows from row ``start`` on.
+
+    Every layout here puts the mask groups after the real rows, so one integer says which rows
+    are masks: rows ``start:`` of the block (``start = layout.num_real`` in a decode step, 0 for
+    the frozen-base trainer's mask-only pass). The frozen-base LoRA (DESIGN §3.6) reads it through
+    :func:`mask_rows_start` and updates only those rows; outside any such block it updates no
+    row, so a plain forward (AR, HF ``generate``) is exactly the base model.
+
+    The value is scoped to the calling thread and restored on exit (blocks may nest). It is
+    read, never written, during forward: no module keeps per-call state (STYLE.md item 13).
+
+    Raises:
+        ValueError: start < 0.
+    """
+    if start < 0:
+        raise ValueError(f"mask rows start at a row >= 0, got {start}")
+    previous = getattr(_ROWS, "start", None)
+    _ROWS.start = start
+    try:
+        yield
+    finally:
+        _ROWS.start = previous
+
+
+def mask_rows_start() -> int | None:
+    """The first mask row of the current :func:`mask_rows` block, None outside one."""
+    return getattr(_ROWS, "start", None)
+
+
 def render(layout: Layout) -> str:
     """ASCII drawing of a layout: one line per row (``o`` = may attend), with its position id."""
     names = ["x"] + [f"c{i}" for i in range(1, layout.num_real)]
@@ -219,9 +258,14 @@ def render(layout: Layout) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``space-layout``: print the decode or training layout for given sizes."""
-    p = argparse.ArgumentParser(description="Print a SPACE mask-token layout (DESIGN §3).")
+def main(argv: list[str] | None = None) -> str:
+    """``space-layout``: print the decode or training layout for given sizes; returns the drawing.
+
+    Raises:
+        ValueError: k < 1, more candidates than k (each comes from one mask), or sizes the layout
+            cannot hold (groups, cache length, span starts).
+    """
+    p = argparse.ArgumentParser(prog="space-layout", description="Print a SPACE mask-token layout (DESIGN §3).")
     p.add_argument("--mode", choices=["decode", "train", "truncate"], default="decode")
     p.add_argument("--mask-num", "-k", type=int, default=2, help="masks per group (k)")
     p.add_argument("--cache-len", type=int, default=2, help="decode: tokens in the KV cache (n-1)")
@@ -229,16 +273,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-groups", type=int, default=None, help="decode: groups attached (default m+1)")
     p.add_argument("--seq-len", type=int, default=6, help="train: sample length")
     p.add_argument("--spans", type=int, nargs="+", default=[2, 4], help="train: span starts s")
+    add_debug_flag(p)
     a = p.parse_args(argv)
+    if a.mask_num < 1:
+        raise ValueError(f"--mask-num (k) must be >= 1, got {a.mask_num}")
     if a.mode == "decode":
         m = a.mask_num if a.num_candidates is None else a.num_candidates
+        if not 0 <= m <= a.mask_num:  # candidates are the drafts of the k masks of one group
+            raise ValueError(f"--num-candidates must lie in 0..k = 0..{a.mask_num}, got {m}")
         lay = decode_layout(a.cache_len, m, m + 1 if a.num_groups is None else a.num_groups, a.mask_num)
     elif a.mode == "train":
         lay = train_layout(a.seq_len, a.spans, a.mask_num)
     else:
         lay = truncate_layout(a.spans[0], a.mask_num)
-    print(render(lay))
+    text = render(lay)
+    print(text)
+    return text
 
+
+cli = console("space-layout", main)
 
 if __name__ == "__main__":
-    main()
+    cli()

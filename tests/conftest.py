@@ -1,8 +1,10 @@
 import pytest
 import torch
 
+from space.data.collator import SpaceCollator
 from space.models import tiny_random_llama
 from space.tokens import add_mask_tokens
+from space.train.loss import space_loss
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +21,55 @@ def tiny_untied():
     model, tok = tiny_random_llama(seed=1, tie_word_embeddings=False)
     spec = add_mask_tokens(model, tok, mask_num=8)
     return model, tok, spec
+
+
+class CycleLanguage:
+    """A synthetic language: walk a fixed cycle of tokens, jumping to a random place 10 % of the
+    time. A model trained on it is mostly predictable (long accepts) but not always (rejections)."""
+
+    def __init__(self, tokens: list[int], seed: int = 0):
+        self.tokens, self.gen = tokens, torch.Generator().manual_seed(seed)
+
+    def sample(self, n: int) -> list[int]:
+        i, out = int(torch.randint(len(self.tokens), (1,), generator=self.gen)), []
+        while len(out) < n:
+            out.append(self.tokens[i])
+            i = (i + 1) % len(self.tokens)
+            if torch.rand(1, generator=self.gen) < 0.1:
+                i = int(torch.randint(len(self.tokens), (1,), generator=self.gen))
+        return out
+
+
+def train_drafter(model, spec, language: CycleLanguage, k: int, steps: int, seq_len: int = 48, lr: float = 3e-3):
+    """SAR-SFT in full mode for a few seconds on ``language``: the masks learn to draft it."""
+    collator = SpaceCollator(spec.ids_for(k), k, pad_id=0, spans_per_sample=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        batch = collator([{"input_ids": language.sample(seq_len), "prompt_len": 1, "idx": step * 16 + b}
+                          for b in range(16)])
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       attention_mask=batch["attention_mask"]).logits
+        loss, _ = space_loss(logits, batch["labels"], batch["mask_offset"], 1.0, k)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+TRAINED_K = 4
+
+
+@pytest.fixture(scope="session")
+def trained():
+    """(model, tokenizer, MaskSpec, CycleLanguage): a tiny Llama (ordinary init) whose k=4 mask
+    drafts are usually right on its language (~4.4 tokens/step with k+1 groups), trained in
+    about 10 s. Exactness tests on it compare SPACE with AR at high acceptance, not AR with AR."""
+    torch.set_num_threads(2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model, tok = tiny_random_llama(seed=3)
+        spec = add_mask_tokens(model, tok, mask_num=TRAINED_K)
+        cycle = (11 + torch.randperm(200, generator=torch.Generator().manual_seed(0))[:40]).tolist()
+        train_drafter(model, spec, CycleLanguage(cycle, seed=0), TRAINED_K, steps=200)
+    return model, tok, spec, CycleLanguage(cycle, seed=1)

@@ -6,10 +6,12 @@ import torch
 from torch import nn
 
 from space.adapters import fuse_frozen_base, prepare_model
-from space.cpu_kernels import SDPA_GQA, PackedLinear, apply_kernels, optimize_for_cpu, packing_available
-from space.decoding import SpaceDecoder, ar_generate
-from space.masking import to_additive_4d
+from space.cpu_kernels import (SDPA_GQA, PackedLinear, apply_kernels, optimize_for_cpu, packing_available,
+                               register_attention)
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.masking import mask_rows, to_additive_4d
 from space.models import load_model
+from space.tokens import add_mask_tokens
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
 
@@ -56,13 +58,14 @@ def test_greedy_exact_on_optimized_model(tiny, k):
         stock = ar_generate(model, prompt, max_new, stop_token_ids=[10], suppress_ids=spec.token_ids)
         assert ar.new_ids == stock.new_ids
         for groups in (1, k + 1):
-            out = SpaceDecoder(fast, spec, k, groups).generate(prompt, max_new, stop_token_ids=[10])
+            out = SpaceDecoder(fast, spec, DecodeConfig(k, groups)).generate(prompt, max_new, stop_token_ids=[10])
             assert out.new_ids == ar.new_ids, (k, groups, prompt.tolist(), max_new)
 
 
 def test_gqa_attention_equals_sdpa_with_a_4d_mask(tiny):
     model, _, _ = tiny
     fast = copy.deepcopy(model)
+    register_attention()
     fast.set_attn_implementation(SDPA_GQA)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(11, 250, (1, 12), generator=gen)
@@ -78,8 +81,9 @@ def test_gqa_attention_equals_sdpa_with_a_4d_mask(tiny):
 
 
 def test_packed_frozen_base_equals_unpacked():
-    """A frozen-base model's packed layers (LoRA A packed under W) give the unpacked logits, on a
-    SPACE-like block (masks last: the one-gemm path) and with a real token among the masks."""
+    """A frozen-base model's packed layers (LoRA A packed under W) give the unpacked logits on a
+    SPACE block (mask rows last, declared with ``mask_rows``), batch 1 (the one-gemm path) and 2;
+    real rows stay the base model's, bit for bit, and the update really reaches the mask rows."""
     model, tok = load_model("tiny-random-llama")
     model, spec = prepare_model(model, tok, "frozen-base", 3)
     for name, p in model.named_parameters():
@@ -88,8 +92,17 @@ def test_packed_frozen_base_equals_unpacked():
     fused = fuse_frozen_base(model)
     fast = copy.deepcopy(fused)
     assert optimize_for_cpu(fast)["packed_linears"] == 15
+    base, _ = load_model("tiny-random-llama")
+    add_mask_tokens(base, tok, 3)
     mask = spec.token_ids[0]
     with torch.no_grad():
-        for block in ([5, 6, 7, 8, mask, mask, mask], [5, 6, 7, 8, mask, mask, mask, 9, mask, mask], [5, 6, 7]):
-            ids = torch.tensor([block])
-            assert torch.allclose(fast(input_ids=ids).logits, fused(input_ids=ids).logits, atol=1e-5), block
+        for batch in (1, 2):
+            ids = torch.tensor([[5, 6, 7, 8, mask, mask, mask]] * batch)
+            with mask_rows(4):
+                got, want = fast(input_ids=ids).logits, fused(input_ids=ids).logits
+            assert torch.allclose(got, want, atol=1e-5)
+            plain = base(input_ids=ids).logits
+            assert torch.equal(want[:, :4], plain[:, :4])  # real rows: exactly the base
+            assert not torch.allclose(want[:, 4:], plain[:, 4:], atol=1e-3)  # mask rows: updated
+            # outside a mask_rows block no row is updated (AR, HF generate): the base model exactly
+            assert torch.equal(fused(input_ids=ids).logits, plain)

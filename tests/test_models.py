@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from space.decoding import SpaceDecoder, ar_generate
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.models import SMOLLM2, load_model
 from space.tokens import MAX_MASK_NUM, add_mask_tokens, check_mask_num, mask_spec
 
@@ -63,7 +63,7 @@ def test_real_smollm2_loads_and_decodes_python():
                                    tokenize=False, add_generation_prompt=True)
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
     ar = ar_generate(model, ids, 24, stop_token_ids=[tok.eos_token_id], suppress_ids=spec.token_ids)
-    out = SpaceDecoder(model, spec, 4).generate(ids, 24, stop_token_ids=[tok.eos_token_id])
+    out = SpaceDecoder(model, spec, DecodeConfig(4)).generate(ids, 24, stop_token_ids=[tok.eos_token_id])
     assert out.new_ids == ar.new_ids
     code = tok.decode(out.new_ids, skip_special_tokens=True)
     assert code.strip() and any(w in code for w in ("def", "return", "for", "```", "(")), code

@@ -3,9 +3,12 @@
 Batch layout, for both training passes: ``[real tokens, right-padded to T][mask rows, padded to M]``.
 The frozen-base trainer runs columns ``:T`` without gradients into a KV cache and then the mask
 rows ``T:`` with gradients; the other modes run the whole block in one forward pass.
+A mask row's position id (e + j) is also the real row whose LM head predicts the same target
+(e + j + 1): the frozen-base teacher (``mask_target: teacher``) reads the base's distribution there.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +28,10 @@ class SpaceCollator:
         spans_per_sample: G, mask groups per sample in the efficient layout.
         layout: "efficient" (default) or "truncate" (the paper's, one span, sample cut at it).
         seed: spans are drawn from (seed, epoch, sample idx): fresh every epoch, repeatable.
+        span_density: dense supervision (efficient layout): when > 0, a sample with A eligible
+            anchors (answer positions s with a target, see ``draw_spans``) gets
+            ceil(span_density * A) groups instead of ``spans_per_sample``; 1.0 anchors a group at
+            every answer position. 0 (default): off.
 
     Returns (``__call__``), with B samples, T real and M mask columns:
         input_ids, position_ids, labels, mask_offset: (B, T+M) long; labels are per-row targets
@@ -41,6 +48,7 @@ class SpaceCollator:
     layout: str = "efficient"
     seed: int = 0
     epoch: int = field(default=0)
+    span_density: float = 0.0
 
     def __post_init__(self):
         if self.layout not in ("efficient", "truncate"):
@@ -49,6 +57,10 @@ class SpaceCollator:
             raise ValueError(f"mask_num (k) must be >= 1, got {self.mask_num}")
         if not 0 <= self.mask_prob <= 1 or self.spans_per_sample < 1:
             raise ValueError("need 0 <= mask_prob <= 1 and spans_per_sample >= 1")
+        if not 0 <= self.span_density <= 1:
+            raise ValueError(f"span_density must lie in [0, 1] (0 = off, 1 = every answer position), got {self.span_density}")
+        if self.span_density and self.layout != "efficient":
+            raise ValueError("span_density needs the efficient layout (the truncate layout has one span per sample)")
 
     def draw_spans(self, length: int, prompt_len: int, idx: int) -> list[int]:
         """Span starts s for one sample: s in [max(prompt_len, 1), length-2], so mask 0's target
@@ -57,7 +69,10 @@ class SpaceCollator:
         lo, hi = max(prompt_len, 1), length - 2
         if hi < lo or torch.rand(1, generator=gen).item() >= self.mask_prob:
             return []
-        n = min(self.spans_per_sample if self.layout == "efficient" else 1, hi - lo + 1)
+        if self.span_density:
+            n = math.ceil(self.span_density * (hi - lo + 1))
+        else:
+            n = min(self.spans_per_sample if self.layout == "efficient" else 1, hi - lo + 1)
         return sorted((lo + torch.randperm(hi - lo + 1, generator=gen)[:n]).tolist())
 
     def __call__(self, features: list[dict]) -> dict:

@@ -50,7 +50,15 @@ class Example:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a .json (list) or .jsonl file. Raises FileNotFoundError / ValueError (file:line)."""
+    """Rows of a .json (list) or .jsonl file.
+
+    JSONL lines end at ``"\n"`` only: U+2028, U+2029 and U+0085, which ``str.splitlines`` would
+    also split at, are ordinary characters inside a JSON string.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: invalid JSON (file and line named), a .json that is not a list, or no rows at all.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
     text = path.read_text(encoding="utf-8")
@@ -61,14 +69,16 @@ def read_rows(path: Path) -> list[dict]:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of rows")
-        return rows
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    else:
+        rows = []
+        for n, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    if not rows:
+        raise ValueError(f"{path}: the file is empty (no rows)")
     return rows
 
 

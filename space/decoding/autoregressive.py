@@ -1,13 +1,12 @@
 """The fair baseline: a plain cached AR loop with the same conventions as the SPACE decoder."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 
 import torch
 from transformers import DynamicCache
 
-from .result import DecodeResult, check_prompt
+from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
 
 
@@ -33,15 +32,15 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     device = model.device
     res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
-    gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+    gen = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     cache = DynamicCache(config=model.config)
     step_in = ids[None].to(device)
     while True:
-        t0 = time.perf_counter()
+        t0 = clock(device)
         logits = model(input_ids=step_in, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
         if suppress.numel():
             logits[:, suppress] = float("-inf")
-        token = logits.argmax(-1) if sampling.greedy else sample(logits_to_probs(logits, sampling).cpu(), gen)
-        if res.emit([int(token)], time.perf_counter() - t0):
+        token = logits.argmax(-1) if sampling.greedy else sample(logits_to_probs(logits, sampling), gen)
+        if res.emit(token.tolist(), clock(device) - t0):  # the step's one host copy
             return res
-        step_in = token.view(1, 1).to(device)
+        step_in = token.view(1, 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,9 @@ class DecodeResult:
     Attributes:
         prompt_len: tokens in the prompt.
         new_ids: generated token ids (EOS included when it stopped the generation).
-        accept_lengths: per SPACE step, candidates accepted (0..k), bonus not counted; empty for AR.
+        accept_lengths: per SPACE step, candidates accepted (0..m), bonus not counted; empty for AR.
+        step_candidates: per SPACE step, candidates it verified (m: 0 on a turn's first step, and
+            after an accept that left no mask group to draft from); empty for AR.
         step_tokens: per step (one target forward pass that emits tokens), tokens emitted (1..k+1).
         step_times: per step, wall time in s; ``step_times[0]`` includes the prefill.
         stop_reason: "eos" or "length".
@@ -26,12 +29,19 @@ class DecodeResult:
     on_tokens: Callable[[list[int]], None] | None = None
     new_ids: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
+    step_candidates: list[int] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     stop_reason: str | None = None
 
-    def emit(self, tokens: list[int], seconds: float, accepted: int | None = None) -> bool:
+    def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
+             candidates: int | None = None) -> bool:
         """Record one step's tokens, cut at the first stop token and at max_new_tokens.
+
+        Args:
+            tokens: the step's tokens (accepted candidates and the bonus).
+            seconds: the step's wall time in s.
+            accepted, candidates: SPACE steps only: a, and the m candidates verified.
 
         Returns:
             True when generation is finished.
@@ -49,6 +59,7 @@ class DecodeResult:
         self.step_times.append(seconds)
         if accepted is not None:
             self.accept_lengths.append(accepted)
+            self.step_candidates.append(candidates)
         if self.on_tokens is not None and kept:
             self.on_tokens(kept)
         return self.stop_reason is not None
@@ -76,12 +87,19 @@ class DecodeResult:
         return torch.tensor(self.new_ids, dtype=torch.long)
 
 
-def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, context: int, reserve: int = 0) -> torch.Tensor:
+def clock(device: torch.device) -> float:
+    """A monotonic time in s that counts the device's queued work (CUDA is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, context: int) -> torch.Tensor:
     """Validate a batch-1 prompt; returns (seq,) long ids.
 
     Raises:
-        ValueError: batch > 1, empty prompt, max_new_tokens < 1, or prompt + max_new_tokens
-            (+ ``reserve`` positions a SPACE step needs beyond the output) over the context.
+        ValueError: batch > 1, empty prompt, max_new_tokens < 1, or prompt + max_new_tokens over
+            the context (the message names both lengths).
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 2:
@@ -92,10 +110,8 @@ def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, conte
         raise ValueError("empty prompt: pass at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    need = ids.numel() + max_new_tokens + reserve
+    need = ids.numel() + max_new_tokens
     if need > context:
-        raise ValueError(f"prompt ({ids.numel()}) + max_new_tokens ({max_new_tokens})"
-                         + (f" + {reserve} draft positions" if reserve else "")
-                         + f" = {need} exceeds the model context {context}; shorten the prompt or lower"
-                         + " max_new_tokens" + (" or mask_num" if reserve else ""))
+        raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
+                         f"the model context {context}; shorten the prompt or lower max_new_tokens")
     return ids

@@ -14,6 +14,13 @@ The LM head runs on the m+1 verification rows, then on the chosen group's rows; 
 row when that wastes few rows (one read of the head's weight instead of two). Greedy output is
 token-for-token the AR greedy output of the same weights.
 
+Device work: tokens, candidates, draft distributions and the sampling generator live on the
+model's device, and the layout's tensors are built once per shape and kept there. A step copies
+to the host once (the accept length and the tokens to emit), which the cache crop needs anyway.
+
+Near the end of the context the step shrinks instead of refusing: no row is placed at a position
+>= the model's context (fewer candidates, shorter mask groups, at the very end no group).
+
 Optional prompt lookup (``lookup_tokens``, our addition): after each step, when the last n-gram of
 the text so far (prompt + output) occurred earlier, the tokens that followed it replace the mask
 drafts as the next candidates (transformers' ``PromptLookupCandidateGenerator`` finds them). Any
@@ -23,16 +30,17 @@ candidate's draft distribution q is one-hot.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..masking import decode_layout, to_additive_4d
+from ..masking import decode_layout, mask_rows, to_additive_4d
 from ..tokens import MaskSpec, check_mask_num
-from .result import DecodeResult, check_prompt
+from .config import DecodeConfig
+from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .verify import verify_greedy, verify_rejection
 
@@ -44,6 +52,41 @@ def crop_cache(cache: DynamicCache, keep: int) -> None:
         cache.crop(-drop)
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """The device tensors of one decode-step shape, relative to the cache length L.
+
+    Attributes:
+        num_real: 1 + m (x_{n-1} and the candidates).
+        k: masks per attached group in this step.
+        groups: groups attached (0 at the very end of the context).
+        mask_ids: (groups * k,) the mask tokens of the block's tail.
+        position_ids: (q,) position of each row minus L.
+        block_mask: (1, 1, q, q) additive mask of the rows among themselves (they all see the cache).
+    """
+
+    num_real: int
+    k: int
+    groups: int
+    mask_ids: torch.Tensor
+    position_ids: torch.Tensor
+    block_mask: torch.Tensor
+
+    def attention_mask(self, cache_len: int) -> torch.Tensor:
+        """(1, 1, q, cache_len + q) additive 4-D mask for a cache of ``cache_len`` tokens."""
+        q = self.block_mask.shape[-1]
+        return torch.cat([self.block_mask.new_zeros(1, 1, q, cache_len), self.block_mask], dim=-1)
+
+    def draft_rows(self, a: int) -> slice:
+        """Rows of the next candidates after a accepted: mask j of G_g proposes position n+g+1+j,
+        so from G_g (g = min(a, deepest group)) the masks from offset a-g on (DESIGN §3.5)."""
+        if self.groups == 0:
+            return slice(0, 0)
+        g = min(a, self.groups - 1)
+        start = self.num_real + g * self.k
+        return slice(start + a - g, start + self.k)
+
+
 class SpaceDecoder:
     """SPACE decoding for a HF causal LM with mask tokens (batch size 1).
 
@@ -51,34 +94,30 @@ class SpaceDecoder:
         model: a ``LlamaForCausalLM``-like model whose vocabulary contains the mask token(s) of
             ``mask`` (``space.adapters.load_space`` gives one; a peft model is unwrapped).
         mask: the model's MaskSpec (``space.tokens.mask_spec``).
-        mask_num: k, candidates drafted per step (1..MAX_MASK_NUM).
-        num_groups: mask groups attached per step, 1..k+1 (default k+1, the paper's layout);
-            fewer groups make a step cheaper, drafts after a long accept get staler.
-        lookup_tokens: 0 (default) for pure SPACE; else up to this many prompt-lookup candidates
-            per step when the text's last n-gram recurs (see the module docstring).
-        lookup_ngram: longest n-gram matched by prompt lookup.
+        config: the step layout (k, groups, prompt lookup). None: the model's recorded layout
+            (``model.config.space_decode``, set by ``load_space`` from the adapter's
+            ``space_config.json``), else k = the trained k (see ``DecodeConfig.of_model``).
 
     Raises:
-        ValueError: k, num_groups, lookup_tokens or lookup_ngram out of range.
+        ValueError: k larger than the model's per-offset mask tokens (mask_diff).
     """
 
-    def __init__(self, model, mask: MaskSpec, mask_num: int = 5, num_groups: int | None = None,
-                 lookup_tokens: int = 0, lookup_ngram: int = 2):
-        check_mask_num(mask_num, mask)
-        num_groups = mask_num + 1 if num_groups is None else num_groups
-        if not 1 <= num_groups <= mask_num + 1:
-            raise ValueError(f"num_groups must lie in 1..{mask_num + 1} (k+1), got {num_groups}")
-        if lookup_tokens < 0 or lookup_ngram < 1:
-            raise ValueError(f"lookup_tokens must be >= 0 and lookup_ngram >= 1, got {lookup_tokens}, {lookup_ngram}")
+    def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
+        check_mask_num(self.config.mask_num, mask)
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
-        self.mask, self.k, self.num_groups = mask, mask_num, num_groups
-        self.mask_ids = mask.ids_for(mask_num)
-        self.config = base.config
-        self.lookup_tokens = lookup_tokens
+        self.mask, self.k, self.num_groups = mask, self.config.mask_num, self.config.groups
+        self.context = base.config.max_position_embeddings
+        self.model_config = base.config
+        self.device = self.head.weight.device
+        self.mask_ids = mask.ids_for(self.k).to(self.device)
+        self.suppress = torch.tensor(mask.token_ids, device=self.device)
+        self.lookup_tokens = self.config.lookup_tokens
         self.lookup = PromptLookupCandidateGenerator(
-            num_output_tokens=lookup_tokens, max_matching_ngram_size=lookup_ngram,
-            max_length=self.config.max_position_embeddings) if lookup_tokens else None
+            num_output_tokens=self.lookup_tokens, max_matching_ngram_size=self.config.lookup_ngram,
+            max_length=self.context) if self.lookup_tokens else None
+        self._layouts: dict[tuple[int, int, int], StepLayout] = {}
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
@@ -88,7 +127,8 @@ class SpaceDecoder:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ((seq,) or (1, seq)).
 
         Args:
-            sampling: greedy when temperature is 0, else exact speculative sampling.
+            sampling: greedy when temperature is 0, else exact speculative sampling (seeded
+                generator on the model's device).
             stop_token_ids: generation ends after the first of these.
             on_tokens: streaming callback, called with each step's new tokens.
             draft_override: greedy only, for tests and ablations: called with (tokens generated so
@@ -96,77 +136,91 @@ class SpaceDecoder:
                 It is applied after prompt lookup.
 
         Returns:
-            DecodeResult with the new ids and per-step statistics.
+            DecodeResult with the new ids and per-step statistics (times in s).
 
         Raises:
-            ValueError: empty prompt, batch > 1, or prompt + max_new_tokens + 2k over the context.
+            ValueError: empty prompt, batch > 1, or prompt + max_new_tokens over the context.
         """
-        ids = check_prompt(input_ids, max_new_tokens, self.config.max_position_embeddings,
-                           reserve=self.k + max(self.k, self.lookup_tokens))
-        device = self.head.weight.device
+        ids = check_prompt(input_ids, max_new_tokens, self.context)
         res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
-        gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
-        cache = DynamicCache(config=self.config)
-        t0 = time.perf_counter()
+        gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
+        cache = DynamicCache(config=self.model_config)
+        t0 = clock(self.device)
+        ids = ids.to(self.device)
         if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
-            self.decoder(input_ids=ids[None, :-1].to(device), past_key_values=cache, use_cache=True)
-        prefill_s = time.perf_counter() - t0
-        last = int(ids[-1])
-        cands = torch.empty(0, dtype=torch.long)
-        q = None  # (m, vocab) draft distributions of cands, when sampling
-        seq = ids.tolist()  # prompt + output so far, for prompt lookup
+            self.decoder(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True)
+        prefill_s = clock(self.device) - t0
+        last, cands, q = ids[-1:], ids.new_empty(0), None  # q: (m, vocab) draft distributions, sampling
+        seq = ids.tolist() if self.lookup is not None else []  # prompt + output, for prompt lookup
         while True:
-            t0 = time.perf_counter()
+            t0 = clock(self.device)
+            m = cands.numel()
             last, cands, q, emitted, a = self._step(cache, last, cands, q, sampling, gen)
             if self.lookup is not None:
                 seq.extend(emitted)
                 cands, q = self._lookup(seq, cands, q, sampling)
-            if res.emit(emitted, time.perf_counter() - t0 + prefill_s, accepted=a):
+            if res.emit(emitted, clock(self.device) - t0 + prefill_s, accepted=a, candidates=m):
                 return res
             if draft_override is not None and sampling.greedy:
-                cands = torch.as_tensor(draft_override(res.new_ids, cands), dtype=torch.long)[: self.k]
+                cands = torch.as_tensor(draft_override(res.new_ids, cands.cpu()), dtype=torch.long)[: self.k]
+                cands = cands.to(self.device)
             prefill_s = 0.0
 
-    def _step(self, cache, last: int, cands: torch.Tensor, q, sampling: SamplingConfig, gen):
-        """One forward pass. Returns (bonus, next candidates, their q, emitted tokens, accepted a)."""
-        device = self.head.weight.device
-        m, L = cands.numel(), cache.get_seq_length()
-        # 1. build the layout: x_{n-1}, m candidates, groups on x_{n-1} and the first candidates
-        lay = decode_layout(L, m, min(self.num_groups, m + 1), self.k)
-        block = lay.input_ids(torch.cat([torch.tensor([last]), cands]), self.mask_ids).to(device)
-        # 2. one forward pass of the decoder (no LM head yet)
-        hidden = self.decoder(input_ids=block[None], position_ids=lay.position_ids[None].to(device),
-                              attention_mask=to_additive_4d(lay.allowed, self.head.weight.dtype).to(device),
-                              past_key_values=cache, use_cache=True).last_hidden_state[0]  # (q, hidden)
-        # 3. verify the candidates on the m+1 verification rows. The LM head's cost is mostly one
-        # read of its (vocab, hidden) weight, so when few rows would be wasted, run it once on
-        # every row (drafts included) rather than twice (SmolLM2 head on a 2-core CPU: 12 ms for
-        # 1 row, 27 ms for 4, 37 ms for 10)
-        logits = self._logits(hidden) if lay.num_rows <= 2 * (m + 1 + self.k) else None
+    def _step(self, cache, last: torch.Tensor, cands: torch.Tensor, q, sampling: SamplingConfig, gen):
+        """One forward pass. Returns (bonus (1,), next candidates (m',), their q, emitted tokens, a)."""
+        L = cache.get_seq_length()  # n - 1
+        cands = cands[: self.context - L - 1]  # candidate c_i sits at position n-1+i < context
+        q = None if q is None else q[: cands.numel()]
+        m = cands.numel()
+        lay = self._layout(m, L)
+        block = torch.cat([last, cands, lay.mask_ids])
+        with mask_rows(lay.num_real):  # rows num_real: are the mask groups (a frozen-base LoRA acts there)
+            hidden = self.decoder(input_ids=block[None], position_ids=(lay.position_ids + L)[None],
+                                  attention_mask=lay.attention_mask(L), past_key_values=cache,
+                                  use_cache=True).last_hidden_state[0]  # (q, hidden)
+        # The LM head's cost is mostly one read of its (vocab, hidden) weight, so when few rows
+        # would be wasted, run it once on every row (drafts included) rather than twice.
+        logits = self._logits(hidden) if hidden.shape[0] <= 2 * (m + 1 + lay.k) else None
         target = logits[: m + 1] if logits is not None else self._logits(hidden[: m + 1])  # (m+1, vocab)
         if sampling.greedy:
-            a, bonus = verify_greedy(target, cands.to(device))
+            a, bonus = verify_greedy(target, cands)
         else:
-            a, bonus = verify_rejection(logits_to_probs(target, sampling).cpu(), q, cands, gen)
-        # 4. emit accepted + bonus; 5. crop the cache to x_{n-1}, c_1..c_a
-        emitted = cands[:a].tolist() + [bonus]
+            p = logits_to_probs(target, sampling)
+            a, bonus = verify_rejection(p, q if q is not None else p[:0], cands, gen)
+        a, *tokens = torch.cat([a.view(1), cands, bonus.view(1)]).tolist()  # the step's one host copy
+        emitted = tokens[:a] + tokens[-1:]
         crop_cache(cache, L + 1 + a)
-        # 6. next drafts from G_a, or shifted from the deepest attached group (DESIGN §3.5)
-        g = min(a, lay.group_ctx.numel() - 1)
-        rows = lay.group_rows(g)[a - g:].to(device)  # mask j of G_g proposes position n+g+1+j
+        rows = lay.draft_rows(a)
+        if rows.stop <= rows.start:  # no group left to draft from: the next step has no candidate
+            return bonus.view(1), cands[:0], None, emitted, a
         draft_logits = logits[rows] if logits is not None else self._logits(hidden[rows])  # (<=k, vocab)
-        if not rows.numel():  # all k accepted with only G_0 attached: next step drafts afresh
-            return bonus, rows, None, emitted, a
         if sampling.greedy:
-            return bonus, draft_logits.argmax(-1).cpu(), None, emitted, a
-        q_next = logits_to_probs(draft_logits, sampling).cpu()
-        return bonus, sample(q_next, gen), q_next, emitted, a
+            return bonus.view(1), draft_logits.argmax(-1), None, emitted, a
+        q_next = logits_to_probs(draft_logits, sampling)
+        return bonus.view(1), sample(q_next, gen), q_next, emitted, a
+
+    def _layout(self, m: int, cache_len: int) -> StepLayout:
+        """The step's layout, built once per (m, k, groups) and cached on the device. Near the end
+        of the context, groups get shorter so no mask row reaches position ``context``."""
+        k = max(0, min(self.k, self.context - cache_len - 1 - m))  # G_m's last mask at n+m+k-1
+        groups = min(self.num_groups, m + 1) if k else 0
+        key = (m, k, groups)
+        if key not in self._layouts:
+            lay = decode_layout(0, m, groups, k) if groups else None
+            ids = self.mask_ids[:k] if self.mask_ids.numel() > 1 else self.mask_ids.expand(k)
+            pos = lay.position_ids if lay else torch.arange(1 + m)
+            allowed = lay.allowed if lay else torch.ones(1 + m, 1 + m, dtype=torch.bool).tril()
+            self._layouts[key] = StepLayout(
+                1 + m, k, groups, ids.repeat(groups), pos.to(self.device),
+                to_additive_4d(allowed, self.head.weight.dtype).to(self.device))
+        return self._layouts[key]
 
     def _lookup(self, seq: list[int], cands: torch.Tensor, q, sampling: SamplingConfig):
         """Prompt-lookup candidates for the next step when the last n-gram recurs, else the drafts."""
         found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):]
         if not found.numel():
             return cands, q
+        found = found.to(self.device)
         if sampling.greedy:
             return found, None
         return found, torch.nn.functional.one_hot(found, self.head.weight.shape[0]).float()
@@ -174,5 +228,5 @@ class SpaceDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on selected rows only, mask tokens suppressed: (rows, hidden) -> (rows, vocab)."""
         logits = self.head(hidden).float()
-        logits[:, list(self.mask.token_ids)] = float("-inf")
+        logits[:, self.suppress] = float("-inf")
         return logits

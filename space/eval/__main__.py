@@ -11,16 +11,16 @@ import argparse
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
 import transformers
 
 from ..adapters import git_commit, load_space
+from ..cli import add_debug_flag, console
 from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
-from ..decoding import SamplingConfig, SpaceDecoder
-from ..models import SMOLLM2
+from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
+from ..models import SMOLLM2, parse_dtype
 from .bench import METHODS, Target, run_bench
 from .report import write_reports
 from .tasks import DATASETS, load_tasks
@@ -31,14 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help=f"alias ({SMOLLM2}, tiny-random-llama) or local HF directory; "
                    "default: the adapter's base, else " + SMOLLM2)
-    p.add_argument("--adapter", default=None, help="a lora / frozen-base SPACE adapter directory")
+    p.add_argument("--adapter", default=None, help="a lora / frozen-base SPACE adapter directory ('none': no adapter)")
     p.add_argument("--dataset", default="humaneval", help=f"one of {', '.join(DATASETS)} or a .jsonl file")
     p.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data or $SPACE_DATA)")
     p.add_argument("--limit", type=int, default=None, help="first N questions (default all)")
-    p.add_argument("--mask-num", type=int, default=None, help="k drafts per step (default: the adapter's k, else 5)")
-    p.add_argument("--num-groups", type=int, default=None, help="mask groups per step, 1..k+1 (default k+1)")
-    p.add_argument("--lookup-tokens", type=int, default=0,
-                   help="space: also try up to N prompt-lookup candidates per step when an n-gram recurs (0 = pure SPACE)")
+    p.add_argument("--mask-num", type=int, default=None,
+                   help="k drafts per step (default: the adapter's tuned layout, space_config.json 'decode')")
+    p.add_argument("--num-groups", type=int, default=None,
+                   help="mask groups per step, 1..k+1 (default: the adapter's tuned layout, else k+1)")
+    p.add_argument("--lookup-tokens", type=int, default=None,
+                   help="space: also try up to N prompt-lookup candidates per step when an n-gram recurs "
+                        "(default: the adapter's tuned layout, else 0 = pure SPACE)")
     p.add_argument("--methods", default="ar,hf,pld,space", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -53,69 +56,144 @@ def build_parser() -> argparse.ArgumentParser:
                         "(space/cpu_kernels.py); stock: transformers' own kernels")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
+    add_debug_flag(p)
     return p
 
 
-# settings that shape every sample: a folder's samples are only resumed under the same values
-RESUME_KEYS = ("model", "adapter", "dataset", "mask_num", "num_groups", "lookup_tokens", "max_new_tokens",
-               "temperature", "top_p", "top_k", "seed", "dtype", "kernels")
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Check the arguments that need no model (so a typo fails in a second, not after loading).
+
+    Returns:
+        the methods, in order.
+
+    Raises:
+        ValueError: unknown or repeated method, a count below its minimum, num_samples > 1 when
+            greedy, an unknown dtype or device, a CUDA/MPS device this torch cannot use, or
+            ``--out`` that is a file.
+    """
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise ValueError(f"unknown method(s) {bad}; choose from {METHODS}")
+    if len(set(methods)) != len(methods):  # each (question, method) is one record: twice would duplicate it
+        raise ValueError(f"--methods lists a method twice: {args.methods!r}")
+    for name, minimum in (("mask_num", 1), ("num_groups", 1), ("max_new_tokens", 1), ("num_samples", 1),
+                          ("threads", 1), ("lookup_tokens", 0)):
+        value = getattr(args, name)
+        if value is not None and value < minimum:  # None: the default (the adapter's, torch's)
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+    if args.num_samples > 1 and args.temperature == 0:
+        raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    parse_dtype(args.dtype)
+    check_device(args.device)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; pass a folder")
+    return methods
+
+
+def check_device(device: str) -> None:
+    """Raises ValueError for a device string torch does not know, or one this machine lacks."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is usable here (torch {torch.__version__}"
+                         f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
+
+
+def make_out(out: Path) -> Path:
+    """Create the output folder. Raises PermissionError (not writable) or FileExistsError (a file on the path)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK):
+        raise PermissionError(f"--out {out} is not writable")
+    return out
+
+
+def machine(device: str) -> str:
+    """The machine record: CPU architecture and cores, plus the GPU's name on CUDA."""
+    desc = f"{platform.machine()} {os.cpu_count()} cores"
+    if torch.device(device).type == "cuda":
+        desc += f", {torch.cuda.get_device_name(torch.device(device))}"
+    return desc
+
+
+# settings that shape every sample: a folder's samples are only resumed under the same values.
+# Not the code commit: a run may resume under newer code, and meta["commits"] lists every commit.
+RESUME_KEYS = ("model", "adapter", "dataset", "methods", "num_samples", "mask_num", "num_groups", "lookup_tokens",
+               "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "kernels")
 
 
 def check_resume(out: Path, meta: dict) -> None:
     """Record the run's settings in ``out/run_config.json``; refuse to mix in samples made otherwise.
 
+    ``meta["commits"]`` becomes the list of every code commit that wrote samples in ``out`` (the
+    recorded list, plus the current commit when it is new).
+
     Raises:
-        ValueError: ``out`` holds samples whose recorded settings (run_config.json, or the meta of
-            an older summary.json) differ from ``meta`` in a RESUME_KEYS entry.
+        ValueError: ``out`` holds samples but no record of their settings (run_config.json, or the
+            meta of an older summary.json), or settings that differ from ``meta`` in a RESUME_KEYS entry.
     """
     recorded = next((out / name for name in ("run_config.json", "summary.json") if (out / name).is_file()), None)
-    if recorded is not None and (out / "samples.jsonl").is_file():
+    if (out / "samples.jsonl").is_file():
+        if recorded is None:
+            raise ValueError(f"{out} holds samples.jsonl but no run_config.json saying how they were made; "
+                             "use another --out, or delete the folder to start over")
         old = json.loads(recorded.read_text())
         old = {"lookup_tokens": 0, **old.get("meta", old)}  # runs from before the option were pure SPACE
         diff = {k: (old.get(k), meta[k]) for k in RESUME_KEYS if old.get(k) != meta[k]}
         if diff:
             raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
                              f"(theirs, now): {diff}. Use another --out, or delete it to start over")
+        commits = old.get("commits") or ([old["commit"]] if old.get("commit") else [])  # older runs kept one
+        meta["commits"] = commits + [c for c in meta["commits"] if c not in commits]
     tmp = out / "run_config.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     tmp.replace(out / "run_config.json")
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the evaluation; returns the summary (the console entry ``cli`` exits 0 instead).
+
+    Raises:
+        ValueError, FileNotFoundError, PermissionError: bad arguments, dataset, adapter or output
+            folder, or a folder holding samples made otherwise (see check_args, load_tasks,
+            check_resume); all raised before any generation.
+    """
     args = build_parser().parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    try:
-        bad = [m for m in methods if m not in METHODS]
-        if bad or not methods:
-            raise ValueError(f"unknown method(s) {bad}; choose from {METHODS}")
-        if args.num_samples > 1 and args.temperature == 0:
-            raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
-        tasks = load_tasks(args.dataset, args.data_root, args.limit)
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        model, tok, spec = load_space(args.model, args.adapter, args.mask_num or 5, args.dtype, args.device)
-        kernels = apply_kernels(model, args.kernels)
-        k = args.mask_num or spec.mask_num or 5
-        decoder = SpaceDecoder(model, spec, k, args.num_groups, lookup_tokens=args.lookup_tokens)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
-        sys.exit(f"space-eval: error: {e}")
-    out = args.out or Path("runs/eval") / args.dataset.replace(":", "-").replace("/", "_")
-    out.mkdir(parents=True, exist_ok=True)
+    if args.adapter is not None and args.adapter.lower() == "none":
+        args.adapter = None
+    methods = check_args(args)
+    tasks = load_tasks(args.dataset, args.data_root, args.limit)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    out = make_out(args.out or Path("runs/eval") / args.dataset.replace(":", "-").replace("/", "_"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, spec = load_space(args.model, args.adapter, args.mask_num or DEFAULT_MASK_NUM, args.dtype, args.device)
+    kernels = apply_kernels(model, args.kernels)
+    # the adapter's tuned layout (space_config.json "decode"), then the flags given on top of it
+    decode = DecodeConfig.of_model(model, spec.mask_num).override(
+        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens)
+    decoder = SpaceDecoder(model, spec, decode)
+    context = model.config.max_position_embeddings
+    if args.max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model "
+                         f"context of {context} tokens")
     base = args.model or (json.loads((Path(args.adapter) / "space_config.json").read_text())["base_model"]
                           if args.adapter else SMOLLM2)
     meta = {"model": base, "adapter": args.adapter,
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
-            "mask_num": k, "num_groups": decoder.num_groups, "lookup_tokens": args.lookup_tokens, "max_new_tokens": args.max_new_tokens,
+            "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
+            "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
-            "kernels": kernels,
-            "machine": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
-            "transformers": transformers.__version__, "commit": git_commit()}
-    try:
-        check_resume(out, meta)
-    except ValueError as e:
-        sys.exit(f"space-eval: error: {e}")
+            "kernels": kernels, "machine": machine(args.device), "torch": torch.__version__,
+            "transformers": transformers.__version__, "commits": [git_commit()]}
+    check_resume(out, meta)
     records = run_bench(Target(model, tok, spec, decoder), tasks, methods, out / "samples.jsonl",
                         args.max_new_tokens, sampling, args.num_samples)
     wanted = {t.question_id for t in tasks}
@@ -126,5 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+cli = console("space-eval", main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

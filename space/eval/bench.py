@@ -5,11 +5,12 @@ Methods: ``ar`` (our cached loop), ``hf`` (HF ``generate``), ``pld`` (HF prompt 
 (``space.adapters.GatedLoraLinear``) does nothing on inputs without mask tokens. Methods are
 interleaved per prompt so that machine drift hits all of them alike, after one untimed warm-up each.
 One JSONL line per (question, method), written when the question is done, so an interrupted run
-resumes where it stopped.
+resumes where it stopped. A question whose prompt and answers cannot fit the model context is
+skipped for every method alike (so all methods are compared on the same questions), with a record
+that says why: ``{"question_id", "category", "model_id", "skipped": reason}``.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers import GenerationConfig
 
 from ..data.prompts import chat_ids
 from ..decoding import SamplingConfig, SpaceDecoder, ar_generate
+from ..decoding.result import clock
 from ..jsonl import append_jsonl, read_jsonl_resumable
 from ..tokens import MaskSpec
 from .execute import check
@@ -51,14 +53,15 @@ class Target:
 
 
 def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> dict:
-    """One generation; returns new token ids, wall time (s), forward passes and accept lengths."""
+    """One generation: new token ids, wall time (s), target forward passes ("steps", counted for
+    every method), and for SPACE per step the accepted drafts, the tokens emitted and the
+    candidates verified."""
     prompt = torch.tensor(ids)
-    if method == "space":
-        r = target.decoder.generate(prompt, max_new_tokens, sampling, target.stop_ids)
-        return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths}
-    if method == "ar":
-        r = ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids)
-        return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": []}
+    if method in ("space", "ar"):
+        r = (target.decoder.generate(prompt, max_new_tokens, sampling, target.stop_ids) if method == "space"
+             else ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids))
+        return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths,
+                "step_tokens": r.step_tokens if method == "space" else [], "candidates": r.step_candidates}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
                            eos_token_id=target.stop_ids, pad_token_id=target.tokenizer.pad_token_id,
                            prompt_lookup_num_tokens=10 if method == "pld" else None,
@@ -66,13 +69,20 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
                                                            "top_p": sampling.top_p, "top_k": sampling.top_k}))
     if not sampling.greedy:
         torch.manual_seed(sampling.seed)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = target.model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
-                                    generation_config=cfg)
-    wall = time.perf_counter() - t0
+    device = target.model.device
+    prompt = prompt[None].to(device)
+    forwards = []  # HF's target forward passes, counted, not assumed
+    hook = target.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        t0 = clock(device)
+        with torch.inference_mode():
+            out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=cfg)
+        wall = clock(device) - t0
+    finally:
+        hook.remove()
     new = out[0, len(ids):].tolist()
-    return {"ids": new, "wall_time": wall, "steps": len(new) if method == "hf" else None, "accept_lengths": []}
+    return {"ids": new, "wall_time": wall, "steps": len(forwards), "accept_lengths": [], "step_tokens": [],
+            "candidates": []}
 
 
 def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: int, sampling: SamplingConfig,
@@ -82,7 +92,7 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
     for index in range(num_samples):
         cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + index)
         messages, choice = [], {"index": index, "turns": [], "new_tokens": [], "wall_time": [], "steps": [],
-                                "accept_lengths": [], "token_ids": []}
+                                "accept_lengths": [], "step_tokens": [], "candidates": [], "token_ids": []}
         for turn in task.turns:
             messages.append({"role": "user", "content": turn})
             out = generate(method, target, chat_ids(target.tokenizer, messages), max_new_tokens, cfg)
@@ -90,7 +100,7 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
             messages.append({"role": "assistant", "content": text})
             choice["turns"].append(text)
             choice["new_tokens"].append(len(out["ids"]))
-            for key in ("wall_time", "steps", "accept_lengths"):
+            for key in ("wall_time", "steps", "accept_lengths", "step_tokens", "candidates"):
                 choice[key].append(out[key])
             choice["token_ids"].append(out["ids"])
         if task.language:
@@ -99,18 +109,41 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
     return {"question_id": task.question_id, "category": task.category, "model_id": method, "choices": choices}
 
 
+def context_overflow(target: Target, task: EvalTask, max_new_tokens: int) -> str | None:
+    """Why ``task`` cannot run within the model context, or None when it fits.
+
+    The plain condition prompt + max_new_tokens > context, at the last turn, whose prompt holds
+    every earlier turn and answer; each earlier answer is counted at its longest, max_new_tokens.
+    """
+    context = target.model.config.max_position_embeddings
+    messages = []
+    for turn in task.turns[:-1]:
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+    prompt = len(chat_ids(target.tokenizer, messages + [{"role": "user", "content": task.turns[-1]}]))
+    n = len(task.turns)
+    need = prompt + n * max_new_tokens
+    if need <= context:
+        return None
+    answers = f"{n} x max_new_tokens ({max_new_tokens})" if n > 1 else f"max_new_tokens ({max_new_tokens})"
+    return f"prompt ({prompt} tokens) + {answers} = {need} exceeds the model context {context}"
+
+
 def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_file: Path, max_new_tokens: int,
               sampling: SamplingConfig, num_samples: int = 1) -> list[dict]:
-    """Run every method on every task (resuming ``out_file``); returns all records."""
+    """Run every method on every task (resuming ``out_file``); returns all records, skipped ones included."""
     rows = read_jsonl_resumable(out_file)
     done = {(r["question_id"], r["model_id"]) for r in rows}
     todo = [t for t in tasks if any((t.question_id, m) not in done for m in methods)]
-    if todo:
-        warm = chat_ids(target.tokenizer, [{"role": "user", "content": todo[0].turns[0]}])
+    skip = {t.question_id: context_overflow(target, t, max_new_tokens) for t in todo}
+    warm = next((t for t in todo if skip[t.question_id] is None), None)
+    if warm is not None:
+        ids = chat_ids(target.tokenizer, [{"role": "user", "content": warm.turns[0]}])
         for m in methods:  # untimed warm-up: allocator, kernels, caches
-            generate(m, target, warm, min(8, max_new_tokens), sampling)
+            generate(m, target, ids, min(8, max_new_tokens), sampling)
     for task in tqdm(todo, desc="evaluating", unit="question"):
-        new = [run_question(m, target, task, max_new_tokens, sampling, num_samples)
+        why = skip[task.question_id]
+        new = [{"question_id": task.question_id, "category": task.category, "model_id": m, "skipped": why}
+               if why else run_question(m, target, task, max_new_tokens, sampling, num_samples)
                for m in methods if (task.question_id, m) not in done]
         append_jsonl(out_file, new)
         rows += new

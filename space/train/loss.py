@@ -1,4 +1,10 @@
-"""The SAR-SFT loss (DESIGN §3.2): CE(AR rows) + lambda * CE(mask rows), each averaged over its rows."""
+"""The SAR-SFT loss (DESIGN §3.2): CE(AR rows) + lambda * CE(mask rows), each averaged over its rows.
+
+Mask rows learn either the next tokens (``mask_target: token``, the paper) or the frozen base's
+own distribution (``teacher``): mask j anchored at e gets the base's top-K softmax at real row
+e+j, the row whose LM head predicts the same token e+j+1 (DESIGN §3.1, §3.6). The teacher's soft
+cross-entropy with a one-hot top-1 teacher equals the token loss.
+"""
 from __future__ import annotations
 
 import torch
@@ -7,9 +13,39 @@ import torch.nn.functional as F
 from ..masking import IGNORE_INDEX
 
 
+def soft_cross_entropy(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """Per-row soft CE against a sparse teacher: -sum_i p_i log softmax(logits)[id_i].
+
+    Args:
+        logits: (rows, vocab) student logits.
+        teacher_ids: (rows, K) token ids of the teacher's top K.
+        teacher_probs: (rows, K) their probabilities (each row sums to 1).
+
+    Returns:
+        (rows,) losses.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, teacher_ids)  # (rows, K)
+    return -(teacher_probs * logp).sum(-1)
+
+
+def offset_hits(logits: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor, mask_num: int):
+    """Top-1 hits of mask rows against their token labels, per offset j.
+
+    Args:
+        logits: (rows, vocab); labels, offsets: (rows,) of valid mask rows.
+
+    Returns:
+        (hits (mask_num,), rows (mask_num,)) float tensors.
+    """
+    hit = (logits.argmax(-1) == labels).float()
+    sel = F.one_hot(offsets.clamp(max=mask_num - 1), mask_num).float() * (offsets < mask_num)[:, None]
+    return hit @ sel, sel.sum(0)
+
+
 def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Tensor, weight: float,
-               mask_num: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss and metrics of a SAR-SFT batch.
+               mask_num: int, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+               mask_rows_total: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss and metrics of a SAR-SFT batch (or of one chunk of its mask rows).
 
     Args:
         logits: (batch, rows, vocab).
@@ -17,11 +53,16 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
         mask_offset: (batch, rows) offset j of mask rows, -1 on real rows.
         weight: lambda, the mask-loss weight (a float, unlike the official code's int cast).
         mask_num: k, for the per-offset accuracy.
+        teacher: None (token targets), or (ids, probs), each (batch, rows, K): the soft target of
+            every row (read on valid mask rows only).
+        mask_rows_total: divide the mask loss by this many rows instead of this call's count (a
+            chunk of the batch's mask rows: the chunks' losses then add up to the batch's loss).
 
     Returns:
-        (loss, metrics): metrics has ``ar_loss`` (when the batch has AR rows), ``mask_loss`` and
-        ``mask_acc_{j}`` = top-1 accuracy of mask offset j, the predictor of acceptance, plus the
-        row counts used to average them across steps.
+        (loss, metrics): metrics has ``ar_loss`` (when the batch has AR rows), ``mask_loss`` (the
+        loss optimized on mask rows: token CE or teacher soft CE; a chunk's share when
+        ``mask_rows_total`` is given), ``mask_token_ce`` with a teacher, and ``mask_acc_{j}`` =
+        top-1 accuracy of mask offset j against the token label, the predictor of acceptance.
     """
     valid = labels != IGNORE_INDEX
     is_mask = mask_offset >= 0
@@ -34,15 +75,58 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
         metrics["ar_loss"] = ar.item()
     if mask_rows.any():
         mask_logits, mask_labels = logits[mask_rows].float(), labels[mask_rows]
-        ml = F.cross_entropy(mask_logits, mask_labels)
+        token_ce = F.cross_entropy(mask_logits, mask_labels, reduction="none")  # (rows,)
+        per_row = token_ce if teacher is None else soft_cross_entropy(mask_logits, teacher[0][mask_rows], teacher[1][mask_rows])
+        denominator = mask_rows_total or per_row.numel()
+        ml = per_row.sum() / denominator
         loss = loss + weight * ml
         metrics["mask_loss"] = ml.item()
-        hit = mask_logits.argmax(-1) == mask_labels
-        offsets = mask_offset[mask_rows]
+        if teacher is not None:
+            metrics["mask_token_ce"] = (token_ce.sum() / denominator).item()
+        hits, rows = offset_hits(mask_logits, mask_labels, mask_offset[mask_rows], mask_num)
         for j in range(mask_num):
-            sel = offsets == j
-            if sel.any():
-                metrics[f"mask_acc_{j}"] = hit[sel].float().mean().item()
+            if rows[j] > 0:
+                metrics[f"mask_acc_{j}"] = (hits[j] / rows[j]).item()
     else:
         loss = loss + logits.sum() * 0.0  # keep the graph: a batch with no mask row still steps
     return loss, metrics
+
+
+@torch.no_grad()
+def teacher_targets(head, hidden: torch.Tensor, inputs: dict, topk: int, suppress_ids=(),
+                    rows_per_call: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen base's top-K distribution for every scored mask row of a two-pass batch.
+
+    Mask j anchored at e sits at position e+j, and real row e+j is the row whose LM head predicts
+    the mask's target e+j+1, so the teacher of a mask row is the head at the real row given by
+    its position id (cache_len 0: position = real row; efficient layout only).
+
+    Args:
+        head: the base's LM head, (batch, hidden) -> (batch, vocab).
+        hidden: (batch, T, hidden) last hidden states of the real rows (the no-grad pass).
+        inputs: the SpaceCollator batch (``num_real`` = T, mask columns T:).
+        topk: K; the teacher is the softmax over the base's top-K logits (renormalized over K).
+        suppress_ids: tokens the teacher never proposes (the mask tokens).
+        rows_per_call: LM-head rows per call, which bounds the (rows, vocab) logits in memory.
+
+    Returns:
+        (ids, probs), each (batch, M, K) for the M mask columns; zero on unscored rows.
+
+    Raises:
+        ValueError: a teacher row outside the real rows (the truncate layout has none for j >= 1).
+    """
+    T = inputs["num_real"]
+    labels, offsets, pos = (inputs[key][:, T:] for key in ("labels", "mask_offset", "position_ids"))
+    b, m = ((labels != IGNORE_INDEX) & (offsets >= 0)).nonzero(as_tuple=True)  # (N,) scored mask rows
+    src = pos[b, m]  # (N,) real row e+j
+    if src.numel() and int(src.max()) >= T:
+        raise ValueError("teacher targets need every mask row's real row e+j in the sample (efficient layout)")
+    ids = torch.zeros(*labels.shape, topk, dtype=torch.long, device=labels.device)
+    probs = torch.zeros(*labels.shape, topk, dtype=torch.float32, device=labels.device)
+    for start in range(0, src.numel(), rows_per_call):
+        sl = slice(start, start + rows_per_call)
+        logits = head(hidden[b[sl], src[sl]]).float()  # (rows, vocab)
+        logits[:, list(suppress_ids)] = float("-inf")
+        top, idx = logits.topk(topk, dim=-1)  # (rows, K)
+        ids[b[sl], m[sl]], probs[b[sl], m[sl]] = idx, torch.softmax(top, dim=-1)
+    return ids, probs

@@ -6,16 +6,41 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
 from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..adapters import MASK_EMBEDDING, mask_embedding, prepare_model, save_artifact
+from ..adapters import MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, save_artifact
 from ..data.collator import SpaceCollator
 from ..data.sft import load_examples, tokenize
 from ..models import load_model
-from .trainer import EpochSeedCallback, MaskRowsCheckpointCallback, SpaceTrainer
+from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer
+
+# what a checkpoint must share with the run that resumes it: mixing them would train k=3 masks
+# for a while and then save an artifact that claims k=5 (keys MaskArgs lacks are left out)
+SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_density", "mask_target")
+
+
+def space_settings(model_args, mask_args) -> dict:
+    """The SPACE settings a checkpoint records (``space_settings.json``) and a resume must match."""
+    return {"model": model_args.model_name_or_path, "mode": model_args.mode,
+            **{k: getattr(mask_args, k) for k in SETTING_KEYS if hasattr(mask_args, k)}}
+
+
+def check_checkpoint(last: str, settings: dict) -> None:
+    """Refuse to resume from checkpoint ``last`` unless it was trained with ``settings``.
+
+    Raises:
+        ValueError: the checkpoint has no space_settings.json, or one that differs from ``settings``.
+    """
+    path = Path(last) / SETTINGS_FILE
+    if not path.is_file():
+        raise ValueError(f"{last} has no {SETTINGS_FILE}, so its SPACE settings are unknown; "
+                         "use another output_dir, or delete the checkpoint to start over")
+    saved = json.loads(path.read_text())
+    diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    if diff:
+        raise ValueError(f"{last} was trained with other SPACE settings; (checkpoint, now): {diff}. "
+                         "Use another output_dir, or delete it to start over")
 
 
 def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
@@ -27,33 +52,40 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         the artifact directory on the main process, None on the others.
 
     Raises:
-        ValueError / FileNotFoundError: bad mode, mask_num, dataset name or rows.
+        ValueError / FileNotFoundError: bad mode, mask_num, dataset name or rows (an empty file
+            included), or a checkpoint in ``output_dir`` made with other SPACE settings; all
+            raised before the model loads.
     """
     set_seed(train_args.seed)
     train_args.remove_unused_columns = False  # the collator needs prompt_len and idx
     train_args.label_names = ["labels"]
+    settings = space_settings(model_args, mask_args)
+    if mask_args.mask_target == "teacher" and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
+        raise ValueError("mask_target 'teacher' needs mode frozen-base and the efficient layout (DESIGN §3.6)")
+    last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
+    if last:
+        check_checkpoint(last, settings)
+    names = [n.strip() for n in data_args.datasets.split(",") if n.strip()]
+    examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit)]
     model, tok = load_model(model_args.model_name_or_path, model_args.dtype)
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
                                 model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
                                 model_args.lora_targets.split(","))
-    names = [n.strip() for n in data_args.datasets.split(",") if n.strip()]
-    examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit)]
     dataset = tokenize(examples, tok, data_args.max_length)
     if len(dataset) == 0:
         raise ValueError(f"no sample of {names} fits max_length={data_args.max_length} (prompts alone are longer)")
     collator = SpaceCollator(spec.ids_for(mask_args.mask_num), mask_args.mask_num, tok.pad_token_id,
-                             mask_args.mask_prob, mask_args.spans_per_sample, mask_args.layout, train_args.seed)
-    callbacks = [EpochSeedCallback(collator)]
+                             mask_args.mask_prob, mask_args.spans_per_sample, mask_args.layout, train_args.seed,
+                             span_density=mask_args.span_density)
     emb = mask_embedding(model)
-    if emb is not None:
-        callbacks.append(MaskRowsCheckpointCallback(emb))
+    callbacks = [EpochSeedCallback(collator), SpaceCheckpointCallback(settings, emb)]
     trainer = SpaceTrainer(model=model, args=train_args, train_dataset=dataset, data_collator=collator,
                            processing_class=tok, callbacks=callbacks, mask_loss_weight=mask_args.mask_loss_weight,
-                           mask_num=mask_args.mask_num, two_pass=model_args.mode == "frozen-base")
-    last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
+                           mask_num=mask_args.mask_num, two_pass=model_args.mode == "frozen-base",
+                           mask_target=mask_args.mask_target, teacher_topk=mask_args.teacher_topk,
+                           mask_chunk_rows=mask_args.mask_chunk_rows, suppress_ids=spec.token_ids)
     if last and emb is not None and os.path.isfile(os.path.join(last, MASK_EMBEDDING)):
-        with torch.no_grad():
-            emb.mask_rows.copy_(load_file(os.path.join(last, MASK_EMBEDDING))["mask_rows"])
+        load_mask_rows(emb, os.path.join(last, MASK_EMBEDDING))
     if trainer.is_world_process_zero():
         print(f"[space] {len(dataset)} samples from {names}; mode {model_args.mode}; k={mask_args.mask_num}; "
               f"trainable params {sum(p.numel() for p in model.parameters() if p.requires_grad):,}"

@@ -1,14 +1,19 @@
 """SpaceTrainer: HF Trainer with the SAR-SFT loss; frozen-base runs real tokens without gradients."""
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from accelerate.utils import DistributedType
 from transformers import DynamicCache, Trainer, TrainerCallback
 
-from .loss import space_loss
+from ..adapters import MASK_EMBEDDING, save_mask_rows
+from ..masking import IGNORE_INDEX, mask_rows
+from .loss import offset_hits, space_loss, teacher_targets
+
+SETTINGS_FILE = "space_settings.json"
 
 
 class SpaceTrainer(Trainer):
@@ -21,23 +26,97 @@ class SpaceTrainer(Trainer):
             disabled into a KV cache, then only the mask rows with gradients. Exact, since real
             tokens never see masks and the frozen base's real-token states do not depend on the
             trainable weights; a step costs a no-grad forward plus a small forward/backward.
+        mask_target: "token" (CE on the next tokens) or "teacher" (soft CE on the frozen base's
+            top-K at real row e+j, computed from the no-grad pass; two_pass only).
+        teacher_topk: K of the teacher.
+        mask_chunk_rows: two_pass only: mask rows per forward/backward (rounded down to whole
+            groups, at least one group); 0 = all in one pass. Each chunk runs against the same
+            no-grad cache and is back-propagated at once, so activation memory is bounded by one
+            chunk; each chunk's loss is divided by the batch's mask-row count, so the chunks add
+            up to the unchunked loss and gradients. Not with DeepSpeed (its backward also steps).
+        suppress_ids: token ids the teacher never proposes (the mask tokens).
+
+    Raises:
+        ValueError: unknown mask_target, teacher without two_pass, teacher_topk < 1, mask_chunk_rows < 0.
     """
 
-    def __init__(self, *args, mask_loss_weight: float = 1.0, mask_num: int = 5, two_pass: bool = False, **kwargs):
+    def __init__(self, *args, mask_loss_weight: float = 1.0, mask_num: int = 5, two_pass: bool = False,
+                 mask_target: str = "token", teacher_topk: int = 20, mask_chunk_rows: int = 0,
+                 suppress_ids: tuple[int, ...] = (), **kwargs):
+        if mask_target not in ("token", "teacher"):
+            raise ValueError(f"mask_target must be 'token' or 'teacher', got {mask_target!r}")
+        if mask_target == "teacher" and not two_pass:
+            raise ValueError("mask_target 'teacher' needs the frozen-base mode (its no-grad pass is the teacher)")
+        if teacher_topk < 1 or mask_chunk_rows < 0:
+            raise ValueError(f"need teacher_topk >= 1 and mask_chunk_rows >= 0, got {teacher_topk}, {mask_chunk_rows}")
         super().__init__(*args, **kwargs)
         self.mask_loss_weight, self.mask_num, self.two_pass = mask_loss_weight, mask_num, two_pass
+        self.mask_target, self.teacher_topk, self.mask_chunk_rows = mask_target, teacher_topk, mask_chunk_rows
+        self.suppress_ids = tuple(suppress_ids)
         self.model_accepts_loss_kwargs = False  # our loss is a mean: let Trainer scale for accumulation
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out, labels, offsets = sar_forward(model, self.accelerator.unwrap_model(model), inputs, self.two_pass)
-        loss, metrics = space_loss(out.logits, labels, offsets, self.mask_loss_weight, self.mask_num)
+        if self.two_pass:
+            loss, metrics, out = self.two_pass_loss(model, inputs)
+        else:
+            out, labels, offsets = sar_forward(model, self.accelerator.unwrap_model(model), inputs, False)
+            loss, metrics = space_loss(out.logits, labels, offsets, self.mask_loss_weight, self.mask_num)
         metrics["short_samples"] = float(inputs["num_short"])
         for key, value in metrics.items():
             self._sums[key] += value
             self._counts[key] += 1
         return (loss, out) if return_outputs else loss
+
+    def two_pass_loss(self, model, inputs):
+        """Frozen-base step (DESIGN §3.6): a no-grad real pass, then the mask rows chunk by chunk.
+
+        Every chunk but the last is back-propagated here (gradient-accumulation scaled, without a
+        DDP sync); the last chunk's loss goes back to the Trainer, which back-propagates it. The
+        returned loss adds the earlier chunks' detached losses, so it logs the whole batch's loss.
+
+        Returns:
+            (loss, metrics, output of the last chunk).
+        """
+        unwrapped = self.accelerator.unwrap_model(model)
+        T = inputs["num_real"]
+        labels, offsets = inputs["labels"][:, T:], inputs["mask_offset"][:, T:]
+        cache, hidden = real_pass(unwrapped, inputs)
+        teacher = None
+        if self.mask_target == "teacher":
+            head = unwrapped.get_base_model().get_output_embeddings()
+            teacher = teacher_targets(head, hidden, inputs, self.teacher_topk, self.suppress_ids)
+        chunks = mask_chunks(offsets, self.mask_chunk_rows)
+        scored = (labels != IGNORE_INDEX) & (offsets >= 0)  # (batch, M)
+        total = int(scored.sum())
+        early = torch.is_grad_enabled() and model.training and len(chunks) > 1
+        if early and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError("mask_chunk_rows > 0 does not work with DeepSpeed (each backward also steps): set it to 0")
+        done, sums = 0.0, defaultdict(float)
+        hits, rows_n = torch.zeros(self.mask_num), torch.zeros(self.mask_num)
+        for i, rows in enumerate(chunks):
+            out = mask_pass(model, unwrapped, inputs, cache, rows, copy_cache=len(chunks) > 1)
+            tch = None if teacher is None else (teacher[0][:, rows], teacher[1][:, rows])
+            loss, m = space_loss(out.logits, labels[:, rows], offsets[:, rows], self.mask_loss_weight,
+                                 self.mask_num, tch, total)
+            for key in ("mask_loss", "mask_token_ce"):
+                sums[key] += m.get(key, 0.0)
+            sel = scored[:, rows]
+            h, r = offset_hits(out.logits[sel].detach(), labels[:, rows][sel], offsets[:, rows][sel], self.mask_num)
+            hits, rows_n = hits + h.cpu(), rows_n + r.cpu()
+            if i < len(chunks) - 1:
+                if early:
+                    with self.accelerator.no_sync(model):
+                        self.accelerator.backward(loss / self._accumulation_steps())
+                done = done + loss.detach()
+        metrics = {k: v for k, v in sums.items() if total and (k != "mask_token_ce" or teacher is not None)}
+        metrics.update({f"mask_acc_{j}": (hits[j] / rows_n[j]).item() for j in range(self.mask_num) if rows_n[j] > 0})
+        return loss + done, metrics, out
+
+    def _accumulation_steps(self) -> int:
+        """What ``Trainer.training_step`` divides this micro-batch's loss by (set in the train loop)."""
+        return getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # training log: add our averages since the last log
@@ -53,20 +132,67 @@ def sar_forward(model, unwrapped, inputs: dict, two_pass: bool):
         model: what to call with gradients (the DeepSpeed/DDP wrapper when there is one).
         unwrapped: the peft model inside it (two_pass only).
         two_pass: run real columns ``:T`` under no_grad with the adapter disabled into a KV cache,
-            then the mask rows ``T:`` with gradients (frozen-base).
+            then the mask rows ``T:`` with gradients (frozen-base); ``SpaceTrainer.two_pass_loss``
+            does the same in chunks.
     """
     labels, offsets, T = inputs["labels"], inputs["mask_offset"], inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
-    if not two_pass:
-        return model(input_ids=ids, position_ids=pos, attention_mask=attn), labels, offsets
+    if not two_pass:  # real rows :T, mask rows T: (the gate matters only to a frozen-base LoRA)
+        with mask_rows(T):
+            return model(input_ids=ids, position_ids=pos, attention_mask=attn), labels, offsets
+    cache, _ = real_pass(unwrapped, inputs)
+    out = mask_pass(model, unwrapped, inputs, cache, slice(0, ids.shape[1] - T))
+    return out, labels[:, T:], offsets[:, T:]
+
+
+def real_pass(unwrapped, inputs: dict) -> tuple[DynamicCache, torch.Tensor]:
+    """The real columns ``:T`` without gradients and without the adapter (the frozen base).
+
+    Returns:
+        (KV cache of the T real tokens, last hidden states (batch, T, hidden)).
+    """
+    T = inputs["num_real"]
+    ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
     cache = DynamicCache(config=unwrapped.config)
     with torch.no_grad(), unwrapped.disable_adapter():
-        unwrapped.get_base_model().get_decoder()(
+        hidden = unwrapped.get_base_model().get_decoder()(
             input_ids=ids[:, :T], position_ids=pos[:, :T], attention_mask=attn[:, :, :T, :T],
-            past_key_values=cache, use_cache=True)
-    out = model(input_ids=ids[:, T:], position_ids=pos[:, T:], attention_mask=attn[:, :, T:, :],
-                past_key_values=cache, use_cache=True)
-    return out, labels[:, T:], offsets[:, T:]
+            past_key_values=cache, use_cache=True).last_hidden_state
+    return cache, hidden
+
+
+def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, copy_cache: bool = False):
+    """Mask columns ``T + rows`` with gradients, after the real tokens' cache.
+
+    ``rows`` must hold whole groups: a mask row sees the real tokens and its own group only, so
+    the rows of other chunks are left out of the attention mask's columns. ``copy_cache``: run
+    on a copy of ``cache`` (it grows by the chunk's rows), so the next chunk sees the real tokens
+    alone and no graph links two chunks.
+    """
+    T = inputs["num_real"]
+    ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
+    q = slice(T + rows.start, T + rows.stop)
+    mask = torch.cat([attn[:, :, q, :T], attn[:, :, q, q]], dim=-1)  # (batch, 1, rows, T + rows)
+    if copy_cache:
+        cache = DynamicCache([(layer.keys, layer.values) for layer in cache.layers], config=unwrapped.config)
+    with mask_rows(0):  # every row of this pass is a mask row (or padding nobody sees)
+        return model(input_ids=ids[:, q], position_ids=pos[:, q], attention_mask=mask,
+                     past_key_values=cache, use_cache=True)
+
+
+def mask_chunks(mask_offset: torch.Tensor, chunk_rows: int) -> list[slice]:
+    """Slices of the M mask columns, whole groups each (groups sit at multiples of the group size).
+
+    Args:
+        mask_offset: (batch, M) offsets of the mask columns (a group's rows have offsets 0..g-1).
+        chunk_rows: rows per chunk, rounded down to whole groups (at least one); 0 = one chunk.
+    """
+    M = mask_offset.shape[1]
+    if chunk_rows <= 0 or M <= chunk_rows:
+        return [slice(0, M)]
+    group = int(mask_offset.max()) + 1
+    step = max(group, chunk_rows // group * group)
+    return [slice(s, min(s + step, M)) for s in range(0, M, step)]
 
 
 class EpochSeedCallback(TrainerCallback):
@@ -79,14 +205,21 @@ class EpochSeedCallback(TrainerCallback):
         self.collator.epoch = int(state.epoch or 0)
 
 
-class MaskRowsCheckpointCallback(TrainerCallback):
-    """peft checkpoints hold only LoRA weights: also save the trainable mask rows, for resume."""
+class SpaceCheckpointCallback(TrainerCallback):
+    """Adds to each checkpoint what a resume needs beyond HF's files.
 
-    def __init__(self, mask_embedding):
-        self.emb = mask_embedding
+    * ``space_settings.json``: the SPACE settings (k, mode, layout, ...), so that a resume under
+      other settings is refused (``space.train.run.check_checkpoint``).
+    * ``mask_embedding.safetensors``: the trainable mask rows (lora / frozen-base), which peft
+      checkpoints leave out since they hold only LoRA weights.
+    """
+
+    def __init__(self, settings: dict, mask_embedding=None):
+        self.settings, self.emb = settings, mask_embedding
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            save_file({"mask_rows": self.emb.mask_rows.detach().float().contiguous().cpu()},
-                      ckpt / "mask_embedding.safetensors")
+            (ckpt / SETTINGS_FILE).write_text(json.dumps(self.settings, indent=2))
+            if self.emb is not None:
+                save_mask_rows(self.emb, ckpt / MASK_EMBEDDING)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import space.decoding.space as space_mod
-from space.decoding import SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 
 STOP = 10  # an ordinary byte id used as the stop token, so EOS lands inside steps
 
@@ -21,7 +21,7 @@ def test_greedy_exact_all_k_and_groups(tiny, k):
     for prompt, max_new in cases(3, seed=k):
         ar = ar_generate(model, prompt, max_new, stop_token_ids=[STOP], suppress_ids=spec.token_ids)
         for groups in range(1, k + 2):
-            out = SpaceDecoder(model, spec, k, groups).generate(prompt, max_new, stop_token_ids=[STOP])
+            out = SpaceDecoder(model, spec, DecodeConfig(k, groups)).generate(prompt, max_new, stop_token_ids=[STOP])
             assert out.new_ids == ar.new_ids, (k, groups, prompt.tolist(), max_new)
             assert len(out.new_ids) <= max_new and sum(out.step_tokens) == len(out.new_ids)
 
@@ -30,14 +30,14 @@ def test_untied_head_exact(tiny_untied):
     model, _, spec = tiny_untied
     for prompt, max_new in cases(4, seed=99):
         ar = ar_generate(model, prompt, max_new, suppress_ids=spec.token_ids)
-        assert SpaceDecoder(model, spec, 4).generate(prompt, max_new).new_ids == ar.new_ids
+        assert SpaceDecoder(model, spec, DecodeConfig(4)).generate(prompt, max_new).new_ids == ar.new_ids
 
 
 @pytest.mark.parametrize("k,groups,lookup", [(1, 1, 4), (3, 2, 10)])
 def test_prompt_lookup_exact(tiny, k, groups, lookup):
     model, _, spec = tiny
     gen = torch.Generator().manual_seed(7)
-    dec = SpaceDecoder(model, spec, k, groups, lookup_tokens=lookup)
+    dec = SpaceDecoder(model, spec, DecodeConfig(k, groups, lookup_tokens=lookup))
     for _ in range(4):
         pattern = torch.randint(11, 250, (6,), generator=gen)
         prompt = torch.cat([pattern.repeat(3), torch.randint(11, 250, (5,), generator=gen)])  # n-grams recur
@@ -48,7 +48,7 @@ def test_prompt_lookup_exact(tiny, k, groups, lookup):
     kept, _ = dec._lookup([5, 6, 7], torch.tensor([1]), None, SamplingConfig())
     assert kept.tolist() == [1]  # no recurring n-gram: the mask drafts stay
     with pytest.raises(ValueError, match="lookup_tokens"):
-        SpaceDecoder(model, spec, k, lookup_tokens=-1)
+        SpaceDecoder(model, spec, DecodeConfig(k, lookup_tokens=-1))
 
 
 def oracle(truth, corrupt_at, k):
@@ -79,7 +79,7 @@ def test_every_accept_length_and_cache_crop(tiny, monkeypatch, k, groups):
     seen = set()
     for corrupt_at in range(k + 1):  # k + 1: no corruption, every candidate accepted
         crops.clear()
-        out = SpaceDecoder(model, spec, k, groups).generate(prompt, 120, draft_override=oracle(truth, corrupt_at, k))
+        out = SpaceDecoder(model, spec, DecodeConfig(k, groups)).generate(prompt, 120, draft_override=oracle(truth, corrupt_at, k))
         assert out.new_ids == truth
         seen.update(out.accept_lengths)
         # the cache keeps exactly prompt + accepted tokens: n-1 before a step, n+a after it
@@ -98,10 +98,10 @@ def test_eos_and_max_new_tokens_inside_a_step(tiny):
     truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
     stop = truth[17]
     ar = ar_generate(model, prompt, 60, stop_token_ids=[stop], suppress_ids=spec.token_ids)
-    out = SpaceDecoder(model, spec, 5).generate(prompt, 60, stop_token_ids=[stop], draft_override=oracle(truth, 9, 5))
+    out = SpaceDecoder(model, spec, DecodeConfig(5)).generate(prompt, 60, stop_token_ids=[stop], draft_override=oracle(truth, 9, 5))
     assert out.new_ids == ar.new_ids and out.new_ids[-1] == stop and out.stop_reason == "eos"
     for max_new in (1, 2, 7, 13):
-        out = SpaceDecoder(model, spec, 5).generate(prompt, max_new, draft_override=oracle(truth, 9, 5))
+        out = SpaceDecoder(model, spec, DecodeConfig(5)).generate(prompt, max_new, draft_override=oracle(truth, 9, 5))
         assert out.new_ids == truth[:max_new] and out.stop_reason == "length"
 
 
@@ -118,7 +118,7 @@ def test_mask_token_never_emitted(tiny_untied):
         prompt = torch.tensor([20, 30, 40])
         with torch.no_grad():
             assert int(model(input_ids=prompt[None]).logits[0, -1].argmax()) == mask_id
-        out = SpaceDecoder(model, spec, 3).generate(prompt, 20)
+        out = SpaceDecoder(model, spec, DecodeConfig(3)).generate(prompt, 20)
         assert mask_id not in out.new_ids and len(out.new_ids) == 20
         assert out.new_ids == ar_generate(model, prompt, 20, suppress_ids=spec.token_ids).new_ids
     finally:
@@ -128,24 +128,43 @@ def test_mask_token_never_emitted(tiny_untied):
 def test_streaming_callback(tiny):
     model, _, spec = tiny
     chunks = []
-    out = SpaceDecoder(model, spec, 3).generate(torch.tensor([40, 41]), 15, on_tokens=chunks.append)
+    out = SpaceDecoder(model, spec, DecodeConfig(3)).generate(torch.tensor([40, 41]), 15, on_tokens=chunks.append)
     assert sum(chunks, []) == out.new_ids and len(chunks) == out.num_steps
+
+
+@pytest.mark.parametrize("k,groups", [(3, 4), (5, 2)])
+def test_context_end_shrinks_the_step(tiny, k, groups):
+    """A prompt that fits AR fits SPACE: near the context end the step drops candidates and
+    shortens its groups, so no row gets a position >= the context, and output stays exact."""
+    model, _, spec = tiny
+    context = model.config.max_position_embeddings
+    prompt = torch.randint(11, 250, (context - 12,), generator=torch.Generator().manual_seed(2))
+    truth = ar_generate(model, prompt, 12, suppress_ids=spec.token_ids).new_ids
+    positions = []
+    hook = model.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: positions.append(int(kwargs["position_ids"].max())) if kwargs.get("position_ids") is not None else None,
+        with_kwargs=True)
+    try:
+        out = SpaceDecoder(model, spec, DecodeConfig(k, groups)).generate(prompt, 12, draft_override=oracle(truth, k, k))
+    finally:
+        hook.remove()
+    assert out.new_ids == truth and max(positions) == context - 1  # the last steps ran right at the end
 
 
 def test_bad_input(tiny):
     model, _, spec = tiny
-    dec = SpaceDecoder(model, spec, 3)
+    dec = SpaceDecoder(model, spec, DecodeConfig(3))
     with pytest.raises(ValueError, match="empty prompt"):
         dec.generate(torch.tensor([], dtype=torch.long), 5)
     with pytest.raises(ValueError, match="batch size"):
         dec.generate(torch.ones(2, 4, dtype=torch.long), 5)
-    with pytest.raises(ValueError, match="exceeds the model context"):
-        dec.generate(torch.ones(2040, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match=r"prompt \(2044 tokens\) \+ max_new_tokens \(5\) = 2049 exceeds"):
+        dec.generate(torch.ones(2044, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="exceeds the model context"):
         ar_generate(model, torch.ones(2046, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="mask_num"):
-        SpaceDecoder(model, spec, 0)
+        SpaceDecoder(model, spec, DecodeConfig(0))
     with pytest.raises(ValueError, match="maximum"):
-        SpaceDecoder(model, spec, 17)
+        SpaceDecoder(model, spec, DecodeConfig(17))
     with pytest.raises(ValueError, match="num_groups"):
-        SpaceDecoder(model, spec, 3, num_groups=5)
+        SpaceDecoder(model, spec, DecodeConfig(3, num_groups=5))

@@ -6,10 +6,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from space.decoding import SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 from space.decoding.sampling import logits_to_probs
 from space.decoding.verify import verify_rejection
 from space.tokens import MaskSpec
+from tests.conftest import CycleLanguage, train_drafter
 
 ALPHA = 1e-3
 V_REAL, MASK = 4, 4  # tokens 0..3 are real, 4 is the mask token
@@ -30,30 +31,51 @@ def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
     return chisquare(obs, [e * n / total for e in exp]).pvalue
 
 
-def test_verify_rejection_first_token_follows_p():
+def test_verify_rejection_three_candidates_vectorized():
+    """10^5 steps of 3 candidates in one batched call. Target and draft are Markov chains over 6
+    tokens (row i of p depends on c_i), and q is close enough to p that all accept lengths occur.
+    Each emitted token must follow p given the tokens before it: t1 ~ p0, then t_{j+1} | t_j ~ P[t_j]
+    over the steps that emitted it."""
     gen = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(2, 5, generator=gen) * 2, -1)
-    q = torch.softmax(torch.randn(1, 5, generator=gen) * 2, -1)
-    counts, n, rejected = {}, 20000, 0
-    for _ in range(n):
-        c = torch.multinomial(q[0], 1, generator=gen)
-        a, bonus = verify_rejection(p, q, c, gen)
-        first = int(c) if a == 1 else bonus
-        rejected += a == 0
-        counts[first] = counts.get(first, 0) + 1
-    assert 0 < rejected < n
-    assert chi2_pvalue(counts, {i: float(p[0, i]) for i in range(5)}, n) > ALPHA
+    V, n, m = 6, 100_000, 3
+    p0 = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    P = torch.softmax(torch.randn(V, V, generator=gen) * 1.5, -1)  # P[c] = target after c
+    Q = torch.softmax(torch.log(P) + 0.7 * torch.randn(V, V, generator=gen), -1)  # draft after c
+    q0 = torch.softmax(torch.log(p0) + 0.7 * torch.randn(V, generator=gen), -1)
+    c = [torch.multinomial(q0.expand(n, V), 1, generator=gen)[:, 0]]
+    q = [q0.expand(n, V)]
+    for _ in range(m - 1):
+        q.append(Q[c[-1]])
+        c.append(torch.multinomial(q[-1], 1, generator=gen)[:, 0])
+    cands = torch.stack(c, 1)  # (n, m)
+    p = torch.cat([p0.expand(n, 1, V), P[cands]], 1)  # (n, m+1, V): row i is the target after c_i
+    a, bonus = verify_rejection(p, torch.stack(q, 1), cands, gen)
+    assert a.shape == bonus.shape == (n,) and set(a.tolist()) == set(range(m + 1))
+    emitted = torch.cat([cands, torch.zeros(n, 1, dtype=torch.long)], 1)
+    emitted[torch.arange(n), a] = bonus  # c_1..c_a, bonus
+    first = torch.bincount(emitted[:, 0], minlength=V).tolist()
+    assert chi2_pvalue(dict(enumerate(first)), dict(enumerate(p0.tolist())), n) > ALPHA
+    for j in range(1, m + 1):  # token j+1 given token j, on the steps that emitted j+1 tokens
+        rows = a >= j
+        prev, nxt = emitted[rows, j - 1], emitted[rows, j]
+        counts = torch.bincount(prev * V + nxt, minlength=V * V).tolist()
+        per_prev = torch.bincount(prev, minlength=V)
+        expected = {i: float(per_prev[i // V] * P[i // V, i % V]) / int(rows.sum()) for i in range(V * V)}
+        assert chi2_pvalue(dict(enumerate(counts)), expected, int(rows.sum())) > ALPHA, j
 
 
 @pytest.fixture(scope="module")
 def small_vocab_model():
+    """4 real tokens + a mask; trained a few seconds on a cycle language, so drafts are often
+    accepted and a sampled step takes every path (accept, reject, all accepted)."""
     cfg = LlamaConfig(vocab_size=V_REAL + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.3)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     with torch.random.fork_rng():
         torch.manual_seed(7)
-        model = LlamaForCausalLM(cfg).eval()
-    return model, MaskSpec((MASK,), 3)
+        model = LlamaForCausalLM(cfg)
+        spec = MaskSpec((MASK,), 3)
+        train_drafter(model, spec, CycleLanguage([0, 1, 2, 3], seed=0), k=3, steps=60, seq_len=24)
+    return model, spec
 
 
 def exact_distribution(model, prompt, cfg, length=3):
@@ -69,13 +91,14 @@ def exact_distribution(model, prompt, cfg, length=3):
     return probs
 
 
-@pytest.mark.parametrize("temperature,top_p,k,lookup", [(1.0, 1.0, 3, 0), (0.7, 0.9, 2, 0), (1.0, 1.0, 2, 3)])
-def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, top_p, k, lookup):
+@pytest.mark.parametrize("temperature,top_p,k,groups,lookup", [
+    (1.0, 1.0, 3, None, 0), (1.0, 1.0, 3, 2, 0), (1.5, 0.9, 2, 1, 0), (1.0, 1.0, 2, None, 3)])
+def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, top_p, k, groups, lookup):
     model, spec = small_vocab_model
     prompt = [1, 3, 0, 2]
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1500
-    dec = SpaceDecoder(model, spec, k, lookup_tokens=lookup)  # lookup: one-hot q (4 real tokens: it hits often)
+    dec = SpaceDecoder(model, spec, DecodeConfig(k, groups, lookup_tokens=lookup))  # lookup: one-hot q
     space_counts, ar_counts, accepts = {}, {}, []
     for seed in range(n):
         cfg = SamplingConfig(temperature, top_p=top_p, seed=seed)
@@ -85,6 +108,6 @@ def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, 
         if seed < n // 3:
             ar = tuple(ar_generate(model, torch.tensor(prompt), 3, sampling=cfg, suppress_ids=[MASK]).new_ids)
             ar_counts[ar] = ar_counts.get(ar, 0) + 1
-    assert 0 in accepts and max(accepts) >= 1  # both rejection and acceptance paths ran
+    assert 0 in accepts and max(accepts) >= 2  # rejections and multi-token accepts both ran
     assert chi2_pvalue(space_counts, exact, n) > ALPHA
     assert chi2_pvalue(ar_counts, exact, n // 3) > ALPHA

@@ -6,14 +6,29 @@ import torch
 from space.adapters import GatedLoraLinear, fuse_frozen_base, load_space, prepare_model
 from space.config import parse_train_args
 from space.data.collator import SpaceCollator
-from space.models import load_model
+from space.masking import mask_rows
+from space.models import load_model, tiny_random_llama
+from space.train import run as run_module
 from space.train.run import run_sft
 from space.train.trainer import sar_forward
 
 
-def train(tmp_path, mode, steps=40, extra=()):
+@pytest.fixture(scope="module")
+def confident_tiny(tmp_path_factory):
+    """The tiny Llama with init std 0.2, saved as a local HF folder. At transformers' ordinary 0.02
+    its logits are nearly uniform, and a frozen base whose outputs cannot sharpen leaves the masks
+    nothing to learn in 40 steps; these tests are about learning, not about exactness."""
+    path = tmp_path_factory.mktemp("confident-tiny")
+    model, tok = tiny_random_llama(seed=0, initializer_range=0.2)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def train(tmp_path, mode, steps=40, extra=(), model="tiny-random-llama"):
     args = parse_train_args([
         "--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / mode), "--mode", mode,
+        "--model_name_or_path", model,
         "--limit", "4", "--max_steps", str(steps), "--learning_rate", "1e-2", "--save_steps", "1000",
         "--logging_steps", "5", "--mask_num", "3", "--spans_per_sample", "4", "--lr_scheduler_type", "constant",
         *extra])
@@ -22,12 +37,12 @@ def train(tmp_path, mode, steps=40, extra=()):
     return out, [h for h in history if "mask_loss" in h]
 
 
-def test_frozen_base_keeps_real_logits_and_learns_masks(tmp_path):
-    out, logs = train(tmp_path, "frozen-base")
+def test_frozen_base_keeps_real_logits_and_learns_masks(tmp_path, confident_tiny):
+    out, logs = train(tmp_path, "frozen-base", model=confident_tiny)
     assert logs[-1]["mask_loss"] < 0.7 * logs[0]["mask_loss"]
     assert "ar_loss" not in logs[0]  # two-pass: real tokens run without gradients
     model, _, spec = load_space(adapter=out)
-    base, _ = load_model("tiny-random-llama")
+    base, _ = load_model(confident_tiny)
     ids = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = model(input_ids=ids).logits, base(input_ids=ids).logits
@@ -36,13 +51,28 @@ def test_frozen_base_keeps_real_logits_and_learns_masks(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_full_and_lora_learn_and_reload(tmp_path, mode):
-    out, logs = train(tmp_path, mode)
+def test_full_and_lora_learn_and_reload(tmp_path, monkeypatch, confident_tiny, mode):
+    """The reloaded artifact computes what the trained model computed, mask rows included."""
+    probe = torch.tensor([[1, 2, 3, 40, 41, 259, 259, 259]])  # real tokens, then a mask group
+    trained = {}
+
+    def save_and_remember(out_dir, model, *args, **kwargs):
+        with torch.no_grad():
+            trained["logits"] = model.eval()(input_ids=probe).logits
+        return real_save(out_dir, model, *args, **kwargs)
+
+    real_save = run_module.save_artifact
+    monkeypatch.setattr(run_module, "save_artifact", save_and_remember)
+    out, logs = train(tmp_path, mode, model=confident_tiny)
     assert logs[-1]["ar_loss"] < 0.7 * logs[0]["ar_loss"] and logs[-1]["mask_loss"] < 0.7 * logs[0]["mask_loss"]
     model, tok, spec = load_space(model=str(out)) if mode == "full" else load_space(adapter=out)
     assert spec.mask_num == 3 and spec.token_ids == (259,)
+    untrained, _ = load_model(confident_tiny)
     with torch.no_grad():
-        assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+        got = model(input_ids=probe).logits
+        base = untrained(input_ids=probe[:, :5]).logits
+    assert torch.allclose(got, trained["logits"], atol=1e-4)  # a merged LoRA rounds differently
+    assert not torch.allclose(got[:, :5, :256], base[..., :256], atol=1e-2)  # and training changed it
 
 
 def test_two_pass_equals_gated_one_pass():
@@ -72,14 +102,18 @@ def test_fused_gated_lora_equals_peft():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
     mask = spec.token_ids[0]
-    block = torch.tensor([[5, 6, 7, 8, mask, mask, mask, 9, mask, mask]])  # a real token inside the mask suffix
+    block = torch.tensor([[5, 6, 7, 8, mask, mask, mask, mask, mask, mask]])  # real rows, then mask rows
     plain = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want, want_plain = model(input_ids=block).logits, model(input_ids=plain).logits
+        with mask_rows(4):
+            want = model(input_ids=block).logits
+        want_plain = model(input_ids=plain).logits  # no mask_rows scope: the LoRA updates no row
         with model.disable_adapter():
             base_block, base_plain = model(input_ids=block).logits, model(input_ids=plain).logits
         fused = fuse_frozen_base(model)
-        got, got_plain = fused(input_ids=block).logits, fused(input_ids=plain).logits
+        with mask_rows(4):
+            got = fused(input_ids=block).logits
+        got_plain = fused(input_ids=plain).logits
     assert sum(isinstance(m, GatedLoraLinear) for m in fused.modules()) == 7 * fused.config.num_hidden_layers
     assert (want[0, 4:] - base_block[0, 4:]).abs().max() > 1e-2  # the update really acts on mask rows
     assert torch.allclose(got, want, atol=1e-5)

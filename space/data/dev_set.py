@@ -1,0 +1,97 @@
+"""The drafter dev set (DESIGN §5, §6): 100 MBPP and 30 LIMA prompts kept out of training.
+
+The acceptance probe (``space.eval.probe``) measures drafts on these prompts, and
+self-distillation (``space.distill.collect_prompts``) skips them, so recipes are chosen on prompts
+the drafter never saw. HumanEval and MT-Bench are evaluation sets and are never used here.
+
+The list is recorded in ``configs/data/dev_set.json`` (MBPP ``task_id`` values, LIMA row indices)
+and was drawn by :func:`build_dev_set`: ``random.Random(seed)`` samples 100 of MBPP's sorted task
+ids and 30 of LIMA's single-turn rows (no ``history``), seed 13; both lists are stored sorted.
+``python -m space.data.dev_set`` redraws it and checks that it equals the recorded file
+(``--write`` rewrites it). The test suite checks the same.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+from pathlib import Path
+
+from .sft import REGISTRY, data_root, read_rows, to_example
+
+DEV_SET_FILE = Path(__file__).resolve().parents[2] / "configs" / "data" / "dev_set.json"
+SEED, NUM_MBPP, NUM_LIMA = 13, 100, 30
+
+
+def prompt_key(context: list[dict]) -> str:
+    """Identity of a prompt (its messages), used to dedupe and to exclude the dev set."""
+    return hashlib.sha1(json.dumps(context, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_dev_set(root=None, seed: int = SEED, num_mbpp: int = NUM_MBPP, num_lima: int = NUM_LIMA) -> dict:
+    """Draw the dev set deterministically (see the module docstring)."""
+    root = data_root(root)
+    mbpp_ids = sorted(int(r["task_id"]) for r in read_rows(root / REGISTRY["mbpp"]))
+    lima_single = [i for i, r in enumerate(read_rows(root / REGISTRY["lima"])) if not r.get("history")]
+    rng = random.Random(seed)
+    return {"seed": seed,
+            "how": f"random.Random({seed}).sample(sorted MBPP task_ids, {num_mbpp}), then "
+                   f".sample(LIMA single-turn row indices, {num_lima}); lists stored sorted",
+            "mbpp_task_ids": sorted(rng.sample(mbpp_ids, num_mbpp)),
+            "lima_rows": sorted(rng.sample(lima_single, num_lima))}
+
+
+def load_dev_set(path: Path = DEV_SET_FILE) -> dict:
+    """The recorded dev set. Raises FileNotFoundError when the file is missing."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"dev set file not found: {path}")
+    return json.loads(Path(path).read_text())
+
+
+def dev_prompts(root=None, path: Path = DEV_SET_FILE) -> list[dict]:
+    """Dev prompts as ``{"id", "source", "prompt" (messages), "key"}`` rows, MBPP first.
+
+    Ids are ``mbpp/<row>`` and ``lima/<row>``, the same ids ``space.distill`` gives these rows.
+    """
+    dev, root = load_dev_set(path), data_root(root)
+    out = []
+    mbpp = read_rows(root / REGISTRY["mbpp"])
+    wanted = set(dev["mbpp_task_ids"])
+    for i, row in enumerate(mbpp):
+        if int(row["task_id"]) in wanted:
+            out.append(_row("mbpp", i, row))
+    lima = read_rows(root / REGISTRY["lima"])
+    out += [_row("lima", i, lima[i]) for i in dev["lima_rows"]]
+    return out
+
+
+def dev_keys(root=None, path: Path = DEV_SET_FILE) -> set[str]:
+    """Prompt keys of the dev set (what training-prompt collection must skip)."""
+    return {p["key"] for p in dev_prompts(root, path)}
+
+
+def _row(source: str, i: int, raw: dict) -> dict:
+    context = to_example(raw).context
+    return {"id": f"{source}/{i}", "source": source, "prompt": context, "key": prompt_key(context)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Redraw the drafter dev set and compare it with the recorded one.")
+    ap.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data)")
+    ap.add_argument("--write", action="store_true", help=f"rewrite {DEV_SET_FILE}")
+    a = ap.parse_args(argv)
+    drawn = build_dev_set(a.data_root)
+    if a.write:
+        DEV_SET_FILE.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in drawn.items()]  # one key a line
+        DEV_SET_FILE.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+        print(f"wrote {DEV_SET_FILE}")
+    elif drawn != load_dev_set():
+        raise ValueError(f"{DEV_SET_FILE} differs from the deterministic draw (run with --write to rewrite)")
+    else:
+        print(f"{DEV_SET_FILE}: matches the draw ({len(drawn['mbpp_task_ids'])} MBPP, {len(drawn['lima_rows'])} LIMA)")
+
+
+if __name__ == "__main__":
+    main()

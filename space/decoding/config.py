@@ -1,0 +1,97 @@
+"""``DecodeConfig``: the one source of SPACE decode defaults (STYLE.md item 15).
+
+A trained adapter carries its tuned layout in ``space_config.json`` under ``"decode"``;
+``space.adapters.load_space`` records it on the model (``model.config.space_decode``) and
+``SpaceDecoder(model, mask)`` reads it from there, so the Python API, ``space-eval`` and
+``run_eval.sh`` all decode an adapter with its own layout unless a flag overrides it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from ..tokens import check_mask_num
+
+DEFAULT_MASK_NUM = 5  # the paper's k (DESIGN §2); the only place a default k is written
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How a SPACE step is laid out (DESIGN §3.3-§3.5).
+
+    Attributes:
+        mask_num: k, masks per group = most mask drafts verified per step (1..MAX_MASK_NUM).
+        num_groups: mask groups attached per step, 1..k+1; None = k+1 (the paper's layout).
+            Fewer groups make a step cheaper on a CPU; see :meth:`max_tokens_per_step` for the cap.
+        lookup_tokens: 0 = pure SPACE; else up to this many prompt-lookup candidates per step.
+        lookup_ngram: longest n-gram matched by prompt lookup (>= 1).
+
+    Raises:
+        ValueError: any field out of range (at construction).
+    """
+
+    mask_num: int = DEFAULT_MASK_NUM
+    num_groups: int | None = None
+    lookup_tokens: int = 0
+    lookup_ngram: int = 2
+
+    def __post_init__(self):
+        check_mask_num(self.mask_num)
+        if self.num_groups is not None and not 1 <= self.num_groups <= self.mask_num + 1:
+            raise ValueError(f"num_groups must lie in 1..{self.mask_num + 1} (k+1), got {self.num_groups}")
+        if self.lookup_tokens < 0 or self.lookup_ngram < 1:
+            raise ValueError(f"lookup_tokens must be >= 0 and lookup_ngram >= 1, got "
+                             f"{self.lookup_tokens}, {self.lookup_ngram}")
+
+    @property
+    def groups(self) -> int:
+        """Mask groups attached per step (num_groups, or k+1 when unset)."""
+        return self.mask_num + 1 if self.num_groups is None else self.num_groups
+
+    def override(self, **values) -> DecodeConfig:
+        """A copy with the given fields replaced; None values keep the current field.
+
+        ``num_groups`` is reset to "k+1" when only ``mask_num`` changes, so a k override never
+        inherits a group count that does not fit it.
+        """
+        values = {k: v for k, v in values.items() if v is not None}
+        if "mask_num" in values and "num_groups" not in values and self.num_groups is not None:
+            values["num_groups"] = min(self.num_groups, values["mask_num"] + 1)
+        return replace(self, **values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DecodeConfig:
+        """Raises ValueError on unknown keys or out-of-range values."""
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown decode settings {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def of_model(cls, model, trained_mask_num: int = 0) -> DecodeConfig:
+        """The model's recorded decode layout (``config.space_decode``), else k = the trained k or
+        DEFAULT_MASK_NUM."""
+        recorded = getattr(getattr(model, "config", None), "space_decode", None)
+        if recorded:
+            return cls.from_dict(recorded)
+        return cls(mask_num=trained_mask_num or DEFAULT_MASK_NUM)
+
+    def max_tokens_per_step(self) -> float:
+        """The layout's cap on tokens/step: the mean emitted when every mask draft is accepted.
+
+        With fewer than k+1 groups, a step that accepts a > g drafts must draft from G_g shifted,
+        which leaves k - (a - g) candidates; with k = 1 and one group, every accepting step is
+        followed by a step with no candidate, so the cap is 1.5 (DESIGN §3.5). Lookup candidates
+        are not counted (they are not bounded by the layout).
+        """
+        k, g_max = self.mask_num, self.groups - 1
+        m, seen, emitted = 0, {}, []
+        while m not in seen:  # a deterministic walk over the candidate count m: find its cycle
+            seen[m] = len(emitted)
+            emitted.append(m + 1)
+            g = min(m, g_max)  # all m accepted: draft from G_m, else from the deepest group G_g
+            m = k - (m - g)
+        cycle = emitted[seen[m]:]
+        return sum(cycle) / len(cycle)

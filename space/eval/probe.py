@@ -1,0 +1,266 @@
+"""The acceptance probe (DESIGN §6 "drafter probe"): how often the masks' drafts are right.
+
+Teacher-forced over the target's own greedy answers: for each prompt of the dev set
+(``configs/data/dev_set.json``: 100 MBPP + 30 LIMA prompts kept out of training, see
+``space.data.dev_set``), the target answers greedily (batched HF ``generate``, cached in a
+resumable JSONL), then prompt + answer runs once through the model into a KV cache and a mask
+group is anchored at every answer position e (layout core: ``space.masking.train_layout``; the
+groups go in chunks over that cache, so memory stays bounded). Mask j anchored at e proposes
+token e+j+1 (DESIGN §3.1); its rank among mask j's logits (mask tokens suppressed, as in
+decoding) is what the report is made of:
+
+* ``topk[t][j]``: share of anchors where the true token is in mask j's top t (t = 1, 3, 5, 10);
+* ``chain_bound`` = 1 + sum_j P(offsets 0..j all top-1): tokens/step a chain of k drafts from
+  the group anchored at the step's start would reach if every step drafted from that group;
+* ``tree_bound`` of a token tree (Medusa format: paths of ranks, e.g. ``[[0], [1], [0, 0]]``) =
+  1 + sum over nodes of P(for every depth d on the node's path, the true token at offset d has
+  rank exactly path[d]).
+
+P(.) at offset j is over the anchors that have a token at offset j. Hardware-independent and
+minutes instead of hours of timed decoding: use it to choose training recipes.
+
+``space-probe --adapter adapters/smollm2-135m-space --out runs/probe/shipped --tree '[[0],[1],[0,0]]'``
+writes ``probe.json``, ``probe.png`` and ``ranks.jsonl`` (per sample, (anchors, k) ranks, -1 past
+the end) into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+from ..adapters import DEFAULT_MASK_NUM, SPACE_CONFIG, load_space
+from ..cli import add_debug_flag, console
+from ..data.dev_set import dev_prompts
+from ..data.prompts import chat_ids
+from ..decoding.space import crop_cache
+from ..distill import greedy_batches
+from ..jsonl import append_jsonl, read_jsonl_resumable
+from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
+from ..models import SMOLLM2
+
+TOPS = (1, 3, 5, 10)
+
+
+@torch.inference_mode()
+def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tensor, k: int,
+                 suppress_ids=(), chunk_groups: int = 64) -> torch.Tensor:
+    """Rank of the true token among each mask's logits, a group anchored at every answer position.
+
+    Args:
+        model: a causal LM with the mask token (a plain HF model or a peft one).
+        ids: (n,) prompt + answer token ids.
+        prompt_len: P; anchors are e = P..n-2 (mask 0 of the group at e predicts x_{e+1}).
+        mask_ids: (1,) or (k,) mask ids (``MaskSpec.ids_for(k)``).
+        suppress_ids: tokens never drafted (the mask tokens), excluded from the ranking.
+        chunk_groups: groups per forward over the cache of the n real tokens.
+
+    Returns:
+        (anchors, k) long: 0 = top-1; -1 where offset j has no token (e+j+1 >= n).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    device, n = head.weight.device, ids.numel()
+    ids = ids.to(device)
+    anchors = list(range(max(prompt_len, 1), n - 1))
+    if not anchors:
+        return torch.empty(0, k, dtype=torch.long)
+    cache = DynamicCache(config=base.config)
+    decoder(input_ids=ids[None], past_key_values=cache, use_cache=True)  # the real tokens, once
+    out = []
+    for start in range(0, len(anchors), chunk_groups):
+        groups = anchors[start:start + chunk_groups]
+        lay = train_layout(n, groups, k)  # rows :n are the cached real tokens, n: the groups
+        attn = to_additive_4d(lay.allowed[n:], head.weight.dtype).to(device)  # (1, 1, G*k, n + G*k)
+        with mask_rows(0):
+            hidden = decoder(input_ids=lay.input_ids(ids, mask_ids.to(device))[None, n:],
+                             position_ids=lay.position_ids[None, n:].to(device), attention_mask=attn,
+                             past_key_values=cache, use_cache=True).last_hidden_state[0]  # (G*k, hidden)
+        crop_cache(cache, n)
+        logits = head(hidden).float()  # (G*k, vocab)
+        logits[:, list(suppress_ids)] = float("-inf")
+        tgt = targets(lay, ids)[n:].to(device)  # (G*k,) x_{e+j+1}, IGNORE_INDEX past the end
+        true = logits.gather(1, tgt.clamp(min=0)[:, None])  # (G*k, 1)
+        rank = (logits > true).sum(-1).masked_fill(tgt == IGNORE_INDEX, -1)
+        out.append(rank.view(len(groups), k).cpu())
+    return torch.cat(out)
+
+
+def parse_tree(spec: str | None, k: int) -> list[list[int]] | None:
+    """A tree given as JSON paths of ranks (or a file holding them); every prefix must be a node.
+
+    Raises:
+        ValueError: not a list of non-empty lists of ranks >= 0, a duplicate, a missing
+            parent, or a path deeper than k.
+    """
+    if spec is None:
+        return None
+    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    try:
+        paths = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--tree: not JSON and not a file ({e.msg})") from None
+    ok = isinstance(paths, list) and paths and all(
+        isinstance(p, list) and p and all(isinstance(r, int) and r >= 0 for r in p) for p in paths)
+    if not ok:
+        raise ValueError(f"--tree: expected a list of paths of ranks such as [[0], [1], [0, 0]], got {text!r}")
+    nodes = {tuple(p) for p in paths}
+    if len(nodes) != len(paths) or any(len(p) > 1 and tuple(p[:-1]) not in nodes for p in paths):
+        raise ValueError("--tree: duplicate path, or a path whose parent is not in the tree")
+    if max(len(p) for p in paths) > k:
+        raise ValueError(f"--tree: a path is deeper than mask_num k = {k}")
+    return paths
+
+
+def summarize(ranks: torch.Tensor, tree: list[list[int]] | None = None) -> dict:
+    """Per-offset top-t accuracy, chain bound and tree bound of (anchors, k) ranks (-1 = none)."""
+    k = ranks.shape[1]
+    has = ranks >= 0  # (anchors, k)
+    out = {"anchors": int(has[:, 0].sum()), "positions_per_offset": has.sum(0).tolist()}
+    out["topk"] = {str(t): [_share((ranks[:, j] < t) & has[:, j], has[:, j]) for j in range(k)] for t in TOPS}
+    run = torch.cumprod((ranks == 0).long(), dim=1).bool()  # offsets 0..j all top-1
+    out["chain_all_top1"] = [_share(run[:, j], has[:, j]) for j in range(k)]
+    out["chain_bound"] = 1 + sum(out["chain_all_top1"])
+    if tree is not None:
+        nodes = [_share(torch.stack([ranks[:, d] == r for d, r in enumerate(p)], 1).all(1), has[:, len(p) - 1])
+                 for p in tree]
+        out["tree"], out["tree_nodes"], out["tree_bound"] = tree, nodes, 1 + sum(nodes)
+    return out
+
+
+def _share(hit: torch.Tensor, valid: torch.Tensor) -> float:
+    n = int(valid.sum())
+    return round(float((hit & valid).sum()) / n, 4) if n else 0.0
+
+
+def cached_answers(model, tok, prompts: list[dict], path: Path, target: str, max_new_tokens: int,
+                   batch_size: int, suppress_ids) -> dict[str, dict]:
+    """Greedy answers by prompt key, generating only the missing ones (resumable JSONL at ``path``).
+
+    Raises:
+        ValueError: ``path`` holds answers of another target or max_new_tokens.
+    """
+    rows = read_jsonl_resumable(path)
+    other = {(r["target"], r["max_new_tokens"]) for r in rows} - {(target, max_new_tokens)}
+    if other:
+        raise ValueError(f"{path} holds answers of {sorted(other)}, not of ({target!r}, {max_new_tokens}): "
+                         "pass another --answers file")
+    have = {r["key"]: r for r in rows}
+    todo = [{**p, "ids": chat_ids(tok, p["prompt"])} for p in prompts if p["key"] not in have]
+    for batch in greedy_batches(model, tok, todo, batch_size, max_new_tokens, suppress_ids, desc="target answers"):
+        new = [{"id": p["id"], "key": p["key"], "source": p["source"], "target": target,
+                "max_new_tokens": max_new_tokens, "prompt_ids": p["ids"], "finished": done,
+                "answer_ids": ids + ([tok.eos_token_id] if done else [])} for p, ids, done in batch]
+        append_jsonl(path, new)
+        have.update((r["key"], r) for r in new)
+    return have
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    """PNG: top-t accuracy per offset, and P(offsets 0..j all top-1) per offset, by source."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for t, acc in summary["all"]["topk"].items():
+        ax1.plot(range(len(acc)), acc, marker="o", label=f"top-{t}")
+    for source, s in summary.items():
+        ax2.plot(range(len(s["chain_all_top1"])), s["chain_all_top1"], marker="o",
+                 label=f"{source} (chain bound {s['chain_bound']:.2f})")
+    for ax, name in ((ax1, "P(true token in mask j's top t), all prompts"), (ax2, "P(offsets 0..j all top-1)")):
+        ax.set(xlabel="offset j", ylim=(0, 1), title=name)
+        ax.grid(alpha=0.3), ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def target_name(model: str | None, adapter: str | None) -> str:
+    """Which model's greedy answers are probed: the base for a frozen-base adapter (its real-token
+    logits are the base's), else base + adapter (a merged lora adapter is a new model)."""
+    if adapter is None:
+        return model or SMOLLM2
+    cfg_path = Path(adapter) / SPACE_CONFIG
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
+    cfg = json.loads(cfg_path.read_text())
+    base = model or cfg.get("base_model", SMOLLM2)
+    return base if cfg.get("mode") == "frozen-base" else f"{base}+{Path(adapter).resolve()}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the probe on the dev set; returns the summary written to ``<out>/probe.json``.
+
+    Raises:
+        ValueError: bad --tree, --mask-num, --limit, or an answers file of another target.
+        FileNotFoundError: missing adapter, model or data.
+    """
+    ap = argparse.ArgumentParser(prog="space-probe", description="Drafter acceptance probe on the dev set (DESIGN §6).")
+    ap.add_argument("--model", default=None, help="alias or local HF directory (default: the adapter's base, else SmolLM2)")
+    ap.add_argument("--adapter", default=None, help="SPACE adapter directory (space.adapters.load_space)")
+    ap.add_argument("--mask-num", "-k", type=int, default=None, help="k masks per group (default: the trained k, else 5)")
+    ap.add_argument("--tree", default=None, help="token tree: JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file")
+    ap.add_argument("--limit", type=int, default=None, help="first N dev prompts per source (default all: 100 MBPP, 30 LIMA)")
+    ap.add_argument("--out", type=Path, default=Path("runs/probe/latest"), help="output folder")
+    ap.add_argument("--answers", type=Path, default=None, help="greedy answers cache (default <out>/answers.jsonl)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
+    ap.add_argument("--chunk-groups", type=int, default=64, help="mask groups per forward")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data)")
+    add_debug_flag(ap)
+    a = ap.parse_args(argv)
+    for name in ("limit", "max_new_tokens", "batch_size", "chunk_groups", "mask_num"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    target = target_name(a.model, a.adapter)
+    prompts = dev_prompts(a.data_root)
+    if a.limit is not None:
+        prompts = [p for s in ("mbpp", "lima") for p in [q for q in prompts if q["source"] == s][: a.limit]]
+    model, tok, spec = load_space(a.model, a.adapter, a.mask_num or DEFAULT_MASK_NUM, a.dtype, a.device)
+    k = a.mask_num or spec.mask_num or DEFAULT_MASK_NUM
+    tree = parse_tree(a.tree, k)
+    mask_ids = spec.ids_for(k)
+    a.out.mkdir(parents=True, exist_ok=True)
+    answers = cached_answers(model, tok, prompts, a.answers or a.out / "answers.jsonl", target,
+                             a.max_new_tokens, a.batch_size, spec.token_ids)
+    per_sample, ranks_by_source = [], {}
+    for p in prompts:
+        row = answers[p["key"]]
+        ranks = anchor_ranks(model, torch.tensor(row["prompt_ids"] + row["answer_ids"]), len(row["prompt_ids"]),
+                             mask_ids, k, spec.token_ids, a.chunk_groups)
+        per_sample.append({"id": p["id"], "source": p["source"], "ranks": ranks.tolist()})
+        ranks_by_source.setdefault(p["source"], []).append(ranks)
+    (a.out / "ranks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in per_sample))
+    everything = torch.cat([r for rs in ranks_by_source.values() for r in rs])
+    summary = {"all": summarize(everything, tree),
+               **{s: summarize(torch.cat(rs), tree) for s, rs in ranks_by_source.items()}}
+    meta = {"model": a.model or target.split("+")[0], "adapter": a.adapter, "target": target, "mask_num": k,
+            "dtype": a.dtype, "device": a.device, "dataset": "dev (configs/data/dev_set.json)", "limit": a.limit,
+            "samples": len(prompts), "max_new_tokens": a.max_new_tokens, "seed": None, "decoding": "greedy",
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    result = {"meta": meta, "summary": summary}
+    text = re.sub(r"\[\s+([-\d., \n]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(result, indent=1))
+    (a.out / "probe.json").write_text(text)  # number lists on one line
+    plot(summary, a.out / "probe.png", f"{Path(a.adapter).name if a.adapter else target}, k={k}, {len(prompts)} dev prompts")
+    s = summary["all"]
+    print(f"[probe] {len(prompts)} prompts, {s['anchors']} anchors; top-1 per offset {s['topk']['1']}; "
+          f"chain bound {s['chain_bound']:.3f}" + (f"; tree bound {s['tree_bound']:.3f}" if tree else "")
+          + f" -> {a.out}", flush=True)
+    return result
+
+
+cli = console("space-probe", main)
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,22 @@
+"""The drafter dev set: recorded, reproducible, kept out of self-distillation (issue 13)."""
+from space.data.dev_set import build_dev_set, dev_keys, dev_prompts, load_dev_set
+from space.distill import collect_prompts
+
+
+def test_recorded_dev_set_is_the_seeded_draw():
+    recorded = load_dev_set()
+    assert recorded == build_dev_set()
+    assert len(recorded["mbpp_task_ids"]) == 100 and len(recorded["lima_rows"]) == 30
+    prompts = dev_prompts()
+    assert [p["source"] for p in prompts] == ["mbpp"] * 100 + ["lima"] * 30
+    assert len({p["key"] for p in prompts}) == 130 and all(len(p["prompt"]) == 1 for p in prompts)
+
+
+def test_self_distillation_skips_the_dev_set():
+    keys = dev_keys()
+    train = collect_prompts({"mbpp": None, "lima": None})
+    assert not keys & {p["key"] for p in train}
+    assert not {p["id"] for p in dev_prompts()} & {p["id"] for p in train}
+    assert sum(p["source"] == "mbpp" for p in train) >= 974 - 100 - 5  # everything else is kept
+    with_dev = collect_prompts({"mbpp": None}, exclude_dev=False)
+    assert len(with_dev) - sum(p["source"] == "mbpp" for p in train) == 100

@@ -1,0 +1,117 @@
+"""SPACE at high acceptance, on a tiny model whose drafts are usually right (conftest ``trained``).
+
+On untrained masks almost nothing is accepted and an exactness test compares AR with AR; here
+most steps accept several drafts, so verification, the cache crop, group shifting and EOS inside
+a step all run on their real paths.
+"""
+import copy
+
+import pytest
+import torch
+
+from space.adapters import fuse_frozen_base, mask_embedding, prepare_model
+from space.cpu_kernels import optimize_for_cpu
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.masking import to_additive_4d, train_layout
+from tests.conftest import TRAINED_K as K
+
+
+def check_exact(model, spec, lang, config, n_prompts=6, max_new=48, reference=None):
+    """Greedy SPACE == AR on language prompts; returns tokens/step over all of them."""
+    dec = SpaceDecoder(model, spec, config)
+    tokens = steps = 0
+    for i in range(n_prompts):
+        prompt = torch.tensor(lang.sample(2 + 3 * i))
+        ar = ar_generate(reference or model, prompt, max_new, suppress_ids=spec.token_ids)
+        out = dec.generate(prompt, max_new)
+        assert out.new_ids == ar.new_ids, (config, prompt.tolist())
+        tokens, steps = tokens + len(out.new_ids), steps + out.num_steps
+    return tokens / steps
+
+
+@pytest.mark.parametrize("groups", range(1, K + 2))
+def test_exact_at_high_acceptance(trained, groups):
+    model, _, spec, lang = trained
+    config = DecodeConfig(K, groups)
+    tps = check_exact(model, spec, lang, config)
+    cap = config.max_tokens_per_step()
+    assert 0.7 * cap < tps <= cap  # drafts are really accepted, and never beyond the layout's cap
+
+
+def fresh_drafts(model, spec, ids: list[int], k: int) -> list[int]:
+    """Mask-group argmax after ``ids`` by a plain, cache-free forward of the training layout."""
+    lay = train_layout(len(ids), [len(ids)], k)
+    block = lay.input_ids(torch.tensor(ids), spec.ids_for(k))
+    with torch.no_grad():
+        logits = model(input_ids=block[None], position_ids=lay.position_ids[None],
+                       attention_mask=to_additive_4d(lay.allowed)).logits[0, lay.num_real:]
+    logits[:, list(spec.token_ids)] = float("-inf")
+    return logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_group_shift_drafts_the_right_rows(trained, groups):
+    """After a step that accepted a drafts with G_a missing, the next candidates are masks
+    a-g.. of the deepest attached group G_g (DESIGN §3.5): compare them with a fresh forward of
+    that group, for every a - g. The override spoils candidate r, drawn from 0..m (none when
+    r = m), so every accept length occurs; the model's own drafts are what is checked."""
+    model, _, spec, lang = trained
+    seen = set()
+
+    rng = torch.Generator().manual_seed(groups)
+
+    def spoil(drafts):
+        def override(generated, d):
+            drafts.append(d.tolist())
+            r = int(torch.randint(d.numel() + 1, (1,), generator=rng))
+            return torch.cat([d[:r], (d[r:r + 1] + 1) % 250, d[r + 1:]]) if r < d.numel() else d
+        return override
+
+    for i in range(6):
+        prompt = lang.sample(3 + 2 * i)
+        drafts = []
+        out = SpaceDecoder(model, spec, DecodeConfig(K, groups)).generate(
+            torch.tensor(prompt), 40, draft_override=spoil(drafts))
+        done = 0
+        for d, a, m, emitted in zip(drafts, out.accept_lengths, out.step_candidates, out.step_tokens):
+            g = min(a, min(groups, m + 1) - 1)
+            context = prompt + out.new_ids[: done + g]  # x_0..x_{n-1}, c_1..c_g
+            assert d == fresh_drafts(model, spec, context, K)[a - g:], (groups, a, g)
+            seen.add(a - g)
+            done += emitted
+    assert seen == set(range(K + 2 - groups))  # a - g = 0..k-g+1 (k-g+1: nothing left to draft)
+
+
+def test_eos_inside_a_step(trained):
+    model, _, spec, lang = trained
+    dec = SpaceDecoder(model, spec, DecodeConfig(K))
+    hits = 0
+    for stop in lang.tokens[:8]:
+        prompt = torch.tensor(lang.sample(5))
+        ar = ar_generate(model, prompt, 40, stop_token_ids=[stop], suppress_ids=spec.token_ids)
+        out = dec.generate(prompt, 40, stop_token_ids=[stop])
+        assert out.new_ids == ar.new_ids
+        if out.stop_reason == "eos":
+            assert out.new_ids[-1] == stop and out.new_ids.count(stop) == 1
+            hits += out.step_tokens[-1] < out.accept_lengths[-1] + 1  # cut inside the last step
+    assert hits >= 1
+
+
+@pytest.mark.parametrize("kernels", ["stock", "fast"])
+def test_frozen_base_exact_at_high_acceptance(trained, kernels):
+    """The trained model as a frozen base, its mask rows kept, a random gated LoRA on top: SPACE
+    output equals AR of the untouched base, and the drafts still mostly land."""
+    model, tok, spec, lang = trained
+    base = copy.deepcopy(model)
+    rows = base.get_input_embeddings().weight[list(spec.token_ids)].detach().clone()
+    peft_model, spec2 = prepare_model(base, copy.deepcopy(tok), "frozen-base", K, lora_r=4)
+    with torch.no_grad():
+        mask_embedding(peft_model).mask_rows.copy_(rows)
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
+    fused = fuse_frozen_base(peft_model)
+    if kernels == "fast":
+        optimize_for_cpu(fused)
+    assert spec2.token_ids == spec.token_ids
+    assert check_exact(fused, spec, lang, DecodeConfig(K), reference=model) > 2.5

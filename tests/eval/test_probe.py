@@ -1,0 +1,88 @@
+"""The acceptance probe (DESIGN §6) against ranks computed by hand, and its bounds on a toy table."""
+import json
+
+import pytest
+import torch
+
+from space.eval.probe import anchor_ranks, cli, main, parse_tree, summarize
+from space.models import load_model
+from space.tokens import add_mask_tokens
+
+K = 3
+
+
+def hand_ranks(model, ids, e, k, mask_id, suppress):
+    """Plain causal forward of x_0..x_{e-1} + k masks (mask j at position e+j sees x_<e and masks
+    0..j: exactly the layout of a group anchored at e). Returns (k, 2) rank bounds: the rank of
+    x_{e+j+1} with a 1e-5 tolerance for near-ties, or (-1, -1) past the end."""
+    inp = torch.cat([ids[:e], torch.full((k,), mask_id)])[None]
+    with torch.no_grad():
+        logits = model(input_ids=inp).logits[0, e:e + k].float()
+    logits[:, list(suppress)] = float("-inf")
+    out = []
+    for j in range(k):
+        if e + j + 1 >= ids.numel():
+            out.append((-1, -1))
+            continue
+        true = logits[j, ids[e + j + 1]]
+        out.append((int((logits[j] > true + 1e-5).sum()), int((logits[j] > true - 1e-5).sum())))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    model, tok = load_model("tiny-random-llama")
+    spec = add_mask_tokens(model, tok, K)
+    return model, spec
+
+
+def check_against_hand(model, spec, ids, prompt_len, k):
+    ranks = anchor_ranks(model, ids, prompt_len, spec.ids_for(k), k, spec.token_ids, chunk_groups=4)
+    anchors = list(range(prompt_len, ids.numel() - 1))
+    assert ranks.shape == (len(anchors), k)
+    for a, e in enumerate(anchors):
+        for j, (lo, hi) in enumerate(hand_ranks(model, ids, e, k, spec.token_ids[0], spec.token_ids)):
+            assert lo <= int(ranks[a, j]) <= hi, (e, j, int(ranks[a, j]), lo, hi)
+    return ranks
+
+
+def test_ranks_match_plain_per_group_forward(tiny_model):
+    model, spec = tiny_model
+    ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(0))
+    ranks = check_against_hand(model, spec, ids, prompt_len=6, k=K)  # 16 anchors in 4 chunks over one cache
+    assert (ranks[-1, 1:] == -1).all() and (ranks[-2, 2:] == -1).all() and (ranks[:-2] >= 0).all()
+
+
+def test_summary_bounds_by_hand():
+    ranks = torch.tensor([[0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, -1]])
+    s = summarize(ranks, [[0], [1], [0, 0], [0, 1]])
+    assert s["topk"]["1"] == [0.75, 0.75, round(2 / 3, 4)] and s["topk"]["3"] == [1.0, 1.0, 1.0]
+    assert s["chain_all_top1"] == [0.75, 0.5, 0.0] and s["chain_bound"] == pytest.approx(2.25)
+    assert s["tree_nodes"] == [0.75, 0.25, 0.5, 0.25] and s["tree_bound"] == pytest.approx(2.75)
+    assert s["positions_per_offset"] == [4, 4, 3]
+
+
+def test_parse_tree(tmp_path):
+    assert parse_tree("[[0],[1],[0,0]]", 3) == [[0], [1], [0, 0]]
+    (tmp_path / "t.json").write_text("[[0], [0, 0]]")
+    assert parse_tree(str(tmp_path / "t.json"), 2) == [[0], [0, 0]]
+    for bad, msg in (("[[0,0]]", "parent"), ("[[0],[0,0],[0,0,0]]", "deeper"), ("nope", "JSON"), ("[[-1]]", "paths")):
+        with pytest.raises(ValueError, match=msg):
+            parse_tree(bad, 2)
+
+
+def test_cli_writes_report_and_reuses_answers(tmp_path, capsys):
+    args = ["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "8", "-k", "2",
+            "--out", str(tmp_path), "--tree", "[[0],[1]]"]
+    first = main(args)
+    report = json.loads((tmp_path / "probe.json").read_text())
+    assert report["summary"] == first["summary"] and set(report["summary"]) == {"all", "mbpp", "lima"}
+    assert report["meta"]["samples"] == 2 and report["meta"]["mask_num"] == 2 and "tree_bound" in report["summary"]["all"]
+    assert (tmp_path / "probe.png").stat().st_size > 1000
+    rows = (tmp_path / "ranks.jsonl").read_text().splitlines()
+    assert [json.loads(r)["source"] for r in rows] == ["mbpp", "lima"]
+    answers = (tmp_path / "answers.jsonl").read_text()
+    assert main(args)["summary"] == first["summary"] and (tmp_path / "answers.jsonl").read_text() == answers
+    with pytest.raises(SystemExit) as exit_info:
+        cli([*args, "--tree", "[[1,0]]"])
+    assert exit_info.value.code == 2 and "space-probe: error: --tree" in capsys.readouterr().err

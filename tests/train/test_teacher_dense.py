@@ -1,0 +1,136 @@
+"""Dense supervision, chunked mask rows and teacher targets (issue 13; DESIGN §3.2, §3.6)."""
+import json
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from space.adapters import prepare_model
+from space.config import parse_train_args
+from space.data.collator import SpaceCollator
+from space.masking import IGNORE_INDEX, targets, train_layout
+from space.models import load_model
+from space.train.loss import space_loss, teacher_targets
+from space.train.run import run_sft
+from space.train.trainer import SpaceTrainer, real_pass
+
+MASK, PAD, K = 999, 0, 3
+
+
+def features(lengths, prompt_len=4):
+    return [{"input_ids": list(range(10 * (i + 1), 10 * (i + 1) + n)), "prompt_len": prompt_len, "idx": i}
+            for i, n in enumerate(lengths)]
+
+
+def test_dense_collator_rows_match_layout_core():
+    """span_density 1: a group at every answer position, each sample's rows exactly train_layout's."""
+    col = SpaceCollator(torch.tensor([MASK]), K, PAD, span_density=1.0)
+    feats = features([15, 9, 22])
+    batch = col(feats)
+    T = batch["num_real"]
+    for b, f in enumerate(feats):
+        ids = torch.tensor(f["input_ids"])
+        spans = list(range(f["prompt_len"], len(ids) - 1))  # every s with a target x_{s+1}
+        lay = train_layout(len(ids), spans, K)
+        slot = torch.cat([torch.arange(len(ids)), T + torch.arange(len(spans) * K)])
+        assert torch.equal(batch["input_ids"][b, slot], lay.input_ids(ids, torch.tensor([MASK])))
+        assert torch.equal(batch["position_ids"][b, slot], lay.position_ids)
+        assert torch.equal(batch["labels"][b, slot], targets(lay, ids, first_target=f["prompt_len"]))
+        allowed = batch["attention_mask"][b, 0] == 0
+        assert torch.equal(allowed[slot[:, None], slot[None, :]], lay.allowed)
+        assert (batch["mask_offset"][b, T + len(spans) * K:] == -1).all()  # the rest is padding
+
+
+def test_span_density_counts_and_checks():
+    col = SpaceCollator(torch.tensor([MASK]), K, PAD, span_density=0.25, spans_per_sample=1)
+    batch = col(features([44]))  # 44 tokens, prompt 4: anchors 4..42, 39 of them -> ceil(9.75) = 10
+    assert int((batch["mask_offset"][0] == 0).sum()) == 10
+    with pytest.raises(ValueError, match="span_density"):
+        SpaceCollator(torch.tensor([MASK]), K, PAD, span_density=1.5)
+    with pytest.raises(ValueError, match="efficient"):
+        SpaceCollator(torch.tensor([MASK]), K, PAD, span_density=0.5, layout="truncate")
+
+
+def test_teacher_loss_equals_token_ce_for_one_hot_teacher():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 9, 50, generator=g)
+    labels = torch.randint(0, 50, (2, 9), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    offsets = torch.tensor([[-1, -1, 0, 1, 2, 0, 1, 2, -1], [0, 1, 2, 0, 1, 2, 0, 1, 2]])
+    token, tm = space_loss(logits, labels, offsets, 0.7, 3)
+    one_hot = (labels.clamp(min=0)[..., None], torch.ones(2, 9, 1))
+    teacher, m = space_loss(logits, labels, offsets, 0.7, 3, teacher=one_hot)
+    assert torch.allclose(token, teacher) and m["mask_loss"] == pytest.approx(tm["mask_loss"])
+    assert m["mask_token_ce"] == pytest.approx(tm["mask_loss"]) and m["mask_acc_0"] == tm["mask_acc_0"]
+    spread = (torch.stack([labels.clamp(min=0), (labels.clamp(min=0) + 1) % 50], -1), torch.full((2, 9, 2), 0.5))
+    assert not torch.allclose(space_loss(logits, labels, offsets, 0.7, 3, teacher=spread)[0], token)
+
+
+@pytest.fixture(scope="module")
+def frozen():
+    model, tok = load_model("tiny-random-llama")
+    model, spec = prepare_model(model, tok, "frozen-base", K)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():  # a non-zero LoRA update and distinct mask rows
+        if "lora_B" in name or "mask_rows" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    col = SpaceCollator(spec.ids_for(K), K, tok.pad_token_id, span_density=1.0)
+    g = torch.Generator().manual_seed(1)
+    batch = col([{"input_ids": torch.randint(0, 256, (n,), generator=g).tolist(), "prompt_len": 5, "idx": i}
+                 for i, n in enumerate((30, 21))])
+    return model, spec, batch
+
+
+def test_teacher_rows_are_the_base_at_row_e_plus_j(frozen):
+    """Mask j anchored at e learns the frozen base's top-K at real row e+j (not e+j+1, not e)."""
+    model, spec, batch = frozen
+    T = batch["num_real"]
+    _, hidden = real_pass(model, batch)
+    head = model.get_base_model().get_output_embeddings()
+    ids, probs = teacher_targets(head, hidden, batch, topk=4, suppress_ids=spec.token_ids)
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=batch["input_ids"][:, :T]).logits  # (batch, T, vocab), plain causal
+    base[..., list(spec.token_ids)] = float("-inf")
+    checked = 0
+    for b, m in ((batch["labels"][:, T:] != IGNORE_INDEX) & (batch["mask_offset"][:, T:] >= 0)).nonzero().tolist():
+        row = int(batch["position_ids"][b, T + m])  # e + j
+        top = base[b, row].topk(4)
+        assert torch.equal(ids[b, m], top.indices)
+        assert torch.allclose(probs[b, m], torch.softmax(top.values, -1), atol=1e-5)
+        checked += 1
+    assert checked > 40
+
+
+@pytest.mark.parametrize("target", ["token", "teacher"])
+def test_chunked_loss_and_gradients_equal_unchunked(frozen, tmp_path, target):
+    model, spec, batch = frozen
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = SpaceTrainer(model=model, args=args, mask_num=K, two_pass=True, mask_target=target,
+                           teacher_topk=5, suppress_ids=spec.token_ids)
+    model.train()
+    results = []
+    for chunk_rows in (0, 7):  # 7 rows -> chunks of 2 groups (6 rows): 72 mask columns in 12 chunks
+        trainer.mask_chunk_rows = chunk_rows
+        model.zero_grad()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads))
+    (loss0, g0), (loss1, g1) = results
+    assert torch.allclose(loss0, loss1, atol=1e-5)
+    assert all(torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4) for n in g0)
+    assert any(g.abs().sum() > 0 for g in g0.values())
+
+
+def test_teacher_and_dense_train_end_to_end(tmp_path):
+    args = parse_train_args([
+        "--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path), "--limit", "2",
+        "--max_steps", "2", "--save_steps", "1000", "--logging_steps", "1", "--mask_num", "3",
+        "--mask_target", "teacher", "--teacher_topk", "8", "--span_density", "0.5", "--mask_chunk_rows", "12"])
+    run_sft(*args)
+    logs = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "mask_loss" in h]
+    assert logs and "mask_token_ce" in logs[0] and "mask_acc_0" in logs[0]
+    bad = parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / "x"),
+                            "--mode", "lora", "--mask_target", "teacher"])
+    with pytest.raises(ValueError, match="teacher"):
+        run_sft(*bad)
