@@ -103,7 +103,7 @@ def main() -> None:
     cfg = GenerationConfig(max_new_tokens=a.gen_tokens, min_new_tokens=a.gen_tokens, do_sample=False,
                            pad_token_id=tok.pad_token_id)
     ar_t, hf_t, sp_t = [], [], []
-    dec = SpaceDecoder(model, spec, DecodeConfig(5))
+    dec = SpaceDecoder(model, spec, DecodeConfig())
     for _ in range(3):
         r = ar_generate(model, ids, a.gen_tokens)
         ar_t.append(len(r.new_ids) / r.wall_time)

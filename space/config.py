@@ -16,6 +16,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from .cli import DEBUG_HELP
+from .decoding.config import DEFAULT_MASK_NUM
 
 
 @dataclass
@@ -39,7 +40,7 @@ class DataArgs:
 
 @dataclass
 class MaskArgs:
-    mask_num: int = field(default=5, metadata={"help": "k: masks per group = candidates per step"})
+    mask_num: int = field(default=DEFAULT_MASK_NUM, metadata={"help": "k: masks per group = candidates per step"})
     mask_diff: bool = field(default=False, metadata={"help": "a distinct mask token per offset j"})
     mask_prob: float = field(default=1.0, metadata={"help": "probability that a sample gets mask groups per epoch"})
     mask_loss_weight: float = field(default=1.0, metadata={"help": "lambda in CE(AR) + lambda * CE(mask)"})
@@ -100,8 +101,10 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     """Range checks that need no model, so a typo fails before the model loads.
 
     Raises:
-        ValueError: unknown mode or layout, mask_num outside 1..MAX_MASK_NUM, spans_per_sample,
-            limit or max_length too small, mask_prob outside [0, 1], or output_dir that is a file.
+        ValueError: unknown mode, layout or mask_target, mask_num outside 1..MAX_MASK_NUM,
+            spans_per_sample, limit, max_length, mask_chunk_rows or teacher_topk too small, mask_prob
+            or span_density outside [0, 1], a teacher without frozen-base + efficient, or an
+            output_dir that is a file.
     """
     from .adapters import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -112,10 +115,18 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         raise ValueError(f"unknown layout {mask_args.layout!r}; choose efficient or truncate")
     check_mask_num(mask_args.mask_num)
     for name, value, minimum in (("spans_per_sample", mask_args.spans_per_sample, 1),
-                                 ("limit", data_args.limit, 1), ("max_length", data_args.max_length, 2)):
+                                 ("limit", data_args.limit, 1), ("max_length", data_args.max_length, 2),
+                                 ("mask_chunk_rows", mask_args.mask_chunk_rows, 0),
+                                 ("teacher_topk", mask_args.teacher_topk, 1)):
         if value is not None and value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if not 0 <= mask_args.mask_prob <= 1:
-        raise ValueError(f"mask_prob must lie in [0, 1], got {mask_args.mask_prob}")
+    for name, value in (("mask_prob", mask_args.mask_prob), ("span_density", mask_args.span_density)):
+        if not 0 <= value <= 1:
+            raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    if mask_args.mask_target not in ("token", "teacher"):
+        raise ValueError(f"unknown mask_target {mask_args.mask_target!r}; choose token or teacher")
+    if mask_args.mask_target == "teacher" and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
+        raise ValueError("mask_target teacher needs mode frozen-base and layout efficient (the two-pass step "
+                         "computes the base's distribution)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")

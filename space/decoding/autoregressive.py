@@ -13,7 +13,8 @@ from .sampling import SamplingConfig, logits_to_probs, sample
 @torch.inference_mode()
 def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
                 stop_token_ids: Iterable[int] = (), suppress_ids: Iterable[int] = (),
-                on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+                on_tokens: Callable[[list[int]], None] | None = None,
+                logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> DecodeResult:
     """Greedy or sampled generation, one token per forward pass, DynamicCache, LM head on 1 row.
 
     Args:
@@ -24,6 +25,8 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         stop_token_ids: generation ends after the first of these.
         suppress_ids: ids never emitted (the mask tokens).
         on_tokens: streaming callback, called with each step's new tokens.
+        logits_processor: HF convention ``(input_ids (1, seq), scores (1, vocab)) -> scores``,
+            applied to each step's logits with every token so far.
 
     Raises:
         ValueError: see ``check_prompt``.
@@ -34,12 +37,15 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
     gen = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     cache = DynamicCache(config=model.config)
-    step_in = ids[None].to(device)
+    step_in, seen = ids[None].to(device), None  # seen: every token so far, for logits_processor
     while True:
         t0 = clock(device)
         logits = model(input_ids=step_in, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
         if suppress.numel():
             logits[:, suppress] = float("-inf")
+        if logits_processor is not None:
+            seen = step_in[0] if seen is None else torch.cat([seen, step_in[0]])
+            logits = logits_processor(seen[None], logits)
         token = logits.argmax(-1) if sampling.greedy else sample(logits_to_probs(logits, sampling), gen)
         if res.emit(token.tolist(), clock(device) - t0):  # the step's one host copy
             return res

@@ -8,6 +8,19 @@ from dataclasses import dataclass, field
 import torch
 
 
+class StopDecoding(Exception):
+    """Raised by an ``on_tokens`` callback to end generation after the first ``keep`` tokens of
+    the step it was given (what HF stopping criteria such as stop strings need; ``space.hf``).
+
+    Args:
+        keep: how many of the step's tokens to keep, 0..len(tokens); the rest are dropped.
+    """
+
+    def __init__(self, keep: int):
+        super().__init__(keep)
+        self.keep = keep
+
+
 @dataclass
 class DecodeResult:
     """Tokens and statistics of one generation (batch size 1).
@@ -20,7 +33,7 @@ class DecodeResult:
             after an accept that left no mask group to draft from); empty for AR.
         step_tokens: per step (one target forward pass that emits tokens), tokens emitted (1..k+1).
         step_times: per step, wall time in s; ``step_times[0]`` includes the prefill.
-        stop_reason: "eos" or "length".
+        stop_reason: "eos", "length", or "stop" (``on_tokens`` raised :class:`StopDecoding`).
     """
 
     prompt_len: int
@@ -61,7 +74,15 @@ class DecodeResult:
             self.accept_lengths.append(accepted)
             self.step_candidates.append(candidates)
         if self.on_tokens is not None and kept:
-            self.on_tokens(kept)
+            try:
+                self.on_tokens(kept)
+            except StopDecoding as stop:  # the callback ended generation inside this step
+                drop = len(kept) - max(0, min(stop.keep, len(kept)))
+                if drop:
+                    del self.new_ids[-drop:]
+                    self.step_tokens[-1] -= drop
+                if drop or self.stop_reason is None:
+                    self.stop_reason = "stop"
         return self.stop_reason is not None
 
     @property

@@ -44,6 +44,9 @@ from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .verify import verify_greedy, verify_rejection
 
+# HF's logits-processor convention: (input_ids (rows, seq), scores (rows, vocab)) -> scores
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def crop_cache(cache: DynamicCache, keep: int) -> None:
     """Keep the first ``keep`` cached tokens (negative crop works on transformers 4.x and 5.x)."""
@@ -123,17 +126,24 @@ class SpaceDecoder:
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
                  stop_token_ids: Iterable[int] = (),
                  on_tokens: Callable[[list[int]], None] | None = None,
-                 draft_override: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None) -> DecodeResult:
+                 draft_override: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None,
+                 logits_processor: LogitsProcessor | None = None) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ((seq,) or (1, seq)).
 
         Args:
             sampling: greedy when temperature is 0, else exact speculative sampling (seeded
                 generator on the model's device).
             stop_token_ids: generation ends after the first of these.
-            on_tokens: streaming callback, called with each step's new tokens.
+            on_tokens: streaming callback, called with each step's new tokens; raising
+                ``result.StopDecoding(keep)`` keeps the first ``keep`` of them and ends generation.
             draft_override: greedy only, for tests and ablations: called with (tokens generated so
                 far, the model's drafts (m,)), returns the candidates (<= k ids) to verify next.
                 It is applied after prompt lookup.
+            logits_processor: HF convention, ``(input_ids (1, seq), scores (1, vocab)) -> scores``
+                (e.g. a ``LogitsProcessorList``). Applied to each verification row with exactly the
+                tokens before the position it scores, as AR decoding would, so greedy output equals
+                AR with the same processor and sampling stays exact; applied to draft rows with
+                their group's context (drafts only need to be drawn from the q they report).
 
         Returns:
             DecodeResult with the new ids and per-step statistics (times in s).
@@ -151,13 +161,15 @@ class SpaceDecoder:
             self.decoder(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True)
         prefill_s = clock(self.device) - t0
         last, cands, q = ids[-1:], ids.new_empty(0), None  # q: (m, vocab) draft distributions, sampling
-        seq = ids.tolist() if self.lookup is not None else []  # prompt + output, for prompt lookup
+        # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
+        seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
         while True:
             t0 = clock(self.device)
             m = cands.numel()
-            last, cands, q, emitted, a = self._step(cache, last, cands, q, sampling, gen)
-            if self.lookup is not None:
+            last, cands, q, emitted, a = self._step(cache, last, cands, q, sampling, gen, logits_processor, seq)
+            if seq is not None:
                 seq.extend(emitted)
+            if self.lookup is not None:
                 cands, q = self._lookup(seq, cands, q, sampling)
             if res.emit(emitted, clock(self.device) - t0 + prefill_s, accepted=a, candidates=m):
                 return res
@@ -166,8 +178,10 @@ class SpaceDecoder:
                 cands = cands.to(self.device)
             prefill_s = 0.0
 
-    def _step(self, cache, last: torch.Tensor, cands: torch.Tensor, q, sampling: SamplingConfig, gen):
-        """One forward pass. Returns (bonus (1,), next candidates (m',), their q, emitted tokens, a)."""
+    def _step(self, cache, last: torch.Tensor, cands: torch.Tensor, q, sampling: SamplingConfig, gen,
+              processor: LogitsProcessor | None = None, seq: list[int] | None = None):
+        """One forward pass. Returns (bonus (1,), next candidates (m',), their q, emitted tokens, a).
+        ``seq``: x_0..x_{n-1} on the host, needed only by ``processor``."""
         L = cache.get_seq_length()  # n - 1
         cands = cands[: self.context - L - 1]  # candidate c_i sits at position n-1+i < context
         q = None if q is None else q[: cands.numel()]
@@ -182,6 +196,10 @@ class SpaceDecoder:
         # would be wasted, run it once on every row (drafts included) rather than twice.
         logits = self._logits(hidden) if hidden.shape[0] <= 2 * (m + 1 + lay.k) else None
         target = logits[: m + 1] if logits is not None else self._logits(hidden[: m + 1])  # (m+1, vocab)
+        if processor is not None:  # row i scores the token after x_0..x_{n-1}, c_1..c_i
+            context = torch.tensor(seq, device=self.device)
+            target = torch.cat([processor(torch.cat([context, cands[:i]])[None], target[i:i + 1])
+                                for i in range(m + 1)])
         if sampling.greedy:
             a, bonus = verify_greedy(target, cands)
         else:
@@ -194,6 +212,10 @@ class SpaceDecoder:
         if rows.stop <= rows.start:  # no group left to draft from: the next step has no candidate
             return bonus.view(1), cands[:0], None, emitted, a
         draft_logits = logits[rows] if logits is not None else self._logits(hidden[rows])  # (<=k, vocab)
+        if processor is not None:  # every mask of G_g drafts after x_0..x_{n-1}, c_1..c_g
+            g = min(a, lay.groups - 1)
+            group_ctx = torch.cat([context, cands[:g]])[None].expand(draft_logits.shape[0], -1)
+            draft_logits = processor(group_ctx, draft_logits)
         if sampling.greedy:
             return bonus.view(1), draft_logits.argmax(-1), None, emitted, a
         q_next = logits_to_probs(draft_logits, sampling)

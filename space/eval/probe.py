@@ -44,6 +44,7 @@ from ..distill import greedy_batches
 from ..jsonl import append_jsonl, read_jsonl_resumable
 from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
 from ..models import SMOLLM2
+from ..tokens import MAX_MASK_NUM
 
 TOPS = (1, 3, 5, 10)
 
@@ -176,7 +177,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
         ax2.plot(range(len(s["chain_all_top1"])), s["chain_all_top1"], marker="o",
                  label=f"{source} (chain bound {s['chain_bound']:.2f})")
     for ax, name in ((ax1, "P(true token in mask j's top t), all prompts"), (ax2, "P(offsets 0..j all top-1)")):
-        ax.set(xlabel="offset j", ylim=(0, 1), title=name)
+        ax.set(xlabel="offset j", ylim=(0, 1), title=name, xticks=range(len(summary["all"]["chain_all_top1"])))
         ax.grid(alpha=0.3), ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("limit", "max_new_tokens", "batch_size", "chunk_groups", "mask_num"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    parse_tree(a.tree, a.mask_num or MAX_MASK_NUM)  # fail before loading the model; rechecked against k below
     target = target_name(a.model, a.adapter)
     prompts = dev_prompts(a.data_root)
     if a.limit is not None:
@@ -250,9 +252,10 @@ def main(argv: list[str] | None = None) -> dict:
             "samples": len(prompts), "max_new_tokens": a.max_new_tokens, "seed": None, "decoding": "greedy",
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
     result = {"meta": meta, "summary": summary}
-    text = re.sub(r"\[\s+([-\d., \n]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(result, indent=1))
-    (a.out / "probe.json").write_text(text)  # number lists on one line
-    plot(summary, a.out / "probe.png", f"{Path(a.adapter).name if a.adapter else target}, k={k}, {len(prompts)} dev prompts")
+    one_line = lambda m: "[" + " ".join(m.group(1).split()) + "]"  # number lists on one line
+    (a.out / "probe.json").write_text(re.sub(r"\[\s+([-\d., \n]*?)\s+\]", one_line, json.dumps(result, indent=1)))
+    name = Path(a.adapter).name if a.adapter else target
+    plot(summary, a.out / "probe.png", f"{name}, k={k}, {len(prompts)} dev prompts")
     s = summary["all"]
     print(f"[probe] {len(prompts)} prompts, {s['anchors']} anchors; top-1 per offset {s['topk']['1']}; "
           f"chain bound {s['chain_bound']:.3f}" + (f"; tree bound {s['tree_bound']:.3f}" if tree else "")

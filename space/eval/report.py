@@ -16,7 +16,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from ..decoding.config import DecodeConfig
+from ..decoding.config import DEFAULT_MASK_NUM, DecodeConfig
 from .execute import estimate_pass_at_k
 
 
@@ -100,7 +100,7 @@ def summarize(records: list[dict], meta: dict) -> dict:
             summary.setdefault(f"pass_at_{n}", {})[m] = _pass_at(rows, n)
     if "space" in by_method:
         # a step verifies up to k mask drafts, or up to lookup_tokens prompt-lookup candidates
-        k = max(meta.get("mask_num", 5), meta.get("lookup_tokens") or 0)
+        k = max(meta.get("mask_num", DEFAULT_MASK_NUM), meta.get("lookup_tokens") or 0)
         methods["space"].update(_acceptance(by_method["space"], k))
         if meta.get("mask_num"):
             layout = DecodeConfig(meta["mask_num"], meta.get("num_groups"))

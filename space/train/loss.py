@@ -76,7 +76,9 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
     if mask_rows.any():
         mask_logits, mask_labels = logits[mask_rows].float(), labels[mask_rows]
         token_ce = F.cross_entropy(mask_logits, mask_labels, reduction="none")  # (rows,)
-        per_row = token_ce if teacher is None else soft_cross_entropy(mask_logits, teacher[0][mask_rows], teacher[1][mask_rows])
+        per_row = token_ce
+        if teacher is not None:
+            per_row = soft_cross_entropy(mask_logits, teacher[0][mask_rows], teacher[1][mask_rows])
         denominator = mask_rows_total or per_row.numel()
         ml = per_row.sum() / denominator
         loss = loss + weight * ml

@@ -11,6 +11,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..adapters import MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, save_artifact
 from ..data.collator import SpaceCollator
+from ..data.dev_set import dev_keys, prompt_key
 from ..data.sft import load_examples, tokenize
 from ..models import load_model
 from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer
@@ -43,6 +44,18 @@ def check_checkpoint(last: str, settings: dict) -> None:
                          "Use another output_dir, or delete it to start over")
 
 
+def drop_dev_set(examples: list, root) -> tuple[list, int]:
+    """Keep the probe's dev prompts (configs/data/dev_set.json) out of training, whatever file they
+    come from (MBPP, LIMA or a self-distilled JSONL). Returns (kept examples, how many were dropped);
+    without the shared MBPP/LIMA files there is no dev set to hold out."""
+    try:
+        keys = dev_keys(root)
+    except FileNotFoundError:
+        return examples, 0
+    kept = [ex for ex in examples if prompt_key(ex.context) not in keys]
+    return kept, len(examples) - len(kept)
+
+
 def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     """Train with SAR-SFT and write ``<output_dir>/final`` (HF checkpoint or adapter).
 
@@ -67,6 +80,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         check_checkpoint(last, settings)
     names = [n.strip() for n in data_args.datasets.split(",") if n.strip()]
     examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit)]
+    examples, held_out = drop_dev_set(examples, data_args.data_root)
     model, tok = load_model(model_args.model_name_or_path, model_args.dtype)
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
                                 model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
@@ -87,7 +101,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     if last and emb is not None and os.path.isfile(os.path.join(last, MASK_EMBEDDING)):
         load_mask_rows(emb, os.path.join(last, MASK_EMBEDDING))
     if trainer.is_world_process_zero():
-        print(f"[space] {len(dataset)} samples from {names}; mode {model_args.mode}; k={mask_args.mask_num}; "
+        print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out); "
+              f"mode {model_args.mode}; k={mask_args.mask_num}; "
               f"trainable params {sum(p.numel() for p in model.parameters() if p.requires_grad):,}"
               + (f"; resuming from {last}" if last else ""), flush=True)
     result = trainer.train(resume_from_checkpoint=last)

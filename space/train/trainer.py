@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from accelerate.utils import DistributedType
 from transformers import DynamicCache, Trainer, TrainerCallback
 
 from ..adapters import MASK_EMBEDDING, save_mask_rows
+from ..decoding.config import DEFAULT_MASK_NUM
 from ..masking import IGNORE_INDEX, mask_rows
 from .loss import offset_hits, space_loss, teacher_targets
 
@@ -40,7 +42,7 @@ class SpaceTrainer(Trainer):
         ValueError: unknown mask_target, teacher without two_pass, teacher_topk < 1, mask_chunk_rows < 0.
     """
 
-    def __init__(self, *args, mask_loss_weight: float = 1.0, mask_num: int = 5, two_pass: bool = False,
+    def __init__(self, *args, mask_loss_weight: float = 1.0, mask_num: int = DEFAULT_MASK_NUM, two_pass: bool = False,
                  mask_target: str = "token", teacher_topk: int = 20, mask_chunk_rows: int = 0,
                  suppress_ids: tuple[int, ...] = (), **kwargs):
         if mask_target not in ("token", "teacher"):
@@ -96,19 +98,21 @@ class SpaceTrainer(Trainer):
         done, sums = 0.0, defaultdict(float)
         hits, rows_n = torch.zeros(self.mask_num), torch.zeros(self.mask_num)
         for i, rows in enumerate(chunks):
-            out = mask_pass(model, unwrapped, inputs, cache, rows, copy_cache=len(chunks) > 1)
-            tch = None if teacher is None else (teacher[0][:, rows], teacher[1][:, rows])
-            loss, m = space_loss(out.logits, labels[:, rows], offsets[:, rows], self.mask_loss_weight,
-                                 self.mask_num, tch, total)
+            last = i == len(chunks) - 1
+            # DDP: forward and backward of all but the last chunk inside no_sync (one all-reduce)
+            with self.accelerator.no_sync(model) if early and not last else nullcontext():
+                out = mask_pass(model, unwrapped, inputs, cache, rows, copy_cache=len(chunks) > 1)
+                tch = None if teacher is None else (teacher[0][:, rows], teacher[1][:, rows])
+                loss, m = space_loss(out.logits, labels[:, rows], offsets[:, rows], self.mask_loss_weight,
+                                     self.mask_num, tch, total)
+                if early and not last:
+                    self.accelerator.backward(loss / self._accumulation_steps())
             for key in ("mask_loss", "mask_token_ce"):
                 sums[key] += m.get(key, 0.0)
             sel = scored[:, rows]
             h, r = offset_hits(out.logits[sel].detach(), labels[:, rows][sel], offsets[:, rows][sel], self.mask_num)
             hits, rows_n = hits + h.cpu(), rows_n + r.cpu()
-            if i < len(chunks) - 1:
-                if early:
-                    with self.accelerator.no_sync(model):
-                        self.accelerator.backward(loss / self._accumulation_steps())
+            if not last:
                 done = done + loss.detach()
         metrics = {k: v for k, v in sums.items() if total and (k != "mask_token_ce" or teacher is not None)}
         metrics.update({f"mask_acc_{j}": (hits[j] / rows_n[j]).item() for j in range(self.mask_num) if rows_n[j] > 0})

@@ -20,3 +20,12 @@ def test_self_distillation_skips_the_dev_set():
     assert sum(p["source"] == "mbpp" for p in train) >= 974 - 100 - 5  # everything else is kept
     with_dev = collect_prompts({"mbpp": None}, exclude_dev=False)
     assert len(with_dev) - sum(p["source"] == "mbpp" for p in train) == 100
+
+
+def test_training_holds_the_dev_set_out():
+    from space.data.sft import load_examples
+    from space.train.run import drop_dev_set
+
+    examples = load_examples("mbpp") + load_examples("lima")
+    kept, dropped = drop_dev_set(examples, None)
+    assert dropped == 130 and len(kept) == len(examples) - 130

@@ -115,3 +115,23 @@ def test_frozen_base_exact_at_high_acceptance(trained, kernels):
         optimize_for_cpu(fused)
     assert spec2.token_ids == spec.token_ids
     assert check_exact(fused, spec, lang, DecodeConfig(K), reference=model) > 2.5
+
+
+def test_logits_processor_exact_at_high_acceptance(trained):
+    """A processor that depends on the tokens before each row (HF's repetition penalty) changes
+    the output; SPACE applies it to every verification row with that row's own prefix, so greedy
+    SPACE still equals AR with the same processor."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    model, _, spec, lang = trained
+    processor = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty=3.0)])
+    dec = SpaceDecoder(model, spec, DecodeConfig(K, 2))
+    changed = 0
+    for i in range(4):
+        prompt = torch.tensor(lang.sample(4 + 3 * i))
+        ar = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids, logits_processor=processor)
+        out = dec.generate(prompt, 40, logits_processor=processor)
+        assert out.new_ids == ar.new_ids
+        changed += ar.new_ids != ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
+        assert out.tokens_per_step > 1.2
+    assert changed  # the processor really acted
