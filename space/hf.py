@@ -1,0 +1,256 @@
+"""SPACE inside HF ``generate()`` and ``pipeline``: a ``custom_generate`` decoding loop.
+
+Two ways in (transformers 5.x):
+
+* ``model.generate(**inputs, custom_generate=space_generate, mask_num=3, max_new_tokens=64)``:
+  transformers prepares the generation config, logits processors and stopping criteria, then calls
+  :func:`space_generate` instead of its own greedy / sampling loop.
+* ``model.generate(**inputs, custom_generate="<this repo>", trust_remote_code=True, ...)``: the
+  repo's ``custom_generate/generate.py`` re-exports :func:`generate`, which receives every argument
+  of ``generate`` and goes the first way.
+
+What is honoured: max_new_tokens / max_length, EOS ids, stopping criteria (stop strings, max_time,
+custom ones: checked after every emitted token, so generation ends exactly where HF's loop ends),
+the streamer, and logits processors. Processors (with sampling, HF's temperature / top-k / top-p
+warpers among them) are applied once, by ``SpaceDecoder``, to every verification row with the row's
+own prefix and to the draft rows, and sampling then draws from softmax(processed scores) as HF does:
+greedy output equals plain ``generate`` token for token, sampled output has its distribution.
+The mask tokens are never emitted. Sampling is seeded from torch's global RNG, so
+``torch.manual_seed`` makes a call reproducible, as with plain ``generate``.
+
+A batch is decoded row by row (SPACE is batch-1), each row without its padding, with a warning;
+rows are then right-padded with ``pad_token_id`` as HF pads finished rows.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+from copy import deepcopy
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList,
+                                                       StopStringCriteria)
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder
+from .decoding.result import DecodeResult, StopDecoding
+from .tokens import mask_spec
+
+# model inputs a decoder-only text model gets from generate(); anything else (inputs_embeds,
+# pixel_values, a filled cache, ...) is refused rather than silently ignored
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+                       "cache_position"}
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
+
+
+@dataclass
+class SpaceGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` with SPACE statistics, one list entry per batch row.
+
+    Attributes:
+        accept_lengths: per step, drafts accepted (0..k), bonus token not counted.
+        step_tokens: per step, tokens emitted (1..k+1).
+        tokens_per_step: new tokens / steps (target forward passes), first step counted.
+        wall_time: generation time in s (prefill included).
+    """
+
+    accept_lengths: list[list[int]] | None = None
+    step_tokens: list[list[int]] | None = None
+    tokens_per_step: list[float] | None = None
+    wall_time: list[float] | None = None
+
+
+def space_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                   synced_gpus: bool = False, streamer=None, mask_num: int | None = None,
+                   num_groups: int | None = None, lookup_tokens: int | None = None, **model_kwargs):
+    """The decoding loop for ``model.generate(..., custom_generate=space_generate)``.
+
+    Args:
+        model: a causal LM with SPACE mask tokens (``space.adapters.load_space``).
+        input_ids: (batch, seq) prompts, left-padded when batch > 1 (``attention_mask`` says where).
+        logits_processor, stopping_criteria, generation_config: prepared by ``generate``.
+        streamer: receives the new tokens as they are accepted, then ``end()`` (``generate`` has
+            already put the prompt).
+        mask_num, num_groups, lookup_tokens: override the model's recorded decode layout
+            (``DecodeConfig.of_model``).
+        **model_kwargs: ``attention_mask`` and the cache ``generate`` prepared; nothing else.
+
+    Returns:
+        (batch, seq + new) LongTensor, or a :class:`SpaceGenerateOutput` when
+        ``return_dict_in_generate`` (no scores, no cache).
+
+    Raises:
+        ValueError: an unsupported option (named in the message), a model without mask tokens,
+            prompt + max_new_tokens over the context.
+    """
+    outer = _generate_locals()  # why: see _generate_locals
+    streamer = streamer if streamer is not None else outer.get("streamer")
+    check_supported(generation_config, logits_processor, model_kwargs, outer.get("assistant_model"),
+                    synced_gpus or outer.get("synced_gpus"))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    spec = mask_spec(base)
+    layout = DecodeConfig.of_model(base, spec.mask_num).override(
+        mask_num=mask_num, num_groups=num_groups, lookup_tokens=lookup_tokens)
+    decoder = SpaceDecoder(model, spec, layout)
+    sampling = SamplingConfig()
+    if generation_config.do_sample:  # temperature/top-k/top-p are HF warpers among the processors
+        sampling = SamplingConfig(temperature=1.0, seed=int(torch.randint(2**62, (1,))))
+    eos = generation_config._eos_token_tensor
+    stop_ids = [] if eos is None else eos.flatten().tolist()
+    # HF's max_length counts the (padded) prompt; HF's loop emits at least one token
+    max_new = max(1, generation_config.max_length - input_ids.shape[1])
+    rows = _prompt_rows(input_ids, model_kwargs.get("attention_mask"))
+    if len(rows) > 1:
+        warnings.warn(f"space_generate decodes the {len(rows)} prompts of a batch one after another "
+                      "(SPACE is batch-1), each without its padding", stacklevel=3)
+    results = []
+    for ids in rows:
+        watch = _watcher(ids.tolist(), stopping_criteria, streamer)
+        results.append(decoder.generate(ids, max_new, sampling, stop_ids, on_tokens=watch,
+                                        logits_processor=logits_processor or None))
+    if streamer is not None:
+        streamer.end()
+    sequences = _pad_outputs(input_ids, results, generation_config._pad_token_tensor)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return SpaceGenerateOutput(sequences=sequences, accept_lengths=[r.accept_lengths for r in results],
+                               step_tokens=[r.step_tokens for r in results],
+                               tokens_per_step=[r.tokens_per_step for r in results],
+                               wall_time=[r.wall_time for r in results])
+
+
+def generate(model, *args, stop_strings: str | list[str] | None = None, tokenizer=None, **kwargs):
+    """``generate`` with SPACE, taking every argument of ``model.generate``: what a
+    ``custom_generate/generate.py`` folder must define (``custom_generate="<repo>"``).
+
+    It also makes ``stop_strings=..., tokenizer=...`` work: transformers does not hand the
+    tokenizer to a callable ``custom_generate``, so the stop strings become a
+    ``StopStringCriteria`` here. Other arguments go to ``model.generate`` unchanged.
+
+    Raises:
+        ValueError: stop strings without a tokenizer, and whatever :func:`space_generate` raises.
+    """
+    kwargs.pop("custom_generate", None)
+    config = kwargs.get("generation_config")
+    if config is not None and config.stop_strings is not None:  # move them out of the config too
+        stop_strings = stop_strings or config.stop_strings
+        kwargs["generation_config"] = config = deepcopy(config)
+        config.stop_strings = None
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(StopStringCriteria(tokenizer, stop_strings))
+        kwargs["stopping_criteria"] = criteria
+    return GenerationMixin.generate(model, *args, custom_generate=space_generate, **kwargs)
+
+
+def check_supported(config, processors, model_kwargs: dict, assistant_model=None, synced_gpus=False) -> None:
+    """Raise ValueError naming what SPACE cannot do: beam search and other modes, several
+    sequences per prompt, assistants, per-step outputs, stateful guidance, non-text inputs."""
+    mode = config.get_generation_mode(assistant_model)
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        what = {GenerationMode.ASSISTED_GENERATION: "assisted generation (assistant_model / prompt_lookup_num_tokens"
+                                                    "; use mask_num / lookup_tokens instead)",
+                GenerationMode.BEAM_SEARCH: f"beam search (num_beams={config.num_beams})",
+                GenerationMode.BEAM_SAMPLE: f"beam sampling (num_beams={config.num_beams})"}.get(mode, mode.value)
+        raise ValueError(f"space_generate does not support {what}: it replaces greedy search and sampling only")
+    unsupported = [f"{name}=True" for name in ("output_scores", "output_logits", "output_attentions",
+                                               "output_hidden_states") if getattr(config, name, False)]
+    if (config.num_return_sequences or 1) > 1:
+        unsupported.append(f"num_return_sequences={config.num_return_sequences} (one sequence per prompt)")
+    if any(isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in processors or []):
+        unsupported.append(f"guidance_scale={config.guidance_scale} (the guidance processor keeps a per-step cache)")
+    if synced_gpus:
+        unsupported.append("synced_gpus=True")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        unsupported.append("a filled past_key_values (SPACE prefills its own cache)")
+    others = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
+    if others:
+        unsupported.append(f"the model inputs {others} (text input_ids only)")
+    if unsupported:
+        raise ValueError(f"space_generate does not support {', '.join(unsupported)}")
+
+
+def _generate_locals() -> dict:
+    """The local variables of the ``GenerationMixin.generate`` call that called us, or {}.
+
+    Why: transformers (5.x up to 5.23 at least) hands a callable ``custom_generate`` only the
+    keyword arguments its signature adds to ``_sample``'s, so ``streamer``, ``assistant_model``
+    and ``synced_gpus`` never reach it, although ``generate`` has already put the prompt into
+    the streamer. They are still locals of that ``generate`` frame, two frames up.
+    """
+    frame = sys._getframe(2)
+    try:
+        for _ in range(3):
+            if frame is None:
+                break
+            if frame.f_code is _GENERATE_CODE:
+                return dict(frame.f_locals)
+            frame = frame.f_back
+        return {}
+    finally:
+        del frame  # frames reference their locals: do not keep a cycle alive
+
+
+def _prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """(batch, seq) -> each row's real tokens (seq_b,), padding removed.
+
+    Raises:
+        ValueError: a row whose attention mask is not one contiguous run of ones.
+    """
+    if attention_mask is None:  # generate drops an all-ones mask
+        return list(input_ids)
+    rows = []
+    for b, (ids, mask) in enumerate(zip(input_ids, attention_mask.bool())):
+        where = mask.nonzero().flatten()
+        if where.numel() and where.numel() != int(where[-1] - where[0]) + 1:
+            raise ValueError(f"row {b} of attention_mask has holes: pad on the left only")
+        rows.append(ids[mask])
+    return rows
+
+
+def _watcher(prompt: list[int], criteria, streamer):
+    """The ``on_tokens`` callback of one row: checks the stopping criteria after every new token
+    (HF's loop checks them after each token it appends) and streams the tokens it keeps.
+
+    EOS and max length are left to the decoder, which cuts a step at them; only other criteria
+    (stop strings, max_time, user ones) are evaluated, each on (1, seq) ids.
+    """
+    extra = [c for c in criteria or [] if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+    seq = list(prompt)
+
+    def on_tokens(tokens: list[int]) -> None:
+        keep, stop = len(tokens), False
+        for i, t in enumerate(tokens if extra else ()):
+            seq.append(t)
+            ids = torch.tensor([seq])  # (1, seq): criteria look at the tail they need
+            if any(bool(c(ids, None).any()) for c in extra):
+                keep, stop = i + 1, True  # HF keeps the token that met the criterion
+                break
+        if streamer is not None:
+            streamer.put(torch.tensor(tokens[:keep]))
+        if stop:
+            raise StopDecoding(keep)
+
+    return on_tokens
+
+
+def _pad_outputs(input_ids: torch.Tensor, results: list[DecodeResult], pad: torch.Tensor | None) -> torch.Tensor:
+    """Each row = its input row (padding kept) + new tokens, right-padded to the longest, as HF
+    pads finished rows. Returns (batch, seq + max new) on ``input_ids.device``."""
+    longest = max(len(r.new_ids) for r in results)
+    if pad is None and any(len(r.new_ids) < longest for r in results):
+        raise ValueError("rows finished at different lengths and there is no pad_token_id to pad them with")
+    fill = int(pad.flatten()[0]) if pad is not None else 0
+    out = torch.full((input_ids.shape[0], input_ids.shape[1] + longest), fill, dtype=input_ids.dtype,
+                     device=input_ids.device)
+    out[:, : input_ids.shape[1]] = input_ids
+    for b, r in enumerate(results):
+        out[b, input_ids.shape[1]: input_ids.shape[1] + len(r.new_ids)] = torch.tensor(r.new_ids)
+    return out
