@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from tqdm import tqdm
 from transformers import DynamicCache
 
 from ..adapters import DEFAULT_MASK_NUM, SPACE_CONFIG, load_space
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     answers = cached_answers(model, tok, prompts, a.answers or a.out / "answers.jsonl", target,
                              a.max_new_tokens, a.batch_size, spec.token_ids)
     per_sample, ranks_by_source = [], {}
-    for p in prompts:
+    for p in tqdm(prompts, desc="teacher-forced probe", unit="sample"):
         row = answers[p["key"]]
         ranks = anchor_ranks(model, torch.tensor(row["prompt_ids"] + row["answer_ids"]), len(row["prompt_ids"]),
                              mask_ids, k, spec.token_ids, a.chunk_groups)

@@ -10,6 +10,7 @@ from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..adapters import MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, save_artifact
+from ..config import check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
 from ..data.sft import load_examples, tokenize
@@ -65,16 +66,16 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         the artifact directory on the main process, None on the others.
 
     Raises:
-        ValueError / FileNotFoundError: bad mode, mask_num, dataset name or rows (an empty file
+        ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
+            bad dataset name or rows (an empty file
             included), or a checkpoint in ``output_dir`` made with other SPACE settings; all
             raised before the model loads.
     """
     set_seed(train_args.seed)
     train_args.remove_unused_columns = False  # the collator needs prompt_len and idx
     train_args.label_names = ["labels"]
+    check_train_args(model_args, data_args, mask_args, train_args)  # also for callers that skip the parser
     settings = space_settings(model_args, mask_args)
-    if mask_args.mask_target == "teacher" and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
-        raise ValueError("mask_target 'teacher' needs mode frozen-base and the efficient layout (DESIGN §3.6)")
     last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
     if last:
         check_checkpoint(last, settings)
