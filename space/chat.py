@@ -1,0 +1,219 @@
+"""space-chat: an interactive multi-turn chat that decodes with SPACE and streams its replies.
+
+    space-chat                                      # SmolLM2 + the shipped adapter, greedy
+    space-chat --compare --max-new-tokens 128       # also time an AR replay of every reply
+    echo "Write a haiku" | space-chat               # a pipe: replies and status lines, exits at EOF
+    space-chat --model tiny-random-llama --adapter none
+
+After each reply one status line: new tokens, tokens/s (prefill included), tokens/step (target
+forward passes, first step counted), and with ``--compare`` the speedup over an AR replay of the
+same turn (``ar_generate``, same weights, same number of tokens; greedy replays must give the same
+tokens, and the line says so if they do not). ``/reset`` clears the history, ``/quit`` or EOF
+exits. Ctrl-C stops the reply being decoded and keeps the part already shown in the history (the
+model sees what the user saw); at the prompt it only cancels the line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import TextStreamer
+
+from .adapters import load_space
+from .cli import add_debug_flag, console
+from .cpu_kernels import KERNEL_CHOICES, apply_kernels
+from .data.prompts import chat_ids
+from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from .decoding.config import DEFAULT_MASK_NUM
+from .decoding.result import DecodeResult
+from .models import SMOLLM2
+
+SHIPPED_ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
+COMMANDS = "/reset clears the history, /quit (or EOF) exits, Ctrl-C stops a reply"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="space-chat", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help=f"alias ({SMOLLM2}, tiny-random-llama) or local HF directory "
+                   f"(default {SMOLLM2})")
+    p.add_argument("--adapter", default=None, help="SPACE adapter directory, or 'none' (default: the shipped "
+                   "adapter when --model is not given, else none)")
+    p.add_argument("--mask-num", type=int, default=None, help="k drafts per step (default: the adapter's layout)")
+    p.add_argument("--num-groups", type=int, default=None, help="mask groups per step, 1..k+1 (default: the "
+                   "adapter's layout)")
+    p.add_argument("--lookup-tokens", type=int, default=None, help="prompt-lookup candidates per step (default: "
+                   "the adapter's layout)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact: the AR reply)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the first turn (+1 per turn)")
+    p.add_argument("--compare", action="store_true", help="time an AR replay of each reply and print the speedup")
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="CPU kernels (space/cpu_kernels.py)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_debug_flag(p)
+    return p
+
+
+class Chat:
+    """One conversation: the model, its decoder, the history and the per-turn settings.
+
+    Args:
+        model, tokenizer, decoder: from :func:`load`.
+        sampling: the first turn's settings; turn t uses seed ``sampling.seed + t``.
+        max_new_tokens: longest reply.
+        out: the text stream replies are streamed to (status lines are printed by :func:`main`).
+    """
+
+    def __init__(self, model, tokenizer, decoder: SpaceDecoder, sampling: SamplingConfig, max_new_tokens: int,
+                 out=sys.stdout):
+        self.model, self.tok, self.decoder, self.out = model, tokenizer, decoder, out
+        self.sampling, self.max_new_tokens = sampling, max_new_tokens
+        self.messages: list[dict] = []
+        self.turn = 0
+        eos = model.generation_config.eos_token_id
+        ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+        self.stop_ids = sorted(i for i in ids if i is not None)
+
+    def reply(self, text: str) -> tuple[list[int], DecodeResult | None, bool]:
+        """Add the user's ``text``, stream the reply, keep it in the history.
+
+        Returns:
+            (prompt ids, the DecodeResult or None when interrupted, interrupted).
+
+        Raises:
+            ValueError: history + max_new_tokens over the context (the user message is dropped).
+        """
+        self.messages.append({"role": "user", "content": text})
+        prompt = chat_ids(self.tok, self.messages)
+        sampling = SamplingConfig(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
+                                  self.sampling.seed + self.turn)
+        self.turn += 1
+        streamer = _Streamer(self.tok, self.out)
+        new: list[int] = []  # what was streamed, kept when Ctrl-C stops the reply
+
+        def on_tokens(tokens: list[int]) -> None:
+            new.extend(tokens)
+            streamer.put(torch.tensor(tokens))
+
+        result, interrupted = None, False
+        try:
+            result = self.decoder.generate(torch.tensor(prompt), self.max_new_tokens, sampling, self.stop_ids,
+                                           on_tokens=on_tokens)
+        except KeyboardInterrupt:
+            interrupted = True
+        except ValueError:  # raised before any token: the prompt does not fit
+            self.messages.pop()
+            raise
+        streamer.end()
+        reply = self.tok.decode(new, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": reply})
+        return prompt, result, interrupted
+
+    def replay(self, prompt: list[int], result: DecodeResult) -> tuple[float, bool | None]:
+        """AR decoding of the same turn, as many tokens: (AR tokens/s, whether it gave the same
+        tokens; None when sampling, where a replay draws other tokens)."""
+        sampling = SamplingConfig(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
+                                  self.sampling.seed + self.turn - 1)
+        ar = ar_generate(self.model, torch.tensor(prompt), len(result.new_ids), sampling, self.stop_ids,
+                         self.decoder.mask.token_ids)
+        return ar.tokens_per_s, (ar.new_ids == result.new_ids) if sampling.greedy else None
+
+    def reset(self) -> None:
+        self.messages.clear()
+
+
+class _Streamer(TextStreamer):
+    """transformers' incremental detokenizer (prints whole words, holds incomplete characters),
+    writing to ``out`` instead of stdout; the prompt is never put, so nothing is skipped."""
+
+    def __init__(self, tokenizer, out):
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
+        self.out = out
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.out.write(text + ("\n" if stream_end else ""))
+        self.out.flush()
+
+
+def status_line(result: DecodeResult, ar: tuple[float, bool | None] | None = None) -> str:
+    """``[n tokens, x tokens/s, y tokens/step(, z.zzx vs AR)]``; ``ar`` = (AR tokens/s, whether a
+    greedy replay gave the same tokens, None when sampling)."""
+    parts = [f"{len(result.new_ids)} tokens", f"{result.tokens_per_s:.1f} tokens/s",
+             f"{result.tokens_per_step:.2f} tokens/step"]
+    if ar is not None:
+        ar_speed, same = ar
+        parts.append(f"{result.tokens_per_s / max(ar_speed, 1e-9):.2f}x vs AR ({ar_speed:.1f} tokens/s)")
+        if same is False:
+            parts.append("AR replay gave other tokens")
+    return "[" + ", ".join(parts) + "]"
+
+
+def load(args) -> tuple:
+    """(model, tokenizer, decoder) from the parsed flags; the adapter's layout, flags on top."""
+    adapter = args.adapter if args.adapter is not None else (SHIPPED_ADAPTER if args.model is None else "none")
+    adapter = None if str(adapter).lower() == "none" else adapter
+    model, tok, spec = load_space(args.model, adapter, args.mask_num or DEFAULT_MASK_NUM)
+    apply_kernels(model, args.kernels)
+    decode = DecodeConfig.of_model(model, spec.mask_num).override(
+        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens)
+    return model, tok, SpaceDecoder(model, spec, decode)
+
+
+def read_line(interactive: bool) -> str | None:
+    """The next user line (None at EOF); Ctrl-C at the prompt gives an empty line."""
+    try:
+        return input("you> ") if interactive else (sys.stdin.readline() or None)
+    except EOFError:
+        return None
+    except KeyboardInterrupt:
+        print()
+        return ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the chat until /quit or EOF.
+
+    Raises:
+        ValueError, FileNotFoundError: bad flags, unknown model or adapter (before the first turn).
+    """
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sampling = SamplingConfig(args.temperature, top_p=args.top_p, seed=args.seed)
+    model, tok, decoder = load(args)
+    chat = Chat(model, tok, decoder, sampling, args.max_new_tokens)
+    interactive = sys.stdin.isatty()
+    print(f"space-chat: {decoder.config}, {'greedy' if sampling.greedy else 'sampling'}; {COMMANDS}",
+          file=sys.stderr, flush=True)
+    while (line := read_line(interactive)) is not None:
+        text = line.strip()
+        if text in ("/quit", "/exit"):
+            break
+        if text == "/reset":
+            chat.reset()
+            print("[history cleared]", flush=True)
+            continue
+        if not text:
+            continue
+        try:
+            prompt, result, interrupted = chat.reply(text)
+            if interrupted:
+                print("[interrupted: the partial reply is kept]", flush=True)
+                continue
+            ar = chat.replay(prompt, result) if args.compare else None
+            print(status_line(result, ar), flush=True)
+        except ValueError as e:  # the history outgrew the context: say so, keep the chat alive
+            print(f"[error: {e}; /reset to start over]", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C outside the decoding loop (AR replay, printing)
+            print("\n[interrupted]", flush=True)
+
+
+cli = console("space-chat", main)
+
+if __name__ == "__main__":
+    cli()

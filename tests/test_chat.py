@@ -1,0 +1,152 @@
+"""space-chat: replies and status lines through a pipe; Ctrl-C under tmux stops a reply, not the chat."""
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from space.adapters import load_space
+from space.chat import Chat, cli
+from space.data.prompts import chat_ids
+from space.decoding import SamplingConfig, SpaceDecoder
+from space.decoding.config import DEFAULT_MASK_NUM
+
+ROOT = Path(__file__).resolve().parents[1]
+# stock kernels and one thread: the reference below decodes with the same numerics in this process
+CHAT = [sys.executable, "-m", "space.chat", "--model", "tiny-random-llama", "--adapter", "none",
+        "--kernels", "stock", "--threads", "1"]
+ENV = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+
+
+def reference_replies(turns: list[str], max_new: int, temperature: float, seed: int) -> list[tuple[str, int] | None]:
+    """What the chat must print per input line: (reply text, new tokens), None after /reset.
+    Turn t samples with seed + t, and every turn sees the history since the last /reset."""
+    model, tok, spec = load_space("tiny-random-llama", None, DEFAULT_MASK_NUM)
+    decoder = SpaceDecoder(model, spec)
+    stop = sorted({tok.eos_token_id, model.generation_config.eos_token_id} - {None})
+    messages, out, turn = [], [], 0
+    for text in turns:
+        if text == "/reset":
+            messages = []
+            out.append(None)
+            continue
+        messages.append({"role": "user", "content": text})
+        res = decoder.generate(torch.tensor(chat_ids(tok, messages)), max_new,
+                               SamplingConfig(temperature, seed=seed + turn), stop)
+        turn += 1
+        reply = tok.decode(res.new_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        out.append((reply, len(res.new_ids)))
+    return out
+
+
+def test_pipe_two_turns_reset_and_status_lines():
+    """Both replies (as the decoder gives them with the chat's seeds and history), /reset, and
+    after each reply one status line: tokens, tokens/s, tokens/step, speedup over the AR replay.
+    (The tiny random model barely reads its history: test_history_... checks the history.)"""
+    turns = ["hello", "and then?", "/reset", "hello"]
+    run = subprocess.run(CHAT + ["--max-new-tokens", "12", "--temperature", "1", "--seed", "3", "--compare"],
+                         input="\n".join(turns + [""]).encode(), capture_output=True, cwd=ROOT, env=ENV,
+                         timeout=300)
+    stdout, stderr = run.stdout.decode(), run.stderr.decode()
+    assert run.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+    pattern = ""
+    for item in reference_replies(turns, 12, 1.0, 3):
+        if item is None:
+            pattern += re.escape("[history cleared]\n")
+            continue
+        reply, n = item
+        pattern += (re.escape(reply + "\n") + rf"\[{n} tokens, [\d.]+ tokens/s, [\d.]+ tokens/step, "
+                    rf"[\d.]+x vs AR \([\d.]+ tokens/s\)\]\n")
+    assert re.fullmatch(pattern, stdout), stdout
+
+
+class InterruptingOut(io.StringIO):
+    """A terminal whose user presses Ctrl-C once, after the reply's first printed words."""
+
+    pressed = False
+
+    def write(self, text):
+        super().write(text)
+        if text and not self.pressed:
+            self.pressed = True
+            raise KeyboardInterrupt
+
+
+def test_history_and_interrupted_reply_kept():
+    """The second prompt holds the first turn; a reply stopped by Ctrl-C keeps what was shown;
+    /reset empties the history."""
+    model, tok, spec = load_space("tiny-random-llama", None, 3)
+    chat = Chat(model, tok, SpaceDecoder(model, spec), SamplingConfig(1.0, seed=5), 10, out=io.StringIO())
+    _, first, interrupted = chat.reply("hello")
+    assert first is not None and not interrupted
+    prompt, _, _ = chat.reply("and then?")
+    shown = tok.decode(first.new_ids, skip_special_tokens=True)
+    assert chat.messages[1] == {"role": "assistant", "content": shown}
+    assert tok.decode(prompt).count("<|im_start|>") == 4 and "hello" in tok.decode(prompt)
+    chat.out, chat.sampling = InterruptingOut(), SamplingConfig()  # greedy: a line per token here
+    _, result, interrupted = chat.reply("more")
+    assert interrupted and result is None
+    kept = chat.messages[-1]
+    assert kept["role"] == "assistant" and kept["content"] and kept["content"] + "\n" == chat.out.getvalue()
+    chat.reset()
+    assert chat.messages == []
+
+
+def test_help_and_bad_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--help"])
+    assert exit_info.value.code == 0 and "--compare" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--max-new-tokens", "0"])
+    assert exit_info.value.code == 2 and "space-chat: error: --max-new-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install -y tmux)")
+def test_ctrl_c_stops_the_reply_not_the_chat(tmp_path):
+    """In a terminal (tmux), Ctrl-C during a long reply prints the interruption and the chat goes
+    on: /reset answers, /quit exits 0."""
+    sock = f"space-chat-test-{os.getpid()}"  # a private tmux server: our environment, killed after
+    rc_file = tmp_path / "rc"
+    command = shlex.join(CHAT + ["--max-new-tokens", "1900"]) + f"; echo $? > {shlex.quote(str(rc_file))}"
+
+    def tmux(*args) -> str:
+        return subprocess.run(["tmux", "-L", sock, *args], capture_output=True, text=True, check=True).stdout
+
+    def wait_for(what: str, timeout: float) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                screen = tmux("capture-pane", "-p", "-t", "chat", "-S", "-3000")
+            except subprocess.CalledProcessError:  # the session ended: the chat exited
+                raise AssertionError(f"space-chat exited while waiting for {what!r}") from None
+            if what in screen:
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"{what!r} did not appear in {timeout} s:\n{screen[-2000:]}")
+
+    tmux("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", "-c", str(ROOT), command)
+    try:
+        wait_for("you>", 120)  # capture-pane drops trailing spaces
+        tmux("send-keys", "-t", "chat", "hello", "Enter")
+        wait_for("you> hello", 10)
+        time.sleep(1.5)  # well inside a 1900-token reply
+        tmux("send-keys", "-t", "chat", "C-c")
+        screen = wait_for("[interrupted", 30)
+        assert "1900 tokens" not in screen  # the reply had not finished on its own
+        tmux("send-keys", "-t", "chat", "/reset", "Enter")
+        wait_for("[history cleared]", 30)
+        tmux("send-keys", "-t", "chat", "/quit", "Enter")
+        end = time.monotonic() + 30
+        while not rc_file.exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        assert rc_file.read_text().strip() == "0"
+    finally:
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)

@@ -1,0 +1,276 @@
+"""SPACE inside HF generate(): same ids, text, stops and distribution as plain generate()."""
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig, pipeline
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.streamers import BaseStreamer, TextStreamer
+
+from space.decoding import SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding.result import StopDecoding
+from space.hf import space_generate
+from space.models import tiny_random_llama
+from tests.conftest import CycleLanguage
+from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
+
+
+class Recorder(BaseStreamer):
+    """Records every put (as lists) and end() calls, as a streamer sees them."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.flatten().tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+class TextRecorder(TextStreamer):
+    """transformers' TextStreamer, collecting the text it would print."""
+
+    def __init__(self, tok):
+        super().__init__(tok)
+        self.text = ""
+
+    def on_finalized_text(self, text, stream_end=False):
+        self.text += text
+
+
+def _hf(model, ids, **kw):
+    """Plain greedy generate() on a (1, seq) prompt."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kw)
+
+
+def _space(model, ids, **kw):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=space_generate, **kw)
+
+
+def _prompts(trained, n=3, length=12):
+    """n prompts in the trained model's language (the same ones whatever ran before)."""
+    language = CycleLanguage(trained[3].tokens, seed=11)
+    return [torch.tensor([[11, 12] + language.sample(length)]) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mask_num,extra", [(1, {}), (3, {}), (8, {"num_groups": 2})])
+def test_greedy_equals_plain_generate_untrained(tiny, mask_num, extra):
+    model, tok, _ = tiny
+    for text in ("hello", "The quick brown fox", "x = [1, 2"):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        ref = _hf(model, ids, max_new_tokens=24)
+        assert torch.equal(_space(model, ids, max_new_tokens=24, mask_num=mask_num, **extra), ref), (text, mask_num)
+
+
+def test_stop_decoding_hook(trained):
+    """The hook space_generate's stopping criteria use: on_tokens raising StopDecoding(keep) keeps
+    the first ``keep`` tokens of that step and ends generation, in SPACE and in the AR loop."""
+    model, _, spec = trained[:3]
+    ids = _prompts(trained, n=1)[0][0]
+    full = SpaceDecoder(model, spec).generate(ids, 30)
+    steps = []
+
+    def stop_inside_second_long_step(tokens):
+        steps.append(tokens)
+        if len(tokens) > 1 and sum(len(t) > 1 for t in steps) == 2:
+            raise StopDecoding(1)
+
+    out = SpaceDecoder(model, spec).generate(ids, 30, on_tokens=stop_inside_second_long_step)
+    n = sum(len(t) for t in steps[:-1]) + 1
+    assert out.new_ids == full.new_ids[:n] and out.stop_reason == "stop"
+    assert out.step_tokens[-1] == 1 and sum(out.step_tokens) == n == len(out.new_ids)
+    calls = []
+
+    def stop_at_fifth(tokens):
+        calls.append(tokens)
+        if len(calls) == 5:
+            raise StopDecoding(0)
+
+    ar = ar_generate(model, ids, 30, on_tokens=stop_at_fifth)
+    assert ar.new_ids == full.new_ids[:4] and ar.stop_reason == "stop" and ar.num_steps == 5
+
+
+@pytest.mark.parametrize("extra", [{}, {"mask_num": 2}, {"num_groups": 2}, {"lookup_tokens": 3}])
+def test_greedy_equals_plain_generate_trained(trained, extra):
+    """On a model whose drafts are accepted, so steps emit several tokens."""
+    model = trained[0]
+    per_step = []
+    for ids in _prompts(trained):
+        ref = _hf(model, ids, max_new_tokens=40)
+        out = _space(model, ids, max_new_tokens=40, return_dict_in_generate=True, **extra)
+        assert torch.equal(out.sequences, ref)
+        assert sum(out.step_tokens[0]) == 40 and len(out.accept_lengths[0]) == len(out.step_tokens[0])
+        per_step += out.tokens_per_step
+    assert sum(per_step) / len(per_step) > 1.5  # multi-token steps did run
+
+
+def test_streamer_stop_strings_and_max_length(trained):
+    """Streamed text, stop strings met in the middle of a step, max_length cutting a step: all
+    as plain generate()."""
+    model, tok = trained[0], trained[1]
+    ids = _prompts(trained, n=1)[0]
+    ref, got = TextRecorder(tok), TextRecorder(tok)
+    full = _hf(model, ids, max_new_tokens=40, streamer=ref)
+    rec = Recorder()
+    out = _space(model, ids, max_new_tokens=40, streamer=rec)
+    _space(model, ids, max_new_tokens=40, streamer=got)
+    assert torch.equal(out, full) and got.text == ref.text and ref.text
+    assert rec.puts[0] == ids[0].tolist() and sum(rec.puts[1:], []) == full[0, ids.shape[1]:].tolist()
+    assert rec.ends == 1 and len(rec.puts) < 40  # the prompt once, then whole steps, then end()
+    new, step_ends, n = full[0, ids.shape[1]:].tolist(), set(), 0
+    for chunk in rec.puts[1:]:  # the steps' boundaries, from what the streamer received
+        n += len(chunk)
+        step_ends.add(n - 1)
+    # a one-character stop string ('!'..'~' are ids 0..93) met first inside a multi-token step:
+    # a decoder that stopped at step granularity would return the rest of that step
+    inside = [j for j in range(2, len(new)) if new[j] <= 93 and new[j] not in new[:j] and j not in step_ends][:2]
+    assert inside
+    for j in inside:
+        stop = tok.decode([new[j]])
+        ref = _hf(model, ids, max_new_tokens=40, stop_strings=[stop], tokenizer=tok)
+        assert ref.shape[1] == ids.shape[1] + j + 1
+        criteria = [StopStringCriteria(tok, [stop])]  # transformers keeps the tokenizer from callables
+        assert torch.equal(_space(model, ids, max_new_tokens=40, stopping_criteria=criteria), ref), stop
+    for max_length in (ids.shape[1] + 1, ids.shape[1] + 11):
+        assert torch.equal(_space(model, ids, max_length=max_length), _hf(model, ids, max_length=max_length))
+
+
+def test_local_custom_generate_folder(trained):
+    """custom_generate="<repo>" loads custom_generate/generate.py: same ids, and stop_strings with a
+    tokenizer work there (the folder path receives every argument of generate)."""
+    model, tok = trained[0], trained[1]
+    ids = _prompts(trained, n=1)[0]
+    ref = _hf(model, ids, max_new_tokens=30)
+    kw = dict(attention_mask=torch.ones_like(ids), custom_generate=str(ROOT), trust_remote_code=True)
+    assert torch.equal(model.generate(ids, max_new_tokens=30, mask_num=2, **kw), ref)
+    new = ref[0, ids.shape[1]:].tolist()
+    stop = tok.decode([next(t for t in new[3:] if t <= 93)])  # an ASCII character ('!'..'~')
+    ref_stop = _hf(model, ids, max_new_tokens=30, stop_strings=stop, tokenizer=tok)
+    text, streamed = TextRecorder(tok), TextRecorder(tok)
+    _hf(model, ids, max_new_tokens=30, stop_strings=stop, tokenizer=tok, streamer=text)
+    out = model.generate(ids, max_new_tokens=30, stop_strings=stop, tokenizer=tok, streamer=streamed, **kw)
+    assert torch.equal(out, ref_stop) and ref_stop.shape[1] < ref.shape[1] and streamed.text == text.text
+
+
+def test_pipeline(tiny):
+    model, tok, _ = tiny
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    ref = pipe("hello there", max_new_tokens=12, do_sample=False)
+    assert pipe("hello there", max_new_tokens=12, do_sample=False, custom_generate=space_generate, mask_num=3) == ref
+
+
+def test_batch_decodes_row_by_row(trained):
+    """Left-padded rows give each prompt's own output; a row that stops early is padded with the
+    pad id; a warning says the batch is decoded row by row."""
+    model, tok = trained[0], trained[1]
+    a, b = (p[0].tolist() for p in _prompts(trained, n=2))
+    b = b[:7]
+    new_a = _hf(model, torch.tensor([a]), max_new_tokens=20)[0, len(a):].tolist()
+    new_b = _hf(model, torch.tensor([b]), max_new_tokens=20)[0, len(b):].tolist()
+    eos = next(t for t in new_b[3:] if t not in new_a)  # b stops early, a does not
+    pad = tok.pad_token_id
+    ids = torch.tensor([a, [pad] * (len(a) - len(b)) + b])
+    mask = (torch.arange(len(a)) >= len(a) - torch.tensor([[len(a)], [len(b)]])).long()
+    with pytest.warns(UserWarning, match="one after another"):
+        out = model.generate(ids, attention_mask=mask, custom_generate=space_generate, max_new_tokens=20,
+                             eos_token_id=eos, pad_token_id=pad)
+    ref_a = _hf(model, torch.tensor([a]), max_new_tokens=20, eos_token_id=eos, pad_token_id=pad)[0]
+    ref_b = _hf(model, torch.tensor([b]), max_new_tokens=20, eos_token_id=eos, pad_token_id=pad)[0]
+    assert ref_b[-1] == eos and len(ref_b) < len(b) + 20
+    assert out[0].tolist() == ref_a.tolist()[: out.shape[1]] and out.shape[1] == len(a) + 20
+    tail = out[1, len(a) - len(b):].tolist()
+    assert tail == ref_b.tolist() + [pad] * (len(tail) - len(ref_b))
+
+
+def test_sampling_matches_exact_distribution(small_vocab_model):
+    """temperature/top_p through generate(): HF's warpers applied once, to target and drafts, so
+    the 3-token outputs follow the AR distribution (EOS = token 2 ends a sequence early)."""
+    model, spec = small_vocab_model
+    model.config.space_mask = asdict(spec)  # what add_mask_tokens records; space_generate reads it
+    prompt, temperature, top_p, eos = [1, 3, 0, 2], 1.5, 0.9, model.generation_config.eos_token_id
+    exact = {}
+    for seq, p in exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p)).items():
+        cut = seq[: seq.index(eos) + 1] if eos in seq else seq  # the outcome generate() returns
+        exact[cut] = exact.get(cut, 0.0) + p
+    n, counts, accepts = 1200, {}, []
+    ids = torch.tensor([prompt])
+    for seed in range(n):
+        torch.manual_seed(seed)  # space_generate seeds SPACE from torch's RNG, as generate() samples
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=space_generate,
+                             do_sample=True, temperature=temperature, top_p=top_p, max_new_tokens=3,
+                             pad_token_id=eos, return_dict_in_generate=True)
+        new = tuple(out.sequences[0, len(prompt):].tolist())
+        counts[new] = counts.get(new, 0) + 1
+        accepts += out.accept_lengths[0][1:]
+    assert 0 in accepts and max(accepts) >= 2  # rejections and multi-token accepts both ran
+    assert chi2_pvalue(counts, exact, n) > ALPHA
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"num_beams": 2}, "beam search (num_beams=2)"),
+    ({"num_beams": 2, "do_sample": True}, "beam sampling"),
+    ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
+    ({"prompt_lookup_num_tokens": 3}, "assisted generation"),
+    ({"return_dict_in_generate": True, "output_scores": True}, "output_scores=True"),
+    ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
+    ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive_search"),
+])
+def test_unsupported_options_say_what(tiny, kwargs, fragment):
+    model, tok, _ = tiny
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    with pytest.raises(ValueError, match="space_generate does not support") as err:
+        _space(model, ids, max_new_tokens=4, **kwargs)
+    assert fragment in str(err.value)
+
+
+def test_unsupported_inputs_say_what(tiny):
+    model, tok, _ = tiny
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    with pytest.raises(ValueError, match="assisted generation"):
+        _space(model, ids, max_new_tokens=4, assistant_model=model)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model.generate(inputs_embeds=model.get_input_embeddings()(ids), custom_generate=space_generate,
+                       max_new_tokens=4)
+    plain, _ = tiny_random_llama(seed=0)  # no mask token
+    with pytest.raises(ValueError, match="no SPACE mask token"):
+        _space(plain, ids, max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_smollm2_shipped_adapter_equals_plain_generate():
+    """Real SmolLM2 with the shipped adapter: 2 chat prompts x 32 tokens, the adapter's own layout;
+    ids, streamed text, a stop string and max_length as plain generate()."""
+    from space.adapters import load_space
+    from space.data.prompts import chat_ids, code_prompt
+    from space.eval.tasks import load_tasks
+
+    model, tok, _ = load_space(adapter=ADAPTER)
+    assert model.config.space_decode  # the adapter's layout is what space_generate decodes with
+    for i, task in enumerate(load_tasks("humaneval", limit=2)):
+        ids = torch.tensor([chat_ids(tok, [{"role": "user", "content": code_prompt(task.problem["prompt"])}])])
+        ref_text, text = TextRecorder(tok), TextRecorder(tok)
+        ref = _hf(model, ids, max_new_tokens=32, streamer=ref_text)
+        out = _space(model, ids, max_new_tokens=32, streamer=text, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref) and text.text == ref_text.text
+        if i == 0:  # a stop string in the middle of the reply
+            stop = tok.decode(ref[0, ids.shape[1] + 12: ids.shape[1] + 14])
+            ref_stop = _hf(model, ids, max_new_tokens=32, stop_strings=[stop], tokenizer=tok)
+            got = _space(model, ids, max_new_tokens=32, stopping_criteria=[StopStringCriteria(tok, [stop])])
+            assert torch.equal(got, ref_stop) and ref_stop.shape[1] < ref.shape[1]
+        else:
+            length = ids.shape[1] + 19
+            assert torch.equal(_space(model, ids, max_length=length), _hf(model, ids, max_length=length))
+
+
+def test_generation_config_object(tiny):
+    """A GenerationConfig passed whole is honoured like keyword arguments."""
+    model, tok, _ = tiny
+    ids = tok("abc", return_tensors="pt")["input_ids"]
+    cfg = GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=model.generation_config.eos_token_id)
+    assert torch.equal(_space(model, ids, generation_config=cfg, mask_num=2), _hf(model, ids, generation_config=cfg))
+
