@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..masking import decode_layout, mask_rows, to_additive_4d
+from ..masking import build_layout, mask_rows, to_additive_4d
 from ..tokens import MaskSpec, check_mask_num
 from .config import DecodeConfig
 from .result import DecodeResult, check_prompt, clock
@@ -110,16 +110,15 @@ class SpaceDecoder:
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
         check_mask_num(self.config.mask_num, mask)
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
-        self.mask, self.k, self.num_groups = mask, self.config.mask_num, self.config.groups
+        self.mask = mask
         self.context = base.config.max_position_embeddings
         self.model_config = base.config
         self.device = self.head.weight.device
-        self.mask_ids = mask.ids_for(self.k).to(self.device)
+        self.mask_ids = mask.ids_for(self.config.mask_num).to(self.device)
         self.suppress = torch.tensor(mask.token_ids, device=self.device)
-        self.lookup_tokens = self.config.lookup_tokens
         self.lookup = PromptLookupCandidateGenerator(
-            num_output_tokens=self.lookup_tokens, max_matching_ngram_size=self.config.lookup_ngram,
-            max_length=self.context) if self.lookup_tokens else None
+            num_output_tokens=self.config.lookup_tokens, max_matching_ngram_size=self.config.lookup_ngram,
+            max_length=self.context) if self.config.lookup_tokens else None
         self._layouts: dict[tuple[int, int, int], StepLayout] = {}
 
     @torch.inference_mode()
@@ -174,7 +173,7 @@ class SpaceDecoder:
             if res.emit(emitted, clock(self.device) - t0 + prefill_s, accepted=a, candidates=m):
                 return res
             if draft_override is not None and sampling.greedy:
-                cands = torch.as_tensor(draft_override(res.new_ids, cands.cpu()), dtype=torch.long)[: self.k]
+                cands = torch.as_tensor(draft_override(res.new_ids, cands.cpu()), dtype=torch.long)[: self.config.mask_num]
                 cands = cands.to(self.device)
             prefill_s = 0.0
 
@@ -224,17 +223,17 @@ class SpaceDecoder:
     def _layout(self, m: int, cache_len: int) -> StepLayout:
         """The step's layout, built once per (m, k, groups) and cached on the device. Near the end
         of the context, groups get shorter so no mask row reaches position ``context``."""
-        k = max(0, min(self.k, self.context - cache_len - 1 - m))  # G_m's last mask at n+m+k-1
-        groups = min(self.num_groups, m + 1) if k else 0
+        k = max(0, min(self.config.mask_num, self.context - cache_len - 1 - m))  # G_m's last mask: n+m+k-1
+        groups = min(self.config.groups, m + 1) if k else 0
         key = (m, k, groups)
         if key not in self._layouts:
-            lay = decode_layout(0, m, groups, k) if groups else None
+            # decode_layout's groups on x_{n-1} and the first candidates; with no group left (the
+            # very end of the context) the same call lays out the real rows alone (k is then unused)
+            lay = build_layout(0, 1 + m, list(range(1, groups + 1)), max(k, 1))
             ids = self.mask_ids[:k] if self.mask_ids.numel() > 1 else self.mask_ids.expand(k)
-            pos = lay.position_ids if lay else torch.arange(1 + m)
-            allowed = lay.allowed if lay else torch.ones(1 + m, 1 + m, dtype=torch.bool).tril()
             self._layouts[key] = StepLayout(
-                1 + m, k, groups, ids.repeat(groups), pos.to(self.device),
-                to_additive_4d(allowed, self.head.weight.dtype).to(self.device))
+                1 + m, k, groups, ids.repeat(groups), lay.position_ids.to(self.device),
+                to_additive_4d(lay.allowed, self.head.weight.dtype).to(self.device))
         return self._layouts[key]
 
     def _lookup(self, seq: list[int], cands: torch.Tensor, q, sampling: SamplingConfig):
