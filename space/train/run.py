@@ -107,15 +107,26 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
               f"trainable params {sum(p.numel() for p in model.parameters() if p.requires_grad):,}"
               + (f"; resuming from {last}" if last else ""), flush=True)
     result = trainer.train(resume_from_checkpoint=last)
-    if not trainer.is_world_process_zero():
-        return None
+    out = _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, len(dataset)) \
+        if trainer.is_world_process_zero() else None
+    if trainer.accelerator.num_processes > 1:
+        # Every rank waits for the save, then leaves the process group: a rank that exits with its gloo
+        # group alive can abort (SIGABRT) and leave its peers hanging in torchrun's exit barrier. A
+        # single process keeps its group, so later in-process runs (tests, notebooks) can reuse it.
+        trainer.accelerator.wait_for_everyone()
+        trainer.accelerator.end_training()
+    return out
+
+
+def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, num_samples) -> Path:
+    """Write ``OUTPUT_DIR/final`` (the artifact DESIGN §6 names) and ``log_history.json``; main process only."""
     config = {cls_name: dataclasses.asdict(a) for cls_name, a in
               (("model", model_args), ("data", data_args), ("mask", mask_args))}
-    meta = {"base_model": model_args.model_name_or_path, "training_data": names, "num_samples": len(dataset),
+    meta = {"base_model": model_args.model_name_or_path, "training_data": names, "num_samples": num_samples,
             "global_step": trainer.state.global_step, "train_runtime_s": result.metrics.get("train_runtime"),
             "train_config": config}
-    out = save_artifact(Path(train_args.output_dir) / "final", trainer.accelerator.unwrap_model(trainer.model),
+    out = save_artifact(Path(trainer.args.output_dir) / "final", trainer.accelerator.unwrap_model(trainer.model),
                         tok, spec, model_args.mode, meta)
-    (Path(train_args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    (Path(trainer.args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     print(f"[space] saved {model_args.mode} artifact to {out}", flush=True)
     return out
