@@ -41,7 +41,7 @@ from torch import nn
 
 from .decoding.config import DEFAULT_MASK_NUM, DecodeConfig
 from .masking import mask_rows_start
-from .models import load_model
+from .models import dispatch, load_model
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
 
 MODES = ("full", "lora", "frozen-base")
@@ -237,13 +237,17 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
 
 
 def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
-               dtype="float32", device: str = "cpu"):
+               dtype="float32", device: str = "cpu", device_map: str | dict | None = None):
     """Load a model ready for SPACE decoding.
 
     Args:
         model: alias or path of the base (default: the adapter's recorded base, else SmolLM2).
         adapter: a lora / frozen-base artifact directory, or None.
         mask_num: k for a model that has no mask token yet (untrained masks: exact, accepts little).
+        device_map: None (all on ``device``), or a ``space.models.parse_device_map`` value: the
+            base loads placed, and once the mask token and adapter are in, the model is placed
+            again by the resolved map (``space.models.dispatch``), so the new modules (mask
+            embedding, resized embeddings) get their hooks too.
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``.
@@ -257,14 +261,18 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     Raises:
         FileNotFoundError: adapter directory without space_config.json, unknown model.
         ValueError: the base's tokenizer gives the mask token another id than recorded, or
-            space_config.json is not valid JSON or lacks a key (the file is named).
+            space_config.json is not valid JSON or lacks a key (the file is named); a bad
+            device map (``space.models.dispatch``).
     """
     if adapter is None:
-        base, tok = load_model(model or "smollm2-135m-instruct", dtype, device)
+        base, tok = load_model(model or "smollm2-135m-instruct", dtype, device, device_map)
         try:
-            return base, tok, mask_spec(base, tok)
+            spec = mask_spec(base, tok)
         except ValueError:
-            return base, tok, add_mask_tokens(base, tok, mask_num)
+            spec = add_mask_tokens(base, tok, mask_num)
+            if device_map is not None:  # the resized embeddings are new modules, without hooks
+                dispatch(base, base.hf_device_map)
+        return base, tok, spec
     adapter = Path(adapter)
     if not (adapter / SPACE_CONFIG).is_file():
         raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
@@ -277,15 +285,20 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config (missing {', '.join(missing)})")
     if cfg["mode"] == "full":
         raise ValueError(f"{adapter} is a full checkpoint: pass it as the model, not as an adapter")
-    base, tok = load_model(model or cfg["base_model"], dtype, device)
+    base, tok = load_model(model or cfg["base_model"], dtype, device, device_map)
+    placement = getattr(base, "hf_device_map", None)  # peft may re-place the model its own way
     spec = add_mask_tokens(base, tok, cfg["mask_num"], cfg["mask_diff"])
     if list(spec.token_ids) != cfg["mask_token_ids"]:
         raise ValueError(f"mask ids {spec.token_ids} differ from the adapter's {cfg['mask_token_ids']}: wrong base model?")
     emb = MaskEmbedding(base.get_input_embeddings(), spec.token_ids)
     load_mask_rows(emb, adapter / MASK_EMBEDDING)
     base.set_input_embeddings(emb)
-    peft_model = PeftModel.from_pretrained(base, adapter).to(device=device, dtype=base.dtype).eval()
-    model = peft_model.merge_and_unload() if cfg["mode"] == "lora" else fuse_frozen_base(peft_model)
+    peft_model = PeftModel.from_pretrained(base, adapter)
+    # the LoRA weights follow their layers' devices under a device map; else all go to ``device``
+    peft_model = peft_model.to(dtype=base.dtype) if placement else peft_model.to(device=device, dtype=base.dtype)
+    model = peft_model.eval().merge_and_unload() if cfg["mode"] == "lora" else fuse_frozen_base(peft_model.eval())
+    if placement:
+        dispatch(model, placement)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     model.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
     return model, tok, spec

@@ -47,3 +47,10 @@ def append_jsonl(path: Path, rows: list[dict]) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         f.flush()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` as the whole file, atomically (a temporary file renamed over ``path``)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)

@@ -30,6 +30,23 @@ Example: a step with n = 3 (two tokens cached), k = 2 candidates and groups G_0,
     oo    | oo...oo   G1m1  pos 5
 
 Columns left of ``|`` are cached tokens, right of it the block; ``o`` = may attend.
+
+Token trees (DESIGN §3.3 generalized, issue #14): the real rows may form a tree instead of a chain
+(``parents``). Real row r then sits at position ``cache_len + depth(r)`` and sees the cache and its
+own ancestors; a group anchored at row v (context ``e = v + 1``) sees the path to v and its mask j
+sits at ``cache_len + depth(v) + 1 + j``. A chain (``parents[r] = r - 1``) is exactly the layout
+above. Example: x, two siblings for the next token, one child of the first, a group on x and on
+c1 (``space-layout --tree '[[0], [1], [0, 0]]' -k 2 --num-groups 2``)::
+
+    cache | block
+    oo    | o.......   x     pos 2
+    oo    | oo......   c1    pos 3    c1 = (0,): mask 0's top-1
+    oo    | o.o.....   c2    pos 3    c2 = (1,): mask 0's runner-up, a sibling of c1
+    oo    | oo.o....   c3    pos 4    c3 = (0, 0): mask 1's top-1 after c1
+    oo    | o...o...   G0m0  pos 3
+    oo    | o...oo..   G0m1  pos 4
+    oo    | oo....o.   G1m0  pos 4
+    oo    | oo....oo   G1m1  pos 5
 """
 from __future__ import annotations
 
@@ -97,17 +114,23 @@ class Layout:
         return torch.cat([real_ids, masks.repeat(self.group_ctx.numel())])
 
 
-def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Tensor, k: int) -> Layout:
-    """Build the general layout (see the module docstring); no Python loop over rows.
+def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Tensor, k: int,
+                 parents: list[int] | None = None) -> Layout:
+    """Build the general layout (see the module docstring); no Python loop over rows of a chain.
 
     Args:
         cache_len: tokens already in the cache (visible to every row), >= 0.
         num_real: real rows in the block, >= 1.
-        group_ctx: context length e of each mask group, each in 1..num_real.
+        group_ctx: context length e of each mask group, each in 1..num_real; the group is
+            anchored at real row e - 1 and sees the path to it.
         k: masks per group, >= 1.
+        parents: (num_real,) parent row of each real row (-1 for row 0, else an earlier row): a
+            token tree. None = a chain (``parents[r] = r - 1``), the training and chain-decode case.
+            ``target_row`` is only meaningful for chains.
 
     Raises:
-        ValueError: k < 1, num_real < 1, or a group context outside 1..num_real.
+        ValueError: k < 1, num_real < 1, a group context outside 1..num_real, or parents that are
+            not a tree rooted at row 0 in topological order.
     """
     if k < 1:
         raise ValueError(f"mask_num (k) must be >= 1, got {k}")
@@ -122,8 +145,9 @@ def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Ten
     j = torch.arange(k).repeat(G)  # (G*k,) offset inside the group
     grp = torch.arange(G).repeat_interleave(k)  # (G*k,) group index
     e = ctx[grp]  # (G*k,) context of each mask row
+    depth, ancestors = _tree(num_real, parents)  # (num_real,), (num_real, num_real) or None for a chain
 
-    position_ids = torch.cat([cache_len + real, cache_len + e + j])
+    position_ids = torch.cat([cache_len + depth, cache_len + depth[e - 1] + 1 + j])
     is_mask = torch.cat([torch.zeros(num_real, dtype=torch.bool), torch.ones(G * k, dtype=torch.bool)])
     mask_offset = torch.cat([torch.full((num_real,), -1), j])
     mask_group = torch.cat([torch.full((num_real,), -1), grp])
@@ -132,13 +156,40 @@ def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Ten
     # Visibility inside the block, (q, q): causal among real rows; a mask row sees the real
     # rows before its anchor and the masks of its own group up to itself; real rows see no mask.
     col_real = torch.arange(q) < num_real  # (q,)
-    row_e = torch.cat([real + 1, e])  # real row r sees real rows < r+1
-    sees_real = col_real[None, :] & (torch.arange(q)[None, :] < row_e[:, None])
+    if ancestors is None:  # chain: real row r sees real rows < r+1, a group with context e rows < e
+        row_e = torch.cat([real + 1, e])
+        sees_real = col_real[None, :] & (torch.arange(q)[None, :] < row_e[:, None])
+    else:  # tree: every row sees the path to its anchor (a real row is its own anchor)
+        path = torch.cat([ancestors, ancestors[e - 1]])  # (q, num_real)
+        sees_real = torch.cat([path, torch.zeros(q, q - num_real, dtype=torch.bool)], dim=1)
     same_group = (mask_group[:, None] == mask_group[None, :]) & is_mask[:, None] & is_mask[None, :]
     sees_mask = same_group & (mask_offset[None, :] <= mask_offset[:, None])
     block = sees_real | sees_mask
     allowed = torch.cat([torch.ones(q, cache_len, dtype=torch.bool), block], dim=1)
     return Layout(cache_len, num_real, k, ctx, position_ids, allowed, is_mask, mask_offset, mask_group, target_row)
+
+
+def _tree(num_real: int, parents: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depth (num_real,) of each real row and its ancestor-or-self matrix (None for a chain)."""
+    if parents is None:
+        return torch.arange(num_real), None
+    if len(parents) != num_real or parents[0] != -1 or any(not 0 <= p < r for r, p in enumerate(parents) if r):
+        raise ValueError(f"parents must give row 0 as the root (-1) and an earlier row for every other row, "
+                         f"got {list(parents)} for {num_real} rows")
+    depth = [0] * num_real
+    ancestors = torch.eye(num_real, dtype=torch.bool)
+    for r in range(1, num_real):  # parents come first, so one pass fills both
+        depth[r] = depth[parents[r]] + 1
+        ancestors[r] |= ancestors[parents[r]]
+    return torch.tensor(depth), ancestors
+
+
+def tree_parents(paths) -> list[int]:
+    """Parents of a decode block's real rows for a token tree given as breadth-first paths of ranks
+    (``space.decoding.tree``): row 0 is x_{n-1} (-1), row i+1 is path i, whose parent row is its
+    prefix's row (0 for depth-1 paths)."""
+    row = {tuple(p): i + 1 for i, p in enumerate(paths)}
+    return [-1] + [row.get(tuple(p[:-1]), 0) for p in paths]
 
 
 def decode_layout(cache_len: int, num_candidates: int, num_groups: int, k: int) -> Layout:
@@ -271,13 +322,21 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--cache-len", type=int, default=2, help="decode: tokens in the KV cache (n-1)")
     p.add_argument("--num-candidates", type=int, default=None, help="decode: candidates m (default k)")
     p.add_argument("--num-groups", type=int, default=None, help="decode: groups attached (default m+1)")
+    p.add_argument("--tree", default=None, help="decode: a token tree, JSON paths of ranks such as "
+                   "'[[0],[1],[0,0]]' (groups on x and the top-1 chain)")
     p.add_argument("--seq-len", type=int, default=6, help="train: sample length")
     p.add_argument("--spans", type=int, nargs="+", default=[2, 4], help="train: span starts s")
     add_debug_flag(p)
     a = p.parse_args(argv)
     if a.mask_num < 1:
         raise ValueError(f"--mask-num (k) must be >= 1, got {a.mask_num}")
-    if a.mode == "decode":
+    if a.mode == "decode" and a.tree is not None:
+        from .decoding.tree import chain_depth, parse_tree  # the decoder imports this module
+        tree = parse_tree(a.tree, a.mask_num)
+        groups = min(a.num_groups or a.mask_num + 1, chain_depth(tree) + 1)
+        lay = build_layout(a.cache_len, 1 + len(tree), list(range(1, groups + 1)), a.mask_num,
+                           parents=tree_parents(tree))
+    elif a.mode == "decode":
         m = a.mask_num if a.num_candidates is None else a.num_candidates
         if not 0 <= m <= a.mask_num:  # candidates are the drafts of the k masks of one group
             raise ValueError(f"--num-candidates must lie in 0..k = 0..{a.mask_num}, got {m}")

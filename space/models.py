@@ -9,6 +9,11 @@ DESIGN §4. ``load_model(name)`` returns ``(model, tokenizer)`` in eval mode.
 * ``tiny-random-llama``: built in code from a fixed seed (2 layers, hidden 64, byte-level
   tokenizer with a ChatML template), for tests and smoke runs. No files.
 * anything else: a local HF model directory (``from_pretrained``).
+
+``device_map`` (``space-eval --device-map``) spreads a model too large for one device over the
+visible GPUs with accelerate's big-model inference: each placed module gets an accelerate hook
+that moves its inputs to its device, so layers on different GPUs run one after another (memory
+scale, not speed).
 """
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ ALIASES = {
     TINY: "tiny random Llama built in code (tests and smoke runs)",
 }
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# accelerate's placement strategies (``infer_auto_device_map`` over ``get_balanced_memory``);
+# "auto" balances over the GPUs, like "balanced"
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+OFFLOAD_DEVICES = {"cpu", "disk"}
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -51,13 +60,17 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
-def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               device_map: str | dict | None = None):
     """Load a causal LM and its tokenizer by alias or local path.
 
     Args:
         name: an alias from ``ALIASES`` or a local HF model directory.
         dtype: parameter dtype ("float32" is fastest on CPU).
-        device: torch device string.
+        device: torch device string (unused with ``device_map``).
+        device_map: None (all on ``device``), or a :func:`parse_device_map` value: a directory's
+            weights then load straight onto their devices (``from_pretrained(device_map=...)``),
+            and every placed module gets an accelerate hook (:func:`dispatch`).
 
     Returns:
         (model, tokenizer), model in eval mode.
@@ -65,21 +78,131 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
     Raises:
         FileNotFoundError: ``name`` is neither an alias nor an existing directory (lists aliases).
         ModuleNotFoundError: the embedded model's package is missing (prints the install command).
+        ValueError: a device map that names modules the model lacks, misses some, or offloads
+            (see :func:`dispatch`).
     """
     torch_dtype = parse_dtype(dtype)
     if name == TINY:
         model, tok = tiny_random_llama()
+        model = model.to(dtype=torch_dtype)
     else:
         path = smollm2_dir() if name == SMOLLM2 else Path(name)
         if not path.is_dir():
             known = "\n".join(f"  {k}: {v}" for k, v in ALIASES.items())
             raise FileNotFoundError(f"unknown model {name!r}: not an alias and not a directory. Known aliases:\n{known}")
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    model = model.to(device=device, dtype=torch_dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
+    if device_map is None:
+        model = model.to(device=device, dtype=torch_dtype)
+    else:  # a directory's model comes placed, with the strategy resolved into hf_device_map
+        dispatch(model, getattr(model, "hf_device_map", None) or device_map)
+    model.eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def parse_device_map(spec: str) -> str | dict[str, int | str]:
+    """``--device-map``: a strategy, a JSON file, or inline JSON, as ``from_pretrained`` takes it.
+
+    Args:
+        spec: one of ``DEVICE_MAP_STRATEGIES``, or ``{"module name": device}`` (in a file or
+            inline), a device being a GPU index (``0``) or a torch device string (``"cuda:1"``,
+            ``"cpu"``), e.g. ``{"model.embed_tokens": 0, "model.layers.0": 0, ...,
+            "lm_head": 1}``. Every parameter must fall under one named module.
+
+    Returns:
+        the strategy name, or the map.
+
+    Raises:
+        ValueError: not a strategy, not valid JSON, not a non-empty object of devices, an
+            unknown device, or offloading (see :func:`check_no_offload`).
+    """
+    if spec in DEVICE_MAP_STRATEGIES:
+        return spec
+    path = Path(spec)
+    try:
+        placement = json.loads(path.read_text() if path.is_file() else spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--device-map {spec!r}: not one of {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON file "
+                         f"or inline JSON ({e.msg})") from None
+    if not isinstance(placement, dict) or not placement:
+        raise ValueError(f"--device-map {spec!r}: the JSON must be a non-empty object {{\"module name\": device}}")
+    for module, device in placement.items():
+        if not _is_device(device):
+            raise ValueError(f"--device-map: module {module!r} has unknown device {device!r}; use a GPU index, "
+                             "'cuda:N' or 'cpu'")
+    check_no_offload(placement)
+    return placement
+
+
+def _is_device(device) -> bool:
+    """A GPU index (int >= 0) or a torch device string."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device >= 0  # torch.device(0) needs a GPU to resolve; the caller checks there is one
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    return isinstance(device, str)
+
+
+def check_no_offload(placement: dict[str, int | str]) -> None:
+    """Refuse a map that offloads: modules on "cpu" or "disk" while others run on a GPU keep their
+    weights on the meta device between forwards, which the decoders cannot read (the LM head's
+    device decides where SPACE builds its tensors).
+
+    Raises:
+        ValueError: offloaded modules (named).
+    """
+    devices = {str(d) for d in placement.values()}
+    offloaded = [m for m, d in placement.items() if str(d) in OFFLOAD_DEVICES]
+    if offloaded and (devices - {"cpu"}):
+        raise ValueError(f"device map offloads {', '.join(offloaded[:4])}{' ...' if len(offloaded) > 4 else ''} to "
+                         "cpu/disk while other modules run on a GPU: SPACE decoding needs every module on a device; "
+                         "free GPU memory, use more GPUs, or run the whole model on cpu")
+
+
+def dispatch(model, placement: str | dict[str, int | str]) -> dict[str, int | str]:
+    """Place ``model``'s modules by ``placement`` with accelerate hooks, in place.
+
+    Hooks sit on each named module (``force_hooks``: also when all share one device), move its
+    inputs to its device, and move the model's outputs back to the input's device. Call it
+    again after replacing a placed module (resized embeddings, SPACE adapters): hooks belong to
+    the old module, so the model is re-hooked from scratch. The KV cache is never moved: each
+    layer's keys and values stay on that layer's device.
+
+    Args:
+        model: a HF causal LM, placed or not (no parameter may be on the meta device).
+        placement: a strategy of ``DEVICE_MAP_STRATEGIES`` (resolved here over the visible
+            devices and their free memory) or a ``{"module name": device}`` map.
+
+    Returns:
+        the resolved map, also set as ``model.hf_device_map``.
+
+    Raises:
+        ValueError: names that are not modules of the model, parameters no entry covers, or
+            offloading (:func:`check_no_offload`).
+    """
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.hooks import remove_hook_from_submodules
+    from accelerate.utils import get_balanced_memory
+
+    no_split = model._no_split_modules
+    if isinstance(placement, str):
+        memory = None if placement == "sequential" else get_balanced_memory(
+            model, no_split_module_classes=no_split, low_zero=placement == "balanced_low_0")
+        placement = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    modules = dict(model.named_modules())
+    unknown = [name for name in placement if name not in modules]
+    if unknown:
+        raise ValueError(f"device map names modules the model does not have: {unknown[:4]} "
+                         f"(its top modules: {[n for n, _ in model.named_children()]})")
+    check_no_offload(placement)
+    remove_hook_from_submodules(model)
+    dispatch_model(model, placement, skip_keys=model._skip_keys_device_placement, force_hooks=True)
+    model.hf_device_map = dict(placement)
+    return model.hf_device_map
 
 
 def smollm2_dir() -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..tokens import check_mask_num
+from .tree import Tree, chain_depth, check_tree, prune
 
 DEFAULT_MASK_NUM = 5  # the paper's k (DESIGN §2); the only place a default k is written
 
@@ -22,8 +23,12 @@ class DecodeConfig:
         mask_num: k, masks per group = most mask drafts verified per step (1..MAX_MASK_NUM).
         num_groups: mask groups attached per step, 1..k+1; None = k+1 (the paper's layout).
             Fewer groups make a step cheaper on a CPU; see :meth:`max_tokens_per_step` for the cap.
-        lookup_tokens: 0 = pure SPACE; else up to this many prompt-lookup candidates per step.
+        lookup_tokens: 0 = pure SPACE; else up to this many prompt-lookup candidates per step,
+            verified as one more branch of the step's token tree (added to the mask drafts).
         lookup_ngram: longest n-gram matched by prompt lookup (>= 1).
+        tree: None = verify the chain of top-1 drafts; else a static token tree of mask-draft
+            ranks, at most k deep (``space.decoding.tree``; groups attach to x_{n-1} and the top-1
+            chain). Lists are accepted and stored as the breadth-first sorted tuple.
 
     Raises:
         ValueError: any field out of range (at construction).
@@ -33,9 +38,12 @@ class DecodeConfig:
     num_groups: int | None = None
     lookup_tokens: int = 0
     lookup_ngram: int = 2
+    tree: Tree | None = None
 
     def __post_init__(self):
         check_mask_num(self.mask_num)
+        if self.tree is not None:
+            object.__setattr__(self, "tree", check_tree(self.tree, self.mask_num))
         if self.num_groups is not None and not 1 <= self.num_groups <= self.mask_num + 1:
             raise ValueError(f"num_groups must lie in 1..{self.mask_num + 1} (k+1), got {self.num_groups}")
         if self.lookup_tokens < 0 or self.lookup_ngram < 1:
@@ -50,16 +58,24 @@ class DecodeConfig:
     def override(self, **values) -> DecodeConfig:
         """A copy with the given fields replaced; None values keep the current field.
 
-        ``num_groups`` is reset to "k+1" when only ``mask_num`` changes, so a k override never
-        inherits a group count that does not fit it.
+        When only ``mask_num`` changes, ``num_groups`` is capped at k+1 and the tree pruned to k
+        deep, so a k override never inherits a layout that does not fit it. ``tree="chain"``
+        selects the chain (no tree).
         """
         values = {k: v for k, v in values.items() if v is not None}
+        if values.get("tree") == "chain":
+            values["tree"] = None
         if "mask_num" in values and "num_groups" not in values and self.num_groups is not None:
             values["num_groups"] = min(self.num_groups, values["mask_num"] + 1)
+        if "mask_num" in values and "tree" not in values and self.tree is not None:
+            values["tree"] = prune(self.tree, values["mask_num"]) or None
         return replace(self, **values)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready (the tree as lists of ranks)."""
+        d = asdict(self)
+        d["tree"] = None if self.tree is None else [list(p) for p in self.tree]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> DecodeConfig:
@@ -83,15 +99,18 @@ class DecodeConfig:
 
         With fewer than k+1 groups, a step that accepts a > g drafts must draft from G_g shifted,
         which leaves k - (a - g) candidates; with k = 1 and one group, every accepting step is
-        followed by a step with no candidate, so the cap is 1.5 (DESIGN §3.5). Lookup candidates
-        are not counted (they are not bounded by the layout).
+        followed by a step with no candidate, so the cap is 1.5 (DESIGN §3.5). With a tree, the
+        all-right path is its top-1 chain (at most its depth). Lookup candidates are not counted
+        (they are not bounded by the layout).
         """
         k, g_max = self.mask_num, self.groups - 1
+        depth = k if self.tree is None else chain_depth(self.tree)
         m, seen, emitted = 0, {}, []
         while m not in seen:  # a deterministic walk over the candidate count m: find its cycle
             seen[m] = len(emitted)
-            emitted.append(m + 1)
-            g = min(m, g_max)  # all m accepted: draft from G_m, else from the deepest group G_g
-            m = k - (m - g)
+            a = min(m, depth)
+            emitted.append(a + 1)
+            g = min(a, g_max)  # all a accepted: draft from G_a, else from the deepest group G_g
+            m = k - (a - g)
         cycle = emitted[seen[m]:]
         return sum(cycle) / len(cycle)

@@ -21,12 +21,18 @@ to the host once (the accept length and the tokens to emit), which the cache cro
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
 >= the model's context (fewer candidates, shorter mask groups, at the very end no group).
 
-Optional prompt lookup (``lookup_tokens``, our addition): after each step, when the last n-gram of
-the text so far (prompt + output) occurred earlier, the tokens that followed it replace the mask
-drafts as the next candidates (transformers' ``PromptLookupCandidateGenerator`` finds them). Any
-candidates are verified the same way, so output stays exact; the mask groups are attached as usual,
-so a step whose lookup fails still yields mask drafts for the next one. In sampling mode a lookup
-candidate's draft distribution q is one-hot.
+Token trees (issue #14, ``DecodeConfig.tree``): the step verifies a static tree of the draft
+masks' top-ranked tokens instead of one chain: ``[x_{n-1}] [tree nodes] [lookup branch] [groups]``
+(layout: ``space.masking.build_layout(parents=...)``), groups on x_{n-1} and the top-1 chain. The
+deepest node whose path matches the target is accepted (greedy), or siblings are tried in order
+with exact multi-candidate sampling (``verify_tree_sampling``); the accepted path's keys and values
+are moved next to x_{n-1} in the cache (``compact_cache``), then the rest is cropped.
+
+Optional prompt lookup (``lookup_tokens``, our addition): when the last n-gram of the text so far
+(prompt + output) occurred earlier, the tokens that followed it (transformers'
+``PromptLookupCandidateGenerator`` finds them) are one more branch of the next step's tree, added
+to the mask drafts, so a failed lookup costs only its rows. Lookup runs through the tree step
+(with the chain as the tree when none is configured); its candidates are deterministic.
 """
 from __future__ import annotations
 
@@ -37,12 +43,13 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..masking import build_layout, mask_rows, to_additive_4d
+from ..masking import build_layout, mask_rows, to_additive_4d, tree_parents
 from ..tokens import MaskSpec, check_mask_num
 from .config import DecodeConfig
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
-from .verify import verify_greedy, verify_rejection
+from .tree import chain_depth, prune
+from .verify import verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_sampling
 
 # HF's logits-processor convention: (input_ids (rows, seq), scores (rows, vocab)) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -53,6 +60,26 @@ def crop_cache(cache: DynamicCache, keep: int) -> None:
     drop = cache.get_seq_length() - keep
     if drop > 0:
         cache.crop(-drop)
+
+
+def compact_cache(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """Move the keys and values of block rows ``rows`` (the accepted path of a token tree) to the
+    contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), on each
+    layer's own device, then crop after them. O(accepted) per layer; a chain's path is already in
+    place and is only cropped.
+
+    Args:
+        start: the cache length before the block (x_{n-1}'s slot).
+        rows: block rows of the accepted nodes in depth order (row 0 is x_{n-1}).
+    """
+    moved = [i for i, r in enumerate(rows, 1) if r != i]
+    if moved:
+        for layer in cache.layers:
+            src = torch.tensor([start + rows[i - 1] for i in moved], device=layer.keys.device)
+            dst = torch.tensor([start + i for i in moved], device=layer.keys.device)
+            layer.keys[..., dst, :] = layer.keys[..., src, :]
+            layer.values[..., dst, :] = layer.values[..., src, :]
+    crop_cache(cache, start + 1 + len(rows))
 
 
 @dataclass(frozen=True)
@@ -90,6 +117,55 @@ class StepLayout:
         return slice(start + a - g, start + self.k)
 
 
+@dataclass(frozen=True)
+class TreeLayout:
+    """One token-tree step shape (issue #14): ``[x_{n-1}] [mask-tree nodes] [lookup branch] [groups]``.
+
+    Attributes:
+        parents: (1+N,) parent row of each block row (-1 for x_{n-1}), on the host.
+        depth: (1+N,) depth of each row (x_{n-1}: 0).
+        children: per row, its child rows in the order exact sampling tries them.
+        mask_nodes: the first N' nodes come from the mask drafts, the rest from prompt lookup.
+        draft_index: (N',) flat index of each mask node's token in the drafts (r, R): (depth-1)*R + rank.
+        group_rows: anchor row of each mask group (x_{n-1}, then the top-1 chain).
+        group_of: (1+N,) per row, the index of its deepest ancestor-or-self group (row 0 has G_0).
+        k: masks per group.
+        parent_rows, ancestors, score: device tensors for :func:`verify_tree_greedy`.
+        mask_ids, position_ids, block_mask: as in :class:`StepLayout`.
+    """
+
+    parents: tuple[int, ...]
+    depth: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+    mask_nodes: int
+    draft_index: torch.Tensor
+    group_rows: tuple[int, ...]
+    group_of: tuple[int, ...]
+    k: int
+    parent_rows: torch.Tensor
+    ancestors: torch.Tensor
+    score: torch.Tensor
+    mask_ids: torch.Tensor
+    position_ids: torch.Tensor
+    block_mask: torch.Tensor
+
+    @property
+    def num_real(self) -> int:
+        return len(self.parents)
+
+    def attention_mask(self, cache_len: int) -> torch.Tensor:
+        q = self.block_mask.shape[-1]
+        return torch.cat([self.block_mask.new_zeros(1, 1, q, cache_len), self.block_mask], dim=-1)
+
+    def path(self, row: int) -> list[int]:
+        """Rows from depth 1 down to ``row`` (empty for x_{n-1})."""
+        out = []
+        while row > 0:
+            out.append(row)
+            row = self.parents[row]
+        return out[::-1]
+
+
 class SpaceDecoder:
     """SPACE decoding for a HF causal LM with mask tokens (batch size 1).
 
@@ -119,7 +195,14 @@ class SpaceDecoder:
         self.lookup = PromptLookupCandidateGenerator(
             num_output_tokens=self.config.lookup_tokens, max_matching_ngram_size=self.config.lookup_ngram,
             max_length=self.context) if self.config.lookup_tokens else None
+        # the step verifies a token tree when one is configured or a lookup branch joins the drafts;
+        # else the chain of top-1 drafts (sampled drafts with the p/q rule when sampling)
+        self.tree = None
+        if self.config.tree is not None or self.lookup is not None:
+            self.tree = self.config.tree or tuple((0,) * d for d in range(1, self.config.mask_num + 1))
+        self.draft_ranks = 1 + max(max(p) for p in self.tree) if self.tree else 1  # R: drafts kept per mask
         self._layouts: dict[tuple[int, int, int], StepLayout] = {}
+        self._tree_layouts: dict[tuple[int, int, int, int], TreeLayout] = {}
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
@@ -136,8 +219,9 @@ class SpaceDecoder:
             on_tokens: streaming callback, called with each step's new tokens; raising
                 ``result.StopDecoding(keep)`` keeps the first ``keep`` of them and ends generation.
             draft_override: greedy only, for tests and ablations: called with (tokens generated so
-                far, the model's drafts (m,)), returns the candidates (<= k ids) to verify next.
-                It is applied after prompt lookup.
+                far, the model's drafts), returns the drafts to verify next. Chain: drafts (m,),
+                returns <= k ids. Tree: drafts (r, R) (mask j's top-R tokens, r <= k; (0, R) when
+                no group was left), returns (r' <= k, R); the lookup branch is added as usual.
             logits_processor: HF convention, ``(input_ids (1, seq), scores (1, vocab)) -> scores``
                 (e.g. a ``LogitsProcessorList``). Applied to each verification row with exactly the
                 tokens before the position it scores, as AR decoding would, so greedy output equals
@@ -159,23 +243,138 @@ class SpaceDecoder:
         if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
             self.decoder(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True)
         prefill_s = clock(self.device) - t0
-        last, cands, q = ids[-1:], ids.new_empty(0), None  # q: (m, vocab) draft distributions, sampling
+        last = ids[-1:]
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
+        if self.tree is not None:
+            return self._generate_tree(cache, last, res, prefill_s, sampling, gen, draft_override,
+                                       logits_processor, seq)
+        cands, q = ids.new_empty(0), None  # q: (m, vocab) draft distributions, sampling
         while True:
             t0 = clock(self.device)
             m = cands.numel()
             last, cands, q, emitted, a = self._step(cache, last, cands, q, sampling, gen, logits_processor, seq)
             if seq is not None:
                 seq.extend(emitted)
-            if self.lookup is not None:
-                cands, q = self._lookup(seq, cands, q, sampling)
             if res.emit(emitted, clock(self.device) - t0 + prefill_s, accepted=a, candidates=m):
                 return res
             if draft_override is not None and sampling.greedy:
                 cands = torch.as_tensor(draft_override(res.new_ids, cands.cpu()), dtype=torch.long)[: self.config.mask_num]
                 cands = cands.to(self.device)
             prefill_s = 0.0
+
+    def _generate_tree(self, cache, last, res: DecodeResult, prefill_s: float, sampling: SamplingConfig, gen,
+                       draft_override, processor: LogitsProcessor | None, seq: list[int] | None) -> DecodeResult:
+        """The decode loop with token-tree steps (see :meth:`_tree_step`)."""
+        drafts, found = last.new_empty(0, self.draft_ranks), []
+        while True:
+            t0 = clock(self.device)
+            last, drafts, emitted, a, depth = self._tree_step(cache, last, drafts, found, sampling, gen,
+                                                              processor, seq)
+            if seq is not None:
+                seq.extend(emitted)
+            if self.lookup is not None:
+                found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
+            if res.emit(emitted, clock(self.device) - t0 + prefill_s, accepted=a, candidates=depth):
+                return res
+            if draft_override is not None and sampling.greedy:
+                drafts = torch.as_tensor(draft_override(res.new_ids, drafts.cpu()), dtype=torch.long)
+                drafts = drafts[: self.config.mask_num, : self.draft_ranks].to(self.device)
+            prefill_s = 0.0
+
+    def _tree_step(self, cache, last: torch.Tensor, drafts: torch.Tensor, found: list[int],
+                   sampling: SamplingConfig, gen, processor: LogitsProcessor | None, seq: list[int] | None):
+        """One forward pass over a token tree (issue #14).
+
+        Args:
+            drafts: (r, R) the top-R tokens of the r draft masks from the last step.
+            found: prompt-lookup tokens, one more branch of x_{n-1}.
+
+        Returns:
+            (bonus (1,), next drafts (r', R), emitted tokens, a, depth of the verified tree).
+        """
+        L = cache.get_seq_length()  # n - 1; x_{n-1} at position L, a node of depth d at L + d
+        room = self.context - L - 1  # deepest node that fits
+        found = found[:room]
+        lay = self._tree_layout(min(drafts.shape[0], room), len(found), room)
+        tokens = drafts.reshape(-1)[lay.draft_index]
+        if found:
+            tokens = torch.cat([tokens, torch.tensor(found, device=self.device)])
+        n1 = lay.num_real
+        block = torch.cat([last, tokens, lay.mask_ids])
+        with mask_rows(n1):
+            hidden = self.decoder(input_ids=block[None], position_ids=(lay.position_ids + L)[None],
+                                  attention_mask=lay.attention_mask(L), past_key_values=cache,
+                                  use_cache=True).last_hidden_state[0]  # (q, hidden)
+        logits = self._logits(hidden) if hidden.shape[0] <= 2 * (n1 + lay.k) else None
+        target = logits[:n1] if logits is not None else self._logits(hidden[:n1])  # (1+N, vocab)
+        host_tokens = tokens.tolist() if processor is not None or not sampling.greedy else None
+        if processor is not None:  # row i scores the token after x_0..x_{n-1} and i's path
+            target = torch.cat([processor(torch.tensor(seq + [host_tokens[r - 1] for r in lay.path(i)],
+                                                       device=self.device)[None], target[i:i + 1])
+                                for i in range(n1)])
+        if sampling.greedy:
+            best, bonus = verify_tree_greedy(target, tokens, lay.parent_rows, lay.ancestors, lay.score)
+            best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
+        else:
+            best, bonus = verify_tree_sampling(logits_to_probs(target, sampling), host_tokens, lay.children, gen)
+            bonus_id = int(bonus)
+        path = lay.path(best)
+        a = len(path)
+        emitted = [host_tokens[r - 1] for r in path] + [bonus_id]
+        compact_cache(cache, L, path)
+        bonus = torch.tensor([bonus_id], device=self.device)
+        gi = lay.group_of[best]  # draft from the deepest group on the path, shifted (DESIGN §3.5)
+        start = n1 + gi * lay.k + a - lay.depth[lay.group_rows[gi]]
+        stop = n1 + (gi + 1) * lay.k
+        if start >= stop:  # the group's masks all lie behind the accepted path
+            return bonus, drafts[:0], emitted, a, max(lay.depth)
+        draft_logits = logits[start:stop] if logits is not None else self._logits(hidden[start:stop])
+        if processor is not None:  # the group drafts after x_0..x_{n-1} and the path to its anchor
+            anchor_path = [host_tokens[r - 1] for r in lay.path(lay.group_rows[gi])]
+            ctx = torch.tensor(seq + anchor_path, device=self.device)[None].expand(draft_logits.shape[0], -1)
+            draft_logits = processor(ctx, draft_logits)
+        return bonus, draft_logits.topk(self.draft_ranks, dim=-1).indices, emitted, a, max(lay.depth)
+
+    def _tree_layout(self, depth: int, num_found: int, room: int) -> TreeLayout:
+        """The tree step's layout: the configured tree pruned to ``depth``, then a lookup branch of
+        ``num_found`` nodes, groups on x_{n-1} and the top-1 chain; built once per shape and kept on
+        the device. ``room``: deepest position offset that fits in the context (groups shrink)."""
+        tree = prune(self.tree, depth)
+        groups = min(self.config.groups, chain_depth(tree) + 1, room)  # G_g's mask 0 sits at depth g+1
+        k = min(self.config.mask_num, room - (groups - 1))
+        key = (depth, num_found, groups, k)
+        if key in self._tree_layouts:
+            return self._tree_layouts[key]
+        par = tree_parents(tree) + [0 if i == 0 else len(tree) + i for i in range(num_found)]
+        row_of = {p: i + 1 for i, p in enumerate(tree)}
+        group_rows = [0] + [row_of[(0,) * d] for d in range(1, groups)]
+        lay = build_layout(0, len(par), [r + 1 for r in group_rows], k, parents=par)
+        depth_of = lay.position_ids[: len(par)].tolist()
+        n1 = len(par)
+        group_of = []
+        for r in range(n1):  # the deepest ancestor-or-self with a group (x_{n-1} always has G_0)
+            anc = r
+            while anc not in group_rows:
+                anc = par[anc]
+            group_of.append(group_rows.index(anc))
+        children = [[] for _ in range(n1)]
+        for r in range(1, n1):
+            children[par[r]].append(r)
+        R = self.draft_ranks
+        dev = self.device
+        ids = self.mask_ids[:k] if self.mask_ids.numel() > 1 else self.mask_ids.expand(k)
+        out = TreeLayout(
+            parents=tuple(par), depth=tuple(depth_of), children=tuple(map(tuple, children)), mask_nodes=len(tree),
+            draft_index=torch.tensor([(len(p) - 1) * R + p[-1] for p in tree], dtype=torch.long, device=dev),
+            group_rows=tuple(group_rows), group_of=tuple(group_of), k=k,
+            parent_rows=torch.tensor(par[1:], dtype=torch.long, device=dev),
+            ancestors=lay.allowed[:n1, :n1].to(dev),
+            score=torch.tensor([d * (n1 + 1) + (n1 - r) for r, d in enumerate(depth_of)], device=dev),
+            mask_ids=ids.repeat(groups), position_ids=lay.position_ids.to(dev),
+            block_mask=to_additive_4d(lay.allowed, self.head.weight.dtype).to(dev))
+        self._tree_layouts[key] = out
+        return out
 
     def _step(self, cache, last: torch.Tensor, cands: torch.Tensor, q, sampling: SamplingConfig, gen,
               processor: LogitsProcessor | None = None, seq: list[int] | None = None):
@@ -235,16 +434,6 @@ class SpaceDecoder:
                 1 + m, k, groups, ids.repeat(groups), lay.position_ids.to(self.device),
                 to_additive_4d(lay.allowed, self.head.weight.dtype).to(self.device))
         return self._layouts[key]
-
-    def _lookup(self, seq: list[int], cands: torch.Tensor, q, sampling: SamplingConfig):
-        """Prompt-lookup candidates for the next step when the last n-gram recurs, else the drafts."""
-        found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):]
-        if not found.numel():
-            return cands, q
-        found = found.to(self.device)
-        if sampling.greedy:
-            return found, None
-        return found, torch.nn.functional.one_hot(found, self.head.weight.shape[0]).float()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on selected rows only, mask tokens suppressed: (rows, hidden) -> (rows, vocab)."""

@@ -59,3 +59,84 @@ def verify_rejection(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor,
     row = bonus_dist.gather(-2, a[..., None, None].expand(*a.shape, 1, vocab))[..., 0, :]
     bonus = torch.multinomial(row.reshape(-1, vocab), 1, generator=generator).view(a.shape)
     return a, bonus
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parent_rows: torch.Tensor,
+                       ancestors: torch.Tensor, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of a token tree (issue #14): the deepest node whose whole path equals
+    the target's argmax chain.
+
+    A node is right when its token is the argmax of its parent's row and every ancestor is right;
+    all right nodes of one depth spell the same tokens, so any deepest one gives the AR output.
+
+    Args:
+        target_logits: (1+N, vocab) rows of x_{n-1} and the N nodes; row i scores i's children.
+        tokens: (N,) node tokens.
+        parent_rows: (N,) parent row of each node (0 = x_{n-1}).
+        ancestors: (1+N, 1+N) bool, ancestor-or-self of each row.
+        score: (1+N,) tie-break among right rows, highest wins (deeper first).
+
+    Returns:
+        (best, bonus): 0-d long tensors; the accepted row (0 = none accepted) and the argmax of its
+        row (the auto-correct token).
+    """
+    pred = target_logits.argmax(dim=-1)  # (1+N,)
+    right = torch.cat([pred.new_ones(1, dtype=torch.bool), pred[parent_rows] == tokens])
+    path_right = ~(ancestors & ~right[None, :]).any(dim=1)  # (1+N,)
+    best = torch.where(path_right, score, score.new_full((), -1)).argmax()
+    return best, pred[best]
+
+
+def verify_tree_sampling(p: torch.Tensor, tokens: list[int], children: list[list[int]],
+                         generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+    """Exact sampling over a tree of deterministic candidates (SpecInfer-style, q one-hot).
+
+    From the root, the children of the current row are tried in order: child c is accepted with
+    probability p'(c), where p' is the row's target distribution with every token rejected so far
+    at this row set to 0 and renormalized; an accepted child becomes the current row. When no child
+    is accepted the bonus is drawn from p'. Why this is exact: at one row, the first child is
+    emitted with probability p(c_1); the second with (1 - p(c_1)) p(c_2) / (1 - p(c_1)) = p(c_2); a
+    residual token t with (1 - sum_i p(c_i)) p(t) / (1 - sum_i p(c_i)) = p(t); so the row's token
+    is distributed as p (a repeated token has p' = 0 and is never accepted twice). Given the
+    token, the next one comes from the child's row, the target distribution after it: by
+    induction the emitted sequence is distributed as sampling from the target one token at a time.
+
+    Args:
+        p: (1+N, vocab) target probabilities of x_{n-1}'s row and each node's row.
+        tokens: (N,) node tokens, on the host.
+        children: per row, its child rows in the order they are tried.
+        generator: for the uniforms and the bonus draw (on p's device).
+
+    Returns:
+        (best, bonus): the accepted row (0 = none) and the bonus token, a 0-d long tensor.
+        The walk reads p at the node tokens and the uniforms with one host copy.
+    """
+    n = len(tokens)
+    if n:
+        parent = [0] * n
+        for r, kids in enumerate(children):
+            for c in kids:
+                parent[c - 1] = r
+        idx = torch.tensor(tokens, device=p.device)
+        rows = torch.tensor(parent, device=p.device)
+        u = torch.rand(n, generator=generator, device=p.device)
+        p_tok, u = torch.stack([p[rows, idx].double(), u.double()]).tolist()  # one host copy
+    row, rejected, mass = 0, set(), 1.0
+    while True:
+        for c in children[row]:
+            t = tokens[c - 1]
+            if t in rejected:
+                continue
+            if u[c - 1] * mass < p_tok[c - 1]:  # u < p(t) / (1 - p(rejected))
+                row, rejected, mass = c, set(), 1.0
+                break
+            rejected.add(t)
+            mass -= p_tok[c - 1]
+        else:
+            break
+    dist = p[row].clone()
+    if rejected:
+        dist[list(rejected)] = 0
+        if not dist.sum() > 0:  # all mass on rejected tokens up to rounding: p itself is then exact
+            dist = p[row]
+    return row, torch.multinomial(dist, 1, generator=generator)[0]

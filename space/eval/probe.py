@@ -41,6 +41,7 @@ from ..cli import add_debug_flag, console
 from ..data.dev_set import dev_prompts
 from ..data.prompts import chat_ids
 from ..decoding.space import crop_cache
+from ..decoding.tree import parse_tree
 from ..distill import greedy_batches
 from ..jsonl import append_jsonl, read_jsonl_resumable
 from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
@@ -92,32 +93,6 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
         rank = (logits > true).sum(-1).masked_fill(tgt == IGNORE_INDEX, -1)
         out.append(rank.view(len(groups), k).cpu())
     return torch.cat(out)
-
-
-def parse_tree(spec: str | None, k: int) -> list[list[int]] | None:
-    """A tree given as JSON paths of ranks (or a file holding them); every prefix must be a node.
-
-    Raises:
-        ValueError: not a list of non-empty lists of ranks >= 0, a duplicate, a missing
-            parent, or a path deeper than k.
-    """
-    if spec is None:
-        return None
-    text = Path(spec).read_text() if Path(spec).is_file() else spec
-    try:
-        paths = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--tree: not JSON and not a file ({e.msg})") from None
-    ok = isinstance(paths, list) and paths and all(
-        isinstance(p, list) and p and all(isinstance(r, int) and r >= 0 for r in p) for p in paths)
-    if not ok:
-        raise ValueError(f"--tree: expected a list of paths of ranks such as [[0], [1], [0, 0]], got {text!r}")
-    nodes = {tuple(p) for p in paths}
-    if len(nodes) != len(paths) or any(len(p) > 1 and tuple(p[:-1]) not in nodes for p in paths):
-        raise ValueError("--tree: duplicate path, or a path whose parent is not in the tree")
-    if max(len(p) for p in paths) > k:
-        raise ValueError(f"--tree: a path is deeper than mask_num k = {k}")
-    return paths
 
 
 def summarize(ranks: torch.Tensor, tree: list[list[int]] | None = None) -> dict:

@@ -138,10 +138,15 @@ def to_markdown(s: dict) -> str:
     """Paper Table 1 columns first, then one row per method and per category."""
     m, meta, sp, p1 = s["methods"], s["meta"], s["speedup"], s["pass_at_1"]
     model = meta.get("model", "?") + (f" + {Path(meta['adapter']).name}" if meta.get("adapter") else "")
+    device_map = meta.get("device_map") or ""
+    placement = (f", device map {'(inline JSON)' if device_map.lstrip().startswith('{') else device_map}"
+                 if device_map else "")
+    if meta.get("ranks", 1) > 1:
+        placement += f", {meta['ranks']} ranks (each question's methods in one process)"
     lines = [f"# SPACE evaluation: {meta.get('dataset')} ({meta.get('num_questions')} questions)", "",
              f"k = {meta.get('mask_num')}, num_groups = {meta.get('num_groups')}, max_new_tokens = "
              f"{meta.get('max_new_tokens')}, temperature = {meta.get('temperature')}, dtype = {meta.get('dtype')}, "
-             f"device = {meta.get('device')} ({meta.get('machine')}), torch {meta.get('torch')}, "
+             f"device = {meta.get('device')} ({meta.get('machine')}){placement}, torch {meta.get('torch')}, "
              f"transformers {meta.get('transformers')}", "",
              "| Model | Dataset | Pass@1 SPACE (AR) | tokens/step | speedup vs AR | speedup vs HF | PLD speedup vs HF | exact |",
              "|---|---|---|---|---|---|---|---|",

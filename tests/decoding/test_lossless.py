@@ -43,10 +43,9 @@ def test_prompt_lookup_exact(tiny, k, groups, lookup):
         prompt = torch.cat([pattern.repeat(3), torch.randint(11, 250, (5,), generator=gen)])  # n-grams recur
         ar = ar_generate(model, prompt, 60, stop_token_ids=[STOP], suppress_ids=spec.token_ids)
         assert dec.generate(prompt, 60, stop_token_ids=[STOP]).new_ids == ar.new_ids
-    found, _ = dec._lookup([5, 6, 7, 8, 9, 5, 6], torch.tensor([1]), None, SamplingConfig())
+    found = dec.lookup.get_candidates(torch.tensor([[5, 6, 7, 8, 9, 5, 6]]))[0][0, 7:]
     assert found.tolist() == [7, 8, 9, 5, 6][:lookup]  # the tokens after the earlier "5 6"
-    kept, _ = dec._lookup([5, 6, 7], torch.tensor([1]), None, SamplingConfig())
-    assert kept.tolist() == [1]  # no recurring n-gram: the mask drafts stay
+    assert dec.tree is not None  # lookup is a branch of the step's tree, next to the mask drafts
     with pytest.raises(ValueError, match="lookup_tokens"):
         SpaceDecoder(model, spec, DecodeConfig(k, lookup_tokens=-1))
 

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from space.eval.probe import anchor_ranks, cli, main, parse_tree, summarize
+from space.decoding.tree import parse_tree
+from space.eval.probe import anchor_ranks, cli, main, summarize
 from space.models import load_model
 from space.tokens import add_mask_tokens
 
@@ -63,9 +64,10 @@ def test_summary_bounds_by_hand():
 
 
 def test_parse_tree(tmp_path):
-    assert parse_tree("[[0],[1],[0,0]]", 3) == [[0], [1], [0, 0]]
+    assert parse_tree("[[0],[0,0],[1]]", 3) == ((0,), (1,), (0, 0))  # sorted breadth-first
+    assert parse_tree("chain", 3) is None
     (tmp_path / "t.json").write_text("[[0], [0, 0]]")
-    assert parse_tree(str(tmp_path / "t.json"), 2) == [[0], [0, 0]]
+    assert parse_tree(str(tmp_path / "t.json"), 2) == ((0,), (0, 0))
     for bad, msg in (("[[0,0]]", "parent"), ("[[0],[0,0],[0,0,0]]", "deeper"), ("nope", "JSON"), ("[[-1]]", "paths")):
         with pytest.raises(ValueError, match=msg):
             parse_tree(bad, 2)

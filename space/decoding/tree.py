@@ -1,0 +1,194 @@
+"""Static token trees for the SPACE step, and how to choose one (issue #14).
+
+A tree is given as paths of ranks, Medusa's format: ``(0,)`` is mask 0's top-1 draft, ``(1,)``
+its runner-up (a sibling), ``(0, 2)`` the third-ranked token of mask 1 after the top-1 of mask 0.
+A node at depth d (its path has d ranks) proposes the token at offset d-1 after the step's bonus
+token, so the tree of a step with k draft masks has depth <= k. Every prefix of a path is a node.
+Trees are stored sorted breadth-first, siblings by rank: the decode block lays nodes out in this
+order (``space.masking.build_layout(parents=...)``) and exact sampling tries siblings in it.
+
+Construction (``space-tree``): nodes are added greedily by the measured probability that the
+whole path is right, read from the acceptance probe's ranks (``space-probe``'s ``ranks.jsonl``)
+or from a per-offset rank table. Which tree (and k, and groups) is fastest is then measured by
+:func:`replay`, an exact replay of greedy tree decoding over the probe's teacher-forced ranks.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Tree = tuple[tuple[int, ...], ...]
+
+
+def check_tree(paths: Iterable[Sequence[int]], k: int | None = None) -> Tree:
+    """Validate a tree and return it sorted breadth-first (by depth, then ranks).
+
+    Raises:
+        ValueError: empty, a path that is empty or has a negative / non-integer rank, a duplicate,
+            a path whose parent is missing, or a path deeper than ``k``.
+    """
+    try:
+        tree = [tuple(p) for p in paths]
+    except TypeError:
+        raise ValueError(f"a token tree is a list of paths of ranks such as [[0], [1], [0, 0]], got {paths!r}") from None
+    if not tree or not all(p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
+                           for p in tree):
+        raise ValueError(f"a token tree is a non-empty list of paths of ranks >= 0 such as [[0], [1], [0, 0]], "
+                         f"got {paths!r}")
+    nodes = set(tree)
+    if len(nodes) != len(tree) or any(len(p) > 1 and p[:-1] not in nodes for p in tree):
+        raise ValueError("token tree: a duplicate path, or a path whose parent is not in the tree")
+    if k is not None and max(map(len, tree)) > k:
+        raise ValueError(f"token tree: a path is {max(map(len, tree))} deep, deeper than mask_num k = {k}")
+    return tuple(sorted(tree, key=lambda p: (len(p), p)))
+
+
+def parse_tree(spec: str | None, k: int | None = None) -> Tree | None:
+    """A tree from the command line: JSON paths (``'[[0],[1],[0,0]]'``), a JSON file holding them,
+    or ``chain`` / None (no tree: the chain of top-1 drafts).
+
+    Raises:
+        ValueError: neither JSON nor a file, or an invalid tree (see :func:`check_tree`).
+    """
+    if spec is None or spec == "chain":
+        return None
+    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    try:
+        paths = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--tree: not 'chain', not JSON and not a file ({e.msg}): {spec!r}") from None
+    if not isinstance(paths, list):
+        raise ValueError(f"--tree: expected a list of paths of ranks such as [[0], [1], [0, 0]], got {text!r}")
+    return check_tree(paths, k)
+
+
+def prune(tree: Tree, depth: int) -> Tree:
+    """The nodes of ``tree`` at most ``depth`` deep (still a tree: prefixes are shallower)."""
+    return tuple(p for p in tree if len(p) <= depth)
+
+
+def chain_depth(tree: Tree) -> int:
+    """Depth of the top-1 chain ``(0,), (0, 0), ...`` inside ``tree``: where mask groups attach."""
+    nodes, d = set(tree), 0
+    while (0,) * (d + 1) in nodes:
+        d += 1
+    return d
+
+
+# ---- construction -------------------------------------------------------------------------------
+
+def path_probs_from_table(table: Sequence[Sequence[float]]) -> dict[tuple[int, ...], float]:
+    """P(path right) = prod_d table[d][path[d]], ranks assumed independent across offsets.
+
+    Args:
+        table: (k, R) P(the true token at offset j has rank r in mask j's drafts).
+    """
+    probs: dict[tuple[int, ...], float] = {}
+    frontier = {(): 1.0}
+    for row in table:
+        frontier = {p + (r,): v * pr for p, v in frontier.items() for r, pr in enumerate(row)}
+        probs.update(frontier)
+    return probs
+
+
+def path_probs_from_ranks(ranks: Iterable[torch.Tensor], max_rank: int = 8) -> dict[tuple[int, ...], float]:
+    """Measured P(path right): the share of anchors whose true tokens have exactly the path's ranks.
+
+    Args:
+        ranks: per sample, (anchors, k) ranks from ``space-probe`` (0 = top-1, -1 = no token).
+        max_rank: paths use ranks < max_rank.
+    """
+    counts: Counter = Counter()
+    total = 0
+    for r in ranks:
+        total += r.shape[0]
+        for row in r.tolist():
+            for d in range(len(row)):
+                if not 0 <= row[d] < max_rank:
+                    break
+                counts[tuple(row[: d + 1])] += 1
+    return {p: c / max(total, 1) for p, c in counts.items()}
+
+
+def grow_tree(path_probs: dict[tuple[int, ...], float], max_nodes: int, max_depth: int) -> Tree:
+    """Greedy tree: repeatedly add the child of the tree (or of the root) with the highest P(path
+    right); a path is never more likely than its prefix, so this is the top-``max_nodes`` paths,
+    ties broken by depth then ranks. Returns at most ``max_nodes`` nodes, at most ``max_depth`` deep.
+    """
+    tree: list[tuple[int, ...]] = []
+    have: set[tuple[int, ...]] = set()
+    candidates = sorted((p for p in path_probs if len(p) <= max_depth), key=lambda p: (-path_probs[p], len(p), p))
+    for p in candidates:
+        if len(tree) == max_nodes:
+            break
+        if len(p) == 1 or p[:-1] in have:
+            tree.append(p)
+            have.add(p)
+    return check_tree(tree) if tree else ()
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Greedy tree decoding replayed over teacher-forced ranks.
+
+    Attributes:
+        tokens: tokens emitted (over all samples).
+        steps: decode steps.
+        rows: (steps,) block rows of each step (1 + nodes + groups * k).
+    """
+
+    tokens: int
+    steps: int
+    rows: list[int]
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / max(self.steps, 1)
+
+
+def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: Tree | None) -> ReplayResult:
+    """Replay greedy SPACE decoding of the probe's answers with a given layout: the exact accept
+    lengths the decoder would get on them (teacher forcing on the target's own greedy answer is
+    greedy decoding), without running the model. Lookup branches are not modelled.
+
+    ``ranks[i][j]`` is the rank of answer token i+j+1 among mask j's drafts when a group is anchored
+    after answer token i-1 (``space.eval.probe.anchor_ranks``, anchors from the prompt's end). A
+    step whose last token is answer token t-1 verifies drafts of tokens t, t+1, ...; a node is right
+    when each depth's rank equals the path's. Groups sit on x_{n-1} and the top-1 chain (DESIGN
+    §3.5): after accepting depth a, the next drafts come from the deepest group g on the path,
+    offsets a-g.. of it (k - (a-g) drafts).
+
+    Args:
+        ranks: per sample, (anchors, k') ranks with k' >= mask_num.
+        tree: None = the chain of top-1 drafts, k deep.
+    """
+    tree = tuple((0,) * d for d in range(1, mask_num + 1)) if tree is None else check_tree(tree, mask_num)
+    by_depth = [tuple(p for p in tree if len(p) <= d) for d in range(mask_num + 1)]
+    tokens = steps = 0
+    rows: list[int] = []
+    for r in ranks:
+        r = r[:, :mask_num].tolist()
+        n, t = len(r) + 1, 0  # answer tokens with an anchor; t = next answer token to emit
+        anchor, offset, avail = None, 0, 0  # current drafts: group anchored at answer token `anchor`
+        while t < n:
+            nodes = by_depth[min(avail, n - t - 1)]  # no node past the answer's end
+            true = r[anchor][offset: offset + avail] if anchor is not None else []
+            a, path = 0, ()
+            for p in nodes:  # breadth-first: the last right node is a deepest one
+                if len(p) > a and list(p) == true[: len(p)]:
+                    a, path = len(p), p
+            groups = min(num_groups, chain_depth(nodes) + 1)
+            g = min(a, groups - 1, next((i for i, x in enumerate(path) if x), len(path)))
+            steps += 1
+            tokens += a + 1
+            rows.append(1 + len(nodes) + groups * mask_num)
+            anchor, offset, avail = t + g, a - g, mask_num - (a - g)
+            t += a + 1
+            if anchor >= len(r):
+                anchor, avail = None, 0
+    return ReplayResult(tokens, steps, rows)

@@ -1,0 +1,178 @@
+"""Token-tree verification (issue #14): layout, greedy exactness, KV compaction, exact sampling,
+tree construction and the greedy replay."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, path_probs_from_table, replay
+from space.decoding.verify import verify_tree_sampling
+from space.eval.probe import anchor_ranks
+from space.masking import build_layout, tree_parents
+from space.masking import main as layout_main
+from tests.conftest import TRAINED_K
+from tests.decoding.test_sampling import ALPHA, chi2_pvalue
+
+
+def random_tree(gen: torch.Generator, nodes: int, depth: int):
+    """A random tree of ranks: each new node is the next-ranked child of a random node."""
+    tree, kids = [], {(): 0}
+    while len(tree) < nodes:
+        open_ = [p for p in kids if len(p) < depth]
+        p = open_[int(torch.randint(len(open_), (1,), generator=gen))]
+        child = p + (kids[p],)
+        kids[p] += 1
+        kids[child] = 0
+        tree.append(child)
+    return check_tree(tree, depth)
+
+
+def test_check_and_parse_tree(tmp_path):
+    assert check_tree([[0], [0, 0], [1]]) == ((0,), (1,), (0, 0))
+    assert parse_tree("chain") is None and parse_tree(None) is None
+    (tmp_path / "t.json").write_text("[[0], [0, 0]]")
+    assert parse_tree(str(tmp_path / "t.json"), 2) == ((0,), (0, 0))
+    for bad, msg in (([[0, 0]], "parent"), ([[0], [0]], "duplicate"), ([[0], [0, 0], [0, 0, 0]], "deeper"),
+                     ([[-1]], "ranks"), ([], "non-empty"), ([[True]], "ranks")):
+        with pytest.raises(ValueError, match=msg):
+            check_tree(bad, 2)
+    with pytest.raises(ValueError, match="JSON"):
+        parse_tree("nope")
+    with pytest.raises(ValueError, match="deeper"):
+        DecodeConfig(2, tree=[[0], [0, 0], [0, 0, 0]])
+    assert DecodeConfig(3, tree=[[0], [0, 0], [0, 0, 0], [1]]).override(mask_num=2).tree == ((0,), (1,), (0, 0))
+    assert DecodeConfig(3, tree=[[0], [1]]).override(tree="chain").tree is None
+
+
+@pytest.mark.parametrize("m,groups,k", [(0, 1, 1), (3, 4, 3), (4, 2, 5), (2, 1, 2)])
+def test_chain_shaped_tree_is_the_decode_layout(m, groups, k):
+    chain = check_tree([(0,) * d for d in range(1, m + 1)]) if m else ()
+    plain = build_layout(7, 1 + m, list(range(1, groups + 1)), k)
+    tree = build_layout(7, 1 + m, list(range(1, groups + 1)), k, parents=tree_parents(chain))
+    for name in ("position_ids", "allowed", "is_mask", "mask_offset", "mask_group"):
+        assert torch.equal(getattr(plain, name), getattr(tree, name)), name
+
+
+def test_tree_layout_by_hand():
+    # x; c1 = (0,), c2 = (1,) siblings at depth 1; c3 = (0, 0) under c1; groups on x and c1, k = 2
+    lay = build_layout(2, 4, [1, 2], 2, parents=tree_parents(check_tree([[0], [1], [0, 0]])))
+    assert lay.position_ids.tolist() == [2, 3, 3, 4, 3, 4, 4, 5]
+    block = ["o......."[:0] + "".join("o" if v else "." for v in row[2:]) for row in lay.allowed.tolist()]
+    assert block == ["o.......", "oo......", "o.o.....", "oo.o....",
+                     "o...o...", "o...oo..", "oo....o.", "oo....oo"]
+    assert lay.allowed[:, :2].all()
+    with pytest.raises(ValueError, match="parents"):
+        build_layout(0, 3, [1], 2, parents=[-1, 2, 0])
+    text = layout_main(["--tree", "[[0],[1],[0,0]]", "-k", "2", "--num-groups", "2"])
+    assert "c2" in text and "G1m1" in text
+
+
+def test_greedy_tree_exact_random_trees(trained):
+    """Random trees (1-16 nodes, depth <= k, with and without a lookup branch) x random prompts
+    and lengths on a drafter that is usually right: SPACE == AR and non-first siblings win."""
+    model, _, spec, language = trained
+    gen = torch.Generator().manual_seed(0)
+    accepted_depths = []
+    for case in range(24):
+        k = int(torch.randint(1, TRAINED_K + 1, (1,), generator=gen))
+        nodes = int(torch.randint(1, 17, (1,), generator=gen))
+        tree = random_tree(gen, nodes, k)
+        cfg = DecodeConfig(k, int(torch.randint(1, k + 2, (1,), generator=gen)), tree=tree,
+                           lookup_tokens=[0, 4][case % 2])
+        prompt = torch.tensor(language.sample(int(torch.randint(2, 30, (1,), generator=gen))))
+        max_new = int(torch.randint(1, 60, (1,), generator=gen))
+        ar = ar_generate(model, prompt, max_new, suppress_ids=spec.token_ids)
+        out = SpaceDecoder(model, spec, cfg).generate(prompt, max_new)
+        assert out.new_ids == ar.new_ids, (tree, cfg, prompt.tolist(), max_new)
+        accepted_depths += out.accept_lengths
+    assert max(accepted_depths) >= 3  # drafts were accepted deep into the trees
+
+
+def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
+    """An oracle puts the true token at a chosen rank of each draft mask, so the accepted path runs
+    through non-first siblings; after every step the compacted KV cache equals a fresh forward."""
+    model, _, spec, language = trained
+    tree = check_tree([[0], [1], [2], [0, 0], [1, 1], [2, 0], [2, 1], [1, 1, 0], [2, 1, 2]])
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 1, tree=tree))
+    prompt = torch.tensor(language.sample(12))
+    truth = ar_generate(model, prompt, 50, suppress_ids=spec.token_ids).new_ids
+    ranks = [[1, 1, 0], [2, 1, 2], [2, 0], [0, 0]]
+
+    def override(generated, drafts):
+        want = ranks[len(generated) % len(ranks)]
+        out = torch.full((3, dec.draft_ranks), 11)
+        for j in range(3):
+            out[j] = torch.arange(20, 20 + dec.draft_ranks) + j  # wrong tokens, distinct per rank
+            if len(generated) + j < len(truth) and j < len(want):
+                out[j, want[j]] = truth[len(generated) + j]
+        return out
+
+    base = model.get_decoder()
+    original, seen = dec._tree_step, []
+
+    def checked(cache, last, *args):
+        out = original(cache, last, *args)
+        seen.append(out[3])
+        n = cache.get_seq_length()
+        ids = torch.cat([prompt, torch.tensor(truth)])[:n]
+        fresh = DynamicCache(config=model.config)
+        with torch.no_grad():
+            base(input_ids=ids[None], past_key_values=fresh, use_cache=True)
+        for mine, ref in zip(cache.layers, fresh.layers):
+            torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)
+        return out
+
+    dec._tree_step = checked
+    assert dec.generate(prompt, 50, draft_override=override).new_ids == truth
+    assert max(seen) == 3 and seen.count(3) >= 5  # full-depth accepts through rank-1 and rank-2 siblings
+
+
+def test_tree_sampling_exact_with_siblings_and_duplicates():
+    """verify_tree_sampling on a fixed two-level tree with a repeated sibling token: the first
+    emitted token follows p0, the second follows the child row's p given the first."""
+    gen = torch.Generator().manual_seed(0)
+    V = 5
+    p = torch.softmax(torch.randn(4, V, generator=gen) * 1.5, -1)  # rows: x, c1, c2, c3
+    tokens = [2, 0, 2]  # c1 = 2, c2 = 0, c3 = 2 (a duplicate of c1, never accepted twice)
+    children = [[1, 2, 3], [], [], []]
+    n = 20_000
+    first, second = torch.zeros(V), torch.zeros(4, V)
+    for _ in range(n):
+        row, bonus = verify_tree_sampling(p, tokens, children, gen)
+        t1 = tokens[row - 1] if row else int(bonus)
+        first[t1] += 1
+        if row:
+            second[row, int(bonus)] += 1
+    assert chi2_pvalue(dict(enumerate(first.tolist())), dict(enumerate(p[0].tolist())), n) > ALPHA
+    for row in (1, 2):
+        m = int(second[row].sum())
+        assert chi2_pvalue(dict(enumerate(second[row].tolist())), dict(enumerate(p[row].tolist())), m) > ALPHA
+
+
+def test_grow_tree_from_a_table_by_hand():
+    # offset 0: ranks 0/1/2 right 0.6/0.2/0.1; offset 1: 0.5/0.3. Path probabilities:
+    # (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.18 (1,0)=.1 (2)=.1 (1,1)=.06 (2,0)=.05 (2,1)=.03
+    probs = path_probs_from_table([[0.6, 0.2, 0.1], [0.5, 0.3]])
+    assert grow_tree(probs, 4, 2) == check_tree([[0], [0, 0], [1], [0, 1]])
+    assert grow_tree(probs, 6, 2) == check_tree([[0], [0, 0], [1], [0, 1], [1, 0], [2]])
+    assert grow_tree(probs, 3, 1) == ((0,), (1,), (2,))
+    measured = path_probs_from_ranks([torch.tensor([[0, 1], [0, 0], [1, -1], [0, 0]])])
+    assert measured == {(0,): 0.75, (0, 1): 0.25, (0, 0): 0.5, (1,): 0.25}
+
+
+@pytest.mark.parametrize("k,groups,tree", [(3, 4, None), (3, 2, [[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
+                                           (2, 1, [[0], [1], [2], [0, 0], [1, 0]])])
+def test_replay_predicts_the_decoder(trained, k, groups, tree):
+    """The replay over teacher-forced ranks gives exactly the decoder's steps on its own output."""
+    model, _, spec, language = trained
+    cfg = DecodeConfig(k, groups, tree=tree)
+    steps, all_ranks = 0, []
+    for i in range(4):
+        prompt = torch.tensor(language.sample(8 + i))
+        out = SpaceDecoder(model, spec, cfg).generate(prompt, 40)
+        steps += len(out.step_tokens)
+        all_ranks.append(anchor_ranks(model, torch.cat([prompt, torch.tensor(out.new_ids)]), len(prompt),
+                                      spec.ids_for(k), k, suppress_ids=spec.token_ids))
+    result = replay(all_ranks, k, groups, cfg.tree)
+    assert result.steps == steps and result.tokens == 160

@@ -1,0 +1,182 @@
+"""Paper-scale evaluation on CPU (issue 18): torchrun / --shard ranks merged into one process's
+result, per-rank resume, --device-map through accelerate hooks, and bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from space.adapters import MaskEmbedding, load_space, prepare_model, save_artifact
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.eval.__main__ import cli as eval_cli
+from space.eval.__main__ import main as eval_main
+from space.models import parse_device_map, tiny_random_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+ARGS = ["--model", "tiny-random-llama", "--adapter", "none", "--dataset", "humaneval", "--limit", "4",
+        "--max-new-tokens", "8", "--mask-num", "3", "--methods", "ar,hf,space", "--threads", "1"]
+# the tiny model's modules as two groups of accelerate-hooked entries, all on cpu
+TWO_GROUPS = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+              "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
+
+
+def token_ids(records: list[dict]) -> list[tuple]:
+    return [(r["question_id"], r["model_id"], r["choices"][0]["token_ids"]) for r in records]
+
+
+def counts(summary: dict) -> dict:
+    """The summary numbers that do not depend on timing."""
+    methods = {m: {k: st.get(k) for k in ("samples", "new_tokens", "forward_passes", "tokens_per_step",
+                                           "tokens_per_step_histogram")} for m, st in summary["methods"].items()}
+    return {"methods": methods, "exact": summary.get("exact_match_rate"), "pass_at_1": summary["pass_at_1"],
+            "skipped": summary.get("skipped"), "questions": summary["meta"]["num_questions"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, no device map: (samples, summary)."""
+    out = tmp_path_factory.mktemp("one")
+    summary = eval_main([*ARGS, "--out", str(out)])
+    return rows(out / "samples.jsonl"), summary
+
+
+def test_torchrun_two_ranks_merge_to_the_one_process_result(tmp_path, reference):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29641", "-m", "space.eval", *ARGS, "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [{r["question_id"] for r in rows(tmp_path / f"samples.rank{i}.jsonl")} for i in (0, 1)]
+    assert ranks == [{"HumanEval/0", "HumanEval/2"}, {"HumanEval/1", "HumanEval/3"}]  # a stride over the questions
+    one, summary_one = reference
+    merged = rows(tmp_path / "samples.jsonl")
+    assert token_ids(merged) == token_ids(one)  # same ids, in one process's order
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert counts(summary) == counts(summary_one) and summary["exact_match_rate"] == 1.0
+    assert summary["meta"]["ranks"] == 2 and summary_one["meta"]["ranks"] == 1
+    assert "2 ranks" in (tmp_path / "summary.md").read_text()
+
+
+def test_shard_rank_resumes_after_a_kill_then_merges(tmp_path, reference):
+    """--shard ranks without a process group; rank 1 is cut mid-write, rerun, and --merge gives
+    the one-process result with no duplicate record."""
+    for rank in (0, 1):
+        assert eval_main([*ARGS, "--shard", f"{rank}/2", "--out", str(tmp_path)]) is None
+    rank1 = tmp_path / "samples.rank1.jsonl"
+    lines = rank1.read_text().split("\n")[:-1]
+    assert len(lines) == 6  # 2 questions x 3 methods
+    kept = "".join(line + "\n" for line in lines[:4])
+    rank1.write_text(kept + lines[4][:30])  # killed while writing: 4 records and a torn fifth
+    with pytest.raises(ValueError, match=r"rank 1 of 2 has not finished: 2 of 6 \(question, method\) records"):
+        eval_main(["--merge", str(tmp_path)])
+    eval_main([*ARGS, "--shard", "1/2", "--out", str(tmp_path)])
+    text = rank1.read_text()
+    assert text.startswith(kept)  # the finished records were kept, not redone
+    keys = [(r["question_id"], r["model_id"]) for r in rows(rank1)]
+    assert len(keys) == len(set(keys)) == 6
+    summary = eval_main(["--merge", str(tmp_path)])
+    one, summary_one = reference
+    assert token_ids(rows(tmp_path / "samples.jsonl")) == token_ids(one)
+    assert counts(summary) == counts(summary_one) and summary["meta"]["ranks"] == 2
+    # the merged folder resumes as a one-process run: nothing left to do, the same records
+    assert counts(eval_main([*ARGS, "--out", str(tmp_path)])) == counts(summary_one)
+    assert token_ids(rows(tmp_path / "samples.jsonl")) == token_ids(one)
+
+
+@pytest.mark.parametrize("adapter", [None, "frozen-base"])
+def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, adapter):
+    """An explicit map (a JSON file) puts the tiny model on cpu as hooked entries: accelerate moves
+    every module's inputs, SPACE greedy output equals AR, and each layer's cache ends cropped to
+    the accepted tokens. A frozen-base adapter's new modules (mask embedding) are hooked too."""
+    if adapter:
+        model, tok = tiny_random_llama()
+        model, spec = prepare_model(model, tok, "frozen-base", 3)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # a non-zero gated update: the drafts differ from the untrained masks
+                torch.nn.init.normal_(p, std=0.5)
+        adapter = save_artifact(tmp_path / "adapter", model, tok, spec, "frozen-base", {"base_model": "tiny-random-llama"})
+    (tmp_path / "map.json").write_text(json.dumps(TWO_GROUPS))
+    model, tok, spec = load_space("tiny-random-llama", adapter, 3, device_map=parse_device_map(str(tmp_path / "map.json")))
+    assert all(hasattr(model.get_submodule(name), "_hf_hook") for name in TWO_GROUPS) and hasattr(model, "_hf_hook")
+    assert isinstance(model.model.embed_tokens, MaskEmbedding) == bool(adapter)
+    prompt = tok("def fib(n):", return_tensors="pt").input_ids[0]
+    truth = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
+
+    def oracle(done, drafts):  # right drafts, with a wrong one every third step: a from 0 to k
+        cands = list(truth[len(done):len(done) + 3])
+        if len(done) % 3 == 1 and len(cands) > 1:
+            cands[1] = (cands[1] + 1) % 256
+        return cands
+
+    caches = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw["past_key_values"]),
+                                                 with_kwargs=True)
+    try:
+        out = SpaceDecoder(model, spec, DecodeConfig(3)).generate(prompt, 40, draft_override=oracle)
+    finally:
+        hook.remove()
+    assert out.new_ids == truth and max(out.accept_lengths) == 3 and 0 < min(out.accept_lengths[1:]) < 3
+    cache = caches[-1]  # after the last step: the prompt and every emitted token but the bonus
+    expected = len(prompt) + sum(a + 1 for a in out.accept_lengths) - 1
+    for i, layer in enumerate(model.model.layers):
+        assert cache.layers[i].keys.shape[-2] == cache.layers[i].values.shape[-2] == expected, i
+        assert cache.layers[i].keys.device == next(layer.parameters()).device
+
+
+def test_eval_with_a_device_map_gives_the_one_process_ids(tmp_path, reference):
+    summary = eval_main([*ARGS, "--device-map", json.dumps(TWO_GROUPS), "--out", str(tmp_path)])
+    assert token_ids(rows(tmp_path / "samples.jsonl")) == token_ids(reference[0])
+    assert summary["exact_match_rate"] == 1.0 and summary["meta"]["device"] == "cpu"
+    assert json.loads(summary["meta"]["device_map"]) == TWO_GROUPS
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--shard", "3/2"], "--shard 3/2: rank 3 is not in 0..1"),
+    (["--shard=-1/2"], "rank -1 is not in 0..1"),
+    (["--shard", "1"], "--shard '1': expected i/n"),
+    (["--shard", "a/b"], "expected i/n"),
+    (["--device-map", "everywhere"], "not one of auto, balanced, balanced_low_0, sequential, a JSON file"),
+    (["--device-map", "[0, 1]"], "must be a non-empty object"),
+    (["--device-map", '{"lm_head": "banana"}'], "module 'lm_head' has unknown device 'banana'"),
+    (["--device-map", '{"model.layers.0": 0, "lm_head": "cpu"}'], "offloads lm_head to cpu/disk"),
+    pytest.param(["--device-map", '{"model": 0, "lm_head": "cuda:1"}'], "no CUDA GPU is usable here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+    (["--device-map", '{"model": "cpu", "lm_hed": "cpu"}'], "names modules the model does not have: ['lm_hed']"),
+    (["--device-map", '{"model": "cpu"}'], "does not give any device for the following parameters: lm_head"),
+])
+def test_bad_shard_and_device_map_are_one_line_errors(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_:
+        eval_cli([*ARGS, "--out", str(tmp_path), *extra])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("space-eval: error: ") and message in err
+    assert "\n" not in err and not (tmp_path / "samples.jsonl").exists()
+
+
+def test_merge_refuses_ranks_with_different_settings(tmp_path, capsys, monkeypatch):
+    short = [*ARGS, "--limit", "2"]  # one question per rank
+    eval_main([*short, "--shard", "0/2", "--out", str(tmp_path)])
+    eval_main([*short, "--shard", "1/2", "--max-new-tokens", "6", "--out", str(tmp_path)])
+    capsys.readouterr()  # the runs' progress bars
+    with pytest.raises(SystemExit) as exit_:
+        eval_cli(["--merge", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err
+    assert "ranks in" in err and "different settings, cannot merge: max_new_tokens = 8 (rank 0), 6 (rank 1)" in err
+    with pytest.raises(FileNotFoundError, match="no sharded run to merge"):
+        eval_main(["--merge", str(tmp_path / "empty")])
+    (tmp_path / "run_config.rank1.json").unlink()
+    with pytest.raises(ValueError, match=r"rank 1 of 2 has not run .* run it with --shard 1/2"):
+        eval_main(["--merge", str(tmp_path)])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="the launcher assigns the ranks; drop --shard"):
+        eval_main([*short, "--shard", "0/2", "--out", str(tmp_path)])
