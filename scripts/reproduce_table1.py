@@ -1,12 +1,23 @@
 """Reproduce the paper's Table 1 (DESIGN §2, §7): SAR-SFT each model, evaluate, write one table.
 
 For every model: train with its config through ``run_sft_multi_node.sh`` (skipped when the
-artifact exists), then ``space-eval`` on HumanEval-X languages with methods ar, hf, space, and
-collect pass@1, tokens/step and speedups into a markdown table with the paper's columns.
+artifact exists; ``--model-path`` points the config at local base weights), or take a SPACE
+model trained elsewhere (``--checkpoint``); then ``space-eval`` on HumanEval-X languages with
+methods ar, hf, space, and collect pass@1, tokens/step and speedups into a markdown table with
+the paper's columns.
+
+Evaluation at paper scale on one 8-GPU node: models that fit one GPU (7B, 13B) run sharded,
+``torchrun --nproc_per_node 8`` over the questions (``--nproc 8``); larger ones (40B, 70B,
+``--device-map-models``) run in one process with their layers spread over all GPUs
+(``--device-map auto``: memory scale, not speed).
 
     python scripts/reproduce_table1.py --models smollm2 --max-steps 200 --limit 10      # this CPU
-    python scripts/reproduce_table1.py --models llama2-7b,llama2-70b --languages python,cpp,java,js,go,rust \\
-        --device cuda --dtype bfloat16                                                   # a GPU cluster
+    python scripts/reproduce_table1.py --models llama2-7b --model-path llama2-7b=/models/Llama-2-7b-hf \\
+        --checkpoint llama2-13b=/ckpt/llama2-13b-space --languages python,cpp,java,js,go,rust --limit 164 \\
+        --device cuda --dtype bfloat16 --nproc 8                                         # 7B/13B, 8 GPUs
+    python scripts/reproduce_table1.py --models llama2-70b --model-path llama2-70b=/models/Llama-2-70b-hf \\
+        --checkpoint falcon-40b=/ckpt/falcon-40b-space --languages python,cpp,java,js,go,rust --limit 164 \\
+        --dtype bfloat16 --device-map auto                                               # 40B/70B, 8 GPUs
 
 ``--out`` is resolved against the folder the script is called from, once, so training (which runs
 from the repo root) and evaluation write and read the same place.
@@ -32,42 +43,88 @@ MODELS = {  # name -> training config; model paths for the LLaMA-2 family live i
 }
 
 
+# evaluated with --device-map (one process, layers over the GPUs) when it is given: too large for one GPU
+BIG_MODELS = "llama2-70b,falcon-40b"
+
+
 def sh(cmd: list[str], env: dict | None = None) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, **(env or {})})
 
 
+def named_paths(pairs: list[str], flag: str) -> dict[str, Path]:
+    """``["name=DIR", ...]`` -> {name: DIR}. Raises ValueError on an entry without ``=``."""
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise ValueError(f"{flag} {bad[0]!r}: expected NAME=DIR")
+    return {name: Path(path).resolve() for name, path in (p.split("=", 1) for p in pairs)}
+
+
+def eval_command(a: argparse.Namespace, name: str) -> list[str]:
+    """How ``name`` is evaluated: under --device-map in one process (a model in
+    --device-map-models), sharded over --nproc torchrun processes, or in one plain process."""
+    if a.device_map and name in a.device_map_models.split(","):
+        return [sys.executable, "-m", "space.eval", "--device-map", a.device_map]
+    if a.nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "-m", "space.eval",
+                "--device", a.device]
+    return [sys.executable, "-m", "space.eval", "--device", a.device]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--models", default=None,
+                    help=f"comma list of {', '.join(MODELS)} to train (default smollm2, none with --checkpoint)")
     ap.add_argument("--languages", default="python", help="HumanEval-X languages")
     ap.add_argument("--limit", type=int, default=10, help="problems per language (164 = all)")
     ap.add_argument("--max-steps", type=int, default=None, help="cap training steps (small budgets)")
     ap.add_argument("--train-args", default="", help="extra training overrides, e.g. '--datasets mbpp'")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="with --nproc > 1, 'cuda' gives each process its own GPU")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model-path", action="append", default=[], metavar="NAME=DIR",
+                    help="local base weights for NAME's training (overrides its config's model_name_or_path)")
+    ap.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                    help="evaluate a SPACE model or adapter trained elsewhere as NAME (no training)")
+    ap.add_argument("--nproc", type=int, default=1, help="shard each evaluation over N torchrun processes")
+    ap.add_argument("--device-map", default=None,
+                    help="auto | balanced | JSON: evaluate the --device-map-models in one process over all GPUs")
+    ap.add_argument("--device-map-models", default=BIG_MODELS, help="models evaluated with --device-map")
     ap.add_argument("--out", type=lambda s: Path(s).resolve(), default=Path("runs/table1").resolve(),
                     help="output folder (relative to the current folder)")
     a = ap.parse_args(argv)
-    names = a.models.split(",")
+    # checked before any training: a typo in the last name must not cost the first model's run
+    paths, checkpoints = named_paths(a.model_path, "--model-path"), named_paths(a.checkpoint, "--checkpoint")
+    names = a.models.split(",") if a.models else [] if checkpoints else ["smollm2"]
     unknown = [n for n in names if n not in MODELS]
-    if unknown:  # before any training: a typo in the last name must not cost the first model's run
+    if unknown:
         raise ValueError(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
-    rows = []
+    unused = [n for n in paths if n not in names]
+    if unused:
+        raise ValueError(f"--model-path for {unused}, which --models does not train")
+    missing = [str(p) for p in paths.values() if not p.is_dir()]
+    missing += [str(p) for p in checkpoints.values() if not (p / "space_config.json").is_file()]
+    if missing:
+        raise ValueError(f"{missing[0]}: not a directory, or (--checkpoint) not a SPACE model with space_config.json")
+    if a.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {a.nproc}")
+    finals = {}
     for name in names:
         run_dir = a.out / name
-        final = run_dir / "final"
-        if not (final / "space_config.json").is_file():
+        finals[name] = run_dir / "final"
+        if not (finals[name] / "space_config.json").is_file():
             extra = ["--output_dir", str(run_dir)] + (["--max_steps", str(a.max_steps)] if a.max_steps else [])
+            extra += ["--model_name_or_path", str(paths[name])] if name in paths else []
             sh([str(ROOT / "run_sft_multi_node.sh"), MODELS[name], *extra, *a.train_args.split()])
+    rows = []
+    for name, final in {**finals, **checkpoints}.items():
         mode = json.loads((final / "space_config.json").read_text())["mode"]
         model_args = ["--model", str(final)] if mode == "full" else ["--adapter", str(final)]
         for lang in a.languages.split(","):
-            out = run_dir / f"eval-{lang}"
-            sh([sys.executable, "-m", "space.eval", *model_args, "--dataset", f"humaneval-x:{lang}", "--limit",
-                str(a.limit), "--methods", "ar,hf,space", "--max-new-tokens", str(a.max_new_tokens),
-                "--device", a.device, "--dtype", a.dtype, "--out", str(out)])
+            out = a.out / name / f"eval-{lang}"
+            sh([*eval_command(a, name), *model_args, "--dataset", f"humaneval-x:{lang}", "--limit", str(a.limit),
+                "--methods", "ar,hf,space", "--max-new-tokens", str(a.max_new_tokens), "--dtype", a.dtype,
+                "--out", str(out)])
             s = json.loads((out / "summary.json").read_text())
             rows.append((name, mode, lang, s))
     lines = ["| Model | mode | HumanEval-X lang | Pass@1 SPACE (AR) | tokens/step | speedup vs AR | speedup vs HF "

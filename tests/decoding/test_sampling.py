@@ -94,7 +94,7 @@ def exact_distribution(model, prompt, cfg, length=3):
 @pytest.mark.parametrize("temperature,top_p,k,groups,lookup,tree", [
     (1.0, 1.0, 3, None, 0, None), (1.0, 1.0, 3, 2, 0, None), (1.5, 0.9, 2, 1, 0, None), (1.0, 1.0, 2, None, 3, None),
     (1.0, 1.0, 3, 2, 0, [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]),  # sibling candidates
-    (0.7, 0.9, 2, 1, 2, [[0], [1], [0, 0], [0, 1]])])
+    (1.5, 0.9, 2, 1, 2, [[0], [1], [0, 0], [0, 1]])])  # this model is nearly deterministic at T=0.7
 def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, top_p, k, groups, lookup, tree):
     model, spec = small_vocab_model
     prompt = [1, 3, 0, 2]

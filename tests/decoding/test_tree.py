@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding.sampling import logits_to_probs
 from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, path_probs_from_table, replay
 from space.decoding.verify import verify_tree_sampling
 from space.eval.probe import anchor_ranks
@@ -128,12 +129,14 @@ def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
     assert max(seen) == 3 and seen.count(3) >= 5  # full-depth accepts through rank-1 and rank-2 siblings
 
 
-def test_tree_sampling_exact_with_siblings_and_duplicates():
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_tree_sampling_exact_with_siblings_and_duplicates(temperature, top_p):
     """verify_tree_sampling on a fixed two-level tree with a repeated sibling token: the first
     emitted token follows p0, the second follows the child row's p given the first."""
     gen = torch.Generator().manual_seed(0)
     V = 5
-    p = torch.softmax(torch.randn(4, V, generator=gen) * 1.5, -1)  # rows: x, c1, c2, c3
+    logits = torch.randn(4, V, generator=gen) * 0.6  # rows: x, c1, c2, c3; several tokens survive top-p
+    p = logits_to_probs(logits, SamplingConfig(temperature, top_p=top_p))
     tokens = [2, 0, 2]  # c1 = 2, c2 = 0, c3 = 2 (a duplicate of c1, never accepted twice)
     children = [[1, 2, 3], [], [], []]
     n = 20_000

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from space.adapters import MaskEmbedding, load_space, prepare_model, save_artifact
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
@@ -47,6 +48,7 @@ def reference(tmp_path_factory):
     return rows(out / "samples.jsonl"), summary
 
 
+@pytest.mark.distributed
 def test_torchrun_two_ranks_merge_to_the_one_process_result(tmp_path, reference):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -92,11 +94,13 @@ def test_shard_rank_resumes_after_a_kill_then_merges(tmp_path, reference):
     assert token_ids(rows(tmp_path / "samples.jsonl")) == token_ids(one)
 
 
+@pytest.mark.parametrize("tree", [None, [[0], [1], [1, 0], [1, 1], [1, 0, 0]]], ids=["chain", "tree"])
 @pytest.mark.parametrize("adapter", [None, "frozen-base"])
-def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, adapter):
+def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, adapter, tree):
     """An explicit map (a JSON file) puts the tiny model on cpu as hooked entries: accelerate moves
-    every module's inputs, SPACE greedy output equals AR, and each layer's cache ends cropped to
-    the accepted tokens. A frozen-base adapter's new modules (mask embedding) are hooked too."""
+    every module's inputs, SPACE greedy output equals AR, and each layer's cache ends cropped (a
+    tree: compacted, the accepted path through a second-rank sibling) to exactly a fresh forward's
+    over the tokens so far. A frozen-base adapter's new modules (mask embedding) are hooked too."""
     if adapter:
         model, tok = tiny_random_llama()
         model, spec = prepare_model(model, tok, "frozen-base", 3)
@@ -110,26 +114,38 @@ def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, a
     assert isinstance(model.model.embed_tokens, MaskEmbedding) == bool(adapter)
     prompt = tok("def fib(n):", return_tensors="pt").input_ids[0]
     truth = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
+    decoder = SpaceDecoder(model, spec, DecodeConfig(3, tree=tree))
 
-    def oracle(done, drafts):  # right drafts, with a wrong one every third step: a from 0 to k
-        cands = list(truth[len(done):len(done) + 3])
-        if len(done) % 3 == 1 and len(cands) > 1:
-            cands[1] = (cands[1] + 1) % 256
-        return cands
+    def oracle(done, drafts):  # the true drafts, with a wrong one every third step: a from 0 to k
+        right = truth[len(done):len(done) + 3]
+        if tree:  # (k, ranks): the truth at ranks 1, 0, 0 (the path [1, 0, 0]), wrong tokens elsewhere
+            out = torch.arange(20, 20 + 3 * decoder.draft_ranks).view(3, decoder.draft_ranks)
+            for j, token in enumerate(right):
+                out[j, 1 if j == 0 else 0] = token
+        else:
+            out = list(right)
+        if len(done) % 3 == 1 and len(right) > 1:
+            out[1] = out[1] + 1
+        return out
 
     caches = []
     hook = model.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw["past_key_values"]),
                                                  with_kwargs=True)
     try:
-        out = SpaceDecoder(model, spec, DecodeConfig(3)).generate(prompt, 40, draft_override=oracle)
+        out = decoder.generate(prompt, 40, draft_override=oracle)
     finally:
         hook.remove()
     assert out.new_ids == truth and max(out.accept_lengths) == 3 and 0 < min(out.accept_lengths[1:]) < 3
     cache = caches[-1]  # after the last step: the prompt and every emitted token but the bonus
-    expected = len(prompt) + sum(a + 1 for a in out.accept_lengths) - 1
+    length = len(prompt) + sum(a + 1 for a in out.accept_lengths) - 1
+    fresh = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model(input_ids=torch.cat([prompt, torch.tensor(truth)])[None, :length], past_key_values=fresh)
     for i, layer in enumerate(model.model.layers):
-        assert cache.layers[i].keys.shape[-2] == cache.layers[i].values.shape[-2] == expected, i
+        assert cache.layers[i].keys.shape[-2] == cache.layers[i].values.shape[-2] == length, i
         assert cache.layers[i].keys.device == next(layer.parameters()).device
+        torch.testing.assert_close(cache.layers[i].keys, fresh.layers[i].keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cache.layers[i].values, fresh.layers[i].values, rtol=1e-4, atol=1e-5)
 
 
 def test_eval_with_a_device_map_gives_the_one_process_ids(tmp_path, reference):
