@@ -26,6 +26,7 @@ from .cli import add_debug_flag, console
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .data.prompts import chat_ids
 from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from .decoding.tree import tree_flag
 from .decoding.config import DEFAULT_MASK_NUM
 from .decoding.result import DecodeResult
 from .models import SMOLLM2
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "adapter's layout)")
     p.add_argument("--lookup-tokens", type=int, default=None, help="prompt-lookup candidates per step (default: "
                    "the adapter's layout)")
+    p.add_argument("--tree", default=None, help="'chain', 'auto' (the adapter's tuned tree) or a token tree "
+                   "as JSON paths of ranks (default: the adapter's layout)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact: the AR reply)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -158,7 +161,8 @@ def load(args) -> tuple:
     model, tok, spec = load_space(args.model, adapter, args.mask_num or DEFAULT_MASK_NUM)
     apply_kernels(model, args.kernels)
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
-        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens)
+        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
+        tree=tree_flag(args.tree, args.mask_num))
     return model, tok, SpaceDecoder(model, spec, decode)
 
 

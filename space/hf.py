@@ -37,6 +37,7 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder
+from .decoding.tree import tree_flag
 from .decoding.result import DecodeResult, StopDecoding
 from .tokens import mask_spec
 
@@ -66,7 +67,7 @@ class SpaceGenerateOutput(GenerateDecoderOnlyOutput):
 
 def space_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                    synced_gpus: bool = False, streamer=None, mask_num: int | None = None,
-                   num_groups: int | None = None, lookup_tokens: int | None = None, **model_kwargs):
+                   num_groups: int | None = None, lookup_tokens: int | None = None, tree=None, **model_kwargs):
     """The decoding loop for ``model.generate(..., custom_generate=space_generate)``.
 
     Args:
@@ -75,8 +76,8 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
         logits_processor, stopping_criteria, generation_config: prepared by ``generate``.
         streamer: receives the new tokens as they are accepted, then ``end()`` (``generate`` has
             already put the prompt).
-        mask_num, num_groups, lookup_tokens: override the model's recorded decode layout
-            (``DecodeConfig.of_model``).
+        mask_num, num_groups, lookup_tokens, tree: override the model's recorded decode layout
+            (``DecodeConfig.of_model``); tree: ``"chain"``, ``"auto"``, or paths of ranks.
         **model_kwargs: ``attention_mask`` and the cache ``generate`` prepared; nothing else.
 
     Returns:
@@ -94,7 +95,7 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     spec = mask_spec(base)
     layout = DecodeConfig.of_model(base, spec.mask_num).override(
-        mask_num=mask_num, num_groups=num_groups, lookup_tokens=lookup_tokens)
+        mask_num=mask_num, num_groups=num_groups, lookup_tokens=lookup_tokens, tree=tree_flag(tree, mask_num))
     decoder = SpaceDecoder(model, spec, layout)
     sampling = SamplingConfig()
     if generation_config.do_sample:  # temperature/top-k/top-p are HF warpers among the processors

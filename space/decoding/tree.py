@@ -64,7 +64,25 @@ def parse_tree(spec: str | None, k: int | None = None) -> Tree | None:
         raise ValueError(f"--tree: not 'chain', not JSON and not a file ({e.msg}): {spec!r}") from None
     if not isinstance(paths, list):
         raise ValueError(f"--tree: expected a list of paths of ranks such as [[0], [1], [0, 0]], got {text!r}")
-    return check_tree(paths, k)
+    try:
+        return check_tree(paths, k)
+    except ValueError as e:
+        raise ValueError(f"--tree: {e}") from None
+
+
+def tree_flag(spec, k: int | None = None) -> Tree | str | None:
+    """A ``--tree`` / ``tree=`` value as a ``DecodeConfig.override`` argument: None or ``auto``
+    keep the adapter's tuned layout (None), ``chain`` selects the chain, anything else is a tree
+    (JSON text, a file, or a list of paths).
+
+    Raises:
+        ValueError: an invalid tree (see :func:`parse_tree`).
+    """
+    if spec is None or spec == "auto":
+        return None
+    if spec == "chain":
+        return "chain"
+    return check_tree(spec, k) if isinstance(spec, (list, tuple)) else parse_tree(spec, k)
 
 
 def prune(tree: Tree, depth: int) -> Tree:

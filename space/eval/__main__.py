@@ -25,6 +25,7 @@ from ..adapters import git_commit, load_space
 from ..cli import add_debug_flag, console
 from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
 from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
+from ..decoding.tree import tree_flag
 from ..jsonl import write_jsonl
 from ..models import DEVICE_MAP_STRATEGIES, SMOLLM2, parse_device_map, parse_dtype
 from .bench import METHODS, Target, run_bench
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-tokens", type=int, default=None,
                    help="space: also try up to N prompt-lookup candidates per step when an n-gram recurs "
                         "(default: the adapter's tuned layout, else 0 = pure SPACE)")
+    p.add_argument("--tree", default=None,
+                   help="space: 'chain' (verify the top-1 drafts), 'auto' (the adapter's tuned tree), or a token "
+                        "tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file holding one "
+                        "(default: the adapter's tuned layout)")
     p.add_argument("--methods", default="ar,hf,pld,space", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -84,8 +89,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         (the methods in order, the parsed ``--device-map`` or None).
 
     Raises:
-        ValueError: unknown or repeated method, a count below its minimum, num_samples > 1 when
-            greedy, an unknown dtype or device, a CUDA/MPS device this torch cannot use (in the
+        ValueError: unknown or repeated method, a count below its minimum, a bad --tree, num_samples > 1
+            when greedy, an unknown dtype or device, a CUDA/MPS device this torch cannot use (in the
             device map too), a bad device map, a device map shared by several torchrun processes
             of one node that have GPUs, or ``--out`` that is a file.
     """
@@ -104,6 +109,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
     parse_dtype(args.dtype)
     check_device(args.device)
+    tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
     placement = None if args.device_map is None else parse_device_map(args.device_map)
     for device in placement.values() if isinstance(placement, dict) else ():
         check_device(f"cuda:{device}" if isinstance(device, int) else device)
@@ -155,7 +161,7 @@ def placed_on(model) -> list[str]:
 
 # settings that shape every sample: a folder's samples are only resumed under the same values.
 # Not the code commit: a run may resume under newer code, and meta["commits"] lists every commit.
-RESUME_KEYS = ("model", "adapter", "dataset", "methods", "num_samples", "mask_num", "num_groups", "lookup_tokens",
+RESUME_KEYS = ("model", "adapter", "dataset", "methods", "num_samples", "mask_num", "num_groups", "lookup_tokens", "tree",
                "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "kernels")
 
 
@@ -191,7 +197,7 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
         raise ValueError(f"{out} holds {samples} but no {records[0]} saying how they were made; "
                          "use another --out, or delete the folder to start over")
     old = json.loads(recorded.read_text())
-    old = {"lookup_tokens": 0, **old.get("meta", old)}  # runs from before the option were pure SPACE
+    old = {"lookup_tokens": 0, "tree": None, **old.get("meta", old)}  # runs from before these options: chain, no lookup
     diff = {k: (old.get(k), meta[k]) for k in RESUME_KEYS if old.get(k) != meta[k]}
     if diff:
         raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     kernels = apply_kernels(model, args.kernels)
     # the adapter's tuned layout (space_config.json "decode"), then the flags given on top of it
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
-        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens)
+        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
+        tree=tree_flag(args.tree, args.mask_num))
     decoder = SpaceDecoder(model, spec, decode)
     context = model.config.max_position_embeddings
     if args.max_new_tokens >= context:
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     meta = {"model": base, "adapter": args.adapter,
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
+            "tree": decode.to_dict()["tree"],
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,

@@ -1,0 +1,54 @@
+"""space-tree: layout search from probe ranks and a step-cost curve (issue #14)."""
+import json
+
+import pytest
+import torch
+
+from space.eval import probe
+from space.eval.tree_search import cli, interpolate, load_ranks, main, search, write_decode
+
+
+def test_interpolate():
+    curve = {1: 1.0, 4: 2.5, 8: 3.0}
+    assert interpolate(curve, 1) == 1.0 and interpolate(curve, 2) == 1.5 and interpolate(curve, 6) == 2.75
+    assert interpolate(curve, 12) == 3.5  # beyond the last point: the last slope
+
+
+def test_search_prefers_trees_when_runner_ups_are_right_and_rows_are_cheap():
+    # mask 0's top-1 right half the time, its runner-up the other half: a sibling doubles acceptance
+    ranks = [torch.tensor([[j % 2, 0] for j in range(40)]) for _ in range(6)]
+    cheap = search(ranks, {1: 1.0, 64: 1.0}, 2, 64)
+    best = cheap[0]["decode"]
+    assert best["tree"] is not None and [1] in best["tree"]
+    chain = next(r for r in cheap if r["decode"]["tree"] is None and r["decode"]["mask_num"] == best["mask_num"]
+                 and r["decode"]["num_groups"] == best["num_groups"])
+    assert cheap[0]["tokens_per_step"] > chain["tokens_per_step"] and cheap[0]["est_speedup"] > chain["est_speedup"]
+    costly = search(ranks, {1: 1.0, 2: 10.0, 64: 100.0}, 2, 64)  # every extra row costs a forward: AR-like wins
+    assert costly[0]["rows_per_step"] < cheap[0]["rows_per_step"]
+    assert all(r["rows_per_step"] <= 64 for r in cheap)
+
+
+def test_cli_on_probe_ranks_and_bad_input(tmp_path, capsys):
+    probe.main(["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "12", "-k", "2",
+                "--out", str(tmp_path / "probe")])
+    out = main(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"),
+                "--max-mask-num", "2", "--max-rows", "12", "--cache-len", "16", "--out", str(tmp_path / "tree")])
+    saved = json.loads((tmp_path / "tree" / "tree_search.json").read_text())
+    assert saved["best"] == out["best"] and set(saved["step_cost_ms"]) == {"1", "2", "4", "8", "12"}
+    assert all(r["decode"]["mask_num"] <= 2 for r in saved["layouts"])
+    for args, msg in ((["--ranks", str(tmp_path / "nope.jsonl")], "no such ranks file"),
+                      (["--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--write-adapter"], "needs --adapter")):
+        with pytest.raises(SystemExit) as info:
+            cli(["--model", "tiny-random-llama", *args])
+        assert info.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_write_decode_keeps_other_keys(tmp_path):
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "decode": {"mask_num": 1}}))
+    write_decode(tmp_path, {"mask_num": 3, "num_groups": 2, "tree": [[0], [1]]})
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert cfg == {"mode": "frozen-base", "decode": {"mask_num": 3, "num_groups": 2, "tree": [[0], [1]]}}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    with pytest.raises(ValueError, match="no 'ranks'"):
+        load_ranks(bad)
