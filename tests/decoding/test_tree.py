@@ -179,3 +179,32 @@ def test_replay_predicts_the_decoder(trained, k, groups, tree):
                                       spec.ids_for(k), k, suppress_ids=spec.token_ids))
     result = replay(all_ranks, k, groups, cfg.tree)
     assert result.steps == steps and result.tokens == 160
+
+
+@pytest.mark.parametrize("k,groups,lookup", [(3, 2, 0), (4, 5, 3)])
+def test_context_end_shrinks_the_tree(tiny, k, groups, lookup):
+    """Near the context end the tree is pruned and groups shortened: no row reaches position
+    >= context, drafts are accepted through runner-up siblings up to the last position."""
+    model, _, spec = tiny
+    context = model.config.max_position_embeddings
+    prompt = torch.randint(11, 250, (context - 14,), generator=torch.Generator().manual_seed(3))
+    truth = ar_generate(model, prompt, 14, suppress_ids=spec.token_ids).new_ids
+    tree = check_tree([[0], [1], [1, 0], [1, 0, 0], [0, 0], [0, 0, 0]][: 6 if k >= 3 else 4])
+    dec = SpaceDecoder(model, spec, DecodeConfig(k, groups, tree=tree, lookup_tokens=lookup))
+
+    def override(generated, drafts):  # the truth at rank 1, then rank 0: the path (1,), (1, 0), (1, 0, 0)
+        out = torch.arange(20, 20 + k * dec.draft_ranks).view(k, dec.draft_ranks)
+        for j in range(k):
+            if len(generated) + j < len(truth):
+                out[j, 1 if j == 0 else 0] = truth[len(generated) + j]
+        return out
+
+    positions = []
+    hook = model.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: positions.append(int(kwargs["position_ids"].max()))
+        if kwargs.get("position_ids") is not None else None, with_kwargs=True)
+    try:
+        out = dec.generate(prompt, 14, draft_override=override)
+    finally:
+        hook.remove()
+    assert out.new_ids == truth and max(positions) == context - 1 and max(out.accept_lengths) == 3
