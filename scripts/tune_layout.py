@@ -1,10 +1,13 @@
 """Pick mask_num and num_groups for this machine by measurement (DESIGN §3.5, cost-aware layout).
 
 Decodes a few training prompts (MBPP by default: never the evaluation sets) with every
-(k, num_groups, lookup_tokens) in the grid, interleaved with the AR loop, and ranks them by
-tokens/s. Output is exact in every configuration, so only speed is compared.
+(k, num_groups, lookup_tokens) in the grid, and with the best token-tree layouts of a
+``space-tree`` search (``--search``), interleaved with the AR loop, and ranks them by tokens/s.
+Output is exact in every configuration, so only speed is compared.
 
     python scripts/tune_layout.py --adapter adapters/smollm2-135m-space --out results/tune_layout.json
+    python scripts/tune_layout.py --adapter adapters/smollm2-135m-space --mask-nums 1 \
+        --search runs/tree/tree_search.json --top 4 --lookup-tokens 0,10 --out results/tune_tree.json
 """
 from __future__ import annotations
 
@@ -30,28 +33,34 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--mask-nums", default="2,3,4,5")
     ap.add_argument("--lookup-tokens", default="0", help="comma list of SpaceDecoder lookup_tokens (0 = pure SPACE)")
+    ap.add_argument("--search", type=Path, default=None, help="a space-tree tree_search.json: also time its best layouts")
+    ap.add_argument("--top", type=int, default=4, help="with --search: how many of its layouts")
     ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
     ap.add_argument("--out", type=Path, default=Path("results/tune_layout.json"))
     a = ap.parse_args()
     model, tok, spec = load_space(a.model, a.adapter)
     kernels = apply_kernels(model, a.kernels)
     prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]
-    grid = [(k, g, lt) for k in map(int, a.mask_nums.split(",")) for g in sorted({1, 2, 3, k + 1}) if g <= k + 1
-            for lt in map(int, a.lookup_tokens.split(","))]
+    lookups = list(map(int, a.lookup_tokens.split(",")))
+    grid = [DecodeConfig(k, g, lookup_tokens=lt) for k in map(int, a.mask_nums.split(","))
+            for g in sorted({1, 2, 3, k + 1}) if g <= k + 1 for lt in lookups]
+    if a.search is not None:
+        found = json.loads(a.search.read_text())["layouts"][: a.top]
+        grid += [DecodeConfig.from_dict(r["decode"]).override(lookup_tokens=lt) for r in found for lt in lookups]
+    grid = list(dict.fromkeys(grid))
     stats = {cfg: [0, 0.0, 0] for cfg in grid}
     ar_tokens = ar_time = 0.0
     for ids in prompts:
         r = ar_generate(model, ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])  # no masks: the base model
         ar_tokens, ar_time = ar_tokens + len(r.new_ids), ar_time + r.wall_time
-        for k, g, lt in grid:
-            dec = SpaceDecoder(model, spec, DecodeConfig(k, g, lookup_tokens=lt))
-            out = dec.generate(ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])
-            s = stats[(k, g, lt)]
+        for cfg in grid:
+            out = SpaceDecoder(model, spec, cfg).generate(ids, a.max_new_tokens, stop_token_ids=[tok.eos_token_id])
+            s = stats[cfg]
             s[0], s[1], s[2] = s[0] + len(out.new_ids), s[1] + out.wall_time, s[2] + out.num_steps
         print(f"prompt done: AR {len(r.new_ids)} tokens", flush=True)
     ar_tps = ar_tokens / ar_time
-    rows = sorted(({"mask_num": k, "num_groups": g, "lookup_tokens": lt, "tokens_per_s": round(n / t, 2), "tokens_per_step": round(n / st, 2),
-                    "speedup_vs_ar": round(n / t / ar_tps, 3)} for (k, g, lt), (n, t, st) in stats.items()),
+    rows = sorted(({"decode": cfg.to_dict(), "tokens_per_s": round(n / t, 2), "tokens_per_step": round(n / st, 2),
+                    "speedup_vs_ar": round(n / t / ar_tps, 3)} for cfg, (n, t, st) in stats.items()),
                   key=lambda r: -r["tokens_per_s"])
     for r in rows:
         print(json.dumps(r))
@@ -59,8 +68,7 @@ def main() -> None:
     a.out.write_text(json.dumps({"kernels": kernels, "prompts": a.prompts,
                                  "max_new_tokens": a.max_new_tokens, "ar_tokens_per_s": round(ar_tps, 2), "ranking": rows}, indent=2))
     best = rows[0]
-    print(f"best: mask_num {best['mask_num']}, num_groups {best['num_groups']}, lookup_tokens {best['lookup_tokens']}"
-          f" -> {a.out}")
+    print(f"best: {json.dumps(best['decode'])} -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ Issue #14, DESIGN §3.5. Two measured inputs, no timed decoding:
    (``space.decoding.tree.grow_tree``) on half the probe's samples, and every candidate layout is
    replayed exactly (``space.decoding.tree.replay``) on the other half, giving its tokens and the
    block rows of every step;
-2. the step-cost curve of this model on this machine: the median time of one forward of q rows
-   (plus the LM head on them) after a cache of typical length, q from 1 to ``--max-rows``.
+2. the step-cost curve of this model on this machine: the median time of one SPACE-like forward of
+   q rows (4-D mask, adapter on the mask rows, LM head on every row) after a cache of typical
+   length, q from 1 to ``--max-rows``. Host work per step is not in it, so the estimate is
+   optimistic for large layouts; measure the winner with ``space-eval`` before shipping it.
 
 A layout's estimated speedup over AR is ``tokens * cost(1) / sum over steps of cost(rows)``: it
 maximizes tokens per second, not tokens per step. The best layout is printed, all of them go to
@@ -39,6 +41,7 @@ from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
 from ..decoding.config import DecodeConfig
 from ..decoding.space import crop_cache
 from ..decoding.tree import grow_tree, path_probs_from_ranks, replay
+from ..masking import mask_rows, to_additive_4d
 
 NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
@@ -64,10 +67,12 @@ def load_ranks(path: Path) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int = 15) -> dict[int, float]:
-    """Median seconds of one forward of q rows (decoder + LM head) after ``cache_len`` cached tokens.
+    """Median seconds of one SPACE-like forward of q rows after ``cache_len`` cached tokens: an
+    additive 4-D mask, the frozen-base LoRA on rows 1.. (``mask_rows(1)``: every row but the first
+    treated as a mask row, an upper bound on a step's adapter work) and the LM head on every row.
+    q = 1 is timed as an AR step (no mask rows). Returns {q: seconds}.
 
-    Rows use ordinary ids with a causal mask: the cost of a block depends on its size, not on what
-    the rows are. Returns {q: seconds}.
+    Which ids and which visibility the rows have does not change the cost, only their number.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder, head = base.get_decoder(), base.get_output_embeddings()
@@ -79,10 +84,14 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
     out = {}
     for q in tqdm(rows, desc="step cost", unit="shape"):
         times = []
+        causal = torch.ones(q, cache_len + q, dtype=torch.bool).tril(cache_len)
+        attn = to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 else None
+        positions = torch.arange(cache_len, cache_len + q, device=device)[None]
         for _ in range(repeats + 1):  # the first call of a shape warms it up
             t0 = time.perf_counter()
-            hidden = decoder(input_ids=ids[None, cache_len:cache_len + q], past_key_values=cache,
-                             use_cache=True).last_hidden_state
+            with mask_rows(1 if q > 1 else q):
+                hidden = decoder(input_ids=ids[None, cache_len:cache_len + q], position_ids=positions,
+                                 attention_mask=attn, past_key_values=cache, use_cache=True).last_hidden_state
             head(hidden)
             if device.type == "cuda":
                 torch.cuda.synchronize()
