@@ -107,7 +107,7 @@ def summarize(ranks: torch.Tensor, tree: list[list[int]] | None = None) -> dict:
     if tree is not None:
         nodes = [_share(torch.stack([ranks[:, d] == r for d, r in enumerate(p)], 1).all(1), has[:, len(p) - 1])
                  for p in tree]
-        out["tree"], out["tree_nodes"], out["tree_bound"] = tree, nodes, 1 + sum(nodes)
+        out["tree"], out["tree_nodes"], out["tree_bound"] = [list(p) for p in tree], nodes, 1 + sum(nodes)
     return out
 
 
