@@ -82,6 +82,13 @@ def compact_cache(cache: DynamicCache, start: int, rows: list[int]) -> None:
     crop_cache(cache, start + 1 + len(rows))
 
 
+def with_cache(block_mask: torch.Tensor, cache_len: int) -> torch.Tensor:
+    """(1, 1, q, cache_len + q) additive 4-D mask: a step block's (1, 1, q, q) mask after a cache of
+    ``cache_len`` tokens, which every row sees."""
+    q = block_mask.shape[-1]
+    return torch.cat([block_mask.new_zeros(1, 1, q, cache_len), block_mask], dim=-1)
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """The device tensors of one decode-step shape, relative to the cache length L.
@@ -103,9 +110,7 @@ class StepLayout:
     block_mask: torch.Tensor
 
     def attention_mask(self, cache_len: int) -> torch.Tensor:
-        """(1, 1, q, cache_len + q) additive 4-D mask for a cache of ``cache_len`` tokens."""
-        q = self.block_mask.shape[-1]
-        return torch.cat([self.block_mask.new_zeros(1, 1, q, cache_len), self.block_mask], dim=-1)
+        return with_cache(self.block_mask, cache_len)
 
     def draft_rows(self, a: int) -> slice:
         """Rows of the next candidates after a accepted: mask j of G_g proposes position n+g+1+j,
@@ -154,8 +159,7 @@ class TreeLayout:
         return len(self.parents)
 
     def attention_mask(self, cache_len: int) -> torch.Tensor:
-        q = self.block_mask.shape[-1]
-        return torch.cat([self.block_mask.new_zeros(1, 1, q, cache_len), self.block_mask], dim=-1)
+        return with_cache(self.block_mask, cache_len)
 
     def path(self, row: int) -> list[int]:
         """Rows from depth 1 down to ``row`` (empty for x_{n-1})."""
