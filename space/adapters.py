@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -274,15 +274,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
                 dispatch(base, base.hf_device_map)
         return base, tok, spec
     adapter = Path(adapter)
-    if not (adapter / SPACE_CONFIG).is_file():
-        raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
-    try:  # a truncated or hand-edited file: name it, rather than a bare JSONDecodeError / KeyError
-        cfg = json.loads((adapter / SPACE_CONFIG).read_text())
-        missing = [key for key in ("mode", "base_model", "mask_num", "mask_diff", "mask_token_ids") if key not in cfg]
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config ({e})") from None
-    if missing:
-        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config (missing {', '.join(missing)})")
+    cfg = read_space_config(adapter)
     if cfg["mode"] == "full":
         raise ValueError(f"{adapter} is a full checkpoint: pass it as the model, not as an adapter")
     base, tok = load_model(model or cfg["base_model"], dtype, device, device_map)
@@ -302,6 +294,55 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     model.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
     return model, tok, spec
+
+
+def read_space_config(adapter: Path) -> dict:
+    """The ``space_config.json`` of artifact directory ``adapter``.
+
+    Raises:
+        FileNotFoundError: no space_config.json in ``adapter``.
+        ValueError: not valid JSON, or a required key missing (the file is named).
+    """
+    if not (adapter / SPACE_CONFIG).is_file():
+        raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
+    try:  # a truncated or hand-edited file: name it, rather than a bare JSONDecodeError / KeyError
+        cfg = json.loads((adapter / SPACE_CONFIG).read_text())
+        missing = [key for key in ("mode", "base_model", "mask_num", "mask_diff", "mask_token_ids") if key not in cfg]
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config ({e})") from None
+    if missing:
+        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config (missing {', '.join(missing)})")
+    return cfg
+
+
+def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:
+    """Start training from a saved lora / frozen-base artifact: copy its LoRA weights and mask rows
+    into ``model`` (a peft model from :func:`prepare_model` with the same LoRA shape).
+
+    Continuing from the shipped adapter on new data trains a stronger drafter in less time than
+    starting from zero LoRA and the base's mean embedding (#13).
+
+    Raises:
+        FileNotFoundError / ValueError: not an artifact (:func:`read_space_config`); a full
+            checkpoint, another mode, k or mask_diff, or LoRA weights that do not fit ``model``
+            (another rank or target list).
+    """
+    adapter = Path(adapter)
+    cfg = read_space_config(adapter)
+    mine = {"mode": mode, "mask_num": spec.mask_num, "mask_diff": spec.mask_diff}
+    diff = {k: (cfg[k], v) for k, v in mine.items() if cfg[k] != v}
+    if diff:
+        raise ValueError(f"init_adapter {adapter} was trained with other settings; (adapter, now): {diff}")
+    state = load_file(adapter / "adapter_model.safetensors")
+    try:
+        result = set_peft_model_state_dict(model, state)
+    except RuntimeError as e:  # size mismatch: another LoRA rank
+        raise ValueError(f"init_adapter {adapter}: LoRA weights do not fit this model ({' '.join(str(e).split())[:300]})") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"init_adapter {adapter}: LoRA layers differ from this model's (unexpected "
+                         f"{result.unexpected_keys[:3]}, missing {missing[:3]}): other lora_targets?")
+    load_mask_rows(mask_embedding(model), adapter / MASK_EMBEDDING)
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> DecodeConfig:

@@ -28,6 +28,9 @@ class ModelArgs:
     lora_dropout: float = 0.0
     lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     dtype: str = field(default="float32", metadata={"help": "weights dtype when loading (bf16 is slower on CPU)"})
+    init_adapter: str | None = field(default=None, metadata={
+        "help": "lora / frozen-base: start from this SPACE artifact's LoRA weights and mask rows (same mode, "
+                "k, mask_diff, lora_r and targets), e.g. adapters/smollm2-135m-space"})
 
 
 @dataclass
@@ -103,8 +106,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     Raises:
         ValueError: unknown mode, layout or mask_target, mask_num outside 1..MAX_MASK_NUM,
             spans_per_sample, limit, max_length, mask_chunk_rows or teacher_topk too small, mask_prob
-            or span_density outside [0, 1], a teacher without frozen-base + efficient, or an
-            output_dir that is a file.
+            or span_density outside [0, 1], a teacher without frozen-base + efficient, init_adapter
+            with mode full, or an output_dir that is a file.
+        FileNotFoundError: init_adapter is not a SPACE artifact directory.
     """
     from .adapters import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -128,5 +132,10 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     if mask_args.mask_target == "teacher" and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
         raise ValueError("mask_target teacher needs mode frozen-base and layout efficient (the two-pass step "
                          "computes the base's distribution)")
+    if model_args.init_adapter is not None:
+        if model_args.mode == "full":
+            raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
+        if not os.path.isfile(os.path.join(model_args.init_adapter, "space_config.json")):
+            raise FileNotFoundError(f"init_adapter {model_args.init_adapter} is not a SPACE adapter (no space_config.json)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")

@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..adapters import MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, save_artifact
+from ..adapters import MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, save_artifact, warm_start
 from ..config import check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
@@ -86,6 +86,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
                                 model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
                                 model_args.lora_targets.split(","))
+    if model_args.init_adapter:
+        warm_start(model, model_args.init_adapter, model_args.mode, spec)
     dataset = tokenize(examples, tok, data_args.max_length)
     if len(dataset) == 0:
         raise ValueError(f"no sample of {names} fits max_length={data_args.max_length} (prompts alone are longer)")

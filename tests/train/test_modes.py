@@ -3,7 +3,8 @@ import json
 
 import pytest
 import torch
-from space.adapters import GatedLoraLinear, fuse_frozen_base, load_space, prepare_model
+from safetensors.torch import load_file
+from space.adapters import GatedLoraLinear, fuse_frozen_base, load_space, prepare_model, warm_start
 from space.config import parse_train_args
 from space.data.collator import SpaceCollator
 from space.masking import mask_rows
@@ -132,3 +133,25 @@ def test_resume_from_last_checkpoint(tmp_path, capsys):
     assert cfg["global_step"] == 6 and cfg["mode"] == "frozen-base" and cfg["base_model"] == "tiny-random-llama"
     rows_after = load_space(adapter=out)[0].get_input_embeddings().mask_rows
     assert not torch.equal(rows_before, rows_after)
+
+
+def test_warm_start_copies_lora_and_mask_rows(tmp_path):
+    """init_adapter: the new run starts exactly where the artifact ended, and a mismatch is refused."""
+    out, _ = train(tmp_path, "frozen-base", steps=3)
+    fresh, spec = prepare_model(*load_model("tiny-random-llama"), "frozen-base", 3)  # tiny_smoke's LoRA shape
+    saved = load_file(out / "adapter_model.safetensors")
+    lora = {k: v for k, v in fresh.state_dict().items() if "lora_B" in k}
+    assert all(torch.count_nonzero(v) == 0 for v in lora.values())  # peft starts B at zero
+    warm_start(fresh, out, "frozen-base", spec)
+    state = fresh.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(state[key.replace(".weight", ".default.weight")], value), key
+    assert torch.equal(fresh.get_input_embeddings().mask_rows, load_space(adapter=out)[0].get_input_embeddings().mask_rows)
+    with pytest.raises(ValueError, match="mask_num"):
+        k2, k2_spec = prepare_model(*load_model("tiny-random-llama"), "frozen-base", 2)
+        warm_start(k2, out, "frozen-base", k2_spec)
+    with pytest.raises(ValueError, match="do not fit"):
+        other, other_spec = prepare_model(*load_model("tiny-random-llama"), "frozen-base", 3, lora_r=4)
+        warm_start(other, out, "frozen-base", other_spec)
+    with pytest.raises(ValueError, match="mode"):
+        warm_start(fresh, out, "lora", spec)
