@@ -1,0 +1,51 @@
+"""Compare drafters by the exact greedy tokens/step their probe ranks replay to, per layout and
+prompt source (``space.decoding.tree.replay``: masks only, lookup not modelled; no timing).
+
+    python scripts/compare_drafters.py results/probe_stage1/ranks.jsonl results/probe_stage2/ranks.jsonl \\
+        --out results/probe_stage2/replay_vs_stage1.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from space.decoding.tree import replay
+
+# name -> (mask_num, num_groups, tree); k + 1 groups is the paper's layout ("all groups")
+LAYOUTS = {
+    "chain k=5, 6 groups": (5, 6, None),
+    "chain k=3, 4 groups": (3, 4, None),
+    "k=1, 2 groups, tree [[0],[1],[2]] (shipped, lookup off)": (1, 2, ((0,), (1,), (2,))),
+    "k=2, 1 group, tree [[0],[1],[0,0],[0,1]]": (2, 1, ((0,), (1,), (0, 0), (0, 1))),
+}
+
+
+def load_ranks(path: Path) -> dict[str, list[torch.Tensor]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    sources = ["all", *sorted({r["source"] for r in rows})]
+    return {s: [torch.tensor(r["ranks"]) for r in rows if s == "all" or r["source"] == s] for s in sources}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("ranks", nargs="+", type=Path, help="space-probe ranks.jsonl files, one per drafter")
+    p.add_argument("--out", type=Path, default=None, help="JSON file for the table")
+    a = p.parse_args(argv)
+    table: dict = {}
+    for path in a.ranks:
+        for source, ranks in load_ranks(path).items():
+            for name, (k, groups, tree) in LAYOUTS.items():
+                res = replay(ranks, k, groups, tree)
+                table.setdefault(name, {}).setdefault(source, {})[str(path)] = round(res.tokens / res.steps, 3)
+    text = json.dumps(table, indent=1)
+    if a.out:
+        a.out.write_text(text + "\n")
+    print(text)
+    return table
+
+
+if __name__ == "__main__":
+    main()
