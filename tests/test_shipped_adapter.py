@@ -14,7 +14,8 @@ from space.models import load_model
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
 # Measured with the shipped layout's mask drafts alone (k=1, 2 groups, the 3-sibling tree, lookup
-# off) on these 2 prompts x 64 tokens: 1.54 tokens/step (the layout caps it at 2.0). The floor
+# off) on these 2 prompts x 64 tokens: 1.56 tokens/step with the stage-2 adapter (1.54 with stage 1;
+# the layout caps it at 2.0). The floor
 # leaves room for kernel rounding, not for an untrained adapter, whose drafts are almost never
 # accepted (about 1.0); lookup is switched off for it because lookup alone accepts drafts.
 TOKENS_PER_STEP_FLOOR = 1.2

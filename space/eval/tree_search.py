@@ -19,7 +19,7 @@ maximizes tokens per second, not tokens per step. The best layout is printed, al
 
 Example::
 
-    space-tree --adapter adapters/smollm2-135m-space --ranks results/probe_shipped/ranks.jsonl \\
+    space-tree --adapter adapters/smollm2-135m-space --ranks results/probe_stage2/ranks.jsonl \\
         --out runs/tree --write-adapter
 """
 from __future__ import annotations
