@@ -108,7 +108,6 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             spans_per_sample, limit, max_length, mask_chunk_rows or teacher_topk too small, mask_prob
             or span_density outside [0, 1], a teacher without frozen-base + efficient, init_adapter
             with mode full, or an output_dir that is a file.
-        FileNotFoundError: init_adapter is not a SPACE artifact directory.
     """
     from .adapters import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -132,10 +131,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     if mask_args.mask_target == "teacher" and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
         raise ValueError("mask_target teacher needs mode frozen-base and layout efficient (the two-pass step "
                          "computes the base's distribution)")
-    if model_args.init_adapter is not None:
-        if model_args.mode == "full":
-            raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
-        if not os.path.isfile(os.path.join(model_args.init_adapter, "space_config.json")):
-            raise FileNotFoundError(f"init_adapter {model_args.init_adapter} is not a SPACE adapter (no space_config.json)")
+    if model_args.init_adapter is not None and model_args.mode == "full":
+        raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")

@@ -98,7 +98,7 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-train", [*TRAIN, "--mask_target", "banana"], 2, "unknown mask_target 'banana'"),
     ("space-train", [*TRAIN, "--mask_target", "teacher", "--mode", "full"], 2, "mask_target teacher needs mode frozen-base"),
     ("space-train", [*TRAIN, "--teacher_topk", "0"], 2, "teacher_topk must be >= 1"),
-    ("space-train", [*TRAIN, "--init_adapter", "no/such/adapter"], 2, "init_adapter no/such/adapter is not a SPACE adapter"),
+    ("space-train", [*TRAIN, "--init_adapter", "no/such/adapter"], 2, "init_adapter: no/such/adapter is not a SPACE adapter"),
     ("space-train", [*TRAIN, "--init_adapter", "adapters/smollm2-135m-space", "--mode", "full"], 2, "init_adapter needs mode lora or frozen-base"),
     ("space-train", [*TRAIN, "--mask_chunk_rows", "-1"], 2, "mask_chunk_rows must be >= 0"),
     ("space-train", ["--config", "{tmp}/broken.yaml"], 2, "broken.yaml: not valid YAML"),

@@ -9,7 +9,8 @@ from pathlib import Path
 from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..adapters import MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, save_artifact, warm_start
+from ..adapters import (MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, read_space_config, save_artifact,
+                        warm_start)
 from ..config import check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
@@ -67,7 +68,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
 
     Raises:
         ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
-            bad dataset name or rows (an empty file
+            an init_adapter that is not a SPACE artifact, bad dataset name or rows (an empty file
             included), or a checkpoint in ``output_dir`` made with other SPACE settings; all
             raised before the model loads.
     """
@@ -82,6 +83,11 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     names = [n.strip() for n in data_args.datasets.split(",") if n.strip()]
     examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit)]
     examples, held_out = drop_dev_set(examples, data_args.data_root)
+    if model_args.init_adapter:  # like the data, it may come from an earlier stage: check it before loading
+        try:
+            read_space_config(Path(model_args.init_adapter))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"init_adapter: {e}") from None
     model, tok = load_model(model_args.model_name_or_path, model_args.dtype)
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
                                 model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
