@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from space.decoding.tree import replay
+from space.eval.tree_search import load_ranks
 
 # name -> (mask_num, num_groups, tree); k + 1 groups is the paper's layout ("all groups")
 LAYOUTS = {
@@ -23,20 +24,16 @@ LAYOUTS = {
 }
 
 
-def load_ranks(path: Path) -> dict[str, list[torch.Tensor]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    sources = ["all", *sorted({r["source"] for r in rows})]
-    return {s: [torch.tensor(r["ranks"]) for r in rows if s == "all" or r["source"] == s] for s in sources}
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ranks", nargs="+", type=Path, help="space-probe ranks.jsonl files, one per drafter")
+    p.add_argument("--sources", default="all,mbpp,lima", help="comma list of probe sources ('all': every sample)")
     p.add_argument("--out", type=Path, default=None, help="JSON file for the table")
     a = p.parse_args(argv)
     table: dict = {}
     for path in a.ranks:
-        for source, ranks in load_ranks(path).items():
+        for source in a.sources.split(","):
+            ranks = load_ranks(path, None if source == "all" else source)
             for name, (k, groups, tree) in LAYOUTS.items():
                 res = replay(ranks, k, groups, tree)
                 table.setdefault(name, {}).setdefault(source, {})[str(path)] = round(res.tokens / res.steps, 3)

@@ -46,8 +46,9 @@ from ..masking import mask_rows, to_additive_4d
 NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
 
-def load_ranks(path: Path) -> list[torch.Tensor]:
-    """Per sample, the (anchors, k) ranks of ``space-probe``'s ranks.jsonl.
+def load_ranks(path: Path, source: str | None = None) -> list[torch.Tensor]:
+    """Per sample, the (anchors, k) ranks of ``space-probe``'s ranks.jsonl (only the samples of
+    ``source``, e.g. "mbpp", when given).
 
     Raises:
         FileNotFoundError: no such file. ValueError: a row without ``ranks``.
@@ -60,7 +61,7 @@ def load_ranks(path: Path) -> list[torch.Tensor]:
             row = json.loads(line)
             if "ranks" not in row:
                 raise ValueError(f"{path}:{i + 1}: no 'ranks' field (is this space-probe's ranks.jsonl?)")
-            if row["ranks"]:  # a sample whose answer is too short for an anchor has none
+            if row["ranks"] and source in (None, row.get("source")):  # a too-short answer has no anchor
                 out.append(torch.tensor(row["ranks"], dtype=torch.long))
     return out
 

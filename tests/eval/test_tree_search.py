@@ -52,3 +52,11 @@ def test_write_decode_keeps_other_keys(tmp_path):
     bad.write_text('{"id": 1}\n')
     with pytest.raises(ValueError, match="no 'ranks'"):
         load_ranks(bad)
+
+
+def test_load_ranks_by_source(tmp_path):
+    path = tmp_path / "ranks.jsonl"
+    path.write_text('{"source": "mbpp", "ranks": [[0, 1]]}\n{"source": "lima", "ranks": [[2, 3]]}\n'
+                    '{"source": "lima", "ranks": []}\n')
+    assert [r.tolist() for r in load_ranks(path)] == [[[0, 1]], [[2, 3]]]
+    assert [r.tolist() for r in load_ranks(path, "lima")] == [[[2, 3]]]
