@@ -1,5 +1,6 @@
 """Compare drafters by the exact greedy tokens/step their probe ranks replay to, per layout and
-prompt source (``space.decoding.tree.replay``: masks only, lookup not modelled; no timing).
+prompt source (``space.decoding.tree.replay``: masks only, lookup not modelled; no timing), with
+the offset-0 acceptance over the steps that had a candidate.
 
     python scripts/compare_drafters.py results/probe_stage1/ranks.jsonl results/probe_stage2/ranks.jsonl \\
         --out results/probe_stage2/replay_vs_stage1.json
@@ -36,7 +37,12 @@ def main(argv: list[str] | None = None) -> dict:
             ranks = load_ranks(path, None if source == "all" else source)
             for name, (k, groups, tree) in LAYOUTS.items():
                 res = replay(ranks, k, groups, tree)
-                table.setdefault(name, {}).setdefault(source, {})[str(path)] = round(res.tokens / res.steps, 3)
+                drafted = [a for a, m in zip(res.accept_lengths, res.step_candidates) if m]
+                table.setdefault(name, {}).setdefault(source, {})[str(path)] = {
+                    "tokens_per_step": round(res.tokens / res.steps, 3),
+                    # the share of steps that had a candidate whose offset-0 draft was accepted
+                    "offset0_accept": round(sum(a > 0 for a in drafted) / max(len(drafted), 1), 3),
+                    "steps": res.steps}
     text = json.dumps(table, indent=1)
     if a.out:
         a.out.write_text(text + "\n")

@@ -39,6 +39,8 @@ class DataArgs:
     data_root: str | None = field(default=None, metadata={"help": "shared data folder (default ../shared/data or $SPACE_DATA)"})
     max_length: int = field(default=512, metadata={"help": "tokens per sample, prompt included"})
     limit: int | None = field(default=None, metadata={"help": "rows per dataset (smoke runs)"})
+    sources: str | None = field(default=None, metadata={
+        "help": "self-distilled files: keep only rows whose 'source' is in this comma list (mbpp, lima, stdlib)"})
 
 
 @dataclass

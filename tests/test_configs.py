@@ -82,3 +82,17 @@ def test_all_formats_normalize():
     assert chat.response == "a"
     distilled = to_example({"prompt": [{"role": "user", "content": "q"}], "response": "r"})
     assert distilled.context[0]["content"] == "q"
+
+
+def test_sources_filter_on_distilled_rows(tmp_path):
+    mix = tmp_path / "mix.jsonl"
+    rows = [{"source": s, "prompt": f"q{i}", "response": f"r{i}"} for i, s in enumerate(["lima", "stdlib", "mbpp", "stdlib"])]
+    mix.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [ex.response for ex in load_examples(str(mix), sources=["stdlib"])] == ["r1", "r3"]
+    assert [ex.response for ex in load_examples(str(mix), sources=["stdlib", "lima"], limit=2)] == ["r0", "r1"]
+    assert len(load_examples(str(mix))) == 4
+    with pytest.raises(ValueError, match="no row has a source in"):
+        load_examples(str(mix), sources=["humaneval"])
+    mix.write_text('{"source": "lima", "prompt": "a", "response": "b"}\n{"prompt": "a", "response": "b"}\n')
+    with pytest.raises(ValueError, match="row 1 has no 'source' field"):
+        load_examples(str(mix), sources=["lima"])

@@ -120,18 +120,31 @@ def _checked(context: list[dict], response) -> Example:
     return Example(context, response)
 
 
-def load_examples(name: str, root: str | os.PathLike | None = None, limit: int | None = None) -> list[Example]:
+def load_examples(name: str, root: str | os.PathLike | None = None, limit: int | None = None,
+                  sources: list[str] | None = None) -> list[Example]:
     """Examples of a registered dataset name or a .json/.jsonl path.
+
+    ``sources`` keeps only the rows whose ``source`` field (written by ``space-distill``: mbpp, lima,
+    stdlib) is in the list, before ``limit`` rows are taken; None keeps every row.
 
     Raises:
         FileNotFoundError: unknown name that is not a file either (lists the registered names).
-        ValueError: a malformed row, naming file and row.
+        ValueError: a malformed row, naming file and row; with ``sources``, a row without a
+            ``source`` field, or no row left.
     """
     path = data_root(root) / REGISTRY[name] if name in REGISTRY else Path(name)
     if name not in REGISTRY and not path.is_file():
         raise FileNotFoundError(f"unknown dataset {name!r}: not one of {sorted(REGISTRY)} and not a file")
+    rows = list(enumerate(read_rows(path)))
+    if sources is not None:
+        for i, row in rows:
+            if not isinstance(row, dict) or "source" not in row:
+                raise ValueError(f"{path}: row {i} has no 'source' field to filter on (sources={sources})")
+        rows = [(i, row) for i, row in rows if row["source"] in sources]
+        if not rows:
+            raise ValueError(f"{path}: no row has a source in {sources}")
     out = []
-    for i, row in enumerate(read_rows(path)[:limit]):
+    for i, row in rows[:limit]:
         try:
             out.append(to_example(row))
         except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -158,11 +158,17 @@ class ReplayResult:
         tokens: tokens emitted (over all samples).
         steps: decode steps.
         rows: (steps,) block rows of each step (1 + nodes + groups * k).
+        accept_lengths: (steps,) drafts accepted per step (bonus not counted), as
+            ``DecodeResult.accept_lengths``.
+        step_candidates: (steps,) depth of the draft tree verified per step (0 when no group could
+            draft; m for a chain), as ``DecodeResult.step_candidates``.
     """
 
     tokens: int
     steps: int
     rows: list[int]
+    accept_lengths: list[int]
+    step_candidates: list[int]
 
     @property
     def tokens_per_step(self) -> float:
@@ -189,6 +195,8 @@ def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: 
     by_depth = [tuple(p for p in tree if len(p) <= d) for d in range(mask_num + 1)]
     tokens = steps = 0
     rows: list[int] = []
+    accept_lengths: list[int] = []
+    step_candidates: list[int] = []
     for r in ranks:
         r = r[:, :mask_num].tolist()
         n, t = len(r) + 1, 0  # answer tokens with an anchor; t = next answer token to emit
@@ -205,8 +213,10 @@ def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: 
             steps += 1
             tokens += a + 1
             rows.append(1 + len(nodes) + groups * mask_num)
+            accept_lengths.append(a)
+            step_candidates.append(max(map(len, nodes), default=0))
             anchor, offset, avail = t + g, a - g, mask_num - (a - g)
             t += a + 1
             if anchor >= len(r):
                 anchor, avail = None, 0
-    return ReplayResult(tokens, steps, rows)
+    return ReplayResult(tokens, steps, rows, accept_lengths, step_candidates)

@@ -2,7 +2,8 @@
 
 Teacher-forced over the target's own greedy answers: for each prompt of the dev set
 (``configs/data/dev_set.json``: 100 MBPP + 30 LIMA prompts kept out of training, see
-``space.data.dev_set``), the target answers greedily (batched HF ``generate``, cached in a
+``space.data.dev_set``; or, with ``--dataset``, the first turns of an evaluation set, to report
+on it, never to choose a recipe), the target answers greedily (batched HF ``generate``, cached in a
 resumable JSONL), then prompt + answer runs once through the model into a KV cache and a mask
 group is anchored at every answer position e (layout core: ``space.masking.train_layout``; the
 groups go in chunks over that cache, so memory stays bounded). Mask j anchored at e proposes
@@ -17,7 +18,9 @@ decoding) is what the report is made of:
   rank exactly path[d]).
 
 P(.) at offset j is over the anchors that have a token at offset j. Hardware-independent and
-minutes instead of hours of timed decoding: use it to choose training recipes.
+minutes instead of hours of timed decoding: use it to choose training recipes. Its ranks replay
+to the exact greedy tokens/step of any layout (``space.decoding.tree.replay``,
+``scripts/compare_drafters.py``).
 
 ``space-probe --adapter adapters/smollm2-135m-space --out runs/probe/shipped --tree '[[0],[1],[0,0]]'``
 writes ``probe.json``, ``probe.png`` and ``ranks.jsonl`` (per sample, (anchors, k) ranks, -1 past
@@ -38,7 +41,7 @@ from transformers import DynamicCache
 
 from ..adapters import DEFAULT_MASK_NUM, SPACE_CONFIG, load_space
 from ..cli import add_debug_flag, console
-from ..data.dev_set import dev_prompts
+from ..data.dev_set import dev_prompts, prompt_key
 from ..data.prompts import chat_ids
 from ..decoding.space import crop_cache
 from ..decoding.tree import parse_tree
@@ -47,6 +50,7 @@ from ..jsonl import append_jsonl, read_jsonl_resumable
 from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
 from ..models import SMOLLM2
 from ..tokens import MAX_MASK_NUM
+from .tasks import DATASETS, load_tasks
 
 TOPS = (1, 3, 5, 10)
 
@@ -139,6 +143,30 @@ def cached_answers(model, tok, prompts: list[dict], path: Path, target: str, max
     return have
 
 
+def probe_prompts(dataset: str, root=None, limit: int | None = None) -> list[dict]:
+    """Prompts as ``{"id", "source", "prompt" (messages), "key"}`` rows.
+
+    ``dataset`` "dev" is the dev set (``limit`` prompts per source); any name of
+    ``space.eval.tasks.DATASETS`` (or a question .jsonl) gives the first user turn of its first
+    ``limit`` tasks, with ``source`` the dataset name: the prompt ``space-eval`` decodes first, so
+    the replayed tokens/step are those of its greedy first turns.
+
+    Raises:
+        ValueError / FileNotFoundError: as ``space.eval.tasks.load_tasks``.
+    """
+    if dataset == "dev":
+        prompts = dev_prompts(root)
+        if limit is None:
+            return prompts
+        return [p for s in ("mbpp", "lima") for p in [q for q in prompts if q["source"] == s][:limit]]
+    out = []
+    for task in load_tasks(dataset, root, limit):
+        context = [{"role": "user", "content": task.turns[0]}]
+        out.append({"id": f"{dataset}/{task.question_id}", "source": dataset, "prompt": context,
+                    "key": prompt_key(context)})
+    return out
+
+
 def plot(summary: dict, path: Path, title: str) -> None:
     """PNG: top-t accuracy per offset, and P(offsets 0..j all top-1) per offset, by source."""
     import matplotlib
@@ -175,7 +203,7 @@ def target_name(model: str | None, adapter: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the probe on the dev set; returns the summary written to ``<out>/probe.json``.
+    """Run the probe on the dev set (or ``--dataset``); returns the summary written to ``<out>/probe.json``.
 
     Raises:
         ValueError: bad --tree, --mask-num, --limit, or an answers file of another target.
@@ -186,7 +214,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--adapter", default=None, help="SPACE adapter directory (space.adapters.load_space)")
     ap.add_argument("--mask-num", "-k", type=int, default=None, help="k masks per group (default: the trained k, else 5)")
     ap.add_argument("--tree", default=None, help="token tree: JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file")
-    ap.add_argument("--limit", type=int, default=None, help="first N dev prompts per source (default all: 100 MBPP, 30 LIMA)")
+    ap.add_argument("--dataset", default="dev", help=f"dev (the default; for choosing recipes) or an evaluation set to "
+                    f"report on: {', '.join(DATASETS)} or a question .jsonl (first turns)")
+    ap.add_argument("--limit", type=int, default=None, help="first N dev prompts per source (default all: 100 MBPP, "
+                    "30 LIMA), or first N tasks of --dataset")
     ap.add_argument("--out", type=Path, default=Path("runs/probe/latest"), help="output folder")
     ap.add_argument("--answers", type=Path, default=None, help="greedy answers cache (default <out>/answers.jsonl)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -202,9 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     parse_tree(a.tree, a.mask_num or MAX_MASK_NUM)  # fail before loading the model; rechecked against k below
     target = target_name(a.model, a.adapter)
-    prompts = dev_prompts(a.data_root)
-    if a.limit is not None:
-        prompts = [p for s in ("mbpp", "lima") for p in [q for q in prompts if q["source"] == s][: a.limit]]
+    prompts = probe_prompts(a.dataset, a.data_root, a.limit)
     model, tok, spec = load_space(a.model, a.adapter, a.mask_num or DEFAULT_MASK_NUM, a.dtype, a.device)
     k = a.mask_num or spec.mask_num or DEFAULT_MASK_NUM
     tree = parse_tree(a.tree, k)
@@ -223,15 +252,16 @@ def main(argv: list[str] | None = None) -> dict:
     everything = torch.cat([r for rs in ranks_by_source.values() for r in rs])
     summary = {"all": summarize(everything, tree),
                **{s: summarize(torch.cat(rs), tree) for s, rs in ranks_by_source.items()}}
+    dataset = "dev (configs/data/dev_set.json)" if a.dataset == "dev" else a.dataset
     meta = {"model": a.model or target.split("+")[0], "adapter": a.adapter, "target": target, "mask_num": k,
-            "dtype": a.dtype, "device": a.device, "dataset": "dev (configs/data/dev_set.json)", "limit": a.limit,
+            "dtype": a.dtype, "device": a.device, "dataset": dataset, "limit": a.limit,
             "samples": len(prompts), "max_new_tokens": a.max_new_tokens, "seed": None, "decoding": "greedy",
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
     result = {"meta": meta, "summary": summary}
     one_line = lambda m: "[" + " ".join(m.group(1).split()) + "]"  # number lists on one line
     (a.out / "probe.json").write_text(re.sub(r"\[\s+([-\d., \n]*?)\s+\]", one_line, json.dumps(result, indent=1)))
     name = Path(a.adapter).name if a.adapter else target
-    plot(summary, a.out / "probe.png", f"{name}, k={k}, {len(prompts)} dev prompts")
+    plot(summary, a.out / "probe.png", f"{name}, k={k}, {len(prompts)} {a.dataset} prompts")
     s = summary["all"]
     print(f"[probe] {len(prompts)} prompts, {s['anchors']} anchors; top-1 per offset {s['topk']['1']}; "
           f"chain bound {s['chain_bound']:.3f}" + (f"; tree bound {s['tree_bound']:.3f}" if tree else "")

@@ -81,7 +81,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     if last:
         check_checkpoint(last, settings)
     names = [n.strip() for n in data_args.datasets.split(",") if n.strip()]
-    examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit)]
+    sources = [s.strip() for s in data_args.sources.split(",") if s.strip()] if data_args.sources else None
+    examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit, sources)]
     examples, held_out = drop_dev_set(examples, data_args.data_root)
     if model_args.init_adapter:  # like the data, it may come from an earlier stage: check it before loading
         try:

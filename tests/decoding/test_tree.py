@@ -167,18 +167,25 @@ def test_grow_tree_from_a_table_by_hand():
 @pytest.mark.parametrize("k,groups,tree", [(3, 4, None), (3, 2, [[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
                                            (2, 1, [[0], [1], [2], [0, 0], [1, 0]])])
 def test_replay_predicts_the_decoder(trained, k, groups, tree):
-    """The replay over teacher-forced ranks gives exactly the decoder's steps on its own output."""
+    """The replay over teacher-forced ranks gives exactly the decoder's steps on its own output:
+    the same accept length and tree depth at every step but a sample's last, where the decoder
+    verifies and counts drafts past max_new_tokens (then cut) and the replay stops at the answer's end."""
     model, _, spec, language = trained
     cfg = DecodeConfig(k, groups, tree=tree)
-    steps, all_ranks = 0, []
+    steps, accepted, all_ranks = 0, 0, []
     for i in range(4):
         prompt = torch.tensor(language.sample(8 + i))
         out = SpaceDecoder(model, spec, cfg).generate(prompt, 40)
-        steps += len(out.step_tokens)
-        all_ranks.append(anchor_ranks(model, torch.cat([prompt, torch.tensor(out.new_ids)]), len(prompt),
-                                      spec.ids_for(k), k, suppress_ids=spec.token_ids))
+        ranks = anchor_ranks(model, torch.cat([prompt, torch.tensor(out.new_ids)]), len(prompt),
+                             spec.ids_for(k), k, suppress_ids=spec.token_ids)
+        one = replay([ranks], k, groups, cfg.tree)
+        assert one.accept_lengths[:-1] == out.accept_lengths[:-1]
+        assert one.step_candidates[:-1] == out.step_candidates[:-1]
+        steps, accepted = steps + len(out.step_tokens), accepted + sum(out.accept_lengths)
+        all_ranks.append(ranks)
     result = replay(all_ranks, k, groups, cfg.tree)
     assert result.steps == steps and result.tokens == 160
+    assert accepted > 40  # drafts were often accepted: the replay was checked on real accepts
 
 
 @pytest.mark.parametrize("k,groups,lookup", [(3, 2, 0), (4, 5, 3)])

