@@ -37,11 +37,9 @@ def main(argv: list[str] | None = None) -> dict:
             ranks = load_ranks(path, None if source == "all" else source)
             for name, (k, groups, tree) in LAYOUTS.items():
                 res = replay(ranks, k, groups, tree)
-                drafted = [a for a, m in zip(res.accept_lengths, res.step_candidates) if m]
                 table.setdefault(name, {}).setdefault(source, {})[str(path)] = {
-                    "tokens_per_step": round(res.tokens / res.steps, 3),
-                    # the share of steps that had a candidate whose offset-0 draft was accepted
-                    "offset0_accept": round(sum(a > 0 for a in drafted) / max(len(drafted), 1), 3),
+                    "tokens_per_step": round(res.tokens_per_step, 3),
+                    "offset0_accept": round(res.acceptance(0), 3),  # over steps with a candidate
                     "steps": res.steps}
     text = json.dumps(table, indent=1)
     if a.out:

@@ -174,6 +174,12 @@ class ReplayResult:
     def tokens_per_step(self) -> float:
         return self.tokens / max(self.steps, 1)
 
+    def acceptance(self, j: int = 0) -> float:
+        """Share of the steps with a candidate at offset j (depth > j) that accepted it (a > j):
+        the acceptance ``space.eval.report`` labels "over steps with a candidate" (DESIGN §6)."""
+        had = [a for a, m in zip(self.accept_lengths, self.step_candidates) if m > j]
+        return sum(a > j for a in had) / len(had) if had else 0.0
+
 
 def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: Tree | None) -> ReplayResult:
     """Replay greedy SPACE decoding of the probe's answers with a given layout: the exact accept
