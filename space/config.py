@@ -2,7 +2,7 @@
 
 ``parse_train_args(["--config", "configs/train/x.yaml", "--learning_rate", "1e-4"])``: the YAML
 sets values, command-line flags override them (``HfArgumentParser`` over ModelArgs, DataArgs,
-MaskArgs and ``transformers.TrainingArguments``). Unknown YAML keys and missing required keys
+MaskArgs and :class:`SpaceTrainingArguments`, HF's ``TrainingArguments`` plus a time budget). Unknown YAML keys and missing required keys
 raise ValueError.
 """
 from __future__ import annotations
@@ -61,11 +61,21 @@ class MaskArgs:
     teacher_topk: int = field(default=20, metadata={"help": "K of the teacher's top-K distribution (renormalized)"})
 
 
-ARG_CLASSES = (ModelArgs, DataArgs, MaskArgs, TrainingArguments)
+@dataclass
+class SpaceTrainingArguments(TrainingArguments):
+    """``transformers.TrainingArguments`` plus a wall-clock budget, for recipe sweeps at equal time
+    (issue #13): arms whose steps cost different amounts get the same minutes, not the same steps."""
+    max_train_minutes: float = field(default=0.0, metadata={
+        "help": "stop after the step that crosses this many minutes of training in this launch, save a "
+                "checkpoint and write the artifact (0 = off). A cosine schedule is then cut mid-way: pair it "
+                "with a constant one"})
+
+
+ARG_CLASSES = (ModelArgs, DataArgs, MaskArgs, SpaceTrainingArguments)
 
 
 def parse_train_args(argv: list[str] | None = None):
-    """Returns (ModelArgs, DataArgs, MaskArgs, TrainingArguments).
+    """Returns (ModelArgs, DataArgs, MaskArgs, SpaceTrainingArguments).
 
     Raises:
         ValueError: unknown key in the YAML, YAML that is broken or not a mapping, a required key
@@ -109,7 +119,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         ValueError: unknown mode, layout or mask_target, mask_num outside 1..MAX_MASK_NUM,
             spans_per_sample, limit, max_length, mask_chunk_rows or teacher_topk too small, mask_prob
             or span_density outside [0, 1], a teacher without frozen-base + efficient, init_adapter
-            with mode full, or an output_dir that is a file.
+            with mode full, a negative max_train_minutes, or an output_dir that is a file.
     """
     from .adapters import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -135,5 +145,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
                          "computes the base's distribution)")
     if model_args.init_adapter is not None and model_args.mode == "full":
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
+    if getattr(train_args, "max_train_minutes", 0) < 0:  # plain TrainingArguments (API callers) have none
+        raise ValueError(f"max_train_minutes must be >= 0 (0 = no budget), got {train_args.max_train_minutes}")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")

@@ -49,8 +49,14 @@ def append_jsonl(path: Path, rows: list[dict]) -> None:
         f.flush()
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write ``rows`` as the whole file, atomically (a temporary file renamed over ``path``)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` as the whole file, atomically (a temporary file renamed over ``path``), so an
+    interrupted run leaves the old file or the new one, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` as the whole file, atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -46,7 +46,7 @@ from ..data.prompts import chat_ids
 from ..decoding.space import crop_cache
 from ..decoding.tree import parse_tree
 from ..distill import greedy_batches
-from ..jsonl import append_jsonl, read_jsonl_resumable
+from ..jsonl import append_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
 from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
 from ..models import SMOLLM2
 from ..tokens import MAX_MASK_NUM
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
                              mask_ids, k, spec.token_ids, a.chunk_groups)
         per_sample.append({"id": p["id"], "source": p["source"], "ranks": ranks.tolist()})
         ranks_by_source.setdefault(p["source"], []).append(ranks)
-    (a.out / "ranks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in per_sample))
+    write_jsonl(a.out / "ranks.jsonl", per_sample)
     everything = torch.cat([r for rs in ranks_by_source.values() for r in rs])
     summary = {"all": summarize(everything, tree),
                **{s: summarize(torch.cat(rs), tree) for s, rs in ranks_by_source.items()}}
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
     result = {"meta": meta, "summary": summary}
     one_line = lambda m: "[" + " ".join(m.group(1).split()) + "]"  # number lists on one line
-    (a.out / "probe.json").write_text(re.sub(r"\[\s+([-\d., \n]*?)\s+\]", one_line, json.dumps(result, indent=1)))
+    write_text_atomic(a.out / "probe.json", re.sub(r"\[\s+([-\d., \n]*?)\s+\]", one_line, json.dumps(result, indent=1)))
     name = Path(a.adapter).name if a.adapter else target
     plot(summary, a.out / "probe.png", f"{name}, k={k}, {len(prompts)} {a.dataset} prompts")
     s = summary["all"]

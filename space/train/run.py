@@ -16,7 +16,7 @@ from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
 from ..data.sft import load_examples, tokenize
 from ..models import load_model
-from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer
+from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer, TimeBudgetCallback
 
 # what a checkpoint must share with the run that resumes it: mixing them would train k=3 masks
 # for a while and then save an artifact that claims k=5 (keys MaskArgs lacks are left out)
@@ -103,6 +103,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
                              span_density=mask_args.span_density)
     emb = mask_embedding(model)
     callbacks = [EpochSeedCallback(collator), SpaceCheckpointCallback(settings, emb)]
+    if getattr(train_args, "max_train_minutes", 0) > 0:
+        callbacks.append(TimeBudgetCallback(train_args.max_train_minutes))
     trainer = SpaceTrainer(model=model, args=train_args, train_dataset=dataset, data_collator=collator,
                            processing_class=tok, callbacks=callbacks, mask_loss_weight=mask_args.mask_loss_weight,
                            mask_num=mask_args.mask_num, two_pass=model_args.mode == "frozen-base",

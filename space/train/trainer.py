@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
@@ -207,6 +208,25 @@ class EpochSeedCallback(TrainerCallback):
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self.collator.epoch = int(state.epoch or 0)
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """Ends training after the step that crosses ``minutes`` of wall-clock in this launch, and saves
+    a checkpoint there, so runs whose steps cost differently can be compared at equal time (issue
+    #13's recipe sweep) and a relaunch resumes with a fresh budget. The clock starts at the first
+    step, so model loading and tokenization are not counted.
+    """
+
+    def __init__(self, minutes: float):
+        self.seconds, self.start = minutes * 60, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.start is None:
+            self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() - self.start >= self.seconds:
+            control.should_training_stop = control.should_save = True
 
 
 class SpaceCheckpointCallback(TrainerCallback):

@@ -155,3 +155,17 @@ def test_warm_start_copies_lora_and_mask_rows(tmp_path):
         warm_start(other, out, "frozen-base", other_spec)
     with pytest.raises(ValueError, match="mode"):
         warm_start(fresh, out, "lora", spec)
+
+
+def test_time_budget_stops_saves_and_writes_the_artifact(tmp_path):
+    """max_train_minutes: the step that crosses the budget is the last; it is checkpointed (so a
+    relaunch resumes) and the artifact records it. Without the budget the run would take 50 steps."""
+    args = parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path),
+                             "--limit", "4", "--max_steps", "50", "--save_steps", "1000",
+                             "--max_train_minutes", "1e-6"])
+    out = run_sft(*args)
+    assert json.loads((out / "space_config.json").read_text())["global_step"] == 1
+    assert (tmp_path / "checkpoint-1").is_dir()
+    with pytest.raises(ValueError, match="max_train_minutes"):
+        parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path),
+                          "--max_train_minutes", "-1"])

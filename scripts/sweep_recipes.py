@@ -1,0 +1,109 @@
+"""Recipe sweep at equal wall-clock, scored on the dev-set probe (issue #13, item 5).
+
+Each arm of the sweep file trains from scratch with ``space-train`` (the base config plus the arm's
+flags, ``--max_train_minutes`` from the file), then ``space-probe`` scores it on the dev set, and
+``space.decoding.tree.replay`` turns its ranks into exact greedy tokens/step. Arms are comparable
+because they had the same minutes on the same machine; nothing else may run meanwhile.
+
+    python scripts/sweep_recipes.py configs/sweep/recipes.yaml --out results/sweep [--arms base,k3]
+
+Resumable: an arm whose ``<out>/<arm>/probe.json`` exists is not rerun, and ``space-train``
+resumes a half-trained arm from its last checkpoint. Writes ``<out>/sweep.json`` and
+``<out>/sweep.md`` (one row per arm) after every arm.
+
+Columns: training steps and minutes; dev-set top-1 at offsets 0 / 1 / 2; the chain bound at
+k = 3 (1 + sum over j < 3 of P(offsets 0..j all top-1)); replayed tokens/step of a chain with k = 3
+and 4 groups, and of the shipped layout (k = 1, 2 groups, tree [[0],[1],[2]], lookup off). k = 3
+is the widest view every arm has, since the k = 3 arm drafts only 3 offsets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from space.decoding.tree import replay
+from space.eval.tree_search import load_ranks
+from space.jsonl import write_text_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+# the probe's answers for a frozen-base arm: the base's greedy answers on the dev set, computed once;
+# a lora / full arm is a new model, so space-probe generates its own
+BASE_ANSWERS = ROOT / "results/probe_stage1/answers.jsonl"
+LAYOUTS = {"chain k=3, 4 groups": (3, 4, None), "shipped (lookup off)": (1, 2, ((0,), (1,), (2,)))}
+
+
+def run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def train_and_probe(name: str, flags: list[str], cfg: dict, out: Path) -> None:
+    """Train arm ``name`` into runs/sweep/<name>, probe it into <out>/<name> (probe.json, ranks.jsonl)."""
+    run_dir = ROOT / "runs/sweep" / name
+    artifact = run_dir / "final"
+    if not artifact.is_dir():
+        run(["bash", "run_sft_multi_node.sh", cfg["base_config"], "--output_dir", str(run_dir),
+             "--max_train_minutes", str(cfg["minutes"]), *flags])
+    mode = json.loads((artifact / "space_config.json").read_text())["mode"]
+    answers = ["--answers", str(BASE_ANSWERS)] if mode == "frozen-base" else []
+    run([sys.executable, "-m", "space.eval.probe", "--adapter", str(artifact), "--out", str(out / name), *answers])
+
+
+def score(name: str, out: Path) -> dict:
+    """One row of the table from <out>/<name>/probe.json, ranks.jsonl and the artifact's provenance."""
+    probe = json.loads((out / name / "probe.json").read_text())["summary"]["all"]
+    meta = json.loads((ROOT / "runs/sweep" / name / "final/space_config.json").read_text())
+    ranks = load_ranks(out / name / "ranks.jsonl", None)
+    row = {"arm": name, "mode": meta["mode"], "steps": meta["global_step"],
+           "train_minutes": round(meta["train_runtime_s"] / 60, 1),
+           "top1": [round(x, 3) for x in probe["topk"]["1"][:3]],
+           "top5": [round(x, 3) for x in probe["topk"]["5"][:3]],
+           "chain_bound_k3": round(1 + sum(probe["chain_all_top1"][:3]), 3)}
+    for layout, (k, groups, tree) in LAYOUTS.items():
+        row[layout] = round(replay(ranks, k, groups, tree).tokens_per_step, 3)
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| arm | mode | steps | train min | top-1, offset 0 / 1 / 2 | top-5, offset 0 / 1 / 2 | chain bound k=3 | "
+            + " | ".join(f"tokens/step, {name}" for name in LAYOUTS) + " |")
+    lines = [head, "|" + "---|" * (7 + len(LAYOUTS))]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['mode']} | {r['steps']} | {r['train_minutes']} | "
+                     + " / ".join(f"{x:.3f}" for x in r["top1"]) + " | " + " / ".join(f"{x:.3f}" for x in r["top5"])
+                     + f" | {r['chain_bound_k3']:.3f} | " + " | ".join(f"{r[name]:.3f}" for name in LAYOUTS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", type=Path, help="sweep YAML: base_config, minutes, arms (name -> space-train flags)")
+    p.add_argument("--out", type=Path, default=ROOT / "results/sweep", help="folder for probes and the table")
+    p.add_argument("--arms", default=None, help="comma list of arms to run now (default all, in file order)")
+    a = p.parse_args(argv)
+    cfg = yaml.safe_load(a.sweep.read_text())
+    arms = cfg["arms"]
+    chosen = [s.strip() for s in a.arms.split(",")] if a.arms else list(arms)
+    unknown = sorted(set(chosen) - set(arms))
+    if unknown:
+        p.error(f"unknown arms {unknown}; {a.sweep} has {list(arms)}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    for name in chosen:
+        if not (a.out / name / "probe.json").is_file():
+            train_and_probe(name, [str(f) for f in arms[name]], cfg, a.out)
+    rows = [score(name, a.out) for name in arms if (a.out / name / "probe.json").is_file()]
+    write_text_atomic(a.out / "sweep.json", json.dumps({"sweep": str(a.sweep), "minutes": cfg["minutes"],
+                                                       "rows": rows}, indent=1) + "\n")
+    write_text_atomic(a.out / "sweep.md", markdown(rows))
+    print(markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
