@@ -7,8 +7,9 @@ because they had the same minutes on the same machine; nothing else may run mean
 
     python scripts/sweep_recipes.py configs/sweep/recipes.yaml --out results/sweep [--arms base,k3]
 
-Resumable: an arm whose ``<out>/<arm>/probe.json`` exists is not rerun, and ``space-train``
-resumes a half-trained arm from its last checkpoint. Writes ``<out>/sweep.json`` and
+Resumable: an arm whose ``<out>/<arm>/probe.json`` exists is not rerun, an arm whose
+``<runs>/<arm>/final`` exists is only probed, and ``space-train`` resumes a half-trained arm from
+its last checkpoint (with a fresh budget: note the steps in the table). Writes ``<out>/sweep.json`` and
 ``<out>/sweep.md`` (one row per arm) after every arm.
 
 Columns: training steps and minutes; dev-set top-1 at offsets 0 / 1 / 2; the chain bound at
@@ -32,7 +33,7 @@ from space.eval.tree_search import load_ranks
 from space.jsonl import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
-# the probe's answers for a frozen-base arm: the base's greedy answers on the dev set, computed once;
+# the probe's answers for a frozen-base arm: SmolLM2's greedy answers on the dev set, computed once;
 # a lora / full arm is a new model, so space-probe generates its own
 BASE_ANSWERS = ROOT / "results/probe_stage1/answers.jsonl"
 LAYOUTS = {"chain k=3, 4 groups": (3, 4, None), "shipped (lookup off)": (1, 2, ((0,), (1,), (2,)))}
@@ -43,23 +44,23 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def train_and_probe(name: str, flags: list[str], cfg: dict, out: Path) -> None:
-    """Train arm ``name`` into runs/sweep/<name>, probe it into <out>/<name> (probe.json, ranks.jsonl)."""
-    run_dir = ROOT / "runs/sweep" / name
-    artifact = run_dir / "final"
+def train_and_probe(name: str, flags: list[str], cfg: dict, a: argparse.Namespace) -> None:
+    """Train arm ``name`` into <runs>/<name>, probe it into <out>/<name> (probe.json, ranks.jsonl)."""
+    artifact = a.runs / name / "final"
     if not artifact.is_dir():
-        run(["bash", "run_sft_multi_node.sh", cfg["base_config"], "--output_dir", str(run_dir),
+        run(["bash", "run_sft_multi_node.sh", cfg["base_config"], "--output_dir", str(a.runs / name),
              "--max_train_minutes", str(cfg["minutes"]), *flags])
     mode = json.loads((artifact / "space_config.json").read_text())["mode"]
-    answers = ["--answers", str(BASE_ANSWERS)] if mode == "frozen-base" else []
-    run([sys.executable, "-m", "space.eval.probe", "--adapter", str(artifact), "--out", str(out / name), *answers])
+    answers = ["--answers", str(a.answers)] if mode == "frozen-base" and a.answers else []
+    run([sys.executable, "-m", "space.eval.probe", "--adapter", str(artifact), "--out", str(a.out / name), *answers,
+         *a.probe_flags.split()])
 
 
-def score(name: str, out: Path) -> dict:
+def score(name: str, a: argparse.Namespace) -> dict:
     """One row of the table from <out>/<name>/probe.json, ranks.jsonl and the artifact's provenance."""
-    probe = json.loads((out / name / "probe.json").read_text())["summary"]["all"]
-    meta = json.loads((ROOT / "runs/sweep" / name / "final/space_config.json").read_text())
-    ranks = load_ranks(out / name / "ranks.jsonl", None)
+    probe = json.loads((a.out / name / "probe.json").read_text())["summary"]["all"]
+    meta = json.loads((a.runs / name / "final/space_config.json").read_text())
+    ranks = load_ranks(a.out / name / "ranks.jsonl", None)
     row = {"arm": name, "mode": meta["mode"], "steps": meta["global_step"],
            "train_minutes": round(meta["train_runtime_s"] / 60, 1),
            "top1": [round(x, 3) for x in probe["topk"]["1"][:3]],
@@ -86,6 +87,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("sweep", type=Path, help="sweep YAML: base_config, minutes, arms (name -> space-train flags)")
     p.add_argument("--out", type=Path, default=ROOT / "results/sweep", help="folder for probes and the table")
     p.add_argument("--arms", default=None, help="comma list of arms to run now (default all, in file order)")
+    p.add_argument("--runs", type=Path, default=ROOT / "runs/sweep", help="folder for the arms' training runs")
+    p.add_argument("--answers", default=str(BASE_ANSWERS),
+                   help="greedy answers of the base on the dev set, reused by frozen-base arms ('' = let the probe make them)")
+    p.add_argument("--probe-flags", default="", help="extra space-probe flags, e.g. '--limit 10' (smoke runs)")
     a = p.parse_args(argv)
     cfg = yaml.safe_load(a.sweep.read_text())
     arms = cfg["arms"]
@@ -96,8 +101,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a.out.mkdir(parents=True, exist_ok=True)
     for name in chosen:
         if not (a.out / name / "probe.json").is_file():
-            train_and_probe(name, [str(f) for f in arms[name]], cfg, a.out)
-    rows = [score(name, a.out) for name in arms if (a.out / name / "probe.json").is_file()]
+            train_and_probe(name, [str(f) for f in arms[name]], cfg, a)
+    rows = [score(name, a) for name in arms if (a.out / name / "probe.json").is_file()]
     write_text_atomic(a.out / "sweep.json", json.dumps({"sweep": str(a.sweep), "minutes": cfg["minutes"],
                                                        "rows": rows}, indent=1) + "\n")
     write_text_atomic(a.out / "sweep.md", markdown(rows))

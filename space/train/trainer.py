@@ -214,7 +214,9 @@ class TimeBudgetCallback(TrainerCallback):
     """Ends training after the step that crosses ``minutes`` of wall-clock in this launch, and saves
     a checkpoint there, so runs whose steps cost differently can be compared at equal time (issue
     #13's recipe sweep) and a relaunch resumes with a fresh budget. The clock starts at the first
-    step, so model loading and tokenization are not counted.
+    step, so model loading and tokenization are not counted. Under torch.distributed the ranks
+    agree (the first rank over budget stops them all): a rank that stopped alone would leave the
+    others waiting in their next collective.
     """
 
     def __init__(self, minutes: float):
@@ -225,7 +227,10 @@ class TimeBudgetCallback(TrainerCallback):
             self.start = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.monotonic() - self.start >= self.seconds:
+        over = torch.tensor([float(time.monotonic() - self.start >= self.seconds)], device=args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
+        if over.item():
             control.should_training_stop = control.should_save = True
 
 

@@ -38,3 +38,30 @@ def test_launcher_help_and_missing_config():
     assert help_out.returncode == 0 and "NNODES" in help_out.stdout
     bad = subprocess.run(["bash", "run_sft_multi_node.sh", "configs/train/nope.yaml"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "config not found" in bad.stderr
+
+
+def _budget_rank(rank, port, results):
+    import time
+
+    import torch.distributed as dist
+    from transformers import TrainerControl
+
+    from space.train.trainer import TimeBudgetCallback
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cb = TimeBudgetCallback(minutes=1.0)
+    cb.start = time.monotonic() - (120 if rank == 0 else 0)  # only rank 0 is over its budget
+    control = TrainerControl()
+    cb.on_step_end(type("Args", (), {"device": "cpu"})(), None, control)
+    results[rank] = control.should_training_stop and control.should_save
+    dist.destroy_process_group()
+
+
+def test_time_budget_stops_every_rank_together():
+    """Rank clocks differ; if only the rank over budget stopped, the other would hang in its next
+    collective. Both must stop at the same step."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_budget_rank, args=(29637, results), nprocs=2, join=True)
+    assert dict(results) == {0: True, 1: True}
