@@ -82,6 +82,15 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_table(arms: dict, cfg: dict, a: argparse.Namespace) -> list[dict]:
+    """(Re)write <out>/sweep.json and sweep.md from every arm probed so far, in file order."""
+    rows = [score(name, a) for name in arms if (a.out / name / "probe.json").is_file()]
+    write_text_atomic(a.out / "sweep.json", json.dumps({"sweep": str(a.sweep), "minutes": cfg["minutes"],
+                                                       "rows": rows}, indent=1) + "\n")
+    write_text_atomic(a.out / "sweep.md", markdown(rows))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", type=Path, help="sweep YAML: base_config, minutes, arms (name -> space-train flags)")
@@ -99,13 +108,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         p.error(f"unknown arms {unknown}; {a.sweep} has {list(arms)}")
     a.out.mkdir(parents=True, exist_ok=True)
+    rows = write_table(arms, cfg, a)
     for name in chosen:
         if not (a.out / name / "probe.json").is_file():
             train_and_probe(name, [str(f) for f in arms[name]], cfg, a)
-    rows = [score(name, a) for name in arms if (a.out / name / "probe.json").is_file()]
-    write_text_atomic(a.out / "sweep.json", json.dumps({"sweep": str(a.sweep), "minutes": cfg["minutes"],
-                                                       "rows": rows}, indent=1) + "\n")
-    write_text_atomic(a.out / "sweep.md", markdown(rows))
+            rows = write_table(arms, cfg, a)
     print(markdown(rows))
     return rows
 
