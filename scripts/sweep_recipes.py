@@ -7,6 +7,9 @@ because they had the same minutes on the same machine; nothing else may run mean
 
     python scripts/sweep_recipes.py configs/sweep/recipes.yaml --out results/sweep [--arms base,k3]
 
+Per arm, ``<out>/<arm>/`` gets train.json (mode, steps, seconds), log_history.json, and the probe's
+probe.json, probe.png and ranks.jsonl: everything the table is built from.
+
 Resumable: an arm whose ``<out>/<arm>/probe.json`` exists is not rerun, an arm whose
 ``<runs>/<arm>/final`` exists is only probed, and ``space-train`` resumes a half-trained arm from
 its last checkpoint (with a fresh budget: note the steps in the table). Writes ``<out>/sweep.json`` and
@@ -36,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the probe's answers for a frozen-base arm: SmolLM2's greedy answers on the dev set, computed once;
 # a lora / full arm is a new model, so space-probe generates its own
 BASE_ANSWERS = ROOT / "results/probe_stage1/answers.jsonl"
+TRAIN_KEYS = ("mode", "global_step", "train_runtime_s")  # copied from the artifact's space_config.json
 LAYOUTS = {"chain k=3, 4 groups": (3, 4, None), "shipped (lookup off)": (1, 2, ((0,), (1,), (2,)))}
 
 
@@ -50,16 +54,21 @@ def train_and_probe(name: str, flags: list[str], cfg: dict, a: argparse.Namespac
     if not artifact.is_dir():
         run(["bash", "run_sft_multi_node.sh", cfg["base_config"], "--output_dir", str(a.runs / name),
              "--max_train_minutes", str(cfg["minutes"]), *flags])
-    mode = json.loads((artifact / "space_config.json").read_text())["mode"]
-    answers = ["--answers", str(a.answers)] if mode == "frozen-base" and a.answers else []
-    run([sys.executable, "-m", "space.eval.probe", "--adapter", str(artifact), "--out", str(a.out / name), *answers,
-         *a.probe_flags.split()])
+    # what the table needs from training travels into <out>, so a clone without runs/ can rebuild it
+    meta = json.loads((artifact / "space_config.json").read_text())
+    (a.out / name).mkdir(parents=True, exist_ok=True)
+    write_text_atomic(a.out / name / "train.json", json.dumps({k: meta[k] for k in TRAIN_KEYS}, indent=1) + "\n")
+    write_text_atomic(a.out / name / "log_history.json", (a.runs / name / "log_history.json").read_text())
+    answers = ["--answers", str(a.answers)] if meta["mode"] == "frozen-base" and a.answers else []
+    # a full-mode artifact is a whole HF checkpoint: the probe loads it as the model
+    model = ["--model" if meta["mode"] == "full" else "--adapter", str(artifact)]
+    run([sys.executable, "-m", "space.eval.probe", *model, "--out", str(a.out / name), *answers, *a.probe_flags.split()])
 
 
 def score(name: str, a: argparse.Namespace) -> dict:
-    """One row of the table from <out>/<name>/probe.json, ranks.jsonl and the artifact's provenance."""
+    """One row of the table from <out>/<name>/probe.json, ranks.jsonl and train.json."""
     probe = json.loads((a.out / name / "probe.json").read_text())["summary"]["all"]
-    meta = json.loads((a.runs / name / "final/space_config.json").read_text())
+    meta = json.loads((a.out / name / "train.json").read_text())
     ranks = load_ranks(a.out / name / "ranks.jsonl", None)
     row = {"arm": name, "mode": meta["mode"], "steps": meta["global_step"],
            "train_minutes": round(meta["train_runtime_s"] / 60, 1),
