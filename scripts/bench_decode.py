@@ -25,6 +25,7 @@ from transformers import DynamicCache, GenerationConfig
 from space.cpu_kernels import KERNEL_CHOICES, apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import cache_input
 from space.eval.tasks import load_tasks
 from space.masking import build_layout, decode_layout, to_additive_4d
 from space.models import load_model
@@ -45,14 +46,14 @@ def step_fn(model, prefix: torch.Tensor, lay, mask_id: int, head_rows: torch.Ten
     """One forward of ``lay`` after a cache holding ``prefix``; LM head on ``head_rows`` (None: all)."""
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model.model(input_ids=prefix[None], past_key_values=cache, use_cache=True)
+        model.model(input_ids=prefix[None], **cache_input(cache), use_cache=True)
     L = cache.get_seq_length()
     ids = lay.input_ids(torch.randint(0, 1000, (lay.num_real,)), torch.tensor([mask_id]))[None]
     pos, mask = lay.position_ids[None], to_additive_4d(lay.allowed)
 
     def run():
         with torch.inference_mode():
-            hidden = model.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+            hidden = model.model(input_ids=ids, position_ids=pos, attention_mask=mask, **cache_input(cache),
                                  use_cache=True).last_hidden_state[0]
             model.lm_head(hidden if head_rows is None else hidden[head_rows])
             cache.crop(-(cache.get_seq_length() - L))

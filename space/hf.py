@@ -43,7 +43,8 @@ from .tokens import mask_spec
 
 # model inputs a decoder-only text model gets from generate(); anything else (inputs_embeds,
 # pixel_values, a filled cache, ...) is refused rather than silently ignored
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+# transformers 5.24 renamed the cache model input ``past_key_values`` to ``cache``; both are known
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "logits_to_keep",
                        "cache_position"}
 _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
@@ -168,7 +169,7 @@ def check_supported(config, processors, model_kwargs: dict, assistant_model=None
         unsupported.append(f"guidance_scale={config.guidance_scale} (the guidance processor keeps a per-step cache)")
     if synced_gpus:
         unsupported.append("synced_gpus=True")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
         unsupported.append("a filled past_key_values (SPACE prefills its own cache)")
     others = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)

@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from space.decoding.cache import cache_input
 from space.masking import (IGNORE_INDEX, build_layout, decode_layout, render, targets, to_additive_4d,
                            train_layout, truncate_layout)
 
@@ -97,7 +98,7 @@ def forward(model, ids, cache=None, lay=None):
     kw = {}
     if lay is not None:
         kw = dict(position_ids=lay.position_ids[None], attention_mask=to_additive_4d(lay.allowed))
-    return model(input_ids=ids[None], past_key_values=cache, use_cache=cache is not None, **kw).logits[0]
+    return model(input_ids=ids[None], **cache_input(cache), use_cache=cache is not None, **kw).logits[0]
 
 
 @pytest.mark.parametrize("k", range(1, 9))

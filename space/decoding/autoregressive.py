@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import DynamicCache
 
+from .cache import cache_input
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
 
@@ -40,7 +41,7 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     step_in, seen = ids[None].to(device), None  # seen: every token so far, for logits_processor
     while True:
         t0 = clock(device)
-        logits = model(input_ids=step_in, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
+        logits = model(input_ids=step_in, **cache_input(cache), use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
         if suppress.numel():
             logits[:, suppress] = float("-inf")
         if logits_processor is not None:

@@ -45,6 +45,7 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from ..masking import build_layout, mask_rows, to_additive_4d, tree_parents
 from ..tokens import MaskSpec, check_mask_num
+from .cache import cache_input
 from .config import DecodeConfig
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
@@ -245,7 +246,7 @@ class SpaceDecoder:
         t0 = clock(self.device)
         ids = ids.to(self.device)
         if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
-            self.decoder(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True)
+            self.decoder(input_ids=ids[None, :-1], **cache_input(cache), use_cache=True)
         prefill_s = clock(self.device) - t0
         last = ids[-1:]
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
@@ -308,7 +309,7 @@ class SpaceDecoder:
         block = torch.cat([last, tokens, lay.mask_ids])
         with mask_rows(n1):
             hidden = self.decoder(input_ids=block[None], position_ids=(lay.position_ids + L)[None],
-                                  attention_mask=lay.attention_mask(L), past_key_values=cache,
+                                  attention_mask=lay.attention_mask(L), **cache_input(cache),
                                   use_cache=True).last_hidden_state[0]  # (q, hidden)
         logits = self._logits(hidden) if hidden.shape[0] <= 2 * (n1 + lay.k) else None
         target = logits[:n1] if logits is not None else self._logits(hidden[:n1])  # (1+N, vocab)
@@ -392,7 +393,7 @@ class SpaceDecoder:
         block = torch.cat([last, cands, lay.mask_ids])
         with mask_rows(lay.num_real):  # rows num_real: are the mask groups (a frozen-base LoRA acts there)
             hidden = self.decoder(input_ids=block[None], position_ids=(lay.position_ids + L)[None],
-                                  attention_mask=lay.attention_mask(L), past_key_values=cache,
+                                  attention_mask=lay.attention_mask(L), **cache_input(cache),
                                   use_cache=True).last_hidden_state[0]  # (q, hidden)
         # The LM head's cost is mostly one read of its (vocab, hidden) weight, so when few rows
         # would be wasted, run it once on every row (drafts included) rather than twice.

@@ -43,6 +43,7 @@ from ..adapters import DEFAULT_MASK_NUM, SPACE_CONFIG, load_space
 from ..cli import add_debug_flag, console
 from ..data.dev_set import dev_prompts, prompt_key
 from ..data.prompts import chat_ids
+from ..decoding.cache import cache_input
 from ..decoding.space import crop_cache
 from ..decoding.tree import parse_tree
 from ..distill import greedy_batches
@@ -79,7 +80,7 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
     if not anchors:
         return torch.empty(0, k, dtype=torch.long)
     cache = DynamicCache(config=base.config)
-    decoder(input_ids=ids[None], past_key_values=cache, use_cache=True)  # the real tokens, once
+    decoder(input_ids=ids[None], **cache_input(cache), use_cache=True)  # the real tokens, once
     out = []
     for start in range(0, len(anchors), chunk_groups):
         groups = anchors[start:start + chunk_groups]
@@ -88,7 +89,7 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
         with mask_rows(0):
             hidden = decoder(input_ids=lay.input_ids(ids, mask_ids.to(device))[None, n:],
                              position_ids=lay.position_ids[None, n:].to(device), attention_mask=attn,
-                             past_key_values=cache, use_cache=True).last_hidden_state[0]  # (G*k, hidden)
+                             **cache_input(cache), use_cache=True).last_hidden_state[0]  # (G*k, hidden)
         crop_cache(cache, n)
         logits = head(hidden).float()  # (G*k, vocab)
         logits[:, list(suppress_ids)] = float("-inf")

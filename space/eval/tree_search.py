@@ -38,6 +38,7 @@ from transformers import DynamicCache
 from ..adapters import SPACE_CONFIG, load_space
 from ..cli import add_debug_flag, console
 from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
+from ..decoding.cache import cache_input
 from ..decoding.config import DecodeConfig
 from ..decoding.space import crop_cache
 from ..decoding.tree import grow_tree, path_probs_from_ranks, replay
@@ -81,7 +82,7 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + max(rows),), generator=gen).to(device)
     cache = DynamicCache(config=base.config)
-    decoder(input_ids=ids[None, :cache_len], past_key_values=cache, use_cache=True)
+    decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
     out = {}
     for q in tqdm(rows, desc="step cost", unit="shape"):
         times = []
@@ -92,7 +93,7 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
             t0 = time.perf_counter()
             with mask_rows(1 if q > 1 else q):
                 hidden = decoder(input_ids=ids[None, cache_len:cache_len + q], position_ids=positions,
-                                 attention_mask=attn, past_key_values=cache, use_cache=True).last_hidden_state
+                                 attention_mask=attn, **cache_input(cache), use_cache=True).last_hidden_state
             head(hidden)
             if device.type == "cuda":
                 torch.cuda.synchronize()

@@ -12,6 +12,7 @@ from accelerate.utils import DistributedType
 from transformers import DynamicCache, Trainer, TrainerCallback
 
 from ..adapters import MASK_EMBEDDING, save_mask_rows
+from ..decoding.cache import cache_input
 from ..decoding.config import DEFAULT_MASK_NUM
 from ..masking import IGNORE_INDEX, mask_rows
 from .loss import offset_hits, space_loss, teacher_targets
@@ -162,7 +163,7 @@ def real_pass(unwrapped, inputs: dict) -> tuple[DynamicCache, torch.Tensor]:
     with torch.no_grad(), unwrapped.disable_adapter():
         hidden = unwrapped.get_base_model().get_decoder()(
             input_ids=ids[:, :T], position_ids=pos[:, :T], attention_mask=attn[:, :, :T, :T],
-            past_key_values=cache, use_cache=True).last_hidden_state
+            **cache_input(cache), use_cache=True).last_hidden_state
     return cache, hidden
 
 
@@ -182,7 +183,7 @@ def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, 
         cache = DynamicCache([(layer.keys, layer.values) for layer in cache.layers], config=unwrapped.config)
     with mask_rows(0):  # every row of this pass is a mask row (or padding nobody sees)
         return model(input_ids=ids[:, q], position_ids=pos[:, q], attention_mask=mask,
-                     past_key_values=cache, use_cache=True)
+                     **cache_input(cache), use_cache=True)
 
 
 def mask_chunks(mask_offset: torch.Tensor, chunk_rows: int) -> list[slice]:

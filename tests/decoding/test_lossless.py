@@ -1,9 +1,13 @@
 """Greedy SPACE == AR greedy, token for token, in every configuration (DESIGN §3.4)."""
+import inspect
+import warnings
+
 import pytest
 import torch
 
 import space.decoding.space as space_mod
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import CACHE_ARG
 
 STOP = 10  # an ordinary byte id used as the stop token, so EOS lands inside steps
 
@@ -31,6 +35,19 @@ def test_untied_head_exact(tiny_untied):
     for prompt, max_new in cases(4, seed=99):
         ar = ar_generate(model, prompt, max_new, suppress_ids=spec.token_ids)
         assert SpaceDecoder(model, spec, DecodeConfig(4)).generate(prompt, max_new).new_ids == ar.new_ids
+
+
+def test_cache_goes_in_under_the_installed_name(tiny):
+    """transformers 5.24 renamed the forward's past_key_values to cache (the old name warns, then goes in
+    5.40): every forward of a decode uses the name the installed version takes, so none warns."""
+    model, _, spec = tiny
+    assert CACHE_ARG in inspect.signature(model.model.forward).parameters
+    prompt = torch.arange(11, 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ar_generate(model, prompt, 12, suppress_ids=spec.token_ids)
+        SpaceDecoder(model, spec, DecodeConfig(2, 2, tree=[[0], [1], [0, 0]], lookup_tokens=4)).generate(prompt, 12)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
 
 
 @pytest.mark.parametrize("k,groups,lookup", [(1, 1, 4), (3, 2, 10)])

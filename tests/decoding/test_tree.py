@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import cache_input
 from space.decoding.sampling import logits_to_probs
 from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, path_probs_from_table, replay
 from space.decoding.verify import verify_tree_sampling
@@ -118,7 +119,7 @@ def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
         ids = torch.cat([prompt, torch.tensor(truth)])[:n]
         fresh = DynamicCache(config=model.config)
         with torch.no_grad():
-            base(input_ids=ids[None], past_key_values=fresh, use_cache=True)
+            base(input_ids=ids[None], **cache_input(fresh), use_cache=True)
         for mine, ref in zip(cache.layers, fresh.layers):
             torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from space.adapters import MaskEmbedding, load_space, prepare_model, save_artifact
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import CACHE_ARG, cache_input
 from space.eval.__main__ import cli as eval_cli
 from space.eval.__main__ import main as eval_main
 from space.models import parse_device_map, tiny_random_llama
@@ -129,7 +130,7 @@ def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, a
         return out
 
     caches = []
-    hook = model.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw["past_key_values"]),
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw[CACHE_ARG]),
                                                  with_kwargs=True)
     try:
         out = decoder.generate(prompt, 40, draft_override=oracle)
@@ -140,7 +141,7 @@ def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, a
     length = len(prompt) + sum(a + 1 for a in out.accept_lengths) - 1
     fresh = DynamicCache(config=model.config)
     with torch.no_grad():
-        model.model(input_ids=torch.cat([prompt, torch.tensor(truth)])[None, :length], past_key_values=fresh)
+        model.model(input_ids=torch.cat([prompt, torch.tensor(truth)])[None, :length], **cache_input(fresh))
     for i, layer in enumerate(model.model.layers):
         assert cache.layers[i].keys.shape[-2] == cache.layers[i].values.shape[-2] == length, i
         assert cache.layers[i].keys.device == next(layer.parameters()).device
