@@ -171,7 +171,7 @@ def check_supported(config, processors, model_kwargs: dict, assistant_model=None
         unsupported.append("synced_gpus=True")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        unsupported.append("a filled past_key_values (SPACE prefills its own cache)")
+        unsupported.append("a filled cache (past_key_values / cache: SPACE prefills its own)")
     others = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
     if others:
         unsupported.append(f"the model inputs {others} (text input_ids only)")
