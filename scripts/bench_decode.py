@@ -25,7 +25,7 @@ from transformers import DynamicCache, GenerationConfig
 from space.cpu_kernels import KERNEL_CHOICES, apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
-from space.decoding.cache import cache_input
+from space.decoding.cache import cache_input, crop_cache
 from space.eval.tasks import load_tasks
 from space.masking import build_layout, decode_layout, to_additive_4d
 from space.models import load_model
@@ -56,7 +56,7 @@ def step_fn(model, prefix: torch.Tensor, lay, mask_id: int, head_rows: torch.Ten
             hidden = model.model(input_ids=ids, position_ids=pos, attention_mask=mask, **cache_input(cache),
                                  use_cache=True).last_hidden_state[0]
             model.lm_head(hidden if head_rows is None else hidden[head_rows])
-            cache.crop(-(cache.get_seq_length() - L))
+            crop_cache(cache, L)
     return run
 
 

@@ -1,4 +1,5 @@
-"""The name under which a KV cache goes into a model's forward, on both sides of a transformers rename.
+"""KV-cache plumbing shared by decoding, training and evaluation: the name under which a cache goes
+into a model's forward (on both sides of a transformers rename), and cropping it.
 
 transformers 5.24 renamed the forward input ``past_key_values`` to ``cache``; the old name still works
 there with a FutureWarning on every call and goes away in 5.40. We support transformers 5.x from 5.0
@@ -17,3 +18,10 @@ CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).paramete
 def cache_input(cache: Cache) -> dict[str, Cache]:
     """``{name: cache}`` to splat into a model or decoder forward: ``model(ids, **cache_input(cache))``."""
     return {CACHE_ARG: cache}
+
+
+def crop_cache(cache: Cache, keep: int) -> None:
+    """Keep the first ``keep`` cached tokens (negative crop works on transformers 4.x and 5.x)."""
+    drop = cache.get_seq_length() - keep
+    if drop > 0:
+        cache.crop(-drop)

@@ -45,7 +45,7 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from ..masking import build_layout, mask_rows, to_additive_4d, tree_parents
 from ..tokens import MaskSpec, check_mask_num
-from .cache import cache_input
+from .cache import cache_input, crop_cache
 from .config import DecodeConfig
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
@@ -54,13 +54,6 @@ from .verify import verify_greedy, verify_rejection, verify_tree_greedy, verify_
 
 # HF's logits-processor convention: (input_ids (rows, seq), scores (rows, vocab)) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def crop_cache(cache: DynamicCache, keep: int) -> None:
-    """Keep the first ``keep`` cached tokens (negative crop works on transformers 4.x and 5.x)."""
-    drop = cache.get_seq_length() - keep
-    if drop > 0:
-        cache.crop(-drop)
 
 
 def compact_cache(cache: DynamicCache, start: int, rows: list[int]) -> None:

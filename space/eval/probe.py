@@ -43,8 +43,7 @@ from ..adapters import DEFAULT_MASK_NUM, SPACE_CONFIG, load_space
 from ..cli import add_debug_flag, console
 from ..data.dev_set import dev_prompts, prompt_key
 from ..data.prompts import chat_ids
-from ..decoding.cache import cache_input
-from ..decoding.space import crop_cache
+from ..decoding.cache import cache_input, crop_cache
 from ..decoding.tree import parse_tree
 from ..distill import greedy_batches
 from ..jsonl import append_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic

@@ -38,9 +38,8 @@ from transformers import DynamicCache
 from ..adapters import SPACE_CONFIG, load_space
 from ..cli import add_debug_flag, console
 from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
-from ..decoding.cache import cache_input
+from ..decoding.cache import cache_input, crop_cache
 from ..decoding.config import DecodeConfig
-from ..decoding.space import crop_cache
 from ..decoding.tree import grow_tree, path_probs_from_ranks, replay
 from ..masking import mask_rows, to_additive_4d
 
