@@ -32,6 +32,45 @@ def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
 
 
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch CPU threads, checked by :func:`set_threads` (one message everywhere)."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; use 1 when anything else runs)")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply ``--threads`` (None: torch's choice). Raises ValueError below 1."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    import torch  # lazy: --help stays fast
+
+    torch.set_num_threads(threads)
+
+
+def add_device_flag(parser: argparse.ArgumentParser, help: str = "torch device: cpu, cuda, cuda:N or mps") -> None:
+    """``--device``, checked by :func:`check_device`."""
+    parser.add_argument("--device", default="cpu", help=f"{help} (default: cpu)")
+
+
+def check_device(device: str) -> None:
+    """Raises ValueError for a device string torch does not know, or one this machine lacks."""
+    import torch  # lazy: --help stays fast
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is usable here (torch {torch.__version__}"
+                         f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
+
+
 def console(prog: str, main: Callable[[list[str] | None], object]) -> Callable[[list[str] | None], int]:
     """Wrap ``main`` for ``[project.scripts]``; the wrapper never returns, it exits 0, 2 or raises."""
 

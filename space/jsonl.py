@@ -5,6 +5,7 @@ U+0085 raw inside strings, and ``str.splitlines`` would split a record there, so
 """
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -58,5 +59,34 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write ``rows`` as the whole file, atomically (:func:`write_text_atomic`)."""
-    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    """Write ``rows`` as the whole file, atomically (:func:`write_text_atomic`); gzip-compressed
+    when ``path`` ends in ``.gz`` (no timestamp in the header, so equal rows give equal bytes)."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if path.suffix != ".gz":
+        write_text_atomic(path, text)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+    tmp.replace(path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file, plain or ``.gz`` ([] when missing), as :func:`write_jsonl` writes them.
+
+    Raises:
+        ValueError: a line is not valid JSON, or a ``.gz`` file is damaged (file and line named).
+    """
+    if not path.is_file():
+        return []
+    try:
+        text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: damaged file ({e})") from None
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    return rows

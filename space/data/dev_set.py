@@ -1,4 +1,5 @@
-"""The drafter dev set (DESIGN §5, §6): 100 MBPP and 30 LIMA prompts kept out of training.
+"""The drafter dev set (DESIGN §5, §6): 100 MBPP, 30 LIMA and 50 self-generated general prompts
+kept out of training.
 
 The acceptance probe (``space.eval.probe``) measures drafts on these prompts, and
 self-distillation (``space.distill.collect_prompts``) skips them, so recipes are chosen on prompts
@@ -9,6 +10,11 @@ and was drawn by :func:`build_dev_set`: ``random.Random(seed)`` samples 100 of M
 ids and 30 of LIMA's single-turn rows (no ``history``), seed 13; both lists are stored sorted.
 ``python -m space.data.dev_set`` redraws it and checks that it equals the recorded file
 (``--write`` rewrites it). The test suite checks the same.
+
+The general prompts (``general_prompts``, source ``general``) were written by SmolLM2 itself
+(``space.data.magpie``, seed :data:`GENERAL_SEED`, which self-distillation never uses) and are
+stored verbatim, since redrawing them needs the model: ``python -m space.data.dev_set --general 50
+--write`` draws them again. Self-generated training prompts are leak-checked against them.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from .sft import REGISTRY, data_root, read_rows, to_example
 
 DEV_SET_FILE = Path(__file__).resolve().parents[2] / "configs" / "data" / "dev_set.json"
 SEED, NUM_MBPP, NUM_LIMA = 13, 100, 30
+GENERAL_SEED = 1013
 
 
 def prompt_key(context: list[dict]) -> str:
@@ -52,7 +59,8 @@ def load_dev_set(path: Path = DEV_SET_FILE) -> dict:
 def dev_prompts(root=None, path: Path = DEV_SET_FILE) -> list[dict]:
     """Dev prompts as ``{"id", "source", "prompt" (messages), "key"}`` rows, MBPP first.
 
-    Ids are ``mbpp/<row>`` and ``lima/<row>``, the same ids ``space.distill`` gives these rows.
+    Ids are ``mbpp/<row>`` and ``lima/<row>``, the same ids ``space.distill`` gives these rows, and
+    ``general/<i>`` for the self-generated prompts.
     """
     dev, root = load_dev_set(path), data_root(root)
     out = []
@@ -63,6 +71,9 @@ def dev_prompts(root=None, path: Path = DEV_SET_FILE) -> list[dict]:
             out.append(_row("mbpp", i, row))
     lima = read_rows(root / REGISTRY["lima"])
     out += [_row("lima", i, lima[i]) for i in dev["lima_rows"]]
+    for i, text in enumerate(dev.get("general_prompts", [])):
+        context = [{"role": "user", "content": text}]
+        out.append({"id": f"general/{i}", "source": "general", "prompt": context, "key": prompt_key(context)})
     return out
 
 
@@ -76,21 +87,43 @@ def _row(source: str, i: int, raw: dict) -> dict:
     return {"id": f"{source}/{i}", "source": source, "prompt": context, "key": prompt_key(context)}
 
 
+def build_general(num: int, root=None, seed: int = GENERAL_SEED) -> list[str]:
+    """Draw ``num`` self-generated general prompts with SmolLM2 (filtered and leak-checked against
+    HumanEval, MT-Bench and the MBPP/LIMA dev prompts, ``space.data.magpie``)."""
+    from ..cpu_kernels import optimize_for_cpu
+    from ..models import load_model
+    from .magpie import PromptFilter, eval_texts, generate_prompts
+
+    model, tok = load_model()
+    optimize_for_cpu(model)
+    texts = eval_texts(root, include_dev=False)
+    texts += [m["content"] for p in dev_prompts(root) if p["source"] != "general" for m in p["prompt"]]
+    return generate_prompts(model, tok, num, PromptFilter(texts, tok.all_special_tokens), seed)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Redraw the drafter dev set and compare it with the recorded one.")
     ap.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data)")
     ap.add_argument("--write", action="store_true", help=f"rewrite {DEV_SET_FILE}")
+    ap.add_argument("--general", type=int, default=None,
+                    help="also draw this many self-generated general prompts with SmolLM2 (default: keep the recorded ones)")
     a = ap.parse_args(argv)
     drawn = build_dev_set(a.data_root)
+    recorded = load_dev_set() if DEV_SET_FILE.is_file() else {}
+    if a.general is not None:
+        drawn["general_seed"], drawn["general_prompts"] = GENERAL_SEED, build_general(a.general, a.data_root)
+    else:
+        drawn.update({k: recorded[k] for k in ("general_seed", "general_prompts") if k in recorded})
     if a.write:
         DEV_SET_FILE.parent.mkdir(parents=True, exist_ok=True)
-        lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in drawn.items()]  # one key a line
-        DEV_SET_FILE.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+        lines = [f" {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}" for key, value in drawn.items()]  # one key a line
+        DEV_SET_FILE.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
         print(f"wrote {DEV_SET_FILE}")
-    elif drawn != load_dev_set():
+    elif drawn != recorded:
         raise ValueError(f"{DEV_SET_FILE} differs from the deterministic draw (run with --write to rewrite)")
     else:
-        print(f"{DEV_SET_FILE}: matches the draw ({len(drawn['mbpp_task_ids'])} MBPP, {len(drawn['lima_rows'])} LIMA)")
+        print(f"{DEV_SET_FILE}: matches the draw ({len(drawn['mbpp_task_ids'])} MBPP, {len(drawn['lima_rows'])} LIMA, "
+              f"{len(drawn.get('general_prompts', []))} general recorded)")
 
 
 if __name__ == "__main__":

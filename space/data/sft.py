@@ -21,6 +21,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
+from ..jsonl import read_jsonl
 from .prompts import chat_ids, mbpp_prompt
 
 REGISTRY = {
@@ -50,18 +51,27 @@ class Example:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a .json (list) or .jsonl file.
+    """Rows of a .json (list), .jsonl or .jsonl.gz file.
 
     JSONL lines end at ``"\n"`` only: U+2028, U+2029 and U+0085, which ``str.splitlines`` would
     also split at, are ordinary characters inside a JSON string.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: invalid JSON (file and line named), a .json that is not a list, or no rows at all.
+        ValueError: invalid JSON or UTF-8 (file and line named), a .json that is not a list, or no rows
+            at all.
     """
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".gz":  # a committed self-distilled set (space-distill --out x.jsonl.gz)
+        rows = read_jsonl(path)
+        if not rows:
+            raise ValueError(f"{path}: the file is empty (no rows)")
+        return rows
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if path.suffix == ".json":
         try:
             rows = json.loads(text)

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from ..adapters import git_commit, load_space
-from ..cli import add_debug_flag, console
+from ..cli import add_debug_flag, check_device, console
 from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
 from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
 from ..decoding.tree import tree_flag
@@ -121,21 +121,6 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file; pass a folder")
     return methods, placement
-
-
-def check_device(device: str) -> None:
-    """Raises ValueError for a device string torch does not know, or one this machine lacks."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or mps") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA GPU is usable here (torch {torch.__version__}"
-                         f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
 
 
 def make_out(out: Path) -> Path:

@@ -5,11 +5,13 @@ from space.distill import collect_prompts
 
 def test_recorded_dev_set_is_the_seeded_draw():
     recorded = load_dev_set()
+    general = {k: recorded.pop(k) for k in ("general_seed", "general_prompts")}  # drawn by SmolLM2, stored verbatim
     assert recorded == build_dev_set()
     assert len(recorded["mbpp_task_ids"]) == 100 and len(recorded["lima_rows"]) == 30
+    assert len(set(general["general_prompts"])) == 50
     prompts = dev_prompts()
-    assert [p["source"] for p in prompts] == ["mbpp"] * 100 + ["lima"] * 30
-    assert len({p["key"] for p in prompts}) == 130 and all(len(p["prompt"]) == 1 for p in prompts)
+    assert [p["source"] for p in prompts] == ["mbpp"] * 100 + ["lima"] * 30 + ["general"] * 50
+    assert len({p["key"] for p in prompts}) == 180 and all(len(p["prompt"]) == 1 for p in prompts)
 
 
 def test_self_distillation_skips_the_dev_set():
