@@ -37,25 +37,25 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+# torch, transformers, datasets and the modules that import them load inside the functions that
+# need them, so that --help answers at once
+from .choices import SMOLLM2
 from .cli import add_debug_flag, add_threads_flag, console, set_threads
-from .data.dev_set import dev_keys, prompt_key
-from .data.magpie import PromptFilter, eval_texts, sample_user_turns, user_prefix_ids
 from .data.prompts import chat_ids
-from .data.sft import load_examples
-from .data.stdlib_prompts import stdlib_prompts
 from .jsonl import append_jsonl, read_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
-from .cpu_kernels import optimize_for_cpu
-from .models import SMOLLM2, load_model
 
 SOURCES = ("mbpp", "lima", "stdlib", "magpie")
+SEED_LIMIT = 2**32  # seeds are 0..2**32-1: the batch seeds derived from them stay in torch's int64
 MAX_SAMPLED_PER_KEPT = 20  # give up on self-generated prompts past this many samples per kept one
 
 
 def source_prompts(name: str, data_root=None) -> list[tuple[str, list[dict]]]:
     """(id, messages) of every prompt of a source: a registered dataset, ``stdlib`` or a file."""
+    from .data.sft import load_examples
+    from .data.stdlib_prompts import stdlib_prompts
+
     if name == "stdlib":
         return [(f"stdlib/{p.name}", [{"role": "user", "content": p.prompt}]) for p in stdlib_prompts(data_root)]
     return [(f"{name}/{i}", ex.context) for i, ex in enumerate(load_examples(name, data_root))]
@@ -69,6 +69,8 @@ def collect_prompts(sources: dict[str, int | None], data_root=None, exclude_dev:
             (its prompts need the model, :func:`distill` makes them).
         exclude_dev: skip the drafter dev set's prompts (always, for training data).
     """
+    from .data.dev_set import dev_keys, prompt_key
+
     seen = dev_keys(data_root) if exclude_dev else set()
     out = []
     for name, limit in sources.items():
@@ -88,7 +90,6 @@ def collect_prompts(sources: dict[str, int | None], data_root=None, exclude_dev:
     return out
 
 
-@torch.inference_mode()
 def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_new_tokens: int = 256,
                    suppress_ids: tuple[int, ...] = (), desc: str = "generate") -> Iterator[list[tuple[dict, list[int], bool]]]:
     """Greedy answers of ``model`` with batched HF ``generate`` (left padding, attention mask).
@@ -100,15 +101,18 @@ def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_ne
     Yields:
         per batch, (prompt row, new token ids cut before the first EOS, finished: EOS was reached).
     """
+    import torch
+
     side, tok.padding_side = tok.padding_side, "left"
     try:
         todo = sorted(prompts, key=lambda p: len(p["ids"]))
         for start in tqdm(range(0, len(todo), batch_size), desc=desc, unit="batch"):
             batch = todo[start:start + batch_size]
             enc = tok.pad({"input_ids": [p["ids"] for p in batch]}, return_tensors="pt").to(model.device)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                 suppress_tokens=list(suppress_ids) or None)
+            with torch.inference_mode():
+                gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                     suppress_tokens=list(suppress_ids) or None)
             rows = []
             for p, row in zip(batch, gen[:, enc["input_ids"].shape[1]:].tolist()):
                 finished = tok.eos_token_id in row
@@ -223,6 +227,8 @@ class Distiller:
     # -- self-generated prompts -------------------------------------------------------------
     def _magpie(self) -> None:
         """First turns until ``--magpie-limit`` pass the filters, their answers, then follow-ups."""
+        from .data.magpie import PromptFilter, eval_texts, sample_user_turns, user_prefix_ids
+
         m, limit = self.magpie, self.sources["magpie"]
         first = PromptFilter(eval_texts(self.data_root), self.tok.all_special_tokens)
         kept = [t for t in self._turns(1) if first.verdict(t["text"], t["finished"]) == "ok"]
@@ -251,6 +257,8 @@ class Distiller:
 
     def _follow_ups(self, kept: list[dict]) -> None:
         """A second user turn after each first turn's finished answer, filtered, then answered."""
+        from .data.magpie import PromptFilter, eval_texts, sample_user_turns, user_prefix_ids
+
         m = self.magpie
         answers = {row["id"]: row for row in self.rows if row["source"] == "magpie"}
         parents = [answers[t["id"]] for t in kept if t["id"] in answers and answers[t["id"]]["finished"]]
@@ -281,11 +289,14 @@ class Distiller:
     def _save_turns(self, new: list[dict]) -> None:
         self.turns += new
         write_jsonl(self.turns_file, self.turns)
+        self.write_manifest(complete=False)  # the settings that sampled them, for the resume check
 
     def write_manifest(self, complete: bool) -> dict:
         """Write ``<OUT stem>.manifest.json`` atomically; returns it."""
-        from .adapters import git_commit
+        import torch
         import transformers
+
+        from .adapters import git_commit
 
         manifest = {
             "file": self.out.name, "complete": complete, "settings": self.settings,
@@ -304,6 +315,8 @@ class Distiller:
 
 
 def _prompt_row(pid: str, source: str, context: list[dict]) -> dict:
+    from .data.dev_set import prompt_key
+
     return {"id": pid, "source": source, "prompt": context, "key": prompt_key(context)}
 
 
@@ -324,6 +337,9 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
         raise ValueError("the magpie source needs a limit (--magpie-limit)")
     run = Distiller(out, model_name, sources, batch_size, max_new_tokens, max_prompt_tokens, data_root,
                     magpie or MagpieSettings())  # settings are checked before the model loads
+    from .cpu_kernels import optimize_for_cpu
+    from .models import load_model
+
     model, tok = load_model(model_name)
     optimize_for_cpu(model)  # oneDNN linears: about 25 % faster batched generation on these CPUs
     return run.run(model, tok)
@@ -336,31 +352,38 @@ def main(argv: list[str] | None = None) -> dict:
         ValueError: an unknown source, a count below its minimum, or ``--out`` that is a folder.
         FileNotFoundError: a missing dataset or model.
     """
-    ap = argparse.ArgumentParser(prog="space-distill", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    ap = argparse.ArgumentParser(prog="space-distill",
                                  description="Self-distillation: the model's own greedy answers to training prompts.")
-    ap.add_argument("--model", default=SMOLLM2, help="alias or local HF directory")
+    ap.add_argument("--model", default=SMOLLM2, help="alias or local HF directory (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("runs/distill/smollm2_mbpp_lima.jsonl"),
-                    help="output .jsonl or .jsonl.gz (a manifest is written beside it)")
-    ap.add_argument("--sources", default="mbpp,lima",
-                    help=f"comma list of prompt sources, answered in this order: {', '.join(SOURCES)}")
-    ap.add_argument("--mbpp-limit", type=int, default=None, help="MBPP prompts (None: all outside the dev set)")
-    ap.add_argument("--lima-limit", type=int, default=400, help="LIMA single-turn prompts (1000: all)")
-    ap.add_argument("--stdlib-limit", type=int, default=None, help="stdlib function prompts (None: all)")
-    ap.add_argument("--magpie-limit", type=int, default=1000, help="self-generated first turns kept by the filters")
-    ap.add_argument("--magpie-seed", type=int, default=0, help="seed of the user-turn sampling")
+                    help="output .jsonl or .jsonl.gz; a manifest is written beside it (default: %(default)s)")
+    ap.add_argument("--sources", default="mbpp,lima", help=f"comma list of prompt sources, answered in this order: "
+                    f"{', '.join(SOURCES)} (default: %(default)s)")
+    ap.add_argument("--mbpp-limit", type=int, default=None, help="MBPP prompts (default: all outside the dev set)")
+    ap.add_argument("--lima-limit", type=int, default=400, help="LIMA single-turn prompts, 1000 for all "
+                    "(default: %(default)s)")
+    ap.add_argument("--stdlib-limit", type=int, default=None, help="stdlib function prompts (default: all)")
+    ap.add_argument("--magpie-limit", type=int, default=1000, help="self-generated first turns kept by the filters "
+                    "(default: %(default)s)")
+    ap.add_argument("--magpie-seed", type=int, default=0, help=f"seed of the user-turn sampling, 0..{SEED_LIMIT - 1} "
+                    "(default: %(default)s)")
     ap.add_argument("--no-follow-ups", action="store_true", help="self-generated prompts: first turns only")
-    ap.add_argument("--batch-size", type=int, default=16, help="answers per generate call")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit")
-    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
-    ap.add_argument("--data-root", default=None, help="shared data folder (None: ../shared/data)")
+    ap.add_argument("--batch-size", type=int, default=16, help="answers per generate call (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default: %(default)s)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped "
+                    "(default: %(default)s)")
+    ap.add_argument("--data-root", default=None, help="shared data folder (default: ../shared/data)")
     add_threads_flag(ap)
     add_debug_flag(ap)
     a = ap.parse_args(argv)
     for name, minimum in (("batch_size", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1),
-                          ("mbpp_limit", 0), ("lima_limit", 0), ("stdlib_limit", 0), ("magpie_limit", 1)):
+                          ("mbpp_limit", 0), ("lima_limit", 0), ("stdlib_limit", 0), ("magpie_limit", 1),
+                          ("magpie_seed", 0)):
         value = getattr(a, name)
         if value is not None and value < minimum:  # None: no limit
             raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+    if a.magpie_seed >= SEED_LIMIT:
+        raise ValueError(f"--magpie-seed must be < {SEED_LIMIT}, got {a.magpie_seed}")
     if a.out.is_dir():
         raise ValueError(f"--out {a.out} is a folder; pass a .jsonl or .jsonl.gz file")
     limits = {"mbpp": a.mbpp_limit, "lima": a.lima_limit, "stdlib": a.stdlib_limit, "magpie": a.magpie_limit}
@@ -377,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-cli = console("space-distill", main)
+cli = console("space-distill", main, resumes=True)
 
 if __name__ == "__main__":
     cli()
