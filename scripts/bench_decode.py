@@ -22,7 +22,8 @@ import torch
 import transformers
 from transformers import DynamicCache, GenerationConfig
 
-from space.cpu_kernels import KERNEL_CHOICES, apply_kernels
+from space.choices import KERNEL_CHOICES
+from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import cache_input, crop_cache

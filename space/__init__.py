@@ -1,8 +1,27 @@
-"""SPACE: Smart Parallel Auto-Correct dEcoding (Yi et al., arXiv 2402.11809) for HF causal LMs."""
-from .adapters import load_space, prepare_model
-from .decoding import DecodeConfig, DecodeResult, SamplingConfig, SpaceDecoder, ar_generate
-from .models import load_model
-from .tokens import MaskSpec, add_mask_tokens, mask_spec
+"""SPACE: Smart Parallel Auto-Correct dEcoding (Yi et al., arXiv 2402.11809) for HF causal LMs.
 
-__all__ = ["DecodeConfig", "DecodeResult", "MaskSpec", "SamplingConfig", "SpaceDecoder", "add_mask_tokens", "ar_generate",
-           "load_model", "load_space", "mask_spec", "prepare_model"]
+The public names below load on first use (PEP 562), so ``import space`` and every ``space-*
+--help`` stay fast: torch and transformers are imported only by what needs them.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "load_space": ".adapters", "prepare_model": ".adapters",
+    "DecodeConfig": ".decoding", "DecodeResult": ".decoding", "SamplingConfig": ".decoding",
+    "SpaceDecoder": ".decoding", "ar_generate": ".decoding",
+    "load_model": ".models",
+    "MaskSpec": ".tokens", "add_mask_tokens": ".tokens", "mask_spec": ".tokens",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'space' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -14,8 +14,9 @@ the decoder and the frozen-base trainer do this), and forward hooks on the peft 
 forward outside such a block (AR, HF ``generate``) is exactly the base model. No modeling file is
 forked.
 
-For decoding, :func:`load_space` swaps each peft LoRA layer of a frozen-base adapter for a
-:class:`GatedLoraLinear`: the same update, computed only on the block's mask rows and skipped
+For decoding, :func:`load_space` reads the LoRA weights without peft and puts each LoRA update
+of a frozen-base adapter in a :class:`GatedLoraLinear` (:func:`fuse_frozen_base` does the same
+to a live peft model): the same update, computed only on the block's mask rows and skipped
 entirely when the input holds no mask token. peft's per-layer Python (4 module calls and a hook on
 each of 210 linears in SmolLM2) cost about 45 ms per forward on a 2-core CPU, more than half an AR
 token; the fused layer leaves AR forwards exactly the base model's cost.
@@ -27,27 +28,32 @@ mode, mask ids, mask_num, training data, commit). Written to a temporary directo
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.config import DEFAULT_MASK_NUM, DecodeConfig
 from .masking import mask_rows_start
-from .models import dispatch, load_model
+from .models import SMOLLM2, dispatch, load_model, model_identity
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
 
 MODES = ("full", "lora", "frozen-base")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SPACE_CONFIG = "space_config.json"
 MASK_EMBEDDING = "mask_embedding.safetensors"
+LORA_WEIGHTS, LORA_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # peft's file names
 
 
 class MaskEmbedding(nn.Module):
@@ -237,17 +243,23 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
 
 
 def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
-               dtype="float32", device: str = "cpu", device_map: str | dict | None = None):
+               dtype="float32", device: str = "cpu", device_map: str | dict | None = None, kernels: str = "stock"):
     """Load a model ready for SPACE decoding.
 
     Args:
         model: alias or path of the base (default: the adapter's recorded base, else SmolLM2).
+            Another base than the adapter's recorded ``base_model`` gives a UserWarning naming both.
         adapter: a lora / frozen-base artifact directory, or None.
         mask_num: k for a model that has no mask token yet (untrained masks: exact, accepts little).
         device_map: None (all on ``device``), or a ``space.models.parse_device_map`` value: the
             base loads placed, and once the mask token and adapter are in, the model is placed
             again by the resolved map (``space.models.dispatch``), so the new modules (mask
             embedding, resized embeddings) get their hooks too.
+        kernels: ``"fast"`` applies ``space.cpu_kernels.optimize_for_cpu`` to an fp32 CPU model
+            (oneDNN-prepacked linears, GQA attention; a no-op elsewhere): on a 2-core CPU plain
+            ``generate`` runs about 2x faster, and SPACE's many-row steps gain more than that.
+            ``"stock"`` (default) keeps transformers' kernels, so the model computes bit for bit
+            what ``load_model`` gives. Packed weights are for inference only: never train them.
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``.
@@ -259,41 +271,124 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         model, and real-token logits are the base model's in SPACE steps too.
 
     Raises:
-        FileNotFoundError: adapter directory without space_config.json, unknown model.
-        ValueError: the base's tokenizer gives the mask token another id than recorded, or
-            space_config.json is not valid JSON or lacks a key (the file is named); a bad
-            device map (``space.models.dispatch``).
+        FileNotFoundError: adapter directory without space_config.json or another artifact file,
+            unknown model.
+        ValueError: the base's tokenizer gives the mask token another id than recorded; a damaged
+            artifact file (space_config.json not a JSON object or lacking a key, a truncated or
+            garbage safetensors file; the file is named); LoRA weights that do not fit the model;
+            a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``.
     """
+    if kernels not in KERNEL_CHOICES:  # before the load, not after it
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if adapter is None:
-        base, tok = load_model(model or "smollm2-135m-instruct", dtype, device, device_map)
+        base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
         try:
             spec = mask_spec(base, tok)
         except ValueError:
             spec = add_mask_tokens(base, tok, mask_num)
             if device_map is not None:  # the resized embeddings are new modules, without hooks
                 dispatch(base, base.hf_device_map)
+        apply_kernels(base, kernels)
         return base, tok, spec
     adapter = Path(adapter)
     cfg = read_space_config(adapter)
     if cfg["mode"] == "full":
         raise ValueError(f"{adapter} is a full checkpoint: pass it as the model, not as an adapter")
+    if model is not None and model_identity(model) != model_identity(cfg["base_model"]):
+        warnings.warn(f"adapter {adapter} was trained on base model {cfg['base_model']!r}, not on the given "
+                      f"model {model!r}: its drafts may be rarely accepted"
+                      + (" (output stays exact to the given model)" if cfg["mode"] == "frozen-base"
+                         else " and its merged LoRA changes a model it was not trained for"), stacklevel=2)
+    updates = read_lora(adapter)  # a damaged file fails here, before the base model loads
+    rows = read_tensors(adapter / MASK_EMBEDDING)
     base, tok = load_model(model or cfg["base_model"], dtype, device, device_map)
-    placement = getattr(base, "hf_device_map", None)  # peft may re-place the model its own way
     spec = add_mask_tokens(base, tok, cfg["mask_num"], cfg["mask_diff"])
     if list(spec.token_ids) != cfg["mask_token_ids"]:
         raise ValueError(f"mask ids {spec.token_ids} differ from the adapter's {cfg['mask_token_ids']}: wrong base model?")
     emb = MaskEmbedding(base.get_input_embeddings(), spec.token_ids)
-    load_mask_rows(emb, adapter / MASK_EMBEDDING)
+    copy_mask_rows(emb, rows, adapter / MASK_EMBEDDING)
     base.set_input_embeddings(emb)
-    peft_model = PeftModel.from_pretrained(base, adapter)
-    # the LoRA weights follow their layers' devices under a device map; else all go to ``device``
-    peft_model = peft_model.to(dtype=base.dtype) if placement else peft_model.to(device=device, dtype=base.dtype)
-    model = peft_model.eval().merge_and_unload() if cfg["mode"] == "lora" else fuse_frozen_base(peft_model.eval())
-    if placement:
-        dispatch(model, placement)
+    apply_lora(base, updates, cfg["mode"], adapter / LORA_WEIGHTS)
+    if device_map is not None:  # the new modules (embedding, gated layers) have no hooks yet
+        dispatch(base, base.hf_device_map)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
-    model.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
-    return model, tok, spec
+    base.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
+    apply_kernels(base.eval(), kernels)
+    return base, tok, spec
+
+
+def read_lora(adapter: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The LoRA updates of a lora / frozen-base artifact (peft's files, read without peft:
+    ``PeftModel`` costs a wrapper and a deprecation warning per load for weights we fuse anyway).
+
+    Returns:
+        module name (``model.layers.0.self_attn.q_proj``) -> (A (r, in), B (out, r) times the LoRA
+        scaling alpha / r, or alpha / sqrt(r) with rsLoRA).
+
+    Raises:
+        FileNotFoundError: adapter_config.json or adapter_model.safetensors missing.
+        ValueError: either file damaged, a LoRA variant other than plain LoRA (DoRA, per-layer
+            ranks, biases), or weights that do not pair up (the file is named).
+    """
+    where = adapter / LORA_CONFIG
+    cfg = read_json(where)
+    try:
+        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not a valid LoRA config (bad or missing r / lora_alpha: {e})") from None
+    if r < 1:
+        raise ValueError(f"{where}: not a valid LoRA config (r must be >= 1, got {r})")
+    variant = {k: cfg[k] for k in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "lora_bias")
+               if cfg.get(k)}
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none" or variant:
+        raise ValueError(f"{where}: only plain LoRA adapters load here, not peft_type={cfg.get('peft_type')!r} "
+                         f"bias={cfg.get('bias')!r} {variant}")
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    where = adapter / LORA_WEIGHTS
+    state = read_tensors(where)
+    prefix, a_key, b_key = "base_model.model.", ".lora_A.weight", ".lora_B.weight"
+    names = sorted(k[len(prefix): -len(a_key)] for k in state if k.startswith(prefix) and k.endswith(a_key))
+    unpaired = sorted(set(state) - {prefix + n + s for n in names for s in (a_key, b_key)})
+    if unpaired or not names:
+        raise ValueError(f"{where}: not a LoRA weight file of this format (unexpected keys {unpaired[:3]})")
+    updates = {}
+    for n in names:
+        a, b = state[prefix + n + a_key], state[prefix + n + b_key]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise ValueError(f"{where}: {n} has LoRA shapes {tuple(a.shape)}, {tuple(b.shape)}, not rank {r}")
+        updates[n] = (a, b * scaling)
+    return updates
+
+
+def apply_lora(model: nn.Module, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], mode: str,
+               where: os.PathLike | str) -> None:
+    """Put :func:`read_lora`'s updates into ``model`` for decoding, in place: merged into the
+    weights (``lora``), or as :class:`GatedLoraLinear` layers (``frozen-base``). Each update takes
+    its layer's device and dtype (a device map included).
+
+    Raises:
+        ValueError: an update for a module the model lacks or of another shape (``where`` named).
+    """
+    for name, (a, b) in updates.items():
+        linear = model.get_submodule(name) if _has_module(model, name) else None
+        if type(linear) is not nn.Linear or a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
+            raise ValueError(f"{where}: LoRA for {name} of shapes {tuple(a.shape)}, {tuple(b.shape)} does not fit "
+                             f"this model ({type(linear).__name__}): wrong base model?")
+        a, b = a.to(linear.weight), b.to(linear.weight)
+        if mode == "lora":
+            with torch.no_grad():
+                linear.weight += b @ a
+        else:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, GatedLoraLinear(linear, a, b))
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def read_space_config(adapter: Path) -> dict:
@@ -305,14 +400,42 @@ def read_space_config(adapter: Path) -> dict:
     """
     if not (adapter / SPACE_CONFIG).is_file():
         raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
-    try:  # a truncated or hand-edited file: name it, rather than a bare JSONDecodeError / KeyError
-        cfg = json.loads((adapter / SPACE_CONFIG).read_text())
-        missing = [key for key in ("mode", "base_model", "mask_num", "mask_diff", "mask_token_ids") if key not in cfg]
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config ({e})") from None
+    cfg = read_json(adapter / SPACE_CONFIG)
+    missing = [key for key in ("mode", "base_model", "mask_num", "mask_diff", "mask_token_ids") if key not in cfg]
     if missing:
         raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config (missing {', '.join(missing)})")
     return cfg
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not UTF-8 JSON holding an object, e.g. a truncated or garbage file (named).
+    """
+    try:  # a damaged or hand-edited file: name it, rather than a bare JSONDecodeError / UnicodeDecodeError
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not valid JSON for this file (a {type(data).__name__}, not an object)")
+    return data
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file ``path`` (on the CPU).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a truncated or garbage file (named).
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return load_file(path)
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a valid safetensors file ({e})") from None
 
 
 def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:
@@ -333,7 +456,7 @@ def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> 
     diff = {k: (cfg[k], v) for k, v in mine.items() if cfg[k] != v}
     if diff:
         raise ValueError(f"init_adapter {adapter} was trained with other settings; (adapter, now): {diff}")
-    state = load_file(adapter / "adapter_model.safetensors")
+    state = read_tensors(adapter / LORA_WEIGHTS)
     try:
         result = set_peft_model_state_dict(model, state)
     except RuntimeError as e:  # size mismatch: another LoRA rank
@@ -367,9 +490,21 @@ def load_mask_rows(emb: MaskEmbedding, path: str | os.PathLike) -> None:
     """Copy mask rows written by :func:`save_mask_rows` into ``emb``.
 
     Raises:
-        ValueError: the file holds rows of another shape (another mask_diff, k or model width).
+        FileNotFoundError: no such file.
+        ValueError: a damaged file, or rows of another shape (another mask_diff, k or model width).
     """
-    rows = load_file(path)["mask_rows"]
+    copy_mask_rows(emb, read_tensors(Path(path)), path)
+
+
+def copy_mask_rows(emb: MaskEmbedding, tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Copy the ``mask_rows`` tensor of a mask-embedding file (read from ``path``) into ``emb``.
+
+    Raises:
+        ValueError: no ``mask_rows`` in it, or rows of another shape (the file is named).
+    """
+    rows = tensors.get("mask_rows")
+    if rows is None:
+        raise ValueError(f"{path}: no mask_rows tensor (keys {sorted(tensors)[:3]})")
     if rows.shape != emb.mask_rows.shape:
         raise ValueError(f"{path}: mask rows of shape {tuple(rows.shape)}, expected {tuple(emb.mask_rows.shape)}")
     with torch.no_grad():

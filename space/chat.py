@@ -17,29 +17,21 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import TextStreamer
+from .cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number, console, set_threads
 
-from .adapters import load_space
-from .cli import add_debug_flag, console
-from .cpu_kernels import KERNEL_CHOICES, apply_kernels
-from .data.prompts import chat_ids
-from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
-from .decoding.tree import tree_flag
-from .decoding.config import DEFAULT_MASK_NUM
-from .decoding.result import DecodeResult
-from .models import SMOLLM2
+if TYPE_CHECKING:
+    from .decoding import DecodeResult, SamplingConfig, SpaceDecoder
 
 SHIPPED_ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
 COMMANDS = "/reset clears the history, /quit (or EOF) exits, Ctrl-C stops a reply"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="space-chat", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help=f"alias ({SMOLLM2}, tiny-random-llama) or local HF directory "
-                   f"(default {SMOLLM2})")
+    p = argparse.ArgumentParser(prog="space-chat", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="alias (space.models.ALIASES) or local HF directory (default: the "
+                   "shipped adapter's base, SmolLM2-135M-Instruct)")
     p.add_argument("--adapter", default=None, help="SPACE adapter directory, or 'none' (default: the shipped "
                    "adapter when --model is not given, else none)")
     p.add_argument("--mask-num", type=int, default=None, help="k drafts per step (default: the adapter's layout)")
@@ -49,15 +41,51 @@ def build_parser() -> argparse.ArgumentParser:
                    "the adapter's layout)")
     p.add_argument("--tree", default=None, help="'chain', 'auto' (the adapter's tuned tree) or a token tree "
                    "as JSON paths of ranks (default: the adapter's layout)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact: the AR reply)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of the first turn (+1 per turn)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact: the AR reply) "
+                   "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the first turn, +1 per turn "
+                   "(default: %(default)s)")
     p.add_argument("--compare", action="store_true", help="time an AR replay of each reply and print the speedup")
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="CPU kernels (space/cpu_kernels.py)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--kernels", default="fast", help="CPU kernels, fast or stock (space/cpu_kernels.py; "
+                   "default: %(default)s)")
+    add_threads_flag(p)
+    add_device_flag(p)
     add_debug_flag(p)
     return p
+
+
+def check_args(args) -> None:
+    """Every flag's range, before the model loads.
+
+    Raises:
+        ValueError: a count below 1 (below 0 for --lookup-tokens), a --temperature that is not a
+            finite number >= 0, a --top-p outside (0, 1], an unknown --kernels or --device,
+            --threads below 1, or a bad --tree (a rank past the vocabulary too).
+    """
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--mask-num", args.mask_num, 1),
+                               ("--num-groups", args.num_groups, 1), ("--lookup-tokens", args.lookup_tokens, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    check_number("--temperature", args.temperature, 0)
+    if not 0 < args.top_p <= 1:  # NaN fails too
+        raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    from .choices import KERNEL_CHOICES
+    from .decoding.tree import tree_flag
+    from .eval.probe import check_tree_vocab
+    from .tokens import MAX_MASK_NUM
+
+    if args.kernels not in KERNEL_CHOICES:
+        raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {args.kernels!r}")
+    set_threads(args.threads)
+    check_device(args.device)
+    try:
+        tree = tree_flag(args.tree, args.mask_num or MAX_MASK_NUM)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--tree {args.tree}: not a UTF-8 text file (byte {e.start})") from None
+    if tree not in (None, "chain"):
+        check_tree_vocab(tree, args.model, adapter_path(args))
 
 
 class Chat:
@@ -89,12 +117,17 @@ class Chat:
         Raises:
             ValueError: history + max_new_tokens over the context (the user message is dropped).
         """
+        import torch
+
+        from .data.prompts import chat_ids
+        from .decoding import SamplingConfig
+
         self.messages.append({"role": "user", "content": text})
         prompt = chat_ids(self.tok, self.messages)
         sampling = SamplingConfig(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
                                   self.sampling.seed + self.turn)
         self.turn += 1
-        streamer = _Streamer(self.tok, self.out)
+        streamer = _streamer(self.tok, self.out)
         new: list[int] = []  # what was streamed, kept when Ctrl-C stops the reply
 
         def on_tokens(tokens: list[int]) -> None:
@@ -118,6 +151,10 @@ class Chat:
     def replay(self, prompt: list[int], result: DecodeResult) -> tuple[float, bool | None]:
         """AR decoding of the same turn, as many tokens: (AR tokens/s, whether it gave the same
         tokens; None when sampling, where a replay draws other tokens)."""
+        import torch
+
+        from .decoding import SamplingConfig, ar_generate
+
         sampling = SamplingConfig(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
                                   self.sampling.seed + self.turn - 1)
         ar = ar_generate(self.model, torch.tensor(prompt), len(result.new_ids), sampling, self.stop_ids,
@@ -128,17 +165,17 @@ class Chat:
         self.messages.clear()
 
 
-class _Streamer(TextStreamer):
+def _streamer(tokenizer, out):
     """transformers' incremental detokenizer (prints whole words, holds incomplete characters),
     writing to ``out`` instead of stdout; the prompt is never put, so nothing is skipped."""
+    from transformers import TextStreamer
 
-    def __init__(self, tokenizer, out):
-        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
-        self.out = out
+    class Streamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            out.write(text + ("\n" if stream_end else ""))
+            out.flush()
 
-    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-        self.out.write(text + ("\n" if stream_end else ""))
-        self.out.flush()
+    return Streamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
 
 
 def status_line(result: DecodeResult, ar: tuple[float, bool | None] | None = None) -> str:
@@ -154,11 +191,22 @@ def status_line(result: DecodeResult, ar: tuple[float, bool | None] | None = Non
     return "[" + ", ".join(parts) + "]"
 
 
+def adapter_path(args) -> str | Path | None:
+    """The adapter the flags select: --adapter, else the shipped one when --model is not given;
+    None for 'none'."""
+    adapter = args.adapter if args.adapter is not None else (SHIPPED_ADAPTER if args.model is None else "none")
+    return None if str(adapter).lower() == "none" else adapter
+
+
 def load(args) -> tuple:
     """(model, tokenizer, decoder) from the parsed flags; the adapter's layout, flags on top."""
-    adapter = args.adapter if args.adapter is not None else (SHIPPED_ADAPTER if args.model is None else "none")
-    adapter = None if str(adapter).lower() == "none" else adapter
-    model, tok, spec = load_space(args.model, adapter, args.mask_num or DEFAULT_MASK_NUM)
+    from .adapters import load_space
+    from .cpu_kernels import apply_kernels
+    from .decoding import DEFAULT_MASK_NUM, DecodeConfig, SpaceDecoder
+    from .decoding.tree import tree_flag
+
+    model, tok, spec = load_space(args.model, adapter_path(args), args.mask_num or DEFAULT_MASK_NUM,
+                                  device=args.device)
     apply_kernels(model, args.kernels)
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
@@ -181,13 +229,16 @@ def main(argv: list[str] | None = None) -> None:
     """Run the chat until /quit or EOF.
 
     Raises:
-        ValueError, FileNotFoundError: bad flags, unknown model or adapter (before the first turn).
+        ValueError, FileNotFoundError: bad flags (:func:`check_args`), unknown model or adapter
+            (before the first turn).
     """
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_args(args)
+    from .decoding import SamplingConfig
+
+    # a line of bytes that are not UTF-8 becomes text with U+FFFD, not a crash (input() reads this too)
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")
     sampling = SamplingConfig(args.temperature, top_p=args.top_p, seed=args.seed)
     model, tok, decoder = load(args)
     chat = Chat(model, tok, decoder, sampling, args.max_new_tokens)

@@ -6,12 +6,17 @@
   ``sys.exit``, which would print it to stderr and exit 1);
 * an expected error (bad input the user can fix) prints ``prog: error: <message>`` on one line and
   exits 2, the exit code argparse uses for bad arguments;
+* Ctrl-C prints one line (with how to resume, for a command that resumes) and exits 130;
+* SIGTERM unwinds like an exception (``finally`` blocks and context managers run, so child
+  processes such as the code executor's are ended) and exits 143;
 * any other exception keeps its traceback (a bug, to be reported);
 * ``--debug`` anywhere on the command line shows the traceback of expected errors too.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -27,6 +32,30 @@ EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirecto
 DEBUG_HELP = "on an error, show the full traceback instead of one line"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default once: not for None, a flag (store_true), or a help text that already
+    says its default in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or isinstance(action, argparse._StoreTrueAction) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def check_number(flag: str, value: float | None, minimum: float | None = None, maximum: float | None = None) -> None:
+    """Raises ValueError when ``value`` is NaN, infinite or outside [minimum, maximum] (None: the
+    default, not checked), naming ``flag``: NaN slips through every ``<`` check on its own."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise ValueError(f"{flag} must be a finite number, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{flag} must be <= {maximum}, got {value}")
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """List ``--debug`` in ``parser``'s help; :func:`console` strips it before ``main`` parses."""
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
@@ -38,12 +67,17 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice; use 1 when anything else runs)")
 
 
+def check_threads(threads: int | None) -> None:
+    """Raises ValueError for ``--threads`` below 1 (None: torch's choice), before any model loads."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+
+
 def set_threads(threads: int | None) -> None:
     """Apply ``--threads`` (None: torch's choice). Raises ValueError below 1."""
     if threads is None:
         return
-    if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_threads(threads)
     import torch  # lazy: --help stays fast
 
     torch.set_num_threads(threads)
@@ -71,13 +105,22 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
 
 
-def console(prog: str, main: Callable[[list[str] | None], object]) -> Callable[[list[str] | None], int]:
-    """Wrap ``main`` for ``[project.scripts]``; the wrapper never returns, it exits 0, 2 or raises."""
+def _terminate(signum, frame) -> None:
+    # an exception, not the default instant death: context managers and finally blocks run
+    raise SystemExit(128 + signum)
+
+
+def console(prog: str, main: Callable[[list[str] | None], object],
+            resumes: bool = False) -> Callable[[list[str] | None], int]:
+    """Wrap ``main`` for ``[project.scripts]``; the wrapper never returns, it exits 0, 2, 130
+    (Ctrl-C), 143 (SIGTERM) or raises. ``resumes``: the command picks up where it stopped, and
+    Ctrl-C says so."""
 
     def entry(argv: list[str] | None = None) -> int:
         args = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in args
         args = [a for a in args if a != "--debug"]
+        previous = signal.signal(signal.SIGTERM, _terminate)
         try:
             main(args)
         except EXPECTED_ERRORS as e:
@@ -85,6 +128,14 @@ def console(prog: str, main: Callable[[list[str] | None], object]) -> Callable[[
                 traceback.print_exc()
             print(f"{prog}: error: {e}", file=sys.stderr)
             sys.exit(2)
+        except KeyboardInterrupt:
+            if debug:
+                traceback.print_exc()
+            hint = "; run the same command again to resume" if resumes else ""
+            print(f"{prog}: interrupted{hint}", file=sys.stderr)
+            sys.exit(130)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         sys.exit(0)
 
     return entry

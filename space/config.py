@@ -15,18 +15,22 @@ from dataclasses import dataclass, field
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from .cli import DEBUG_HELP
+from .choices import SMOLLM2
+from .cli import DEBUG_HELP, HelpFormatter, check_number
 from .decoding.config import DEFAULT_MASK_NUM
 
 
 @dataclass
 class ModelArgs:
-    model_name_or_path: str = field(default="smollm2-135m-instruct", metadata={"help": "alias or local HF directory"})
+    _argument_group_name = "SPACE: model"  # HfArgumentParser's help section (a class attribute, not a field)
+
+    model_name_or_path: str = field(default=SMOLLM2, metadata={"help": "alias or local HF directory"})
     mode: str = field(default="frozen-base", metadata={"help": "full | lora | frozen-base (DESIGN §3.6)"})
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    lora_r: int = field(default=16, metadata={"help": "lora / frozen-base: LoRA rank, >= 1"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scale numerator (update x alpha / r), > 0"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input, in [0, 1)"})
+    lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                              metadata={"help": "comma list of the linear layers that get a LoRA"})
     dtype: str = field(default="float32", metadata={"help": "weights dtype when loading (bf16 is slower on CPU)"})
     init_adapter: str | None = field(default=None, metadata={
         "help": "lora / frozen-base: start from this SPACE artifact's LoRA weights and mask rows (same mode, "
@@ -35,16 +39,21 @@ class ModelArgs:
 
 @dataclass
 class DataArgs:
+    _argument_group_name = "SPACE: data"
+
     datasets: str = field(default="mbpp", metadata={"help": "comma list of registered names (mbpp, lima) or .json/.jsonl paths"})
     data_root: str | None = field(default=None, metadata={"help": "shared data folder (default ../shared/data or $SPACE_DATA)"})
     max_length: int = field(default=512, metadata={"help": "tokens per sample, prompt included"})
-    limit: int | None = field(default=None, metadata={"help": "rows per dataset (smoke runs)"})
+    limit: int | None = field(default=None, metadata={"help": "rows per dataset, for smoke runs (default: all)"})
     sources: str | None = field(default=None, metadata={
-        "help": "self-distilled files: keep only rows whose 'source' is in this comma list (mbpp, lima, stdlib)"})
+        "help": "self-distilled files: keep only rows whose 'source' is in this comma list (mbpp, lima, stdlib; "
+                "default: every row)"})
 
 
 @dataclass
 class MaskArgs:
+    _argument_group_name = "SPACE: mask tokens and loss"
+
     mask_num: int = field(default=DEFAULT_MASK_NUM, metadata={"help": "k: masks per group = candidates per step"})
     mask_diff: bool = field(default=False, metadata={"help": "a distinct mask token per offset j"})
     mask_prob: float = field(default=1.0, metadata={"help": "probability that a sample gets mask groups per epoch"})
@@ -59,12 +68,21 @@ class MaskArgs:
     mask_target: str = field(default="token", metadata={
         "help": "token: CE on the next tokens | teacher: soft CE on the frozen base's top-K at row e+j (frozen-base)"})
     teacher_topk: int = field(default=20, metadata={"help": "K of the teacher's top-K distribution (renormalized)"})
+    chain_weight: float = field(default=0.0, metadata={
+        "help": "alpha in [0, 1]: weight mask j's loss by (1 - alpha) + alpha * P(the chain reaches j), the product "
+                "of the true tokens' probabilities at offsets 0..j-1 (teacher's, else the model's own, detached); "
+                "0 = off"})
+    consistency_weight: float = field(default=0.0, metadata={
+        "help": "frozen-base: weight of the hidden-state consistency loss, mask j anchored at e pulled towards "
+                "the base's last hidden state at row e+j (0 = off)"})
 
 
 @dataclass
 class SpaceTrainingArguments(TrainingArguments):
     """``transformers.TrainingArguments`` plus a wall-clock budget, for recipe sweeps at equal time
     (issue #13): arms whose steps cost different amounts get the same minutes, not the same steps."""
+
+    _argument_group_name = "HF TrainingArguments (SPACE's max_train_minutes last)"
     max_train_minutes: float = field(default=0.0, metadata={
         "help": "stop after the step that crosses this many minutes of training in this launch, save a "
                 "checkpoint and write the artifact (0 = off). A cosine schedule is then cut mid-way: pair it "
@@ -78,8 +96,8 @@ def parse_train_args(argv: list[str] | None = None):
     """Returns (ModelArgs, DataArgs, MaskArgs, SpaceTrainingArguments).
 
     Raises:
-        ValueError: unknown key in the YAML, YAML that is broken or not a mapping, a required key
-            (output_dir) missing, or a value out of range (see :func:`check_train_args`).
+        ValueError: unknown key in the YAML, YAML that is broken, not UTF-8 or not a mapping, a
+            required key (output_dir) missing, or a value out of range (see :func:`check_train_args`).
         FileNotFoundError: the config file does not exist.
     """
     pre = argparse.ArgumentParser(add_help=False)
@@ -87,16 +105,22 @@ def parse_train_args(argv: list[str] | None = None):
     known, rest = pre.parse_known_args(argv)
     # the console wrapper (space.cli) takes --debug off the command line, so TrainingArguments'
     # own --debug option can only be set in the YAML
-    parser = HfArgumentParser(ARG_CLASSES, description="SAR-SFT training for SPACE (python -m space.train).",
+    parser = HfArgumentParser(ARG_CLASSES, prog="space-train", formatter_class=HelpFormatter,
+                              description="SAR-SFT training for SPACE (python -m space.train). Resumes from the "
+                                          "last checkpoint in output_dir.",
                               epilog=f"--debug: {DEBUG_HELP} (TrainingArguments' debug option: set it in the YAML)")
-    parser.add_argument("--config", help="YAML file; command-line flags override its keys")
+    # argparse prints the ungrouped options (--help, --config) before the groups
+    parser.add_argument("--config", help="YAML file setting any of the keys below (e.g. configs/train/"
+                        "smollm2_frozen_base_cpu.yaml); command-line flags override its keys")
     values = {}
     if known.config:
-        with open(known.config) as f:
-            try:
+        try:
+            with open(known.config, encoding="utf-8") as f:
                 values = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:  # its own message spans lines: make it one, and name the file
-                raise ValueError(f"{known.config}: not valid YAML ({' '.join(str(e).split())})") from None
+        except yaml.YAMLError as e:  # its own message spans lines: make it one, and name the file
+            raise ValueError(f"{known.config}: not valid YAML ({' '.join(str(e).split())})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{known.config}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not isinstance(values, dict):
             raise ValueError(f"{known.config}: expected a mapping of config keys, got {type(values).__name__}")
         fields = {f.name for cls in ARG_CLASSES for f in dataclasses.fields(cls)}
@@ -117,9 +141,11 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
 
     Raises:
         ValueError: unknown mode, layout or mask_target, mask_num outside 1..MAX_MASK_NUM,
-            spans_per_sample, limit, max_length, mask_chunk_rows or teacher_topk too small, mask_prob
-            or span_density outside [0, 1], a teacher without frozen-base + efficient, init_adapter
-            with mode full, a negative max_train_minutes, or an output_dir that is a file.
+            spans_per_sample, limit, max_length, mask_chunk_rows, teacher_topk or lora_r too small,
+            mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
+            a negative mask_loss_weight, max_train_minutes, learning_rate, weight_decay,
+            num_train_epochs or max_grad_norm, NaN or inf in any number, a teacher without frozen-base
+            + efficient, init_adapter with mode full, or an output_dir that is a file.
     """
     from .adapters import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -132,20 +158,32 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     for name, value, minimum in (("spans_per_sample", mask_args.spans_per_sample, 1),
                                  ("limit", data_args.limit, 1), ("max_length", data_args.max_length, 2),
                                  ("mask_chunk_rows", mask_args.mask_chunk_rows, 0),
-                                 ("teacher_topk", mask_args.teacher_topk, 1)):
-        if value is not None and value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    for name, value in (("mask_prob", mask_args.mask_prob), ("span_density", mask_args.span_density)):
-        if not 0 <= value <= 1:
+                                 ("teacher_topk", mask_args.teacher_topk, 1), ("lora_r", model_args.lora_r, 1),
+                                 ("mask_loss_weight", mask_args.mask_loss_weight, 0),
+                                 ("max_train_minutes", getattr(train_args, "max_train_minutes", 0), 0),
+                                 *((name, getattr(train_args, name), 0) for name in
+                                   ("learning_rate", "weight_decay", "num_train_epochs", "max_grad_norm"))):
+        check_number(name, value, minimum)  # NaN and inf too: they pass every comparison below
+    check_number("consistency_weight", mask_args.consistency_weight, 0)
+    for name, value in (("mask_prob", mask_args.mask_prob), ("span_density", mask_args.span_density),
+                        ("chain_weight", mask_args.chain_weight),
+                        ("lora_dropout", model_args.lora_dropout)):
+        if not 0 <= value <= 1:  # False for NaN
             raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    if model_args.lora_dropout == 1:
+        raise ValueError("lora_dropout must lie in [0, 1), got 1 (it would drop every LoRA input)")
+    check_number("lora_alpha", model_args.lora_alpha)
+    if model_args.lora_alpha <= 0:
+        raise ValueError(f"lora_alpha must be > 0, got {model_args.lora_alpha}")
     if mask_args.mask_target not in ("token", "teacher"):
         raise ValueError(f"unknown mask_target {mask_args.mask_target!r}; choose token or teacher")
     if mask_args.mask_target == "teacher" and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
         raise ValueError("mask_target teacher needs mode frozen-base and layout efficient (the two-pass step "
                          "computes the base's distribution)")
+    if mask_args.consistency_weight > 0 and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
+        raise ValueError("consistency_weight needs mode frozen-base and layout efficient (the two-pass step "
+                         "computes the base's hidden states)")
     if model_args.init_adapter is not None and model_args.mode == "full":
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
-    if getattr(train_args, "max_train_minutes", 0) < 0:  # plain TrainingArguments (API callers) have none
-        raise ValueError(f"max_train_minutes must be >= 0 (0 = no budget), got {train_args.max_train_minutes}")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")

@@ -27,6 +27,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .choices import KERNEL_CHOICES
+
 SDPA_GQA = "space_sdpa_gqa"
 
 
@@ -159,7 +161,6 @@ def optimize_for_cpu(model: nn.Module) -> dict:
     return {"packed_linears": packed, "attention": model.config._attn_implementation}
 
 
-KERNEL_CHOICES = ("fast", "stock")
 
 
 def apply_kernels(model: nn.Module, choice: str) -> dict:

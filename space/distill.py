@@ -227,10 +227,10 @@ class Distiller:
     # -- self-generated prompts -------------------------------------------------------------
     def _magpie(self) -> None:
         """First turns until ``--magpie-limit`` pass the filters, their answers, then follow-ups."""
-        from .data.magpie import PromptFilter, eval_texts, sample_user_turns, user_prefix_ids
+        from .data.magpie import PromptFilter, sample_user_turns, user_prefix_ids
 
         m, limit = self.magpie, self.sources["magpie"]
-        first = PromptFilter(eval_texts(self.data_root), self.tok.all_special_tokens)
+        first = PromptFilter(self._leak_texts(), self.tok.all_special_tokens)
         kept = [t for t in self._turns(1) if first.verdict(t["text"], t["finished"]) == "ok"]
         prefix = user_prefix_ids(self.tok, [])
         with tqdm(total=limit, initial=min(len(kept), limit), desc="magpie: first turns kept", unit="prompt") as bar:
@@ -257,7 +257,7 @@ class Distiller:
 
     def _follow_ups(self, kept: list[dict]) -> None:
         """A second user turn after each first turn's finished answer, filtered, then answered."""
-        from .data.magpie import PromptFilter, eval_texts, sample_user_turns, user_prefix_ids
+        from .data.magpie import PromptFilter, sample_user_turns, user_prefix_ids
 
         m = self.magpie
         answers = {row["id"]: row for row in self.rows if row["source"] == "magpie"}
@@ -272,7 +272,7 @@ class Distiller:
                                         m.max_new_tokens, m.temperature, m.top_p)
             self._save_turns([{"id": f"{p['id']}/turn2", "turn": 2, "parent": p["id"], "text": text, "finished": fin}
                               for p, (text, fin) in zip(batch, sampled)])
-        second = PromptFilter(eval_texts(self.data_root), self.tok.all_special_tokens, dedupe=False)
+        second = PromptFilter(self._leak_texts(), self.tok.all_special_tokens, dedupe=False)
         by_id = {p["id"]: p for p in parents}
         prompts = []
         for t in self._turns(2):
@@ -282,6 +282,13 @@ class Distiller:
                 prompts.append(_prompt_row(t["id"], "magpie-turn2", context))
         self.filters["follow-up turn"] = dict(second.counts)
         self._answer(prompts, desc="answers: magpie follow-ups")
+
+    def _leak_texts(self) -> list[str]:
+        """What a self-generated prompt must not overlap: HumanEval, MT-Bench and the dev set."""
+        from .data.dev_set import dev_prompts
+        from .data.magpie import eval_texts
+
+        return eval_texts(self.data_root) + [m["content"] for p in dev_prompts(self.data_root) for m in p["prompt"]]
 
     def _turns(self, turn: int) -> list[dict]:
         return [t for t in self.turns if t["turn"] == turn]

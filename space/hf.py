@@ -12,14 +12,31 @@ Two ways in (transformers 5.x):
 What is honoured: max_new_tokens / max_length, EOS ids, stopping criteria (stop strings, max_time,
 custom ones: checked after every emitted token, so generation ends exactly where HF's loop ends),
 the streamer, and logits processors. Processors (with sampling, HF's temperature / top-k / top-p
-warpers among them) are applied once, by ``SpaceDecoder``, to every verification row with the row's
-own prefix and to the draft rows, and sampling then draws from softmax(processed scores) as HF does:
-greedy output equals plain ``generate`` token for token, sampled output has its distribution.
+warpers among them; greedy or not) are applied once, by ``SpaceDecoder``, to every verification row
+with the row's own prefix and to the draft rows, and sampling then draws from softmax(processed
+scores) as HF does: in fp32, greedy output equals plain ``generate`` token for token and sampled
+output has its distribution. In bf16 / fp16 a verification step scores several rows in one
+forward, whose rounding differs from one-row AR steps, so near-ties can flip a token.
 The mask tokens are never emitted. Sampling is seeded from torch's global RNG, so
 ``torch.manual_seed`` makes a call reproducible, as with plain ``generate``.
 
-A batch is decoded row by row (SPACE is batch-1), each row without its padding, with a warning;
-rows are then right-padded with ``pad_token_id`` as HF pads finished rows.
+SPACE settings (``mask_num``, ``num_groups``, ``lookup_tokens``, ``tree``) come from the keyword
+arguments of ``generate``, else from the generation config (``GenerationConfig(mask_num=2)``, also
+the model's ``generation_config.json``), else from the model's recorded layout.
+
+A batch is decoded row by row (SPACE is batch-1), with a warning. Each row's processors and
+stopping criteria see the row as HF's batched loop holds it, left padding included, so
+length-dependent ones (``min_length``, ``min_new_tokens``, ``forced_eos_token_id``,
+``exponential_decay_length_penalty``) fire at the same step; rows are then right-padded with
+``pad_token_id`` as HF pads finished rows.
+
+Near the end of the context, where plain ``generate`` warns and goes on past the model's
+``max_position_embeddings``, SPACE warns and stops each row at the context.
+
+On CPU, load with ``load_space(..., kernels="fast")`` (or call
+``space.cpu_kernels.apply_kernels(model, "fast")``): plain ``generate`` and SPACE then both use
+oneDNN-prepacked linears, and SPACE's many-row steps cost little more than one-row steps.
+Flash attention takes no 4-D mask: models loaded with it are refused (use ``sdpa``).
 """
 from __future__ import annotations
 
@@ -71,6 +88,9 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
                    num_groups: int | None = None, lookup_tokens: int | None = None, tree=None, **model_kwargs):
     """The decoding loop for ``model.generate(..., custom_generate=space_generate)``.
 
+    In fp32, greedy output equals plain ``generate`` token for token (bf16 / fp16 multi-row
+    verification can flip near-ties); sampled output has plain ``generate``'s distribution.
+
     Args:
         model: a causal LM with SPACE mask tokens (``space.adapters.load_space``).
         input_ids: (batch, seq) prompts, left-padded when batch > 1 (``attention_mask`` says where).
@@ -78,23 +98,33 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
         streamer: receives the new tokens as they are accepted, then ``end()`` (``generate`` has
             already put the prompt).
         mask_num, num_groups, lookup_tokens, tree: override the model's recorded decode layout
-            (``DecodeConfig.of_model``); tree: ``"chain"``, ``"auto"``, or paths of ranks.
+            (``DecodeConfig.of_model``); tree: ``"chain"``, ``"auto"``, or paths of ranks. Unset
+            ones are read from ``generation_config`` when it has them.
         **model_kwargs: ``attention_mask`` and the cache ``generate`` prepared; nothing else.
 
     Returns:
         (batch, seq + new) LongTensor, or a :class:`SpaceGenerateOutput` when
         ``return_dict_in_generate`` (no scores, no cache).
 
+    Warns:
+        UserWarning: a batch (decoded row by row); prompt + max_new_tokens over the context (each
+            row stops at the context, where plain ``generate`` would go on past it).
+
     Raises:
-        ValueError: an unsupported option (named in the message), a model without mask tokens,
-            prompt + max_new_tokens over the context.
+        ValueError: an unsupported option (named in the message), a flash-attention model, a model
+            without mask tokens, a prompt that fills the whole context, right padding.
     """
     outer = _generate_locals()  # why: see _generate_locals
     streamer = streamer if streamer is not None else outer.get("streamer")
     check_supported(generation_config, logits_processor, model_kwargs, outer.get("assistant_model"),
                     synced_gpus or outer.get("synced_gpus"))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_attention(base)
     spec = mask_spec(base)
+    # generate() hands over its keyword arguments; GenerationConfig(mask_num=...) keeps them as attributes
+    mask_num, num_groups, lookup_tokens, tree = (given if given is not None else getattr(generation_config, name, None)
+                                                 for name, given in (("mask_num", mask_num), ("num_groups", num_groups),
+                                                                     ("lookup_tokens", lookup_tokens), ("tree", tree)))
     layout = DecodeConfig.of_model(base, spec.mask_num).override(
         mask_num=mask_num, num_groups=num_groups, lookup_tokens=lookup_tokens, tree=tree_flag(tree, mask_num))
     decoder = SpaceDecoder(model, spec, layout)
@@ -108,12 +138,14 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     rows = _prompt_rows(input_ids, model_kwargs.get("attention_mask"))
     if len(rows) > 1:
         warnings.warn(f"space_generate decodes the {len(rows)} prompts of a batch one after another "
-                      "(SPACE is batch-1), each without its padding", stacklevel=3)
+                      "(SPACE is batch-1)", stacklevel=3)
+    room = _room(rows, max_new, decoder.context)
     results = []
-    for ids in rows:
-        watch = _watcher(ids.tolist(), stopping_criteria, streamer)
-        results.append(decoder.generate(ids, max_new, sampling, stop_ids, on_tokens=watch,
-                                        logits_processor=logits_processor or None))
+    for b, ids in enumerate(rows):
+        pad = input_ids[b, : input_ids.shape[1] - len(ids)]  # the row's left padding
+        watch = _watcher(input_ids[b].tolist(), stopping_criteria, streamer)
+        results.append(decoder.generate(ids, min(max_new, room[b]), sampling, stop_ids, on_tokens=watch,
+                                        logits_processor=_padded(logits_processor, pad)))
     if streamer is not None:
         streamer.end()
     sequences = _pad_outputs(input_ids, results, generation_config._pad_token_tensor)
@@ -179,6 +211,56 @@ def check_supported(config, processors, model_kwargs: dict, assistant_model=None
         raise ValueError(f"space_generate does not support {', '.join(unsupported)}")
 
 
+def check_attention(model) -> None:
+    """Refuse attention implementations that ignore a 4-D mask: SPACE's step layout is one.
+
+    Raises:
+        ValueError: a flash-attention model (``attn_implementation="flash_attention_2"`` and kin).
+    """
+    impl = str(getattr(model.config, "_attn_implementation", None))
+    if "flash" in impl:
+        raise ValueError(f"space_generate cannot decode with attn_implementation={impl!r}: flash attention takes no "
+                         "4-D attention mask, which every SPACE step needs; load the model with "
+                         "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))")
+
+
+def _room(rows: list[torch.Tensor], max_new: int, context: int) -> list[int]:
+    """New tokens each row can get: ``max_new``, or fewer where the row would pass the model's
+    context (positions count from the row's first real token, as with HF's left padding).
+
+    Warns:
+        UserWarning: some row stops at the context before ``max_new`` tokens.
+
+    Raises:
+        ValueError: a row that fills the whole context.
+    """
+    room = [min(max_new, context - len(ids)) for ids in rows]
+    full = [b for b, r in enumerate(room) if r < 1]
+    if full:
+        raise ValueError(f"prompt row {full[0]} has {len(rows[full[0]])} tokens and the model context is {context}: "
+                         "no room for a new token")
+    if min(room) < max_new:
+        warnings.warn(f"prompt + max_new_tokens ({max_new}) exceeds the model context {context}: space_generate stops "
+                      f"at the context ({min(room)} new tokens for the longest prompt), where plain generate "
+                      "would go on past it", stacklevel=4)
+    return room
+
+
+def _padded(processors, pad: torch.Tensor):
+    """``processors`` fed the ids as HF's batched loop holds them: the row's left padding ``pad``
+    (pad,) first, so length-dependent processors (``min_length``, ``forced_eos_token_id``, ...)
+    count what HF counts. None when there are no processors."""
+    if not processors:
+        return None
+    if pad.numel() == 0:
+        return processors
+
+    def processor(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # ids (rows, seq)
+        return processors(torch.cat([pad.to(ids.device).expand(ids.shape[0], -1), ids], dim=1), scores)
+
+    return processor
+
+
 def _generate_locals() -> dict:
     """The local variables of the ``GenerationMixin.generate`` call that called us, or {}.
 
@@ -201,18 +283,20 @@ def _generate_locals() -> dict:
 
 
 def _prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """(batch, seq) -> each row's real tokens (seq_b,), padding removed.
+    """(batch, seq) -> each row's real tokens (seq_b,), left padding removed.
 
     Raises:
-        ValueError: a row whose attention mask is not one contiguous run of ones.
+        ValueError: a row whose attention mask is not one run of ones reaching the last column
+            (holes, or right padding, which HF's own loop mis-decodes too).
     """
     if attention_mask is None:  # generate drops an all-ones mask
         return list(input_ids)
     rows = []
     for b, (ids, mask) in enumerate(zip(input_ids, attention_mask.bool())):
         where = mask.nonzero().flatten()
-        if where.numel() and where.numel() != int(where[-1] - where[0]) + 1:
-            raise ValueError(f"row {b} of attention_mask has holes: pad on the left only")
+        if where.numel() and (where.numel() != int(where[-1] - where[0]) + 1 or int(where[-1]) != len(mask) - 1):
+            raise ValueError(f"row {b} of attention_mask is not left padding (holes or right padding): "
+                             "pad on the left only (tokenizer.padding_side = 'left')")
         rows.append(ids[mask])
     return rows
 
@@ -220,6 +304,7 @@ def _prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 def _watcher(prompt: list[int], criteria, streamer):
     """The ``on_tokens`` callback of one row: checks the stopping criteria after every new token
     (HF's loop checks them after each token it appends) and streams the tokens it keeps.
+    ``prompt``: the row as HF holds it, left padding included.
 
     EOS and max length are left to the decoder, which cuts a step at them; only other criteria
     (stop strings, max_time, user ones) are evaluated, each on (1, seq) ids.

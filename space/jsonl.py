@@ -74,14 +74,19 @@ def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSONL file, plain or ``.gz`` ([] when missing), as :func:`write_jsonl` writes them.
 
     Raises:
-        ValueError: a line is not valid JSON, or a ``.gz`` file is damaged (file and line named).
+        ValueError: a line is not valid JSON, the bytes are not UTF-8, or a ``.gz`` file is damaged
+            (file and line named).
     """
     if not path.is_file():
         return []
     try:
-        text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text("utf-8")
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError) as e:
         raise ValueError(f"{path}: damaged file ({e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     rows = []
     for n, line in enumerate(text.split("\n"), 1):
         if line.strip():

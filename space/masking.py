@@ -258,6 +258,21 @@ def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     return out[:, None]
 
 
+def in_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """(q, kv) bool, True where a key lies less than ``window`` positions behind its query.
+
+    This is a sliding-window layer's rule (transformers' ``sliding_window_overlay``: key > query -
+    window), applied by position ids, so it holds for a layout's rows in any order. Combine it
+    with a layout's ``allowed`` (which rows may see which) for a sliding-window model.
+
+    Args:
+        query_pos: (q,) position id of each query row.
+        key_pos: (kv,) position id of each key.
+        window: the model's ``sliding_window`` in tokens.
+    """
+    return query_pos[:, None] - key_pos[None, :] < window
+
+
 _ROWS = threading.local()  # per thread: a plain attribute read, which torch.compile can trace
 
 

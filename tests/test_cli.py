@@ -39,3 +39,24 @@ def test_reproduce_table1_tiny(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     table = (tmp_path / "table" / "table1.md").read_text()
     assert "| tiny | frozen-base | python |" in table and "100.0 %" in table
+
+
+def test_eval_help_loads_no_torch_and_shows_each_default_once():
+    code = ("import sys; from space.eval.__main__ import build_parser; text = build_parser().format_help()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nprint(text)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-1000:]
+    text = " ".join(out.stdout.split())
+    assert "(default: None)" not in text and all(h.count("(default") <= 1 for h in text.split(" --"))
+
+
+def test_train_help_lists_space_options_first(capsys):
+    from space.train.__main__ import main as train_main
+
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    text = capsys.readouterr().out
+    assert text.index("--config CONFIG") < text.index("SPACE: model") < text.index("SPACE: mask tokens") \
+        < text.index("HF TrainingArguments")
+    assert "YAML file setting any of the keys" in text and "(default: None)" not in " ".join(text.split())
+    assert "--lora_r LORA_R, --lora-r LORA_R\n                        lora / frozen-base: LoRA rank" in text

@@ -279,3 +279,99 @@ def test_generation_config_object(tiny):
     cfg = GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=model.generation_config.eos_token_id)
     assert torch.equal(_space(model, ids, generation_config=cfg, mask_num=2), _hf(model, ids, generation_config=cfg))
 
+
+
+def _left_padded(trained, short=7):
+    """Two prompts of the trained model's language, the second cut to ``short`` tokens and
+    left-padded: (ids (2, seq), attention_mask (2, seq), the short prompt)."""
+    a, b = (p[0].tolist() for p in _prompts(trained, n=2))
+    b = b[:short]
+    pad = trained[1].pad_token_id
+    ids = torch.tensor([a, [pad] * (len(a) - len(b)) + b])
+    mask = torch.tensor([[1] * len(a), [0] * (len(a) - len(b)) + [1] * len(b)])
+    return ids, mask, b
+
+
+@pytest.mark.parametrize("processor", ["forced_eos_token_id", "min_new_tokens", "min_length",
+                                       "exponential_decay_length_penalty"])
+def test_batch_length_processors_equal_batched_generate(trained, processor):
+    """Length-dependent processors count the left padding of a row, as in HF's batched loop: they
+    fire at the same step as in plain batched generate (decoding a row without its padding fired
+    them ``padding`` steps late)."""
+    model, tok = trained[0], trained[1]
+    ids, mask, b = _left_padded(trained)
+    new_b = _hf(model, torch.tensor([b]), max_new_tokens=20)[0, len(b):].tolist()
+    j = next(j for j in range(6, 20) if new_b[j] not in new_b[:j])  # the first time the short row says it
+    kw = {"forced_eos_token_id": dict(forced_eos_token_id=99, max_new_tokens=8),
+          "min_new_tokens": dict(eos_token_id=new_b[j], min_new_tokens=j - 2, max_new_tokens=20),
+          "min_length": dict(eos_token_id=new_b[j], min_length=ids.shape[1] + j - 2, max_new_tokens=20),
+          "exponential_decay_length_penalty": dict(eos_token_id=new_b[j], exponential_decay_length_penalty=(1, 4.0),
+                                                   max_new_tokens=20)}[processor]
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=tok.pad_token_id, **kw)
+    with pytest.warns(UserWarning, match="one after another"):
+        out = model.generate(ids, attention_mask=mask, custom_generate=space_generate, pad_token_id=tok.pad_token_id,
+                             **kw)
+    assert torch.equal(out, ref)
+    if processor == "forced_eos_token_id":
+        assert ref[:, -1].tolist() == [99, 99]
+
+
+def test_greedy_applies_logits_processors(tiny):
+    """Greedy decoding keeps the processors: repetition penalty + no_repeat_ngram_size as in HF
+    (and they do change the output here)."""
+    model, tok, _ = tiny
+    for text in ("hello", "The quick brown fox"):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        kw = dict(max_new_tokens=20, repetition_penalty=3.0, no_repeat_ngram_size=1)
+        ref = _hf(model, ids, **kw)
+        assert not torch.equal(ref, _hf(model, ids, max_new_tokens=20))
+        assert torch.equal(_space(model, ids, mask_num=3, **kw), ref), text
+
+
+def test_generation_config_space_settings(trained):
+    """GenerationConfig(mask_num=1) decodes with k = 1 (at most one draft accepted per step); a
+    keyword argument of generate wins over it."""
+    model = trained[0]
+    ids = _prompts(trained, n=1)[0]
+    ref = _hf(model, ids, max_new_tokens=30)
+    cfg = GenerationConfig(max_new_tokens=30, do_sample=False, mask_num=1)
+    out = _space(model, ids, generation_config=cfg, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and max(out.accept_lengths[0]) == 1
+    out = _space(model, ids, generation_config=cfg, mask_num=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and max(out.accept_lengths[0]) > 1
+
+
+def test_end_of_context_warns_and_stops_there():
+    """Where plain generate warns and runs past max_position_embeddings, space_generate warns and
+    stops at the context, with plain generate's tokens up to there; a full context is refused."""
+    from space.tokens import add_mask_tokens
+
+    model, tok = tiny_random_llama(seed=0, max_position_embeddings=64)
+    add_mask_tokens(model, tok, mask_num=3)
+    ids = torch.randint(0, 250, (1, 58), generator=torch.Generator().manual_seed(0))
+    ref = _hf(model, ids, max_new_tokens=10)
+    with pytest.warns(UserWarning, match="exceeds the model context 64"):
+        out = _space(model, ids, max_new_tokens=10)
+    assert out.shape[1] == 64 and torch.equal(out, ref[:, :64])
+    full = torch.randint(0, 250, (1, 64), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="no room for a new token"):
+        _space(model, full, max_new_tokens=4)
+
+
+def test_flash_attention_is_refused(tiny):
+    from copy import deepcopy
+
+    model, tok, _ = tiny
+    flash = deepcopy(model)
+    flash.config._attn_implementation = "flash_attention_2"
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*'sdpa'"):
+        _space(flash, ids, max_new_tokens=4)
+
+
+def test_right_padding_is_refused(trained):
+    model, tok = trained[0], trained[1]
+    ids, mask, _ = _left_padded(trained)
+    with pytest.raises(ValueError, match="row 1 of attention_mask is not left padding"):
+        model.generate(ids, attention_mask=mask.flip(1), custom_generate=space_generate, max_new_tokens=4,
+                       pad_token_id=tok.pad_token_id)

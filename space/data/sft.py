@@ -19,8 +19,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from datasets import Dataset
-
 from ..jsonl import read_jsonl
 from .prompts import chat_ids, mbpp_prompt
 
@@ -63,30 +61,19 @@ def read_rows(path: Path) -> list[dict]:
     """
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
-    if path.suffix == ".gz":  # a committed self-distilled set (space-distill --out x.jsonl.gz)
-        rows = read_jsonl(path)
-        if not rows:
-            raise ValueError(f"{path}: the file is empty (no rows)")
-        return rows
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if path.suffix == ".json":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of rows")
-    else:
-        rows = []
-        for n, line in enumerate(text.split("\n"), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    else:  # .jsonl, or .jsonl.gz: a committed self-distilled set (space-distill --out x.jsonl.gz)
+        rows = read_jsonl(path)
     if not rows:
         raise ValueError(f"{path}: the file is empty (no rows)")
     return rows
@@ -162,12 +149,17 @@ def load_examples(name: str, root: str | os.PathLike | None = None, limit: int |
     return out
 
 
-def tokenize(examples: list[Example], tokenizer, max_length: int) -> Dataset:
+def tokenize(examples: list[Example], tokenizer, max_length: int):
     """Token ids (prompt + response + EOS) cut to ``max_length``, with ``prompt_len`` and ``idx``.
 
     Prompt tokens are excluded from the loss by the collator (targets before ``prompt_len``).
     Samples whose prompt alone fills ``max_length`` are dropped.
+
+    Returns:
+        a ``datasets.Dataset`` (imported here: loading it costs about 1.5 s, which ``--help`` skips).
     """
+    from datasets import Dataset
+
     rows = []
     for i, ex in enumerate(examples):
         prompt = chat_ids(tokenizer, ex.context)

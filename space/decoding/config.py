@@ -7,12 +7,38 @@ A trained adapter carries its tuned layout in ``space_config.json`` under ``"dec
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..tokens import check_mask_num
 from .tree import Tree, chain_depth, check_tree, prune
 
 DEFAULT_MASK_NUM = 5  # the paper's k (DESIGN §2); the only place a default k is written
+
+
+def check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    """Raise a one-line ValueError naming ``name`` unless ``value`` is an integer (not a bool, not
+    a float such as 2.0, NaN or inf) in ``minimum..maximum`` (None: no upper bound)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):  # numpy / torch integers too
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"be >= {minimum}" if maximum is None else f"lie in {minimum}..{maximum}"
+        raise ValueError(f"{name} must {bound}, got {value}")
+
+
+def check_real(name: str, value, minimum: float, maximum: float = math.inf, min_open: bool = False) -> None:
+    """Raise a one-line ValueError naming ``name`` unless ``value`` is a finite number in
+    [minimum, maximum] (``(minimum, maximum]`` with ``min_open``). NaN fails every comparison, so it
+    is refused explicitly rather than slipping through a ``<`` check."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < minimum or (min_open and value == minimum) or value > maximum:
+        if maximum == math.inf:
+            bound = f"be {'>' if min_open else '>='} {minimum}"
+        else:
+            bound = f"lie in {'(' if min_open else '['}{minimum}, {maximum}]"
+        raise ValueError(f"{name} must {bound}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -31,7 +57,9 @@ class DecodeConfig:
             chain). Lists are accepted and stored as the breadth-first sorted tuple.
 
     Raises:
-        ValueError: any field out of range (at construction).
+        ValueError: any field out of range or not an integer (NaN, inf and 2.0 included), at
+            construction. A tree rank beyond the vocabulary is refused where the vocabulary is
+            known, by ``SpaceDecoder``.
     """
 
     mask_num: int = DEFAULT_MASK_NUM
@@ -44,11 +72,10 @@ class DecodeConfig:
         check_mask_num(self.mask_num)
         if self.tree is not None:
             object.__setattr__(self, "tree", check_tree(self.tree, self.mask_num))
-        if self.num_groups is not None and not 1 <= self.num_groups <= self.mask_num + 1:
-            raise ValueError(f"num_groups must lie in 1..{self.mask_num + 1} (k+1), got {self.num_groups}")
-        if self.lookup_tokens < 0 or self.lookup_ngram < 1:
-            raise ValueError(f"lookup_tokens must be >= 0 and lookup_ngram >= 1, got "
-                             f"{self.lookup_tokens}, {self.lookup_ngram}")
+        if self.num_groups is not None:
+            check_int("num_groups", self.num_groups, 1, self.mask_num + 1)  # G_0..G_k
+        check_int("lookup_tokens", self.lookup_tokens, 0)
+        check_int("lookup_ngram", self.lookup_ngram, 1)
 
     @property
     def groups(self) -> int:

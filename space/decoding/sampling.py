@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import check_int, check_real
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -18,7 +20,10 @@ class SamplingConfig:
         temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set whose probability reaches top_p (1.0 = off).
-        seed: seed of the torch.Generator that drives sampling and acceptance.
+        seed: seed of the torch.Generator that drives sampling and acceptance, 0..2**64-1.
+
+    Raises:
+        ValueError: a field out of range, NaN or inf, or a float where an integer is needed.
     """
 
     temperature: float = 0.0
@@ -27,8 +32,10 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {self}")
+        check_real("temperature", self.temperature, 0)
+        check_real("top_p", self.top_p, 0, 1, min_open=True)
+        check_int("top_k", self.top_k, 0)
+        check_int("seed", self.seed, 0, 2**64 - 1)  # the range torch.Generator.manual_seed takes
 
     @property
     def greedy(self) -> bool:

@@ -11,8 +11,18 @@ holds ``x_0..x_{n-2}``, with the layout core's 4-D mask and position ids, then
    group by shifting: DESIGN §3.5).
 
 The LM head runs on the m+1 verification rows, then on the chosen group's rows; or once on every
-row when that wastes few rows (one read of the head's weight instead of two). Greedy output is
-token-for-token the AR greedy output of the same weights.
+row when that wastes few rows (one read of the head's weight instead of two).
+
+Exactness and precision: in fp32, greedy output is token for token the AR greedy output of the same
+weights, and sampled output is distributed as AR sampling. In bf16 and fp16 the verification rows
+are computed in one multi-row forward whose kernels round differently from AR's one-row forwards,
+so a near-tie between the two best tokens can flip and the output can then differ from AR from
+that token on; check exactness in fp32.
+
+Sliding-window models (Mistral, Qwen2 with ``use_sliding_window``): the cache keeps every token on
+every layer (``cache.full_cache``), so it can be cropped and compacted, and the window is applied
+in the step's 4-D mask by position, per kind of layer (:func:`with_cache`): each row sees what AR
+decoding with transformers' sliding cache sees.
 
 Device work: tokens, candidates, draft distributions and the sampling generator live on the
 model's device, and the layout's tensors are built once per shape and kept there. A step copies
@@ -43,9 +53,9 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..masking import build_layout, mask_rows, to_additive_4d, tree_parents
+from ..masking import build_layout, in_window, mask_rows, to_additive_4d, tree_parents
 from ..tokens import MaskSpec, check_mask_num
-from .cache import cache_input, crop_cache
+from .cache import attention_windows, cache_input, crop_cache, full_cache
 from .config import DecodeConfig
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
@@ -76,11 +86,31 @@ def compact_cache(cache: DynamicCache, start: int, rows: list[int]) -> None:
     crop_cache(cache, start + 1 + len(rows))
 
 
-def with_cache(block_mask: torch.Tensor, cache_len: int) -> torch.Tensor:
-    """(1, 1, q, cache_len + q) additive 4-D mask: a step block's (1, 1, q, q) mask after a cache of
-    ``cache_len`` tokens, which every row sees."""
+def with_cache(block_mask: torch.Tensor, position_ids: torch.Tensor, cache_len: int,
+               windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The forward's ``attention_mask`` for a step block after a cache of ``cache_len`` tokens.
+
+    Args:
+        block_mask: (1, 1, q, q) additive mask of the block's rows among themselves.
+        position_ids: (q,) position of each row minus ``cache_len``.
+        windows: the model's attention kinds (``cache.attention_windows``).
+
+    Returns:
+        (1, 1, q, cache_len + q) additive mask in which every row sees the cache; on a sliding-window
+        model a row also sees only the keys less than the window behind its position (cache slot i
+        holds position i: the cache is full-attention and compacted), which is what AR decoding
+        sees. A model mixing full and sliding layers gets ``{layer type: mask}``, the form
+        transformers' hybrid models take.
+    """
     q = block_mask.shape[-1]
-    return torch.cat([block_mask.new_zeros(1, 1, q, cache_len), block_mask], dim=-1)
+    full = torch.cat([block_mask.new_zeros(1, 1, q, cache_len), block_mask], dim=-1)
+    if all(w is None for w in windows.values()):
+        return full
+    query_pos = position_ids + cache_len
+    key_pos = torch.cat([torch.arange(cache_len, device=query_pos.device), query_pos])
+    masks = {kind: full if w is None else full.masked_fill(~in_window(query_pos, key_pos, w), torch.finfo(full.dtype).min)
+             for kind, w in windows.items()}
+    return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
 @dataclass(frozen=True)
@@ -103,8 +133,8 @@ class StepLayout:
     position_ids: torch.Tensor
     block_mask: torch.Tensor
 
-    def attention_mask(self, cache_len: int) -> torch.Tensor:
-        return with_cache(self.block_mask, cache_len)
+    def attention_mask(self, cache_len: int, windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+        return with_cache(self.block_mask, self.position_ids, cache_len, windows)
 
     def draft_rows(self, a: int) -> slice:
         """Rows of the next candidates after a accepted: mask j of G_g proposes position n+g+1+j,
@@ -152,8 +182,8 @@ class TreeLayout:
     def num_real(self) -> int:
         return len(self.parents)
 
-    def attention_mask(self, cache_len: int) -> torch.Tensor:
-        return with_cache(self.block_mask, cache_len)
+    def attention_mask(self, cache_len: int, windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+        return with_cache(self.block_mask, self.position_ids, cache_len, windows)
 
     def path(self, row: int) -> list[int]:
         """Rows from depth 1 down to ``row`` (empty for x_{n-1})."""
@@ -176,7 +206,9 @@ class SpaceDecoder:
             ``space_config.json``), else k = the trained k (see ``DecodeConfig.of_model``).
 
     Raises:
-        ValueError: k larger than the model's per-offset mask tokens (mask_diff).
+        ValueError: k larger than the model's per-offset mask tokens (mask_diff), a tree rank at or
+            above the vocabulary size, or a model with attention layers other than full and
+            sliding-window ones (``cache.attention_windows``).
     """
 
     def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None):
@@ -186,7 +218,7 @@ class SpaceDecoder:
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
         self.mask = mask
         self.context = base.config.max_position_embeddings
-        self.model_config = base.config
+        self.windows = attention_windows(base.config)  # sliding windows go into the step's 4-D mask
         self.device = self.head.weight.device
         self.mask_ids = mask.ids_for(self.config.mask_num).to(self.device)
         self.suppress = torch.tensor(mask.token_ids, device=self.device)
@@ -199,6 +231,10 @@ class SpaceDecoder:
         if self.config.tree is not None or self.lookup is not None:
             self.tree = self.config.tree or tuple((0,) * d for d in range(1, self.config.mask_num + 1))
         self.draft_ranks = 1 + max(max(p) for p in self.tree) if self.tree else 1  # R: drafts kept per mask
+        vocab = self.head.weight.shape[0]
+        if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
+            raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
+                             f"size {vocab} (ranks count from 0)")
         self._layouts: dict[tuple[int, int, int], StepLayout] = {}
         self._tree_layouts: dict[tuple[int, int, int, int], TreeLayout] = {}
 
@@ -222,12 +258,15 @@ class SpaceDecoder:
                 no group was left), returns (r' <= k, R); the lookup branch is added as usual.
             logits_processor: HF convention, ``(input_ids (1, seq), scores (1, vocab)) -> scores``
                 (e.g. a ``LogitsProcessorList``). Applied to each verification row with exactly the
-                tokens before the position it scores, as AR decoding would, so greedy output equals
-                AR with the same processor and sampling stays exact; applied to draft rows with
-                their group's context (drafts only need to be drawn from the q they report).
+                tokens before the position it scores (in a tree, x_0..x_{n-1} and the node's own
+                path), as AR decoding would, so greedy output equals AR with the same processor
+                (in fp32; see the module docstring for bf16 / fp16) and sampling stays exact;
+                applied to draft rows with their group's context (drafts only need to be drawn from
+                the q they report).
 
         Returns:
-            DecodeResult with the new ids and per-step statistics (times in s).
+            DecodeResult with the new ids and per-step statistics (times in s). Greedy: the new
+            ids equal ``ar_generate``'s token for token in fp32; in bf16 / fp16 a near-tie can flip.
 
         Raises:
             ValueError: empty prompt, batch > 1, or prompt + max_new_tokens over the context.
@@ -235,7 +274,7 @@ class SpaceDecoder:
         ids = check_prompt(input_ids, max_new_tokens, self.context)
         res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
-        cache = DynamicCache(config=self.model_config)
+        cache = full_cache()
         t0 = clock(self.device)
         ids = ids.to(self.device)
         if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
@@ -302,7 +341,7 @@ class SpaceDecoder:
         block = torch.cat([last, tokens, lay.mask_ids])
         with mask_rows(n1):
             hidden = self.decoder(input_ids=block[None], position_ids=(lay.position_ids + L)[None],
-                                  attention_mask=lay.attention_mask(L), **cache_input(cache),
+                                  attention_mask=lay.attention_mask(L, self.windows), **cache_input(cache),
                                   use_cache=True).last_hidden_state[0]  # (q, hidden)
         logits = self._logits(hidden) if hidden.shape[0] <= 2 * (n1 + lay.k) else None
         target = logits[:n1] if logits is not None else self._logits(hidden[:n1])  # (1+N, vocab)
@@ -386,7 +425,7 @@ class SpaceDecoder:
         block = torch.cat([last, cands, lay.mask_ids])
         with mask_rows(lay.num_real):  # rows num_real: are the mask groups (a frozen-base LoRA acts there)
             hidden = self.decoder(input_ids=block[None], position_ids=(lay.position_ids + L)[None],
-                                  attention_mask=lay.attention_mask(L), **cache_input(cache),
+                                  attention_mask=lay.attention_mask(L, self.windows), **cache_input(cache),
                                   use_cache=True).last_hidden_state[0]  # (q, hidden)
         # The LM head's cost is mostly one read of its (vocab, hidden) weight, so when few rows
         # would be wasted, run it once on every row (drafts included) rather than twice.

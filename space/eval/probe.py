@@ -33,29 +33,18 @@ import json
 import platform
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import transformers
-from tqdm import tqdm
-from transformers import DynamicCache
-
-from ..adapters import DEFAULT_MASK_NUM, SPACE_CONFIG, load_space
-from ..cli import add_debug_flag, console
-from ..data.dev_set import dev_prompts, prompt_key
-from ..data.prompts import chat_ids
-from ..decoding.cache import cache_input, crop_cache
-from ..decoding.tree import parse_tree
-from ..distill import greedy_batches
+from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
 from ..jsonl import append_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
-from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
-from ..models import SMOLLM2
-from ..tokens import MAX_MASK_NUM
-from .tasks import DATASETS, load_tasks
+from .resume import adapter_sha256
+
+if TYPE_CHECKING:
+    import torch
 
 TOPS = (1, 3, 5, 10)
 
 
-@torch.inference_mode()
 def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tensor, k: int,
                  suppress_ids=(), chunk_groups: int = 64) -> torch.Tensor:
     """Rank of the true token among each mask's logits, a group anchored at every answer position.
@@ -71,47 +60,58 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
     Returns:
         (anchors, k) long: 0 = top-1; -1 where offset j has no token (e+j+1 >= n).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
-    device, n = head.weight.device, ids.numel()
-    ids = ids.to(device)
-    anchors = list(range(max(prompt_len, 1), n - 1))
-    if not anchors:
-        return torch.empty(0, k, dtype=torch.long)
-    cache = DynamicCache(config=base.config)
-    decoder(input_ids=ids[None], **cache_input(cache), use_cache=True)  # the real tokens, once
-    out = []
-    for start in range(0, len(anchors), chunk_groups):
-        groups = anchors[start:start + chunk_groups]
-        lay = train_layout(n, groups, k)  # rows :n are the cached real tokens, n: the groups
-        attn = to_additive_4d(lay.allowed[n:], head.weight.dtype).to(device)  # (1, 1, G*k, n + G*k)
-        with mask_rows(0):
-            hidden = decoder(input_ids=lay.input_ids(ids, mask_ids.to(device))[None, n:],
-                             position_ids=lay.position_ids[None, n:].to(device), attention_mask=attn,
-                             **cache_input(cache), use_cache=True).last_hidden_state[0]  # (G*k, hidden)
-        crop_cache(cache, n)
-        logits = head(hidden).float()  # (G*k, vocab)
-        logits[:, list(suppress_ids)] = float("-inf")
-        tgt = targets(lay, ids)[n:].to(device)  # (G*k,) x_{e+j+1}, IGNORE_INDEX past the end
-        true = logits.gather(1, tgt.clamp(min=0)[:, None])  # (G*k, 1)
-        rank = (logits > true).sum(-1).masked_fill(tgt == IGNORE_INDEX, -1)
-        out.append(rank.view(len(groups), k).cpu())
-    return torch.cat(out)
+    import torch
+    from transformers import DynamicCache
+
+    from ..decoding.cache import cache_input, crop_cache, refuse_sliding_window
+    from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
+
+    with torch.inference_mode():
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+        device, n = head.weight.device, ids.numel()
+        ids = ids.to(device)
+        anchors = list(range(max(prompt_len, 1), n - 1))
+        if not anchors:
+            return torch.empty(0, k, dtype=torch.long)
+        refuse_sliding_window(base.config, "the acceptance probe")
+        cache = DynamicCache(config=base.config)
+        decoder(input_ids=ids[None], **cache_input(cache), use_cache=True)  # the real tokens, once
+        out = []
+        for start in range(0, len(anchors), chunk_groups):
+            groups = anchors[start:start + chunk_groups]
+            lay = train_layout(n, groups, k)  # rows :n are the cached real tokens, n: the groups
+            attn = to_additive_4d(lay.allowed[n:], head.weight.dtype).to(device)  # (1, 1, G*k, n + G*k)
+            with mask_rows(0):
+                hidden = decoder(input_ids=lay.input_ids(ids, mask_ids.to(device))[None, n:],
+                                 position_ids=lay.position_ids[None, n:].to(device), attention_mask=attn,
+                                 **cache_input(cache), use_cache=True).last_hidden_state[0]  # (G*k, hidden)
+            crop_cache(cache, n)
+            logits = head(hidden).float()  # (G*k, vocab)
+            logits[:, list(suppress_ids)] = float("-inf")
+            tgt = targets(lay, ids)[n:].to(device)  # (G*k,) x_{e+j+1}, IGNORE_INDEX past the end
+            true = logits.gather(1, tgt.clamp(min=0)[:, None])  # (G*k, 1)
+            rank = (logits > true).sum(-1).masked_fill(tgt == IGNORE_INDEX, -1)
+            out.append(rank.view(len(groups), k).cpu())
+        return torch.cat(out)
 
 
 def summarize(ranks: torch.Tensor, tree: list[list[int]] | None = None) -> dict:
-    """Per-offset top-t accuracy, chain bound and tree bound of (anchors, k) ranks (-1 = none)."""
+    """Per-offset top-t accuracy, chain bound and tree bound of (anchors, k) ranks (a long tensor,
+    -1 = none); every share and bound rounded to 4 decimals."""
+    import torch
+
     k = ranks.shape[1]
     has = ranks >= 0  # (anchors, k)
     out = {"anchors": int(has[:, 0].sum()), "positions_per_offset": has.sum(0).tolist()}
     out["topk"] = {str(t): [_share((ranks[:, j] < t) & has[:, j], has[:, j]) for j in range(k)] for t in TOPS}
     run = torch.cumprod((ranks == 0).long(), dim=1).bool()  # offsets 0..j all top-1
     out["chain_all_top1"] = [_share(run[:, j], has[:, j]) for j in range(k)]
-    out["chain_bound"] = 1 + sum(out["chain_all_top1"])
+    out["chain_bound"] = round(1 + sum(out["chain_all_top1"]), 4)
     if tree is not None:
         nodes = [_share(torch.stack([ranks[:, d] == r for d, r in enumerate(p)], 1).all(1), has[:, len(p) - 1])
                  for p in tree]
-        out["tree"], out["tree_nodes"], out["tree_bound"] = [list(p) for p in tree], nodes, 1 + sum(nodes)
+        out["tree"], out["tree_nodes"], out["tree_bound"] = [list(p) for p in tree], nodes, round(1 + sum(nodes), 4)
     return out
 
 
@@ -127,6 +127,9 @@ def cached_answers(model, tok, prompts: list[dict], path: Path, target: str, max
     Raises:
         ValueError: ``path`` holds answers of another target or max_new_tokens.
     """
+    from ..data.prompts import chat_ids
+    from ..distill import greedy_batches
+
     rows = read_jsonl_resumable(path)
     other = {(r["target"], r["max_new_tokens"]) for r in rows} - {(target, max_new_tokens)}
     if other:
@@ -154,6 +157,9 @@ def probe_prompts(dataset: str, root=None, limit: int | None = None) -> list[dic
     Raises:
         ValueError / FileNotFoundError: as ``space.eval.tasks.load_tasks``.
     """
+    from ..data.dev_set import dev_prompts, prompt_key
+    from .tasks import load_tasks
+
     if dataset == "dev":
         prompts = dev_prompts(root)
         if limit is None:
@@ -189,54 +195,130 @@ def plot(summary: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def base_model_name(model: str | None, adapter: str | Path | None) -> str:
+    """The base model a run uses: ``model``, else the adapter's recorded base, else SmolLM2.
+
+    Raises:
+        FileNotFoundError / ValueError: ``adapter`` is not a SPACE adapter (``read_space_config``).
+    """
+    from ..adapters import read_space_config
+    from ..models import SMOLLM2
+
+    if model is not None:
+        return model
+    return SMOLLM2 if adapter is None else read_space_config(Path(adapter))["base_model"]
+
+
 def target_name(model: str | None, adapter: str | None) -> str:
     """Which model's greedy answers are probed: the base for a frozen-base adapter (its real-token
     logits are the base's), else base + adapter (a merged lora adapter is a new model)."""
-    if adapter is None:
-        return model or SMOLLM2
-    cfg_path = Path(adapter) / SPACE_CONFIG
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
-    cfg = json.loads(cfg_path.read_text())
-    base = model or cfg.get("base_model", SMOLLM2)
-    return base if cfg.get("mode") == "frozen-base" else f"{base}+{Path(adapter).resolve()}"
+    from ..adapters import read_space_config
+
+    base = base_model_name(model, adapter)
+    if adapter is None or read_space_config(Path(adapter))["mode"] == "frozen-base":
+        return base
+    return f"{base}+{Path(adapter).resolve()}"
+
+
+def check_tree_vocab(tree, model: str | None, adapter: str | Path | None) -> None:
+    """Refuse a token tree (paths of ranks, or None) with a rank at or above the base model's
+    vocabulary size, read from its config without loading weights (the tiny test model is built).
+
+    Raises:
+        ValueError: such a rank (rank and size named). FileNotFoundError: an unknown model.
+    """
+    from ..models import SMOLLM2, TINY, smollm2_dir, tiny_random_llama
+
+    if not tree:
+        return
+    name = base_model_name(model, adapter)
+    if name == TINY:
+        vocab = tiny_random_llama()[0].config.vocab_size
+    else:
+        path = (smollm2_dir() if name == SMOLLM2 else Path(name)) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"unknown model {name!r}: not an alias and no {path}")
+        vocab = json.loads(path.read_text(encoding="utf-8")).get("vocab_size")
+    top = max(max(p) for p in tree)
+    if vocab is not None and top >= vocab:
+        raise ValueError(f"--tree: rank {top} is not below the vocabulary size {vocab} of {name}")
+
+
+def read_tree(spec: str | None, k: int, model: str | None, adapter: str | Path | None):
+    """``--tree`` as ``space.decoding.tree.parse_tree`` reads it, its ranks checked against the
+    vocabulary (:func:`check_tree_vocab`); None for the chain.
+
+    Raises:
+        ValueError: an invalid tree, a file that is not UTF-8 text, or a rank past the vocabulary.
+    """
+    from ..decoding.tree import parse_tree
+
+    try:
+        tree = parse_tree(spec, k)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--tree {spec}: not a UTF-8 text file (byte {e.start})") from None
+    check_tree_vocab(tree, model, adapter)
+    return tree
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="space-probe", description="Drafter acceptance probe on the dev set (DESIGN §6).")
+    ap.add_argument("--model", default=None, help="alias or local HF directory (default: the adapter's base, else SmolLM2)")
+    ap.add_argument("--adapter", default=None, help="SPACE adapter directory (space.adapters.load_space; default: none)")
+    ap.add_argument("--mask-num", "-k", type=int, default=None, help="k masks per group (default: the trained k, else 5)")
+    ap.add_argument("--tree", default=None, help="token tree: JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file "
+                    "(default: none, the chain)")
+    ap.add_argument("--dataset", default="dev", help="dev (the default; for choosing recipes) or an evaluation set to "
+                    "report on: humaneval, humaneval-x:LANG, mbpp, mt-bench (space.eval.tasks.DATASETS) or a "
+                    "question .jsonl (first turns)")
+    ap.add_argument("--limit", type=int, default=None, help="first N dev prompts per source (default all: 100 MBPP, "
+                    "30 LIMA), or first N tasks of --dataset")
+    ap.add_argument("--out", type=Path, default=Path("runs/probe/latest"), help="output folder (default: %(default)s)")
+    ap.add_argument("--answers", type=Path, default=None, help="greedy answers cache (default <out>/answers.jsonl)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="longest greedy answer (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default: %(default)s)")
+    ap.add_argument("--chunk-groups", type=int, default=64, help="mask groups per forward (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", help="parameter dtype (default: %(default)s)")
+    add_device_flag(ap)
+    add_threads_flag(ap)
+    ap.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data)")
+    add_debug_flag(ap)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the probe on the dev set (or ``--dataset``); returns the summary written to ``<out>/probe.json``.
 
+    ``<out>/ranks.jsonl`` opens with a ``{"meta": ...}`` line naming the base model and the adapter
+    (path and ``space.eval.resume.adapter_sha256``), which ``space-tree`` checks.
+
     Raises:
-        ValueError: bad --tree, --mask-num, --limit, or an answers file of another target.
+        ValueError: bad --tree (a rank past the vocabulary too), --mask-num, --limit, --threads,
+            --device, or an answers file of another target.
         FileNotFoundError: missing adapter, model or data.
     """
-    ap = argparse.ArgumentParser(prog="space-probe", description="Drafter acceptance probe on the dev set (DESIGN §6).")
-    ap.add_argument("--model", default=None, help="alias or local HF directory (default: the adapter's base, else SmolLM2)")
-    ap.add_argument("--adapter", default=None, help="SPACE adapter directory (space.adapters.load_space)")
-    ap.add_argument("--mask-num", "-k", type=int, default=None, help="k masks per group (default: the trained k, else 5)")
-    ap.add_argument("--tree", default=None, help="token tree: JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file")
-    ap.add_argument("--dataset", default="dev", help=f"dev (the default; for choosing recipes) or an evaluation set to "
-                    f"report on: {', '.join(DATASETS)} or a question .jsonl (first turns)")
-    ap.add_argument("--limit", type=int, default=None, help="first N dev prompts per source (default all: 100 MBPP, "
-                    "30 LIMA), or first N tasks of --dataset")
-    ap.add_argument("--out", type=Path, default=Path("runs/probe/latest"), help="output folder")
-    ap.add_argument("--answers", type=Path, default=None, help="greedy answers cache (default <out>/answers.jsonl)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
-    ap.add_argument("--chunk-groups", type=int, default=64, help="mask groups per forward")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data)")
-    add_debug_flag(ap)
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     for name in ("limit", "max_new_tokens", "batch_size", "chunk_groups", "mask_num"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    parse_tree(a.tree, a.mask_num or MAX_MASK_NUM)  # fail before loading the model; rechecked against k below
+    set_threads(a.threads)
+    check_device(a.device)
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    from ..adapters import DEFAULT_MASK_NUM, load_space
+    from ..decoding.cache import refuse_sliding_window
+    from ..tokens import MAX_MASK_NUM
+
+    read_tree(a.tree, a.mask_num or MAX_MASK_NUM, a.model, a.adapter)  # before loading; rechecked against k below
     target = target_name(a.model, a.adapter)
+    base = base_model_name(a.model, a.adapter)
     prompts = probe_prompts(a.dataset, a.data_root, a.limit)
     model, tok, spec = load_space(a.model, a.adapter, a.mask_num or DEFAULT_MASK_NUM, a.dtype, a.device)
+    refuse_sliding_window(model.config, "the acceptance probe")  # before hours of greedy answers
     k = a.mask_num or spec.mask_num or DEFAULT_MASK_NUM
-    tree = parse_tree(a.tree, k)
+    tree = read_tree(a.tree, k, a.model, a.adapter)
     mask_ids = spec.ids_for(k)
     a.out.mkdir(parents=True, exist_ok=True)
     answers = cached_answers(model, tok, prompts, a.answers or a.out / "answers.jsonl", target,
@@ -248,13 +330,13 @@ def main(argv: list[str] | None = None) -> dict:
                              mask_ids, k, spec.token_ids, a.chunk_groups)
         per_sample.append({"id": p["id"], "source": p["source"], "ranks": ranks.tolist()})
         ranks_by_source.setdefault(p["source"], []).append(ranks)
-    write_jsonl(a.out / "ranks.jsonl", per_sample)
+    drafter = {"model": base, "adapter": a.adapter, "adapter_sha256": adapter_sha256(a.adapter), "mask_num": k}
+    write_jsonl(a.out / "ranks.jsonl", [{"meta": drafter}, *per_sample])
     everything = torch.cat([r for rs in ranks_by_source.values() for r in rs])
     summary = {"all": summarize(everything, tree),
                **{s: summarize(torch.cat(rs), tree) for s, rs in ranks_by_source.items()}}
     dataset = "dev (configs/data/dev_set.json)" if a.dataset == "dev" else a.dataset
-    meta = {"model": a.model or target.split("+")[0], "adapter": a.adapter, "target": target, "mask_num": k,
-            "dtype": a.dtype, "device": a.device, "dataset": dataset, "limit": a.limit,
+    meta = {**drafter, "target": target, "dtype": a.dtype, "device": a.device, "dataset": dataset, "limit": a.limit,
             "samples": len(prompts), "max_new_tokens": a.max_new_tokens, "seed": None, "decoding": "greedy",
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
     result = {"meta": meta, "summary": summary}

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.prompts import code_prompt, mbpp_prompt
-from ..data.sft import data_root, read_rows
 
 LANGUAGES = ("python", "cpp", "java", "js", "go", "rust")
 DATASETS = ("humaneval", *(f"humaneval-x:{lang}" for lang in LANGUAGES), "mbpp", "mt-bench")
@@ -44,10 +43,12 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
     with a ``prompt`` field.
 
     Raises:
-        ValueError: unknown dataset, limit < 1, malformed row (file and line named), an empty or
-            blank file, or a question_id that appears twice (id and file named).
+        ValueError: unknown dataset, limit < 1, malformed row or bytes that are not UTF-8 (file and line named),
+            an empty or blank file, or a question_id that appears twice (id and file named).
         FileNotFoundError: a missing file.
     """
+    from ..data.sft import data_root, read_rows  # here: it loads ``datasets``, which --help does not need
+
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     root = data_root(root)
@@ -63,8 +64,11 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
         path = source = root / "humaneval-x" / f"humaneval_{lang}.jsonl.gz"
         if not path.is_file():
             raise FileNotFoundError(f"HumanEval-X file not found: {path}")
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            tasks = [_code_task(json.loads(line), lang) for line in f if line.strip()]
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                tasks = [_code_task(json.loads(line), lang) for line in f if line.strip()]
+        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: damaged file ({e})") from None
     elif name == "mbpp":
         tasks = [EvalTask(str(r["task_id"]), "python", [mbpp_prompt(r["text"], r["code"], r["test_list"])], "mbpp", r)
                  for r in read_rows(root / "mbpp" / "mbpp.jsonl")]

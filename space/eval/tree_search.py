@@ -28,45 +28,106 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm import tqdm
-from transformers import DynamicCache
+from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
+from .probe import base_model_name
+from .resume import adapter_sha256
 
-from ..adapters import SPACE_CONFIG, load_space
-from ..cli import add_debug_flag, console
-from ..cpu_kernels import KERNEL_CHOICES, apply_kernels
-from ..decoding.cache import cache_input, crop_cache
-from ..decoding.config import DecodeConfig
-from ..decoding.tree import grow_tree, path_probs_from_ranks, replay
-from ..masking import mask_rows, to_additive_4d
+if TYPE_CHECKING:
+    import torch
+
+    from ..decoding.config import DecodeConfig
 
 NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
 
-def load_ranks(path: Path, source: str | None = None) -> list[torch.Tensor]:
-    """Per sample, the (anchors, k) ranks of ``space-probe``'s ranks.jsonl (only the samples of
-    ``source``, e.g. "mbpp", when given).
+def read_ranks_file(path: Path) -> tuple[dict | None, list[dict]]:
+    """``space-probe``'s ranks.jsonl: (its meta line or None for a file written before it had one,
+    the per-sample rows ``{"id", "source", "ranks"}``), every row checked.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: a row without ``ranks``.
+        FileNotFoundError: no such file.
+        ValueError: not UTF-8, a line that is not JSON, a row without ``ranks``, or ranks that are
+            not an (anchors, k) list of integers >= -1 with one k in the whole file (file and line named).
     """
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such ranks file (space-probe --out DIR writes DIR/ranks.jsonl)")
-    out = []
-    for i, line in enumerate(path.read_text().split("\n")):
-        if line.strip():
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a UTF-8 text file (byte {e.start}); is this space-probe's ranks.jsonl?") from None
+    meta, rows, width = None, [], None
+    for i, line in enumerate(text.split("\n")):
+        if not line.strip():
+            continue
+        where = f"{path}:{i + 1}"
+        try:
             row = json.loads(line)
-            if "ranks" not in row:
-                raise ValueError(f"{path}:{i + 1}: no 'ranks' field (is this space-probe's ranks.jsonl?)")
-            if row["ranks"] and source in (None, row.get("source")):  # a too-short answer has no anchor
-                out.append(torch.tensor(row["ranks"], dtype=torch.long))
-    return out
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg}); is this space-probe's ranks.jsonl?") from None
+        if isinstance(row, dict) and "meta" in row and not rows and meta is None:
+            meta = row["meta"] if isinstance(row["meta"], dict) else {}
+            continue
+        if not isinstance(row, dict) or "ranks" not in row:
+            raise ValueError(f"{where}: no 'ranks' field (is this space-probe's ranks.jsonl?)")
+        ranks = row["ranks"]
+        if not isinstance(ranks, list) or not all(isinstance(r, list) for r in ranks):
+            raise ValueError(f"{where}: 'ranks' must be a list of per-anchor lists of ranks")
+        for r in ranks:
+            if width is None:
+                width = len(r)
+            if len(r) != width or not width or not all(type(x) is int and x >= -1 for x in r):
+                raise ValueError(f"{where}: ranks must be integers >= -1 (-1: no token), {width or 'k >= 1'} per "
+                                 f"anchor in the whole file, got {r!r}")
+        rows.append(row)
+    return meta, rows
 
 
-@torch.inference_mode()
+def load_ranks(path: Path, source: str | None = None) -> list[torch.Tensor]:
+    """Per sample, the (anchors, k) long tensor of ``space-probe``'s ranks.jsonl (only the samples
+    of ``source``, e.g. "mbpp", when given).
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`read_ranks_file`.
+    """
+    import torch
+
+    _, rows = read_ranks_file(path)
+    # a too-short answer has no anchor
+    return [torch.tensor(row["ranks"], dtype=torch.long) for row in rows
+            if row["ranks"] and source in (None, row.get("source"))]
+
+
+def check_ranks_source(meta: dict | None, path: Path, model: str | None, adapter: Path | None) -> None:
+    """Refuse ranks another adapter or base model produced: their drafts are not this adapter's.
+
+    ``meta`` is the ranks file's meta line (:func:`read_ranks_file`); a file without one (an
+    older space-probe) cannot be checked, which is said on stderr.
+
+    Raises:
+        ValueError: the ranks' adapter (by a hash of its files) or base model differs (both named).
+    """
+    if meta is None:
+        print(f"[space-tree] warning: {path} does not record which adapter produced it (an older space-probe); "
+              "make sure it is this adapter's", file=sys.stderr, flush=True)
+        return
+    digest, base = adapter_sha256(adapter), base_model_name(model, adapter)
+    if meta.get("adapter_sha256") != digest:
+        ranks_by = f"adapter {meta.get('adapter')} (sha256 {str(meta.get('adapter_sha256'))[:12]})" \
+            if meta.get("adapter_sha256") else "no adapter"
+        this = f"adapter {adapter} (sha256 {digest[:12]})" if digest else "no adapter"
+        raise ValueError(f"{path} holds the ranks of {ranks_by}, not of {this}: run space-probe on this adapter")
+    from ..models import model_identity
+
+    if model_identity(str(meta.get("model"))) != model_identity(base):  # an alias and its folder are one model
+        raise ValueError(f"{path} holds the ranks of base model {meta.get('model')!r}, not of {base!r}: "
+                         "run space-probe with this model")
+
+
 def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int = 15) -> dict[int, float]:
     """Median seconds of one SPACE-like forward of q rows after ``cache_len`` cached tokens: an
     additive 4-D mask, the frozen-base LoRA on rows 1.. (``mask_rows(1)``: every row but the first
@@ -75,31 +136,40 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
 
     Which ids and which visibility the rows have does not change the cost, only their number.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
-    device = head.weight.device
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + max(rows),), generator=gen).to(device)
-    cache = DynamicCache(config=base.config)
-    decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
-    out = {}
-    for q in tqdm(rows, desc="step cost", unit="shape"):
-        times = []
-        causal = torch.ones(q, cache_len + q, dtype=torch.bool).tril(cache_len)
-        attn = to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 else None
-        positions = torch.arange(cache_len, cache_len + q, device=device)[None]
-        for _ in range(repeats + 1):  # the first call of a shape warms it up
-            t0 = time.perf_counter()
-            with mask_rows(1 if q > 1 else q):
-                hidden = decoder(input_ids=ids[None, cache_len:cache_len + q], position_ids=positions,
-                                 attention_mask=attn, **cache_input(cache), use_cache=True).last_hidden_state
-            head(hidden)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            crop_cache(cache, cache_len)
-        out[q] = statistics.median(times[1:])
-    return out
+    import torch
+    from tqdm import tqdm
+    from transformers import DynamicCache
+
+    from ..decoding.cache import cache_input, crop_cache, refuse_sliding_window
+    from ..masking import mask_rows, to_additive_4d
+
+    with torch.inference_mode():
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+        device = head.weight.device
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + max(rows),), generator=gen).to(device)
+        refuse_sliding_window(base.config, "the step-cost measurement")
+        cache = DynamicCache(config=base.config)
+        decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
+        out = {}
+        for q in tqdm(rows, desc="step cost", unit="shape"):
+            times = []
+            causal = torch.ones(q, cache_len + q, dtype=torch.bool).tril(cache_len)
+            attn = to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 else None
+            positions = torch.arange(cache_len, cache_len + q, device=device)[None]
+            for _ in range(repeats + 1):  # the first call of a shape warms it up
+                t0 = time.perf_counter()
+                with mask_rows(1 if q > 1 else q):
+                    hidden = decoder(input_ids=ids[None, cache_len:cache_len + q], position_ids=positions,
+                                     attention_mask=attn, **cache_input(cache), use_cache=True).last_hidden_state
+                head(hidden)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                crop_cache(cache, cache_len)
+            out[q] = statistics.median(times[1:])
+        return out
 
 
 def interpolate(curve: dict[int, float], q: int) -> float:
@@ -114,32 +184,63 @@ def interpolate(curve: dict[int, float], q: int) -> float:
     return curve[hi] + (curve[hi] - curve[lo]) * (q - hi) / (hi - lo)
 
 
-def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int, max_rows: int) -> list[dict]:
+def _key(decode: dict) -> tuple:
+    """What makes two decode dicts the same layout (num_groups None is k+1)."""
+    groups = decode["num_groups"] or decode["mask_num"] + 1
+    tree = None if decode["tree"] is None else tuple(map(tuple, decode["tree"]))
+    return decode["mask_num"], groups, tree, decode["lookup_tokens"], decode["lookup_ngram"]
+
+
+def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float]) -> dict:
+    """Replay ``cfg`` (a DecodeConfig) over the ranks ``held``: tokens/step, rows/step and the
+    estimated speedup over AR, tokens * cost(1) / sum of the steps' costs."""
+    from ..decoding.tree import replay
+
+    res = replay(held, cfg.mask_num, cfg.groups, cfg.tree)
+    cost = sum(interpolate(curve, q) for q in res.rows)
+    return {"decode": cfg.to_dict(), "nodes": len(cfg.tree) if cfg.tree else cfg.mask_num,
+            "tokens_per_step": round(res.tokens_per_step, 4), "rows_per_step": round(sum(res.rows) / res.steps, 2),
+            "est_speedup": round(res.tokens * curve[1] / cost, 4)}
+
+
+def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int, max_rows: int,
+           current: DecodeConfig | None = None) -> list[dict]:
     """Every layout up to ``max_mask_num`` and ``max_rows`` rows per step, replayed on the odd samples
-    with trees grown on the even ones; sorted by estimated speedup over AR (best first)."""
+    with trees grown on the even ones; sorted by estimated speedup over AR (best first).
+
+    ``current`` (the adapter's DecodeConfig, or None) is estimated too and flagged ``"current":
+    True``, so the best is never estimated slower than it; that needs its k within the ranks' k.
+    Every layout keeps ``current``'s prompt-lookup setting: the replay does not model lookup, so
+    the search cannot choose it (``scripts/tune_layout.py --search`` times it).
+    """
+    from ..decoding.config import DecodeConfig
+    from ..decoding.tree import grow_tree, path_probs_from_ranks
+
     fit, held = ranks[0::2], ranks[1::2] or ranks
+    lookup = {} if current is None else {"lookup_tokens": current.lookup_tokens, "lookup_ngram": current.lookup_ngram}
+    width = min(r.shape[1] for r in ranks)
     results = []
-    ks = range(1, min(max_mask_num, min(r.shape[1] for r in ranks)) + 1)
-    for k in tqdm(ks, desc="layouts (k)", unit="k"):
+    for k in range(1, min(max_mask_num, width) + 1):
         probs = path_probs_from_ranks([r[:, :k] for r in fit])
         chain = tuple((0,) * d for d in range(1, k + 1))
         trees = [None] + [t for t in dict.fromkeys(grow_tree(probs, n, k) for n in NODE_COUNTS) if t and t != chain]
         for groups in range(1, k + 2):
             for tree in trees:
-                cfg = DecodeConfig(k, groups, tree=tree)
-                if 1 + (len(tree) if tree else k) + groups * k > max_rows:
-                    continue
-                res = replay(held, k, groups, cfg.tree)
-                cost = sum(interpolate(curve, q) for q in res.rows)
-                results.append({"decode": cfg.to_dict(), "nodes": len(tree) if tree else k,
-                                "tokens_per_step": round(res.tokens_per_step, 4),
-                                "rows_per_step": round(sum(res.rows) / res.steps, 2),
-                                "est_speedup": round(res.tokens * curve[1] / cost, 4)})
+                if 1 + (len(tree) if tree else k) + groups * k <= max_rows:
+                    results.append(estimate(held, DecodeConfig(k, groups, tree=tree, **lookup), curve))
+    if current is not None and current.mask_num <= width:
+        mine = next((r for r in results if _key(r["decode"]) == _key(current.to_dict())), None)
+        if mine is None:
+            mine = estimate(held, current, curve)
+            results.append(mine)
+        mine["current"] = True
     return sorted(results, key=lambda r: -r["est_speedup"])
 
 
 def write_decode(adapter: Path, decode: dict) -> None:
     """Store ``decode`` in the adapter's space_config.json, atomically, keeping the other keys."""
+    from ..adapters import SPACE_CONFIG
+
     path = adapter / SPACE_CONFIG
     cfg = json.loads(path.read_text())
     cfg["decode"] = decode
@@ -148,62 +249,103 @@ def write_decode(adapter: Path, decode: dict) -> None:
     os.replace(tmp, path)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="space-tree", description=__doc__.split("\n\n")[0])
+    p.add_argument("--adapter", type=Path, default=None, help="the SPACE adapter whose drafts the ranks measure "
+                   "(default: none, the model's own mask tokens, as space-probe --model)")
+    p.add_argument("--model", default=None, help="base model (default: the adapter's)")
+    p.add_argument("--ranks", type=Path, required=True, help="space-probe's ranks.jsonl for this adapter and model")
+    p.add_argument("--max-mask-num", type=int, default=5, help="largest k tried (default: %(default)s)")
+    p.add_argument("--max-rows", type=int, default=64, help="largest block (rows per step) tried (default: %(default)s)")
+    p.add_argument("--cache-len", type=int, default=300,
+                   help="cached tokens behind the timed block (default: %(default)s)")
+    p.add_argument("--kernels", default="fast", help="CPU kernels, fast or stock, as space-eval --kernels "
+                   "(default: %(default)s)")
+    add_threads_flag(p)
+    add_device_flag(p)
+    p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json (default: %(default)s)")
+    p.add_argument("--write-adapter", action="store_true", help="store the best layout in the adapter's "
+                   "space_config.json (unless its current layout is already the best estimate)")
+    add_debug_flag(p)
+    return p
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Measure the step-cost curve, search the layouts, write ``tree_search.json``; returns it.
 
     Raises:
-        FileNotFoundError: no ranks file or adapter. ValueError: bad sizes, or ranks of fewer
-            offsets than --max-mask-num asks for (then the search stops at the ranks' k).
+        FileNotFoundError: no ranks file or adapter.
+        ValueError: bad sizes, --threads or --device, a malformed ranks file, ranks another adapter
+            or base model produced, or --write-adapter without --adapter. Ranks of fewer offsets
+            than --max-mask-num asks for are no error (the search stops at the ranks' k).
     """
-    p = argparse.ArgumentParser(prog="space-tree", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--adapter", type=Path, default=None, help="the SPACE adapter whose drafts the ranks measure "
-                   "(none: the model's own mask tokens, as space-probe --model)")
-    p.add_argument("--model", default=None, help="base model (default: the adapter's)")
-    p.add_argument("--ranks", type=Path, required=True, help="space-probe's ranks.jsonl for this adapter")
-    p.add_argument("--max-mask-num", type=int, default=5, help="largest k tried")
-    p.add_argument("--max-rows", type=int, default=64, help="largest block (rows per step) tried")
-    p.add_argument("--cache-len", type=int, default=300, help="cached tokens behind the timed block")
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as space-eval --kernels")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (as the evaluation will use)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json")
-    p.add_argument("--write-adapter", action="store_true", help="store the best layout in the adapter's space_config.json")
-    add_debug_flag(p)
-    a = p.parse_args(argv)
-    if a.max_mask_num < 1 or a.max_rows < 2 or a.cache_len < 1:
-        raise ValueError("--max-mask-num must be >= 1, --max-rows >= 2 and --cache-len >= 1")
+    a = build_parser().parse_args(argv)
+    for flag, value, least in (("--max-mask-num", a.max_mask_num, 1), ("--max-rows", a.max_rows, 2),
+                               ("--cache-len", a.cache_len, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     if a.write_adapter and a.adapter is None:
         raise ValueError("--write-adapter needs --adapter")
+    set_threads(a.threads)
+    check_device(a.device)
+    from ..choices import KERNEL_CHOICES
+
+    if a.kernels not in KERNEL_CHOICES:
+        raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {a.kernels!r}")
+    meta, _ = read_ranks_file(a.ranks)
+    check_ranks_source(meta, a.ranks, a.model, a.adapter)
     ranks = load_ranks(a.ranks)
     if not ranks:
         raise ValueError(f"{a.ranks} holds no samples")
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    import torch
+
+    from ..adapters import SPACE_CONFIG, load_space
+    from ..cpu_kernels import apply_kernels
+    from ..decoding.config import DecodeConfig
+
     model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, device=a.device)
     if a.cache_len + a.max_rows > model.config.max_position_embeddings:
         raise ValueError(f"--cache-len + --max-rows = {a.cache_len + a.max_rows} exceeds the model's context "
                          f"of {model.config.max_position_embeddings}")
     apply_kernels(model, a.kernels)
+    current = DecodeConfig.of_model(model, spec.mask_num) if a.adapter else None
     points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
     curve = step_cost_curve(model, points, a.cache_len)
-    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows)
-    chain = next(r for r in results if r["decode"]["tree"] is None and r["decode"]["mask_num"] == results[0]["decode"]["mask_num"]
-                 and r["decode"]["num_groups"] == results[0]["decode"]["num_groups"])
-    report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "samples": len(ranks), "threads": torch.get_num_threads(),
-              "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": results[0],
-              "chain_same_layout": chain, "layouts": results}
+    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current)
+    best, mine = results[0], next((r for r in results if r.get("current")), None)
+    chain = next((r for r in results if r["decode"]["tree"] is None
+                  and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
+    report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
+              "samples": len(ranks), "threads": torch.get_num_threads(),
+              "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
+              "chain_same_layout": chain, "lookup_modelled": False, "layouts": results}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tree_search.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"[space-tree] step cost (ms) by rows: {report['step_cost_ms']}")
     for r in results[:8]:
         print(f"  est. {r['est_speedup']:.3f}x  {r['tokens_per_step']:.3f} tokens/step  {r['rows_per_step']:5.1f} rows  "
-              f"{json.dumps(r['decode'])}")
-    print(f"[space-tree] best vs its chain: {results[0]['tokens_per_step'] / chain['tokens_per_step']:.2f}x tokens/step, "
-          f"{results[0]['est_speedup'] / chain['est_speedup']:.2f}x est. speed; wrote {a.out / 'tree_search.json'}")
+              f"{json.dumps(r['decode'])}{'  (current)' if r.get('current') else ''}")
+    if chain is not None:
+        print(f"[space-tree] best vs its chain: {best['tokens_per_step'] / chain['tokens_per_step']:.2f}x tokens/step, "
+              f"{best['est_speedup'] / chain['est_speedup']:.2f}x est. speed")
+    if current is not None and current.lookup_tokens:
+        print(f"[space-tree] prompt lookup (lookup_tokens {current.lookup_tokens}) is not modelled by the replay: every "
+              "layout keeps the adapter's setting; time it with scripts/tune_layout.py --search")
+    if best["est_speedup"] < 1:
+        print(f"[space-tree] warning: every layout is estimated slower than AR here (best {best['est_speedup']:.3f}x); "
+              "check with space-eval before shipping one", file=sys.stderr, flush=True)
+    print(f"[space-tree] wrote {a.out / 'tree_search.json'}")
     if a.write_adapter:
-        write_decode(a.adapter, results[0]["decode"])
-        print(f"[space-tree] stored the best layout in {a.adapter / SPACE_CONFIG}")
+        if best is mine:
+            print(f"[space-tree] the adapter's current layout is already the best estimate: "
+                  f"{a.adapter / SPACE_CONFIG} left unchanged")
+        else:
+            was = (f"current layout est. {mine['est_speedup']:.3f}x" if mine else
+                   f"current layout (k = {current.mask_num}) not estimated: the ranks have k = "
+                   f"{min(r.shape[1] for r in ranks)}")
+            write_decode(a.adapter, best["decode"])
+            print(f"[space-tree] stored the best layout (est. {best['est_speedup']:.3f}x; {was}) in "
+                  f"{a.adapter / SPACE_CONFIG}")
     return report
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..cli import console
-from ..config import parse_train_args
-from .run import run_sft
 
 
 def main(argv: list[str] | None = None) -> Path | None:
@@ -14,10 +12,13 @@ def main(argv: list[str] | None = None) -> Path | None:
     Raises:
         ValueError, FileNotFoundError: a bad config, argument, dataset or checkpoint to resume.
     """
+    from ..config import parse_train_args  # here, not at the top: --help loads no model code
+    from .run import run_sft
+
     return run_sft(*parse_train_args(argv))
 
 
-cli = console("space-train", main)
+cli = console("space-train", main, resumes=True)
 
 if __name__ == "__main__":
     cli()

@@ -4,6 +4,16 @@ Mask rows learn either the next tokens (``mask_target: token``, the paper) or th
 own distribution (``teacher``): mask j anchored at e gets the base's top-K softmax at real row
 e+j, the row whose LM head predicts the same token e+j+1 (DESIGN §3.1, §3.6). The teacher's soft
 cross-entropy with a one-hot top-1 teacher equals the token loss.
+
+Two acceptance-aware options (issue 30) train for accept length rather than per-offset accuracy:
+
+* **chain weighting** (PARD-2's idea): mask j's loss is weighted by the probability that a chain
+  of drafts reaches offset j, the product of the probabilities of the true tokens at offsets
+  0..j-1 of its group (the teacher's, or the model's own, detached: :func:`chain_weights`);
+  ``chain_weight`` alpha mixes it in, ``(1 - alpha) + alpha * chain``, so alpha = 0 is the plain loss;
+* **hidden-state consistency** (the latent consistency loss of Samragh et al. 2025, arXiv
+  2507.11851): mask j anchored at e is pulled towards the frozen base's last hidden state at real
+  row e+j, which the frozen-base no-grad pass already computes (:func:`consistency_loss`).
 """
 from __future__ import annotations
 
@@ -44,7 +54,7 @@ def offset_hits(logits: torch.Tensor, labels: torch.Tensor, offsets: torch.Tenso
 
 def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Tensor, weight: float,
                mask_num: int, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-               mask_rows_total: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               mask_rows_total: int | None = None, chain_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss and metrics of a SAR-SFT batch (or of one chunk of its mask rows).
 
     Args:
@@ -57,6 +67,9 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
             every row (read on valid mask rows only).
         mask_rows_total: divide the mask loss by this many rows instead of this call's count (a
             chunk of the batch's mask rows: the chunks' losses then add up to the batch's loss).
+        chain_weight: alpha in [0, 1]: weight each mask row's loss by ``(1 - alpha) + alpha *
+            chain`` (:func:`chain_weights`, from the teacher's probabilities of the true tokens when
+            there is a teacher, else the model's own, detached). Groups must be whole in ``rows``.
 
     Returns:
         (loss, metrics): metrics has ``ar_loss`` (when the batch has AR rows), ``mask_loss`` (the
@@ -79,6 +92,13 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
         per_row = token_ce
         if teacher is not None:
             per_row = soft_cross_entropy(mask_logits, teacher[0][mask_rows], teacher[1][mask_rows])
+        if chain_weight:
+            p_true = torch.zeros(labels.shape, device=logits.device)
+            p_true[mask_rows] = (true_token_prob(mask_logits, mask_labels) if teacher is None
+                                 else ((teacher[0][mask_rows] == mask_labels[:, None]) * teacher[1][mask_rows]).sum(-1))
+            chain = chain_weights(p_true, mask_offset)[mask_rows]
+            per_row = per_row * ((1 - chain_weight) + chain_weight * chain)
+            metrics["chain_weight_mean"] = chain.mean().item()
         denominator = mask_rows_total or per_row.numel()
         ml = per_row.sum() / denominator
         loss = loss + weight * ml
@@ -92,6 +112,41 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
     else:
         loss = loss + logits.sum() * 0.0  # keep the graph: a batch with no mask row still steps
     return loss, metrics
+
+
+@torch.no_grad()
+def true_token_prob(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The model's own probability of the true token, without gradient: (rows, vocab), (rows,) -> (rows,)."""
+    return torch.softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def chain_weights(p_true: torch.Tensor, mask_offset: torch.Tensor) -> torch.Tensor:
+    """The probability that a chain of drafts reaches each mask row: 1 at offset 0, and at offset j
+    the product of ``p_true`` at offsets 0..j-1 of the same group (without gradient).
+
+    Args:
+        p_true: (batch, rows) probability of each row's true token (0 where a row has no target,
+            which stops the chain there).
+        mask_offset: (batch, rows) offset j of mask rows, -1 on real rows; a group is a run of
+            rows with offsets 0, 1, .., g-1 (``space.masking``'s layout).
+
+    Returns:
+        (batch, rows) weights in [0, 1], 0 on real rows.
+    """
+    is_mask = mask_offset >= 0
+    logp = torch.where(is_mask, p_true.float().clamp_min(1e-30).log(), 0.0)
+    before = logp.cumsum(-1) - logp  # sum of log p over every earlier row
+    cols = torch.arange(mask_offset.shape[-1], device=mask_offset.device).expand_as(mask_offset)
+    start = torch.where(mask_offset == 0, cols, 0).cummax(-1).values  # column of the row's group start
+    return torch.where(is_mask, (before - before.gather(-1, start)).exp(), 0.0)
+
+
+def consistency_loss(mask_hidden: torch.Tensor, base_hidden: torch.Tensor) -> torch.Tensor:
+    """Mean squared distance between mask rows' last hidden states and the frozen base's, per
+    hidden unit: (rows, hidden), (rows, hidden) -> scalar (0 when they are equal; the base's
+    side takes no gradient)."""
+    return (mask_hidden.float() - base_hidden.detach().float()).pow(2).mean()
 
 
 @torch.no_grad()

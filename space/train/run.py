@@ -15,12 +15,17 @@ from ..config import check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
 from ..data.sft import load_examples, tokenize
+from ..decoding.cache import refuse_sliding_window
 from ..models import load_model
+from .curves import plot_training_curves
 from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer, TimeBudgetCallback
 
 # what a checkpoint must share with the run that resumes it: mixing them would train k=3 masks
 # for a while and then save an artifact that claims k=5 (keys MaskArgs lacks are left out)
-SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_density", "mask_target")
+SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_density", "mask_target",
+                "chain_weight", "consistency_weight")
+# what checkpoints saved before a key existed trained with (they resume when the run keeps it)
+SETTINGS_BEFORE = {"chain_weight": 0.0, "consistency_weight": 0.0}
 
 
 def space_settings(model_args, mask_args) -> dict:
@@ -39,7 +44,7 @@ def check_checkpoint(last: str, settings: dict) -> None:
     if not path.is_file():
         raise ValueError(f"{last} has no {SETTINGS_FILE}, so its SPACE settings are unknown; "
                          "use another output_dir, or delete the checkpoint to start over")
-    saved = json.loads(path.read_text())
+    saved = {**SETTINGS_BEFORE, **json.loads(path.read_text(encoding="utf-8"))}
     diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
     if diff:
         raise ValueError(f"{last} was trained with other SPACE settings; (checkpoint, now): {diff}. "
@@ -61,10 +66,13 @@ def drop_dev_set(examples: list, root) -> tuple[list, int]:
 def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     """Train with SAR-SFT and write ``<output_dir>/final`` (HF checkpoint or adapter).
 
-    Resumes from the last ``checkpoint-*`` in ``output_dir`` when there is one.
+    Resumes from the last ``checkpoint-*`` in ``output_dir`` when there is one. A run that
+    already finished (its last checkpoint is at the final step) trains nothing and keeps its
+    artifact and log as they are.
 
     Returns:
-        the artifact directory on the main process, None on the others.
+        the artifact directory on the main process (for a finished run, the existing one, or None
+        when it was deleted), None on the others.
 
     Raises:
         ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
@@ -78,8 +86,12 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     check_train_args(model_args, data_args, mask_args, train_args)  # also for callers that skip the parser
     settings = space_settings(model_args, mask_args)
     last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
+    done = total = 0
     if last:
         check_checkpoint(last, settings)
+        state = json.loads((Path(last) / "trainer_state.json").read_text())
+        # the total: max_steps when given, else as the checkpoint's run counted the epochs
+        done, total = state["global_step"], train_args.max_steps if train_args.max_steps > 0 else state["max_steps"]
     names = [n.strip() for n in data_args.datasets.split(",") if n.strip()]
     sources = [s.strip() for s in data_args.sources.split(",") if s.strip()] if data_args.sources else None
     examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit, sources)]
@@ -90,6 +102,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         except FileNotFoundError as e:
             raise FileNotFoundError(f"init_adapter: {e}") from None
     model, tok = load_model(model_args.model_name_or_path, model_args.dtype)
+    refuse_sliding_window(model.config, "SAR-SFT training", data_args.max_length)
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
                                 model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
                                 model_args.lora_targets.split(","))
@@ -109,15 +122,24 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
                            processing_class=tok, callbacks=callbacks, mask_loss_weight=mask_args.mask_loss_weight,
                            mask_num=mask_args.mask_num, two_pass=model_args.mode == "frozen-base",
                            mask_target=mask_args.mask_target, teacher_topk=mask_args.teacher_topk,
-                           mask_chunk_rows=mask_args.mask_chunk_rows, suppress_ids=spec.token_ids)
+                           mask_chunk_rows=mask_args.mask_chunk_rows, suppress_ids=spec.token_ids,
+                           chain_weight=mask_args.chain_weight, consistency_weight=mask_args.consistency_weight)
     if last and emb is not None and os.path.isfile(os.path.join(last, MASK_EMBEDDING)):
         load_mask_rows(emb, os.path.join(last, MASK_EMBEDDING))
     if trainer.is_world_process_zero():
         print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out); "
               f"mode {model_args.mode}; k={mask_args.mask_num}; "
               f"trainable params {sum(p.numel() for p in model.parameters() if p.requires_grad):,}"
-              + (f"; resuming from {last}" if last else ""), flush=True)
+              + (f"; resuming: {done} of {total} steps done ({last})" if last else ""), flush=True)
     result = trainer.train(resume_from_checkpoint=last)
+    final = Path(train_args.output_dir) / "final"
+    if last and trainer.state.global_step == done and final.is_dir():
+        # nothing trained: saving again would append a train_loss of 0.0 and rewrite the artifact
+        if trainer.is_world_process_zero():
+            print(f"[space] training already finished: {done} of {trainer.state.max_steps} steps done in {last}; "
+                  f"kept {final}", flush=True)
+        return final if trainer.is_world_process_zero() else None
+    # (a run stopped between its last checkpoint and final/ gets final/ written from that checkpoint)
     out = _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, len(dataset)) \
         if trainer.is_world_process_zero() else None
     if trainer.accelerator.num_processes > 1:
@@ -130,7 +152,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
 
 
 def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, num_samples) -> Path:
-    """Write ``OUTPUT_DIR/final`` (the artifact DESIGN §6 names) and ``log_history.json``; main process only."""
+    """Write ``OUTPUT_DIR/final`` (the artifact DESIGN §6 names), ``log_history.json`` and
+    ``training_curves.png`` (loss and mask accuracy); main process only."""
     config = {cls_name: dataclasses.asdict(a) for cls_name, a in
               (("model", model_args), ("data", data_args), ("mask", mask_args))}
     meta = {"base_model": model_args.model_name_or_path, "training_data": names, "num_samples": num_samples,
@@ -138,6 +161,9 @@ def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, na
             "train_config": config}
     out = save_artifact(Path(trainer.args.output_dir) / "final", trainer.accelerator.unwrap_model(trainer.model),
                         tok, spec, model_args.mode, meta)
-    (Path(trainer.args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    run_dir = Path(trainer.args.output_dir)
+    (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    if any("mask_loss" in h for h in trainer.state.log_history):  # a run shorter than logging_steps logs none
+        plot_training_curves(trainer.state.log_history, run_dir / "training_curves.png")
     print(f"[space] saved {model_args.mode} artifact to {out}", flush=True)
     return out

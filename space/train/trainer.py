@@ -15,7 +15,7 @@ from ..adapters import MASK_EMBEDDING, save_mask_rows
 from ..decoding.cache import cache_input
 from ..decoding.config import DEFAULT_MASK_NUM
 from ..masking import IGNORE_INDEX, mask_rows
-from .loss import offset_hits, space_loss, teacher_targets
+from .loss import consistency_loss, offset_hits, space_loss, teacher_targets
 
 SETTINGS_FILE = "space_settings.json"
 
@@ -39,14 +39,23 @@ class SpaceTrainer(Trainer):
             chunk; each chunk's loss is divided by the batch's mask-row count, so the chunks add
             up to the unchunked loss and gradients. Not with DeepSpeed (its backward also steps).
         suppress_ids: token ids the teacher never proposes (the mask tokens).
+        chain_weight: alpha of the chain-weighted mask loss (``space.train.loss``; 0 = off).
+        consistency_weight: weight of the hidden-state consistency loss (two_pass only; 0 = off).
 
     Raises:
-        ValueError: unknown mask_target, teacher without two_pass, teacher_topk < 1, mask_chunk_rows < 0.
+        ValueError: unknown mask_target, teacher or consistency without two_pass, teacher_topk < 1,
+            mask_chunk_rows < 0, chain_weight outside [0, 1], consistency_weight < 0.
     """
 
     def __init__(self, *args, mask_loss_weight: float = 1.0, mask_num: int = DEFAULT_MASK_NUM, two_pass: bool = False,
                  mask_target: str = "token", teacher_topk: int = 20, mask_chunk_rows: int = 0,
-                 suppress_ids: tuple[int, ...] = (), **kwargs):
+                 suppress_ids: tuple[int, ...] = (), chain_weight: float = 0.0, consistency_weight: float = 0.0,
+                 **kwargs):
+        if not 0 <= chain_weight <= 1 or not consistency_weight >= 0:  # False for NaN
+            raise ValueError(f"need chain_weight in [0, 1] and consistency_weight >= 0, got {chain_weight}, "
+                             f"{consistency_weight}")
+        if consistency_weight and not two_pass:
+            raise ValueError("consistency_weight needs the frozen-base mode (its no-grad pass holds the base's states)")
         if mask_target not in ("token", "teacher"):
             raise ValueError(f"mask_target must be 'token' or 'teacher', got {mask_target!r}")
         if mask_target == "teacher" and not two_pass:
@@ -57,6 +66,7 @@ class SpaceTrainer(Trainer):
         self.mask_loss_weight, self.mask_num, self.two_pass = mask_loss_weight, mask_num, two_pass
         self.mask_target, self.teacher_topk, self.mask_chunk_rows = mask_target, teacher_topk, mask_chunk_rows
         self.suppress_ids = tuple(suppress_ids)
+        self.chain_weight, self.consistency_weight = chain_weight, consistency_weight
         self.model_accepts_loss_kwargs = False  # our loss is a mean: let Trainer scale for accumulation
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
@@ -66,7 +76,8 @@ class SpaceTrainer(Trainer):
             loss, metrics, out = self.two_pass_loss(model, inputs)
         else:
             out, labels, offsets = sar_forward(model, self.accelerator.unwrap_model(model), inputs, False)
-            loss, metrics = space_loss(out.logits, labels, offsets, self.mask_loss_weight, self.mask_num)
+            loss, metrics = space_loss(out.logits, labels, offsets, self.mask_loss_weight, self.mask_num,
+                                       chain_weight=self.chain_weight)
         metrics["short_samples"] = float(inputs["num_short"])
         for key, value in metrics.items():
             self._sums[key] += value
@@ -103,20 +114,28 @@ class SpaceTrainer(Trainer):
             last = i == len(chunks) - 1
             # DDP: forward and backward of all but the last chunk inside no_sync (one all-reduce)
             with self.accelerator.no_sync(model) if early and not last else nullcontext():
-                out = mask_pass(model, unwrapped, inputs, cache, rows, copy_cache=len(chunks) > 1)
+                out = mask_pass(model, unwrapped, inputs, cache, rows, copy_cache=len(chunks) > 1,
+                                hidden_states=self.consistency_weight > 0)
                 tch = None if teacher is None else (teacher[0][:, rows], teacher[1][:, rows])
                 loss, m = space_loss(out.logits, labels[:, rows], offsets[:, rows], self.mask_loss_weight,
-                                     self.mask_num, tch, total)
+                                     self.mask_num, tch, total, self.chain_weight)
+                if self.consistency_weight:
+                    c = mask_consistency(out.hidden_states[-1], hidden, inputs, rows)
+                    loss = loss + self.consistency_weight * c * int(scored[:, rows].sum()) / max(total, 1)
+                    m["consistency_loss"] = c.item() * int(scored[:, rows].sum()) / max(total, 1)
                 if early and not last:
                     self.accelerator.backward(loss / self._accumulation_steps())
-            for key in ("mask_loss", "mask_token_ce"):
+            for key in ("mask_loss", "mask_token_ce", "consistency_loss"):
                 sums[key] += m.get(key, 0.0)
+            if "chain_weight_mean" in m:  # a mean over the chunk's rows: weighted by them
+                sums["chain_weight_mean"] += m["chain_weight_mean"] * int(scored[:, rows].sum()) / total
             sel = scored[:, rows]
             h, r = offset_hits(out.logits[sel].detach(), labels[:, rows][sel], offsets[:, rows][sel], self.mask_num)
             hits, rows_n = hits + h.cpu(), rows_n + r.cpu()
             if not last:
                 done = done + loss.detach()
-        metrics = {k: v for k, v in sums.items() if total and (k != "mask_token_ce" or teacher is not None)}
+        metrics = {k: v for k, v in sums.items() if total and (k != "mask_token_ce" or teacher is not None)
+                   and (k != "consistency_loss" or self.consistency_weight) and (k != "chain_weight_mean" or self.chain_weight)}
         metrics.update({f"mask_acc_{j}": (hits[j] / rows_n[j]).item() for j in range(self.mask_num) if rows_n[j] > 0})
         return loss + done, metrics, out
 
@@ -167,13 +186,33 @@ def real_pass(unwrapped, inputs: dict) -> tuple[DynamicCache, torch.Tensor]:
     return cache, hidden
 
 
-def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, copy_cache: bool = False):
+def mask_consistency(mask_hidden: torch.Tensor, hidden: torch.Tensor, inputs: dict, rows: slice) -> torch.Tensor:
+    """Consistency loss of a chunk's scored mask rows: mask j anchored at e against the base's last
+    hidden state at real row e+j, the row given by its position id (efficient layout, as for the
+    teacher targets).
+
+    Args:
+        mask_hidden: (batch, rows, hidden) last hidden states of the chunk's mask rows.
+        hidden: (batch, T, hidden) the no-grad real pass's last hidden states.
+    """
+    T = inputs["num_real"]
+    cols = slice(T + rows.start, T + rows.stop)
+    scored = (inputs["labels"][:, cols] != IGNORE_INDEX) & (inputs["mask_offset"][:, cols] >= 0)
+    b, m = scored.nonzero(as_tuple=True)
+    if not b.numel():
+        return mask_hidden.sum() * 0.0
+    return consistency_loss(mask_hidden[b, m], hidden[b, inputs["position_ids"][:, cols][b, m]])
+
+
+def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, copy_cache: bool = False,
+              hidden_states: bool = False):
     """Mask columns ``T + rows`` with gradients, after the real tokens' cache.
 
     ``rows`` must hold whole groups: a mask row sees the real tokens and its own group only, so
     the rows of other chunks are left out of the attention mask's columns. ``copy_cache``: run
     on a copy of ``cache`` (it grows by the chunk's rows), so the next chunk sees the real tokens
-    alone and no graph links two chunks.
+    alone and no graph links two chunks. ``hidden_states``: also return every layer's hidden
+    states (the consistency loss reads the last).
     """
     T = inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
@@ -183,7 +222,7 @@ def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, 
         cache = DynamicCache([(layer.keys, layer.values) for layer in cache.layers], config=unwrapped.config)
     with mask_rows(0):  # every row of this pass is a mask row (or padding nobody sees)
         return model(input_ids=ids[:, q], position_ids=pos[:, q], attention_mask=mask,
-                     **cache_input(cache), use_cache=True)
+                     **cache_input(cache), use_cache=True, output_hidden_states=hidden_states)
 
 
 def mask_chunks(mask_offset: torch.Tensor, chunk_rows: int) -> list[slice]:

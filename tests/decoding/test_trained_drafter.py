@@ -14,6 +14,7 @@ from space.cpu_kernels import optimize_for_cpu
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.masking import to_additive_4d, train_layout
 from tests.conftest import TRAINED_K as K
+from tests.conftest import CycleLanguage
 
 
 def check_exact(model, spec, lang, config, n_prompts=6, max_new=48, reference=None):
@@ -117,15 +118,20 @@ def test_frozen_base_exact_at_high_acceptance(trained, kernels):
     assert check_exact(fused, spec, lang, DecodeConfig(K), reference=model) > 2.5
 
 
-def test_logits_processor_exact_at_high_acceptance(trained):
+@pytest.mark.parametrize("config", [DecodeConfig(K, 2), DecodeConfig(K, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+                                    DecodeConfig(K, 2, tree=[[0], [1], [0, 0]], lookup_tokens=6),
+                                    DecodeConfig(K, lookup_tokens=6)], ids=["chain", "tree", "tree+lookup", "lookup"])
+def test_logits_processor_exact_at_high_acceptance(trained, config):
     """A processor that depends on the tokens before each row (HF's repetition penalty) changes
-    the output; SPACE applies it to every verification row with that row's own prefix, so greedy
-    SPACE still equals AR with the same processor."""
+    the output; SPACE applies it to every verification row with that row's own prefix (in a tree:
+    the node's own path), so greedy SPACE still equals AR with the same processor. Handing a tree
+    node the context without its path fails here on 3 of 4 prompts with each tree."""
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-    model, _, spec, lang = trained
+    model, _, spec, shared = trained
+    lang = CycleLanguage(shared.tokens, seed=2)  # the same prompts whichever tests ran before
     processor = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty=3.0)])
-    dec = SpaceDecoder(model, spec, DecodeConfig(K, 2))
+    dec = SpaceDecoder(model, spec, config)
     changed = 0
     for i in range(4):
         prompt = torch.tensor(lang.sample(4 + 3 * i))

@@ -5,7 +5,7 @@ import pytest
 
 from space.eval.__main__ import main as eval_main
 from space.eval.execute import check, estimate_pass_at_k
-from space.eval.report import summarize
+from space.eval.report import summarize, to_markdown
 from space.eval.tasks import load_tasks
 
 
@@ -158,7 +158,32 @@ def test_acceptance_over_steps_with_candidates_and_emitted_histogram():
     assert m["acceptance_per_offset"][:2] == pytest.approx([2 / 3, 1.0], abs=1e-4)  # 3 steps had c_1, 1 had c_2
     assert m["acceptance_per_offset_all_steps"][:2] == pytest.approx([2 / 5, 1 / 5])
     assert m["steps_with_candidates"] == pytest.approx(3 / 5, abs=1e-4)
-    assert m["layout_cap_tokens_per_step"] == 1.5
+    assert "layout_cap_tokens_per_step" not in m  # lookup candidates have no cap
+    assert summarize([rec], {"mask_num": 1, "num_groups": 1})["methods"]["space"]["layout_cap_tokens_per_step"] == 1.5
     old = {**rec, "choices": [{k: v for k, v in rec["choices"][0].items() if k not in ("candidates", "step_tokens")}]}
     m = summarize([old], {"mask_num": 1})["methods"]["space"]  # records from before candidates were stored
     assert m["acceptance_per_offset"] is None and m["tokens_per_step_histogram"]["8"] == 1
+
+def _space_record(tokens: int, steps: int) -> dict:
+    return {"question_id": "q0", "category": "c", "model_id": "space",
+            "choices": [{"new_tokens": [tokens], "wall_time": [1.0], "steps": [steps], "accept_lengths": [[2] * steps],
+                         "candidates": [[2] * steps], "step_tokens": [[3] * steps], "token_ids": [[0] * tokens]}]}
+
+
+def test_summary_prints_the_full_layout_and_a_cap_only_without_lookup():
+    """summary.md names tree, lookup tokens, k and groups; the cap follows the tree, and a run
+    with prompt lookup (whose candidates no layout bounds) prints none."""
+    tree = [[0], [1], [0, 0]]
+    meta = {"mask_num": 2, "num_groups": 3, "lookup_tokens": 0, "tree": tree}
+    text = to_markdown(summarize([_space_record(30, 10)], meta))
+    assert "layout: k = 2, 3 mask group(s), tree [[0],[1],[0,0]], prompt lookup 0 tokens" in text
+    assert "Layout cap (k = 2, 3 mask group(s), tree [[0],[1],[0,0]], prompt lookup 0 tokens; every draft " \
+           "accepted): 3.00 tokens/step" in text
+    text = to_markdown(summarize([_space_record(30, 10)], {**meta, "tree": None, "lookup_tokens": 8}))
+    assert "k = 2, 3 mask group(s), chain of top-1 drafts, prompt lookup 8 tokens" in text
+    assert "Layout cap" not in text
+
+
+def test_summary_says_greedy_exactness_is_expected_in_fp32(tmp_path):
+    text = to_markdown(summarize([_space_record(30, 10)], {"mask_num": 2}))
+    assert "exact (greedy)" in text and "expected 100 % in float32" in text and "near-ties" in text

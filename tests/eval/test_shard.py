@@ -197,3 +197,31 @@ def test_merge_refuses_ranks_with_different_settings(tmp_path, capsys, monkeypat
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="the launcher assigns the ranks; drop --shard"):
         eval_main([*short, "--shard", "0/2", "--out", str(tmp_path)])
+
+
+def test_sampled_shards_draw_the_one_process_samples(tmp_path):
+    """Sampling (temperature > 0): rank i draws question q's samples with the same seed as one
+    process does, so the merged samples do not depend on the number of ranks."""
+    sampled = [*ARGS, "--limit", "2", "--methods", "ar,space", "--temperature", "0.9", "--top-k", "50"]
+    one = tmp_path / "one"
+    eval_main([*sampled, "--out", str(one)])
+    for rank in (0, 1):
+        eval_main([*sampled, "--shard", f"{rank}/2", "--out", str(tmp_path / "two")])
+    eval_main(["--merge", str(tmp_path / "two")])
+    assert token_ids(rows(tmp_path / "two" / "samples.jsonl")) == token_ids(rows(one / "samples.jsonl"))
+
+
+def test_merge_keeps_questions_a_plain_run_added(tmp_path):
+    """Merge, then a plain run in the same folder adds questions (it resumes the merged file),
+    then merge again: the added records stay (they were dropped: 8 records became 6)."""
+    short = [*ARGS, "--methods", "ar,space", "--out", str(tmp_path)]
+    for rank in (0, 1):
+        eval_main([*short, "--limit", "3", "--shard", f"{rank}/2"])
+    eval_main(["--merge", str(tmp_path)])
+    assert len(rows(tmp_path / "samples.jsonl")) == 6
+    eval_main([*short, "--limit", "4"])
+    plain = rows(tmp_path / "samples.jsonl")
+    assert len(plain) == 8
+    summary = eval_main(["--merge", str(tmp_path)])
+    assert token_ids(rows(tmp_path / "samples.jsonl")) == token_ids(plain)
+    assert summary["meta"]["num_questions"] == 4 and summary["methods"]["space"]["samples"] == 4

@@ -1,11 +1,17 @@
 """space-tree: layout search from probe ranks and a step-cost curve (issue #14)."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from space.decoding.config import DecodeConfig
 from space.eval import probe
+from space.eval.resume import adapter_sha256
 from space.eval.tree_search import cli, interpolate, load_ranks, main, search, write_decode
+
+SHIPPED = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
 
 
 def test_interpolate():
@@ -60,3 +66,37 @@ def test_load_ranks_by_source(tmp_path):
                     '{"source": "lima", "ranks": []}\n')
     assert [r.tolist() for r in load_ranks(path)] == [[[0, 1]], [[2, 3]]]
     assert [r.tolist() for r in load_ranks(path, "lima")] == [[[2, 3]]]
+
+
+def test_search_keeps_the_adapters_lookup_and_estimates_its_current_layout():
+    """Issue: --write-adapter dropped lookup_tokens 10 -> 0 and wrote a layout slower than the current one."""
+    ranks = [torch.tensor([[j % 3, 0] for j in range(40)]) for _ in range(6)]
+    current = DecodeConfig(2, 2, lookup_tokens=10, tree=[[0], [1], [0, 0], [0, 1]])
+    found = search(ranks, {1: 1.0, 2: 1.5, 64: 30.0}, 2, 64, current)
+    assert {(r["decode"]["lookup_tokens"], r["decode"]["lookup_ngram"]) for r in found} == {(10, 2)}
+    mine = [r for r in found if r.get("current")]
+    assert len(mine) == 1 and mine[0]["decode"] == current.to_dict()
+    assert found[0]["est_speedup"] >= mine[0]["est_speedup"]
+
+
+def test_write_adapter_keeps_lookup_and_refuses_another_adapters_ranks(tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    shutil.copytree(SHIPPED, adapter)
+    before = json.loads((adapter / "space_config.json").read_text())["decode"]
+    ranks = tmp_path / "ranks.jsonl"
+    meta = {"model": "smollm2-135m-instruct", "adapter": str(adapter), "adapter_sha256": adapter_sha256(adapter)}
+    rows = [{"id": i, "source": "mbpp", "ranks": [[j % 2, 0, 1] for j in range(30)]} for i in range(4)]
+    ranks.write_text("".join(json.dumps(r) + "\n" for r in [{"meta": meta}, *rows]))
+    args = ["--adapter", str(adapter), "--ranks", str(ranks), "--max-mask-num", "3", "--max-rows", "12",
+            "--cache-len", "16", "--threads", "1", "--out", str(tmp_path / "tree")]
+    report = main([*args, "--write-adapter"])
+    after = json.loads((adapter / "space_config.json").read_text())["decode"]
+    assert (after["lookup_tokens"], after["lookup_ngram"]) == (before["lookup_tokens"], before["lookup_ngram"]) == (10, 2)
+    assert report["current"] is not None and report["best"]["est_speedup"] >= report["current"]["est_speedup"]
+    assert after == (before if report["best"] is report["current"] else report["best"]["decode"])
+    other = dict(meta, adapter="adapters/other", adapter_sha256="0" * 64)
+    ranks.write_text("".join(json.dumps(r) + "\n" for r in [{"meta": other}, *rows]))
+    with pytest.raises(SystemExit) as info:
+        cli(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "adapters/other" in err and str(adapter) in err and "Traceback" not in err

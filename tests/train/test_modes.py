@@ -128,7 +128,7 @@ def test_resume_from_last_checkpoint(tmp_path, capsys):
     rows_before = load_space(adapter=tmp_path / "frozen-base" / "final")[0].get_input_embeddings().mask_rows.clone()
     capsys.readouterr()
     out, _ = train(tmp_path, "frozen-base", steps=6, extra=("--save_steps", "2"))
-    assert "resuming from" in capsys.readouterr().out and "checkpoint-4" in str(sorted((tmp_path / "frozen-base").iterdir()))
+    assert "resuming: 4 of" in capsys.readouterr().out and "checkpoint-4" in str(sorted((tmp_path / "frozen-base").iterdir()))
     cfg = json.loads((out / "space_config.json").read_text())
     assert cfg["global_step"] == 6 and cfg["mode"] == "frozen-base" and cfg["base_model"] == "tiny-random-llama"
     rows_after = load_space(adapter=out)[0].get_input_embeddings().mask_rows

@@ -101,12 +101,14 @@ def test_teacher_rows_are_the_base_at_row_e_plus_j(frozen):
     assert checked > 40
 
 
-@pytest.mark.parametrize("target", ["token", "teacher"])
-def test_chunked_loss_and_gradients_equal_unchunked(frozen, tmp_path, target):
+@pytest.mark.parametrize("target,chain,consistency", [("token", 0, 0), ("teacher", 0, 0), ("teacher", 0.5, 1.0),
+                                                      ("token", 1.0, 0.3)])
+def test_chunked_loss_and_gradients_equal_unchunked(frozen, tmp_path, target, chain, consistency):
     model, spec, batch = frozen
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     trainer = SpaceTrainer(model=model, args=args, mask_num=K, two_pass=True, mask_target=target,
-                           teacher_topk=5, suppress_ids=spec.token_ids)
+                           teacher_topk=5, suppress_ids=spec.token_ids, chain_weight=chain,
+                           consistency_weight=consistency)
     model.train()
     results = []
     for chunk_rows in (0, 7):  # 7 rows -> chunks of 2 groups (6 rows): 72 mask columns in 12 chunks

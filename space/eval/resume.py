@@ -1,0 +1,108 @@
+"""Resuming an evaluation folder: which settings a folder's samples were made with, and the
+refusal to mix in samples made otherwise (other settings, or another timing setup).
+
+Every run records its settings in ``run_config.json`` (a rank of a sharded run in
+``run_config.rank{i}.json``); a rerun in the same ``--out`` resumes only when the RESUME_KEYS
+entries are equal, so one samples file never mixes two setups' outputs or timings.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+# settings that shape every sample's tokens: a folder's samples are only resumed under the same
+# values. The adapter by the hash of its files, not its path: a retrained adapter in the same
+# folder makes other tokens, and a moved one the same.
+SAMPLE_KEYS = ("model", "adapter_sha256", "dataset", "methods", "num_samples", "mask_num", "num_groups",
+               "lookup_tokens", "tree", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "kernels")
+# what shapes the timings: a speedup over samples timed on two setups compares nothing. The ranks of
+# one sharded run differ in device (each its GPU) and may differ in machine; the merge allows that,
+# since every question's methods run in one process.
+SETUP_KEYS = ("threads", "device", "device_map", "machine", "torch", "transformers")
+RESUME_KEYS = SAMPLE_KEYS + SETUP_KEYS
+MERGE_KEYS = tuple(k for k in RESUME_KEYS if k not in ("device", "machine"))
+# what older run_config.json files lack, as those runs had it: chain, no lookup (an adapter's hash
+# is not known: such a folder resumes only without an adapter)
+OLD_DEFAULTS = {"lookup_tokens": 0, "tree": None, "adapter_sha256": None}
+
+
+def adapter_sha256(adapter: str | Path | None) -> str | None:
+    """SHA-256 (hex) of an adapter folder's files, which drafter a record or a ranks file speaks of;
+    None for no adapter.
+
+    Every file counts by its relative name and bytes, in name order, except the README and the
+    tuned ``"decode"`` entry of space_config.json, which ``space-tree --write-adapter`` rewrites
+    without changing the drafts (an evaluation records its layout separately).
+
+    Raises:
+        FileNotFoundError: ``adapter`` is not a folder.
+    """
+    if adapter is None:
+        return None
+    root = Path(adapter)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--adapter {adapter}: no such folder")
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "README.md"):
+        data = path.read_bytes()
+        if path.relative_to(root).as_posix() == "space_config.json":
+            try:
+                config = json.loads(data)
+                config.pop("decode", None)
+                data = json.dumps(config, sort_keys=True).encode()
+            except (ValueError, AttributeError):  # not a JSON object: its bytes count as they are
+                pass
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+def read_record(path: Path) -> dict:
+    """A run_config / summary JSON file. Raises ValueError (file named) when it is not UTF-8 JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: damaged run record ({e}); fix or delete it") from None
+
+
+def check_resume(out: Path, meta: dict, shard: "space.eval.shard.Shard | None" = None) -> None:
+    """Record the run's settings in ``out/run_config.json``; refuse to mix in samples made otherwise.
+
+    A rank of a sharded run records them in its own ``run_config.rank{i}.json`` (``meta`` then
+    holds its ``shard`` entry) and is checked against its own samples and the merged ones.
+    ``meta["commits"]`` becomes the list of every code commit that wrote samples in the file
+    resumed (the recorded list, plus the current commit when it is new).
+
+    Raises:
+        ValueError: ``out`` holds samples but no record of their settings (run_config.json, or the
+            meta of an older summary.json), or settings that differ from ``meta`` in a RESUME_KEYS
+            entry (each named, with both values).
+    """
+    commits = _recorded_commits(out, meta, "samples.jsonl", ("run_config.json", "summary.json"))
+    if shard is not None:
+        commits = _recorded_commits(out, meta, shard.samples, (shard.config,))
+    meta["commits"] = commits + [c for c in meta["commits"] if c not in commits]
+    name = shard.config if shard is not None else "run_config.json"
+    tmp = out / f"{name}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    tmp.replace(out / name)
+
+
+def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, ...]) -> list[str]:
+    """The commits that wrote ``out/samples`` ([] when there is none), once its recorded settings
+    (the first of ``records`` present) are found equal to ``meta``'s. Raises as check_resume."""
+    if not (out / samples).is_file():
+        return []
+    recorded = next((out / name for name in records if (out / name).is_file()), None)
+    if recorded is None:
+        raise ValueError(f"{out} holds {samples} but no {records[0]} saying how they were made; "
+                         "use another --out, or delete the folder to start over")
+    old = read_record(recorded)
+    old = {**OLD_DEFAULTS, **old.get("meta", old)}
+    # a merged record names every rank's device and machine, which no single run repeats
+    keys = MERGE_KEYS if old.get("ranks", 1) > 1 else RESUME_KEYS
+    diff = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k]}
+    if diff:
+        raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
+                         f"(theirs, now): {diff}. Use another --out, or delete it to start over")
+    return old.get("commits") or ([old["commit"]] if old.get("commit") else [])  # older runs kept one

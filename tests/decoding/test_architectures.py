@@ -1,0 +1,123 @@
+"""Greedy SPACE == AR on the other LLaMA-family architectures (DESIGN §1): Qwen2 and Mistral, with
+and without a sliding window small enough to matter (16 tokens, prompts of 40, 40 new tokens).
+
+SPACE keeps full-attention cache layers (it crops and compacts them) and applies a sliding window
+in its own 4-D mask; AR uses transformers' sliding cache layers, so the two paths are independent.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import attention_windows
+from space.models import tiny_tokenizer
+from space.tokens import add_mask_tokens
+from tests.decoding.test_lossless import oracle
+
+WINDOW = 16
+ARCHS = {  # name: (model class, config class, overrides)
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
+    "qwen2-sliding-upper-layer": (Qwen2ForCausalLM, Qwen2Config,
+                                  dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen2-sliding-all-layers": (Qwen2ForCausalLM, Qwen2Config,
+                                 dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)),
+    "mistral": (MistralForCausalLM, MistralConfig, dict(sliding_window=None)),
+    "mistral-sliding": (MistralForCausalLM, MistralConfig, dict(sliding_window=WINDOW)),
+}
+CONFIGS = [DecodeConfig(4), DecodeConfig(4, 2), DecodeConfig(3, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+           DecodeConfig(3, 2, lookup_tokens=6)]
+
+
+def tiny_model(arch: str, **overrides):
+    """(model, MaskSpec): a 2-layer random model of ``arch`` (hidden 64, vocab 320), same weights
+    for every window setting, with one mask token (k up to 8). Weights are drawn with std 0.2:
+    at transformers' 0.02 such a model repeats one token whatever it attends to."""
+    model_cls, config_cls, arch_overrides = ARCHS[arch]
+    tok = tiny_tokenizer()
+    cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+               tie_word_embeddings=True, initializer_range=0.2, **arch_overrides)
+    cfg.update(overrides)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**cfg)).eval()
+    return model, add_mask_tokens(model, tok, mask_num=8)
+
+
+def prompts(n_cases: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    for n in [40, 10][:n_cases]:
+        yield torch.randint(11, 250, (n,), generator=gen)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_exact_other_architectures(arch):
+    model, spec = tiny_model(arch)
+    for prompt in prompts(2, seed=1):
+        ar = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids)
+        for config in CONFIGS:
+            assert SpaceDecoder(model, spec, config).generate(prompt, 40).new_ids == ar.new_ids, (arch, config)
+
+
+@pytest.mark.parametrize("arch", ["qwen2-sliding-upper-layer", "mistral-sliding"])
+def test_sliding_window_exact_at_every_accept_length(arch):
+    """Oracle drafts make steps accept 0..k candidates, so accepted entries stay in the cache and
+    rows late in a block reach back across the window; a tree oracle puts the truth at rank 1, so
+    the accepted path's entries are moved inside the cache (compaction)."""
+    model, spec = tiny_model(arch)
+    prompt = next(prompts(1, seed=2))
+    truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+    for corrupt_at in range(5):
+        out = SpaceDecoder(model, spec, DecodeConfig(4)).generate(prompt, 60, draft_override=oracle(truth, corrupt_at, 4))
+        assert out.new_ids == truth
+        assert max(out.accept_lengths) == corrupt_at
+
+    def rank_one(generated, drafts):  # the true token as every mask's runner-up
+        out = torch.stack([torch.arange(20, 22) + j for j in range(3)])
+        for j, t in enumerate(truth[len(generated): len(generated) + 3]):
+            out[j, 1] = t
+        return out
+
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 1, tree=[[0], [1], [1, 1], [1, 1, 1]]))
+    out = dec.generate(prompt, 60, draft_override=rank_one)
+    assert out.new_ids == truth and max(out.accept_lengths) == 3
+
+
+def test_the_window_matters_and_ar_matches_transformers():
+    """The test window changes the output (so the tests above see it), and our AR loop equals
+    transformers' own greedy generate on the sliding-window model."""
+    windowed, spec = tiny_model("mistral-sliding")
+    full, _ = tiny_model("mistral-sliding", sliding_window=None)
+    prompt = next(prompts(1, seed=1))
+    ar = ar_generate(windowed, prompt, 40, suppress_ids=spec.token_ids).new_ids
+    assert ar != ar_generate(full, prompt, 40, suppress_ids=spec.token_ids).new_ids
+    hf = windowed.generate(prompt[None], max_new_tokens=40, do_sample=False, suppress_tokens=list(spec.token_ids),
+                           pad_token_id=0)[0, prompt.numel():].tolist()
+    assert hf == ar
+
+
+def test_attention_windows():
+    assert attention_windows(tiny_model("qwen2")[0].config) == {"full_attention": None}
+    assert attention_windows(tiny_model("mistral-sliding")[0].config) == {"sliding_attention": WINDOW}
+    assert attention_windows(tiny_model("qwen2-sliding-upper-layer")[0].config) == {
+        "full_attention": None, "sliding_attention": WINDOW}
+    with pytest.raises(ValueError, match="chunked_attention"):
+        attention_windows(SimpleNamespace(layer_types=["full_attention", "chunked_attention"], sliding_window=8))
+
+
+def test_probe_and_training_refuse_a_window_they_would_ignore():
+    """The probe, the step-cost curve and SAR-SFT keep plain 4-D masks: a sliding window is refused
+    (training only when its sequences reach past the window)."""
+    from space.decoding.cache import refuse_sliding_window
+
+    cfg = MistralConfig(sliding_window=16)
+    with pytest.raises(ValueError, match="slides over 16 tokens"):
+        refuse_sliding_window(cfg, "the acceptance probe")
+    with pytest.raises(ValueError, match="sequences here reach 512"):
+        refuse_sliding_window(cfg, "SAR-SFT training", 512)
+    with pytest.raises(ValueError, match="sequences here reach 16"):  # the cache keeps 15 past tokens
+        refuse_sliding_window(cfg, "SAR-SFT training", 16)
+    refuse_sliding_window(cfg, "SAR-SFT training", 15)  # never past the window: the same masks
+    refuse_sliding_window(MistralConfig(sliding_window=None), "the acceptance probe")

@@ -1,0 +1,51 @@
+"""Resuming an evaluation folder (space/eval/resume.py): every setting that shapes the samples or
+their timings blocks a resume when it changes; the adapter counts by content, not by path."""
+import json
+
+import pytest
+
+from space.eval.resume import RESUME_KEYS, adapter_sha256, check_resume
+
+# written out, not read from RESUME_KEYS: a key dropped from the tuple must fail here
+CHANGES = {
+    "model": "other-model", "adapter_sha256": "f" * 64, "dataset": "mbpp", "methods": ["ar"], "num_samples": 2,
+    "mask_num": 4, "num_groups": 2, "lookup_tokens": 8, "tree": [[0], [1]], "max_new_tokens": 99,
+    "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1, "dtype": "bfloat16", "kernels": "stock",
+    "threads": 7, "device": "cuda:0", "device_map": "auto", "machine": "aarch64 64 cores", "torch": "9.9.9",
+    "transformers": "9.9.9",
+}
+
+
+def meta() -> dict:
+    return {"model": "tiny-random-llama", "adapter": "adapters/a", "adapter_sha256": "0" * 64, "dataset": "humaneval",
+            "methods": ["ar", "space"], "num_samples": 1, "mask_num": 3, "num_groups": 4, "lookup_tokens": 0,
+            "tree": None, "max_new_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
+            "dtype": "float32", "kernels": "fast", "threads": 1, "device": "cpu", "device_map": None,
+            "machine": "x86_64 2 cores", "torch": "2.13.0", "transformers": "5.23.0", "commits": ["abc"]}
+
+
+def test_every_key_is_checked():
+    assert set(CHANGES) == set(RESUME_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(CHANGES))
+def test_resume_refuses_a_change_of_any_key(tmp_path, key):
+    check_resume(tmp_path, meta())
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    check_resume(tmp_path, meta())  # the same settings resume
+    with pytest.raises(ValueError, match=rf"other settings.*'{key}': \("):
+        check_resume(tmp_path, {**meta(), key: CHANGES[key]})
+    assert json.loads((tmp_path / "run_config.json").read_text())[key] == meta()[key]  # the record is kept
+
+
+def test_adapter_hash_follows_content_not_path(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "space_config.json").write_text('{"mode": "frozen-base"}')
+        (tmp_path / name / "sub" / "w.bin").write_bytes(b"\x00\x01")
+    assert adapter_sha256(tmp_path / "a") == adapter_sha256(tmp_path / "b") and adapter_sha256(None) is None
+    (tmp_path / "b" / "sub" / "w.bin").write_bytes(b"\x00\x02")  # retrained in place
+    assert adapter_sha256(tmp_path / "a") != adapter_sha256(tmp_path / "b")
+    before = adapter_sha256(tmp_path / "a")
+    (tmp_path / "a" / "sub" / "w.bin").rename(tmp_path / "a" / "w.bin")  # same bytes, another file
+    assert adapter_sha256(tmp_path / "a") != before
