@@ -80,10 +80,7 @@ def check_args(args) -> None:
         raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {args.kernels!r}")
     set_threads(args.threads)
     check_device(args.device)
-    try:
-        tree = tree_flag(args.tree, args.mask_num or MAX_MASK_NUM)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--tree {args.tree}: not a UTF-8 text file (byte {e.start})") from None
+    tree = tree_flag(args.tree, args.mask_num or MAX_MASK_NUM)  # a non-UTF-8 tree file is a ValueError there
     if tree not in (None, "chain"):
         check_tree_vocab(tree, args.model, adapter_path(args))
 

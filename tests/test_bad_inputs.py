@@ -319,7 +319,7 @@ TREE_CASES = [
     ("space-tree", ["--ranks", "{tmp}/good.jsonl", "--max-rows", "1"], "--max-rows must be >= 2, got 1"),
     ("space-tree", ["--ranks", "{tmp}/good.jsonl", "--kernels", "turbo"], "--kernels must be one of fast, stock"),
     ("space-probe", [*PROBE, "--tree", "[[0],[400]]"], "--tree: rank 400 is not below the vocabulary size 320"),
-    ("space-probe", [*PROBE, "--tree", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not a UTF-8 text file"),
+    ("space-probe", [*PROBE, "--tree", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not UTF-8 text"),
     ("space-probe", [*PROBE, "--threads", "0"], "--threads must be >= 1, got 0"),
     ("space-probe", [*PROBE, "--device", "gpu7"], "unknown --device 'gpu7'"),
     ("space-chat", [*TINY_CHAT, "--temperature", "nan"], "--temperature must be a finite number, got nan"),
@@ -333,7 +333,7 @@ TREE_CASES = [
     ("space-chat", [*TINY_CHAT, "--device", "gpu7"], "unknown --device 'gpu7'"),
     ("space-chat", [*TINY_CHAT, "--kernels", "turbo"], "--kernels must be one of fast, stock"),
     ("space-chat", [*TINY_CHAT, "--tree", "[[0],[400]]"], "--tree: rank 400 is not below the vocabulary size 320"),
-    ("space-chat", [*TINY_CHAT, "--tree", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not a UTF-8 text file"),
+    ("space-chat", [*TINY_CHAT, "--tree", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not UTF-8 text"),
     ("space-distill", ["--magpie-seed", "-1", "--out", "{tmp}/d.jsonl"], "--magpie-seed must be >= 0, got -1"),
     ("space-distill", ["--magpie-seed", str(2**64), "--out", "{tmp}/d.jsonl"], "--magpie-seed must be < 4294967296"),
 ]

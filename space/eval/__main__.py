@@ -122,13 +122,11 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError(f"unknown --kernels {args.kernels!r}; choose one of {KERNEL_CHOICES}")
     parse_dtype(args.dtype)
     check_device(args.device)
+    tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
     try:
-        tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
         placement = None if args.device_map is None else parse_device_map(args.device_map)
     except UnicodeDecodeError as e:  # a binary file passed by mistake
-        flag = "--tree" if args.tree is not None and Path(args.tree).is_file() else "--device-map"
-        raise ValueError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: not UTF-8 text ({e.reason} at byte "
-                         f"{e.start})") from None
+        raise ValueError(f"--device-map {args.device_map}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     for device in placement.values() if isinstance(placement, dict) else ():
         check_device(f"cuda:{device}" if isinstance(device, int) else device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

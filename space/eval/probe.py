@@ -253,10 +253,7 @@ def read_tree(spec: str | None, k: int, model: str | None, adapter: str | Path |
     """
     from ..decoding.tree import parse_tree
 
-    try:
-        tree = parse_tree(spec, k)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--tree {spec}: not a UTF-8 text file (byte {e.start})") from None
+    tree = parse_tree(spec, k)  # a non-UTF-8 tree file is a ValueError there
     check_tree_vocab(tree, model, adapter)
     return tree
 
