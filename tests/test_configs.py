@@ -96,3 +96,11 @@ def test_sources_filter_on_distilled_rows(tmp_path):
     mix.write_text('{"source": "lima", "prompt": "a", "response": "b"}\n{"prompt": "a", "response": "b"}\n')
     with pytest.raises(ValueError, match="row 1 has no 'source' field"):
         load_examples(str(mix), sources=["lima"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweep").glob("*.yaml")), ids=lambda p: p.name)
+def test_sweep_arms_parse(path, tmp_path):
+    """Every arm of a recipe sweep is a valid training configuration (base config plus its flags)."""
+    sweep = yaml.safe_load(path.read_text())
+    for name, flags in sweep["arms"].items():
+        parse_train_args(["--config", str(ROOT / sweep["base_config"]), "--output_dir", str(tmp_path / name), *flags])
