@@ -230,7 +230,8 @@ class Distiller:
         from .data.magpie import PromptFilter, sample_user_turns, user_prefix_ids
 
         m, limit = self.magpie, self.sources["magpie"]
-        first = PromptFilter(self._leak_texts(), self.tok.all_special_tokens)
+        leak_texts = self._leak_texts()  # read once: the follow-up filter checks the same prompts
+        first = PromptFilter(leak_texts, self.tok.all_special_tokens)
         kept = [t for t in self._turns(1) if first.verdict(t["text"], t["finished"]) == "ok"]
         prefix = user_prefix_ids(self.tok, [])
         with tqdm(total=limit, initial=min(len(kept), limit), desc="magpie: first turns kept", unit="prompt") as bar:
@@ -253,9 +254,9 @@ class Distiller:
         self._answer([_prompt_row(t["id"], "magpie", [{"role": "user", "content": t["text"]}]) for t in kept],
                      desc="answers: magpie")
         if m.follow_ups:
-            self._follow_ups(kept)
+            self._follow_ups(kept, leak_texts)
 
-    def _follow_ups(self, kept: list[dict]) -> None:
+    def _follow_ups(self, kept: list[dict], leak_texts: list[str]) -> None:
         """A second user turn after each first turn's finished answer, filtered, then answered."""
         from .data.magpie import PromptFilter, sample_user_turns, user_prefix_ids
 
@@ -272,7 +273,7 @@ class Distiller:
                                         m.max_new_tokens, m.temperature, m.top_p)
             self._save_turns([{"id": f"{p['id']}/turn2", "turn": 2, "parent": p["id"], "text": text, "finished": fin}
                               for p, (text, fin) in zip(batch, sampled)])
-        second = PromptFilter(self._leak_texts(), self.tok.all_special_tokens, dedupe=False)
+        second = PromptFilter(leak_texts, self.tok.all_special_tokens, dedupe=False)
         by_id = {p["id"]: p for p in parents}
         prompts = []
         for t in self._turns(2):
