@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "adapter's layout)")
     p.add_argument("--lookup-tokens", type=int, default=None, help="prompt-lookup candidates per step (default: "
                    "the adapter's layout)")
-    p.add_argument("--tree", default=None, help="'chain', 'auto' (the adapter's tuned tree) or a token tree "
+    p.add_argument("--tree", default=None, help="'chain', 'auto' (the adapter's tuned tree), 'dynamic' (chosen each step) or a token tree "
                    "as JSON paths of ranks (default: the adapter's layout)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact: the AR reply) "

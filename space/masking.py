@@ -1,7 +1,7 @@
 """The mask-token layout: the one place that knows where mask groups go (DESIGN §3.1-§3.3).
 
 Both the SAR-SFT collator (``space.data.collator``) and the auto-correct decoder
-(``space.decoding.space``) build their inputs here, so training and decoding cannot drift apart.
+(``space.decoding.decoder``) build their inputs here, so training and decoding cannot drift apart.
 
 A layout is a block of query rows appended after ``cache_len`` tokens that every row may see:
 
@@ -70,39 +70,45 @@ class Layout:
     Attributes:
         cache_len: tokens before the block (KV cache or, in training, 0); every row sees them.
         num_real: real rows at the start of the block.
-        k: masks per group (mask_num).
+        k: masks per group (mask_num); with groups of different lengths, the longest.
         group_ctx: (groups,) context length ``e`` of each mask group, in real rows.
-        position_ids: (q,) position id of each row, q = num_real + groups * k.
+        group_len: (groups,) masks in each group (all ``k`` unless lengths were given).
+        position_ids: (q,) position id of each row, q = num_real + sum(group_len) + padding.
         allowed: (q, cache_len + q) bool, True where row i may attend to key j.
         is_mask: (q,) bool, True on mask rows.
-        mask_offset: (q,) offset j of a mask row inside its group, -1 on real rows.
-        mask_group: (q,) index of a mask row's group, -1 on real rows.
+        mask_offset: (q,) offset j of a mask row inside its group, -1 on real and padding rows.
+        mask_group: (q,) index of a mask row's group, -1 on real and padding rows.
         target_row: (q,) real row each row is trained to predict (row+1 for real rows,
             e+j+1 for masks); may point past the block, callers turn that into IGNORE_INDEX.
+        depth: (num_real,) depth of each real row in its tree (a chain: 0, 1, 2, ...).
+        ancestors: (num_real, num_real) bool, ancestor-or-self of each real row.
     """
 
     cache_len: int
     num_real: int
     k: int
     group_ctx: torch.Tensor
+    group_len: torch.Tensor
     position_ids: torch.Tensor
     allowed: torch.Tensor
     is_mask: torch.Tensor
     mask_offset: torch.Tensor
     mask_group: torch.Tensor
     target_row: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
 
     @property
     def num_rows(self) -> int:
-        return self.num_real + self.group_ctx.numel() * self.k
+        return self.position_ids.numel()
 
     def group_rows(self, group: int) -> torch.Tensor:
-        """Row indices (k,) of mask group ``group`` (index into ``group_ctx``)."""
-        start = self.num_real + group * self.k
-        return torch.arange(start, start + self.k)
+        """Row indices (group_len[group],) of mask group ``group`` (index into ``group_ctx``)."""
+        start = self.num_real + int(self.group_len[:group].sum())
+        return torch.arange(start, start + int(self.group_len[group]))
 
     def input_ids(self, real_ids: torch.Tensor, mask_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids (q,) of the block.
+        """Token ids (q,) of the block (a layout without padding).
 
         Args:
             real_ids: (num_real,) ids of the real rows.
@@ -111,28 +117,38 @@ class Layout:
         if real_ids.numel() != self.num_real:
             raise ValueError(f"expected {self.num_real} real ids, got {real_ids.numel()}")
         masks = mask_ids.to(real_ids.device).expand(self.k) if mask_ids.numel() == 1 else mask_ids
-        return torch.cat([real_ids, masks.repeat(self.group_ctx.numel())])
+        return torch.cat([real_ids, masks[self.mask_offset[self.num_real:].to(masks.device)]])
 
 
-def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Tensor, k: int,
-                 parents: list[int] | None = None) -> Layout:
-    """Build the general layout (see the module docstring); no Python loop over rows of a chain.
+def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Tensor, k: int | list[int],
+                 parents: list[int] | torch.Tensor | None = None, pad_to: int | None = None,
+                 device: torch.device | str | None = None) -> Layout:
+    """Build the general layout (see the module docstring) with tensor ops only: no Python loop
+    over rows, so a decoder can build a new tree's block on its device every step.
 
     Args:
         cache_len: tokens already in the cache (visible to every row), >= 0.
         num_real: real rows in the block, >= 1.
         group_ctx: context length e of each mask group, each in 1..num_real; the group is
             anchored at real row e - 1 and sees the path to it.
-        k: masks per group, >= 1.
+        k: masks per group, >= 1; or one length >= 1 per group (groups of different lengths,
+            the dynamic tree's choice, issue 31).
         parents: (num_real,) parent row of each real row (-1 for row 0, else an earlier row): a
             token tree. None = a chain (``parents[r] = r - 1``), the training and chain-decode case.
-            ``target_row`` is only meaningful for chains.
+            ``target_row`` is only meaningful for chains. A list is validated; a tensor (a
+            decoder's own per-step tree, possibly on its device) is trusted.
+        pad_to: total rows q; rows after the groups are padding that sees only itself (so its
+            softmax stays finite) and that no row sees. None: no padding.
+        device: where the tensors are built (default: the CPU, or a tensor ``parents``' device).
 
     Raises:
-        ValueError: k < 1, num_real < 1, a group context outside 1..num_real, or parents that are
-            not a tree rooted at row 0 in topological order.
+        ValueError: k < 1, num_real < 1, a group context outside 1..num_real, one length per
+            group not given, ``pad_to`` below the rows, or list parents that are not a tree rooted
+            at row 0 in topological order.
     """
-    if k < 1:
+    lens_given = not isinstance(k, int)
+    lens = torch.as_tensor(k if lens_given else [], dtype=torch.long).reshape(-1)
+    if (lens_given and any(int(x) < 1 for x in k)) or (not lens_given and k < 1):
         raise ValueError(f"mask_num (k) must be >= 1, got {k}")
     if num_real < 1 or cache_len < 0:
         raise ValueError(f"need num_real >= 1 and cache_len >= 0, got {num_real}, {cache_len}")
@@ -140,48 +156,83 @@ def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Ten
     if ctx.numel() and (int(ctx.min()) < 1 or int(ctx.max()) > num_real):
         raise ValueError(f"group context lengths must lie in 1..{num_real}, got {ctx.tolist()}")
     G = ctx.numel()
-    q = num_real + G * k
-    real = torch.arange(num_real)
-    j = torch.arange(k).repeat(G)  # (G*k,) offset inside the group
-    grp = torch.arange(G).repeat_interleave(k)  # (G*k,) group index
-    e = ctx[grp]  # (G*k,) context of each mask row
-    depth, ancestors = _tree(num_real, parents)  # (num_real,), (num_real, num_real) or None for a chain
+    if lens_given and lens.numel() != G:
+        raise ValueError(f"one mask-group length per group: {G} groups, {lens.numel()} lengths")
+    if isinstance(parents, (list, tuple)):
+        check_parents(parents, num_real)
+    if device is None:
+        device = parents.device if isinstance(parents, torch.Tensor) else "cpu"
+    lens = (lens if lens_given else torch.full((G,), k, dtype=torch.long)).to(device)
+    ctx = ctx.to(device)
+    host_lens = [int(x) for x in k] if lens_given else [k] * G  # sizes from the host: no device sync
+    M = sum(host_lens)  # mask rows
+    used = num_real + M
+    q = used if pad_to is None else pad_to
+    if q < used:
+        raise ValueError(f"pad_to = {pad_to} is below the layout's {used} rows")
+    arange = torch.arange(q, device=device)
+    real = arange[:num_real]
+    grp = torch.repeat_interleave(torch.arange(G, device=device), lens, output_size=M)  # (M,) group index
+    j = arange[:M] - (torch.cumsum(lens, 0) - lens)[grp]  # (M,) offset inside the group
+    e = ctx[grp]  # (M,) context of each mask row
+    pad = q - used
+    if parents is None:
+        depth, ancestors = real, real[None, :] <= real[:, None]
+    else:
+        depth, ancestors = tree_ancestors(torch.as_tensor(parents, dtype=torch.long, device=device))
 
-    position_ids = torch.cat([cache_len + depth, cache_len + depth[e - 1] + 1 + j])
-    is_mask = torch.cat([torch.zeros(num_real, dtype=torch.bool), torch.ones(G * k, dtype=torch.bool)])
-    mask_offset = torch.cat([torch.full((num_real,), -1), j])
-    mask_group = torch.cat([torch.full((num_real,), -1), grp])
-    target_row = torch.cat([real + 1, e + j + 1])
+    position_ids = torch.cat([cache_len + depth, cache_len + depth[e - 1] + 1 + j,
+                              torch.full((pad,), cache_len, dtype=torch.long, device=device)])
+    is_mask = (arange >= num_real) & (arange < used)
+    minus = torch.full((num_real,), -1, dtype=torch.long, device=device)
+    pad_minus = torch.full((pad,), -1, dtype=torch.long, device=device)
+    mask_offset = torch.cat([minus, j, pad_minus])
+    mask_group = torch.cat([minus, grp, pad_minus])
+    target_row = torch.cat([real + 1, e + j + 1, torch.full((pad,), q, dtype=torch.long, device=device)])
 
-    # Visibility inside the block, (q, q): causal among real rows; a mask row sees the real
-    # rows before its anchor and the masks of its own group up to itself; real rows see no mask.
-    col_real = torch.arange(q) < num_real  # (q,)
-    if ancestors is None:  # chain: real row r sees real rows < r+1, a group with context e rows < e
-        row_e = torch.cat([real + 1, e])
-        sees_real = col_real[None, :] & (torch.arange(q)[None, :] < row_e[:, None])
-    else:  # tree: every row sees the path to its anchor (a real row is its own anchor)
-        path = torch.cat([ancestors, ancestors[e - 1]])  # (q, num_real)
-        sees_real = torch.cat([path, torch.zeros(q, q - num_real, dtype=torch.bool)], dim=1)
+    # Visibility inside the block, (q, q): every row sees the path to its anchor (a real row is
+    # its own anchor; a chain's path is every earlier row); a mask row also sees the masks of its
+    # own group up to itself; real rows see no mask; padding sees only itself.
+    sees_real = torch.zeros(q, q, dtype=torch.bool, device=device)
+    sees_real[:num_real, :num_real] = ancestors
+    sees_real[num_real:used, :num_real] = ancestors[e - 1]
     same_group = (mask_group[:, None] == mask_group[None, :]) & is_mask[:, None] & is_mask[None, :]
     sees_mask = same_group & (mask_offset[None, :] <= mask_offset[:, None])
     block = sees_real | sees_mask
-    allowed = torch.cat([torch.ones(q, cache_len, dtype=torch.bool), block], dim=1)
-    return Layout(cache_len, num_real, k, ctx, position_ids, allowed, is_mask, mask_offset, mask_group, target_row)
+    block[used:, used:] |= torch.eye(pad, dtype=torch.bool, device=device)
+    allowed = torch.cat([torch.ones(q, cache_len, dtype=torch.bool, device=device), block], dim=1)
+    return Layout(cache_len, num_real, max(host_lens) if lens_given and G else (k if not lens_given else 1),
+                  ctx, lens, position_ids, allowed, is_mask, mask_offset, mask_group, target_row, depth, ancestors)
 
 
-def _tree(num_real: int, parents: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Depth (num_real,) of each real row and its ancestor-or-self matrix (None for a chain)."""
-    if parents is None:
-        return torch.arange(num_real), None
+def check_parents(parents, num_real: int) -> None:
+    """Raise ValueError unless ``parents`` (host list) is a tree of ``num_real`` rows rooted at row
+    0 (-1) in which every other row's parent is an earlier row."""
     if len(parents) != num_real or parents[0] != -1 or any(not 0 <= p < r for r, p in enumerate(parents) if r):
         raise ValueError(f"parents must give row 0 as the root (-1) and an earlier row for every other row, "
                          f"got {list(parents)} for {num_real} rows")
-    depth = [0] * num_real
-    ancestors = torch.eye(num_real, dtype=torch.bool)
-    for r in range(1, num_real):  # parents come first, so one pass fills both
-        depth[r] = depth[parents[r]] + 1
-        ancestors[r] |= ancestors[parents[r]]
-    return torch.tensor(depth), ancestors
+
+
+def tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth (n,) of each row of a tree and its ancestor-or-self matrix (n, n), by pointer doubling.
+
+    Each round doubles how far up every row has looked (``jump`` is its 2^t-th ancestor, clamped
+    at the root), so ceil(log2(n)) rounds of gathers cover any depth: no loop over rows.
+
+    Args:
+        parents: (n,) parent row of each row, -1 for row 0 (the root), on any device.
+    """
+    n = parents.numel()
+    rows = torch.arange(n, device=parents.device)
+    jump = parents.clamp_min(0)  # the root is its own parent
+    dist = (parents >= 0).long()  # distance from each row to ``jump``
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+    ancestors[rows, jump] = True
+    for _ in range(max(n - 1, 1).bit_length()):
+        ancestors = ancestors | ancestors[jump]
+        dist = dist + dist[jump]
+        jump = jump[jump]
+    return dist, ancestors
 
 
 def tree_parents(paths) -> list[int]:

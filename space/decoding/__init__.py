@@ -3,6 +3,6 @@ from .autoregressive import ar_generate
 from .config import DEFAULT_MASK_NUM, DecodeConfig
 from .result import DecodeResult
 from .sampling import SamplingConfig
-from .space import SpaceDecoder
+from .decoder import SpaceDecoder
 
 __all__ = ["DEFAULT_MASK_NUM", "DecodeConfig", "DecodeResult", "SamplingConfig", "SpaceDecoder", "ar_generate"]

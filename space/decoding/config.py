@@ -12,6 +12,7 @@ import numbers
 from dataclasses import asdict, dataclass, fields, replace
 
 from ..tokens import check_mask_num
+from .dynamic import StepCost
 from .tree import Tree, chain_depth, check_tree, prune
 
 DEFAULT_MASK_NUM = 5  # the paper's k (DESIGN §2); the only place a default k is written
@@ -52,9 +53,15 @@ class DecodeConfig:
         lookup_tokens: 0 = pure SPACE; else up to this many prompt-lookup candidates per step,
             verified as one more branch of the step's token tree (added to the mask drafts).
         lookup_ngram: longest n-gram matched by prompt lookup (>= 1).
-        tree: None = verify the chain of top-1 drafts; else a static token tree of mask-draft
-            ranks, at most k deep (``space.decoding.tree``; groups attach to x_{n-1} and the top-1
-            chain). Lists are accepted and stored as the breadth-first sorted tuple.
+        tree: None = verify the chain of top-1 drafts; a static token tree of mask-draft ranks, at
+            most k deep (``space.decoding.tree``; groups attach to x_{n-1} and the top-1 chain;
+            lists are accepted and stored as the breadth-first sorted tuple); or ``"dynamic"``: a
+            tree, groups and group lengths chosen every step from the drafts' probabilities and
+            the step cost (``space.decoding.dynamic``, issue 31).
+        row_budget: dynamic tree: most rows per step, padding included (>= 1).
+        draft_ranks: dynamic tree: top-R drafts per mask it may use (>= 1).
+        step_cost: dynamic tree: the step-cost curve ``((rows, cost), ...)``, rows ascending from
+            1 (``space-tree`` measures it in ms); None = ``dynamic.DEFAULT_STEP_COST``.
 
     Raises:
         ValueError: any field out of range or not an integer (NaN, inf and 2.0 included), at
@@ -66,12 +73,22 @@ class DecodeConfig:
     num_groups: int | None = None
     lookup_tokens: int = 0
     lookup_ngram: int = 2
-    tree: Tree | None = None
+    tree: Tree | str | None = None
+    row_budget: int = 32
+    draft_ranks: int = 4
+    step_cost: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         check_mask_num(self.mask_num)
-        if self.tree is not None:
+        if isinstance(self.tree, str):
+            if self.tree != "dynamic":
+                raise ValueError(f"tree must be a list of paths of ranks or 'dynamic', got {self.tree!r}")
+        elif self.tree is not None:
             object.__setattr__(self, "tree", check_tree(self.tree, self.mask_num))
+        check_int("row_budget", self.row_budget, 1)
+        check_int("draft_ranks", self.draft_ranks, 1)
+        if self.step_cost is not None:
+            object.__setattr__(self, "step_cost", StepCost(self.step_cost).points)
         if self.num_groups is not None:
             check_int("num_groups", self.num_groups, 1, self.mask_num + 1)  # G_0..G_k
         check_int("lookup_tokens", self.lookup_tokens, 0)
@@ -94,14 +111,15 @@ class DecodeConfig:
             values["tree"] = None
         if "mask_num" in values and "num_groups" not in values and self.num_groups is not None:
             values["num_groups"] = min(self.num_groups, values["mask_num"] + 1)
-        if "mask_num" in values and "tree" not in values and self.tree is not None:
+        if "mask_num" in values and "tree" not in values and self.tree not in (None, "dynamic"):
             values["tree"] = prune(self.tree, values["mask_num"]) or None
         return replace(self, **values)
 
     def to_dict(self) -> dict:
         """JSON-ready (the tree as lists of ranks)."""
         d = asdict(self)
-        d["tree"] = None if self.tree is None else [list(p) for p in self.tree]
+        d["tree"] = self.tree if self.tree in (None, "dynamic") else [list(p) for p in self.tree]
+        d["step_cost"] = None if self.step_cost is None else [list(p) for p in self.step_cost]
         return d
 
     @classmethod
@@ -128,9 +146,12 @@ class DecodeConfig:
         which leaves k - (a - g) candidates; with k = 1 and one group, every accepting step is
         followed by a step with no candidate, so the cap is 1.5 (DESIGN §3.5). With a tree, the
         all-right path is its top-1 chain (at most its depth). Lookup candidates are not counted
-        (they are not bounded by the layout).
+        (they are not bounded by the layout). The dynamic tree: k + 1, its bound when every step
+        attaches a full group where the accepted path ends.
         """
         k, g_max = self.mask_num, self.groups - 1
+        if self.tree == "dynamic":
+            return float(k + 1)
         depth = k if self.tree is None else chain_depth(self.tree)
         m, seen, emitted = 0, {}, []
         while m not in seen:  # a deterministic walk over the candidate count m: find its cycle

@@ -33,6 +33,7 @@ class DecodeResult:
             after an accept that left no mask group to draft from); empty for AR.
         step_tokens: per step (one target forward pass that emits tokens), tokens emitted (1..k+1).
         step_times: per step, wall time in s; ``step_times[0]`` includes the prefill.
+        step_rows: per SPACE step, the rows of its block (x_{n-1}, nodes, masks, padding); empty for AR.
         stop_reason: "eos", "length", or "stop" (``on_tokens`` raised :class:`StopDecoding`).
     """
 
@@ -45,16 +46,18 @@ class DecodeResult:
     step_candidates: list[int] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    step_rows: list[int] = field(default_factory=list)
     stop_reason: str | None = None
 
     def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
-             candidates: int | None = None) -> bool:
+             candidates: int | None = None, rows: int | None = None) -> bool:
         """Record one step's tokens, cut at the first stop token and at max_new_tokens.
 
         Args:
             tokens: the step's tokens (accepted candidates and the bonus).
             seconds: the step's wall time in s.
-            accepted, candidates: SPACE steps only: a, and the m candidates verified.
+            accepted, candidates, rows: SPACE steps only: a, the depth of the candidates verified
+                (m for a chain), and the block's rows.
 
         Returns:
             True when generation is finished.
@@ -73,6 +76,8 @@ class DecodeResult:
         if accepted is not None:
             self.accept_lengths.append(accepted)
             self.step_candidates.append(candidates)
+        if rows is not None:
+            self.step_rows.append(rows)
         if self.on_tokens is not None and kept:
             try:
                 self.on_tokens(kept)
@@ -103,9 +108,6 @@ class DecodeResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.new_ids) / self.wall_time if self.step_times and self.wall_time > 0 else 0.0
-
-    def ids_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.new_ids, dtype=torch.long)
 
 
 def clock(device: torch.device) -> float:

@@ -77,16 +77,17 @@ def parse_tree(spec: str | None, k: int | None = None) -> Tree | None:
 
 def tree_flag(spec, k: int | None = None) -> Tree | str | None:
     """A ``--tree`` / ``tree=`` value as a ``DecodeConfig.override`` argument: None or ``auto``
-    keep the adapter's tuned layout (None), ``chain`` selects the chain, anything else is a tree
-    (JSON text, a file, or a list of paths).
+    keep the adapter's tuned layout (None), ``chain`` selects the chain, ``dynamic`` the per-step
+    dynamic tree (``space.decoding.dynamic``), anything else is a tree (JSON text, a file, or a
+    list of paths).
 
     Raises:
         ValueError: an invalid tree (see :func:`parse_tree`).
     """
     if spec is None or spec == "auto":
         return None
-    if spec == "chain":
-        return "chain"
+    if spec in ("chain", "dynamic"):
+        return spec
     return check_tree(spec, k) if isinstance(spec, (list, tuple)) else parse_tree(spec, k)
 
 

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="space: also try up to N prompt-lookup candidates per step when an n-gram recurs "
                         "(default: the adapter's tuned layout, else 0 = pure SPACE)")
     p.add_argument("--tree", default=None,
-                   help="space: 'chain' (verify the top-1 drafts), 'auto' (the adapter's tuned tree), or a token "
+                   help="space: 'chain' (verify the top-1 drafts), 'auto' (the adapter's tuned tree), 'dynamic' (a "
+                        "tree chosen each step from draft confidence and the step cost), or a token "
                         "tree as JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file holding one "
                         "(default: the adapter's tuned layout)")
     p.add_argument("--methods", default="ar,hf,pld,space", help=f"comma list of {', '.join(METHODS)}")
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> dict | None:
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
             "tree": decode.to_dict()["tree"],
+            # the dynamic tree's own settings (None for static layouts, which do not use them)
+            **{key: decode.to_dict()[key] if decode.tree == "dynamic" else None
+               for key in ("row_budget", "draft_ranks", "step_cost")},
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,

@@ -31,6 +31,9 @@ def _method_stats(rows: list[dict]) -> dict:
     if steps and None not in steps:
         stats["forward_passes"] = sum(steps)
         stats["tokens_per_step"] = round(tokens / max(sum(steps), 1), 3)
+    rows_fed = [q for r in rows for c in r["choices"] for turn in c.get("rows") or [] for q in turn]
+    if rows_fed:  # SPACE records since issue 31: the block rows of every step, padding included
+        stats["rows_per_step"] = round(sum(rows_fed) / len(rows_fed), 2)
     return stats
 
 
@@ -104,7 +107,8 @@ def summarize(records: list[dict], meta: dict) -> dict:
         # a step verifies up to k mask drafts, or up to lookup_tokens prompt-lookup candidates
         k = max(meta.get("mask_num", DEFAULT_MASK_NUM), meta.get("lookup_tokens") or 0)
         methods["space"].update(_acceptance(by_method["space"], k))
-        if meta.get("mask_num") and not meta.get("lookup_tokens"):  # lookup candidates have no cap
+        if meta.get("mask_num") and not meta.get("lookup_tokens") and meta.get("tree") != "dynamic":
+            # lookup candidates have no cap, and the dynamic tree's only bound is k + 1
             layout = DecodeConfig(meta["mask_num"], meta.get("num_groups"), tree=meta.get("tree"))
             methods["space"]["layout_cap_tokens_per_step"] = round(layout.max_tokens_per_step(), 3)
         if "ar" in by_method and meta.get("temperature", 0) == 0:
@@ -136,9 +140,14 @@ def _fmt(x, pct=False):
     return f"{100 * x:.1f}" if pct else f"{x:.2f}"
 
 
-def layout_text(meta: dict) -> str:
-    """The decoding layout of a run's meta in words: k, groups, tree (or chain), lookup tokens."""
+def layout_text(meta: dict, rows_per_step: float | None = None) -> str:
+    """The decoding layout of a run's meta in words: k, groups, tree (chain, static tree, or dynamic
+    with its mean rows per step), lookup tokens."""
     tree = meta.get("tree")
+    if tree == "dynamic":
+        rows = f", {rows_per_step:.1f} rows per step on average" if rows_per_step else ""
+        return (f"dynamic tree (k <= {meta.get('mask_num')}, <= {meta.get('num_groups')} mask group(s), "
+                f"<= {meta.get('row_budget')} rows{rows}), prompt lookup {meta.get('lookup_tokens') or 0} tokens")
     shape = f"tree {json.dumps(tree, separators=(',', ':'))}" if tree else "chain of top-1 drafts"
     groups = meta.get("num_groups")
     return (f"k = {meta.get('mask_num')}, {groups if groups is not None else '?'} mask group(s), {shape}, "
@@ -155,7 +164,7 @@ def to_markdown(s: dict) -> str:
     if meta.get("ranks", 1) > 1:
         placement += f", {meta['ranks']} ranks (each question's methods in one process)"
     lines = [f"# SPACE evaluation: {meta.get('dataset')} ({meta.get('num_questions')} questions)", "",
-             f"layout: {layout_text(meta)}; max_new_tokens = {meta.get('max_new_tokens')}, temperature = {meta.get('temperature')}, dtype = {meta.get('dtype')}, "
+             f"layout: {layout_text(meta, m.get('space', {}).get('rows_per_step'))}; max_new_tokens = {meta.get('max_new_tokens')}, temperature = {meta.get('temperature')}, dtype = {meta.get('dtype')}, "
              f"device = {meta.get('device')} ({meta.get('machine')}){placement}, torch {meta.get('torch')}, "
              f"transformers {meta.get('transformers')}", "",
              "| Model | Dataset | Pass@1 SPACE (AR) | tokens/step | speedup vs AR | speedup vs HF | PLD speedup vs HF | exact (greedy) |",

@@ -71,7 +71,7 @@ def test_group_shift_drafts_the_right_rows(trained, groups):
     for i in range(6):
         prompt = lang.sample(3 + 2 * i)
         drafts = []
-        out = SpaceDecoder(model, spec, DecodeConfig(K, groups)).generate(
+        out = SpaceDecoder(model, spec, DecodeConfig(K, groups))._generate(
             torch.tensor(prompt), 40, draft_override=spoil(drafts))
         done = 0
         for d, a, m, emitted in zip(drafts, out.accept_lengths, out.step_candidates, out.step_tokens):

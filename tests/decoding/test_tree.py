@@ -110,7 +110,7 @@ def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
         return out
 
     base = model.get_decoder()
-    original, seen = dec._tree_step, []
+    original, seen = dec._step, []
 
     def checked(cache, last, *args):
         out = original(cache, last, *args)
@@ -125,8 +125,8 @@ def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
             torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)
         return out
 
-    dec._tree_step = checked
-    assert dec.generate(prompt, 50, draft_override=override).new_ids == truth
+    dec._step = checked
+    assert dec._generate(prompt, 50, draft_override=override).new_ids == truth
     assert max(seen) == 3 and seen.count(3) >= 5  # full-depth accepts through rank-1 and rank-2 siblings
 
 
@@ -212,7 +212,7 @@ def test_context_end_shrinks_the_tree(tiny, k, groups, lookup):
         lambda mod, args, kwargs: positions.append(int(kwargs["position_ids"].max()))
         if kwargs.get("position_ids") is not None else None, with_kwargs=True)
     try:
-        out = dec.generate(prompt, 14, draft_override=override)
+        out = dec._generate(prompt, 14, draft_override=override)
     finally:
         hook.remove()
     assert out.new_ids == truth and max(positions) == context - 1 and max(out.accept_lengths) == 3

@@ -133,7 +133,7 @@ def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, a
     hook = model.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw[CACHE_ARG]),
                                                  with_kwargs=True)
     try:
-        out = decoder.generate(prompt, 40, draft_override=oracle)
+        out = decoder._generate(prompt, 40, draft_override=oracle)
     finally:
         hook.remove()
     assert out.new_ids == truth and max(out.accept_lengths) == 3 and 0 < min(out.accept_lengths[1:]) < 3

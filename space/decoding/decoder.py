@@ -1,0 +1,487 @@
+"""The SPACE auto-correct decoder: verify the last drafts and draft the next ones in one pass.
+
+DESIGN §3.3-§3.5. Each step feeds ``[x_{n-1}] [c_1..c_m] [G_0..G_{g-1}]`` after a KV cache that
+holds ``x_0..x_{n-2}``, with the layout core's 4-D mask and position ids, then
+
+1. verifies c_1..c_m on the m+1 verification rows (greedy or exact speculative sampling),
+2. emits the a accepted candidates and the bonus (auto-correct) token,
+3. crops the cache to ``x_0..x_{n-1}, c_1..c_a`` (candidates come first in the block, so this is
+   a crop, never a gather),
+4. drafts the next candidates from group G_a (or, when G_a was not attached, from the deepest
+   group by shifting: DESIGN §3.5).
+
+The LM head runs on the m+1 verification rows, then on the chosen group's rows; or once on every
+row when that wastes few rows (one read of the head's weight instead of two).
+
+Exactness and precision: in fp32, greedy output is token for token the AR greedy output of the same
+weights, and sampled output is distributed as AR sampling. In bf16 and fp16 the verification rows
+are computed in one multi-row forward whose kernels round differently from AR's one-row forwards,
+so a near-tie between the two best tokens can flip and the output can then differ from AR from
+that token on; check exactness in fp32.
+
+Sliding-window models (Mistral, Qwen2 with ``use_sliding_window``): the cache keeps every token on
+every layer (``cache.full_cache``), so it can be cropped and compacted, and the window is applied
+in the step's 4-D mask by position, per kind of layer (:func:`with_cache`): each row sees what AR
+decoding with transformers' sliding cache sees.
+
+Device work: tokens, candidates, draft distributions and the sampling generator live on the
+model's device, and the layout's tensors are built once per shape and kept there. A step copies
+to the host once (the accept length and the tokens to emit), which the cache crop needs anyway.
+
+Near the end of the context the step shrinks instead of refusing: no row is placed at a position
+>= the model's context (fewer candidates, shorter mask groups, at the very end no group).
+
+One step function (issue 31): every step verifies a token tree. The chain of top-1 drafts is the
+tree with one node per depth, a static tree (issue #14, ``DecodeConfig.tree``) is pruned to the
+drafts at hand, and the dynamic tree (``tree="dynamic"``, ``space.decoding.dynamic``) is chosen each
+step from the drafts' probabilities and the machine's step cost. A step feeds
+``[x_{n-1}] [tree nodes] [lookup branch] [groups] [padding]`` (layout:
+``space.masking.build_layout(parents=...)``); groups anchor on x_{n-1} and the top-1 chain (the
+dynamic tree: its spine, with a length per group). The deepest node whose path matches the target
+is accepted (greedy), or siblings are tried in order with exact multi-candidate sampling
+(``verify_tree_sampling``); a chain sampled with temperature > 0 keeps the draft distributions and
+the p/q rule instead (``verify_rejection``). The accepted path's keys and values are moved next to
+x_{n-1} in the cache (``compact_cache``; a chain's path is already there), then the rest is cropped.
+
+Optional prompt lookup (``lookup_tokens``, our addition): when the last n-gram of the text so far
+(prompt + output) occurred earlier, the tokens that followed it (transformers'
+``PromptLookupCandidateGenerator`` finds them) are one more branch of the next step's tree, added
+to the mask drafts, so a failed lookup costs only its rows. Its candidates are deterministic.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+from ..masking import build_layout, in_window, mask_rows, to_additive_4d, tree_parents
+from ..tokens import MaskSpec, check_mask_num
+from .cache import attention_windows, cache_input, crop_cache, full_cache
+from .config import DecodeConfig
+from .dynamic import DEFAULT_STEP_COST, AcceptanceStats, StepCost, plan_step
+from .result import DecodeResult, check_prompt, clock
+from .sampling import SamplingConfig, logits_to_probs, sample
+from .tree import chain_depth, prune
+from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
+
+# HF's logits-processor convention: (input_ids (rows, seq), scores (rows, vocab)) -> scores
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def compact_cache(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """Move the keys and values of block rows ``rows`` (the accepted path of a token tree) to the
+    contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), on each
+    layer's own device, then crop after them. O(accepted) per layer; a chain's path is already in
+    place and is only cropped.
+
+    Args:
+        start: the cache length before the block (x_{n-1}'s slot).
+        rows: block rows of the accepted nodes in depth order (row 0 is x_{n-1}).
+    """
+    moved = [i for i, r in enumerate(rows, 1) if r != i]
+    if moved:
+        for layer in cache.layers:
+            src = torch.tensor([start + rows[i - 1] for i in moved], device=layer.keys.device)
+            dst = torch.tensor([start + i for i in moved], device=layer.keys.device)
+            layer.keys[..., dst, :] = layer.keys[..., src, :]
+            layer.values[..., dst, :] = layer.values[..., src, :]
+    crop_cache(cache, start + 1 + len(rows))
+
+
+def with_cache(block_mask: torch.Tensor, position_ids: torch.Tensor, cache_len: int,
+               windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The forward's ``attention_mask`` for a step block after a cache of ``cache_len`` tokens.
+
+    Args:
+        block_mask: (1, 1, q, q) additive mask of the block's rows among themselves.
+        position_ids: (q,) position of each row minus ``cache_len``.
+        windows: the model's attention kinds (``cache.attention_windows``).
+
+    Returns:
+        (1, 1, q, cache_len + q) additive mask in which every row sees the cache; on a sliding-window
+        model a row also sees only the keys less than the window behind its position (cache slot i
+        holds position i: the cache is full-attention and compacted), which is what AR decoding
+        sees. A model mixing full and sliding layers gets ``{layer type: mask}``, the form
+        transformers' hybrid models take.
+    """
+    q = block_mask.shape[-1]
+    full = torch.cat([block_mask.new_zeros(1, 1, q, cache_len), block_mask], dim=-1)
+    if all(w is None for w in windows.values()):
+        return full
+    query_pos = position_ids + cache_len
+    key_pos = torch.cat([torch.arange(cache_len, device=query_pos.device), query_pos])
+    masks = {kind: full if w is None else full.masked_fill(~in_window(query_pos, key_pos, w), torch.finfo(full.dtype).min)
+             for kind, w in windows.items()}
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One step's block ``[x_{n-1}] [nodes] [groups] [padding]``: its device tensors and host facts.
+
+    Attributes:
+        parents: (1+N,) parent row of each real row (-1 for x_{n-1}), on the host.
+        group_rows: anchor row of each mask group (x_{n-1}, then down the top-1 chain or spine).
+        group_len: masks in each group.
+        rows: q, the block's rows, padding included.
+        parent_rows, ancestors, score: device tensors for :func:`verify_tree_greedy`.
+        mask_ids: (q - 1 - N,) ids of the mask rows, then of the padding rows.
+        position_ids: (q,) position of each row minus the cache length.
+        block_mask: (1, 1, q, q) additive mask of the rows among themselves (they all see the cache).
+    """
+
+    parents: tuple[int, ...]
+    group_rows: tuple[int, ...]
+    group_len: tuple[int, ...]
+    rows: int
+    parent_rows: torch.Tensor
+    ancestors: torch.Tensor
+    score: torch.Tensor
+    mask_ids: torch.Tensor
+    position_ids: torch.Tensor
+    block_mask: torch.Tensor
+
+    @property
+    def num_real(self) -> int:
+        return len(self.parents)
+
+    @property
+    def used_rows(self) -> int:
+        """Rows that are not padding."""
+        return self.num_real + sum(self.group_len)
+
+    def group_start(self, g: int) -> int:
+        """Block row of group g's mask 0."""
+        return self.num_real + sum(self.group_len[:g])
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        """(1+N,) depth of each real row (x_{n-1}: 0), on the host."""
+        out = [0] * self.num_real
+        for r in range(1, self.num_real):  # parents come first
+            out[r] = out[self.parents[r]] + 1
+        return tuple(out)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Per row, its child rows in block order: the order exact sampling tries them."""
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for r in range(1, self.num_real):
+            kids[self.parents[r]].append(r)
+        return tuple(map(tuple, kids))
+
+    def attention_mask(self, cache_len: int, windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+        return with_cache(self.block_mask, self.position_ids, cache_len, windows)
+
+    def path(self, row: int) -> list[int]:
+        """Rows from depth 1 down to ``row`` (empty for x_{n-1})."""
+        out = []
+        while row > 0:
+            out.append(row)
+            row = self.parents[row]
+        return out[::-1]
+
+    def group_of(self, row: int) -> int | None:
+        """The group ``row``'s next drafts come from: its deepest anchored ancestor-or-self (groups
+        anchor on one chain from x_{n-1}, so the first met going up); None without groups."""
+        while True:
+            if row in self.group_rows:
+                return self.group_rows.index(row)
+            if row == 0:
+                return None
+            row = self.parents[row]
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """The drafts a step verifies, made by the previous step's mask group.
+
+    Attributes:
+        ids: (r, R) the top-R tokens of r masks (R = 1 for the chain; a sampled chain's drawn tokens).
+        probs: (r, R) their probabilities, for the dynamic tree; else None.
+        q: (r, vocab) the distributions a sampled chain drew ``ids`` from (the p/q rule); else None.
+        offset: mask offset of row 0 inside its group (the shift of DESIGN §3.5).
+    """
+
+    ids: torch.Tensor
+    probs: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    offset: int = 0
+
+
+class SpaceDecoder:
+    """SPACE decoding for a HF causal LM with mask tokens (batch size 1).
+
+    Args:
+        model: a ``LlamaForCausalLM``-like model whose vocabulary contains the mask token(s) of
+            ``mask`` (``space.adapters.load_space`` gives one; a peft model is unwrapped).
+        mask: the model's MaskSpec (``space.tokens.mask_spec``).
+        config: the step layout (k, groups, tree or dynamic tree, prompt lookup). None: the model's
+            recorded layout (``model.config.space_decode``, set by ``load_space`` from the adapter's
+            ``space_config.json``), else k = the trained k (see ``DecodeConfig.of_model``).
+
+    Raises:
+        ValueError: k larger than the model's per-offset mask tokens (mask_diff), a tree rank at or
+            above the vocabulary size, or a model with attention layers other than full and
+            sliding-window ones (``cache.attention_windows``).
+    """
+
+    def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
+        check_mask_num(self.config.mask_num, mask)
+        self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
+        self.mask = mask
+        self.context = base.config.max_position_embeddings
+        self.windows = attention_windows(base.config)  # sliding windows go into the step's 4-D mask
+        self.device = self.head.weight.device
+        ids = mask.ids_for(self.config.mask_num).to(self.device)
+        self.mask_ids = ids if ids.numel() > 1 else ids.expand(self.config.mask_num)  # (k,): offset j's id
+        self.suppress = torch.tensor(mask.token_ids, device=self.device)
+        self.lookup = PromptLookupCandidateGenerator(
+            num_output_tokens=self.config.lookup_tokens, max_matching_ngram_size=self.config.lookup_ngram,
+            max_length=self.context) if self.config.lookup_tokens else None
+        self.dynamic = self.config.tree == "dynamic"
+        # a static step verifies the configured tree, else the chain of top-1 drafts as a tree
+        self.tree = None if self.dynamic else (
+            self.config.tree or tuple((0,) * d for d in range(1, self.config.mask_num + 1)))
+        # R: drafts kept per mask
+        self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
+        self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST) if self.dynamic else None
+        vocab = self.head.weight.shape[0]
+        if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
+            raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
+                             f"size {vocab} (ranks count from 0)")
+        self._static: dict[tuple[int, int, int, int], tuple[StepLayout, torch.Tensor]] = {}
+
+    def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
+                 stop_token_ids: Iterable[int] = (), on_tokens: Callable[[list[int]], None] | None = None,
+                 logits_processor: LogitsProcessor | None = None) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ((seq,) or (1, seq)).
+
+        Args:
+            sampling: greedy when temperature is 0, else exact speculative sampling (seeded
+                generator on the model's device).
+            stop_token_ids: generation ends after the first of these.
+            on_tokens: streaming callback, called with each step's new tokens; raising
+                ``result.StopDecoding(keep)`` keeps the first ``keep`` of them and ends generation.
+            logits_processor: HF convention, ``(input_ids (1, seq), scores (1, vocab)) -> scores``
+                (e.g. a ``LogitsProcessorList``). Applied to each verification row with exactly the
+                tokens before the position it scores (x_0..x_{n-1} and the node's own path), as AR
+                decoding would, so greedy output equals AR with the same processor (in fp32; see
+                the module docstring for bf16 / fp16) and sampling stays exact; applied to draft
+                rows with their group's context (drafts only need to be drawn from the q they report).
+
+        Returns:
+            DecodeResult with the new ids and per-step statistics (times in s, rows per step).
+            Greedy: the new ids equal ``ar_generate``'s token for token in fp32; in bf16 / fp16 a
+            near-tie can flip.
+
+        Raises:
+            ValueError: empty prompt, batch > 1, or prompt + max_new_tokens over the context.
+        """
+        return self._generate(input_ids, max_new_tokens, sampling, stop_token_ids, on_tokens, logits_processor)
+
+    @torch.inference_mode()
+    def _generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
+                  stop_token_ids: Iterable[int] = (),
+                  on_tokens: Callable[[list[int]], None] | None = None, logits_processor: LogitsProcessor | None = None,
+                  draft_override: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None) -> DecodeResult:
+        """:meth:`generate`, with a test and ablation hook.
+
+        Args:
+            draft_override: greedy only: called with (tokens generated so far, the model's drafts),
+                returns the drafts to verify next. The chain (no tree, no lookup): drafts (m,),
+                returns <= k ids. Otherwise: drafts (r, R) (mask j's top-R tokens, r <= k; (0, R)
+                when no group was left), returns (r' <= k, R), or for the dynamic tree optionally
+                ``(ids, probs)`` with the probabilities the planner prices them with.
+        """
+        ids = check_prompt(input_ids, max_new_tokens, self.context)
+        res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
+        gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
+        cache = full_cache()
+        t0 = clock(self.device)
+        ids = ids.to(self.device)
+        if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
+            self._forward(ids[:-1], None, None, cache, None)
+        prefill_s = clock(self.device) - t0
+        last = ids[-1:]
+        # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
+        seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
+        # a sampled chain drafts by sampling and verifies with the p/q rule; every other step
+        # verifies deterministic candidates
+        pq = not sampling.greedy and self.config.tree is None and self.lookup is None
+        drafts = self._no_drafts(pq)
+        found: list[int] = []
+        stats = AcceptanceStats(self.config.mask_num, self.config.lookup_tokens, self.cost) if self.dynamic else None
+        mask_rows_before = self.config.mask_num
+        while True:
+            t0 = clock(self.device)
+            L = cache.get_seq_length()  # n - 1
+            if stats is not None:
+                host_ids, host_probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
+                host_ids = [[int(t) for t in row] for row in host_ids]
+                plan = plan_step(host_ids, host_probs, drafts.offset, found, stats, self.config.row_budget, self.config.mask_num,
+                                 self.config.groups, self.context - L - 1, mask_rows_before)
+                lay = self._layout(plan.parents, plan.group_rows, plan.group_len, plan.rows)
+                tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)
+            else:
+                lay, tokens = self._static_block(L, drafts, found)
+            q = drafts.q[: tokens.numel()] if pq else None
+            last, nxt, emitted, a = self._step(cache, last, lay, tokens, q, sampling, gen, logits_processor, seq)
+            if seq is not None:
+                seq.extend(emitted)
+            if stats is not None:
+                stats.observe(emitted, [r[0] for r in host_ids], [p[0] for p in host_probs], drafts.offset, found,
+                              lay.rows)
+                mask_rows_before = sum(lay.group_len)
+            if self.lookup is not None:
+                found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
+            if res.emit(emitted, clock(self.device) - t0 + prefill_s, accepted=a, candidates=max(lay.depth),
+                        rows=lay.rows):
+                return res
+            drafts = nxt if nxt is not None else self._no_drafts(pq)
+            if draft_override is not None and sampling.greedy:
+                drafts = self._override(draft_override, res.new_ids, drafts)
+            prefill_s = 0.0
+
+    def _no_drafts(self, pq: bool) -> Drafts:
+        ids = torch.empty(0, self.draft_ranks, dtype=torch.long, device=self.device)
+        vocab = self.head.weight.shape[0]
+        return Drafts(ids, probs=ids.float() if self.dynamic else None,
+                      q=torch.empty(0, vocab, device=self.device) if pq else None)
+
+    def _override(self, draft_override, new_ids: list[int], drafts: Drafts) -> Drafts:
+        """The drafts a test hook returns (see :meth:`_generate`)."""
+        chain = self.config.tree is None and self.lookup is None
+        out = draft_override(new_ids, drafts.ids[:, 0].cpu() if chain else drafts.ids.cpu())
+        probs = None
+        if isinstance(out, tuple):
+            out, probs = out
+        ids = torch.as_tensor(out, dtype=torch.long)
+        ids = (ids[:, None] if chain else ids)[: self.config.mask_num, : self.draft_ranks].to(self.device)
+        if not self.dynamic:
+            return Drafts(ids, offset=drafts.offset)
+        if probs is None:  # keep the model's probabilities where the shapes agree, else uniform
+            same = drafts.probs is not None and drafts.probs.shape == ids.shape
+            probs = drafts.probs if same else torch.full(ids.shape, 1.0 / ids.shape[1], device=self.device)
+        probs = torch.as_tensor(probs, dtype=torch.float, device=self.device)[: ids.shape[0], : ids.shape[1]]
+        return Drafts(ids, probs=probs, offset=drafts.offset)
+
+    def _static_block(self, L: int, drafts: Drafts, found: list[int]) -> tuple[StepLayout, torch.Tensor]:
+        """A static step: the configured tree (or the chain) pruned to the drafts at hand, then a
+        lookup branch of ``found``; groups on x_{n-1} and the top-1 chain. Near the end of the
+        context nodes, groups and masks shrink so no row reaches position ``context``. The layout
+        is built once per shape and kept on the device."""
+        room = self.context - L - 1  # deepest depth that fits
+        found = found[:room]
+        tree = prune(self.tree, min(drafts.ids.shape[0], room))
+        groups = min(self.config.groups, chain_depth(tree) + 1, room)  # G_g's mask 0 sits at depth g+1
+        k = min(self.config.mask_num, room - (groups - 1))
+        key = (len(tree), len(found), groups, k)
+        if key not in self._static:
+            par = tree_parents(tree) + [0 if i == 0 else len(tree) + i for i in range(len(found))]
+            row_of = {p: i + 1 for i, p in enumerate(tree)}
+            group_rows = [0] + [row_of[(0,) * d] for d in range(1, groups)]
+            lay = self._layout(par, group_rows, [k] * groups, len(par) + groups * k)
+            R = self.draft_ranks
+            index = torch.tensor([(len(p) - 1) * R + p[-1] for p in tree], dtype=torch.long, device=self.device)
+            self._static[key] = (lay, index)
+        lay, index = self._static[key]
+        tokens = drafts.ids.reshape(-1)[index]
+        if found:
+            tokens = torch.cat([tokens, torch.tensor(found, device=self.device)])
+        return lay, tokens
+
+    def _layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int) -> StepLayout:
+        """The device tensors of a block (``space.masking.build_layout``: tensor ops, no loop over rows)."""
+        dev, n1 = self.device, len(parents)
+        par = torch.tensor(parents, dtype=torch.long, device=dev)
+        lay = build_layout(0, n1, [r + 1 for r in group_rows], list(group_len), parents=par, pad_to=rows, device=dev)
+        return StepLayout(
+            parents=tuple(parents), group_rows=tuple(group_rows), group_len=tuple(group_len), rows=rows,
+            parent_rows=par[1:], ancestors=lay.ancestors,
+            score=lay.depth * (n1 + 1) + (n1 - torch.arange(n1, device=dev)),
+            mask_ids=self.mask_ids[lay.mask_offset[n1:].clamp_min(0)], position_ids=lay.position_ids,
+            block_mask=to_additive_4d(lay.allowed, self.head.weight.dtype))
+
+    def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache,
+                 mask_start: int | None) -> torch.Tensor:
+        """The one place the decoder runs the model: ids (q,) after the cache -> last hidden states
+        (q, hidden). ``mask_start``: first mask row (the frozen-base LoRA acts from there); None
+        for the prefill, a plain forward of the base model."""
+        kwargs = {} if position_ids is None else {"position_ids": position_ids[None], "attention_mask": attention_mask}
+        with mask_rows(mask_start) if mask_start is not None else nullcontext():
+            return self.decoder(input_ids=ids[None], **kwargs, **cache_input(cache), use_cache=True).last_hidden_state[0]
+
+    def _step(self, cache, last: torch.Tensor, lay: StepLayout, tokens: torch.Tensor, q: torch.Tensor | None,
+              sampling: SamplingConfig, gen, processor: LogitsProcessor | None, seq: list[int] | None):
+        """One forward pass: verify ``tokens`` (the block's nodes), emit, draft.
+
+        Args:
+            tokens: (N,) node tokens in block order.
+            q: (N, vocab) for a sampled chain (the p/q rule), else None.
+            seq: x_0..x_{n-1} on the host, needed only by ``processor``.
+
+        Returns:
+            (bonus (1,), next Drafts or None, emitted tokens, a).
+        """
+        L = cache.get_seq_length()
+        n1 = lay.num_real
+        block = torch.cat([last, tokens, lay.mask_ids])
+        hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows), cache, n1)
+        # The LM head's cost is mostly one read of its (vocab, hidden) weight, so when few rows
+        # would be wasted, run it once on every row (drafts included) rather than twice.
+        used = lay.used_rows
+        logits = self._logits(hidden[:used]) if used <= 2 * (n1 + max(lay.group_len, default=0)) else None
+        target = logits[:n1] if logits is not None else self._logits(hidden[:n1])  # (1+N, vocab)
+        host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None
+        if processor is not None:  # row i scores the token after x_0..x_{n-1} and i's path
+            target = torch.cat([processor(torch.tensor(seq + [host_tokens[r - 1] for r in lay.path(i)],
+                                                       device=self.device)[None], target[i:i + 1])
+                                for i in range(n1)])
+        if q is not None:  # a sampled chain: node i is row i
+            best, bonus = verify_rejection(logits_to_probs(target, sampling), q, tokens, gen)
+            best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
+        elif sampling.greedy:
+            best, bonus = verify_tree_greedy(target, tokens, lay.parent_rows, lay.ancestors, lay.score)
+            best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
+        else:
+            best, bonus = verify_tree_sampling(logits_to_probs(target, sampling), host_tokens, lay.children, gen)
+            bonus_id = int(bonus)
+        path = lay.path(best)
+        a = len(path)
+        emitted = [host_tokens[r - 1] for r in path] + [bonus_id]
+        compact_cache(cache, L, path)
+        bonus = torch.tensor([bonus_id], device=self.device)
+        gi = lay.group_of(best)  # draft from the deepest group on the path, shifted (DESIGN §3.5)
+        if gi is None:
+            return bonus, None, emitted, a
+        shift = a - len(lay.path(lay.group_rows[gi]))
+        start, stop = lay.group_start(gi) + shift, lay.group_start(gi) + lay.group_len[gi]
+        if start >= stop:  # the group's masks all lie behind the accepted path
+            return bonus, None, emitted, a
+        draft_logits = logits[start:stop] if logits is not None else self._logits(hidden[start:stop])
+        if processor is not None:  # the group drafts after x_0..x_{n-1} and the path to its anchor
+            anchor_path = [host_tokens[r - 1] for r in lay.path(lay.group_rows[gi])]
+            ctx = torch.tensor(seq + anchor_path, device=self.device)[None].expand(draft_logits.shape[0], -1)
+            draft_logits = processor(ctx, draft_logits)
+        if q is not None:
+            q_next = logits_to_probs(draft_logits, sampling)
+            return bonus, Drafts(sample(q_next, gen)[:, None], q=q_next, offset=shift), emitted, a
+        if self.dynamic:  # the planner prices nodes with the drafts' probabilities
+            probs = torch.softmax(draft_logits, -1) if sampling.greedy else logits_to_probs(draft_logits, sampling)
+            top = probs.topk(self.draft_ranks, dim=-1)
+            return bonus, Drafts(top.indices, probs=top.values, offset=shift), emitted, a
+        return bonus, Drafts(draft_logits.topk(self.draft_ranks, dim=-1).indices, offset=shift), emitted, a
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on selected rows only, mask tokens suppressed: (rows, hidden) -> (rows, vocab)."""
+        logits = self.head(hidden).float()
+        logits[:, self.suppress] = float("-inf")
+        return logits

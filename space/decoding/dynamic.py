@@ -1,0 +1,363 @@
+"""Per-step dynamic token trees: spend a step's rows where they are expected to pay (issue 31).
+
+EAGLE-2 (Li et al. 2024, arXiv 2406.16858) grows each step's draft tree from the drafter's own
+confidence. A SPACE step feeds three kinds of rows after x_{n-1}: candidate nodes (mask drafts and
+prompt-lookup tokens), verified in this step, and mask rows, whose drafts are verified in the next
+one. This module prices every row in tokens and keeps it while its expected gain exceeds its cost
+on this machine:
+
+* **Cost.** c(q), the time of a q-row step over a 1-row step (:class:`StepCost`, the step-cost
+  curve that ``space-tree`` measures and stores with the layout). Tokens per second is a ratio,
+  so by Dinkelbach's rule a step maximizes E[tokens] - λ·c(q), with λ the tokens per unit of cost
+  achieved so far in this sequence (:class:`AcceptanceStats`). A row is kept while its value is at
+  least λ times the marginal cost of a row.
+* **A node's value** is P(its path is right):
+  * for mask drafts, the product of the draft probabilities along the path (each mask's softmax over
+    its top-R tokens; EAGLE-2's path value);
+  * for a lookup token at depth d, the running rate at which this sequence's lookup tokens were
+    right at depths 1..d.
+  A lookup token equal to a mask draft at the same place is one node (the larger value).
+* **Mask groups.** Groups anchor on x_{n-1} and on the spine, the chain of most likely nodes. After
+  the step accepts node u, the next drafts come from u's deepest anchored group G_g, from mask
+  offset s = depth(u) - g on (DESIGN §3.5). So mask j of G_g is worth the probability that u ends
+  the accepted path with s <= j, times the chance that the next step's draft chain from offset s
+  reaches j (running per-offset rates α), net of the row it will need then. Each group takes the
+  length k' <= k that maximizes its net value; the number of groups maximizes the total. No group
+  at all (the next step drafts by lookup alone) and no mask node (only lookup, PLD's step) are
+  allowed outcomes.
+* **Shapes.** Rows are rounded up to a bucket size (:data:`BUCKETS`, capped by the row budget). The
+  bucket's free rows take the next-best nodes; only the rest is padding.
+
+Candidates are a deterministic function of the drafts, the lookup tokens and the statistics of
+earlier steps, never of this step's verification, so greedy verification and exact multi-candidate
+sampling stay exact (``space.decoding.verify``).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left
+from dataclasses import dataclass
+
+# Block sizes a step is rounded up to (then to the row budget): few shapes for caches and graphs,
+# fine enough at the small end that a CPU does not pay for many padding rows.
+BUCKETS = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
+
+# c(q) when no curve was measured: one CPU thread with SmolLM2-135M (issue 31's figures: 8 rows
+# cost 1.35x one row, 24 rows 1.75x), steeper past that. `space-tree` measures the real curve.
+DEFAULT_STEP_COST = ((1, 1.0), (8, 1.35), (24, 1.75), (64, 3.2))
+
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind each running rate's prior
+MASK_PRIOR = 0.5  # prior P(mask offset j's top draft is right | the drafts before it were)
+LOOKUP_PRIOR = 0.3  # prior P(a lookup token is right | the lookup tokens before it were)
+RATE_PRIOR = (2.0, 8)  # prior λ: 2 tokens per step of 8 rows
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The cost of a decode step by its rows, relative to a one-row (AR) step.
+
+    Attributes:
+        points: ((rows, cost), ...) measured points, rows ascending from 1, cost in any unit
+            (``space-tree`` stores ms); linear between points and past the last.
+
+    Raises:
+        ValueError: no points, rows not ascending integers from 1, or a cost that is not a finite
+            number > 0.
+    """
+
+    points: tuple[tuple[int, float], ...] = DEFAULT_STEP_COST
+
+    def __post_init__(self):
+        try:
+            pts = tuple((int(q), float(c)) for q, c in self.points)
+            ok = all(q == q0 and q >= 1 for (q, _), (q0, _) in zip(pts, self.points))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok or not pts or pts[0][0] != 1 or any(b[0] <= a[0] for a, b in zip(pts, pts[1:])) \
+                or not all(math.isfinite(c) and c > 0 for _, c in pts):
+            raise ValueError(f"step_cost must be [[rows, cost], ...] with rows ascending from 1 and costs > 0, "
+                             f"got {self.points!r}")
+        object.__setattr__(self, "points", pts)
+
+    def __call__(self, q: int) -> float:
+        """c(q) / c(1)."""
+        pts = self.points
+        if len(pts) == 1:
+            return 1.0
+        i = min(max(bisect_left([p[0] for p in pts], q), 1), len(pts) - 1)
+        (q0, c0), (q1, c1) = pts[i - 1], pts[i]
+        return max(c0 + (c1 - c0) * (q - q0) / (q1 - q0), 1e-9) / pts[0][1]
+
+    def marginal(self, q: int) -> float:
+        """c(q + 1) - c(q): what one more row costs at q rows (never below 0)."""
+        return max(self(q + 1) - self(q), 0.0)
+
+
+def bucket(rows: int, budget: int) -> int:
+    """The block size a step of ``rows`` rows is padded to: the next bucket, at most ``budget``."""
+    i = bisect_left(BUCKETS, rows)
+    return min(BUCKETS[i] if i < len(BUCKETS) else rows, max(budget, rows))
+
+
+class AcceptanceStats:
+    """One sequence's running rates that the planner prices rows with (Beta-style priors).
+
+    Args:
+        mask_num: k, the mask offsets tracked.
+        lookup_tokens: lookup depths tracked.
+        cost: the step-cost curve (for λ).
+    """
+
+    def __init__(self, mask_num: int, lookup_tokens: int, cost: StepCost):
+        self.cost = cost
+        self.mask = [[PRIOR_WEIGHT * MASK_PRIOR, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, trials]
+        self.said = [[PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, sum of top-1 probabilities]
+        self.lookup = [[PRIOR_WEIGHT * LOOKUP_PRIOR, PRIOR_WEIGHT] for _ in range(lookup_tokens)]
+        self.tokens, self.spent = PRIOR_WEIGHT * RATE_PRIOR[0], PRIOR_WEIGHT * cost(RATE_PRIOR[1])
+
+    def alphas(self) -> list[float]:
+        """P(mask offset j's top draft is right | the draft chain before it was right), j = 0..k-1,
+        made non-increasing in j (pool-adjacent-violators, weighted by trials).
+
+        A group drafting after an accepted path starts at offset s = a - g, so offsets below s go
+        unobserved while deep accepts last; a later offset is never easier to draft than an
+        earlier one, so an earlier offset is credited with at least the later ones' rate rather
+        than left at its prior.
+        """
+        blocks: list[list[float]] = []  # [hits, trials, offsets pooled]
+        for hits, trials in self.mask:
+            blocks.append([hits, trials, 1])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+                h, t, n = blocks.pop()
+                blocks[-1][0] += h
+                blocks[-1][1] += t
+                blocks[-1][2] += n
+        return [h / t for h, t, n in blocks for _ in range(int(n))]
+
+    def calibration(self, j: int) -> float:
+        """How much more often mask offset j's top draft was right than its probability said
+        (observed hits over the sum of top-1 probabilities; 1 = calibrated). A drafter trained on
+        a teacher's top-k is often under-confident; node values are scaled by this."""
+        hits, said = self.said[min(j, len(self.said) - 1)]
+        return hits / said
+
+    def lookup_rate(self, d: int) -> float:
+        """P(the lookup token at depth d + 1 is right | the ones before it were right)."""
+        hits, trials = self.lookup[min(d, len(self.lookup) - 1)]
+        return hits / trials
+
+    @property
+    def rate(self) -> float:
+        """λ: tokens emitted per unit of step cost so far (with the prior)."""
+        return self.tokens / self.spent
+
+    def observe(self, emitted: list[int], top_drafts: list[int], top_probs: list[float], draft_offset: int,
+                found: list[int], rows: int) -> None:
+        """Learn from one step.
+
+        Args:
+            emitted: the step's tokens, the accepted path then the bonus: the true tokens at
+                depths 1..a+1, whether or not their node was in the tree.
+            top_drafts: the top-1 draft of each mask the step drafted from, from mask offset
+                ``draft_offset`` on; ``top_probs``: their probabilities.
+            found: the step's prompt-lookup tokens.
+            rows: the block's rows, padding included.
+        """
+        for i, t in enumerate(top_drafts[: len(emitted)]):
+            j = min(draft_offset + i, len(self.mask) - 1)
+            cell, said = self.mask[j], self.said[j]
+            cell[1] += 1
+            said[1] += top_probs[i]
+            if t != emitted[i]:
+                break
+            cell[0] += 1
+            said[0] += 1
+        for d, t in enumerate(found[: min(len(emitted), len(self.lookup))]):
+            self.lookup[d][1] += 1
+            if t != emitted[d]:
+                break
+            self.lookup[d][0] += 1
+        self.tokens += len(emitted)
+        self.spent += self.cost(rows)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's block chosen by :func:`plan_step`: ``[x_{n-1}] [nodes] [groups] [padding]``.
+
+    Attributes:
+        tokens: (N,) node tokens; nodes come in decreasing value, parents before children.
+        parents: (1+N,) parent row of each row (-1 for x_{n-1}).
+        group_rows: anchor row of each mask group (row 0 first, then down the spine).
+        group_len: masks in each group (1..k).
+        rows: the block's rows, padding included (a bucket size).
+        values: (N,) each node's value, P(its path is right) as priced.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    group_rows: tuple[int, ...]
+    group_len: tuple[int, ...]
+    rows: int
+    values: tuple[float, ...]
+
+    @property
+    def used_rows(self) -> int:
+        return len(self.parents) + sum(self.group_len)
+
+
+def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
+                stats: AcceptanceStats, limit: int, room: int) -> list[tuple[tuple[int, ...], float]]:
+    """Up to ``limit`` distinct token paths in decreasing value, each after its prefix.
+
+    Best-first over mask-rank paths (popping a path pushes its next sibling and its first child,
+    so each path is pushed once) and the lookup chain; a path already present keeps its first,
+    larger value.
+    """
+    heap: list = []
+    tick = 0
+
+    def push(value: float, kind: str, key) -> None:
+        nonlocal tick
+        if value > 0:
+            heapq.heappush(heap, (-value, tick, kind, key))
+            tick += 1
+
+    depth_cap = min(room, len(draft_ids))
+    if depth_cap >= 1 and draft_ids[0]:
+        push(draft_probs[0][0], "mask", ((0,), draft_probs[0][0]))
+    lookup_value = [1.0]
+    for d in range(min(len(found), room, len(stats.lookup))):
+        lookup_value.append(lookup_value[-1] * stats.lookup_rate(d))
+    if len(lookup_value) > 1:
+        push(lookup_value[1], "lookup", 1)
+    seen: dict[tuple[int, ...], float] = {}
+    out = []
+    while heap and len(out) < limit:
+        neg, _, kind, key = heapq.heappop(heap)
+        if kind == "mask":
+            ranks, value = key
+            path = tuple(draft_ids[d][r] for d, r in enumerate(ranks))
+            d, r = len(ranks) - 1, ranks[-1]
+            parent_value = value / draft_probs[d][r]
+            if r + 1 < len(draft_ids[d]):
+                push(parent_value * draft_probs[d][r + 1], "mask", (ranks[:-1] + (r + 1,), parent_value * draft_probs[d][r + 1]))
+            if d + 1 < depth_cap:
+                push(value * draft_probs[d + 1][0], "mask", (ranks + (0,), value * draft_probs[d + 1][0]))
+        else:
+            path, value = tuple(found[:key]), lookup_value[key]
+            if key + 1 < len(lookup_value):
+                push(lookup_value[key + 1], "lookup", key + 1)
+        if path not in seen:
+            seen[path] = value
+            out.append((path, value))
+    return out
+
+
+def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_offset: int, found: list[int],
+              stats: AcceptanceStats, budget: int, mask_num: int, max_groups: int, room: int,
+              mask_rows_before: int) -> StepPlan:
+    """Choose this step's nodes, mask groups and their lengths (module docstring).
+
+    Args:
+        draft_ids: (r, R) the top-R draft tokens of the r masks the step drafts from.
+        draft_probs: (r, R) their probabilities (greedy: the softmax; sampling: the processed
+            distribution), scaled by the offset's :meth:`AcceptanceStats.calibration` (at most 1).
+        draft_offset: mask offset of draft row 0 inside its group.
+        found: prompt-lookup tokens for this step (may be empty).
+        stats: this sequence's running rates and λ.
+        budget: most rows per step, padding included (>= 1).
+        mask_num: k, the most masks per group.
+        max_groups: most groups (the layout's ``groups``).
+        room: deepest depth a row may take (context - cache length - 1): a node of depth d sits
+            at depth d, mask j of a group anchored at depth g at depth g + 1 + j.
+        mask_rows_before: mask rows of the previous step, to price this step's node rows.
+
+    Returns:
+        StepPlan with ``rows <= max(budget, 1)``.
+    """
+    lam = stats.rate
+    scale = [stats.calibration(draft_offset + d) for d in range(len(draft_probs))]
+    draft_probs = [[min(p * c, 1.0) for p in row] for row, c in zip(draft_probs, scale)]
+    cands = _candidates(draft_ids, draft_probs, found, stats, max(budget - 1, 0), room)
+    # nodes: keep a candidate while its value pays for its row (values come in decreasing order)
+    reserve = min(mask_num, room, max(budget - 1, 0)) if max_groups else 0  # room for G_0
+    n = 0
+    while n < min(len(cands), budget - 1 - reserve) and \
+            cands[n][1] >= lam * stats.cost.marginal(1 + n + mask_rows_before):
+        n += 1
+    paths = [p for p, _ in cands[:n]]
+    row_of = {(): 0}
+    parents, depth, value = [-1], [0], [1.0]
+    for p, v in cands[:n]:
+        row_of[p] = len(parents)
+        parents.append(row_of[p[:-1]])
+        depth.append(len(p))
+        value.append(v)
+    groups, lens = _choose_groups(parents, depth, value, stats, lam, mask_num, max_groups, room,
+                                  stats.cost.marginal(len(parents) + mask_rows_before))
+    used = len(parents) + sum(lens)
+    while used > budget and lens:  # a budget below 1 + nodes + k: shorten the deepest group
+        lens[-1] -= 1
+        if not lens[-1]:
+            lens.pop()
+            groups.pop()
+        used -= 1
+    rows = bucket(used, budget)
+    extra = cands[n: n + rows - used]  # the bucket's free rows take the next-best nodes
+    tokens = [p[-1] for p in paths]
+    for p, v in extra:
+        row_of[p] = len(parents)
+        parents.append(row_of[p[:-1]])
+        tokens.append(p[-1])
+        value.append(v)
+    return StepPlan(tuple(tokens), tuple(parents), tuple(groups), tuple(lens), rows, tuple(value[1:]))
+
+
+def _choose_groups(parents: list[int], depth: list[int], value: list[float], stats: AcceptanceStats,
+                   lam: float, mask_num: int, max_groups: int, room: int, row_cost: float) -> tuple[list[int], list[int]]:
+    """Anchor rows and lengths of the mask groups that maximize their net value (module docstring)."""
+    n1 = len(parents)
+    children_value = [0.0] * n1
+    best_child = [0] * n1  # the most likely child of each row (0: none)
+    for r in range(1, n1):
+        p = parents[r]
+        children_value[p] += value[r]
+        if not best_child[p] or value[r] > value[best_child[p]]:
+            best_child[p] = r
+    spine = [0]
+    while best_child[spine[-1]]:
+        spine.append(best_child[spine[-1]])
+    on_spine = set(spine)
+    branch = [0] * n1  # depth of each row's deepest spine ancestor-or-self
+    for r in range(1, n1):
+        branch[r] = depth[r] if r in on_spine else branch[parents[r]]
+    end = [max(value[r] - children_value[r], 0.0) for r in range(n1)]  # P(the accepted path ends at r)
+    alpha = stats.alphas()
+    reach = [[0.0] * mask_num for _ in range(mask_num)]  # reach[s][j]: next step's chain from offset s reaches j
+    for s in range(mask_num):
+        acc = 1.0
+        for j in range(s, mask_num):
+            acc *= alpha[j]
+            reach[s][j] = acc
+    best = (0.0, [], [])
+    for gn in range(1, min(max_groups, len(spine), room) + 1):
+        mass = [[0.0] * mask_num for _ in range(gn)]  # mass[g][s]: P(end at a row drafting from G_g, offset s)
+        for r in range(n1):
+            g = min(branch[r], gn - 1)
+            s = depth[r] - g
+            if s < mask_num:
+                mass[g][s] += end[r]
+        total, lens = 0.0, []
+        for g in range(gn):
+            run, best_run, best_len = 0.0, -math.inf, 1
+            for j in range(min(mask_num, room - g)):
+                run += sum(mass[g][s] * max(reach[s][j] - lam * row_cost, 0.0) for s in range(j + 1)) - lam * row_cost
+                if run > best_run:
+                    best_run, best_len = run, j + 1
+            total += best_run
+            lens.append(best_len)
+        if total > best[0]:
+            best = (total, spine[:gn], lens)
+    return list(best[1]), list(best[2])
