@@ -81,7 +81,7 @@ def check_args(args) -> None:
     set_threads(args.threads)
     check_device(args.device)
     tree = tree_flag(args.tree, args.mask_num or MAX_MASK_NUM)  # a non-UTF-8 tree file is a ValueError there
-    if tree not in (None, "chain"):
+    if tree not in (None, "chain", "dynamic"):
         check_tree_vocab(tree, args.model, adapter_path(args))
 
 

@@ -98,7 +98,7 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
         streamer: receives the new tokens as they are accepted, then ``end()`` (``generate`` has
             already put the prompt).
         mask_num, num_groups, lookup_tokens, tree: override the model's recorded decode layout
-            (``DecodeConfig.of_model``); tree: ``"chain"``, ``"auto"``, or paths of ranks. Unset
+            (``DecodeConfig.of_model``); tree: ``"chain"``, ``"auto"``, ``"dynamic"`` or paths of ranks. Unset
             ones are read from ``generation_config`` when it has them.
         **model_kwargs: ``attention_mask`` and the cache ``generate`` prepared; nothing else.
 

@@ -127,3 +127,35 @@ def test_to_additive_4d_shape():
     m = to_additive_4d(lay.allowed)
     assert m.shape == (1, 1, lay.num_rows, 3 + lay.num_rows)
     assert (m == 0).sum() == lay.allowed.sum()
+
+
+def test_space_layout_dynamic_example(capsys):
+    """``space-layout --tree dynamic``: the planner's step from given draft probabilities, drawn."""
+    from space.masking import main
+
+    def nodes(text):
+        return [line for line in text.splitlines() if line.startswith("c") and ("mask " in line or "lookup " in line)]
+
+    text = main(["--tree", "dynamic", "-k", "3", "--draft-probs", "[[0.8,0.1],[0.6,0.2],[0.3,0.1]]", "--lookup", "2"])
+    assert capsys.readouterr().out.rstrip("\n") == text
+    assert "c1    1      x       mask 0 rank 0    0.800" in text  # the top draft of mask 0, a child of x
+    assert "c2    2      c1      mask 1 rank 0    0.480" in text  # the path value: 0.8 * 0.6
+    assert any(" lookup 1 " in line for line in nodes(text))
+    assert "groups: G0 on x (3 masks), G1 on c1 (3 masks)" in text and "G1m2" in text
+    assert "(0 pad)" in text and " pad " not in text
+    confident = len(nodes(text))
+    unsure = main(["--tree", "dynamic", "-k", "3", "--draft-probs", "[[0.05,0.02],[0.04,0.01],[0.01,0.005]]"])
+    assert 1 <= len(nodes(unsure)) < confident
+    # one draft only: the bucket (6 rows) holds x, its node, G0's 3 masks and one padding row
+    padded = main(["--tree", "dynamic", "-k", "3", "--draft-probs", "[[0.9]]", "--num-groups", "1"])
+    assert "rows: 1 + 1 node + 3 masks = 5 used, 6 in the block (1 pad)" in padded
+    assert padded.splitlines()[-1] == "oo    | .....o   pad   pos 2"  # sees only itself
+    # the default example and the static modes still draw
+    assert "groups: G0 on x" in main(["--tree", "dynamic"])
+    assert main(["--tree", "chain", "-k", "2", "--num-groups", "2"]) == DRAWING
+
+
+def test_render_labels_padding_and_groups_of_different_lengths():
+    lay = build_layout(2, 2, [1, 2], [1, 2], parents=[-1, 0], pad_to=7)
+    names = [line.split()[3] for line in render(lay).splitlines()[1:]]
+    assert names == ["x", "c1", "G0m0", "G1m0", "G1m1", "pad", "pad"]

@@ -282,7 +282,9 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     draft_probs = [[min(p * c, 1.0) for p in row] for row, c in zip(draft_probs, scale)]
     cands = _candidates(draft_ids, draft_probs, found, stats, max(budget - 1, 0), room)
     # nodes: keep a candidate while its value pays for its row (values come in decreasing order)
-    reserve = min(mask_num, room, max(budget - 1, 0)) if max_groups else 0  # room for G_0
+    # rows kept for G_0; a tight budget is split, else its masks would be fed every step while no
+    # row is left to verify their drafts
+    reserve = min(mask_num, room, max(budget - 1, 0) // 2) if max_groups else 0
     n = 0
     while n < min(len(cands), budget - 1 - reserve) and \
             cands[n][1] >= lam * stats.cost.marginal(1 + n + mask_rows_before):

@@ -13,7 +13,6 @@ spreads one model too large for a GPU over all of them (space/models.py ``dispat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 from pathlib import Path
@@ -21,10 +20,9 @@ from pathlib import Path
 from ..cli import (HelpFormatter, add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number,
                    check_threads, console, set_threads)
 from ..choices import ALIASES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
-from ..jsonl import write_jsonl
 from .bench import METHODS
-from .resume import MERGE_KEYS, adapter_sha256, check_resume, read_record
-from .shard import Shard, current_shard, join, merge, wait_for_all
+from .resume import adapter_sha256, check_resume, merge_run, read_record, report
+from .shard import Shard, current_shard, join, wait_for_all
 from .tasks import DATASETS, load_tasks
 
 # torch, transformers and the model code are imported inside the functions that need them, so
@@ -170,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     Raises:
         ValueError, FileNotFoundError, PermissionError: bad arguments, dataset, adapter, device map,
             shard or output folder, or a folder holding samples made otherwise (see check_args,
-            load_tasks, check_resume); all raised before any generation. ``--merge``: see merge_run.
+            load_tasks, check_resume); all raised before any generation. ``--merge``: see resume.merge_run.
     """
     args = build_parser().parse_args(argv)
     if args.merge is not None:
@@ -247,38 +245,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     wanted = {t.question_id for t in tasks}
     records = [r for r in records if r["question_id"] in wanted and r["model_id"] in methods]
     return report(records, meta, out)
-
-
-def merge_run(out: Path) -> dict:
-    """Merge the finished ranks of a sharded run in ``out`` (space/eval/shard.py): writes
-    samples.jsonl (ordered as one process writes it), run_config.json, summary.* and plots.
-
-    Returns:
-        the summary; its ``meta["ranks"]`` says how many ranks ran.
-
-    Records that ``samples.jsonl`` already holds beyond the ranks' (a plain run resumed in ``out``
-    after an earlier merge added questions) are kept, after the ranks' ones.
-
-    Raises:
-        FileNotFoundError: no sharded run in ``out``.
-        ValueError: a rank that has not run or not finished, ranks with different settings, or
-            records in samples.jsonl made with settings other than the ranks'.
-    """
-    records, meta = merge(out, MERGE_KEYS)
-    write_jsonl(out / "samples.jsonl", records)
-    (out / "run_config.json.tmp").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    (out / "run_config.json.tmp").replace(out / "run_config.json")
-    return report(records, meta, out)
-
-
-def report(records: list[dict], meta: dict, out: Path) -> dict:
-    """Write and print the summary of ``records``; returns it."""
-    from .report import write_reports
-
-    summary = write_reports(records, meta, out)
-    print((out / "summary.md").read_text())
-    print(f"[space-eval] wrote {out}/samples.jsonl, summary.json, summary.md and plots")
-    return summary
 
 
 cli = console("space-eval", main, resumes=True)

@@ -3,13 +3,18 @@ refusal to mix in samples made otherwise (other settings, or another timing setu
 
 Every run records its settings in ``run_config.json`` (a rank of a sharded run in
 ``run_config.rank{i}.json``); a rerun in the same ``--out`` resumes only when the RESUME_KEYS
-entries are equal, so one samples file never mixes two setups' outputs or timings.
+entries are equal, so one samples file never mixes two setups' outputs or timings. The ranks
+of a sharded run (``space.eval.shard``) are merged into one folder by :func:`merge_run`
+(``space-eval --merge``, or rank 0 under a launcher).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
+
+from ..jsonl import read_jsonl_resumable, write_jsonl
+from .shard import Shard
 
 # settings that shape every sample's tokens: a folder's samples are only resumed under the same
 # values. The adapter by the hash of its files, not its path: a retrained adapter in the same
@@ -67,7 +72,7 @@ def read_record(path: Path) -> dict:
         raise ValueError(f"{path}: damaged run record ({e}); fix or delete it") from None
 
 
-def check_resume(out: Path, meta: dict, shard: "space.eval.shard.Shard | None" = None) -> None:
+def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
     """Record the run's settings in ``out/run_config.json``; refuse to mix in samples made otherwise.
 
     A rank of a sharded run records them in its own ``run_config.rank{i}.json`` (``meta`` then
@@ -108,3 +113,108 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
         raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
                          f"(theirs, now): {diff}. Use another --out, or delete it to start over")
     return old.get("commits") or ([old["commit"]] if old.get("commit") else [])  # older runs kept one
+
+
+def merge_run(out: Path) -> dict:
+    """Merge the finished ranks of a sharded run in ``out`` (space/eval/shard.py): writes
+    samples.jsonl (ordered as one process writes it), run_config.json, summary.* and plots.
+
+    Returns:
+        the summary; its ``meta["ranks"]`` says how many ranks ran.
+
+    Records that ``samples.jsonl`` already holds beyond the ranks' (a plain run resumed in ``out``
+    after an earlier merge added questions) are kept, after the ranks' ones.
+
+    Raises:
+        FileNotFoundError: no sharded run in ``out``.
+        ValueError: a rank that has not run or not finished, ranks with different settings, or
+            records in samples.jsonl made with settings other than the ranks'.
+    """
+    records, meta = merge(out, MERGE_KEYS)
+    write_jsonl(out / "samples.jsonl", records)
+    (out / "run_config.json.tmp").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    (out / "run_config.json.tmp").replace(out / "run_config.json")
+    return report(records, meta, out)
+
+
+def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
+    """Every rank's records in ``out``, ordered as one process writes them, and the run's meta.
+
+    Args:
+        out: the folder the ranks wrote (``run_config.rank{i}.json``, ``samples.rank{i}.jsonl``).
+        keys: the settings every rank must share (the resume keys, plus dataset size and n).
+
+    Returns:
+        (records, meta): records of the current questions and methods only, sorted by question
+        (dataset order) then method (``--methods`` order), then the records an earlier
+        ``samples.jsonl`` holds beyond them (a plain run resumed in ``out`` after a merge added
+        questions: kept, in their order); meta is rank 0's without its shard entry, plus ``ranks``
+        (n), every rank's commits, each distinct device and machine, and the larger question count.
+
+    Raises:
+        FileNotFoundError: ``out`` holds no rank 0 record (``run_config.rank0.json``).
+        ValueError: a rank of the run has not started or not finished, ranks differ in a setting
+            of ``keys`` (named, with each rank's value), or ``samples.jsonl`` holds other records
+            made with settings other than the ranks' (``run_config.json``).
+    """
+    first = out / "run_config.rank0.json"
+    if not first.is_file():
+        raise FileNotFoundError(f"{out} holds no run_config.rank0.json: no sharded run to merge there")
+    n = read_record(first)["shard"]["world_size"]
+    metas = []
+    for rank in range(n):
+        path = out / Shard(rank, n).config
+        if not path.is_file():
+            raise ValueError(f"rank {rank} of {n} has not run in {out} (no {path.name}); "
+                             f"run it with --shard {rank}/{n}")
+        metas.append(read_record(path))
+    for key in (*keys, "num_questions", "shard.world_size"):
+        values = [m["shard"]["world_size"] if key == "shard.world_size" else m.get(key) for m in metas]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"the ranks in {out} ran with different settings, cannot merge: {key} = "
+                             + ", ".join(f"{v!r} (rank {r})" for r, v in enumerate(values)))
+    methods = metas[0]["methods"]
+    position, records = {}, []
+    for rank, meta in enumerate(metas):
+        questions = meta["shard"]["questions"]
+        position.update({q: j * n + rank for j, q in enumerate(questions)})
+        rows = {(r["question_id"], r["model_id"]): r for r in read_jsonl_resumable(out / Shard(rank, n).samples)}
+        missing = [(q, m) for q in questions for m in methods if (q, m) not in rows]
+        if missing:
+            raise ValueError(f"rank {rank} of {n} has not finished: {len(missing)} of {len(questions) * len(methods)} "
+                             f"(question, method) records missing in {Shard(rank, n).samples}; rerun it (it resumes)")
+        records += [rows[q, m] for q in questions for m in methods]
+    records.sort(key=lambda r: (position[r["question_id"]], methods.index(r["model_id"])))
+    meta = {k: v for k, v in metas[0].items() if k != "shard"}
+    meta["ranks"] = n
+    meta["commits"] = list(dict.fromkeys(c for m in metas for c in m.get("commits", [])))
+    for key in ("device", "machine"):
+        meta[key] = "; ".join(dict.fromkeys(str(m.get(key)) for m in metas))
+    return records + _beyond_ranks(out, records, meta, keys), meta
+
+
+def _beyond_ranks(out: Path, records: list[dict], meta: dict, keys: tuple[str, ...]) -> list[dict]:
+    """The records of ``out/samples.jsonl`` that no rank wrote, checked against ``run_config.json``
+    (which says how they were made); widens ``meta``'s question count to cover them."""
+    ours = {(r["question_id"], r["model_id"]) for r in records}
+    extra = [r for r in read_jsonl_resumable(out / "samples.jsonl") if (r["question_id"], r["model_id"]) not in ours]
+    if not extra:
+        return []
+    recorded = read_record(out / "run_config.json") if (out / "run_config.json").is_file() else {}
+    diff = {k: (recorded.get(k), meta.get(k)) for k in keys if recorded.get(k) != meta.get(k)}
+    if diff:
+        raise ValueError(f"{out}/samples.jsonl holds {len(extra)} records the ranks did not write, made with other "
+                         f"settings (run_config.json, ranks): {diff}; move them away to merge")
+    if recorded.get("num_questions", 0) > meta.get("num_questions", 0):
+        meta["num_questions"], meta["limit"] = recorded["num_questions"], recorded.get("limit")
+    return extra
+
+
+def report(records: list[dict], meta: dict, out: Path) -> dict:
+    """Write and print the summary of ``records``; returns it."""
+    from .report import write_reports
+
+    summary = write_reports(records, meta, out)
+    print((out / "summary.md").read_text())
+    print(f"[space-eval] wrote {out}/samples.jsonl, summary.json, summary.md and plots")
+    return summary

@@ -7,20 +7,16 @@ ranks join a gloo process group, wait for each other at a barrier, and rank 0 me
 
 Rank i of n takes questions i, i+n, i+2n, ... of the dataset (a stride, not a block, so categories
 stored together spread over the ranks), writes ``samples.rank{i}.jsonl`` and
-``run_config.rank{i}.json`` and resumes from them. The merge orders the records as one process
-writes them (question order, then method order), so the merged ``samples.jsonl``, exactness and
-pass@k do not depend on n. All methods of a question run in one process, so a per-question
-speedup never compares two GPUs.
+``run_config.rank{i}.json`` and resumes from them. The merge (``space.eval.resume.merge_run``)
+orders the records as one process writes them (question order, then method order), so the merged
+``samples.jsonl``, exactness and pass@k do not depend on n. All methods of a question run in one
+process, so a per-question speedup never compares two GPUs.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-
-from ..jsonl import read_jsonl_resumable
-from .resume import read_record
 
 # ranks finish at different times; torchrun ends every rank when one fails, so a long wait at the
 # barrier never waits on a dead rank
@@ -105,76 +101,3 @@ def wait_for_all(shard: Shard) -> None:
     if shard.launched:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
-    """Every rank's records in ``out``, ordered as one process writes them, and the run's meta.
-
-    Args:
-        out: the folder the ranks wrote (``run_config.rank{i}.json``, ``samples.rank{i}.jsonl``).
-        keys: the settings every rank must share (the resume keys, plus dataset size and n).
-
-    Returns:
-        (records, meta): records of the current questions and methods only, sorted by question
-        (dataset order) then method (``--methods`` order), then the records an earlier
-        ``samples.jsonl`` holds beyond them (a plain run resumed in ``out`` after a merge added
-        questions: kept, in their order); meta is rank 0's without its shard entry, plus ``ranks``
-        (n), every rank's commits, each distinct device and machine, and the larger question count.
-
-    Raises:
-        FileNotFoundError: ``out`` holds no rank 0 record (``run_config.rank0.json``).
-        ValueError: a rank of the run has not started or not finished, ranks differ in a setting
-            of ``keys`` (named, with each rank's value), or ``samples.jsonl`` holds other records
-            made with settings other than the ranks' (``run_config.json``).
-    """
-    first = out / "run_config.rank0.json"
-    if not first.is_file():
-        raise FileNotFoundError(f"{out} holds no run_config.rank0.json: no sharded run to merge there")
-    n = read_record(first)["shard"]["world_size"]
-    metas = []
-    for rank in range(n):
-        path = out / Shard(rank, n).config
-        if not path.is_file():
-            raise ValueError(f"rank {rank} of {n} has not run in {out} (no {path.name}); "
-                             f"run it with --shard {rank}/{n}")
-        metas.append(read_record(path))
-    for key in (*keys, "num_questions", "shard.world_size"):
-        values = [m["shard"]["world_size"] if key == "shard.world_size" else m.get(key) for m in metas]
-        if any(v != values[0] for v in values):
-            raise ValueError(f"the ranks in {out} ran with different settings, cannot merge: {key} = "
-                             + ", ".join(f"{v!r} (rank {r})" for r, v in enumerate(values)))
-    methods = metas[0]["methods"]
-    position, records = {}, []
-    for rank, meta in enumerate(metas):
-        questions = meta["shard"]["questions"]
-        position.update({q: j * n + rank for j, q in enumerate(questions)})
-        rows = {(r["question_id"], r["model_id"]): r for r in read_jsonl_resumable(out / Shard(rank, n).samples)}
-        missing = [(q, m) for q in questions for m in methods if (q, m) not in rows]
-        if missing:
-            raise ValueError(f"rank {rank} of {n} has not finished: {len(missing)} of {len(questions) * len(methods)} "
-                             f"(question, method) records missing in {Shard(rank, n).samples}; rerun it (it resumes)")
-        records += [rows[q, m] for q in questions for m in methods]
-    records.sort(key=lambda r: (position[r["question_id"]], methods.index(r["model_id"])))
-    meta = {k: v for k, v in metas[0].items() if k != "shard"}
-    meta["ranks"] = n
-    meta["commits"] = list(dict.fromkeys(c for m in metas for c in m.get("commits", [])))
-    for key in ("device", "machine"):
-        meta[key] = "; ".join(dict.fromkeys(str(m.get(key)) for m in metas))
-    return records + _beyond_ranks(out, records, meta, keys), meta
-
-
-def _beyond_ranks(out: Path, records: list[dict], meta: dict, keys: tuple[str, ...]) -> list[dict]:
-    """The records of ``out/samples.jsonl`` that no rank wrote, checked against ``run_config.json``
-    (which says how they were made); widens ``meta``'s question count to cover them."""
-    ours = {(r["question_id"], r["model_id"]) for r in records}
-    extra = [r for r in read_jsonl_resumable(out / "samples.jsonl") if (r["question_id"], r["model_id"]) not in ours]
-    if not extra:
-        return []
-    recorded = read_record(out / "run_config.json") if (out / "run_config.json").is_file() else {}
-    diff = {k: (recorded.get(k), meta.get(k)) for k in keys if recorded.get(k) != meta.get(k)}
-    if diff:
-        raise ValueError(f"{out}/samples.jsonl holds {len(extra)} records the ranks did not write, made with other "
-                         f"settings (run_config.json, ranks): {diff}; move them away to merge")
-    if recorded.get("num_questions", 0) > meta.get("num_questions", 0):
-        meta["num_questions"], meta["limit"] = recorded["num_questions"], recorded.get("limit")
-    return extra

@@ -15,7 +15,15 @@ Issue #14, DESIGN §3.5. Two measured inputs, no timed decoding:
 A layout's estimated speedup over AR is ``tokens * cost(1) / sum over steps of cost(rows)``: it
 maximizes tokens per second, not tokens per step. The best layout is printed, all of them go to
 ``--out/tree_search.json``, and ``--write-adapter`` stores the best in the adapter's
-``space_config.json`` under ``"decode"`` (the default of space-eval, run_eval.sh and the API).
+``space_config.json`` under ``"decode"`` (the default of space-eval, run_eval.sh and the API),
+with the measured curve as its ``"step_cost"`` ``[[rows, ms], ...]``, so that a dynamic tree
+(``tree: "dynamic"``, issue 31, now or after a later switch) prices rows with this machine's costs.
+
+The replay cannot play a dynamic tree (its tree is chosen each step from the drafts'
+probabilities, which the ranks do not hold): a current layout that is dynamic is not estimated,
+and ``--dynamic --write-adapter`` stores the dynamic tree (the adapter's trained k, capped by
+``--max-mask-num``, k+1 groups, row budget ``--max-rows``, the curve) instead of the best static
+layout, unestimated: compare it with ``space-eval --tree dynamic``.
 
 Example::
 
@@ -184,18 +192,32 @@ def interpolate(curve: dict[int, float], q: int) -> float:
     return curve[hi] + (curve[hi] - curve[lo]) * (q - hi) / (hi - lo)
 
 
+def step_cost_points(curve: dict[int, float]) -> list[list]:
+    """A measured curve {rows: seconds} as a DecodeConfig ``step_cost``: ``[[rows, ms], ...]``, rows
+    ascending, ms rounded to 3 decimals (at least 0.001, a cost must be > 0)."""
+    return [[q, max(round(seconds * 1e3, 3), 0.001)] for q, seconds in sorted(curve.items())]
+
+
 def _key(decode: dict) -> tuple:
-    """What makes two decode dicts the same layout (num_groups None is k+1)."""
+    """What makes two decode dicts the same layout (num_groups None is k+1; the dynamic tree's
+    own settings and the step-cost curve are not part of a static layout)."""
     groups = decode["num_groups"] or decode["mask_num"] + 1
-    tree = None if decode["tree"] is None else tuple(map(tuple, decode["tree"]))
+    tree = decode["tree"] if decode["tree"] in (None, "dynamic") else tuple(map(tuple, decode["tree"]))
     return decode["mask_num"], groups, tree, decode["lookup_tokens"], decode["lookup_ngram"]
 
 
 def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float]) -> dict:
     """Replay ``cfg`` (a DecodeConfig) over the ranks ``held``: tokens/step, rows/step and the
-    estimated speedup over AR, tokens * cost(1) / sum of the steps' costs."""
+    estimated speedup over AR, tokens * cost(1) / sum of the steps' costs.
+
+    Raises:
+        ValueError: ``cfg`` is the dynamic tree, which the replay cannot play.
+    """
     from ..decoding.tree import replay
 
+    if cfg.tree == "dynamic":
+        raise ValueError("the replay cannot estimate the dynamic tree (its tree is chosen each step from the drafts' "
+                         "probabilities); time it with space-eval --tree dynamic")
     res = replay(held, cfg.mask_num, cfg.groups, cfg.tree)
     cost = sum(interpolate(curve, q) for q in res.rows)
     return {"decode": cfg.to_dict(), "nodes": len(cfg.tree) if cfg.tree else cfg.mask_num,
@@ -209,15 +231,18 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
     with trees grown on the even ones; sorted by estimated speedup over AR (best first).
 
     ``current`` (the adapter's DecodeConfig, or None) is estimated too and flagged ``"current":
-    True``, so the best is never estimated slower than it; that needs its k within the ranks' k.
-    Every layout keeps ``current``'s prompt-lookup setting: the replay does not model lookup, so
-    the search cannot choose it (``scripts/tune_layout.py --search`` times it).
+    True``, so the best is never estimated slower than it; that needs its k within the ranks' k
+    and a static layout (the dynamic tree cannot be replayed: it is left out). Every layout keeps
+    ``current``'s prompt-lookup setting: the replay does not model lookup, so the search cannot
+    choose it (``scripts/tune_layout.py --search`` times it); and its row budget and draft ranks,
+    which a later switch to the dynamic tree would use.
     """
     from ..decoding.config import DecodeConfig
     from ..decoding.tree import grow_tree, path_probs_from_ranks
 
     fit, held = ranks[0::2], ranks[1::2] or ranks
-    lookup = {} if current is None else {"lookup_tokens": current.lookup_tokens, "lookup_ngram": current.lookup_ngram}
+    lookup = {} if current is None else {"lookup_tokens": current.lookup_tokens, "lookup_ngram": current.lookup_ngram,
+                                         "row_budget": current.row_budget, "draft_ranks": current.draft_ranks}
     width = min(r.shape[1] for r in ranks)
     results = []
     for k in range(1, min(max_mask_num, width) + 1):
@@ -228,7 +253,7 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
             for tree in trees:
                 if 1 + (len(tree) if tree else k) + groups * k <= max_rows:
                     results.append(estimate(held, DecodeConfig(k, groups, tree=tree, **lookup), curve))
-    if current is not None and current.mask_num <= width:
+    if current is not None and current.tree != "dynamic" and current.mask_num <= width:
         mine = next((r for r in results if _key(r["decode"]) == _key(current.to_dict())), None)
         if mine is None:
             mine = estimate(held, current, curve)
@@ -237,13 +262,14 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
     return sorted(results, key=lambda r: -r["est_speedup"])
 
 
-def write_decode(adapter: Path, decode: dict) -> None:
-    """Store ``decode`` in the adapter's space_config.json, atomically, keeping the other keys."""
+def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = None) -> None:
+    """Store ``decode`` in the adapter's space_config.json, atomically, keeping the other keys; with
+    ``curve`` (measured {rows: seconds}), as its ``"step_cost"`` (:func:`step_cost_points`)."""
     from ..adapters import SPACE_CONFIG
 
     path = adapter / SPACE_CONFIG
     cfg = json.loads(path.read_text())
-    cfg["decode"] = decode
+    cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(cfg, indent=2) + "\n")
     os.replace(tmp, path)
@@ -265,7 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flag(p)
     p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json (default: %(default)s)")
     p.add_argument("--write-adapter", action="store_true", help="store the best layout in the adapter's "
-                   "space_config.json (unless its current layout is already the best estimate)")
+                   "space_config.json, with the measured step-cost curve (its current layout stays when it is "
+                   "already the best estimate; the curve is updated)")
+    p.add_argument("--dynamic", action="store_true", help="store the dynamic tree (tree 'dynamic': the adapter's "
+                   "trained k capped by --max-mask-num, k+1 groups, the current lookup setting, row budget "
+                   "--max-rows, 4 draft ranks, the measured step-cost curve) instead of the best static layout, "
+                   "with --write-adapter; without it, only report it. The search cannot replay a dynamic tree, "
+                   "so it is not estimated: compare it with space-eval --tree dynamic")
     add_debug_flag(p)
     return p
 
@@ -276,8 +308,9 @@ def main(argv: list[str] | None = None) -> dict:
     Raises:
         FileNotFoundError: no ranks file or adapter.
         ValueError: bad sizes, --threads or --device, a malformed ranks file, ranks another adapter
-            or base model produced, or --write-adapter without --adapter. Ranks of fewer offsets
-            than --max-mask-num asks for are no error (the search stops at the ranks' k).
+            or base model produced, --write-adapter without --adapter, or no static layout within
+            --max-rows. Ranks of fewer offsets than --max-mask-num asks for are no error (the search
+            stops at the ranks' k).
     """
     a = build_parser().parse_args(argv)
     for flag, value, least in (("--max-mask-num", a.max_mask_num, 1), ("--max-rows", a.max_rows, 2),
@@ -312,13 +345,22 @@ def main(argv: list[str] | None = None) -> dict:
     points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
     curve = step_cost_curve(model, points, a.cache_len)
     results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current)
+    if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows
+        raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")
+    dynamic = None
+    if a.dynamic:  # the replay cannot play it: stored unestimated
+        k = min(a.max_mask_num, spec.mask_num)
+        lookup = DecodeConfig() if current is None else current
+        dynamic = DecodeConfig(k, k + 1, lookup.lookup_tokens, lookup.lookup_ngram, tree="dynamic",
+                               row_budget=a.max_rows, draft_ranks=4,
+                               step_cost=tuple(map(tuple, step_cost_points(curve)))).to_dict()
     best, mine = results[0], next((r for r in results if r.get("current")), None)
     chain = next((r for r in results if r["decode"]["tree"] is None
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
     report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
               "samples": len(ranks), "threads": torch.get_num_threads(),
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
-              "chain_same_layout": chain, "lookup_modelled": False, "layouts": results}
+              "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tree_search.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"[space-tree] step cost (ms) by rows: {report['step_cost_ms']}")
@@ -328,24 +370,42 @@ def main(argv: list[str] | None = None) -> dict:
     if chain is not None:
         print(f"[space-tree] best vs its chain: {best['tokens_per_step'] / chain['tokens_per_step']:.2f}x tokens/step, "
               f"{best['est_speedup'] / chain['est_speedup']:.2f}x est. speed")
+    if current is not None and current.tree == "dynamic":
+        print("[space-tree] the adapter's current layout is the dynamic tree, which the replay cannot estimate: "
+              "it is not among the layouts (compare them with space-eval --tree dynamic)")
     if current is not None and current.lookup_tokens:
         print(f"[space-tree] prompt lookup (lookup_tokens {current.lookup_tokens}) is not modelled by the replay: every "
               "layout keeps the adapter's setting; time it with scripts/tune_layout.py --search")
     if best["est_speedup"] < 1:
         print(f"[space-tree] warning: every layout is estimated slower than AR here (best {best['est_speedup']:.3f}x); "
               "check with space-eval before shipping one", file=sys.stderr, flush=True)
+    if dynamic is not None:
+        print(f"[space-tree] dynamic tree (not estimated: the replay cannot play it): {json.dumps(dynamic)}")
     print(f"[space-tree] wrote {a.out / 'tree_search.json'}")
     if a.write_adapter:
-        if best is mine:
-            print(f"[space-tree] the adapter's current layout is already the best estimate: "
-                  f"{a.adapter / SPACE_CONFIG} left unchanged")
+        where = a.adapter / SPACE_CONFIG
+        if dynamic is not None:
+            write_decode(a.adapter, dynamic)
+            print(f"[space-tree] stored the dynamic tree (k = {dynamic['mask_num']}, row budget {a.max_rows}) with "
+                  f"this machine's step-cost curve in {where}; time it with space-eval --tree dynamic")
+        elif best is mine:
+            if current.to_dict()["step_cost"] == step_cost_points(curve):
+                print(f"[space-tree] the adapter's current layout is already the best estimate: {where} left unchanged")
+            else:
+                write_decode(a.adapter, current.to_dict(), curve)
+                print(f"[space-tree] the adapter's current layout is already the best estimate: kept it, with this "
+                      f"machine's step-cost curve, in {where}")
         else:
-            was = (f"current layout est. {mine['est_speedup']:.3f}x" if mine else
-                   f"current layout (k = {current.mask_num}) not estimated: the ranks have k = "
-                   f"{min(r.shape[1] for r in ranks)}")
-            write_decode(a.adapter, best["decode"])
-            print(f"[space-tree] stored the best layout (est. {best['est_speedup']:.3f}x; {was}) in "
-                  f"{a.adapter / SPACE_CONFIG}")
+            if mine:
+                was = f"current layout est. {mine['est_speedup']:.3f}x"
+            elif current is not None and current.tree == "dynamic":
+                was = "replaces the current dynamic tree, not estimated"
+            else:
+                was = (f"current layout (k = {current.mask_num}) not estimated: the ranks have k = "
+                       f"{min(r.shape[1] for r in ranks)}")
+            write_decode(a.adapter, best["decode"], curve)
+            print(f"[space-tree] stored the best layout (est. {best['est_speedup']:.3f}x; {was}) with this machine's "
+                  f"step-cost curve in {where}")
     return report
 
 

@@ -9,7 +9,8 @@ import torch
 from space.decoding.config import DecodeConfig
 from space.eval import probe
 from space.eval.resume import adapter_sha256
-from space.eval.tree_search import cli, interpolate, load_ranks, main, search, write_decode
+from space.eval.tree_search import (_key, cli, estimate, interpolate, load_ranks, main, search, step_cost_points,
+                                    write_decode)
 
 SHIPPED = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
 
@@ -54,6 +55,11 @@ def test_write_decode_keeps_other_keys(tmp_path):
     write_decode(tmp_path, {"mask_num": 3, "num_groups": 2, "tree": [[0], [1]]})
     cfg = json.loads((tmp_path / "space_config.json").read_text())
     assert cfg == {"mode": "frozen-base", "decode": {"mask_num": 3, "num_groups": 2, "tree": [[0], [1]]}}
+    # with the measured curve (seconds): stored as step_cost [[rows, ms], ...], a valid DecodeConfig
+    write_decode(tmp_path, DecodeConfig(3, 2, tree=[[0], [1]]).to_dict(), {8: 0.0031234, 1: 0.002})
+    decode = json.loads((tmp_path / "space_config.json").read_text())["decode"]
+    assert decode["step_cost"] == [[1, 2.0], [8, 3.123]] and decode["tree"] == [[0], [1]]
+    assert DecodeConfig.from_dict(decode).step_cost == ((1, 2.0), (8, 3.123))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')
     with pytest.raises(ValueError, match="no 'ranks'"):
@@ -93,10 +99,59 @@ def test_write_adapter_keeps_lookup_and_refuses_another_adapters_ranks(tmp_path,
     after = json.loads((adapter / "space_config.json").read_text())["decode"]
     assert (after["lookup_tokens"], after["lookup_ngram"]) == (before["lookup_tokens"], before["lookup_ngram"]) == (10, 2)
     assert report["current"] is not None and report["best"]["est_speedup"] >= report["current"]["est_speedup"]
-    assert after == (before if report["best"] is report["current"] else report["best"]["decode"])
+    # the layout written carries this machine's step-cost curve (ms), which a dynamic tree would price rows with
+    curve = [[q, ms] for q, ms in report["step_cost_ms"].items()]
+    assert [q for q, _ in curve] == [1, 2, 4, 8, 12] and after["step_cost"] == curve == step_cost_points(
+        {q: ms / 1e3 for q, ms in curve})
+    kept = report["best"] is report["current"]
+    layout = DecodeConfig.from_dict(before).to_dict() if kept else report["best"]["decode"]
+    assert after == {**layout, "step_cost": curve}
     other = dict(meta, adapter="adapters/other", adapter_sha256="0" * 64)
     ranks.write_text("".join(json.dumps(r) + "\n" for r in [{"meta": other}, *rows]))
     with pytest.raises(SystemExit) as info:
         cli(args)
     err = capsys.readouterr().err
     assert info.value.code == 2 and "adapters/other" in err and str(adapter) in err and "Traceback" not in err
+
+
+def test_search_leaves_out_a_current_dynamic_tree():
+    """The replay cannot play the dynamic tree: search() skips it as the current layout (no crash)
+    and keeps its lookup, row budget and draft ranks on the static layouts; estimate() refuses it."""
+    ranks = [torch.tensor([[j % 3, 0] for j in range(40)]) for _ in range(6)]
+    current = DecodeConfig(2, lookup_tokens=10, tree="dynamic", row_budget=12, draft_ranks=3,
+                           step_cost=[[1, 1.0], [8, 2.0]])
+    found = search(ranks, {1: 1.0, 2: 1.5, 64: 30.0}, 2, 64, current)
+    assert found and not any(r.get("current") for r in found)
+    assert {(r["decode"]["lookup_tokens"], r["decode"]["row_budget"], r["decode"]["draft_ranks"]) for r in found} \
+        == {(10, 12, 3)}
+    assert all(r["decode"]["tree"] != "dynamic" for r in found)
+    assert _key(current.to_dict()) == (2, 3, "dynamic", 10, 2)
+    with pytest.raises(ValueError, match="cannot estimate the dynamic tree"):
+        estimate(ranks, current, {1: 1.0, 64: 2.0})
+
+
+def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
+    """--dynamic --write-adapter stores the dynamic tree with the curve; a later plain --write-adapter
+    run over that adapter skips the dynamic current layout and stores the best static one."""
+    adapter = tmp_path / "adapter"
+    shutil.copytree(SHIPPED, adapter)
+    ranks = tmp_path / "ranks.jsonl"
+    meta = {"model": "smollm2-135m-instruct", "adapter": str(adapter), "adapter_sha256": adapter_sha256(adapter)}
+    rows = [{"id": i, "source": "mbpp", "ranks": [[j % 2, 0, 1] for j in range(30)]} for i in range(4)]
+    ranks.write_text("".join(json.dumps(r) + "\n" for r in [{"meta": meta}, *rows]))
+    args = ["--adapter", str(adapter), "--ranks", str(ranks), "--max-mask-num", "2", "--max-rows", "12",
+            "--cache-len", "16", "--threads", "1", "--out", str(tmp_path / "tree"), "--write-adapter"]
+    report = main([*args, "--dynamic"])
+    after = json.loads((adapter / "space_config.json").read_text())["decode"]
+    curve = [[q, ms] for q, ms in report["step_cost_ms"].items()]
+    # the adapter's trained k (3) capped by --max-mask-num, its lookup setting, row budget = --max-rows
+    assert after == {"mask_num": 2, "num_groups": 3, "lookup_tokens": 10, "lookup_ngram": 2, "tree": "dynamic",
+                     "row_budget": 12, "draft_ranks": 4, "step_cost": curve} == report["dynamic"]
+    assert DecodeConfig.from_dict(after).tree == "dynamic"
+    assert "dynamic tree" in capsys.readouterr().out
+    report = main(args)
+    assert report["current"] is None and report["dynamic"] is None
+    after = json.loads((adapter / "space_config.json").read_text())["decode"]
+    assert after["tree"] != "dynamic" and after == {**report["best"]["decode"], "step_cost": after["step_cost"]}
+    assert (after["lookup_tokens"], after["row_budget"]) == (10, 12)  # kept from the dynamic layout
+    assert "replaces the current dynamic tree" in capsys.readouterr().out

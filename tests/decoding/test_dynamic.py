@@ -1,0 +1,494 @@
+"""Per-step dynamic token trees (issue 31): greedy exactness, the row budget, KV compaction through
+siblings, exact sampling, the one model call site, the planner, its config and the layout core."""
+import inspect
+import json
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import space.decoding.decoder as decoder_mod
+from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import cache_input
+from space.decoding.dynamic import BUCKETS, AcceptanceStats, StepCost, bucket, plan_step
+from space.masking import build_layout, tree_ancestors
+from tests.conftest import TRAINED_K
+from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
+
+# ---------------------------------------------------------------------------------------------
+# decoding with the trained tiny drafter
+
+
+def step_rows_seen(model):
+    """Forward pre-hook on the base decoder recording each step's block rows (the prefill, fed
+    without position ids, is skipped). Returns (rows list, hook handle)."""
+    rows = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda mod, args, kwargs: rows.append(int(kwargs["input_ids"].shape[1]))
+        if kwargs.get("position_ids") is not None else None, with_kwargs=True)
+    return rows, hook
+
+
+def test_dynamic_greedy_exact(trained):
+    """Random k, groups, ranks, row budgets (small ones included), lookup on and off, stop tokens,
+    prompts and lengths on a drafter that is usually right: dynamic SPACE == AR token for token,
+    no step exceeds its budget, and drafts were accepted deep into the trees."""
+    model, _, spec, language = trained
+    gen = torch.Generator().manual_seed(0)
+    accepted = []
+    for case in range(24):
+        k = int(torch.randint(1, TRAINED_K + 1, (1,), generator=gen))
+        budget = [4, 8, 32, int(torch.randint(2, 41, (1,), generator=gen))][case % 4]
+        cfg = DecodeConfig(k, int(torch.randint(1, k + 2, (1,), generator=gen)), tree="dynamic",
+                           lookup_tokens=[0, 4][(case // 4) % 2], row_budget=budget,
+                           draft_ranks=int(torch.randint(1, 5, (1,), generator=gen)))
+        prompt = torch.tensor(language.sample(int(torch.randint(1, 30, (1,), generator=gen))))
+        max_new = int(torch.randint(1, 60, (1,), generator=gen))
+        stop = []
+        if case % 3 == 2:  # a stop token from the answer, so EOS lands inside a step
+            full = ar_generate(model, prompt, max_new, suppress_ids=spec.token_ids).new_ids
+            stop = [full[int(torch.randint(len(full), (1,), generator=gen))]]
+        ar = ar_generate(model, prompt, max_new, stop_token_ids=stop, suppress_ids=spec.token_ids)
+        out = SpaceDecoder(model, spec, cfg).generate(prompt, max_new, stop_token_ids=stop)
+        assert out.new_ids == ar.new_ids, (cfg, prompt.tolist(), max_new, stop)
+        assert max(out.step_rows) <= budget and sum(out.step_tokens) == len(out.new_ids)
+        accepted += out.accept_lengths
+    assert max(accepted) >= 3 and sum(a >= 2 for a in accepted) >= 10  # deep paths were verified
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_row_budget(trained, lookup):
+    """Every step's block has at most ``row_budget`` rows, padding included, and its rows are a
+    bucket size or the budget; the recorded rows are the rows the model was fed. Budget 1 is AR:
+    one row per step, no candidate, the AR output."""
+    model, _, spec, language = trained
+    prompt = torch.tensor(language.sample(16))
+    ar = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
+    for budget in (1, 2, 3, 5, 8, 16):
+        rows, hook = step_rows_seen(model)
+        try:
+            out = SpaceDecoder(model, spec, DecodeConfig(TRAINED_K, tree="dynamic", row_budget=budget,
+                                                         lookup_tokens=lookup)).generate(prompt, 40)
+        finally:
+            hook.remove()
+        assert out.new_ids == ar, budget
+        assert out.step_rows == rows and len(rows) == out.num_steps
+        assert all(1 <= r <= budget and (r in BUCKETS or r == budget) for r in rows), (budget, rows)
+        if budget == 1:
+            assert set(rows) == {1} and set(out.accept_lengths) == {0} and set(out.step_candidates) == {0}
+            assert out.num_steps == 40
+        if budget >= 8:
+            assert max(out.accept_lengths) >= 2  # not AR in disguise
+
+
+def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
+    """An oracle puts the true token at chosen ranks of each mask's drafts, with probabilities that
+    make the planner spend rows on runner-ups, so the accepted path runs through non-first
+    siblings at depth >= 2; after every step the compacted KV cache (padding and rejected rows
+    dropped, the path moved next to x_{n-1}) equals a fresh forward of prompt + emitted tokens."""
+    model, _, spec, language = trained
+    R = 3
+    dec = SpaceDecoder(model, spec, DecodeConfig(TRAINED_K, tree="dynamic", draft_ranks=R, row_budget=48))
+    prompt = torch.tensor(language.sample(12))
+    truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+    wrong = [t for t in range(11, 256) if t not in truth and t not in prompt.tolist()]
+    ranks = [[1, 1, 0], [2, 1, 2, 1], [0, 2, 1], [1, 2, 0], [0, 0, 0, 0], [2, 2], [0, 1, 1, 2]]
+    state = {"calls": 0, "want": None}
+
+    def override(generated, drafts):
+        want = ranks[state["calls"] % len(ranks)]
+        state["calls"] += 1
+        state["want"] = want
+        out = torch.tensor(wrong[: TRAINED_K * R]).view(TRAINED_K, R)  # wrong tokens, never the truth
+        for j in range(min(len(want), len(truth) - len(generated))):
+            out[j, want[j]] = truth[len(generated) + j]
+        return out, torch.tensor([[0.6, 0.5, 0.5]] * TRAINED_K)
+
+    base = model.get_decoder()
+    original, sibling_accepts, accepts = dec._step, 0, []
+
+    def checked(cache, last, *args):
+        nonlocal sibling_accepts
+        want = state["want"]
+        out = original(cache, last, *args)
+        a = out[3]
+        accepts.append(a)
+        if want is not None and a >= 2 and any(r > 0 for r in want[1:a]):
+            sibling_accepts += 1  # the path went through a runner-up at depth >= 2
+        n = cache.get_seq_length()
+        ids = torch.cat([prompt, torch.tensor(truth)])[:n]
+        fresh = DynamicCache(config=model.config)
+        with torch.no_grad():
+            base(input_ids=ids[None], **cache_input(fresh), use_cache=True)
+        for mine, ref in zip(cache.layers, fresh.layers):
+            assert mine.keys.shape == ref.keys.shape
+            torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)
+        return out
+
+    dec._step = checked
+    out = dec._generate(prompt, 60, draft_override=override)
+    assert out.new_ids == truth
+    assert max(accepts) >= 3 and sibling_accepts >= 4, (accepts, sibling_accepts)
+
+
+@pytest.mark.parametrize("tail,lookup", [(6, 0), (6, 3), (9, 0)])
+def test_dynamic_context_end(tiny, tail, lookup):
+    """Near the context end the planner gets less room: no row (padding included) reaches position
+    >= context, the last step runs right at the end, and output stays exact."""
+    model, _, spec = tiny
+    context = model.config.max_position_embeddings
+    prompt = torch.randint(11, 250, (context - tail,), generator=torch.Generator().manual_seed(3))
+    truth = ar_generate(model, prompt, tail, suppress_ids=spec.token_ids).new_ids
+    dec = SpaceDecoder(model, spec, DecodeConfig(4, tree="dynamic", draft_ranks=2, lookup_tokens=lookup))
+    wrong = [t for t in range(11, 250) if t not in truth][:8]
+
+    def override(generated, drafts):  # the truth at rank 1, confidently
+        out = torch.tensor(wrong).view(4, 2)
+        for j in range(min(4, len(truth) - len(generated))):
+            out[j, 1] = truth[len(generated) + j]
+        return out, torch.tensor([[0.9, 0.8]] * 4)
+
+    positions = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda mod, args, kwargs: positions.append(int(kwargs["position_ids"].max()))
+        if kwargs.get("position_ids") is not None else None, with_kwargs=True)
+    try:
+        out = dec._generate(prompt, tail, draft_override=override)
+    finally:
+        hook.remove()
+    assert out.new_ids == truth and max(positions) == context - 1 and max(out.accept_lengths) >= 3
+
+
+@pytest.mark.parametrize("temperature,top_p,lookup", [(1.0, 1.0, 0), (1.0, 1.0, 2), (1.5, 0.9, 2)])
+def test_dynamic_sampling_matches_ar_distribution(small_vocab_model, temperature, top_p, lookup):
+    """Sampling with the dynamic tree (siblings chosen from the drafts' processed distributions,
+    lookup tokens merged in) emits t1..t3 with AR sampling's exact joint distribution. Top-p runs
+    at T = 1.5: this model is nearly deterministic at T = 1 with top-p 0.9 (test_sampling)."""
+    model, spec = small_vocab_model
+    prompt = [1, 3, 0, 2]
+    exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
+    n = 1000
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree="dynamic"))
+    counts, accepts, rows = {}, [], []
+    for seed in range(n):
+        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(temperature, top_p=top_p, seed=seed))
+        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
+        accepts += out.accept_lengths[1:]
+        rows += out.step_rows
+    assert max(accepts) >= 2 and max(rows) > 4  # trees with several nodes were verified and accepted
+    assert chi2_pvalue(counts, exact, n) > ALPHA
+
+
+@pytest.mark.parametrize("cfg", [DecodeConfig(3), DecodeConfig(3, 2, lookup_tokens=4, tree=[[0], [1], [0, 0]]),
+                                 DecodeConfig(4, tree="dynamic"), DecodeConfig(4, 2, tree="dynamic", lookup_tokens=4)],
+                         ids=["chain", "tree+lookup", "dynamic", "dynamic+lookup"])
+def test_one_model_call_site(trained, cfg):
+    """Every forward of the model during generate (prefill and steps) goes through
+    ``SpaceDecoder._forward``, the one place that sets mask rows for the frozen-base LoRA: a
+    second call site would run the model without them."""
+    model, _, spec, language = trained
+    dec = SpaceDecoder(model, spec, cfg)
+    calls = {"forward": 0, "model": 0}
+    original = dec._forward
+
+    def counted(*args, **kwargs):
+        calls["forward"] += 1
+        return original(*args, **kwargs)
+
+    dec._forward = counted
+    hook = dec.decoder.register_forward_pre_hook(lambda *a: calls.__setitem__("model", calls["model"] + 1))
+    try:
+        for n in (1, 14):  # a one-token prompt has no prefill
+            dec.generate(torch.tensor(language.sample(n)), 30)
+    finally:
+        hook.remove()
+    assert calls["model"] == calls["forward"] > 0
+    source = inspect.getsource(decoder_mod)
+    assert source.count("self.decoder(") == 1 and "self.model(" not in source
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner
+
+
+def node_paths(plan):
+    """Token path of each node of a StepPlan (row r's path is its parent's plus its token)."""
+    paths = [()]
+    for r, tok in enumerate(plan.tokens, 1):
+        assert 0 <= plan.parents[r] < r  # parents precede children
+        paths.append(paths[plan.parents[r]] + (tok,))
+    return paths[1:]
+
+
+def check_plan(plan, budget, mask_num, max_groups, room):
+    """Invariants every plan must satisfy."""
+    paths = node_paths(plan)
+    assert len(plan.parents) == 1 + len(plan.tokens) == 1 + len(plan.values) and plan.parents[0] == -1
+    assert len(set(paths)) == len(paths)  # no duplicate token path: one node per verified token
+    assert all(len(p) <= room for p in paths)
+    assert all(a >= b for a, b in zip(plan.values, plan.values[1:]))  # decreasing value
+    assert plan.used_rows <= plan.rows <= max(budget, 1)
+    assert plan.rows in BUCKETS or plan.rows == budget
+    assert len(plan.group_rows) == len(plan.group_len) <= max_groups
+    assert all(1 <= n <= mask_num for n in plan.group_len)
+    for g, (row, n) in enumerate(zip(plan.group_rows, plan.group_len)):  # groups on a chain from x_{n-1}
+        depth = 0 if row == 0 else len(paths[row - 1])
+        assert depth == g and (g == 0 or plan.parents[row] == plan.group_rows[g - 1])
+        assert depth + n <= room  # mask j of a group at depth g sits at depth g + 1 + j
+
+
+def drafts(probs, k=4):
+    """(k, R) distinct draft tokens 100 + 10 * depth + rank, and ``probs`` for every mask."""
+    return [[100 + 10 * d + r for r in range(len(probs))] for d in range(k)], [list(probs)] * k
+
+
+def fresh_stats(k=4, lookup=0):
+    return AcceptanceStats(k, lookup, StepCost())
+
+
+def test_step_cost_validation_and_interpolation():
+    """Bad curves are refused at construction; c(q) interpolates linearly, extrapolates past the
+    last point, is relative to one row, and marginal costs are differences (never negative)."""
+    for bad in ([], [(2, 1.0)], [(0, 1.0), (1, 2.0)], [(1, 1.0), (4, 2.0), (3, 3.0)], [(1, 1.0), (1, 2.0)],
+                [(1, 0.0)], [(1, 1.0), (2, -1.0)], [(1, float("nan"))], [(1, 1.0), (8, math.inf)],
+                [(1.5, 1.0)], [("a", 1.0)], [(1,)]):
+        with pytest.raises(ValueError, match="step_cost"):
+            StepCost(bad)
+    c = StepCost([[1, 2.0], [5, 4.0], [9, 12.0]])
+    assert c.points == ((1, 2.0), (5, 4.0), (9, 12.0))
+    assert [c(q) for q in (1, 3, 5, 7, 9, 13)] == pytest.approx([1.0, 1.5, 2.0, 4.0, 6.0, 10.0])
+    assert c.marginal(3) == pytest.approx(0.25) and c.marginal(8) == pytest.approx(1.0)
+    assert StepCost([(1, 2.0), (4, 1.0)]).marginal(2) == 0.0  # a falling curve: rows cost nothing, not less
+    assert StepCost([(1, 3.0)])(50) == 1.0
+    default = StepCost()
+    assert default(1) == 1.0 and default(8) == pytest.approx(1.35) and default(24) == pytest.approx(1.75)
+
+
+def test_bucket():
+    """Rows round up to the next bucket, never past the budget, never below the rows."""
+    assert [bucket(r, 32) for r in (1, 2, 3, 5, 7, 9, 13, 25, 33)] == [1, 2, 4, 6, 8, 12, 16, 32, 33]
+    assert bucket(3, 3) == 3 and bucket(17, 18) == 18 and bucket(300, 512) == 300 and bucket(5, 1) == 5
+    for budget in range(1, 70):
+        for rows in range(1, budget + 1):
+            b = bucket(rows, budget)
+            assert rows <= b <= budget and (b in BUCKETS or b == budget)
+
+
+def test_acceptance_stats():
+    """observe() counts a draft chain until its first miss, from the group's offset on, and the
+    lookup chain likewise; alphas() pools an easier later offset into the earlier one (never
+    increasing); calibration and λ follow what was observed."""
+    stats = fresh_stats(k=3, lookup=3)
+    assert stats.alphas() == pytest.approx([0.5] * 3) and stats.lookup_rate(0) == pytest.approx(0.3)
+    lam0 = stats.rate
+    for i in range(8):  # offset 0: right 2 of 8 times
+        stats.observe([7, 8], [7 if i < 2 else 9], [0.5], 0, [], 4)
+    for _ in range(8):  # offset 1 (a shifted group): always right
+        stats.observe([5, 6], [5], [0.5], 1, [], 4)
+    hits = [c[0] for c in stats.mask]
+    trials = [c[1] for c in stats.mask]
+    assert hits == pytest.approx([1 + 2, 1 + 8, 1]) and trials == pytest.approx([10, 10, 2])
+    assert stats.alphas() == pytest.approx([0.6, 0.6, 0.5])  # 0.3 then 0.9 pool to 12 / 20
+    assert stats.calibration(1) == pytest.approx((2 + 8) / (2 + 4))  # right more often than 0.5 said
+    stats.observe([1, 2, 3, 4], [1, 9, 3], [0.9, 0.9, 0.9], 0, [1, 2, 5], 8)  # right, wrong, (right)
+    assert stats.mask[0] == pytest.approx([4, 11]) and stats.mask[1] == pytest.approx([9, 11])
+    assert stats.mask[2] == pytest.approx([1, 2])  # after a miss the chain is not counted
+    assert stats.lookup[0] == pytest.approx([1.6, 3]) and stats.lookup[2] == pytest.approx([0.6, 3])
+    assert stats.rate > lam0  # 2 tokens per 4-row step beat the prior
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):  # any rates: alphas never increase and keep the pooled mean
+        s = fresh_stats(k=5)
+        s.mask = [[float(h), float(h + m + 1)] for h, m in torch.randint(0, 20, (5, 2), generator=gen).tolist()]
+        a = s.alphas()
+        assert all(x >= y - 1e-12 for x, y in zip(a, a[1:]))
+        assert sum(x * t for x, (_, t) in zip(a, s.mask)) == pytest.approx(sum(h for h, _ in s.mask))
+
+
+def test_plan_step_by_case():
+    """Confident drafts buy a deep chain, unconfident ones a small block; no drafts with lookup
+    tokens is prompt lookup's chain; budget 1 is an AR step; a lookup token equal to the mask
+    draft at the same place is one node."""
+    args = dict(budget=32, mask_num=4, max_groups=5, room=100, mask_rows_before=4)
+    sure = plan_step(*drafts([0.97, 0.01, 0.01, 0.01]), 0, [], fresh_stats(), **args)
+    unsure = plan_step(*drafts([0.05] * 4), 0, [], fresh_stats(), **args)
+    for plan in (sure, unsure):
+        check_plan(plan, 32, 4, 5, 100)
+    assert max(map(len, node_paths(sure))) == 4 > max(map(len, node_paths(unsure)), default=0)
+    assert sure.rows > unsure.rows and sure.used_rows > unsure.used_rows
+    assert node_paths(sure)[:4] == [(100,), (100, 110), (100, 110, 120), (100, 110, 120, 130)]
+
+    only_lookup = plan_step([], [], 0, [50, 51, 52, 53], fresh_stats(lookup=4), **args)
+    check_plan(only_lookup, 32, 4, 5, 100)
+    n = len(only_lookup.tokens)
+    assert n >= 1 and only_lookup.tokens == (50, 51, 52, 53)[:n] and only_lookup.parents == tuple(range(-1, n))
+
+    for found in ([], [100, 110]):
+        ar = plan_step(*drafts([0.97, 0.01, 0.01, 0.01]), 0, found, fresh_stats(lookup=2), **{**args, "budget": 1})
+        assert ar.rows == 1 and ar.tokens == () and ar.group_len == () and ar.parents == (-1,)
+
+    merged = plan_step(*drafts([0.6, 0.3, 0.05, 0.05]), 0, [100, 110, 99], fresh_stats(lookup=3), **args)
+    check_plan(merged, 32, 4, 5, 100)
+    paths = node_paths(merged)
+    assert paths.count((100,)) == 1 and paths.count((100, 110)) == 1
+    assert merged.values[paths.index((100,))] == pytest.approx(0.6)  # the larger (mask) value
+
+
+def test_plan_step_random_invariants():
+    """Random drafts (ties and zeros included), lookup tokens overlapping them, budgets, room
+    near the context end, offsets and statistics: every plan is a valid block."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(300):
+        k = int(torch.randint(1, 6, (1,), generator=gen))
+        r, R = int(torch.randint(0, k + 1, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+        ids = torch.randint(20, 24, (r, R), generator=gen).tolist()  # a small vocabulary: repeats
+        probs = torch.rand(r, R, generator=gen)
+        probs[probs < 0.1] = 0
+        probs = probs.sort(-1, descending=True).values.tolist()  # top-R probabilities come sorted
+        found = torch.randint(20, 24, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
+        stats = fresh_stats(k, lookup=4)
+        for _ in range(int(torch.randint(0, 6, (1,), generator=gen))):
+            stats.observe(torch.randint(20, 24, (3,), generator=gen).tolist(), [20, 21], [0.7, 0.4], 0,
+                          [20, 22], int(torch.randint(1, 30, (1,), generator=gen)))
+        budget = [1, 2, 3, 5, 8, 13, 32, 64][case % 8]
+        groups = int(torch.randint(0, k + 2, (1,), generator=gen))
+        room = [1, 2, 3, 100][case % 4]
+        offset = int(torch.randint(0, k, (1,), generator=gen))
+        plan = plan_step(ids, probs, offset, found, stats, budget, k, groups, room, k)
+        check_plan(plan, budget, k, groups, room)
+        if budget == 1:
+            assert plan.rows == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+def test_decode_config_dynamic():
+    """tree="dynamic" survives JSON, a k override, and validation; its cap is k + 1."""
+    cfg = DecodeConfig(4, 3, tree="dynamic", row_budget=24, draft_ranks=3, step_cost=[[1, 2.0], [8, 3.5]])
+    assert cfg.step_cost == ((1, 2.0), (8, 3.5))
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["tree"] == "dynamic" and d["step_cost"] == [[1, 2.0], [8, 3.5]]
+    assert DecodeConfig.from_dict(d) == cfg
+    assert DecodeConfig.from_dict(DecodeConfig(2, tree="dynamic").to_dict()) == DecodeConfig(2, tree="dynamic")
+    small = cfg.override(mask_num=2)
+    assert small.tree == "dynamic" and small.mask_num == 2 and small.num_groups == 3 and small.row_budget == 24
+    assert cfg.override(tree="chain").tree is None
+    for bad in (dict(tree="foo"), dict(row_budget=0), dict(draft_ranks=0), dict(step_cost=[[2, 1.0]]),
+                dict(row_budget=2.0), dict(step_cost=[[1, float("nan")]])):
+        with pytest.raises(ValueError):
+            DecodeConfig(3, **{"tree": "dynamic", **bad})
+    for k in (1, 3, 5):
+        assert DecodeConfig(k, tree="dynamic").max_tokens_per_step() == k + 1
+
+
+def test_dynamic_ranks_beyond_vocabulary(tiny):
+    """draft_ranks above the vocabulary is refused where the vocabulary is known."""
+    model, _, spec = tiny
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", draft_ranks=model.config.vocab_size + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the layout core
+
+
+def naive_tree(parents):
+    """Depth and ancestor-or-self sets by walking up from each row."""
+    depth, anc = [], []
+    for r in range(len(parents)):
+        chain, x = {r}, r
+        while parents[x] >= 0:
+            x = parents[x]
+            chain.add(x)
+        depth.append(len(chain) - 1)
+        anc.append(chain)
+    return depth, anc
+
+
+def naive_layout(cache_len, parents, ctx, lens, pad_to):
+    """Position ids of the used rows and the block's visibility, row by row (module docstring of
+    space.masking)."""
+    depth, anc = naive_tree(parents)
+    n, pos, sees = len(parents), [], []
+    for r in range(n):
+        pos.append(cache_len + depth[r])
+        sees.append(set(anc[r]))
+    start = n
+    for e, length in zip(ctx, lens):
+        for j in range(length):
+            pos.append(cache_len + depth[e - 1] + 1 + j)
+            sees.append(set(anc[e - 1]) | {start + i for i in range(j + 1)})
+        start += length
+    for p in range(start, pad_to):
+        sees.append({p})
+    return pos, sees
+
+
+def random_parents(gen, n, chainy=False):
+    return [-1] + [r - 1 if chainy else int(torch.randint(r, (1,), generator=gen)) for r in range(1, n)]
+
+
+def test_tree_ancestors_matches_naive():
+    """Pointer doubling gives every row's depth and ancestors for random, deep and tiny trees."""
+    gen = torch.Generator().manual_seed(0)
+    trees = [[-1], [-1, 0], random_parents(gen, 70, chainy=True), [-1, 0, 1, 2, 0, 4, 5, 6, 7]]
+    trees += [random_parents(gen, int(torch.randint(1, 50, (1,), generator=gen)), chainy=i % 5 == 0) for i in range(60)]
+    for parents in trees:
+        depth, anc = tree_ancestors(torch.tensor(parents))
+        want_depth, want_anc = naive_tree(parents)
+        assert depth.tolist() == want_depth, parents
+        assert anc.tolist() == [[j in a for j in range(len(parents))] for a in want_anc], parents
+
+
+def test_layout_group_lengths_and_padding_by_hand():
+    """x; c1, c2 siblings; c3 under c1; groups of 3, 1 and 2 masks on x, c1 and c3; 3 padding rows."""
+    lay = build_layout(5, 4, [1, 2, 4], [3, 1, 2], parents=[-1, 0, 0, 1], pad_to=13)
+    assert lay.position_ids.tolist() == [5, 6, 6, 7, 6, 7, 8, 7, 8, 9, 5, 5, 5]
+    assert lay.group_len.tolist() == [3, 1, 2] and lay.k == 3
+    assert lay.mask_offset.tolist() == [-1] * 4 + [0, 1, 2, 0, 0, 1] + [-1] * 3
+    assert lay.mask_group.tolist() == [-1] * 4 + [0, 0, 0, 1, 2, 2] + [-1] * 3
+    assert lay.is_mask.tolist() == [False] * 4 + [True] * 6 + [False] * 3
+    block = ["".join("o" if v else "." for v in row[5:]) for row in lay.allowed.tolist()]
+    assert block == ["o............",   # x
+                     "oo...........",   # c1
+                     "o.o..........",   # c2
+                     "oo.o.........",   # c3
+                     "o...o........",   # G0m0
+                     "o...oo.......",   # G0m1
+                     "o...ooo......",   # G0m2
+                     "oo.....o.....",   # G1m0
+                     "oo.o....o....",   # G2m0
+                     "oo.o....oo...",   # G2m1
+                     "..........o..",   # padding sees only itself
+                     "...........o.",
+                     "............o"]
+    assert lay.allowed[:, :5].all()
+    for bad in (dict(k=[3, 1]), dict(k=[3, 0, 2]), dict(k=[3, 1, 2], pad_to=9)):
+        with pytest.raises(ValueError):
+            build_layout(5, 4, [1, 2, 4], parents=[-1, 0, 0, 1], **{"k": [3, 1, 2], **bad})
+
+
+def test_layout_matches_naive_random():
+    """Random trees, anchors, group lengths and padding: positions and visibility row by row; no
+    row sees padding and padding never sits past the used rows' positions."""
+    gen = torch.Generator().manual_seed(1)
+    for case in range(80):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        parents = random_parents(gen, n, chainy=case % 4 == 0)
+        G = int(torch.randint(0, 4, (1,), generator=gen))
+        ctx = torch.randint(1, n + 1, (G,), generator=gen).tolist()
+        lens = torch.randint(1, 5, (G,), generator=gen).tolist()
+        used = n + sum(lens)
+        pad_to = used + int(torch.randint(0, 4, (1,), generator=gen))
+        cache_len = int(torch.randint(0, 6, (1,), generator=gen))
+        lay = build_layout(cache_len, n, ctx, lens, parents=torch.tensor(parents), pad_to=pad_to)
+        pos, sees = naive_layout(cache_len, parents, ctx, lens, pad_to)
+        assert lay.position_ids[:used].tolist() == pos, (parents, ctx, lens)
+        assert int(lay.position_ids.max()) == max(pos)
+        assert lay.allowed[:, cache_len:].tolist() == [[j in s for j in range(pad_to)] for s in sees]
+        assert lay.allowed[:, :cache_len].all()
+        listed = build_layout(cache_len, n, ctx, lens, parents=parents, pad_to=pad_to)
+        assert torch.equal(listed.allowed, lay.allowed) and torch.equal(listed.position_ids, lay.position_ids)
