@@ -48,8 +48,13 @@ BUCKETS = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
 DEFAULT_STEP_COST = ((1, 1.0), (8, 1.35), (24, 1.75), (64, 3.2))
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each running rate's prior
+# per step without mask drafts, what the mask rates keep of their evidence (the rest returns to the
+# prior): a sequence that dropped its groups tries them again later instead of staying PLD for good
+FORGET = 0.9
 MASK_PRIOR = 0.5  # prior P(mask offset j's top draft is right | the drafts before it were)
-LOOKUP_PRIOR = 0.3  # prior P(a lookup token is right | the lookup tokens before it were)
+# prior P(a lookup token at depth d is right | the lookup tokens before it were): the first token of
+# a recurring n-gram's continuation is a guess, but once it matched, the copied span tends to go on
+LOOKUP_PRIOR = (0.3, 0.6)
 RATE_PRIOR = (2.0, 8)  # prior λ: 2 tokens per step of 8 rows
 
 
@@ -90,8 +95,31 @@ class StepCost:
         return max(c0 + (c1 - c0) * (q - q0) / (q1 - q0), 1e-9) / pts[0][1]
 
     def marginal(self, q: int) -> float:
-        """c(q + 1) - c(q): what one more row costs at q rows (never below 0)."""
+        """c(q + 1) - c(q) at q >= 2 rows: what one more row costs (never below 0). The curve is
+        measured with the adapter on every row but the first (``space-tree``), so its first step
+        also holds the adapter's fixed cost, which :meth:`adapter_overhead` charges to mask rows."""
+        q = max(q, 2)
         return max(self(q + 1) - self(q), 0.0)
+
+    def adapter_overhead(self) -> float:
+        """The part of c(2) - c(1) beyond an ordinary row: what a step pays once for having any
+        mask row (the frozen-base adapter runs only on mask rows)."""
+        return max(self(2) - self(1) - self.marginal(2), 0.0)
+
+
+def monotone(cells: list[list[float]], increasing: bool) -> list[float]:
+    """Rates hits / trials of ``cells`` ([hits, trials] each), fitted to be monotone in their order
+    by pool-adjacent-violators (weighted by trials): neighbours that break the order share one rate."""
+    blocks: list[list[float]] = []  # [hits, trials, cells pooled]
+    for hits, trials in cells:
+        blocks.append([hits, trials, 1])
+        while len(blocks) > 1 and ((blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]) if increasing
+                                   else (blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1])):
+            h, t, n = blocks.pop()
+            blocks[-1][0] += h
+            blocks[-1][1] += t
+            blocks[-1][2] += n
+    return [h / t for h, t, n in blocks for _ in range(int(n))]
 
 
 def bucket(rows: int, budget: int) -> int:
@@ -113,27 +141,25 @@ class AcceptanceStats:
         self.cost = cost
         self.mask = [[PRIOR_WEIGHT * MASK_PRIOR, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, trials]
         self.said = [[PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, sum of top-1 probabilities]
-        self.lookup = [[PRIOR_WEIGHT * LOOKUP_PRIOR, PRIOR_WEIGHT] for _ in range(lookup_tokens)]
+        self.lookup = [[PRIOR_WEIGHT * LOOKUP_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
         self.tokens, self.spent = PRIOR_WEIGHT * RATE_PRIOR[0], PRIOR_WEIGHT * cost(RATE_PRIOR[1])
 
     def alphas(self) -> list[float]:
         """P(mask offset j's top draft is right | the draft chain before it was right), j = 0..k-1,
-        made non-increasing in j (pool-adjacent-violators, weighted by trials).
+        made non-increasing in j (:func:`monotone`).
 
         A group drafting after an accepted path starts at offset s = a - g, so offsets below s go
         unobserved while deep accepts last; a later offset is never easier to draft than an
         earlier one, so an earlier offset is credited with at least the later ones' rate rather
         than left at its prior.
         """
-        blocks: list[list[float]] = []  # [hits, trials, offsets pooled]
-        for hits, trials in self.mask:
-            blocks.append([hits, trials, 1])
-            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-                h, t, n = blocks.pop()
-                blocks[-1][0] += h
-                blocks[-1][1] += t
-                blocks[-1][2] += n
-        return [h / t for h, t, n in blocks for _ in range(int(n))]
+        return monotone(self.mask, increasing=False)
+
+    def lookup_rates(self) -> list[float]:
+        """P(the lookup token at depth d + 1 is right | the ones before it were right), made
+        non-decreasing in d (:func:`monotone`): deep depths are seen only after long accepts, and a
+        copied span that matched so far is at least as likely to go on."""
+        return monotone(self.lookup, increasing=True)
 
     def calibration(self, j: int) -> float:
         """How much more often mask offset j's top draft was right than its probability said
@@ -141,11 +167,6 @@ class AcceptanceStats:
         a teacher's top-k is often under-confident; node values are scaled by this."""
         hits, said = self.said[min(j, len(self.said) - 1)]
         return hits / said
-
-    def lookup_rate(self, d: int) -> float:
-        """P(the lookup token at depth d + 1 is right | the ones before it were right)."""
-        hits, trials = self.lookup[min(d, len(self.lookup) - 1)]
-        return hits / trials
 
     @property
     def rate(self) -> float:
@@ -164,6 +185,11 @@ class AcceptanceStats:
             found: the step's prompt-lookup tokens.
             rows: the block's rows, padding included.
         """
+        if not top_drafts:  # no mask drafted this step: forget a little, towards the prior
+            for cells, prior in ((self.mask, MASK_PRIOR), (self.said, 1.0)):
+                for cell in cells:
+                    cell[0] = PRIOR_WEIGHT * prior + FORGET * (cell[0] - PRIOR_WEIGHT * prior)
+                    cell[1] = PRIOR_WEIGHT + FORGET * (cell[1] - PRIOR_WEIGHT)
         for i, t in enumerate(top_drafts[: len(emitted)]):
             j = min(draft_offset + i, len(self.mask) - 1)
             cell, said = self.mask[j], self.said[j]
@@ -228,8 +254,9 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     if depth_cap >= 1 and draft_ids[0]:
         push(draft_probs[0][0], "mask", ((0,), draft_probs[0][0]))
     lookup_value = [1.0]
+    rates = stats.lookup_rates()
     for d in range(min(len(found), room, len(stats.lookup))):
-        lookup_value.append(lookup_value[-1] * stats.lookup_rate(d))
+        lookup_value.append(lookup_value[-1] * rates[d])
     if len(lookup_value) > 1:
         push(lookup_value[1], "lookup", 1)
     seen: dict[tuple[int, ...], float] = {}
@@ -298,7 +325,8 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
         depth.append(len(p))
         value.append(v)
     groups, lens = _choose_groups(parents, depth, value, stats, lam, mask_num, max_groups, room,
-                                  stats.cost.marginal(len(parents) + mask_rows_before))
+                                  stats.cost.marginal(len(parents) + mask_rows_before),
+                                  stats.cost.adapter_overhead())
     used = len(parents) + sum(lens)
     while used > budget and lens:  # a budget below 1 + nodes + k: shorten the deepest group
         lens[-1] -= 1
@@ -318,8 +346,10 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
 
 
 def _choose_groups(parents: list[int], depth: list[int], value: list[float], stats: AcceptanceStats,
-                   lam: float, mask_num: int, max_groups: int, room: int, row_cost: float) -> tuple[list[int], list[int]]:
-    """Anchor rows and lengths of the mask groups that maximize their net value (module docstring)."""
+                   lam: float, mask_num: int, max_groups: int, room: int, row_cost: float,
+                   overhead: float) -> tuple[list[int], list[int]]:
+    """Anchor rows and lengths of the mask groups that maximize their net value (module docstring);
+    any group at all also pays ``overhead``, the adapter's fixed cost per step."""
     n1 = len(parents)
     children_value = [0.0] * n1
     best_child = [0] * n1  # the most likely child of each row (0: none)
@@ -343,7 +373,7 @@ def _choose_groups(parents: list[int], depth: list[int], value: list[float], sta
         for j in range(s, mask_num):
             acc *= alpha[j]
             reach[s][j] = acc
-    best = (0.0, [], [])
+    best = (0.0, [], [])  # no group: nothing gained, nothing paid
     for gn in range(1, min(max_groups, len(spine), room) + 1):
         mass = [[0.0] * mask_num for _ in range(gn)]  # mass[g][s]: P(end at a row drafting from G_g, offset s)
         for r in range(n1):
@@ -351,7 +381,7 @@ def _choose_groups(parents: list[int], depth: list[int], value: list[float], sta
             s = depth[r] - g
             if s < mask_num:
                 mass[g][s] += end[r]
-        total, lens = 0.0, []
+        total, lens = -lam * overhead, []
         for g in range(gn):
             run, best_run, best_len = 0.0, -math.inf, 1
             for j in range(min(mask_num, room - g)):

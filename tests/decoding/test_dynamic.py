@@ -279,9 +279,10 @@ def test_bucket():
 def test_acceptance_stats():
     """observe() counts a draft chain until its first miss, from the group's offset on, and the
     lookup chain likewise; alphas() pools an easier later offset into the earlier one (never
-    increasing); calibration and λ follow what was observed."""
+    increasing), lookup_rates() a harder deeper depth into the shallower one (never decreasing);
+    calibration and λ follow what was observed."""
     stats = fresh_stats(k=3, lookup=3)
-    assert stats.alphas() == pytest.approx([0.5] * 3) and stats.lookup_rate(0) == pytest.approx(0.3)
+    assert stats.alphas() == pytest.approx([0.5] * 3) and stats.lookup_rates() == pytest.approx([0.3, 0.6, 0.6])
     lam0 = stats.rate
     for i in range(8):  # offset 0: right 2 of 8 times
         stats.observe([7, 8], [7 if i < 2 else 9], [0.5], 0, [], 4)
@@ -295,7 +296,8 @@ def test_acceptance_stats():
     stats.observe([1, 2, 3, 4], [1, 9, 3], [0.9, 0.9, 0.9], 0, [1, 2, 5], 8)  # right, wrong, (right)
     assert stats.mask[0] == pytest.approx([4, 11]) and stats.mask[1] == pytest.approx([9, 11])
     assert stats.mask[2] == pytest.approx([1, 2])  # after a miss the chain is not counted
-    assert stats.lookup[0] == pytest.approx([1.6, 3]) and stats.lookup[2] == pytest.approx([0.6, 3])
+    assert stats.lookup[0] == pytest.approx([1.6, 3]) and stats.lookup[2] == pytest.approx([1.2, 3])
+    assert stats.lookup_rates() == pytest.approx([1.6 / 3, 3.4 / 6, 3.4 / 6])  # 2.2/3 then 1.2/3 pool
     assert stats.rate > lam0  # 2 tokens per 4-row step beat the prior
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):  # any rates: alphas never increase and keep the pooled mean
