@@ -10,23 +10,6 @@ from __future__ import annotations
 import torch
 
 
-def verify_greedy(target_logits: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept candidates while they equal the target argmax.
-
-    Args:
-        target_logits: (m+1, vocab) verification rows; row i scores candidate i+1.
-        candidates: (m,) candidate ids c_1..c_m, on the logits' device.
-
-    Returns:
-        (a, bonus): 0-d long tensors; a in 0..m accepted candidates, bonus = argmax of row a (the
-        auto-correct token).
-    """
-    pred = target_logits.argmax(dim=-1)  # (m+1,)
-    m = candidates.numel()
-    a = (pred[:m] == candidates).long().cumprod(0).sum()  # length of the leading run of matches
-    return a, pred.gather(0, a.view(1))[0]
-
-
 def verify_rejection(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor,
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batched.
