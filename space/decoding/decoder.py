@@ -1,17 +1,17 @@
 """The SPACE auto-correct decoder: verify the last drafts and draft the next ones in one pass.
 
-DESIGN §3.3-§3.5. Each step feeds ``[x_{n-1}] [c_1..c_m] [G_0..G_{g-1}]`` after a KV cache that
+DESIGN §3.3-§3.5. Each step feeds ``[x_{n-1}] [candidates] [G_0..G_{g-1}]`` after a KV cache that
 holds ``x_0..x_{n-2}``, with the layout core's 4-D mask and position ids, then
 
-1. verifies c_1..c_m on the m+1 verification rows (greedy or exact speculative sampling),
+1. verifies the candidates on their rows (greedy or exact speculative sampling),
 2. emits the a accepted candidates and the bonus (auto-correct) token,
-3. crops the cache to ``x_0..x_{n-1}, c_1..c_a`` (candidates come first in the block, so this is
-   a crop, never a gather),
-4. drafts the next candidates from group G_a (or, when G_a was not attached, from the deepest
-   group by shifting: DESIGN §3.5).
+3. keeps ``x_0..x_{n-1}`` and the accepted path in the cache (candidates come first in the block,
+   so a chain's path is a crop; a tree's path is moved next to x_{n-1}, then cropped),
+4. drafts the next candidates from the deepest group anchored on the accepted path, from the
+   offset that follows it (a shift when the path went past the group's anchor: DESIGN §3.5).
 
-The LM head runs on the m+1 verification rows, then on the chosen group's rows; or once on every
-row when that wastes few rows (one read of the head's weight instead of two).
+The LM head runs on the verification rows, then on the chosen group's rows; or once on every row
+when that wastes few rows (one read of the head's weight instead of two).
 
 Exactness and precision: in fp32, greedy output is token for token the AR greedy output of the same
 weights, and sampled output is distributed as AR sampling. In bf16 and fp16 the verification rows
@@ -25,8 +25,10 @@ in the step's 4-D mask by position, per kind of layer (:func:`with_cache`): each
 decoding with transformers' sliding cache sees.
 
 Device work: tokens, candidates, draft distributions and the sampling generator live on the
-model's device, and the layout's tensors are built once per shape and kept there. A step copies
-to the host once (the accept length and the tokens to emit), which the cache crop needs anyway.
+model's device; a static layout's tensors are built once per shape and kept there, a dynamic
+tree's are built on the device each step with tensor ops. A greedy step copies to the host once
+(the accepted row and the tokens to emit), which the cache crop needs anyway; the dynamic tree
+copies its drafts' top-R ids and probabilities once more, for the planner.
 
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
 >= the model's context (fewer candidates, shorter mask groups, at the very end no group).
@@ -387,7 +389,7 @@ class SpaceDecoder:
         if key not in self._static:
             par = tree_parents(tree) + [0 if i == 0 else len(tree) + i for i in range(len(found))]
             row_of = {p: i + 1 for i, p in enumerate(tree)}
-            group_rows = [0] + [row_of[(0,) * d] for d in range(1, groups)]
+            group_rows = ([0] + [row_of[(0,) * d] for d in range(1, groups)]) if groups else []
             lay = self._layout(par, group_rows, [k] * groups, len(par) + groups * k)
             R = self.draft_ranks
             index = torch.tensor([(len(p) - 1) * R + p[-1] for p in tree], dtype=torch.long, device=self.device)

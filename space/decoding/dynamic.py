@@ -12,11 +12,13 @@ on this machine:
   achieved so far in this sequence (:class:`AcceptanceStats`). A row is kept while its value is at
   least λ times the marginal cost of a row.
 * **A node's value** is P(its path is right):
-  * for mask drafts, the product of the draft probabilities along the path (each mask's softmax over
-    its top-R tokens; EAGLE-2's path value);
+  * for mask drafts, the product of the draft probabilities along the path (the probabilities of
+    each mask's top-R tokens under its full softmax, EAGLE-2's path value), each scaled by how
+    much more often that offset's top draft was right than it said (:meth:`AcceptanceStats.calibration`);
   * for a lookup token at depth d, the running rate at which this sequence's lookup tokens were
     right at depths 1..d.
-  A lookup token equal to a mask draft at the same place is one node (the larger value).
+  A lookup token equal to a mask draft at the same place is one node (the larger value; its
+  children keep their own branch's values).
 * **Mask groups.** Groups anchor on x_{n-1} and on the spine, the chain of most likely nodes. After
   the step accepts node u, the next drafts come from u's deepest anchored group G_g, from mask
   offset s = depth(u) - g on (DESIGN §3.5). So mask j of G_g is worth the probability that u ends
@@ -259,7 +261,7 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
         lookup_value.append(lookup_value[-1] * rates[d])
     if len(lookup_value) > 1:
         push(lookup_value[1], "lookup", 1)
-    seen: dict[tuple[int, ...], float] = {}
+    seen: set[tuple[int, ...]] = set()
     out = []
     while heap and len(out) < limit:
         neg, _, kind, key = heapq.heappop(heap)
@@ -277,7 +279,7 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
             if key + 1 < len(lookup_value):
                 push(lookup_value[key + 1], "lookup", key + 1)
         if path not in seen:
-            seen[path] = value
+            seen.add(path)
             out.append((path, value))
     return out
 
@@ -289,8 +291,9 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
 
     Args:
         draft_ids: (r, R) the top-R draft tokens of the r masks the step drafts from.
-        draft_probs: (r, R) their probabilities (greedy: the softmax; sampling: the processed
-            distribution), scaled by the offset's :meth:`AcceptanceStats.calibration` (at most 1).
+        draft_probs: (r, R) their probabilities as the decoder gives them (greedy: the softmax;
+            sampling: the processed distribution); this function scales them by the offset's
+            :meth:`AcceptanceStats.calibration`, capped at 1.
         draft_offset: mask offset of draft row 0 inside its group.
         found: prompt-lookup tokens for this step (may be empty).
         stats: this sequence's running rates and λ.

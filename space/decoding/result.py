@@ -29,8 +29,9 @@ class DecodeResult:
         prompt_len: tokens in the prompt.
         new_ids: generated token ids (EOS included when it stopped the generation).
         accept_lengths: per SPACE step, candidates accepted (0..m), bonus not counted; empty for AR.
-        step_candidates: per SPACE step, candidates it verified (m: 0 on a turn's first step, and
-            after an accept that left no mask group to draft from); empty for AR.
+        step_candidates: per SPACE step, the depth of the candidates it verified (m for a chain;
+            0 on a turn's first step, and after an accept that left no mask group to draft from);
+            empty for AR.
         step_tokens: per step (one target forward pass that emits tokens), tokens emitted (1..k+1).
         step_times: per step, wall time in s; ``step_times[0]`` includes the prefill.
         step_rows: per SPACE step, the rows of its block (x_{n-1}, nodes, masks, padding); empty for AR.

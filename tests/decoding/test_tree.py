@@ -216,3 +216,14 @@ def test_context_end_shrinks_the_tree(tiny, k, groups, lookup):
     finally:
         hook.remove()
     assert out.new_ids == truth and max(positions) == context - 1 and max(out.accept_lengths) == 3
+
+
+def test_static_block_with_no_room_left(tiny):
+    """At the last position of the context (room 0) a static step is x_{n-1} alone: no node, no
+    group (the group rows must not name an anchor without a group)."""
+    from space.decoding.decoder import Drafts
+
+    model, _, spec = tiny
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 4))
+    lay, tokens = dec._static_block(dec.context - 1, Drafts(torch.zeros(3, 1, dtype=torch.long)), [5, 6])
+    assert lay.group_rows == () and lay.group_len == () and lay.rows == 1 and tokens.numel() == 0
