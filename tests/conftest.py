@@ -73,3 +73,18 @@ def trained():
         cycle = (11 + torch.randperm(200, generator=torch.Generator().manual_seed(0))[:40]).tolist()
         train_drafter(model, spec, CycleLanguage(cycle, seed=0), TRAINED_K, steps=200)
     return model, tok, spec, CycleLanguage(cycle, seed=1)
+
+
+def assert_cache_matches_fresh(model, cache, ids: torch.Tensor) -> None:
+    """The decoder's KV cache equals a fresh forward of ``ids`` (the tokens it should hold)."""
+    from transformers import DynamicCache
+
+    from space.decoding.cache import cache_input
+
+    fresh = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.get_decoder()(input_ids=ids[None], **cache_input(fresh), use_cache=True)
+    for mine, ref in zip(cache.layers, fresh.layers):
+        assert mine.keys.shape == ref.keys.shape
+        torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)

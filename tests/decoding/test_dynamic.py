@@ -6,14 +6,12 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import space.decoding.decoder as decoder_mod
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
-from space.decoding.cache import cache_input
 from space.decoding.dynamic import BUCKETS, AcceptanceStats, StepCost, bucket, plan_step
 from space.masking import build_layout, tree_ancestors
-from tests.conftest import TRAINED_K
+from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +103,6 @@ def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
             out[j, want[j]] = truth[len(generated) + j]
         return out, torch.tensor([[0.6, 0.5, 0.5]] * TRAINED_K)
 
-    base = model.get_decoder()
     original, sibling_accepts, accepts = dec._step, 0, []
 
     def checked(cache, last, *args):
@@ -116,15 +113,7 @@ def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
         accepts.append(a)
         if want is not None and a >= 2 and any(r > 0 for r in want[1:a]):
             sibling_accepts += 1  # the path went through a runner-up at depth >= 2
-        n = cache.get_seq_length()
-        ids = torch.cat([prompt, torch.tensor(truth)])[:n]
-        fresh = DynamicCache(config=model.config)
-        with torch.no_grad():
-            base(input_ids=ids[None], **cache_input(fresh), use_cache=True)
-        for mine, ref in zip(cache.layers, fresh.layers):
-            assert mine.keys.shape == ref.keys.shape
-            torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)
+        assert_cache_matches_fresh(model, cache, torch.cat([prompt, torch.tensor(truth)])[:cache.get_seq_length()])
         return out
 
     dec._step = checked

@@ -2,17 +2,15 @@
 tree construction and the greedy replay."""
 import pytest
 import torch
-from transformers import DynamicCache
 
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
-from space.decoding.cache import cache_input
 from space.decoding.sampling import logits_to_probs
 from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, path_probs_from_table, replay
 from space.decoding.verify import verify_tree_sampling
 from space.eval.probe import anchor_ranks
 from space.masking import build_layout, tree_parents
 from space.masking import main as layout_main
-from tests.conftest import TRAINED_K
+from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue
 
 
@@ -109,20 +107,12 @@ def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
                 out[j, want[j]] = truth[len(generated) + j]
         return out
 
-    base = model.get_decoder()
     original, seen = dec._step, []
 
     def checked(cache, last, *args):
         out = original(cache, last, *args)
         seen.append(out[3])
-        n = cache.get_seq_length()
-        ids = torch.cat([prompt, torch.tensor(truth)])[:n]
-        fresh = DynamicCache(config=model.config)
-        with torch.no_grad():
-            base(input_ids=ids[None], **cache_input(fresh), use_cache=True)
-        for mine, ref in zip(cache.layers, fresh.layers):
-            torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)
+        assert_cache_matches_fresh(model, cache, torch.cat([prompt, torch.tensor(truth)])[:cache.get_seq_length()])
         return out
 
     dec._step = checked
