@@ -301,7 +301,8 @@ class SpaceDecoder:
                 returns the drafts to verify next. The chain (no tree, no lookup): drafts (m,),
                 returns <= k ids. Otherwise: drafts (r, R) (mask j's top-R tokens, r <= k; (0, R)
                 when no group was left), returns (r' <= k, R), or for the dynamic tree optionally
-                ``(ids, probs)`` with the probabilities the planner prices them with.
+                ``(ids, probs)`` with the probabilities the planner prices them with (a row sums to at
+                most 1; the planner calibrates its first entry as the top draft).
         """
         ids = check_prompt(input_ids, max_new_tokens, self.context)
         res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)

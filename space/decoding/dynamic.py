@@ -13,12 +13,14 @@ on this machine:
   least λ times the marginal cost of a row.
 * **A node's value** is P(its path is right):
   * for mask drafts, the product of the draft probabilities along the path (the probabilities of
-    each mask's top-R tokens under its full softmax, EAGLE-2's path value), each scaled by how
-    much more often that offset's top draft was right than it said (:meth:`AcceptanceStats.calibration`);
+    each mask's top-R tokens under its full softmax, EAGLE-2's path value); a top draft's is
+    scaled by how much more often that offset's top draft was right than it said
+    (:meth:`AcceptanceStats.calibration`), the others shrink so that a mask's row sums to at most 1
+    (:func:`calibrated`);
   * for a lookup token at depth d, the running rate at which this sequence's lookup tokens were
     right at depths 1..d.
-  A lookup token equal to a mask draft at the same place is one node (the larger value; its
-  children keep their own branch's values).
+  A lookup token equal to a mask draft at the same place is one node whose own probability is
+  the larger of the two; its mask and lookup children are priced from that merged value.
 * **Mask groups.** Groups anchor on x_{n-1} and on the spine, the chain of most likely nodes. After
   the step accepts node u, the next drafts come from u's deepest anchored group G_g, from mask
   offset s = depth(u) - g on (DESIGN §3.5). So mask j of G_g is worth the probability that u ends
@@ -235,52 +237,78 @@ class StepPlan:
         return len(self.parents) + sum(self.group_len)
 
 
+def calibrated(probs: list[float], c: float) -> list[float]:
+    """One mask's top-R draft probabilities, calibrated: the top draft's scaled by ``c``
+    (:meth:`AcceptanceStats.calibration`, counted on top drafts only) and capped at 1, the others
+    shrunk in proportion only as far as the row must to sum to at most 1 (never raised)."""
+    if not probs:
+        return []
+    top, rest = min(probs[0] * c, 1.0), sum(probs[1:])
+    shrink = min(1.0, (1.0 - top) / rest) if rest > 0 else 1.0
+    return [top] + [p * shrink for p in probs[1:]]
+
+
 def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
                 stats: AcceptanceStats, limit: int, room: int) -> list[tuple[tuple[int, ...], float]]:
-    """Up to ``limit`` distinct token paths in decreasing value, each after its prefix.
+    """Up to ``limit`` distinct token paths in non-increasing value, each after its prefix.
 
-    Best-first over mask-rank paths (popping a path pushes its next sibling and its first child,
-    so each path is pushed once) and the lookup chain; a path already present keeps its first,
-    larger value.
+    A node's value is its parent's times its own conditional probability: a mask draft's, a lookup
+    token's running rate at its depth, or the larger of the two for a lookup token that is also the
+    mask draft at its place (one node, so its children are priced from that merged value).
+    ``draft_probs`` rows come sorted in decreasing order. Best-first: popping a node pushes its
+    first mask child, its next mask sibling, and its merged or lookup child, so each node is pushed
+    once and every push is worth at most what popped it.
     """
+    depth_cap = min(room, len(draft_ids))
+    rates = stats.lookup_rates()
+    lookup_depth = min(len(found), room, len(stats.lookup))
+    match: list[int] = []  # match[d]: the rank of mask d's draft equal to found[d], while all so far are
+    for d in range(min(depth_cap, lookup_depth)):
+        if found[d] not in draft_ids[d]:
+            break
+        match.append(draft_ids[d].index(found[d]))
     heap: list = []
     tick = 0
 
-    def push(value: float, kind: str, key) -> None:
+    def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, on_lookup: bool, sibling) -> None:
+        # ranks: the mask ranks of the path (None off the mask tree); sibling: (parent value,
+        # the merged rank the sibling chain skips) for a plain mask child
         nonlocal tick
         if value > 0:
-            heapq.heappush(heap, (-value, tick, kind, key))
+            heapq.heappush(heap, (-value, tick, path, ranks, on_lookup, sibling))
             tick += 1
 
-    depth_cap = min(room, len(draft_ids))
-    if depth_cap >= 1 and draft_ids[0]:
-        push(draft_probs[0][0], "mask", ((0,), draft_probs[0][0]))
-    lookup_value = [1.0]
-    rates = stats.lookup_rates()
-    for d in range(min(len(found), room, len(stats.lookup))):
-        lookup_value.append(lookup_value[-1] * rates[d])
-    if len(lookup_value) > 1:
-        push(lookup_value[1], "lookup", 1)
-    seen: set[tuple[int, ...]] = set()
+    def next_rank(d: int, r: int, skip: int) -> int | None:
+        r += 1 + (r + 1 == skip)
+        return r if r < len(draft_ids[d]) else None
+
+    def push_mask_child(value: float, path, ranks, d: int, r: int | None, skip: int) -> None:
+        if r is not None:
+            push(value * draft_probs[d][r], path + (draft_ids[d][r],), ranks + (r,), False, (value, skip))
+
+    def expand(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, on_lookup: bool) -> None:
+        d = len(path)
+        merged = on_lookup and ranks is not None and d < len(match)  # the lookup child is a mask draft too
+        if ranks is not None and d < depth_cap:
+            skip = match[d] if merged else -1
+            push_mask_child(value, path, ranks, d, next_rank(d, -1, skip), skip)
+            if merged:
+                push(value * max(draft_probs[d][skip], rates[d]), path + (found[d],), ranks + (skip,), True, None)
+        if on_lookup and not merged and d < lookup_depth:
+            push(value * rates[d], path + (found[d],), None, True, None)
+
+    expand(1.0, (), (), True)
+    seen: set[tuple[int, ...]] = set()  # a row may repeat a token (a test hook's drafts)
     out = []
     while heap and len(out) < limit:
-        neg, _, kind, key = heapq.heappop(heap)
-        if kind == "mask":
-            ranks, value = key
-            path = tuple(draft_ids[d][r] for d, r in enumerate(ranks))
-            d, r = len(ranks) - 1, ranks[-1]
-            parent_value = value / draft_probs[d][r]
-            if r + 1 < len(draft_ids[d]):
-                push(parent_value * draft_probs[d][r + 1], "mask", (ranks[:-1] + (r + 1,), parent_value * draft_probs[d][r + 1]))
-            if d + 1 < depth_cap:
-                push(value * draft_probs[d + 1][0], "mask", (ranks + (0,), value * draft_probs[d + 1][0]))
-        else:
-            path, value = tuple(found[:key]), lookup_value[key]
-            if key + 1 < len(lookup_value):
-                push(lookup_value[key + 1], "lookup", key + 1)
+        neg, _, path, ranks, on_lookup, sibling = heapq.heappop(heap)
+        if sibling is not None:
+            d = len(path) - 1
+            push_mask_child(sibling[0], path[:-1], ranks[:-1], d, next_rank(d, ranks[-1], sibling[1]), sibling[1])
         if path not in seen:
             seen.add(path)
-            out.append((path, value))
+            out.append((path, -neg))
+            expand(-neg, path, ranks, on_lookup)
     return out
 
 
@@ -292,8 +320,9 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     Args:
         draft_ids: (r, R) the top-R draft tokens of the r masks the step drafts from.
         draft_probs: (r, R) their probabilities as the decoder gives them (greedy: the softmax;
-            sampling: the processed distribution); this function scales them by the offset's
-            :meth:`AcceptanceStats.calibration`, capped at 1.
+            sampling: the processed distribution); each row sums to at most 1. This function
+            calibrates them (:func:`calibrated`, on the row's first, top draft) and sorts each row
+            by calibrated value.
         draft_offset: mask offset of draft row 0 inside its group.
         found: prompt-lookup tokens for this step (may be empty).
         stats: this sequence's running rates and λ.
@@ -308,28 +337,43 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
         StepPlan with ``rows <= max(budget, 1)``.
     """
     lam = stats.rate
-    scale = [stats.calibration(draft_offset + d) for d in range(len(draft_probs))]
-    draft_probs = [[min(p * c, 1.0) for p in row] for row, c in zip(draft_probs, scale)]
+    # calibrated drafts, re-sorted: an over-confident top draft may fall below the next one
+    ranked = [sorted(zip(calibrated(p, stats.calibration(draft_offset + d)), ids), key=lambda t: -t[0])
+              for d, (ids, p) in enumerate(zip(draft_ids, draft_probs))]
+    draft_ids = [[t for _, t in row] for row in ranked]
+    draft_probs = [[v for v, _ in row] for row in ranked]
     cands = _candidates(draft_ids, draft_probs, found, stats, max(budget - 1, 0), room)
-    # nodes: keep a candidate while its value pays for its row (values come in decreasing order)
+
+    def paying(cap: int) -> int:
+        """How many leading candidates pay for their row (values are non-increasing), at most cap."""
+        n = 0
+        while n < min(len(cands), cap) and cands[n][1] >= lam * stats.cost.marginal(1 + n + mask_rows_before):
+            n += 1
+        return n
+
+    def tree(n: int) -> tuple[list[int], list[int], list[float], list[int]]:
+        """(parents, depth, value, tokens) of x_{n-1} and the first n candidates."""
+        row_of = {(): 0}
+        parents, depth, value, tokens = [-1], [0], [1.0], []
+        for p, v in cands[:n]:
+            row_of[p] = len(parents)
+            parents.append(row_of[p[:-1]])
+            depth.append(len(p))
+            value.append(v)
+            tokens.append(p[-1])
+        return parents, depth, value, tokens
+
     # rows kept for G_0; a tight budget is split, else its masks would be fed every step while no
     # row is left to verify their drafts
     reserve = min(mask_num, room, max(budget - 1, 0) // 2) if max_groups else 0
-    n = 0
-    while n < min(len(cands), budget - 1 - reserve) and \
-            cands[n][1] >= lam * stats.cost.marginal(1 + n + mask_rows_before):
-        n += 1
-    paths = [p for p, _ in cands[:n]]
-    row_of = {(): 0}
-    parents, depth, value = [-1], [0], [1.0]
-    for p, v in cands[:n]:
-        row_of[p] = len(parents)
-        parents.append(row_of[p[:-1]])
-        depth.append(len(p))
-        value.append(v)
+    n = paying(budget - 1 - reserve)
+    parents, depth, value, tokens = tree(n)
     groups, lens = _choose_groups(parents, depth, value, stats, lam, mask_num, max_groups, room,
                                   stats.cost.marginal(len(parents) + mask_rows_before),
                                   stats.cost.adapter_overhead())
+    if not groups and reserve:  # no group after all: the reserved rows may verify nodes
+        n = paying(budget - 1)
+        parents, depth, value, tokens = tree(n)
     used = len(parents) + sum(lens)
     while used > budget and lens:  # a budget below 1 + nodes + k: shorten the deepest group
         lens[-1] -= 1
@@ -338,13 +382,9 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
             groups.pop()
         used -= 1
     rows = bucket(used, budget)
-    extra = cands[n: n + rows - used]  # the bucket's free rows take the next-best nodes
-    tokens = [p[-1] for p in paths]
-    for p, v in extra:
-        row_of[p] = len(parents)
-        parents.append(row_of[p[:-1]])
-        tokens.append(p[-1])
-        value.append(v)
+    # the bucket's free rows take the next-best nodes (group rows come after the nodes in the
+    # block, so the groups' anchor rows do not move)
+    parents, _, value, tokens = tree(n + min(rows - used, len(cands) - n))
     return StepPlan(tuple(tokens), tuple(parents), tuple(groups), tuple(lens), rows, tuple(value[1:]))
 
 

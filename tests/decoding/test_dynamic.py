@@ -9,7 +9,7 @@ import torch
 
 import space.decoding.decoder as decoder_mod
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
-from space.decoding.dynamic import BUCKETS, AcceptanceStats, StepCost, bucket, plan_step
+from space.decoding.dynamic import BUCKETS, AcceptanceStats, StepCost, bucket, calibrated, plan_step
 from space.masking import build_layout, tree_ancestors
 from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
@@ -101,7 +101,7 @@ def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
         out = torch.tensor(wrong[: TRAINED_K * R]).view(TRAINED_K, R)  # wrong tokens, never the truth
         for j in range(min(len(want), len(truth) - len(generated))):
             out[j, want[j]] = truth[len(generated) + j]
-        return out, torch.tensor([[0.6, 0.5, 0.5]] * TRAINED_K)
+        return out, torch.tensor([[0.4, 0.3, 0.3]] * TRAINED_K)
 
     original, sibling_accepts, accepts = dec._step, 0, []
 
@@ -133,11 +133,11 @@ def test_dynamic_context_end(tiny, tail, lookup):
     dec = SpaceDecoder(model, spec, DecodeConfig(4, tree="dynamic", draft_ranks=2, lookup_tokens=lookup))
     wrong = [t for t in range(11, 250) if t not in truth][:8]
 
-    def override(generated, drafts):  # the truth at rank 1, confidently
+    def override(generated, drafts):  # the truth at rank 1, confidently (the planner sorts by value)
         out = torch.tensor(wrong).view(4, 2)
         for j in range(min(4, len(truth) - len(generated))):
             out[j, 1] = truth[len(generated) + j]
-        return out, torch.tensor([[0.9, 0.8]] * 4)
+        return out, torch.tensor([[0.05, 0.9]] * 4)
 
     positions = []
     hook = model.get_decoder().register_forward_pre_hook(
@@ -324,6 +324,57 @@ def test_plan_step_by_case():
     paths = node_paths(merged)
     assert paths.count((100,)) == 1 and paths.count((100, 110)) == 1
     assert merged.values[paths.index((100,))] == pytest.approx(0.6)  # the larger (mask) value
+
+
+def test_calibration_scales_the_top_draft_and_shrinks_the_rest():
+    """Calibration scales only the top draft (its rate was counted on top drafts) and shrinks the
+    others only as far as a mask's row must to sum to at most 1."""
+    assert calibrated([0.5, 0.3, 0.1], 1.6) == pytest.approx([0.8, 0.15, 0.05])
+    assert calibrated([0.5, 0.1, 0.1], 1.2) == pytest.approx([0.6, 0.1, 0.1])  # room left: unchanged
+    assert calibrated([0.7, 0.2], 2.0) == pytest.approx([1.0, 0.0])
+    assert calibrated([0.5, 0.4], 0.5) == pytest.approx([0.25, 0.4])  # never raised
+    assert calibrated([], 3.0) == [] and calibrated([0.2], 3.0) == pytest.approx([0.6])
+    stats = fresh_stats(k=2)
+    stats.said = [[8.0, 4.0], [8.0, 4.0]]  # top drafts right twice as often as they said
+    plan = plan_step(*drafts([0.4, 0.35, 0.05], k=2), 0, [], stats, budget=64, mask_num=2, max_groups=0,
+                     room=100, mask_rows_before=2)
+    by_path = dict(zip(node_paths(plan), plan.values))
+    assert by_path[(100,)] == pytest.approx(0.8)
+    assert by_path[(101,)] == pytest.approx(0.2 * 0.35 / 0.4)  # not 0.7: the row sums to 1
+    assert by_path[(100, 110)] == pytest.approx(0.8 * 0.8)
+    over = fresh_stats(k=2)
+    over.said = [[2.0, 8.0], [2.0, 8.0]]  # an over-confident top draft falls below the next
+    plan = plan_step(*drafts([0.4, 0.35], k=2), 0, [], over, budget=64, mask_num=2, max_groups=0, room=100,
+                     mask_rows_before=2)
+    check_plan(plan, 64, 2, 0, 100)
+    assert node_paths(plan)[0] == (101,) and plan.values[0] == pytest.approx(0.35)
+
+
+def test_merged_node_prices_its_children_from_the_merged_value():
+    """A lookup token that is also the mask draft at its place is one node worth the larger of
+    the two probabilities, and both its mask children and its lookup child build on that value."""
+    stats = fresh_stats(k=3, lookup=3)  # lookup rates 0.3, 0.6, 0.6
+    ids, probs = drafts([0.2, 0.1], k=3)
+    plan = plan_step(ids, probs, 0, [101, 999, 5], stats, budget=64, mask_num=3, max_groups=0, room=100,
+                     mask_rows_before=3)
+    check_plan(plan, 64, 3, 0, 100)
+    by_path = dict(zip(node_paths(plan), plan.values))
+    assert by_path[(101,)] == pytest.approx(0.3)  # merged: the lookup rate beats the draft's 0.1
+    assert by_path[(101, 110)] == pytest.approx(0.3 * 0.2)  # mask child of the merged node
+    assert by_path[(101, 999)] == pytest.approx(0.3 * 0.6)  # lookup child of the merged node
+    assert by_path[(100,)] == pytest.approx(0.2) and by_path[(100, 110)] == pytest.approx(0.04)
+    assert list(by_path).count((101,)) == 1
+
+
+def test_reserve_for_the_first_group_returns_to_nodes_without_groups():
+    """Rows held back for G_0 verify nodes when no group is chosen (drafts that never hit)."""
+    stats = fresh_stats(k=4, lookup=8)
+    stats.mask = [[0.0, 1000.0] for _ in range(4)]  # the masks' drafts were never right: no group pays
+    stats.lookup = [[1000.0, 1000.0] for _ in range(8)]  # lookup always right
+    plan = plan_step([], [], 0, list(range(50, 58)), stats, budget=8, mask_num=4, max_groups=2, room=100,
+                     mask_rows_before=0)
+    check_plan(plan, 8, 4, 2, 100)
+    assert plan.group_len == () and plan.tokens == tuple(range(50, 57)) and plan.rows == 8
 
 
 def test_plan_step_random_invariants():
