@@ -23,7 +23,9 @@ token; the fused layer leaves AR forwards exactly the base model's cost.
 
 Artifact layout (lora / frozen-base): ``adapter_model.safetensors`` + ``adapter_config.json``
 (peft), ``mask_embedding.safetensors`` (the k or 1 mask rows), ``space_config.json`` (base model,
-mode, mask ids, mask_num, training data, commit). Written to a temporary directory and renamed.
+mode, mask ids, mask_num, training data, commit), and with the optional sampler head (issue 34,
+``space.sampler_head``) ``sampler_head.safetensors`` plus its width under ``"sampler_head"`` in
+``space_config.json``. Written to a temporary directory and renamed.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.config import DEFAULT_MASK_NUM, DecodeConfig
 from .masking import mask_rows_start
 from .models import SMOLLM2, dispatch, load_model, model_identity
+from .sampler_head import SamplerHead, add_sampler_head, sampler_head
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
 
 MODES = ("full", "lora", "frozen-base")
@@ -54,6 +57,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 SPACE_CONFIG = "space_config.json"
 MASK_EMBEDDING = "mask_embedding.safetensors"
 LORA_WEIGHTS, LORA_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # peft's file names
+SAMPLER_HEAD = "sampler_head.safetensors"
 
 
 class MaskEmbedding(nn.Module):
@@ -127,6 +131,26 @@ class GatedLoraLinear(nn.Module):
         else:
             y[:, s:] += nn.functional.linear(xa, self.lora_b)
         return y
+
+
+def save_sampler_head(head: SamplerHead, path: str | os.PathLike) -> None:
+    """Write ``head``'s weights to ``path`` (safetensors, fp32)."""
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in head.state_dict().items()}, path)
+
+
+def load_sampler_head(head: SamplerHead, path: str | os.PathLike) -> None:
+    """Copy weights written by :func:`save_sampler_head` into ``head``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a damaged file, or weights of other names or shapes (another width or model).
+    """
+    state = read_tensors(Path(path))
+    mine = head.state_dict()
+    if set(state) != set(mine) or any(state[k].shape != mine[k].shape for k in mine):
+        raise ValueError(f"{path}: sampler head weights {({k: tuple(v.shape) for k, v in state.items()})} do not "
+                         f"fit a head of width {head.width} on this model")
+    head.load_state_dict({k: v.to(mine[k]) for k, v in state.items()})
 
 
 def fuse_frozen_base(peft_model) -> nn.Module:
@@ -233,6 +257,10 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
         # token) is the base model's, and the mask rows are saved on their own just below
         model.save_pretrained(tmp, save_embedding_layers=False)
         save_mask_rows(mask_embedding(model), tmp / MASK_EMBEDDING)
+        head = sampler_head(model)
+        if head is not None:
+            save_sampler_head(head, tmp / SAMPLER_HEAD)
+            config["sampler_head"] = {"width": head.width}
     (tmp / SPACE_CONFIG).write_text(json.dumps(config, indent=2))
     for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -301,6 +329,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
                          else " and its merged LoRA changes a model it was not trained for"), stacklevel=2)
     updates = read_lora(adapter)  # a damaged file fails here, before the base model loads
     rows = read_tensors(adapter / MASK_EMBEDDING)
+    head_width = sampler_width(cfg, adapter)
     base, tok = load_model(model or cfg["base_model"], dtype, device, device_map)
     spec = add_mask_tokens(base, tok, cfg["mask_num"], cfg["mask_diff"])
     if list(spec.token_ids) != cfg["mask_token_ids"]:
@@ -309,12 +338,29 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     copy_mask_rows(emb, rows, adapter / MASK_EMBEDDING)
     base.set_input_embeddings(emb)
     apply_lora(base, updates, cfg["mode"], adapter / LORA_WEIGHTS)
-    if device_map is not None:  # the new modules (embedding, gated layers) have no hooks yet
+    if head_width is not None:
+        load_sampler_head(add_sampler_head(base, head_width).eval().requires_grad_(False), adapter / SAMPLER_HEAD)
+    if device_map is not None:  # the new modules (embedding, gated layers, sampler head) have no hooks yet
         dispatch(base, base.hf_device_map)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     base.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
     apply_kernels(base.eval(), kernels)
     return base, tok, spec
+
+
+def sampler_width(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> int | None:
+    """The sampler head's width an adapter's ``space_config.json`` records, None without a head.
+
+    Raises:
+        ValueError: a malformed ``sampler_head`` entry (``where`` names the adapter).
+    """
+    entry = cfg.get("sampler_head")
+    if entry is None:
+        return None
+    width = entry.get("width") if isinstance(entry, dict) else None
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"{where}: bad sampler_head entry {entry!r} (expected {{\"width\": n >= 1}})")
+    return width
 
 
 def read_lora(adapter: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -466,6 +512,9 @@ def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> 
         raise ValueError(f"init_adapter {adapter}: LoRA layers differ from this model's (unexpected "
                          f"{result.unexpected_keys[:3]}, missing {missing[:3]}): other lora_targets?")
     load_mask_rows(mask_embedding(model), adapter / MASK_EMBEDDING)
+    head = sampler_head(model)
+    if head is not None and sampler_width(cfg, adapter) is not None:  # else the head starts fresh
+        load_sampler_head(head, adapter / SAMPLER_HEAD)
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> DecodeConfig:

@@ -75,6 +75,10 @@ class MaskArgs:
     consistency_weight: float = field(default=0.0, metadata={
         "help": "frozen-base: weight of the hidden-state consistency loss, mask j anchored at e pulled towards "
                 "the base's last hidden state at row e+j (0 = off)"})
+    sampler_head: bool = field(default=False, metadata={
+        "help": "frozen-base, efficient layout: train a sampler head (issue 34) that conditions mask j's draft on "
+                "the token at offset j-1 (the drafted one when decoding), saved with the adapter"})
+    sampler_width: int = field(default=0, metadata={"help": "the sampler head's hidden width (0 = the model width)"})
 
 
 @dataclass
@@ -144,8 +148,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             spans_per_sample, limit, max_length, mask_chunk_rows, teacher_topk or lora_r too small,
             mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
             a negative mask_loss_weight, max_train_minutes, learning_rate, weight_decay,
-            num_train_epochs or max_grad_norm, NaN or inf in any number, a teacher without frozen-base
-            + efficient, init_adapter with mode full, or an output_dir that is a file.
+            num_train_epochs, max_grad_norm or sampler_width, NaN or inf in any number, a teacher,
+            consistency or sampler head without frozen-base + efficient, init_adapter with mode full,
+            or an output_dir that is a file.
     """
     from .adapters import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -165,6 +170,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
                                    ("learning_rate", "weight_decay", "num_train_epochs", "max_grad_norm"))):
         check_number(name, value, minimum)  # NaN and inf too: they pass every comparison below
     check_number("consistency_weight", mask_args.consistency_weight, 0)
+    check_number("sampler_width", mask_args.sampler_width, 0)
     for name, value in (("mask_prob", mask_args.mask_prob), ("span_density", mask_args.span_density),
                         ("chain_weight", mask_args.chain_weight),
                         ("lora_dropout", model_args.lora_dropout)):
@@ -183,6 +189,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     if mask_args.consistency_weight > 0 and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
         raise ValueError("consistency_weight needs mode frozen-base and layout efficient (the two-pass step "
                          "computes the base's hidden states)")
+    if mask_args.sampler_head and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
+        raise ValueError("sampler_head needs mode frozen-base and layout efficient (the two-pass step feeds it "
+                         "the true token before each mask's target)")
     if model_args.init_adapter is not None and model_args.mode == "full":
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):

@@ -307,6 +307,23 @@ def targets(layout: Layout, real_ids: torch.Tensor, target_len: int | None = Non
     return out
 
 
+def previous_ids(real_ids: torch.Tensor, position_ids: torch.Tensor, cache_len: int = 0) -> torch.Tensor:
+    """The token before each mask row's target, the sampler head's second input (issue 34).
+
+    Mask j anchored at e sits at position ``cache_len + e + j`` and predicts real row e+j+1, so the
+    token before its target is real row e+j: with true tokens (training, the probe) that row is
+    the position minus ``cache_len``. Rows without a target are clamped to the last real row.
+
+    Args:
+        real_ids: (..., T) real tokens; position_ids: (..., rows) positions of the mask rows.
+
+    Returns:
+        (..., rows) token ids.
+    """
+    rows = (position_ids - cache_len).clamp(0, real_ids.shape[-1] - 1)
+    return real_ids.gather(-1, rows)
+
+
 def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(q, kv) or (batch, q, kv) bool -> (batch, 1, q, kv) additive mask: 0 allowed, min elsewhere."""
     if allowed.dim() == 2:

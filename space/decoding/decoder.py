@@ -62,6 +62,7 @@ from transformers import DynamicCache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from ..masking import build_layout, in_window, mask_rows, to_additive_4d, tree_parents
+from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache
 from .config import DecodeConfig
@@ -204,16 +205,21 @@ class Drafts:
     """The drafts a step verifies, made by the previous step's mask group.
 
     Attributes:
-        ids: (r, R) the top-R tokens of r masks (R = 1 for the chain; a sampled chain's drawn tokens).
+        ids: (r, R) the top-R tokens of r masks (R = 1 for the chain; a sampled chain's drawn tokens);
+            with a sampler head, offset i's given the top-1 drafts before it.
         probs: (r, R) their probabilities, for the dynamic tree; else None.
         q: (r, vocab) the distributions a sampled chain drew ``ids`` from (the p/q rule); else None.
         offset: mask offset of row 0 inside its group (the shift of DESIGN §3.5).
+        nodes: (N,) with a sampler head and a static tree: the token of each node of the tree pruned
+            to depth r (breadth-first, so a shallower pruning is a prefix), each drafted given its
+            parent's token; else None.
     """
 
     ids: torch.Tensor
     probs: torch.Tensor | None = None
     q: torch.Tensor | None = None
     offset: int = 0
+    nodes: torch.Tensor | None = None
 
 
 class SpaceDecoder:
@@ -238,6 +244,7 @@ class SpaceDecoder:
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
         check_mask_num(self.config.mask_num, mask)
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
+        self.sampler, self.embed = sampler_head(base), base.get_input_embeddings()  # issue 34's optional head
         self.mask = mask
         self.context = base.config.max_position_embeddings
         self.windows = attention_windows(base.config)  # sliding windows go into the step's 4-D mask
@@ -396,7 +403,7 @@ class SpaceDecoder:
             index = torch.tensor([(len(p) - 1) * R + p[-1] for p in tree], dtype=torch.long, device=self.device)
             self._static[key] = (lay, index)
         lay, index = self._static[key]
-        tokens = drafts.ids.reshape(-1)[index]
+        tokens = drafts.nodes[: len(tree)] if drafts.nodes is not None else drafts.ids.reshape(-1)[index]
         if found:
             tokens = torch.cat([tokens, torch.tensor(found, device=self.device)])
         return lay, tokens
@@ -441,7 +448,9 @@ class SpaceDecoder:
         # The LM head's cost is mostly one read of its (vocab, hidden) weight, so when few rows
         # would be wasted, run it once on every row (drafts included) rather than twice.
         used = lay.used_rows
-        logits = self._logits(hidden[:used]) if used <= 2 * (n1 + max(lay.group_len, default=0)) else None
+        # (a sampler head drafts from its own output, so then the draft rows' head logits would be wasted)
+        once = self.sampler is None and used <= 2 * (n1 + max(lay.group_len, default=0))
+        logits = self._logits(hidden[:used]) if once else None
         target = logits[:n1] if logits is not None else self._logits(hidden[:n1])  # (1+N, vocab)
         host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None
         if processor is not None:  # row i scores the token after x_0..x_{n-1} and i's path
@@ -469,11 +478,16 @@ class SpaceDecoder:
         start, stop = lay.group_start(gi) + shift, lay.group_start(gi) + lay.group_len[gi]
         if start >= stop:  # the group's masks all lie behind the accepted path
             return bonus, None, emitted, a
-        draft_logits = logits[start:stop] if logits is not None else self._logits(hidden[start:stop])
+        ctx = None
         if processor is not None:  # the group drafts after x_0..x_{n-1} and the path to its anchor
             anchor_path = [host_tokens[r - 1] for r in lay.path(lay.group_rows[gi])]
-            ctx = torch.tensor(seq + anchor_path, device=self.device)[None].expand(draft_logits.shape[0], -1)
-            draft_logits = processor(ctx, draft_logits)
+            ctx = torch.tensor(seq + anchor_path, device=self.device)[None]
+        if self.sampler is not None:
+            return bonus, self._head_drafts(hidden[start:stop], bonus, shift, sampling, gen, q is not None,
+                                            processor, ctx), emitted, a
+        draft_logits = logits[start:stop] if logits is not None else self._logits(hidden[start:stop])
+        if processor is not None:
+            draft_logits = processor(ctx.expand(draft_logits.shape[0], -1), draft_logits)
         if q is not None:
             q_next = logits_to_probs(draft_logits, sampling)
             return bonus, Drafts(sample(q_next, gen)[:, None], q=q_next, offset=shift), emitted, a
@@ -482,6 +496,55 @@ class SpaceDecoder:
             top = probs.topk(self.draft_ranks, dim=-1)
             return bonus, Drafts(top.indices, probs=top.values, offset=shift), emitted, a
         return bonus, Drafts(draft_logits.topk(self.draft_ranks, dim=-1).indices, offset=shift), emitted, a
+
+    def _head_drafts(self, hidden: torch.Tensor, bonus: torch.Tensor, shift: int, sampling: SamplingConfig, gen,
+                     pq: bool, processor: LogitsProcessor | None, ctx: torch.Tensor | None) -> Drafts:
+        """Drafts from the sampler head (issue 34, ``space.sampler_head``), after the step's forward
+        (no extra model forward): offset i drafts from its mask's hidden state and the token drafted
+        at offset i-1 (the bonus token before the first), one head call per offset.
+
+        * A sampled chain (``pq``) draws each offset from the head's distribution given the token
+          drawn before it and reports those distributions for the p/q rule.
+        * A static tree (the chain included) calls the head once per depth, batched over the nodes
+          at that depth that have children, each given its own token (``Drafts.nodes``).
+        * ``ids`` (and for the dynamic tree ``probs``) hold each offset's top-R given the top-1
+          drafts before it; the dynamic planner prices every path with them.
+
+        Args:
+            hidden: (r, hidden) last hidden states of the group's masks from offset ``shift`` on.
+            bonus: (1,) the step's bonus token.
+            ctx: (1, seq) the group's context for ``processor`` (None without one).
+        """
+        tree = prune(self.tree, hidden.shape[0]) if self.tree is not None and not pq else ()
+        token = {(): bonus}  # path of ranks -> (1,) its token; the top-1 path always
+        ids, probs, qs = [], [], []
+        for d in range(hidden.shape[0]):
+            top1 = (0,) * d
+            parents = list(dict.fromkeys([top1] + [p[:-1] for p in tree if len(p) == d + 1]))
+            prev = torch.cat([token[p] for p in parents])  # (P,)
+            logits = self._logits(self.sampler(hidden[d].expand(len(parents), -1), self.embed(prev)))
+            if processor is not None:
+                logits = processor(ctx.expand(len(parents), -1), logits)
+            if pq:
+                qs.append(logits_to_probs(logits, sampling))
+                token[top1 + (0,)] = sample(qs[-1], gen)
+                ids.append(token[top1 + (0,)])
+                continue
+            if self.dynamic:  # the planner prices nodes with probabilities
+                logits = torch.softmax(logits, -1) if sampling.greedy else logits_to_probs(logits, sampling)
+            top = logits.topk(self.draft_ranks, dim=-1)
+            ids.append(top.indices[0])
+            probs.append(top.values[0])
+            token[top1 + (0,)] = top.indices[0, :1]
+            for p in tree:
+                if len(p) == d + 1:
+                    token[p] = top.indices[parents.index(p[:-1]), p[-1]:p[-1] + 1]
+        ids = torch.stack(ids)
+        if pq:
+            return Drafts(ids, q=torch.cat(qs), offset=shift)
+        if self.dynamic:
+            return Drafts(ids, probs=torch.stack(probs), offset=shift)
+        return Drafts(ids, offset=shift, nodes=torch.cat([token[p] for p in tree]))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on selected rows only, mask tokens suppressed: (rows, hidden) -> (rows, vocab)."""

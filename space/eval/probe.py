@@ -57,6 +57,10 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
         suppress_ids: tokens never drafted (the mask tokens), excluded from the ranking.
         chunk_groups: groups per forward over the cache of the n real tokens.
 
+    With a sampler head (``space.sampler_head``), mask j's logits are the head's given the true
+    token x_{e+j} before its target, so chain and tree bounds stay exact: a path's nodes are right
+    exactly when the drafted tokens they were conditioned on are the true ones.
+
     Returns:
         (anchors, k) long: 0 = top-1; -1 where offset j has no token (e+j+1 >= n).
     """
@@ -64,11 +68,12 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
     from transformers import DynamicCache
 
     from ..decoding.cache import cache_input, crop_cache, refuse_sliding_window
-    from ..masking import IGNORE_INDEX, mask_rows, targets, to_additive_4d, train_layout
+    from ..masking import IGNORE_INDEX, mask_rows, previous_ids, targets, to_additive_4d, train_layout
+    from ..sampler_head import sampler_head
 
     with torch.inference_mode():
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        decoder, head = base.get_decoder(), base.get_output_embeddings()
+        decoder, head, sampler = base.get_decoder(), base.get_output_embeddings(), sampler_head(base)
         device, n = head.weight.device, ids.numel()
         ids = ids.to(device)
         anchors = list(range(max(prompt_len, 1), n - 1))
@@ -87,6 +92,8 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
                                  position_ids=lay.position_ids[None, n:].to(device), attention_mask=attn,
                                  **cache_input(cache), use_cache=True).last_hidden_state[0]  # (G*k, hidden)
             crop_cache(cache, n)
+            if sampler is not None:  # teacher-forced: given the true token before each target
+                hidden = sampler(hidden, base.get_input_embeddings()(previous_ids(ids, lay.position_ids[n:].to(device))))
             logits = head(hidden).float()  # (G*k, vocab)
             logits[:, list(suppress_ids)] = float("-inf")
             tgt = targets(lay, ids)[n:].to(device)  # (G*k,) x_{e+j+1}, IGNORE_INDEX past the end

@@ -9,8 +9,8 @@ from pathlib import Path
 from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..adapters import (MASK_EMBEDDING, load_mask_rows, mask_embedding, prepare_model, read_space_config, save_artifact,
-                        warm_start)
+from ..adapters import (MASK_EMBEDDING, SAMPLER_HEAD, add_sampler_head, load_mask_rows, load_sampler_head,
+                        mask_embedding, prepare_model, read_space_config, save_artifact, warm_start)
 from ..config import check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
@@ -23,9 +23,9 @@ from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, 
 # what a checkpoint must share with the run that resumes it: mixing them would train k=3 masks
 # for a while and then save an artifact that claims k=5 (keys MaskArgs lacks are left out)
 SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_density", "mask_target",
-                "chain_weight", "consistency_weight")
+                "chain_weight", "consistency_weight", "sampler_head", "sampler_width")
 # what checkpoints saved before a key existed trained with (they resume when the run keeps it)
-SETTINGS_BEFORE = {"chain_weight": 0.0, "consistency_weight": 0.0}
+SETTINGS_BEFORE = {"chain_weight": 0.0, "consistency_weight": 0.0, "sampler_head": False, "sampler_width": 0}
 
 
 def space_settings(model_args, mask_args) -> dict:
@@ -106,6 +106,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
                                 model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
                                 model_args.lora_targets.split(","))
+    sampler = add_sampler_head(model, mask_args.sampler_width) if mask_args.sampler_head else None
     if model_args.init_adapter:
         warm_start(model, model_args.init_adapter, model_args.mode, spec)
     dataset = tokenize(examples, tok, data_args.max_length)
@@ -115,7 +116,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
                              mask_args.mask_prob, mask_args.spans_per_sample, mask_args.layout, train_args.seed,
                              span_density=mask_args.span_density)
     emb = mask_embedding(model)
-    callbacks = [EpochSeedCallback(collator), SpaceCheckpointCallback(settings, emb)]
+    callbacks = [EpochSeedCallback(collator), SpaceCheckpointCallback(settings, emb, sampler)]
     if getattr(train_args, "max_train_minutes", 0) > 0:
         callbacks.append(TimeBudgetCallback(train_args.max_train_minutes))
     trainer = SpaceTrainer(model=model, args=train_args, train_dataset=dataset, data_collator=collator,
@@ -126,6 +127,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
                            chain_weight=mask_args.chain_weight, consistency_weight=mask_args.consistency_weight)
     if last and emb is not None and os.path.isfile(os.path.join(last, MASK_EMBEDDING)):
         load_mask_rows(emb, os.path.join(last, MASK_EMBEDDING))
+    if last and sampler is not None:  # settings matched, so a checkpoint of this run holds the head
+        load_sampler_head(sampler, os.path.join(last, SAMPLER_HEAD))
     if trainer.is_world_process_zero():
         print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out); "
               f"mode {model_args.mode}; k={mask_args.mask_num}; "

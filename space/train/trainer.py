@@ -11,10 +11,11 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import DynamicCache, Trainer, TrainerCallback
 
-from ..adapters import MASK_EMBEDDING, save_mask_rows
+from ..adapters import MASK_EMBEDDING, SAMPLER_HEAD, save_mask_rows, save_sampler_head
 from ..decoding.cache import cache_input
 from ..decoding.config import DEFAULT_MASK_NUM
-from ..masking import IGNORE_INDEX, mask_rows
+from ..masking import IGNORE_INDEX, mask_rows, previous_ids
+from ..sampler_head import sampler_head
 from .loss import consistency_loss, offset_hits, space_loss, teacher_targets
 
 SETTINGS_FILE = "space_settings.json"
@@ -212,7 +213,9 @@ def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, 
     the rows of other chunks are left out of the attention mask's columns. ``copy_cache``: run
     on a copy of ``cache`` (it grows by the chunk's rows), so the next chunk sees the real tokens
     alone and no graph links two chunks. ``hidden_states``: also return every layer's hidden
-    states (the consistency loss reads the last).
+    states (the consistency loss reads the last). With a sampler head (``space.adapters``), the
+    logits are the LM head of the sampler head's output, given each mask's last hidden state and
+    the true token before its target (efficient layout: ``space.masking.previous_ids``).
     """
     T = inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
@@ -220,9 +223,16 @@ def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, 
     mask = torch.cat([attn[:, :, q, :T], attn[:, :, q, q]], dim=-1)  # (batch, 1, rows, T + rows)
     if copy_cache:
         cache = DynamicCache([(layer.keys, layer.values) for layer in cache.layers], config=unwrapped.config)
+    head = sampler_head(unwrapped)
+    # with a sampler head the model's own LM head is skipped (no logits kept): the head's output feeds it
+    skip = {} if head is None else {"logits_to_keep": torch.empty(0, dtype=torch.long, device=ids.device)}
     with mask_rows(0):  # every row of this pass is a mask row (or padding nobody sees)
-        return model(input_ids=ids[:, q], position_ids=pos[:, q], attention_mask=mask,
-                     **cache_input(cache), use_cache=True, output_hidden_states=hidden_states)
+        out = model(input_ids=ids[:, q], position_ids=pos[:, q], attention_mask=mask, **cache_input(cache),
+                    use_cache=True, output_hidden_states=hidden_states or head is not None, **skip)
+    if head is not None:  # teacher-forced: the true token before each mask's target (issue 34)
+        prev = unwrapped.get_input_embeddings()(previous_ids(ids[:, :T], pos[:, q]))
+        out.logits = unwrapped.get_base_model().get_output_embeddings()(head(out.hidden_states[-1], prev))
+    return out
 
 
 def mask_chunks(mask_offset: torch.Tensor, chunk_rows: int) -> list[slice]:
@@ -281,10 +291,11 @@ class SpaceCheckpointCallback(TrainerCallback):
       other settings is refused (``space.train.run.check_checkpoint``).
     * ``mask_embedding.safetensors``: the trainable mask rows (lora / frozen-base), which peft
       checkpoints leave out since they hold only LoRA weights.
+    * ``sampler_head.safetensors``: the sampler head's weights, when the run trains one.
     """
 
-    def __init__(self, settings: dict, mask_embedding=None):
-        self.settings, self.emb = settings, mask_embedding
+    def __init__(self, settings: dict, mask_embedding=None, sampler=None):
+        self.settings, self.emb, self.sampler = settings, mask_embedding, sampler
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -292,3 +303,5 @@ class SpaceCheckpointCallback(TrainerCallback):
             (ckpt / SETTINGS_FILE).write_text(json.dumps(self.settings, indent=2))
             if self.emb is not None:
                 save_mask_rows(self.emb, ckpt / MASK_EMBEDDING)
+            if self.sampler is not None:
+                save_sampler_head(self.sampler, ckpt / SAMPLER_HEAD)

@@ -1,0 +1,158 @@
+"""The sampler head in decoding and in the probe (issue 34): drafts conditioned on the token drafted
+before them, greedy == AR (chain, static tree, dynamic tree) with deep accepts, exact sampling, the
+tree's per-node drafts against a naive recursion, and the probe's ranks against ranks by hand."""
+import copy
+
+import pytest
+import torch
+
+from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
+from space.data.collator import SpaceCollator
+from space.eval.probe import anchor_ranks
+from space.masking import previous_ids, to_additive_4d, train_layout
+from space.sampler_head import add_sampler_head, sampler_head
+from tests.conftest import TRAINED_K
+from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def headed(trained):
+    """The trained tiny drafter plus a sampler head trained (alone, teacher-forced on the true
+    previous token) on the same language: after a jump in the cycle the masks anchored before it
+    are wrong, the head given the token before the target is not."""
+    model, tok, spec, language = trained
+    model = copy.deepcopy(model).requires_grad_(False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        head = add_sampler_head(model, 64)
+        collator = SpaceCollator(spec.ids_for(TRAINED_K), TRAINED_K, pad_id=0, spans_per_sample=16)
+        opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+        for step in range(150):
+            batch = collator([{"input_ids": language.sample(48), "prompt_len": 1, "idx": step * 16 + b}
+                              for b in range(16)])
+            T = batch["num_real"]
+            hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                 attention_mask=batch["attention_mask"]).last_hidden_state[:, T:]
+            prev = model.get_input_embeddings()(previous_ids(batch["input_ids"][:, :T], batch["position_ids"][:, T:]))
+            logits = model.lm_head(head(hidden, prev))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, T:].flatten(), ignore_index=-100)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.eval(), spec, language
+
+
+@pytest.mark.parametrize("cfg", [DecodeConfig(TRAINED_K), DecodeConfig(TRAINED_K, 3, tree=TREE),
+                                 DecodeConfig(TRAINED_K, 3, tree=TREE, lookup_tokens=4),
+                                 DecodeConfig(TRAINED_K, tree="dynamic"),
+                                 DecodeConfig(TRAINED_K, tree="dynamic", lookup_tokens=4)],
+                         ids=["chain", "tree", "tree+lookup", "dynamic", "dynamic+lookup"])
+def test_greedy_with_head_equals_ar(headed, cfg):
+    model, spec, language = headed
+    dec = SpaceDecoder(model, spec, cfg)
+    assert dec.sampler is sampler_head(model) is not None
+    accepts, steps, tokens = [], 0, 0
+    for n in (1, 5, 13, 30):
+        prompt = torch.tensor(language.sample(n))
+        truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+        out = dec.generate(prompt, 60)
+        assert out.new_ids == truth
+        accepts += out.accept_lengths
+        steps, tokens = steps + len(out.accept_lengths), tokens + len(out.new_ids)
+    assert max(accepts) >= 3 and tokens / steps > 2.5, (accepts, tokens / steps)
+
+
+def test_head_lifts_accept_length(trained, headed):
+    """The head is used, and given the right tokens: on the same prompts the chain with the head
+    accepts far more than the same masks without it (a head fed the wrong previous token drafts
+    worse than none)."""
+    model, spec, language = headed
+    per_step = {}
+    for name, m in (("masks", trained[0]), ("head", model)):
+        dec, gen_lang = SpaceDecoder(m, spec, DecodeConfig(TRAINED_K)), copy.deepcopy(language)
+        outs = [dec.generate(torch.tensor(gen_lang.sample(n)), 60) for n in (1, 5, 13, 30)]
+        per_step[name] = sum(len(o.new_ids) for o in outs) / sum(len(o.accept_lengths) for o in outs)
+    assert per_step["head"] > 1.2 * per_step["masks"], per_step
+
+
+def test_head_drafts_follow_the_drafted_path(headed):
+    """Each node of a static tree is drafted from its depth's hidden state and its parent's token:
+    the batched per-depth drafts equal a naive recursion over the nodes, and ids hold the top-R
+    along the top-1 path."""
+    model, spec, _ = headed
+    dec = SpaceDecoder(model, spec, DecodeConfig(TRAINED_K, tree=TREE))
+    head, lm = sampler_head(model), model.lm_head
+    gen = torch.Generator().manual_seed(0)
+    for r in (1, 2, 4):
+        hidden = torch.randn(r, model.config.hidden_size, generator=gen)
+        bonus = torch.randint(11, 250, (1,), generator=gen)
+        with torch.no_grad():
+            drafts = dec._head_drafts(hidden, bonus, 0, SamplingConfig(), None, False, None, None)
+        tree = [tuple(p) for p in TREE if len(p) <= r]
+        tree.sort(key=lambda p: (len(p), p))
+
+        def ranked(d, prev):
+            with torch.no_grad():
+                logits = lm(head(hidden[d:d + 1], model.get_input_embeddings()(torch.tensor([prev])))).float()
+            logits[:, list(spec.token_ids)] = float("-inf")
+            return logits[0].argsort(descending=True).tolist()
+
+        token = {(): int(bonus)}
+        for p in tree:
+            token[p] = ranked(len(p) - 1, token[p[:-1]])[p[-1]]
+        assert drafts.nodes.tolist() == [token[p] for p in tree]
+        prev = int(bonus)
+        for d in range(r):
+            assert drafts.ids[d].tolist() == ranked(d, prev)[: dec.draft_ranks]
+            prev = drafts.ids[d, 0].item()
+
+
+@pytest.mark.parametrize("temperature,top_p,lookup,tree", [(1.0, 1.0, 0, None), (1.5, 0.9, 2, "dynamic"),
+                                                           (1.0, 1.0, 0, [[0], [1], [0, 0]])])
+def test_sampling_with_head_matches_ar_distribution(small_vocab_model, temperature, top_p, lookup, tree):
+    """A sampled chain draws each offset from the head given the token drawn before it (the p/q
+    rule with those distributions); trees verify the head's deterministic candidates. Either way
+    t1..t3 follow AR sampling's exact joint distribution."""
+    model, spec = small_vocab_model
+    model = copy.deepcopy(model)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        head = add_sampler_head(model, 16)
+        torch.nn.init.normal_(head.fc2.weight, std=0.3)  # drafts that depend on the previous token
+    prompt = [1, 3, 0, 2]
+    exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
+    n = 1000
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree=tree))
+    counts, accepts = {}, []
+    for seed in range(n):
+        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(temperature, top_p=top_p, seed=seed))
+        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
+        accepts += out.accept_lengths[1:]
+    assert max(accepts) >= 2
+    assert chi2_pvalue(counts, exact, n) > ALPHA
+
+
+def test_probe_ranks_with_head_by_hand(headed):
+    """anchor_ranks with a head: mask j anchored at e is ranked by the head given the true x_{e+j};
+    here each group runs alone, without a cache, and is ranked by hand."""
+    model, spec, language = headed
+    ids = torch.tensor(language.sample(20))
+    P, k = 6, 3
+    got = anchor_ranks(model, ids, P, spec.ids_for(k), k, spec.token_ids, chunk_groups=5)
+    head, n = sampler_head(model), ids.numel()
+    for i, e in enumerate(range(P, n - 1)):
+        lay = train_layout(n, [e], k)
+        with torch.no_grad():
+            hidden = model.model(input_ids=lay.input_ids(ids, spec.ids_for(k))[None], position_ids=lay.position_ids[None],
+                                 attention_mask=to_additive_4d(lay.allowed)).last_hidden_state[0, n:]
+            prev = ids[[min(e + j, n - 1) for j in range(k)]]  # x_{e+j}; no target past the end
+            logits = model.lm_head(head(hidden, model.get_input_embeddings()(prev)))
+        logits[:, list(spec.token_ids)] = float("-inf")
+        for j in range(k):
+            if e + j + 1 >= n:
+                assert got[i, j] == -1
+                continue
+            true = logits[j, ids[e + j + 1]]
+            assert got[i, j] == int((logits[j] > true).sum()), (e, j)
