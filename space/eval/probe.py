@@ -171,7 +171,8 @@ def probe_prompts(dataset: str, root=None, limit: int | None = None) -> list[dic
         prompts = dev_prompts(root)
         if limit is None:
             return prompts
-        return [p for s in ("mbpp", "lima") for p in [q for q in prompts if q["source"] == s][:limit]]
+        sources = dict.fromkeys(q["source"] for q in prompts)  # mbpp, lima, general: each keeps its first `limit`
+        return [p for s in sources for p in [q for q in prompts if q["source"] == s][:limit]]
     out = []
     for task in load_tasks(dataset, root, limit):
         context = [{"role": "user", "content": task.turns[0]}]
@@ -276,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "report on: humaneval, humaneval-x:LANG, mbpp, mt-bench (space.eval.tasks.DATASETS) or a "
                     "question .jsonl (first turns)")
     ap.add_argument("--limit", type=int, default=None, help="first N dev prompts per source (default all: 100 MBPP, "
-                    "30 LIMA), or first N tasks of --dataset")
+                    "30 LIMA, 50 general), or first N tasks of --dataset")
     ap.add_argument("--out", type=Path, default=Path("runs/probe/latest"), help="output folder (default: %(default)s)")
     ap.add_argument("--answers", type=Path, default=None, help="greedy answers cache (default <out>/answers.jsonl)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="longest greedy answer (default: %(default)s)")

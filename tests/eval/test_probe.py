@@ -84,12 +84,12 @@ def test_cli_writes_report_and_reuses_answers(tmp_path, capsys):
             "--out", str(tmp_path), "--tree", "[[0],[1]]"]
     first = main(args)
     report = json.loads((tmp_path / "probe.json").read_text())
-    assert report["summary"] == first["summary"] and set(report["summary"]) == {"all", "mbpp", "lima"}
-    assert report["meta"]["samples"] == 2 and report["meta"]["mask_num"] == 2 and "tree_bound" in report["summary"]["all"]
+    assert report["summary"] == first["summary"] and set(report["summary"]) == {"all", "mbpp", "lima", "general"}
+    assert report["meta"]["samples"] == 3 and report["meta"]["mask_num"] == 2 and "tree_bound" in report["summary"]["all"]
     assert (tmp_path / "probe.png").stat().st_size > 1000
     meta, *rows = [json.loads(r) for r in (tmp_path / "ranks.jsonl").read_text().splitlines()]
     assert meta == {"meta": {"model": "tiny-random-llama", "adapter": None, "adapter_sha256": None, "mask_num": 2}}
-    assert [r["source"] for r in rows] == ["mbpp", "lima"]
+    assert [r["source"] for r in rows] == ["mbpp", "lima", "general"]
     assert re.search(r"\d\.\d{5}", (tmp_path / "probe.json").read_text()) is None  # floats rounded to 4 decimals
     answers = (tmp_path / "answers.jsonl").read_text()
     assert main(args)["summary"] == first["summary"] and (tmp_path / "answers.jsonl").read_text() == answers
@@ -104,7 +104,7 @@ def test_probe_on_an_evaluation_set(tmp_path):
     first = next(iter(read_problems().values()))
     assert [p["id"] for p in prompts] == ["humaneval/HumanEval/0", "humaneval/HumanEval/1"]
     assert prompts[0]["prompt"] == [{"role": "user", "content": code_prompt(first["prompt"], "python")}]
-    assert len(probe_prompts("dev", limit=1)) == 2
+    assert [p["source"] for p in probe_prompts("dev", limit=1)] == ["mbpp", "lima", "general"]  # every source
     report = main(["--model", "tiny-random-llama", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "6",
                    "-k", "2", "--out", str(tmp_path)])
     assert set(report["summary"]) == {"all", "humaneval"} and report["meta"]["dataset"] == "humaneval"
