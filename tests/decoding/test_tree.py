@@ -97,12 +97,15 @@ def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
     prompt = torch.tensor(language.sample(12))
     truth = ar_generate(model, prompt, 50, suppress_ids=spec.token_ids).new_ids
     ranks = [[1, 1, 0], [2, 1, 2], [2, 0], [0, 0]]
+    # wrong tokens are never in the truth or the prompt, so a draft accepted at a rank other than the
+    # oracle's is impossible whatever the language generator's state
+    wrong = torch.tensor([t for t in range(11, 256) if t not in truth and t not in prompt.tolist()])
 
     def override(generated, drafts):
         want = ranks[len(generated) % len(ranks)]
         out = torch.full((3, dec.draft_ranks), 11)
         for j in range(3):
-            out[j] = torch.arange(20, 20 + dec.draft_ranks) + j  # wrong tokens, distinct per rank
+            out[j] = wrong[j * dec.draft_ranks:(j + 1) * dec.draft_ranks]  # distinct per rank and offset
             if len(generated) + j < len(truth) and j < len(want):
                 out[j, want[j]] = truth[len(generated) + j]
         return out
