@@ -16,8 +16,9 @@ its last checkpoint (with a fresh budget: note the steps in the table). Writes `
 ``<out>/sweep.md`` (one row per arm) after every arm.
 
 Columns: training steps and minutes; dev-set top-1 at offsets 0 / 1 / 2; the chain bound at
-k = 3 (1 + sum over j < 3 of P(offsets 0..j all top-1)); replayed tokens/step of a chain with k = 3
-and 4 groups, and of the shipped layout (k = 1, 2 groups, tree [[0],[1],[2]], lookup off). k = 3
+k = 3 (1 + sum over j < 3 of P(offsets 0..j all top-1)); both again on the general prompts alone
+("-" for probes older than them); replayed tokens/step of a chain with k = 3 and 4 groups, and of
+the shipped layout (k = 1, 2 groups, tree [[0],[1],[2]], lookup off). k = 3
 is the widest view every arm has, since the k = 3 arm drafts only 3 offsets.
 """
 from __future__ import annotations
@@ -67,14 +68,17 @@ def train_and_probe(name: str, flags: list[str], cfg: dict, a: argparse.Namespac
 
 def score(name: str, a: argparse.Namespace) -> dict:
     """One row of the table from <out>/<name>/probe.json, ranks.jsonl and train.json."""
-    probe = json.loads((a.out / name / "probe.json").read_text())["summary"]["all"]
+    summary = json.loads((a.out / name / "probe.json").read_text())["summary"]
+    probe, general = summary["all"], summary.get("general")  # issue 30's targets are read on general text
     meta = json.loads((a.out / name / "train.json").read_text())
     ranks = load_ranks(a.out / name / "ranks.jsonl", None)
     row = {"arm": name, "mode": meta["mode"], "steps": meta["global_step"],
            "train_minutes": round(meta["train_runtime_s"] / 60, 1),
            "top1": [round(x, 3) for x in probe["topk"]["1"][:3]],
            "top5": [round(x, 3) for x in probe["topk"]["5"][:3]],
-           "chain_bound_k3": round(1 + sum(probe["chain_all_top1"][:3]), 3)}
+           "chain_bound_k3": round(1 + sum(probe["chain_all_top1"][:3]), 3),
+           "general_top1": [round(x, 3) for x in general["topk"]["1"][:3]] if general else None,
+           "general_chain_bound_k3": round(1 + sum(general["chain_all_top1"][:3]), 3) if general else None}
     for layout, (k, groups, tree) in LAYOUTS.items():
         row[layout] = round(replay(ranks, k, groups, tree).tokens_per_step, 3)
     return row
@@ -82,12 +86,15 @@ def score(name: str, a: argparse.Namespace) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| arm | mode | steps | train min | top-1, offset 0 / 1 / 2 | top-5, offset 0 / 1 / 2 | chain bound k=3 | "
+            "general: top-1, offset 0 / 1 / 2 | general: chain bound k=3 | "
             + " | ".join(f"tokens/step, {name}" for name in LAYOUTS) + " |")
-    lines = [head, "|" + "---|" * (7 + len(LAYOUTS))]
+    lines = [head, "|" + "---|" * (9 + len(LAYOUTS))]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['mode']} | {r['steps']} | {r['train_minutes']} | "
                      + " / ".join(f"{x:.3f}" for x in r["top1"]) + " | " + " / ".join(f"{x:.3f}" for x in r["top5"])
-                     + f" | {r['chain_bound_k3']:.3f} | " + " | ".join(f"{r[name]:.3f}" for name in LAYOUTS) + " |")
+                     + f" | {r['chain_bound_k3']:.3f} | "
+                     + (" / ".join(f"{x:.3f}" for x in r["general_top1"]) if r["general_top1"] else "-")
+                     + f" | {r['general_chain_bound_k3'] or '-'} | " + " | ".join(f"{r[name]:.3f}" for name in LAYOUTS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ def test_sweep_trains_probes_and_tabulates_each_arm(tmp_path):
                                                                  ("k4", "frozen-base", 1), ("full", "full", 1)]
     for r in rows:
         assert all(0 <= x <= 1 for x in r["top1"]) and 1 <= r["chain_bound_k3"] <= 4
+        assert all(0 <= x <= 1 for x in r["general_top1"]) and 1 <= r["general_chain_bound_k3"] <= 4
         assert 1 <= r["chain k=3, 4 groups"] <= 4
     assert "| k4 | frozen-base | 1 |" in (tmp_path / "out/sweep.md").read_text()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
