@@ -149,8 +149,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
             a negative mask_loss_weight, max_train_minutes, learning_rate, weight_decay,
             num_train_epochs, max_grad_norm or sampler_width, NaN or inf in any number, a teacher,
-            consistency or sampler head without frozen-base + efficient, init_adapter with mode full,
-            or an output_dir that is a file.
+            consistency or sampler head without frozen-base + efficient, a sampler head with
+            ddp_find_unused_parameters true, init_adapter with mode full, or an output_dir that is a
+            file.
     """
     from .adapters import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -192,6 +193,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     if mask_args.sampler_head and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
         raise ValueError("sampler_head needs mode frozen-base and layout efficient (the two-pass step feeds it "
                          "the true token before each mask's target)")
+    if mask_args.sampler_head and getattr(train_args, "ddp_find_unused_parameters", None):
+        raise ValueError("sampler_head needs ddp_find_unused_parameters false (the head runs outside the "
+                         "DDP-wrapped forward, so DDP's search would mark its weights ready twice)")
     if model_args.init_adapter is not None and model_args.mode == "full":
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):

@@ -84,6 +84,11 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     train_args.remove_unused_columns = False  # the collator needs prompt_len and idx
     train_args.label_names = ["labels"]
     check_train_args(model_args, data_args, mask_args, train_args)  # also for callers that skip the parser
+    if mask_args.sampler_head:
+        # the head runs on the forward's hidden states, outside the DDP-wrapped forward: DDP's
+        # unused-parameter search walks only the forward's outputs, would mark the head's weights ready
+        # there, and their gradients in backward would mark them ready twice (an error under torchrun)
+        train_args.ddp_find_unused_parameters = False
     settings = space_settings(model_args, mask_args)
     last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
     done = total = 0

@@ -1,6 +1,8 @@
 """The sampler head in training (issue 34): teacher-forced on the true previous token, saved with the
 adapter and in checkpoints, resumed, refused outside frozen-base; an adapter without it is unchanged."""
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,7 +84,8 @@ def test_train_save_resume_and_load(tmp_path, capsys):
     with pytest.raises(ValueError, match="other SPACE settings"):  # the head is a setting of the run
         train(tmp_path / "run", steps=6, extra=("--sampler_width", "8"))
     for bad, match in ((["--mode", "lora"], "sampler_head needs"), (["--layout", "truncate"], "sampler_head needs"),
-                       (["--sampler_width", "-1"], "sampler_width")):
+                       (["--sampler_width", "-1"], "sampler_width"),
+                       (["--ddp_find_unused_parameters", "true"], "ddp_find_unused_parameters")):
         with pytest.raises(ValueError, match=match):
             train(tmp_path / "bad", extra=bad)
 
@@ -101,3 +104,15 @@ def test_adapter_without_head_and_damaged_head(tmp_path):
     (out / "space_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="bad sampler_head entry"):
         load_space(adapter=out)
+
+
+def test_trains_under_torchrun(tmp_path):
+    """The launcher wraps the model in DDP; the head runs outside its forward, so DDP's
+    unused-parameter search must be off (with it, step 1 fails: a head weight "marked as ready twice")."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(["bash", "run_sft_multi_node.sh", "configs/train/tiny_smoke.yaml", "--output_dir",
+                           str(tmp_path), "--limit", "2", "--max_steps", "2", "--save_steps", "2",
+                           "--sampler_head", "true", "--sampler_width", "24"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "final" / SAMPLER_HEAD).is_file()
