@@ -94,7 +94,8 @@ def markdown(rows: list[dict]) -> str:
                      + " / ".join(f"{x:.3f}" for x in r["top1"]) + " | " + " / ".join(f"{x:.3f}" for x in r["top5"])
                      + f" | {r['chain_bound_k3']:.3f} | "
                      + (" / ".join(f"{x:.3f}" for x in r["general_top1"]) if r["general_top1"] else "-")
-                     + f" | {r['general_chain_bound_k3'] or '-'} | " + " | ".join(f"{r[name]:.3f}" for name in LAYOUTS) + " |")
+                     + " | " + (f"{r['general_chain_bound_k3']:.3f}" if r["general_top1"] else "-") + " | "
+                     + " | ".join(f"{r[name]:.3f}" for name in LAYOUTS) + " |")
     return "\n".join(lines) + "\n"
 
 
