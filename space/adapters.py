@@ -278,7 +278,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         model: alias or path of the base (default: the adapter's recorded base, else SmolLM2).
             Another base than the adapter's recorded ``base_model`` gives a UserWarning naming both.
         adapter: a lora / frozen-base artifact directory, or None.
-        mask_num: k for a model that has no mask token yet (untrained masks: exact, accepts little).
+        mask_num: k for a model that has no mask token yet (untrained masks: exact, accepts little;
+            loading such a model without an adapter gives a UserWarning).
         device_map: None (all on ``device``), or a ``space.models.parse_device_map`` value: the
             base loads placed, and once the mask token and adapter are in, the model is placed
             again by the resolved map (``space.models.dispatch``), so the new modules (mask
@@ -312,7 +313,10 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
         try:
             spec = mask_spec(base, tok)
-        except ValueError:
+        except ValueError:  # a plain model: its new mask token is untrained, which a user rarely means
+            warnings.warn(f"{model or SMOLLM2} has no SPACE mask token and no adapter was given: SPACE decodes "
+                          f"exactly but with untrained masks, whose drafts are rarely accepted; pass a SPACE "
+                          f"adapter (e.g. adapters/smollm2-135m-space) or a SAR-SFT checkpoint", stacklevel=2)
             spec = add_mask_tokens(base, tok, mask_num)
             if device_map is not None:  # the resized embeddings are new modules, without hooks
                 dispatch(base, base.hf_device_map)

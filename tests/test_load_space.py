@@ -67,6 +67,18 @@ def test_other_base_model_warns_naming_both(tmp_path):
         load_space(TINY, adapter)
 
 
+def test_plain_model_without_adapter_warns_of_untrained_masks(tmp_path):
+    """A plain model loaded without an adapter gets a new, untrained mask token: a UserWarning says
+    so (a forgotten --adapter otherwise reads as a weak drafter); a model that has its mask token does not."""
+    with pytest.warns(UserWarning, match="no SPACE mask token and no adapter"):
+        model, tok, spec = load_space(TINY)
+    model.save_pretrained(tmp_path / "sar")  # now with its mask token, as a SAR-SFT checkpoint has
+    tok.save_pretrained(tmp_path / "sar")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert load_space(str(tmp_path / "sar"))[2].token_ids == spec.token_ids
+
+
 @pytest.mark.skipif(not packing_available(), reason="torch build without oneDNN")
 def test_kernels_fast_packs_for_inference_and_generate_stays_exact(tmp_path):
     """kernels="fast" packs every linear (the gated LoRA layers too); plain greedy generate and
