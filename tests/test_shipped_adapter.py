@@ -13,11 +13,12 @@ from space.eval.tasks import load_tasks
 from space.models import load_model
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
-# Measured with the shipped layout's mask drafts alone (k=2, 2 groups, the 4-node tree
-# [[0],[1],[0,0],[0,1]], lookup off) on these 2 prompts x 64 tokens: 1.73 tokens/step with the
-# combined-recipe adapter (the layout caps it at 3.0; the stage-2 adapter in its own k=1 layout gave
-# 1.56). The floor leaves room for kernel rounding, not for an untrained adapter, whose drafts are
-# almost never accepted (about 1.0); lookup is switched off for it because lookup alone accepts drafts.
+# Measured with the shipped layout's mask drafts alone (lookup off) on these 2 prompts x 64 tokens:
+# 1.54 tokens/step with the dynamic tree (k <= 3, <= 4 groups; the default since issue 31: it
+# spends fewer rows, so it drafts fewer tokens a step than the static tree's 1.73, but is faster),
+# deterministic because the planner prices rows by the stored step-cost curve, not by the clock.
+# The floor leaves room for kernel rounding, not for an untrained adapter, whose drafts are almost
+# never accepted (about 1.0); lookup is switched off for it because lookup alone accepts drafts.
 TOKENS_PER_STEP_FLOOR = 1.45
 
 
