@@ -88,7 +88,12 @@ def test_search_keeps_the_adapters_lookup_and_estimates_its_current_layout():
 def test_write_adapter_keeps_lookup_and_refuses_another_adapters_ranks(tmp_path, capsys):
     adapter = tmp_path / "adapter"
     shutil.copytree(SHIPPED, adapter)
-    before = json.loads((adapter / "space_config.json").read_text())["decode"]
+    # a static current layout (the shipped one is the dynamic tree since issue 31, which the replay
+    # cannot estimate: test_write_adapter_dynamic_then_static_over_it covers that case)
+    cfg = json.loads((adapter / "space_config.json").read_text())
+    cfg["decode"].update(mask_num=2, num_groups=2, tree=[[0], [1], [0, 0], [0, 1]])
+    (adapter / "space_config.json").write_text(json.dumps(cfg, indent=2))
+    before = cfg["decode"]
     ranks = tmp_path / "ranks.jsonl"
     meta = {"model": "smollm2-135m-instruct", "adapter": str(adapter), "adapter_sha256": adapter_sha256(adapter)}
     rows = [{"id": i, "source": "mbpp", "ranks": [[j % 2, 0, 1] for j in range(30)]} for i in range(4)]

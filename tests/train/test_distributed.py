@@ -33,6 +33,27 @@ def test_two_nodes_one_process_each_on_loopback(tmp_path):
     assert (tmp_path / "nodes" / "final" / "adapter_model.safetensors").is_file()
 
 
+def test_one_node_launch_beside_a_busy_default_port(tmp_path):
+    """A one-node run with no MASTER_ADDR / MASTER_PORT must not need port 29500: a second training,
+    or the test suite, beside a running one failed with EADDRINUSE before the launcher used torchrun
+    --standalone (a free port) there."""
+    import socket
+    with socket.socket() as busy:
+        try:
+            busy.bind(("127.0.0.1", 29500))
+            busy.listen()
+        except OSError:  # already taken by something else: the case this test is about anyway
+            pass
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        proc = subprocess.Popen(["bash", "run_sft_multi_node.sh", "configs/train/tiny_smoke.yaml", "--output_dir",
+                                 str(tmp_path / "run"), "--max_steps", "1"], cwd=ROOT, text=True,
+                                env={**env, "PYTHON": sys.executable, "NPROC_PER_NODE": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+
+
 def test_launcher_help_and_missing_config():
     help_out = subprocess.run(["bash", "run_sft_multi_node.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert help_out.returncode == 0 and "NNODES" in help_out.stdout
