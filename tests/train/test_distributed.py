@@ -1,5 +1,6 @@
 """run_sft_multi_node.sh with real torchrun + DeepSpeed ZeRO-2 on CPU (gloo), tiny-random-llama."""
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ pytestmark = pytest.mark.distributed
 
 
 def launch(tmp_path, env_extra, config="configs/train/tiny_deepspeed_cpu.yaml", *args):
-    env = {**os.environ, "PYTHON": sys.executable, **env_extra}
+    # the rendezvous comes from env_extra only, never from the caller's environment
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = {**inherited, "PYTHON": sys.executable, **env_extra}
     return subprocess.Popen(["bash", "run_sft_multi_node.sh", config, "--output_dir", str(tmp_path), *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -37,18 +40,13 @@ def test_one_node_launch_beside_a_busy_default_port(tmp_path):
     """A one-node run with no MASTER_ADDR / MASTER_PORT must not need port 29500: a second training,
     or the test suite, beside a running one failed with EADDRINUSE before the launcher used torchrun
     --standalone (a free port) there."""
-    import socket
     with socket.socket() as busy:
         try:
             busy.bind(("127.0.0.1", 29500))
             busy.listen()
         except OSError:  # already taken by something else: the case this test is about anyway
             pass
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-        proc = subprocess.Popen(["bash", "run_sft_multi_node.sh", "configs/train/tiny_smoke.yaml", "--output_dir",
-                                 str(tmp_path / "run"), "--max_steps", "1"], cwd=ROOT, text=True,
-                                env={**env, "PYTHON": sys.executable, "NPROC_PER_NODE": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = launch(tmp_path / "run", {"NPROC_PER_NODE": "1"}, "configs/train/tiny_smoke.yaml", "--max_steps", "1")
         out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
