@@ -14,12 +14,12 @@ from space.models import load_model
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
 # Measured with the shipped layout's mask drafts alone (lookup off) on these 2 prompts x 64 tokens:
-# 1.54 tokens/step with the dynamic tree (k <= 3, <= 4 groups; the default since issue 31: it
-# spends fewer rows, so it drafts fewer tokens a step than the static tree's 1.73, but is faster),
-# deterministic because the planner prices rows by the stored step-cost curve, not by the clock.
+# 1.68 tokens/step with issue 30's drafter (2,000 steps on 8,195 self-distilled samples) in the
+# dynamic tree (k <= 3, <= 4 groups); the earlier drafter gave 1.54 there. Deterministic because
+# the planner prices rows by the stored step-cost curve, not by the clock.
 # The floor leaves room for kernel rounding, not for an untrained adapter, whose drafts are almost
 # never accepted (about 1.0); lookup is switched off for it because lookup alone accepts drafts.
-TOKENS_PER_STEP_FLOOR = 1.45
+TOKENS_PER_STEP_FLOOR = 1.60
 
 
 @pytest.mark.slow
