@@ -49,8 +49,9 @@ from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.config import DEFAULT_MASK_NUM, DecodeConfig
 from .masking import mask_rows_start
 from .models import SMOLLM2, dispatch, load_model, model_identity
-from .sampler_head import SamplerHead, add_sampler_head, sampler_head
+from .sampler_head import SAMPLER_ATTR, SamplerHead, add_sampler_head, sampler_head
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
+from .zero3 import check_checkpoint, gathered
 
 MODES = ("full", "lora", "frozen-base")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -81,7 +82,9 @@ class MaskEmbedding(nn.Module):
             raise ValueError(f"mask ids must be contiguous, got {mask_ids}")
         self.base = base
         self.first_id, self.num = mask_ids[0], len(mask_ids)
-        self.mask_rows = nn.Parameter(base.weight[list(mask_ids)].detach().clone())
+        with gathered([base.weight]):  # ZeRO-3: the rows live on every rank only while gathered
+            # fp32 whatever the base's dtype: a bf16 base trains its mask rows in fp32 (forward casts)
+            self.mask_rows = nn.Parameter(base.weight[list(mask_ids)].detach().float())
 
     @property
     def weight(self) -> torch.Tensor:  # HF utilities (tying, resizing) look for .weight
@@ -133,9 +136,11 @@ class GatedLoraLinear(nn.Module):
         return y
 
 
-def save_sampler_head(head: SamplerHead, path: str | os.PathLike) -> None:
-    """Write ``head``'s weights to ``path`` (safetensors, fp32)."""
-    save_file({k: v.detach().float().contiguous().cpu() for k, v in head.state_dict().items()}, path)
+def save_sampler_head(head: SamplerHead, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``head``'s weights to ``path`` (safetensors, fp32); ``state``: its weights gathered from
+    a ZeRO-3 model (None: the head's own)."""
+    state = head.state_dict() if state is None else state
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in state.items()}, path)
 
 
 def load_sampler_head(head: SamplerHead, path: str | os.PathLike) -> None:
@@ -238,36 +243,89 @@ def git_commit() -> str:
         return "unknown"
 
 
-def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, mode: str, meta: dict) -> Path:
-    """Write the trained SPACE model atomically (temporary directory, then rename).
+def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, mode: str, meta: dict,
+                  state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the trained SPACE model atomically (temporary directory, then rename), after checking
+    what was written (:func:`check_artifact`).
 
     Args:
         meta: extra provenance for space_config.json (base model, training data, steps, ...).
+        state_dict: the model's full weights when the live ones are partitioned (DeepSpeed ZeRO-3:
+            ``accelerator.get_state_dict`` gathers them on every rank); None: the model's own.
+
+    Raises:
+        ValueError: the weights written are empty or do not fit the model's config (e.g. a ZeRO-3
+            partition saved without ``state_dict``); nothing is written then.
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     config = {"mode": mode, "mask_token_ids": list(spec.token_ids), "mask_num": spec.mask_num,
               "mask_diff": spec.mask_diff, "commit": git_commit(), **meta}
-    if mode == "full":
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    else:
-        # peft: LoRA weights + adapter_config.json only; the base embedding (resized for the mask
-        # token) is the base model's, and the mask rows are saved on their own just below
-        model.save_pretrained(tmp, save_embedding_layers=False)
-        save_mask_rows(mask_embedding(model), tmp / MASK_EMBEDDING)
-        head = sampler_head(model)
-        if head is not None:
-            save_sampler_head(head, tmp / SAMPLER_HEAD)
-            config["sampler_head"] = {"width": head.width}
-    (tmp / SPACE_CONFIG).write_text(json.dumps(config, indent=2))
+    try:
+        if mode == "full":
+            model.save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+        else:
+            # peft: LoRA weights + adapter_config.json only; the base embedding (resized for the mask
+            # token) is the base model's, and the mask rows are saved on their own just below
+            model.save_pretrained(tmp, state_dict=state_dict, save_embedding_layers=False)
+            save_mask_rows(mask_embedding(model), tmp / MASK_EMBEDDING, _entry(state_dict, "mask_rows"))
+            head = sampler_head(model)
+            if head is not None:
+                save_sampler_head(head, tmp / SAMPLER_HEAD, _entry(state_dict, SAMPLER_ATTR + "."))
+                config["sampler_head"] = {"width": head.width}
+        (tmp / SPACE_CONFIG).write_text(json.dumps(config, indent=2))
+        check_artifact(tmp, model.config.hidden_size, where=out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
         path.chmod(0o755 if path.is_dir() else 0o644)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def _entry(state_dict: dict[str, torch.Tensor] | None, key: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of a gathered state dict under ``key`` (a parameter's last name, or a module
+    prefix ending in "."), keyed by what follows it; None without a state dict."""
+    if state_dict is None:
+        return None
+    if not key.endswith("."):
+        return {key: v for k, v in state_dict.items() if k.endswith("." + key)}
+    return {k.split(key, 1)[1]: v for k, v in state_dict.items() if key in k}
+
+
+def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathLike | str | None = None) -> None:
+    """Refuse an artifact whose weights are empty or do not fit its model (a ZeRO-3 partition
+    saved without gathering has tensors of shape (0,)).
+
+    Full checkpoints: every tensor against the shapes ``config.json`` gives
+    (``space.zero3.check_checkpoint``). Adapters: the LoRA pairs (``read_lora``) and the mask rows,
+    ``(1 or k, hidden_size)`` when ``hidden_size`` is given.
+
+    Raises:
+        ValueError: an empty tensor or a wrong shape; the file is named (with ``where`` for a
+            folder not yet in place).
+    """
+    where = Path(where or folder)
+    cfg = read_space_config(folder)
+    if cfg["mode"] == "full":
+        try:
+            check_checkpoint(folder)
+        except ValueError as e:
+            raise ValueError(str(e).replace(str(folder), str(where))) from None
+        return
+    read_lora(folder)
+    rows = read_tensors(folder / MASK_EMBEDDING).get("mask_rows")
+    n = len(cfg["mask_token_ids"])
+    if rows is None or rows.dim() != 2 or rows.shape[0] != n or 0 in rows.shape or (
+            hidden_size is not None and rows.shape[1] != hidden_size):
+        shape = None if rows is None else tuple(rows.shape)
+        raise ValueError(f"{where / MASK_EMBEDDING}: mask rows of shape {shape}, expected ({n}, "
+                         f"{hidden_size or 'hidden'}): saved while partitioned by ZeRO-3? refusing this artifact")
 
 
 def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
@@ -310,6 +368,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     if kernels not in KERNEL_CHOICES:  # before the load, not after it
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if adapter is None:
+        if model is not None and (Path(model) / SPACE_CONFIG).is_file():  # a full SAR-SFT artifact
+            check_artifact(Path(model))
         base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
         try:
             spec = mask_spec(base, tok)
@@ -534,9 +594,14 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) ->
         raise ValueError(f"{where}: bad decode settings: {e}") from None
 
 
-def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike) -> None:
-    """Write the trainable mask rows of ``emb`` to ``path`` (safetensors, fp32, key ``mask_rows``)."""
-    save_file({"mask_rows": emb.mask_rows.detach().float().contiguous().cpu()}, path)
+def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the trainable mask rows of ``emb`` to ``path`` (safetensors, fp32, key ``mask_rows``).
+
+    Args:
+        state: ``{"mask_rows": tensor}`` gathered from a ZeRO-3 model; None: ``emb``'s own rows.
+    """
+    rows = emb.mask_rows if state is None else state["mask_rows"]
+    save_file({"mask_rows": rows.detach().float().contiguous().cpu()}, path)
 
 
 def load_mask_rows(emb: MaskEmbedding, path: str | os.PathLike) -> None:

@@ -84,13 +84,18 @@ class MaskArgs:
 @dataclass
 class SpaceTrainingArguments(TrainingArguments):
     """``transformers.TrainingArguments`` plus a wall-clock budget, for recipe sweeps at equal time
-    (issue #13): arms whose steps cost different amounts get the same minutes, not the same steps."""
+    (issue #13): arms whose steps cost different amounts get the same minutes, not the same steps,
+    and a limit on consecutive non-finite steps (a run that cannot learn stops, non-zero)."""
 
-    _argument_group_name = "HF TrainingArguments (SPACE's max_train_minutes last)"
+    _argument_group_name = "HF TrainingArguments (SPACE's max_train_minutes and max_nonfinite_steps last)"
     max_train_minutes: float = field(default=0.0, metadata={
         "help": "stop after the step that crosses this many minutes of training in this launch, save a "
                 "checkpoint and write the artifact (0 = off). A cosine schedule is then cut mid-way: pair it "
                 "with a constant one"})
+    max_nonfinite_steps: int = field(default=3, metadata={
+        "help": "stop with an error (non-zero exit) after this many consecutive optimizer steps whose loss or "
+                "gradient norm is NaN or inf; those steps save no checkpoint, so the last good one stays (0 = never "
+                "stop; under fp16 only the loss counts, as the loss scaler skips overflowing steps)"})
 
 
 ARG_CLASSES = (ModelArgs, DataArgs, MaskArgs, SpaceTrainingArguments)
@@ -147,7 +152,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         ValueError: unknown mode, layout or mask_target, mask_num outside 1..MAX_MASK_NUM,
             spans_per_sample, limit, max_length, mask_chunk_rows, teacher_topk or lora_r too small,
             mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
-            a negative mask_loss_weight, max_train_minutes, learning_rate, weight_decay,
+            a negative mask_loss_weight, max_train_minutes, max_nonfinite_steps, learning_rate, weight_decay,
             num_train_epochs, max_grad_norm or sampler_width, NaN or inf in any number, a teacher,
             consistency or sampler head without frozen-base + efficient, a sampler head with
             ddp_find_unused_parameters true, init_adapter with mode full, or an output_dir that is a
@@ -167,6 +172,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
                                  ("teacher_topk", mask_args.teacher_topk, 1), ("lora_r", model_args.lora_r, 1),
                                  ("mask_loss_weight", mask_args.mask_loss_weight, 0),
                                  ("max_train_minutes", getattr(train_args, "max_train_minutes", 0), 0),
+                                 ("max_nonfinite_steps", getattr(train_args, "max_nonfinite_steps", 0), 0),
                                  *((name, getattr(train_args, name), 0) for name in
                                    ("learning_rate", "weight_decay", "num_train_epochs", "max_grad_norm"))):
         check_number(name, value, minimum)  # NaN and inf too: they pass every comparison below

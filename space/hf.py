@@ -54,6 +54,7 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder
+from .decoding.decoder import check_attention
 from .decoding.tree import tree_flag
 from .decoding.result import DecodeResult, StopDecoding
 from .tokens import mask_spec
@@ -119,7 +120,7 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     check_supported(generation_config, logits_processor, model_kwargs, outer.get("assistant_model"),
                     synced_gpus or outer.get("synced_gpus"))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    check_attention(base)
+    check_attention(base, "space_generate")
     spec = mask_spec(base)
     # generate() hands over its keyword arguments; GenerationConfig(mask_num=...) keeps them as attributes
     mask_num, num_groups, lookup_tokens, tree = (given if given is not None else getattr(generation_config, name, None)
@@ -209,19 +210,6 @@ def check_supported(config, processors, model_kwargs: dict, assistant_model=None
         unsupported.append(f"the model inputs {others} (text input_ids only)")
     if unsupported:
         raise ValueError(f"space_generate does not support {', '.join(unsupported)}")
-
-
-def check_attention(model) -> None:
-    """Refuse attention implementations that ignore a 4-D mask: SPACE's step layout is one.
-
-    Raises:
-        ValueError: a flash-attention model (``attn_implementation="flash_attention_2"`` and kin).
-    """
-    impl = str(getattr(model.config, "_attn_implementation", None))
-    if "flash" in impl:
-        raise ValueError(f"space_generate cannot decode with attn_implementation={impl!r}: flash attention takes no "
-                         "4-D attention mask, which every SPACE step needs; load the model with "
-                         "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))")
 
 
 def _room(rows: list[torch.Tensor], max_new: int, context: int) -> list[int]:

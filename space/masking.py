@@ -273,8 +273,36 @@ def train_layout(seq_len: int, span_starts: list[int] | torch.Tensor, k: int) ->
     A span start s (1 <= s <= seq_len) anchors a group whose mask j sits at position s+j and
     predicts token s+j+1. The paper's truncate layout is ``train_layout(s, [s], k + 1)`` on the
     sample cut at s, with the last (dummy) mask's target ignored: see :func:`truncate_layout`.
+
+    The result is exactly ``build_layout(0, seq_len, span_starts, k)``, built on the CPU for the
+    chain without a tree: the (q, q) mask is an in-place ``tril_`` (real rows) with the mask rows
+    (real rows 0..s-1 and their group's triangle) written over it, instead of the general
+    builder's several (q, q) passes; the collator calls it per sample at q ~ 2,000.
+
+    Raises:
+        ValueError: as :func:`build_layout` (k < 1, seq_len < 1, a span start outside 1..seq_len).
     """
-    return build_layout(0, seq_len, span_starts, k)
+    ctx = torch.as_tensor(span_starts, dtype=torch.long).reshape(-1).cpu()
+    if (not isinstance(k, int) or k < 1 or seq_len < 1
+            or (ctx.numel() and (int(ctx.min()) < 1 or int(ctx.max()) > seq_len))):
+        return build_layout(0, seq_len, span_starts, k)  # per-group lengths, or its ValueError
+    n, G = seq_len, ctx.numel()
+    M = G * k
+    q = n + M
+    rows = torch.arange(q)
+    real = rows[:n]
+    grp = rows[:M] // k  # (M,) group of each mask row
+    j = rows[:M] % k  # (M,) offset inside the group
+    e = ctx[grp]  # (M,) context of each mask row
+    allowed = torch.ones(q, q, dtype=torch.bool).tril_()  # real rows: causal, so no mask is seen
+    allowed[n:] = rows[None, :] < e[:, None]  # mask rows: real rows 0..e-1
+    tri = torch.tril_indices(k, k)  # and masks 0..j of its own group
+    first = n + torch.arange(G)[:, None] * k
+    allowed[(first + tri[0]).flatten(), (first + tri[1]).flatten()] = True
+    minus = torch.full((n,), -1, dtype=torch.long)
+    return Layout(0, n, k, ctx, torch.full((G,), k, dtype=torch.long), torch.cat([real, e + j]), allowed,
+                  rows >= n, torch.cat([minus, j]), torch.cat([minus, grp]), torch.cat([real + 1, e + j + 1]),
+                  real, allowed[:n, :n].clone())
 
 
 def truncate_layout(span_start: int, k: int) -> Layout:
@@ -283,7 +311,7 @@ def truncate_layout(span_start: int, k: int) -> Layout:
     The (k+1)-th mask is the dummy the official code needs for the HF label shift; its target
     (row s+k+1) is dropped by :func:`targets` like any target past the kept tokens.
     """
-    return build_layout(0, span_start, [span_start], k + 1)
+    return train_layout(span_start, [span_start], k + 1)
 
 
 def targets(layout: Layout, real_ids: torch.Tensor, target_len: int | None = None,
@@ -325,9 +353,21 @@ def previous_ids(real_ids: torch.Tensor, position_ids: torch.Tensor, cache_len: 
 
 
 def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(q, kv) or (batch, q, kv) bool -> (batch, 1, q, kv) additive mask: 0 allowed, min elsewhere."""
+    """Bool mask -> (batch, 1, q, kv) additive mask in ``dtype``: 0 allowed, dtype's min elsewhere.
+
+    Args:
+        allowed: (q, kv), (batch, q, kv) or (batch, 1, q, kv) bool, True where a row may attend
+            (a layout's ``allowed``, or the SAR-SFT collator's ``attention_mask``).
+
+    Raises:
+        ValueError: a 4-D mask with more than one head.
+    """
     if allowed.dim() == 2:
         allowed = allowed[None]
+    if allowed.dim() == 4:
+        if allowed.shape[1] != 1:
+            raise ValueError(f"expected a (batch, 1, q, kv) mask, got shape {tuple(allowed.shape)}")
+        allowed = allowed[:, 0]
     out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     out.masked_fill_(~allowed, torch.finfo(dtype).min)
     return out[:, None]

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .zero3 import gathered
+
 MASK_TOKEN = "<|space_mask|>"
 MAX_MASK_NUM = 16  # layout rows grow as k^2: beyond this a step costs more than it can save
 
@@ -51,23 +53,31 @@ def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) ->
     """Add the mask token(s) to tokenizer and model; idempotent.
 
     New embedding rows (and untied LM-head rows) start from the mean real-token embedding.
-    Records the result in ``model.config.space_mask``.
+    Records the result in ``model.config.space_mask``. Under DeepSpeed ZeRO-3 (a model partitioned
+    at load) the embeddings are gathered for this, so every rank gets the same finite rows as
+    without ZeRO-3; it is then a collective: call it on every rank.
 
     Raises:
-        ValueError: mask_num out of range.
+        ValueError: mask_num out of range, or mask rows that are not finite.
     """
     check_mask_num(mask_num)
     names = mask_token_names(mask_num, mask_diff)
     tokenizer.add_special_tokens({"additional_special_tokens": names}, replace_extra_special_tokens=False)
     ids = tokenizer.convert_tokens_to_ids(names)
-    emb = model.get_input_embeddings()
-    old_rows = emb.weight.shape[0]
+    # under ZeRO-3 the weights are partitioned at load (shape (0,) on every rank): read the real
+    # vocabulary size and the real rows from the gathered weights, never from a partition
+    with gathered([model.get_input_embeddings().weight]):
+        old_rows = model.get_input_embeddings().weight.shape[0]
     if max(ids) >= old_rows:
-        model.resize_token_embeddings(max(ids) + 1, mean_resizing=False)
+        model.resize_token_embeddings(max(ids) + 1, mean_resizing=False)  # transformers gathers under ZeRO-3
     real = min(min(ids), old_rows)  # rows below the first mask id are real tokens
-    with torch.no_grad():
-        for mat in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:
+    mats = list({id(m): m for m in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)}.values())
+    with gathered(mats, modifier_rank=0), torch.no_grad():  # rank 0's rows go to every rank
+        for mat in mats:
             mat[ids] = mat[:real].mean(dim=0, keepdim=True).to(mat.dtype)
+            if not torch.isfinite(mat[ids]).all():
+                raise ValueError(f"the new mask rows are not finite (vocabulary {real} real rows of {mat.shape[0]}): "
+                                 "are the model's embeddings finite?")
     spec = MaskSpec(tuple(ids), mask_num, mask_diff)
     model.config.space_mask = asdict(spec)
     return spec

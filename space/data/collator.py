@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masking import IGNORE_INDEX, targets, to_additive_4d, train_layout, truncate_layout
+from ..masking import IGNORE_INDEX, targets, train_layout, truncate_layout
 
 
 @dataclass
@@ -36,8 +36,10 @@ class SpaceCollator:
     Returns (``__call__``), with B samples, T real and M mask columns:
         input_ids, position_ids, labels, mask_offset: (B, T+M) long; labels are per-row targets
         (already aligned, no shift), mask_offset is j on mask rows and -1 elsewhere;
-        attention_mask: (B, 1, T+M, T+M) float additive; num_real: T; num_short: samples with
-        no room for a span (kept for the AR loss).
+        attention_mask: (B, 1, T+M, T+M) bool, True where a row may attend (each sample's layout
+        ``allowed`` placed at its rows; padding rows see only themselves). Models that add the mask
+        to the scores need ``masking.to_additive_4d(mask, dtype)``; SDPA takes the bool as is.
+        num_real: T; num_short: samples with no room for a span (kept for the AR loss).
     """
 
     mask_ids: torch.Tensor
@@ -99,13 +101,18 @@ class SpaceCollator:
         labels = torch.full((B, Q), IGNORE_INDEX, dtype=torch.long)
         position_ids = torch.zeros((B, Q), dtype=torch.long)
         mask_offset = torch.full((B, Q), -1, dtype=torch.long)
-        allowed = torch.eye(Q, dtype=torch.bool).repeat(B, 1, 1)  # padding rows see only themselves
+        allowed = torch.zeros((B, 1, Q, Q), dtype=torch.bool)
         for b, (lay, ids, tgt) in enumerate(parts):
-            # real rows keep their index, mask rows move behind the real padding
-            slot = torch.arange(lay.num_rows)
-            slot[lay.num_real:] += T - lay.num_real
-            input_ids[b, slot], labels[b, slot] = ids, tgt
-            position_ids[b, slot], mask_offset[b, slot] = lay.position_ids, lay.mask_offset
-            allowed[b, slot[:, None], slot[None, :]] = lay.allowed
-        return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": to_additive_4d(allowed),
+            # real rows keep their index (:n), mask rows move behind the real padding (T:T+m):
+            # block copies of the layout, no (Q, Q) index tensors
+            n, m = lay.num_real, lay.num_rows - lay.num_real
+            for out, row in ((input_ids, ids), (labels, tgt), (position_ids, lay.position_ids),
+                             (mask_offset, lay.mask_offset)):
+                out[b, :n], out[b, T:T + m] = row[:n], row[n:]
+            a, src = allowed[b, 0], lay.allowed
+            a[:n, :n], a[:n, T:T + m] = src[:n, :n], src[:n, n:]
+            a[T:T + m, :n], a[T:T + m, T:T + m] = src[n:, :n], src[n:, n:]
+            pad = torch.cat([torch.arange(n, T), torch.arange(T + m, Q)])
+            a[pad, pad] = True  # padding rows see only themselves (a finite softmax)
+        return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": allowed,
                 "labels": labels, "mask_offset": mask_offset, "num_real": T, "num_short": num_short}

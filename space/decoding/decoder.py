@@ -96,6 +96,39 @@ def compact_cache(cache: DynamicCache, start: int, rows: list[int]) -> None:
     crop_cache(cache, start + 1 + len(rows))
 
 
+def check_attention(model, caller: str = "SpaceDecoder") -> None:
+    """Refuse attention implementations that ignore a 4-D mask: every SPACE step's layout is one,
+    and so is every SAR-SFT batch (``space.train.trainer.forward_mask``).
+
+    Args:
+        model: the model (or its config's owner) about to be decoded or trained.
+        caller: who refuses, for the message (``SpaceDecoder``, ``space_generate``, ``SAR-SFT training``).
+
+    Raises:
+        ValueError: a flash-attention model (``attn_implementation="flash_attention_2"`` and kin).
+    """
+    impl = str(getattr(model.config, "_attn_implementation", None))
+    if "flash" in impl:
+        raise ValueError(f"{caller} cannot run with attn_implementation={impl!r}: flash attention takes no "
+                         "4-D attention mask, which every SPACE step and SAR-SFT batch needs; load the model with "
+                         "attn_implementation='sdpa' or 'eager' (or call model.set_attn_implementation('sdpa'))")
+
+
+def attention_dtype(decoder) -> torch.dtype:
+    """The dtype attention computes in, which the step's additive 4-D mask must have (SDPA takes a
+    float mask only in the query's dtype): that of the first floating-point parameter of the first
+    decoder layer's attention, else of the input embedding. Not the LM head's, which is often kept
+    in fp32 under a bf16 / fp16 trunk."""
+    layers = getattr(decoder, "layers", None)
+    first = layers[0] if layers is not None and len(layers) else None
+    attn = getattr(first, "self_attn", first)
+    for module in (attn, decoder.get_input_embeddings()):
+        for p in module.parameters() if module is not None else ():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.get_default_dtype()
+
+
 def with_cache(block_mask: torch.Tensor, position_ids: torch.Tensor, cache_len: int,
                windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
     """The forward's ``attention_mask`` for a step block after a cache of ``cache_len`` tokens.
@@ -235,12 +268,17 @@ class SpaceDecoder:
 
     Raises:
         ValueError: k larger than the model's per-offset mask tokens (mask_diff), a tree rank at or
-            above the vocabulary size, or a model with attention layers other than full and
-            sliding-window ones (``cache.attention_windows``).
+            above the vocabulary size, a model with attention layers other than full and
+            sliding-window ones (``cache.attention_windows``), or a flash-attention model
+            (:func:`check_attention`: the step's 4-D mask needs ``sdpa`` or ``eager``).
+
+    The step's additive mask takes the trunk's dtype (:func:`attention_dtype`, ``mask_dtype``), and
+    the LM head's input is cast to the head's dtype, so an fp32 head on a bf16 trunk decodes.
     """
 
     def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        check_attention(base)
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
         check_mask_num(self.config.mask_num, mask)
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
@@ -249,6 +287,7 @@ class SpaceDecoder:
         self.context = base.config.max_position_embeddings
         self.windows = attention_windows(base.config)  # sliding windows go into the step's 4-D mask
         self.device = self.head.weight.device
+        self.mask_dtype = attention_dtype(self.decoder)  # the trunk's, not the LM head's
         ids = mask.ids_for(self.config.mask_num).to(self.device)
         self.mask_ids = ids if ids.numel() > 1 else ids.expand(self.config.mask_num)  # (k,): offset j's id
         self.suppress = torch.tensor(mask.token_ids, device=self.device)
@@ -418,7 +457,7 @@ class SpaceDecoder:
             parent_rows=par[1:], ancestors=lay.ancestors,
             score=lay.depth * (n1 + 1) + (n1 - torch.arange(n1, device=dev)),
             mask_ids=self.mask_ids[lay.mask_offset[n1:].clamp_min(0)], position_ids=lay.position_ids,
-            block_mask=to_additive_4d(lay.allowed, self.head.weight.dtype))
+            block_mask=to_additive_4d(lay.allowed, self.mask_dtype))
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache,
                  mask_start: int | None) -> torch.Tensor:
@@ -548,6 +587,9 @@ class SpaceDecoder:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on selected rows only, mask tokens suppressed: (rows, hidden) -> (rows, vocab)."""
+        weight = self.head.weight
+        if weight.is_floating_point() and hidden.dtype != weight.dtype:  # e.g. an fp32 head on a bf16 trunk
+            hidden = hidden.to(weight.dtype)
         logits = self.head(hidden).float()
         logits[:, self.suppress] = float("-inf")
         return logits

@@ -6,7 +6,9 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from transformers import set_seed
+from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..adapters import (MASK_EMBEDDING, SAMPLER_HEAD, add_sampler_head, load_mask_rows, load_sampler_head,
@@ -106,6 +108,16 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
             read_space_config(Path(model_args.init_adapter))
         except FileNotFoundError as e:
             raise FileNotFoundError(f"init_adapter: {e}") from None
+    # the process group must exist before the load: under ZeRO-3, from_pretrained partitions the
+    # weights as they load (deepspeed.zero.Init), which needs the world size (TrainingArguments
+    # creates the group lazily, on first use of its device)
+    train_args.device  # noqa: B018
+    if train_args.deepspeed and torch.distributed.is_initialized():
+        # on GPUs accelerate does this; on CPU (use_cpu) DeepSpeed's own communicator must be told
+        # of the group, else zero.Init counts a world of 1 and rejects the batch size
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     model, tok = load_model(model_args.model_name_or_path, model_args.dtype)
     refuse_sliding_window(model.config, "SAR-SFT training", data_args.max_length)
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
@@ -129,7 +141,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
                            mask_num=mask_args.mask_num, two_pass=model_args.mode == "frozen-base",
                            mask_target=mask_args.mask_target, teacher_topk=mask_args.teacher_topk,
                            mask_chunk_rows=mask_args.mask_chunk_rows, suppress_ids=spec.token_ids,
-                           chain_weight=mask_args.chain_weight, consistency_weight=mask_args.consistency_weight)
+                           chain_weight=mask_args.chain_weight, consistency_weight=mask_args.consistency_weight,
+                           max_nonfinite_steps=getattr(train_args, "max_nonfinite_steps", 3))
     if last and emb is not None and os.path.isfile(os.path.join(last, MASK_EMBEDDING)):
         load_mask_rows(emb, os.path.join(last, MASK_EMBEDDING))
     if last and sampler is not None:  # settings matched, so a checkpoint of this run holds the head
@@ -137,7 +150,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     if trainer.is_world_process_zero():
         print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out); "
               f"mode {model_args.mode}; k={mask_args.mask_num}; "
-              f"trainable params {sum(p.numel() for p in model.parameters() if p.requires_grad):,}"
+              f"trainable params {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,}"
               + (f"; resuming: {done} of {total} steps done ({last})" if last else ""), flush=True)
     result = trainer.train(resume_from_checkpoint=last)
     final = Path(train_args.output_dir) / "final"
@@ -148,7 +161,9 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
                   f"kept {final}", flush=True)
         return final if trainer.is_world_process_zero() else None
     # (a run stopped between its last checkpoint and final/ gets final/ written from that checkpoint)
-    out = _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, len(dataset)) \
+    # ZeRO-3: every rank takes part in gathering the 16-bit weights; rank 0 writes them
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped) if is_deepspeed_zero3_enabled() else None
+    out = _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, len(dataset), state) \
         if trainer.is_world_process_zero() else None
     if trainer.accelerator.num_processes > 1:
         # Every rank waits for the save, then leaves the process group: a rank that exits with its gloo
@@ -159,16 +174,18 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     return out
 
 
-def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, num_samples) -> Path:
+def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, num_samples,
+                state_dict=None) -> Path:
     """Write ``OUTPUT_DIR/final`` (the artifact DESIGN §6 names), ``log_history.json`` and
-    ``training_curves.png`` (loss and mask accuracy); main process only."""
+    ``training_curves.png`` (loss and mask accuracy); main process only. ``state_dict``: the
+    gathered weights of a ZeRO-3 run (``space.adapters.save_artifact`` refuses partitions)."""
     config = {cls_name: dataclasses.asdict(a) for cls_name, a in
               (("model", model_args), ("data", data_args), ("mask", mask_args))}
     meta = {"base_model": model_args.model_name_or_path, "training_data": names, "num_samples": num_samples,
             "global_step": trainer.state.global_step, "train_runtime_s": result.metrics.get("train_runtime"),
             "train_config": config}
     out = save_artifact(Path(trainer.args.output_dir) / "final", trainer.accelerator.unwrap_model(trainer.model),
-                        tok, spec, model_args.mode, meta)
+                        tok, spec, model_args.mode, meta, state_dict)
     run_dir = Path(trainer.args.output_dir)
     (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     if any("mask_loss" in h for h in trainer.state.log_history):  # a run shorter than logging_steps logs none

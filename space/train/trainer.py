@@ -14,8 +14,10 @@ from transformers import DynamicCache, Trainer, TrainerCallback
 from ..adapters import MASK_EMBEDDING, SAMPLER_HEAD, save_mask_rows, save_sampler_head
 from ..decoding.cache import cache_input
 from ..decoding.config import DEFAULT_MASK_NUM
-from ..masking import IGNORE_INDEX, mask_rows, previous_ids
+from ..decoding.decoder import check_attention
+from ..masking import IGNORE_INDEX, mask_rows, previous_ids, to_additive_4d
 from ..sampler_head import sampler_head
+from ..zero3 import gathered
 from .loss import consistency_loss, offset_hits, space_loss, teacher_targets
 
 SETTINGS_FILE = "space_settings.json"
@@ -42,6 +44,15 @@ class SpaceTrainer(Trainer):
         suppress_ids: token ids the teacher never proposes (the mask tokens).
         chain_weight: alpha of the chain-weighted mask loss (``space.train.loss``; 0 = off).
         consistency_weight: weight of the hidden-state consistency loss (two_pass only; 0 = off).
+        max_nonfinite_steps: stop with :class:`TrainingDiverged` after this many consecutive
+            optimizer steps whose loss or gradient norm is NaN or inf (0 = never). Such a step
+            saves no checkpoint, so the last one saved before it stays. Under fp16 only the loss
+            counts: an overflowing gradient there is the loss scaler's business (it skips the step).
+
+    With ``activation_checkpointing`` in frozen-base mode (two_pass), the mask pass reads the real
+    tokens' keys and values from a :class:`PrefixCache` that it never writes, so each decoder
+    layer can be recomputed in backward with the cache (transformers drops a cache it might write
+    twice, and the mask rows would then attend to nothing but themselves).
 
     Raises:
         ValueError: unknown mask_target, teacher or consistency without two_pass, teacher_topk < 1,
@@ -51,7 +62,7 @@ class SpaceTrainer(Trainer):
     def __init__(self, *args, mask_loss_weight: float = 1.0, mask_num: int = DEFAULT_MASK_NUM, two_pass: bool = False,
                  mask_target: str = "token", teacher_topk: int = 20, mask_chunk_rows: int = 0,
                  suppress_ids: tuple[int, ...] = (), chain_weight: float = 0.0, consistency_weight: float = 0.0,
-                 **kwargs):
+                 max_nonfinite_steps: int = 3, **kwargs):
         if not 0 <= chain_weight <= 1 or not consistency_weight >= 0:  # False for NaN
             raise ValueError(f"need chain_weight in [0, 1] and consistency_weight >= 0, got {chain_weight}, "
                              f"{consistency_weight}")
@@ -71,6 +82,11 @@ class SpaceTrainer(Trainer):
         self.model_accepts_loss_kwargs = False  # our loss is a mean: let Trainer scale for accumulation
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self._nonfinite_steps = 0  # consecutive optimizer steps with a non-finite loss or gradient norm
+        self._loss_finite = torch.ones((), dtype=torch.bool)  # this step's micro-batches so far
+        if self.two_pass and self.args.activation_checkpointing:
+            checkpoint_with_prefix_cache(self.accelerator.unwrap_model(self.model))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.two_pass:
@@ -79,6 +95,7 @@ class SpaceTrainer(Trainer):
             out, labels, offsets = sar_forward(model, self.accelerator.unwrap_model(model), inputs, False)
             loss, metrics = space_loss(out.logits, labels, offsets, self.mask_loss_weight, self.mask_num,
                                        chain_weight=self.chain_weight)
+        self._loss_finite = self._loss_finite.to(loss.device) & torch.isfinite(loss.detach()).all()
         metrics["short_samples"] = float(inputs["num_short"])
         for key, value in metrics.items():
             self._sums[key] += value
@@ -115,8 +132,7 @@ class SpaceTrainer(Trainer):
             last = i == len(chunks) - 1
             # DDP: forward and backward of all but the last chunk inside no_sync (one all-reduce)
             with self.accelerator.no_sync(model) if early and not last else nullcontext():
-                out = mask_pass(model, unwrapped, inputs, cache, rows, copy_cache=len(chunks) > 1,
-                                hidden_states=self.consistency_weight > 0)
+                out = mask_pass(model, unwrapped, inputs, cache, rows, hidden_states=self.consistency_weight > 0)
                 tch = None if teacher is None else (teacher[0][:, rows], teacher[1][:, rows])
                 loss, m = space_loss(out.logits, labels[:, rows], offsets[:, rows], self.mask_loss_weight,
                                      self.mask_num, tch, total, self.chain_weight)
@@ -144,11 +160,106 @@ class SpaceTrainer(Trainer):
         """What ``Trainer.training_step`` divides this micro-batch's loss by (set in the train loop)."""
         return getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
 
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        # the one place the Trainer hands over each optimizer step's gradient norm (before it logs
+        # and saves): check the step here, so a bad step is never saved as a checkpoint
+        self._check_finite(grad_norm)
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _check_finite(self, grad_norm) -> None:
+        """Count consecutive non-finite steps (every rank agrees); raise past the limit."""
+        ok = self._loss_finite.clone()
+        self._loss_finite = torch.ones((), dtype=torch.bool, device=ok.device)
+        if grad_norm is not None and not self.args.fp16:
+            ok &= bool(torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float)).all())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            bad = (~ok).to(torch.float).reshape(1).to(self.args.device)
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # one bad rank stops all
+            ok = bad.item() == 0
+        if bool(ok):
+            self._nonfinite_steps = 0
+            return
+        self._nonfinite_steps += 1
+        self.control.should_save = False  # keep the last checkpoint saved before the trouble
+        step = self.state.global_step
+        if self.max_nonfinite_steps and self._nonfinite_steps >= self.max_nonfinite_steps:
+            raise TrainingDiverged(
+                f"training stopped at step {step}: the loss or gradient norm was NaN or inf on "
+                f"{self._nonfinite_steps} consecutive steps (max_nonfinite_steps={self.max_nonfinite_steps}); "
+                f"the last checkpoint in {self.args.output_dir} was saved before them. Lower the learning rate, "
+                "check the data and the mask rows, or use bf16 instead of fp16")
+        if self.is_world_process_zero():
+            print(f"[space] step {step}: non-finite loss or gradient norm ({self._nonfinite_steps} in a row; "
+                  f"stopping at {self.max_nonfinite_steps or 'never'}); no checkpoint saved for it", flush=True)
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # training log: add our averages since the last log
             logs.update({k: round(self._sums[k] / self._counts[k], 4) for k in sorted(self._sums)})
             self._sums.clear(), self._counts.clear()
         super().log(logs, *args, **kwargs)
+
+
+class TrainingDiverged(ValueError):
+    """Training stopped: the loss or gradient norm stayed NaN or inf (``max_nonfinite_steps``).
+    A ValueError, so ``space-train`` reports it in one line and exits non-zero."""
+
+
+class PrefixCache(DynamicCache):
+    """The real tokens' KV cache of a frozen-base step, read-only once ``frozen``.
+
+    The no-grad real pass fills it; the mask pass then gets, per layer, the real keys and values
+    followed by the mask rows' own, without storing the latter. The cache is the same before and
+    after each mask forward, so a decoder layer recomputed in backward (activation checkpointing)
+    sees exactly what it saw in forward, and every chunk of mask rows sees the real tokens alone.
+    """
+
+    frozen = False
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not self.frozen:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
+
+
+def checkpoint_with_prefix_cache(model) -> None:
+    """Let transformers' activation checkpointing keep the cache in the frozen-base mask pass.
+
+    transformers drops the cache of a checkpointed layer (``GradientCheckpointingLayer``), since a
+    recomputed layer would write it twice; its ``_can_checkpoint_with_cache`` is for layers that
+    only read it, which is what a frozen :class:`PrefixCache` makes every layer do here. Only the
+    mask pass runs layers with gradients and a cache in this mode.
+
+    Raises:
+        ValueError: a transformers version without that switch (it appeared in 5.24).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        raise ValueError("frozen-base training with activation_checkpointing needs transformers >= 5.24 (earlier "
+                         "versions drop the real tokens' cache in checkpointed layers); upgrade, or turn it off")
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module._can_checkpoint_with_cache = True
+
+
+def forward_mask(allowed: torch.Tensor, model) -> torch.Tensor:
+    """The collator's boolean 4-D mask (True: may attend) in the form ``model``'s attention takes.
+
+    SDPA takes it as it is (its memory-efficient kernel accepts a boolean mask in bf16 too); eager
+    attention adds the mask to its scores, so it gets an additive mask in the compute dtype (the
+    autocast dtype under mixed precision, else the weights'). Flash attention takes no 4-D mask.
+
+    Raises:
+        ValueError: a flash-attention model.
+    """
+    check_attention(model, "SAR-SFT training")
+    impl = str(getattr(model.config, "_attn_implementation", "sdpa"))
+    if impl == "sdpa" or allowed.dtype != torch.bool:
+        return allowed
+    kind = allowed.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else model.get_input_embeddings().weight.dtype
+    return to_additive_4d(allowed, dtype)
 
 
 def sar_forward(model, unwrapped, inputs: dict, two_pass: bool):
@@ -165,7 +276,7 @@ def sar_forward(model, unwrapped, inputs: dict, two_pass: bool):
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
     if not two_pass:  # real rows :T, mask rows T: (the gate matters only to a frozen-base LoRA)
         with mask_rows(T):
-            return model(input_ids=ids, position_ids=pos, attention_mask=attn), labels, offsets
+            return model(input_ids=ids, position_ids=pos, attention_mask=forward_mask(attn, unwrapped)), labels, offsets
     cache, _ = real_pass(unwrapped, inputs)
     out = mask_pass(model, unwrapped, inputs, cache, slice(0, ids.shape[1] - T))
     return out, labels[:, T:], offsets[:, T:]
@@ -179,11 +290,12 @@ def real_pass(unwrapped, inputs: dict) -> tuple[DynamicCache, torch.Tensor]:
     """
     T = inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
-    cache = DynamicCache(config=unwrapped.config)
+    cache = PrefixCache(config=unwrapped.config)
     with torch.no_grad(), unwrapped.disable_adapter():
         hidden = unwrapped.get_base_model().get_decoder()(
-            input_ids=ids[:, :T], position_ids=pos[:, :T], attention_mask=attn[:, :, :T, :T],
+            input_ids=ids[:, :T], position_ids=pos[:, :T], attention_mask=forward_mask(attn[:, :, :T, :T], unwrapped),
             **cache_input(cache), use_cache=True).last_hidden_state
+    cache.frozen = True
     return cache, hidden
 
 
@@ -205,14 +317,13 @@ def mask_consistency(mask_hidden: torch.Tensor, hidden: torch.Tensor, inputs: di
     return consistency_loss(mask_hidden[b, m], hidden[b, inputs["position_ids"][:, cols][b, m]])
 
 
-def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, copy_cache: bool = False,
-              hidden_states: bool = False):
+def mask_pass(model, unwrapped, inputs: dict, cache: PrefixCache, rows: slice, hidden_states: bool = False):
     """Mask columns ``T + rows`` with gradients, after the real tokens' cache.
 
     ``rows`` must hold whole groups: a mask row sees the real tokens and its own group only, so
-    the rows of other chunks are left out of the attention mask's columns. ``copy_cache``: run
-    on a copy of ``cache`` (it grows by the chunk's rows), so the next chunk sees the real tokens
-    alone and no graph links two chunks. ``hidden_states``: also return every layer's hidden
+    the rows of other chunks are left out of the attention mask's columns. The cache is frozen
+    (:class:`PrefixCache`): every chunk sees the real tokens alone, and no graph links two chunks.
+    ``hidden_states``: also return every layer's hidden
     states (the consistency loss reads the last). With a sampler head (``space.adapters``), the
     logits are the LM head of the sampler head's output, given each mask's last hidden state and
     the true token before its target (efficient layout: ``space.masking.previous_ids``).
@@ -220,9 +331,7 @@ def mask_pass(model, unwrapped, inputs: dict, cache: DynamicCache, rows: slice, 
     T = inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
     q = slice(T + rows.start, T + rows.stop)
-    mask = torch.cat([attn[:, :, q, :T], attn[:, :, q, q]], dim=-1)  # (batch, 1, rows, T + rows)
-    if copy_cache:
-        cache = DynamicCache([(layer.keys, layer.values) for layer in cache.layers], config=unwrapped.config)
+    mask = forward_mask(torch.cat([attn[:, :, q, :T], attn[:, :, q, q]], dim=-1), unwrapped)  # (batch, 1, rows, T + rows)
     head = sampler_head(unwrapped)
     # with a sampler head the model's own LM head is skipped (no logits kept): the head's output feeds it
     skip = {} if head is None else {"logits_to_keep": torch.empty(0, dtype=torch.long, device=ids.device)}
@@ -298,10 +407,14 @@ class SpaceCheckpointCallback(TrainerCallback):
         self.settings, self.emb, self.sampler = settings, mask_embedding, sampler
 
     def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            (ckpt / SETTINGS_FILE).write_text(json.dumps(self.settings, indent=2))
-            if self.emb is not None:
-                save_mask_rows(self.emb, ckpt / MASK_EMBEDDING)
-            if self.sampler is not None:
-                save_sampler_head(self.sampler, ckpt / SAMPLER_HEAD)
+        # every rank gathers (ZeRO-3 partitions the mask rows and the head too); rank 0 writes
+        params = ([self.emb.mask_rows] if self.emb is not None else []) + \
+            (list(self.sampler.parameters()) if self.sampler is not None else [])
+        with gathered(params):
+            if state.is_world_process_zero:
+                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                (ckpt / SETTINGS_FILE).write_text(json.dumps(self.settings, indent=2))
+                if self.emb is not None:
+                    save_mask_rows(self.emb, ckpt / MASK_EMBEDDING)
+                if self.sampler is not None:
+                    save_sampler_head(self.sampler, ckpt / SAMPLER_HEAD)

@@ -1,9 +1,12 @@
 """The SAR-SFT collator against DESIGN §3.1-§3.2, row by row."""
+import dataclasses
+import random
+
 import pytest
 import torch
 
 from space.data.collator import SpaceCollator
-from space.masking import IGNORE_INDEX
+from space.masking import IGNORE_INDEX, build_layout, targets, to_additive_4d, train_layout, truncate_layout
 
 MASK, PAD = 999, 0
 
@@ -26,7 +29,8 @@ def test_rows_follow_design(layout):
     feats = features([12, 9, 20])
     batch = col(feats)
     T, Q = batch["num_real"], batch["input_ids"].shape[1]
-    allowed = batch["attention_mask"][:, 0] == 0
+    allowed = batch["attention_mask"][:, 0]
+    assert allowed.dtype == torch.bool and batch["attention_mask"].shape == (len(feats), 1, Q, Q)
     for b, f in enumerate(feats):
         x = torch.tensor(f["input_ids"])
         spans = spans_of(batch, b, k)
@@ -91,3 +95,139 @@ def test_bad_collator_arguments():
         SpaceCollator(torch.tensor([MASK]), 0, PAD)
     with pytest.raises(ValueError, match="layout"):
         SpaceCollator(torch.tensor([MASK]), 2, PAD, layout="other")
+
+
+def reference_batch(col: SpaceCollator, features: list[dict]) -> dict:
+    """The collator's batch the slow, obvious way: each sample's layout from the general builder
+    (``build_layout``), its rows placed one by one, padding rows seeing only themselves."""
+    k, rows = col.mask_num, []
+    for f in features:
+        ids = torch.as_tensor(f["input_ids"], dtype=torch.long)
+        p = int(f["prompt_len"])
+        spans = col.draw_spans(len(ids), p, int(f.get("idx", 0)))
+        mask_ids = col.mask_ids.expand(k) if col.mask_ids.numel() == 1 else col.mask_ids
+        if col.layout == "truncate" and spans:
+            lay = build_layout(0, spans[0], spans[:1], k + 1)
+            tgt = targets(lay, ids, first_target=p, drop_offset=k)
+            block = lay.input_ids(ids[: spans[0]], torch.cat([mask_ids, mask_ids[-1:]]))
+        else:
+            lay = build_layout(0, len(ids), spans, k)
+            tgt, block = targets(lay, ids, first_target=p), lay.input_ids(ids, mask_ids)
+        rows.append((lay, block, tgt))
+    T = max(lay.num_real for lay, _, _ in rows)
+    Q = T + max(lay.num_rows - lay.num_real for lay, _, _ in rows)
+    out = {"input_ids": torch.full((len(rows), Q), col.pad_id), "labels": torch.full((len(rows), Q), IGNORE_INDEX),
+           "position_ids": torch.zeros(len(rows), Q, dtype=torch.long),
+           "mask_offset": torch.full((len(rows), Q), -1),
+           "attention_mask": torch.zeros(len(rows), 1, Q, Q, dtype=torch.bool)}
+    for b, (lay, block, tgt) in enumerate(rows):
+        slot = [r if r < lay.num_real else T + r - lay.num_real for r in range(lay.num_rows)]
+        for r, sr in enumerate(slot):
+            out["input_ids"][b, sr], out["labels"][b, sr] = block[r], tgt[r]
+            out["position_ids"][b, sr], out["mask_offset"][b, sr] = lay.position_ids[r], lay.mask_offset[r]
+            out["attention_mask"][b, 0, sr, slot] = lay.allowed[r]
+        for r in sorted(set(range(Q)) - set(slot)):
+            out["attention_mask"][b, 0, r, r] = True
+    out["num_real"] = T
+    return out
+
+
+def random_case(rng: random.Random, layout: str):
+    k = rng.randint(1, 6)
+    mask_ids = torch.tensor([MASK]) if rng.random() < 0.5 else MASK + torch.arange(k)  # mask_diff: one per offset
+    col = SpaceCollator(mask_ids, k, PAD, mask_prob=rng.choice([1.0, 0.5, 0.0]), spans_per_sample=rng.randint(1, 4),
+                        layout=layout, seed=rng.randint(0, 99), epoch=rng.randint(0, 3),
+                        span_density=rng.choice([0.0, 0.0, 0.3, 1.0]) if layout == "efficient" else 0.0)
+    feats = []
+    for i in range(rng.randint(1, 4)):
+        n = rng.randint(1, 40)  # some too short for a span, so padding of every kind
+        ids = [rng.randint(1, 500) for _ in range(n)]
+        feats.append({"input_ids": ids if rng.random() < 0.5 else torch.tensor(ids), "idx": rng.randint(0, 10**6),
+                      "prompt_len": rng.randint(0, n)})
+    return col, feats
+
+
+@pytest.mark.parametrize("layout", ["efficient", "truncate"])
+def test_batch_equals_reference(layout):
+    """Random batches (sizes, lengths, prompts, k, spans, mask_prob, dense groups, mask_diff): the
+    collator's batch is exactly the one-row-at-a-time reference, boolean mask included."""
+    rng = random.Random(layout)
+    seen = {"padded": 0, "no_span": 0, "groups": 0}
+    for _ in range(60):
+        col, feats = random_case(rng, layout)
+        got, want = col(feats), reference_batch(col, feats)
+        assert got["attention_mask"].dtype == torch.bool
+        assert set(want) <= set(got) and got["num_short"] >= 0
+        for key, value in want.items():
+            assert (torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value), key
+        real = got["num_real"]
+        seen["padded"] += any(len(f["input_ids"]) < real for f in feats)
+        seen["no_span"] += bool((got["mask_offset"] == -1).all(1).any())
+        seen["groups"] += bool((got["mask_offset"] >= 0).any())
+    assert all(seen.values()), seen  # the random cases covered padding, span-less samples and groups
+
+
+def test_reference_catches_a_wrong_mask():
+    """The comparison above fails on any one wrong entry of the mask: a mask row that also sees
+    the real row it predicts, a real row that sees a mask, a padding row that sees row 0."""
+    col = SpaceCollator(torch.tensor([MASK]), 3, PAD, spans_per_sample=2, seed=3)
+    feats = features([14, 9])
+    got, want = col(feats), reference_batch(col, feats)
+    assert torch.equal(got["attention_mask"], want["attention_mask"])
+    T, r = got["num_real"], int((got["mask_offset"][0] == 0).nonzero()[0])
+    s = int(got["position_ids"][0, r])
+    for b, row, column in ((0, r, s), (0, s, r), (1, 12, 0)):
+        wrong = got["attention_mask"].clone()
+        wrong[b, 0, row, column] ^= True
+        assert not torch.equal(wrong, want["attention_mask"])
+    assert not want["attention_mask"][0, 0, r, s] and want["attention_mask"][0, 0, r, s - 1]
+
+
+def test_train_layouts_equal_general_builder():
+    """train_layout / truncate_layout (the collator's fast chain builders) give exactly
+    build_layout's Layout, every field."""
+    rng = random.Random(0)
+    for _ in range(60):
+        n, k = rng.randint(1, 30), rng.randint(1, 6)
+        spans = [rng.randint(1, n) for _ in range(rng.randint(0, 5))]  # any order, repeats allowed
+        s = rng.randint(1, n)
+        for fast, slow in ((train_layout(n, spans, k), build_layout(0, n, spans, k)),
+                           (train_layout(n, torch.tensor(spans, dtype=torch.long), k), build_layout(0, n, spans, k)),
+                           (truncate_layout(s, k), build_layout(0, s, [s], k + 1))):
+            for f in dataclasses.fields(fast):
+                a, b = getattr(fast, f.name), getattr(slow, f.name)
+                if isinstance(a, torch.Tensor):
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f.name
+                else:
+                    assert a == b, f.name
+    for bad in ((0, 3, [1], 0), (0, 3, [4], 2), (0, 3, [0], 2), (0, 0, [], 2)):
+        with pytest.raises(ValueError) as slow_error:
+            build_layout(*bad)
+        with pytest.raises(ValueError) as fast_error:
+            train_layout(*bad[1:])
+        assert str(fast_error.value) == str(slow_error.value)
+
+
+def test_additive_mask_from_the_collator_mask():
+    """to_additive_4d takes the collator's (B, 1, Q, Q) bool as is: 0 where allowed, dtype min elsewhere."""
+    batch = SpaceCollator(torch.tensor([MASK]), 2, PAD, spans_per_sample=2)(features([12, 7]))
+    allowed = batch["attention_mask"]
+    for dtype in (torch.float32, torch.bfloat16):
+        add = to_additive_4d(allowed, dtype)
+        assert add.dtype == dtype and add.shape == allowed.shape
+        assert torch.equal(add == 0, allowed) and (add[~allowed] == torch.finfo(dtype).min).all()
+        assert torch.equal(add, to_additive_4d(allowed[:, 0], dtype))
+    with pytest.raises(ValueError, match="batch, 1, q, kv"):
+        to_additive_4d(allowed.expand(-1, 2, -1, -1))
+
+
+def test_bool_mask_runs_like_the_additive_one(tiny):
+    """The model (SDPA) reads the collator's bool mask as the additive mask it replaced."""
+    model, _, spec = tiny
+    col = SpaceCollator(spec.ids_for(3), 3, PAD, spans_per_sample=2, seed=5)
+    batch = col([{"input_ids": list(range(10, 10 + n)), "prompt_len": 2, "idx": i} for i, n in enumerate([16, 9])])
+    kw = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    with torch.no_grad():
+        got = model(**kw, attention_mask=batch["attention_mask"]).logits
+        want = model(**kw, attention_mask=to_additive_4d(batch["attention_mask"])).logits
+    assert (got - want).abs().max() < 1e-5

@@ -45,15 +45,15 @@ def test_untrained_head_is_the_identity_and_mask_pass_feeds_it_the_true_previous
     batch = collator([{"input_ids": torch.randint(11, 250, (20,)).tolist(), "prompt_len": 2, "idx": i} for i in range(2)])
     cache, _ = real_pass(model, batch)
     plain = mask_pass(model, model, batch, cache, slice(0, batch["input_ids"].shape[1] - batch["num_real"]),
-                      copy_cache=True, hidden_states=True)
+                      hidden_states=True)
     head = add_sampler_head(model, 16)
     assert sampler_head(model) is head and head.width == 16
     rows = slice(0, batch["input_ids"].shape[1] - batch["num_real"])
-    fresh = mask_pass(model, model, batch, cache, rows, copy_cache=True)
+    fresh = mask_pass(model, model, batch, cache, rows)
     torch.testing.assert_close(fresh.logits, plain.logits)
     with torch.no_grad():
         head.fc2.weight.normal_(0, 0.5)
-    out = mask_pass(model, model, batch, cache, rows, copy_cache=True)
+    out = mask_pass(model, model, batch, cache, rows)
     T = batch["num_real"]
     prev = batch["input_ids"][:, :T].gather(1, batch["position_ids"][:, T:].clamp(max=T - 1))
     scored = (batch["labels"][:, T:] != IGNORE_INDEX) & (batch["mask_offset"][:, T:] >= 0)

@@ -36,7 +36,7 @@ def test_dense_collator_rows_match_layout_core():
         assert torch.equal(batch["input_ids"][b, slot], lay.input_ids(ids, torch.tensor([MASK])))
         assert torch.equal(batch["position_ids"][b, slot], lay.position_ids)
         assert torch.equal(batch["labels"][b, slot], targets(lay, ids, first_target=f["prompt_len"]))
-        allowed = batch["attention_mask"][b, 0] == 0
+        allowed = batch["attention_mask"][b, 0]
         assert torch.equal(allowed[slot[:, None], slot[None, :]], lay.allowed)
         assert (batch["mask_offset"][b, T + len(spans) * K:] == -1).all()  # the rest is padding
 

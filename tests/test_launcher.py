@@ -1,0 +1,160 @@
+"""run_sft_multi_node.sh: how many processes it starts per node, and its --smoke dispatch.
+
+The launcher runs with SPACE_LAUNCH_DRY_RUN=1 (it prints the command instead of running torchrun) and a
+fake ``nvidia-smi`` first on PATH that prints what the real one prints on a GPU machine."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "run_sft_multi_node.sh"
+CONFIG = "configs/train/tiny_smoke.yaml"
+BASH = shutil.which("bash")
+
+EIGHT_H100 = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-6a3f1c2e-9b7d-4e01-8c5a-{i:012x})\n" for i in range(8))
+ONE_A100_THREE_MIG = (
+    "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
+    "  MIG 3g.40gb     Device  0: (UUID: MIG-c6d4f1b8-4c1e-5e9a-9f3e-0a1b2c3d4e5f)\n"
+    "  MIG 2g.20gb     Device  1: (UUID: MIG-8e2f5a7c-1d3b-5f60-a4c9-1b2c3d4e5f60)\n"
+    "  MIG 1g.10gb     Device  2: (UUID: MIG-0f9e8d7c-6b5a-5a49-b3c2-2c3d4e5f6071)\n"
+)
+NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+             "Make sure that the latest NVIDIA driver is installed and running.\n")
+# what the launcher may inherit from the caller and that would change the count
+CLEARED = ("NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+           "SPACE_LAUNCH_DRY_RUN")
+
+
+def fake_nvidia_smi(tmp_path, listing, rc=0):
+    """A folder holding an ``nvidia-smi`` that prints ``listing`` for ``-L``."""
+    bin_dir = tmp_path / "fake_bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "listing.txt").write_text(listing)
+    exe = bin_dir / "nvidia-smi"
+    exe.write_text(f'#!/bin/sh\n[ "$1" = "-L" ] || exit 6\nwhile IFS= read -r line; do printf "%s\\n" "$line"; done '
+                   f'< "{bin_dir / "listing.txt"}"\nexit {rc}\n')
+    exe.chmod(0o755)
+    return bin_dir
+
+
+def path_without_nvidia_smi(tmp_path):
+    """A PATH of symlinks to the tools the launcher uses, and no nvidia-smi."""
+    bin_dir = tmp_path / "bare_bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "sh", "dirname", "grep", "sed"):
+        found = shutil.which(tool)
+        assert found, f"{tool} not found"
+        (bin_dir / tool).symlink_to(found)
+    return str(bin_dir)
+
+
+def launch(env_extra, *args, path=None):
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    env.update(PYTHON=sys.executable, SPACE_LAUNCH_DRY_RUN="1", **env_extra)
+    if path is not None:
+        env["PATH"] = path
+    out = subprocess.run([BASH, str(SCRIPT), CONFIG, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1, out.stdout
+    return lines[0].split()
+
+
+def nproc(words):
+    assert words[1:4] == ["-m", "torch.distributed.run", "--standalone"], words
+    return int(words[words.index("--nproc_per_node") + 1])
+
+
+def with_gpus(tmp_path, listing, rc=0):
+    return str(fake_nvidia_smi(tmp_path, listing, rc)) + os.pathsep + os.environ.get("PATH", "")
+
+
+def test_launcher_eight_gpus(tmp_path):
+    words = launch({}, "--max_steps", "2", path=with_gpus(tmp_path, EIGHT_H100))
+    assert nproc(words) == 8
+    assert words[0] == sys.executable
+    assert words[-5:] == ["space.train", "--config", CONFIG, "--max_steps", "2"]
+
+
+def test_launcher_mig_lines_are_not_gpus(tmp_path):
+    # nvidia-smi -L | wc -l counted 4 here
+    assert nproc(launch({}, path=with_gpus(tmp_path, ONE_A100_THREE_MIG))) == 1
+
+
+def test_launcher_two_gpus_with_mig_lines(tmp_path):
+    listing = ONE_A100_THREE_MIG + ONE_A100_THREE_MIG.replace("GPU 0:", "GPU 1:")
+    assert nproc(launch({}, path=with_gpus(tmp_path, listing))) == 2
+
+
+def test_launcher_without_nvidia_smi(tmp_path):
+    path = path_without_nvidia_smi(tmp_path)
+    assert nproc(launch({}, path=path)) == 1
+
+
+def test_launcher_nvidia_smi_without_driver(tmp_path):
+    # the error message is one line on stdout: wc -l counted it as a GPU
+    path = with_gpus(tmp_path, NO_DRIVER, rc=9)
+    assert count_gpus({}, path) == "0"
+    assert nproc(launch({}, path=path)) == 1
+
+
+def test_launcher_cuda_visible_devices_subset(tmp_path):
+    assert nproc(launch({"CUDA_VISIBLE_DEVICES": "0,1"}, path=with_gpus(tmp_path, EIGHT_H100))) == 2
+
+
+def test_launcher_cuda_visible_devices_empty_means_no_gpu(tmp_path):
+    assert nproc(launch({"CUDA_VISIBLE_DEVICES": ""}, path=with_gpus(tmp_path, EIGHT_H100))) == 1
+
+
+def test_launcher_cuda_visible_devices_one_mig(tmp_path):
+    mig = {"CUDA_VISIBLE_DEVICES": "MIG-c6d4f1b8-4c1e-5e9a-9f3e-0a1b2c3d4e5f"}
+    assert nproc(launch(mig, path=with_gpus(tmp_path, ONE_A100_THREE_MIG))) == 1
+
+
+def test_launcher_nproc_per_node_overrides(tmp_path):
+    env = {"NPROC_PER_NODE": "3", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert nproc(launch(env, path=with_gpus(tmp_path, EIGHT_H100))) == 3
+
+
+def count_gpus(env_extra, path):
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    env.update(env_extra, PATH=path)
+    out = subprocess.run([BASH, "-c", f'source "{SCRIPT}" && count_gpus'], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("visible, expected", [
+    ("", 0), (" ", 0), ("-1", 0), ("NoDevFiles", 0), ("0", 1), ("0,1", 2), ("3, 5,7", 3), ("0,1,", 2),
+    ("0,-1,1", 1), ("abc,0", 0), ("GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77", 1),
+    ("MIG-c6d4f1b8-4c1e-5e9a-9f3e-0a1b2c3d4e5f,MIG-8e2f5a7c-1d3b-5f60-a4c9-1b2c3d4e5f60", 2),
+])
+def test_launcher_count_gpus_cuda_visible_devices(tmp_path, visible, expected):
+    """Entries counted as CUDA reads them: up to the first that is no index and no GPU-/MIG- UUID."""
+    assert count_gpus({"CUDA_VISIBLE_DEVICES": visible}, with_gpus(tmp_path, EIGHT_H100)) == str(expected)
+
+
+def test_launcher_smoke_dispatch(tmp_path):
+    words = launch({}, "--max_steps", "2", "--smoke", "--output_dir", str(tmp_path / "out"),
+                   path=with_gpus(tmp_path, EIGHT_H100))
+    assert words == [sys.executable, "-m", "space.train.smoke", CONFIG, "--max_steps", "2",
+                     "--output_dir", str(tmp_path / "out")]
+
+
+def test_launcher_help_shows_whole_header():
+    out = subprocess.run([BASH, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    header = []
+    for line in SCRIPT.read_text().splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    assert out.stdout.splitlines() == header
+    for word in ("--smoke", "CUDA_VISIBLE_DEVICES", "SPACE_LAUNCH_DRY_RUN", "NPROC_PER_NODE", "MIG"):
+        assert word in out.stdout
