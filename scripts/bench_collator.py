@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--length", type=int, default=2048, help="tokens per sample")
     ap.add_argument("--mask-num", type=int, default=5, help="k, masks per group")
     ap.add_argument("--spans-per-sample", type=int, default=1, help="mask groups per sample")
+    ap.add_argument("--span-density", type=float, default=0.0,
+                    help="dense groups: share of answer positions that anchor one (overrides --spans-per-sample; 0 = off)")
     ap.add_argument("--layout", choices=["efficient", "truncate"], default="efficient")
     ap.add_argument("--repeats", type=int, default=20, help="timed calls (median reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a dataloader worker)")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     feats = features(a.batch, a.length, seed=0)
     kwargs = dict(mask_ids=torch.tensor([MASK_ID]), mask_num=a.mask_num, pad_id=PAD_ID,
-                  spans_per_sample=a.spans_per_sample, layout=a.layout)
+                  spans_per_sample=a.spans_per_sample, layout=a.layout, span_density=a.span_density)
     collators = {"current": SpaceCollator(**kwargs)}
     if a.baseline is not None:
         collators["baseline"] = load_collator(a.baseline, a.baseline_masking)(**kwargs)
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
             times[name].append(time.perf_counter() - t0)
     q = batches["current"]["input_ids"].shape[1]
     res = {"batch": a.batch, "length": a.length, "mask_num": a.mask_num, "spans_per_sample": a.spans_per_sample,
+           "span_density": a.span_density,
            "layout": a.layout, "repeats": a.repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
            "rows": q, "mask_bytes": batches["current"]["attention_mask"].nbytes}
     for name in collators:

@@ -27,8 +27,12 @@ decoding with transformers' sliding cache sees.
 Device work: tokens, candidates, draft distributions and the sampling generator live on the
 model's device; a static layout's tensors are built once per shape and kept there, a dynamic
 tree's are built on the device each step with tensor ops. A greedy step copies to the host once
-(the accepted row and the tokens to emit), which the cache crop needs anyway; the dynamic tree
-copies its drafts' top-R ids and probabilities once more, for the planner.
+(the accepted row and the tokens to emit), which the cache crop needs anyway; the accepted path's
+keys and values move by a gather whose order is computed on the device before that copy, and the
+bonus token stays there. Host syncs per step, counted as CUDA would make them
+(``tests/decoding/test_syncs.py``, issue 43): 1 for the chain and a static tree; with prompt
+lookup, one upload more when the lookup found candidates; the dynamic tree also copies its drafts'
+top-R ids and probabilities for the planner and uploads the plan (tokens and layout).
 
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
 >= the model's context (fewer candidates, shorter mask groups, at the very end no group).
@@ -52,6 +56,7 @@ to the mask drafts, so a failed lookup costs only its rows. Its candidates are d
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -67,7 +72,7 @@ from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache
 from .config import DecodeConfig
 from .dynamic import DEFAULT_STEP_COST, AcceptanceStats, StepCost, plan_step
-from .result import DecodeResult, check_prompt, clock
+from .result import DecodeResult, check_prompt
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .tree import chain_depth, prune
 from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
@@ -76,24 +81,37 @@ from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def compact_cache(cache: DynamicCache, start: int, rows: list[int]) -> None:
+def compact_cache(cache: DynamicCache, start: int, rows: list[int], order: torch.Tensor | None = None) -> None:
     """Move the keys and values of block rows ``rows`` (the accepted path of a token tree) to the
     contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), on each
-    layer's own device, then crop after them. O(accepted) per layer; a chain's path is already in
-    place and is only cropped.
+    layer's own device, then crop after them. A chain's path is already in place and is only
+    cropped.
 
     Args:
         start: the cache length before the block (x_{n-1}'s slot).
-        rows: block rows of the accepted nodes in depth order (row 0 is x_{n-1}).
+        rows: block rows of the accepted nodes in depth order (row 0 is x_{n-1}), on the host.
+        order: (1+N,) device tensor of block rows with x_{n-1} and ``rows`` first
+            (:func:`path_first`), so the move is one gather per layer with no host-to-device copy;
+            None: built from ``rows`` (one copy to each layer's device).
     """
-    moved = [i for i, r in enumerate(rows, 1) if r != i]
-    if moved:
+    if any(r != i for i, r in enumerate(rows, 1)):
         for layer in cache.layers:
-            src = torch.tensor([start + rows[i - 1] for i in moved], device=layer.keys.device)
-            dst = torch.tensor([start + i for i in moved], device=layer.keys.device)
-            layer.keys[..., dst, :] = layer.keys[..., src, :]
-            layer.values[..., dst, :] = layer.values[..., src, :]
+            idx = (order[: 1 + len(rows)] if order is not None else torch.tensor([0, *rows])).to(layer.keys.device) + start
+            layer.keys[..., start: start + idx.numel(), :] = layer.keys.index_select(-2, idx)
+            layer.values[..., start: start + idx.numel(), :] = layer.values.index_select(-2, idx)
     crop_cache(cache, start + 1 + len(rows))
+
+
+def path_first(ancestors: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """(1+N,) block rows, the accepted path's first (x_{n-1}, then down to row ``best``, in row
+    order, which is depth order since parents come first), then the others: the gather order of
+    :func:`compact_cache`, computed on the device from ``best`` (0-d) before it is read.
+
+    Args:
+        ancestors: (1+N, 1+N) bool, ancestor-or-self of each row.
+    """
+    on_path = ancestors.index_select(0, best.view(1))[0]
+    return torch.argsort((~on_path).to(torch.uint8), stable=True)
 
 
 def check_attention(model, caller: str = "SpaceDecoder") -> None:
@@ -354,14 +372,16 @@ class SpaceDecoder:
         res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
         cache = full_cache()
-        t0 = clock(self.device)
+        # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
+        seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
+        # host clock only: each step ends by copying its result to the host, which waits for the
+        # device, so step times add up without a synchronize of their own (on CUDA, two per step)
+        t0 = time.perf_counter()
         ids = ids.to(self.device)
         if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
             self._forward(ids[:-1], None, None, cache, None)
-        prefill_s = clock(self.device) - t0
+        prefill_s = time.perf_counter() - t0
         last = ids[-1:]
-        # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
-        seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
         # a sampled chain drafts by sampling and verifies with the p/q rule; every other step
         # verifies deterministic candidates
         pq = not sampling.greedy and self.config.tree is None and self.lookup is None
@@ -370,7 +390,7 @@ class SpaceDecoder:
         stats = AcceptanceStats(self.config.mask_num, self.config.lookup_tokens, self.cost) if self.dynamic else None
         mask_rows_before = self.config.mask_num
         while True:
-            t0 = clock(self.device)
+            t0 = time.perf_counter()
             L = cache.get_seq_length()  # n - 1
             if stats is not None:
                 host_ids, host_probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
@@ -391,7 +411,7 @@ class SpaceDecoder:
                 mask_rows_before = sum(lay.group_len)
             if self.lookup is not None:
                 found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
-            if res.emit(emitted, clock(self.device) - t0 + prefill_s, accepted=a, candidates=max(lay.depth),
+            if res.emit(emitted, time.perf_counter() - t0 + prefill_s, accepted=a, candidates=max(lay.depth),
                         rows=lay.rows):
                 return res
             drafts = nxt if nxt is not None else self._no_drafts(pq)
@@ -501,6 +521,7 @@ class SpaceDecoder:
             best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
         elif sampling.greedy:
             best, bonus = verify_tree_greedy(target, tokens, lay.parent_rows, lay.ancestors, lay.score)
+            order = path_first(lay.ancestors, best)  # queued before the copy: the cache moves without another
             best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
         else:
             best, bonus = verify_tree_sampling(logits_to_probs(target, sampling), host_tokens, lay.children, gen)
@@ -508,8 +529,8 @@ class SpaceDecoder:
         path = lay.path(best)
         a = len(path)
         emitted = [host_tokens[r - 1] for r in path] + [bonus_id]
-        compact_cache(cache, L, path)
-        bonus = torch.tensor([bonus_id], device=self.device)
+        compact_cache(cache, L, path, order if sampling.greedy and q is None else None)
+        bonus = bonus.view(1)  # stays on the device
         gi = lay.group_of(best)  # draft from the deepest group on the path, shifted (DESIGN §3.5)
         if gi is None:
             return bonus, None, emitted, a

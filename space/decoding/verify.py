@@ -67,7 +67,7 @@ def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parent
     right = torch.cat([pred.new_ones(1, dtype=torch.bool), pred[parent_rows] == tokens])
     path_right = ~(ancestors & ~right[None, :]).any(dim=1)  # (1+N,)
     best = torch.where(path_right, score, score.new_full((), -1)).argmax()
-    return best, pred[best]
+    return best, pred.index_select(0, best.view(1)).view(())  # not pred[best]: a 0-d index is a host read
 
 
 def verify_tree_sampling(p: torch.Tensor, tokens: list[int], children: list[list[int]],

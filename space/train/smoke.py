@@ -144,7 +144,10 @@ def smoke_config(config: dict, stand_in: Path, out_dir: Path, datasets: str, cud
                "max_train_minutes": 0}
     if not cuda:
         changed["use_cpu"] = True
-    smoke = {k: v for k, v in config.items() if k != "init_adapter"}
+    # init_adapter has the real model's shapes; `sources` filters self-distilled rows, which a
+    # replacement data set lacks
+    dropped = {"init_adapter"} | ({"sources"} if datasets != config.get("datasets") else set())
+    smoke = {k: v for k, v in config.items() if k not in dropped}
     smoke.update(changed)
     return smoke
 
@@ -159,12 +162,12 @@ def check_init_adapter(config: dict) -> str:
         return ""
     path = ROOT / where if not Path(where).is_absolute() else Path(where)
     if not path.is_dir():
-        return f" init_adapter={where} (not here, left out)"
+        return f"; init_adapter={where} (not here, left out)"
     cfg = read_space_config(path)
     if cfg["mode"] != config.get("mode", "frozen-base") or cfg["mask_num"] != config.get("mask_num", cfg["mask_num"]):
         raise ValueError(f"init_adapter {where} was trained with mode {cfg['mode']}, k={cfg['mask_num']}: it does not "
                          f"fit this config (mode {config.get('mode')}, k={config.get('mask_num')})")
-    return f" init_adapter={where} (checked, left out)"
+    return f"; init_adapter={where} (checked, left out)"
 
 
 def last_loss(run_dir: Path) -> tuple[int, float]:
@@ -267,7 +270,9 @@ def run_smoke(config_path: str, work_dir: str | None = None, keep: bool = False,
             env.setdefault("NPROC_PER_NODE", "2" if config.get("deepspeed") else "1")
         code, log = launch([str(work / "config.yaml"), *overrides], env, work / "train.log", timeout)
         if code != 0:
-            tail = "\n".join(log.strip().splitlines()[-25:])
+            # our own one-line error when a rank printed one, else the end of the log (a traceback)
+            first = next((line for line in log.splitlines() if "space-train: error:" in line), None)
+            tail = first or "\n".join(log.strip().splitlines()[-25:])
             raise ValueError(f"smoke: training exited {code} (log: {work / 'train.log'}):\n{tail}")
         step, loss = last_loss(run_dir)
         if step != SMOKE_STEPS:

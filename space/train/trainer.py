@@ -85,7 +85,7 @@ class SpaceTrainer(Trainer):
         self.max_nonfinite_steps = max_nonfinite_steps
         self._nonfinite_steps = 0  # consecutive optimizer steps with a non-finite loss or gradient norm
         self._loss_finite = torch.ones((), dtype=torch.bool)  # this step's micro-batches so far
-        if self.two_pass and self.args.activation_checkpointing:
+        if self.two_pass and getattr(self.args, "activation_checkpointing", self.args.gradient_checkpointing):
             checkpoint_with_prefix_cache(self.accelerator.unwrap_model(self.model))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
