@@ -512,10 +512,12 @@ class SpaceDecoder:
         logits = self._logits(hidden[:used]) if once else None
         target = logits[:n1] if logits is not None else self._logits(hidden[:n1])  # (1+N, vocab)
         host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None
+        contexts = None
         if processor is not None:  # row i scores the token after x_0..x_{n-1} and i's path
-            target = torch.cat([processor(torch.tensor(seq + [host_tokens[r - 1] for r in lay.path(i)],
-                                                       device=self.device)[None], target[i:i + 1])
-                                for i in range(n1)])
+            rows = [seq + [host_tokens[r - 1] for r in lay.path(i)] for i in range(n1)]
+            # every row's context in one upload (not one per row), split into views on the device
+            contexts = torch.tensor([t for row in rows for t in row], device=self.device).split([len(r) for r in rows])
+            target = torch.cat([processor(contexts[i][None], target[i:i + 1]) for i in range(n1)])
         if q is not None:  # a sampled chain: node i is row i
             best, bonus = verify_rejection(logits_to_probs(target, sampling), q, tokens, gen)
             best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
@@ -538,10 +540,8 @@ class SpaceDecoder:
         start, stop = lay.group_start(gi) + shift, lay.group_start(gi) + lay.group_len[gi]
         if start >= stop:  # the group's masks all lie behind the accepted path
             return bonus, None, emitted, a
-        ctx = None
-        if processor is not None:  # the group drafts after x_0..x_{n-1} and the path to its anchor
-            anchor_path = [host_tokens[r - 1] for r in lay.path(lay.group_rows[gi])]
-            ctx = torch.tensor(seq + anchor_path, device=self.device)[None]
+        # the group drafts after x_0..x_{n-1} and the path to its anchor: its anchor row's context
+        ctx = contexts[lay.group_rows[gi]][None] if contexts is not None else None
         if self.sampler is not None:
             return bonus, self._head_drafts(hidden[start:stop], bonus, shift, sampling, gen, q is not None,
                                             processor, ctx), emitted, a

@@ -12,6 +12,8 @@ Budgets measured today and asserted here (per generation, decoder warm, model on
   KV cache's first allocation (2 per layer, transformers' lazy ``DynamicLayer``);
 * static tree + prompt lookup: also one upload per step that found lookup candidates (they come
   from the host); the issue's target of 1 per step needs the lookup on the device (not done);
+* a logits processor: one read of the nodes and one upload of every verification row's context
+  per step (it was one upload per row);
 * dynamic tree + lookup: the planner's copy of the drafts, the verification copy, and the plan's
   uploads (tokens, parents, group lengths and anchors): at most 7 per step today, against the
   issue's target of 2 (not done).
@@ -25,14 +27,15 @@ from tests.syncs import SyncCounter
 STATIC_TREE = ((0,), (1,), (0, 0), (0, 1))
 
 
-def count(trained, config: DecodeConfig, prompt_len: int = 20, new: int = 64):
+def count(trained, config: DecodeConfig, prompt_len: int = 20, new: int = 64, processor=None):
     model, _, spec, lang = trained
     dec = SpaceDecoder(model, spec, config)
     prompt = torch.tensor(lang.sample(prompt_len))
-    dec.generate(prompt, new)  # warm: the static layouts are built once per shape and kept
+    dec.generate(prompt, new, logits_processor=processor)  # warm: static layouts are built once per shape
     with SyncCounter(model) as syncs:
-        out = dec.generate(prompt, new)
-    assert out.new_ids == ar_generate(model, prompt, new, suppress_ids=spec.token_ids).new_ids
+        out = dec.generate(prompt, new, logits_processor=processor)
+    ar = ar_generate(model, prompt, new, suppress_ids=spec.token_ids, logits_processor=processor)
+    assert out.new_ids == ar.new_ids
     return syncs, out, 1 + 2 * model.config.num_hidden_layers  # per generation: prompt, cache init
 
 
@@ -50,6 +53,21 @@ def test_lookup_adds_at_most_one_upload_per_step(trained):
     syncs, out, per_generation = count(trained, DecodeConfig(2, 2, tree=STATIC_TREE, lookup_tokens=10))
     assert syncs.kinds["read"] == out.num_steps, syncs.where
     assert syncs.total <= 2 * out.num_steps + per_generation, syncs.where
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(3, 4), DecodeConfig(2, 2, tree=STATIC_TREE)],
+                         ids=["chain k3", "static tree"])
+def test_logits_processor_uploads_once_per_step(trained, config):
+    """A logits processor needs every verification row's context (x_0..x_{n-1} and the row's
+    path) on the device: one upload for all rows, split into views (it was one per row, and one
+    more for the drafting group's context), plus the nodes' read that builds those contexts."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    processor = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty=1.5)])
+    syncs, out, per_generation = count(trained, config, processor=processor)
+    assert syncs.kinds["read"] == 2 * out.num_steps, syncs.where
+    assert syncs.kinds["upload"] <= out.num_steps + per_generation, syncs.where
+    assert syncs.kinds["index"] == syncs.kinds["shape"] == 0, syncs.where
 
 
 def test_dynamic_tree_sync_budget(trained):
