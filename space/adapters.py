@@ -51,7 +51,7 @@ from .masking import mask_rows_start
 from .models import SMOLLM2, dispatch, load_model, model_identity
 from .sampler_head import SAMPLER_ATTR, SamplerHead, add_sampler_head, sampler_head
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
-from .zero3 import check_checkpoint, gathered
+from .zero3 import check_saved_shapes, gathered
 
 MODES = ("full", "lora", "frozen-base")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -303,7 +303,7 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
     saved without gathering has tensors of shape (0,)).
 
     Full checkpoints: every tensor against the shapes ``config.json`` gives
-    (``space.zero3.check_checkpoint``). Adapters: the LoRA pairs (``read_lora``) and the mask rows,
+    (``space.zero3.check_saved_shapes``). Adapters: the LoRA pairs (``read_lora``) and the mask rows,
     ``(1 or k, hidden_size)`` when ``hidden_size`` is given.
 
     Raises:
@@ -314,7 +314,7 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
     cfg = read_space_config(folder)
     if cfg["mode"] == "full":
         try:
-            check_checkpoint(folder)
+            check_saved_shapes(folder)
         except ValueError as e:
             raise ValueError(str(e).replace(str(folder), str(where))) from None
         return

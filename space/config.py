@@ -123,15 +123,7 @@ def parse_train_args(argv: list[str] | None = None):
                         "smollm2_frozen_base_cpu.yaml); command-line flags override its keys")
     values = {}
     if known.config:
-        try:
-            with open(known.config, encoding="utf-8") as f:
-                values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:  # its own message spans lines: make it one, and name the file
-            raise ValueError(f"{known.config}: not valid YAML ({' '.join(str(e).split())})") from None
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{known.config}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"{known.config}: expected a mapping of config keys, got {type(values).__name__}")
+        values = read_config_file(known.config)
         fields = {f.name for cls in ARG_CLASSES for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
         if unknown:
@@ -143,6 +135,25 @@ def parse_train_args(argv: list[str] | None = None):
     args = tuple(parser.parse_args_into_dataclasses(rest)[:4])
     check_train_args(*args)
     return args
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The key-value mapping of a training config YAML (unchecked keys).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: broken YAML, not UTF-8, or not a mapping (the file is named).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:  # its own message spans lines: make it one, and name the file
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+    return values
 
 
 def check_train_args(model_args, data_args, mask_args, train_args) -> None:

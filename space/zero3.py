@@ -91,7 +91,7 @@ def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_checkpoint(folder: Path) -> None:
+def check_saved_shapes(folder: Path) -> None:
     """:func:`check_shapes` of a full HF checkpoint folder (its ``config.json`` against its
     safetensors files).
 

@@ -214,6 +214,11 @@ class StepLayout:
         return self.num_real + sum(self.group_len[:g])
 
     @cached_property
+    def is_chain(self) -> bool:
+        """Every node's parent is the row before it: an accepted path is already in place."""
+        return all(p == r - 1 for r, p in enumerate(self.parents[1:], 1))
+
+    @cached_property
     def depth(self) -> tuple[int, ...]:
         """(1+N,) depth of each real row (x_{n-1}: 0), on the host."""
         out = [0] * self.num_real
@@ -523,7 +528,8 @@ class SpaceDecoder:
             best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
         elif sampling.greedy:
             best, bonus = verify_tree_greedy(target, tokens, lay.parent_rows, lay.ancestors, lay.score)
-            order = path_first(lay.ancestors, best)  # queued before the copy: the cache moves without another
+            # a tree's gather order, queued before the copy: its cache moves without another
+            order = None if lay.is_chain else path_first(lay.ancestors, best)
             best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
         else:
             best, bonus = verify_tree_sampling(logits_to_probs(target, sampling), host_tokens, lay.children, gen)

@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from ..cli import HelpFormatter, console
+from ..config import read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE_STEPS = 2
@@ -54,21 +55,6 @@ FAMILIES = (("tiny-random-llama", ("llama", True)), ("smollm", ("llama", True)),
 
 class Refused(Exception):
     """A config this machine cannot smoke-test, with the reason (e.g. fp16 needs a GPU)."""
-
-
-def read_config(path: Path) -> dict:
-    """The YAML mapping of a training config.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not a YAML mapping.
-    """
-    if not path.is_file():
-        raise FileNotFoundError(f"config not found: {path}")
-    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
-    return values
 
 
 def refusal(config: dict, cuda: bool) -> str | None:
@@ -250,7 +236,7 @@ def run_smoke(config_path: str, work_dir: str | None = None, keep: bool = False,
     import torch
 
     path = Path(config_path)
-    config = read_config(path if path.is_absolute() or path.is_file() else ROOT / path)
+    config = read_config_file(path if path.is_absolute() or path.is_file() else ROOT / path)
     cuda = torch.cuda.is_available()
     reason = refusal(config, cuda)
     if reason:
