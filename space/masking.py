@@ -129,7 +129,7 @@ class Layout:
 
 def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Tensor, k: int | list[int],
                  parents: list[int] | torch.Tensor | None = None, pad_to: int | None = None,
-                 device: torch.device | str | None = None) -> Layout:
+                 device: torch.device | str | None = None, lens: torch.Tensor | None = None) -> Layout:
     """Build the general layout (see the module docstring) with tensor ops only: no Python loop
     over rows, so a decoder can build a new tree's block on its device every step.
 
@@ -147,6 +147,11 @@ def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Ten
         pad_to: total rows q; rows after the groups are padding that sees only itself (so its
             softmax stays finite) and that no row sees. None: no padding.
         device: where the tensors are built (default: the CPU, or a tensor ``parents``' device).
+        lens: (G,) the per-group lengths ``k`` already on ``device`` (a decoder's one upload of its
+            step plan), used as they are; ``k`` still gives them on the host, for the shapes.
+
+    A tensor ``group_ctx`` (like a tensor ``parents``) is trusted: it is a decoder's own plan, and
+    checking it would read the device.
 
     Raises:
         ValueError: k < 1, num_real < 1, a group context outside 1..num_real, one length per
@@ -154,22 +159,24 @@ def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Ten
             at row 0 in topological order.
     """
     lens_given = not isinstance(k, int)
-    lens = torch.as_tensor(k if lens_given else [], dtype=torch.long).reshape(-1)
     if (lens_given and any(int(x) < 1 for x in k)) or (not lens_given and k < 1):
         raise ValueError(f"mask_num (k) must be >= 1, got {k}")
     if num_real < 1 or cache_len < 0:
         raise ValueError(f"need num_real >= 1 and cache_len >= 0, got {num_real}, {cache_len}")
+    trusted_ctx = isinstance(group_ctx, torch.Tensor)
     ctx = torch.as_tensor(group_ctx, dtype=torch.long).reshape(-1)
-    if ctx.numel() and (int(ctx.min()) < 1 or int(ctx.max()) > num_real):
+    if not trusted_ctx and ctx.numel() and (int(ctx.min()) < 1 or int(ctx.max()) > num_real):
         raise ValueError(f"group context lengths must lie in 1..{num_real}, got {ctx.tolist()}")
     G = ctx.numel()
-    if lens_given and lens.numel() != G:
-        raise ValueError(f"one mask-group length per group: {G} groups, {lens.numel()} lengths")
+    if lens_given and len(k) != G:
+        raise ValueError(f"one mask-group length per group: {G} groups, {len(k)} lengths")
     if isinstance(parents, (list, tuple)):
         check_parents(parents, num_real)
     if device is None:
         device = parents.device if isinstance(parents, torch.Tensor) else "cpu"
-    lens = (lens if lens_given else torch.full((G,), k, dtype=torch.long)).to(device)
+    if lens is None:
+        lens = (torch.as_tensor(k, dtype=torch.long).reshape(-1) if lens_given
+                else torch.full((G,), k, dtype=torch.long)).to(device)
     ctx = ctx.to(device)
     host_lens = [int(x) for x in k] if lens_given else [k] * G  # sizes from the host: no device sync
     M = sum(host_lens)  # mask rows
@@ -233,8 +240,8 @@ def tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(n, device=parents.device)
     jump = parents.clamp_min(0)  # the root is its own parent
     dist = (parents >= 0).long()  # distance from each row to ``jump``
-    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
-    ancestors[rows, jump] = True
+    # self or parent; elementwise, since ancestors[rows, jump] = True would upload the True (a CUDA sync)
+    ancestors = (rows[None, :] == rows[:, None]) | (rows[None, :] == jump[:, None])
     for _ in range(max(n - 1, 1).bit_length()):
         ancestors = ancestors | ancestors[jump]
         dist = dist + dist[jump]

@@ -17,7 +17,12 @@ are host tensors. It then counts, by kind:
   ``where``, indexing by a boolean device tensor);
 * ``index``: indexing by a 0-d device tensor (PyTorch reads it as a Python integer);
 * ``upload``: host data copied to the device (``torch.tensor(data, device=...)``, ``as_tensor``,
-  ``.to(device)`` of a host tensor).
+  ``new_tensor``, ``.to(device)`` or ``copy_`` of a host tensor, a device tensor indexed by a
+  Python list or a host tensor, host data written into a device tensor).
+
+Checked against CUDA's own count (``torch.cuda.set_sync_debug_mode``) on an H200, issue 45: the
+marginal syncs per step of the chain, static tree, lookup and dynamic layouts agree (a
+``logits[:, list] = -inf`` that this counter missed before was 1-2 of them per step).
 
 ``torch.cuda.synchronize`` is not a torch function: code that calls it on CUDA must say so itself.
 """
@@ -39,12 +44,16 @@ UPLOADS = {"tensor", "as_tensor", "from_numpy"}
 class SyncCounter(TorchFunctionMode):
     """``with SyncCounter(model) as syncs: ...`` then ``syncs.total`` / ``syncs.kinds``."""
 
-    def __init__(self, *device_modules: torch.nn.Module):
+    def __init__(self, *device_modules: torch.nn.Module, holders=()):
+        """``holders``: objects whose tensors, made before counting began, live on the device
+        (e.g. a warm decoder's cached layouts); their attributes are searched a few levels deep."""
         super().__init__()
         self._device: dict[int, weakref.ref] = {}  # id -> the tensor (ids are reused: check identity)
         for module in device_modules:
             for t in [*module.parameters(), *module.buffers()]:
                 self._mark(t)
+        for holder in holders:
+            self._mark_held(holder, depth=4)
         self.kinds: Counter[str] = Counter()
         self.where: Counter[str] = Counter()
 
@@ -58,6 +67,21 @@ class SyncCounter(TorchFunctionMode):
 
     def _mark(self, t: torch.Tensor) -> None:
         self._device[id(t)] = weakref.ref(t)
+
+    def _mark_held(self, obj, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            self._mark(obj)
+        elif depth == 0 or isinstance(obj, (str, bytes, int, float, torch.nn.Module)):
+            return
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                self._mark_held(v, depth - 1)
+        elif isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                self._mark_held(v, depth - 1)
+        elif hasattr(obj, "__dict__"):
+            for v in vars(obj).values():
+                self._mark_held(v, depth - 1)
 
     def _count(self, kind: str, name: str) -> None:
         self.kinds[kind] += 1
@@ -75,12 +99,22 @@ class SyncCounter(TorchFunctionMode):
             self._count("shape", name)
         elif name == "where" and len(args) == 1 and on_device:
             self._count("shape", name)
-        elif name == "__getitem__" and len(args) == 2:
-            for index in tree_flatten(args[1])[0]:
+        elif name in ("__getitem__", "__setitem__") and len(args) >= 2:
+            indices = args[1] if isinstance(args[1], tuple) else (args[1],)
+            for index in indices:
                 if self.is_device(index) and index.dtype == torch.bool:
                     self._count("shape", "bool index")
                 elif self.is_device(index) and index.dim() == 0:
                     self._count("index", "0-d index")
+                elif self.is_device(args[0]) and (isinstance(index, list) or isinstance(index, torch.Tensor)
+                                                  and not self.is_device(index) and index.dim() > 0):
+                    self._count("upload", f"{name[2:-2]} by a host index")  # the index goes up first
+            if name == "__setitem__" and self.is_device(args[0]) and _setitem_uploads(self, args[1], args[2]):
+                self._count("upload", "setitem of a host value")
+        elif name == "copy_" and self.is_device(args[0]) and _host_data(self, args[1]):
+            self._count("upload", "copy_")
+        elif name == "new_tensor" and self.is_device(args[0]):
+            self._count("upload", name)
         elif name in UPLOADS and explicit and not (args and self.is_device(args[0])):
             self._count("upload", name)
         elif name == "to" and not on_device and _names_device(args[1:], kwargs):
@@ -99,6 +133,23 @@ def _caller() -> str:
         if "/torch/" not in frame.filename and not frame.filename.endswith("syncs.py"):
             return f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}"
     return "?"
+
+
+def _host_data(counter: SyncCounter, value) -> bool:
+    """Host data that a write into a device tensor must copy up (Python scalars travel as kernel
+    arguments, and so do 0-d host tensors)."""
+    if isinstance(value, torch.Tensor):
+        return not counter.is_device(value) and value.dim() > 0
+    return isinstance(value, (list, tuple))
+
+
+def _setitem_uploads(counter: SyncCounter, index, value) -> bool:
+    """``t[index] = value`` on a CUDA tensor: host data goes up, and with an advanced index (a
+    tensor or a list) so does a Python scalar (PyTorch copies it into a 0-d device tensor first;
+    ``index_fill_`` / ``masked_fill_`` pass it as a kernel argument). The scalar case was seen by
+    CUDA's sync debug mode (issue 45); a scalar written into a plain slice is not counted."""
+    advanced = any(isinstance(i, (torch.Tensor, list)) for i in (index if isinstance(index, tuple) else (index,)))
+    return _host_data(counter, value) or advanced and isinstance(value, (int, float, bool))
 
 
 def _names_device(args, kwargs) -> bool:

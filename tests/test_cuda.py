@@ -5,7 +5,7 @@ Covered: greedy SPACE == AR in fp32 for the chain, a static tree, lookup, the dy
 shipped adapter on the real SmolLM2 (TF32 pinned off, so fp32 means fp32); seeded sampling on the
 device; bf16 (finite logits, the step mask in bf16, tokens equal to AR up to the first near-tie,
 the rate printed); flash attention refused; a 2-way ``device_map`` equal to one device (needs 2
-GPUs); and the sync budget of ``tests/test_syncs.py`` checked by CUDA itself
+GPUs); and the sync budget of ``tests/decoding/test_syncs.py`` checked by CUDA itself
 (``torch.cuda.set_sync_debug_mode``), as a marginal count per step between two lengths.
 """
 import copy
@@ -137,11 +137,11 @@ def cuda_syncs(dec: SpaceDecoder, prompt: torch.Tensor, new: int) -> tuple[int, 
     return sum("synchronizing" in str(w.message) for w in seen), out.num_steps
 
 
-@pytest.mark.parametrize("layout,budget", [("chain", 1), ("static tree", 1), ("lookup", 2), ("dynamic", 7)])
+@pytest.mark.parametrize("layout,budget", [("chain", 1), ("static tree", 1), ("lookup", 2), ("dynamic", 3)])
 def test_sync_budget_seen_by_cuda(on_gpu, layout, budget):
     """Marginal synchronizing calls per step between a short and a long generation (the prompt's
     upload and the cache's first allocation cancel out): the budgets that ``tests/syncs.py``
-    counts on the CPU."""
+    counts on the CPU. Before the index_fill_ fix CUDA saw 2.98 / 2.00 / 2.58 / 7.55 per step here."""
     model, _, spec, lang = on_gpu
     dec = SpaceDecoder(model, spec, LAYOUTS[layout])
     prompt = torch.tensor(lang.sample(12))

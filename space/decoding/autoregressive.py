@@ -42,8 +42,8 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     while True:
         t0 = clock(device)
         logits = model(input_ids=step_in, **cache_input(cache), use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
-        if suppress.numel():
-            logits[:, suppress] = float("-inf")
+        if suppress.numel():  # index_fill_, not logits[:, ids] = -inf: on CUDA that uploads the scalar (a sync)
+            logits.index_fill_(1, suppress, float("-inf"))
         if logits_processor is not None:
             seen = step_in[0] if seen is None else torch.cat([seen, step_in[0]])
             logits = logits_processor(seen[None], logits)

@@ -402,8 +402,7 @@ class SpaceDecoder:
                 host_ids = [[int(t) for t in row] for row in host_ids]
                 plan = plan_step(host_ids, host_probs, drafts.offset, found, stats, self.config.row_budget, self.config.mask_num,
                                  self.config.groups, self.context - L - 1, mask_rows_before)
-                lay = self._layout(plan.parents, plan.group_rows, plan.group_len, plan.rows)
-                tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)
+                lay, tokens = self._layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
             else:
                 lay, tokens = self._static_block(L, drafts, found)
             q = drafts.q[: tokens.numel()] if pq else None
@@ -462,7 +461,7 @@ class SpaceDecoder:
             par = tree_parents(tree) + [0 if i == 0 else len(tree) + i for i in range(len(found))]
             row_of = {p: i + 1 for i, p in enumerate(tree)}
             group_rows = ([0] + [row_of[(0,) * d] for d in range(1, groups)]) if groups else []
-            lay = self._layout(par, group_rows, [k] * groups, len(par) + groups * k)
+            lay, _ = self._layout(par, group_rows, [k] * groups, len(par) + groups * k)
             R = self.draft_ranks
             index = torch.tensor([(len(p) - 1) * R + p[-1] for p in tree], dtype=torch.long, device=self.device)
             self._static[key] = (lay, index)
@@ -472,17 +471,21 @@ class SpaceDecoder:
             tokens = torch.cat([tokens, torch.tensor(found, device=self.device)])
         return lay, tokens
 
-    def _layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int) -> StepLayout:
-        """The device tensors of a block (``space.masking.build_layout``: tensor ops, no loop over rows)."""
-        dev, n1 = self.device, len(parents)
-        par = torch.tensor(parents, dtype=torch.long, device=dev)
-        lay = build_layout(0, n1, [r + 1 for r in group_rows], list(group_len), parents=par, pad_to=rows, device=dev)
+    def _layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int,
+                tokens: list[int] = ()) -> tuple[StepLayout, torch.Tensor]:
+        """The device tensors of a block (``space.masking.build_layout``: tensor ops, no loop over
+        rows) and its node ``tokens`` on the device. The plan (parents, group anchors and lengths,
+        tokens) goes up in one copy, split into views: one host-to-device sync per new layout."""
+        dev, n1, G = self.device, len(parents), len(group_rows)
+        plan = torch.tensor([*parents, *(r + 1 for r in group_rows), *group_len, *tokens], dtype=torch.long, device=dev)
+        par, ctx, lens, node_tokens = plan.split([n1, G, G, len(tokens)])
+        lay = build_layout(0, n1, ctx, list(group_len), parents=par, pad_to=rows, device=dev, lens=lens)
         return StepLayout(
             parents=tuple(parents), group_rows=tuple(group_rows), group_len=tuple(group_len), rows=rows,
             parent_rows=par[1:], ancestors=lay.ancestors,
             score=lay.depth * (n1 + 1) + (n1 - torch.arange(n1, device=dev)),
             mask_ids=self.mask_ids[lay.mask_offset[n1:].clamp_min(0)], position_ids=lay.position_ids,
-            block_mask=to_additive_4d(lay.allowed, self.mask_dtype))
+            block_mask=to_additive_4d(lay.allowed, self.mask_dtype)), node_tokens
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache,
                  mask_start: int | None) -> torch.Tensor:
@@ -618,5 +621,4 @@ class SpaceDecoder:
         if weight.is_floating_point() and hidden.dtype != weight.dtype:  # e.g. an fp32 head on a bf16 trunk
             hidden = hidden.to(weight.dtype)
         logits = self.head(hidden).float()
-        logits[:, self.suppress] = float("-inf")
-        return logits
+        return logits.index_fill_(1, self.suppress, float("-inf"))  # a setitem of -inf would upload it (a CUDA sync)
