@@ -118,17 +118,14 @@ class GatedLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = mask_rows_start()
+        if s is None or s >= x.shape[-2]:  # no mask row (AR, HF generate, a block of real rows): the base alone
+            return self.base(x)
         if getattr(self.base, "extra_out", 0):  # A packed under W: x W^T and x A^T in one call
             y, xa = self.base.forward_extra(x)
-            if s is not None:
-                xa = xa[:, s:]
+            xa = xa[:, s:]
         else:
             y = self.base(x)
-            if s is None:
-                return y
             xa = nn.functional.linear(x[:, s:], self.lora_a)
-        if s is None:
-            return y
         if x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
             y[0, s:].addmm_(xa[0], self.lora_b.T)
         else:

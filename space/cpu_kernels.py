@@ -4,14 +4,17 @@ Two swaps, both through public hooks of torch / transformers, both applied by :f
 to every method of a benchmark alike (so a measured speedup is the decoding method's, not a kernel's):
 
 1. **oneDNN-prepacked linears** (:class:`PackedLinear`). A SPACE step feeds 5-16 query rows through
-   every linear, an AR step one. With stock ``F.linear`` on a 2-core AVX2 CPU, MKL takes a
-   matrix-vector path for one row and a small matrix-matrix path for more, which costs 1.4-2x as
-   much (SmolLM2's 210 linears and head: ~48 ms for 1 row, ~94 ms for 10). oneDNN's inner product
-   with weights reordered once into its blocked layout (the kernel inductor uses for frozen CPU
-   linears) costs ~41 ms for 1 row and ~50-60 ms for 10; its 49152-row head ~7 ms and ~10 ms.
-   Each output row is computed alone, so results do not depend on how many rows a call holds
-   (bit-identical; stock MKL's 1-row and many-row paths differ by ~1e-6), and they match
-   ``F.linear`` to fp32 rounding (~1e-6).
+   every linear, an AR step one. With stock ``F.linear``, MKL takes a matrix-vector path for one
+   row and a small matrix-matrix path for more, which costs 1.4-2x as much on a 2-core CPU.
+   oneDNN's inner product with weights reordered once into its blocked layout (the kernel
+   inductor uses for frozen CPU linears) makes the many-row call cheap. Which path is faster for
+   few rows depends on the CPU: on an AVX2 machine oneDNN also won at one row (~41 ms against
+   ~48 ms for SmolLM2's linears), on the AVX-512 machine of issue 43 MKL's matrix-vector path
+   won by ~20 %. So :func:`choose_stock_rows` times both paths per weight shape when the kernels
+   are applied, and each :class:`PackedLinear` calls stock ``F.linear`` up to the row count where
+   MKL is faster (``stock_rows``), oneDNN above it; the choice goes into the run record. Both
+   paths match ``F.linear`` to fp32 rounding (~1e-6); oneDNN's rows do not depend on how many
+   rows a call holds.
 2. **GQA attention with a mask** (:data:`SDPA_GQA`). transformers' ``sdpa`` copies the key/value
    cache to every query head (``repeat_kv``) whenever a mask is given, which SPACE's 4-D mask always
    is: 60 cache copies per step for SmolLM2. Registered through ``AttentionInterface``, this
@@ -22,6 +25,9 @@ Inference only: packed weights take no gradient.
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -30,6 +36,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from .choices import KERNEL_CHOICES
 
 SDPA_GQA = "space_sdpa_gqa"
+PROBE_ROWS = (1, 2, 4, 8)  # row counts timed per weight shape; stock wins, if anywhere, at the low end
 
 
 def packing_available() -> bool:
@@ -49,14 +56,18 @@ class PackedLinear(nn.Module):
             column on its own, so the W columns are bit-identical with or without the extra rows
             (``tests/test_packed_linear.py`` checks it).
 
+        stock_rows: calls of at most this many rows take stock ``F.linear`` on W alone (MKL's
+            matrix-vector path; ``extra`` is not computed by :meth:`forward`); 0 = always oneDNN.
+
     ``forward(x (..., in)) -> (..., out)``; ``forward_extra(x) -> ((..., out), (..., r))``.
 
     Raises:
         ValueError: the linear is not fp32 on CPU, or this torch build lacks the oneDNN ops.
     """
 
-    def __init__(self, linear: nn.Linear, extra: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, extra: torch.Tensor | None = None, stock_rows: int = 0):
         super().__init__()
+        self.stock_rows = stock_rows
         w = linear.weight
         if w.device.type != "cpu" or w.dtype != torch.float32:
             raise ValueError(f"PackedLinear needs an fp32 CPU linear, got {w.dtype} on {w.device}")
@@ -79,6 +90,8 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features + self.extra_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.stock_rows * self.in_features:
+            return nn.functional.linear(x, self.weight, self.bias)
         y = self._all(x)
         return y[..., : self.out_features] if self.extra_out else y
 
@@ -87,7 +100,39 @@ class PackedLinear(nn.Module):
         return y[..., : self.out_features], y[..., self.out_features:]
 
 
-def pack_linears(model: nn.Module) -> int:
+def _median_us(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 15) -> tuple[int, dict]:
+    """Time stock ``F.linear`` against the oneDNN packed path on ``weight`` (out, in) for each row
+    count in ``rows`` (ascending), on this machine, now.
+
+    Returns:
+        (stock_rows, timings): the largest probed row count up to which stock was faster at every
+        probed count (0 if it lost at one row), and ``{rows: [stock_us, onednn_us]}`` medians.
+    """
+    w = weight.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    gen = torch.Generator().manual_seed(0)
+    timings, stock_rows, stock_wins = {}, 0, True
+    with torch.no_grad():
+        for r in rows:
+            x = torch.randn(r, w.shape[1], generator=gen)
+            stock = _median_us(lambda: nn.functional.linear(x, w), repeats)
+            onednn = _median_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats)
+            timings[r] = [round(stock, 1), round(onednn, 1)]
+            stock_wins = stock_wins and stock < onednn
+            stock_rows = r if stock_wins else stock_rows
+    return stock_rows, timings
+
+
+def pack_linears(model: nn.Module, choose: bool = False) -> tuple[int, dict]:
     """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place.
 
     A module with a ``base`` linear and a ``lora_a`` (r, in) weight (the frozen-base
@@ -95,27 +140,42 @@ def pack_linears(model: nn.Module) -> int:
     one small matmul instead of two linears (on SmolLM2, the 210 unfused LoRA updates took ~40 ms
     of a ~130 ms SPACE step on a 2-core CPU). Duck-typed, so this module imports nothing of ours.
 
+    ``choose``: time the two paths once per weight shape (:func:`choose_stock_rows`) and give each
+    packed linear its shape's ``stock_rows``; else every call takes oneDNN.
+
     Returns:
-        how many linears were packed (0 when the model is not fp32 on CPU or oneDNN is missing,
-        so callers can pack unconditionally and report the number).
+        (how many linears were packed, ``{"out x in": {"stock_rows": n, "us": timings}}`` per
+        shape when ``choose``). 0 packed when the model is not fp32 on CPU or oneDNN is missing,
+        so callers can pack unconditionally and report the number.
     """
     if not packing_available():
-        return 0
+        return 0, {}
 
     def packable(m: nn.Module | None) -> bool:
         return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
 
+    choices: dict[str, dict] = {}
+
+    def stock_rows(linear: nn.Linear) -> int:
+        if not choose:
+            return 0
+        key = "x".join(map(str, linear.weight.shape))
+        if key not in choices:
+            n, timings = choose_stock_rows(linear.weight)
+            choices[key] = {"stock_rows": n, "us": timings}
+        return choices[key]["stock_rows"]
+
     count = 0
     for m in model.modules():
         if isinstance(getattr(m, "lora_a", None), torch.Tensor) and packable(getattr(m, "base", None)):
-            m.base = PackedLinear(m.base, extra=m.lora_a)
+            m.base = PackedLinear(m.base, extra=m.lora_a, stock_rows=stock_rows(m.base))
             count += 1
     for name, m in list(model.named_modules()):
         if packable(m):
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(m))
+            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(m, stock_rows=stock_rows(m)))
             count += 1
-    return count
+    return count, choices
 
 
 def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -148,17 +208,21 @@ def register_attention() -> None:
 def optimize_for_cpu(model: nn.Module) -> dict:
     """Apply both kernels to an fp32 CPU model in place (no-op on other devices / dtypes).
 
+    The linears take MKL's stock path up to the row count where it is faster on this machine
+    (:func:`choose_stock_rows`, timed here, about a second), oneDNN's packed path above it.
+
     Returns:
-        what was done, for run records: ``{"packed_linears": n, "attention": name}``.
+        what was done, for run records: ``{"packed_linears": n, "attention": name,
+        "stock_rows": {"out x in": {"stock_rows": n, "us": {rows: [stock, onednn]}}}}``.
     """
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
         return {"packed_linears": 0, "attention": model.config._attn_implementation}
-    packed = pack_linears(model)
+    packed, choices = pack_linears(model, choose=True)
     if model.config._attn_implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
-    return {"packed_linears": packed, "attention": model.config._attn_implementation}
+    return {"packed_linears": packed, "attention": model.config._attn_implementation, "stock_rows": choices}
 
 
 

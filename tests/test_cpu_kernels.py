@@ -40,7 +40,8 @@ def test_kernels_flag(tiny):
     stock, fast = copy.deepcopy(model), copy.deepcopy(model)
     assert apply_kernels(stock, "stock") == {"choice": "stock", "packed_linears": 0, "attention": "sdpa"}
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())  # stock leaves the model alone
-    assert apply_kernels(fast, "fast") == {"choice": "fast", "packed_linears": 15, "attention": SDPA_GQA}
+    record = apply_kernels(fast, "fast")
+    assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15, "attention": SDPA_GQA}
     with pytest.raises(ValueError, match="kernels"):
         apply_kernels(stock, "turbo")
 
@@ -49,7 +50,8 @@ def test_kernels_flag(tiny):
 def test_greedy_exact_on_optimized_model(tiny, k):
     model, _, spec = tiny
     fast = copy.deepcopy(model)
-    assert optimize_for_cpu(fast) == {"packed_linears": 15, "attention": SDPA_GQA}
+    record = optimize_for_cpu(fast)
+    assert record.pop("stock_rows") and record == {"packed_linears": 15, "attention": SDPA_GQA}
     gen = torch.Generator().manual_seed(k)
     for _ in range(3):
         prompt = torch.randint(11, 250, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
@@ -106,3 +108,55 @@ def test_packed_frozen_base_equals_unpacked():
             assert not torch.allclose(want[:, 4:], plain[:, 4:], atol=1e-3)  # mask rows: updated
             # outside a mask_rows block no row is updated (AR, HF generate): the base model exactly
             assert torch.equal(fused(input_ids=ids).logits, plain)
+
+
+def test_stock_rows_take_f_linear_and_more_rows_take_onednn():
+    """Issue 43: a PackedLinear calls MKL's stock path up to ``stock_rows`` rows (where it is
+    faster on some CPUs) and oneDNN above; each path gives exactly what it gives alone."""
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(96, 80)
+    extra = torch.randn(16, 96, generator=gen)
+    always, mixed = PackedLinear(lin, extra=extra), PackedLinear(lin, extra=extra, stock_rows=2)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 7):
+            x = torch.randn(1, rows, 96, generator=gen)
+            want = lin(x) if rows <= 2 else always(x)
+            assert torch.equal(mixed(x), want), rows
+            assert torch.equal(mixed.forward_extra(x)[0], always.forward_extra(x)[0])  # the LoRA path: oneDNN
+
+
+def test_choose_stock_rows_is_recorded(tiny):
+    from space.cpu_kernels import PROBE_ROWS, choose_stock_rows
+
+    n, timings = choose_stock_rows(torch.randn(128, 64), repeats=3)
+    assert n in (0, *PROBE_ROWS) and list(timings) == list(PROBE_ROWS)
+    assert all(len(t) == 2 and min(t) > 0 for t in timings.values())
+    fast = copy.deepcopy(tiny[0])
+    record = apply_kernels(fast, "fast")
+    shapes = {"x".join(map(str, m.weight.shape)) for m in fast.modules() if isinstance(m, PackedLinear)}
+    assert set(record["stock_rows"]) == shapes  # one timed choice per weight shape, in the run record
+    for m in fast.modules():
+        if isinstance(m, PackedLinear):
+            assert m.stock_rows == record["stock_rows"]["x".join(map(str, m.weight.shape))]["stock_rows"]
+
+
+def test_gated_lora_without_mask_rows_is_the_base_alone():
+    """AR rows (no mask_rows block, or a block whose mask rows start past the call's rows) never
+    compute the packed LoRA A: the call is the base linear's, bit for bit."""
+    from space.adapters import GatedLoraLinear
+
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(64, 48)
+    a, b = torch.randn(8, 64, generator=gen), torch.randn(48, 8, generator=gen)
+    gated = GatedLoraLinear(PackedLinear(lin, extra=a), a, b)
+    calls = []
+    gated.base.forward_extra = lambda x, f=gated.base.forward_extra: calls.append(x.shape) or f(x)
+    x = torch.randn(1, 3, 64, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(gated(x), gated.base(x)) and not calls
+        with mask_rows(3):
+            assert torch.equal(gated(x), gated.base(x)) and not calls
+        with mask_rows(1):
+            y = gated(x)
+        assert calls and torch.equal(y[:, :1], gated.base.forward_extra(x)[0][:, :1])
+        assert torch.allclose(y[:, 1:], lin(x[:, 1:]) + x[:, 1:] @ a.T @ b.T, atol=1e-4)
