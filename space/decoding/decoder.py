@@ -72,7 +72,7 @@ from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache
 from .config import DecodeConfig
 from .dynamic import DEFAULT_STEP_COST, AcceptanceStats, StepCost, plan_step
-from .result import DecodeResult, check_prompt
+from .result import DecodeResult, check_prompt, model_time
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .tree import chain_depth, prune
 from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
@@ -172,6 +172,9 @@ def with_cache(block_mask: torch.Tensor, position_ids: torch.Tensor, cache_len: 
     masks = {kind: full if w is None else full.masked_fill(~in_window(query_pos, key_pos, w), torch.finfo(full.dtype).min)
              for kind, w in windows.items()}
     return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+LAYOUT_CACHE = 256  # block layouts a decoder keeps (each a few KB of small tensors)
 
 
 @dataclass(frozen=True)
@@ -329,6 +332,9 @@ class SpaceDecoder:
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
                              f"size {vocab} (ranks count from 0)")
         self._static: dict[tuple[int, int, int, int], tuple[StepLayout, torch.Tensor]] = {}
+        # block layouts by tree shape, least recently used first: a dynamic tree repeats a few
+        # dozen shapes, and building one costs ~40 small tensor ops (most of the planner's time)
+        self._layouts: dict[tuple, StepLayout] = {}
 
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
                  stop_token_ids: Iterable[int] = (), on_tokens: Callable[[list[int]], None] | None = None,
@@ -394,34 +400,37 @@ class SpaceDecoder:
         found: list[int] = []
         stats = AcceptanceStats(self.config.mask_num, self.config.lookup_tokens, self.cost) if self.dynamic else None
         mask_rows_before = self.config.mask_num
-        while True:
-            t0 = time.perf_counter()
-            L = cache.get_seq_length()  # n - 1
-            if stats is not None:
-                host_ids, host_probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
-                host_ids = [[int(t) for t in row] for row in host_ids]
-                plan = plan_step(host_ids, host_probs, drafts.offset, found, stats, self.config.row_budget, self.config.mask_num,
-                                 self.config.groups, self.context - L - 1, mask_rows_before)
-                lay, tokens = self._layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
-            else:
-                lay, tokens = self._static_block(L, drafts, found)
-            q = drafts.q[: tokens.numel()] if pq else None
-            last, nxt, emitted, a = self._step(cache, last, lay, tokens, q, sampling, gen, logits_processor, seq)
-            if seq is not None:
-                seq.extend(emitted)
-            if stats is not None:
-                stats.observe(emitted, [r[0] for r in host_ids], [p[0] for p in host_probs], drafts.offset, found,
-                              lay.rows)
-                mask_rows_before = sum(lay.group_len)
-            if self.lookup is not None:
-                found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
-            if res.emit(emitted, time.perf_counter() - t0 + prefill_s, accepted=a, candidates=max(lay.depth),
-                        rows=lay.rows):
-                return res
-            drafts = nxt if nxt is not None else self._no_drafts(pq)
-            if draft_override is not None and sampling.greedy:
-                drafts = self._override(draft_override, res.new_ids, drafts)
-            prefill_s = 0.0
+        with model_time(self.decoder, self.head) as spent:  # host time = a step minus the model
+            while True:
+                t0, model0 = time.perf_counter(), spent[0]
+                L = cache.get_seq_length()  # n - 1
+                if stats is not None:
+                    host_ids, host_probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
+                    host_ids = [[int(t) for t in row] for row in host_ids]
+                    plan = plan_step(host_ids, host_probs, drafts.offset, found, stats, self.config.row_budget, self.config.mask_num,
+                                     self.config.groups, self.context - L - 1, mask_rows_before)
+                    lay, tokens = self._layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
+                else:
+                    lay, tokens = self._static_block(L, drafts, found)
+                plan_s = time.perf_counter() - t0
+                q = drafts.q[: tokens.numel()] if pq else None
+                last, nxt, emitted, a = self._step(cache, last, lay, tokens, q, sampling, gen, logits_processor, seq)
+                if seq is not None:
+                    seq.extend(emitted)
+                if stats is not None:
+                    stats.observe(emitted, [r[0] for r in host_ids], [p[0] for p in host_probs], drafts.offset, found,
+                                  lay.rows)
+                    mask_rows_before = sum(lay.group_len)
+                if self.lookup is not None:
+                    found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
+                step_s = time.perf_counter() - t0
+                if res.emit(emitted, step_s + prefill_s, accepted=a, candidates=max(lay.depth), rows=lay.rows,
+                            host=step_s - (spent[0] - model0), plan=plan_s):
+                    return res
+                drafts = nxt if nxt is not None else self._no_drafts(pq)
+                if draft_override is not None and sampling.greedy:
+                    drafts = self._override(draft_override, res.new_ids, drafts)
+                prefill_s = 0.0
 
     def _no_drafts(self, pq: bool) -> Drafts:
         ids = torch.empty(0, self.draft_ranks, dtype=torch.long, device=self.device)
@@ -477,15 +486,22 @@ class SpaceDecoder:
         rows) and its node ``tokens`` on the device. The plan (parents, group anchors and lengths,
         tokens) goes up in one copy, split into views: one host-to-device sync per new layout."""
         dev, n1, G = self.device, len(parents), len(group_rows)
+        key = (tuple(parents), tuple(group_rows), tuple(group_len), rows)
+        if key in self._layouts:  # a tree shape seen before (most are): only its tokens go up
+            self._layouts[key] = self._layouts.pop(key)  # most recently used last
+            return self._layouts[key], torch.tensor(tokens, dtype=torch.long, device=dev)
         plan = torch.tensor([*parents, *(r + 1 for r in group_rows), *group_len, *tokens], dtype=torch.long, device=dev)
         par, ctx, lens, node_tokens = plan.split([n1, G, G, len(tokens)])
         lay = build_layout(0, n1, ctx, list(group_len), parents=par, pad_to=rows, device=dev, lens=lens)
-        return StepLayout(
+        if len(self._layouts) >= LAYOUT_CACHE:
+            del self._layouts[next(iter(self._layouts))]  # the least recently used
+        self._layouts[key] = StepLayout(
             parents=tuple(parents), group_rows=tuple(group_rows), group_len=tuple(group_len), rows=rows,
             parent_rows=par[1:], ancestors=lay.ancestors,
             score=lay.depth * (n1 + 1) + (n1 - torch.arange(n1, device=dev)),
             mask_ids=self.mask_ids[lay.mask_offset[n1:].clamp_min(0)], position_ids=lay.position_ids,
-            block_mask=to_additive_4d(lay.allowed, self.mask_dtype)), node_tokens
+            block_mask=to_additive_4d(lay.allowed, self.mask_dtype))
+        return self._layouts[key], node_tokens
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache,
                  mask_start: int | None) -> torch.Tensor:

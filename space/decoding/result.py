@@ -1,7 +1,8 @@
 """Per-generation bookkeeping shared by the AR loop and the SPACE decoder (DESIGN §6)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,11 @@ class DecodeResult:
         step_tokens: per step (one target forward pass that emits tokens), tokens emitted (1..k+1).
         step_times: per step, wall time in s; ``step_times[0]`` includes the prefill.
         step_rows: per SPACE step, the rows of its block (x_{n-1}, nodes, masks, padding); empty for AR.
+        step_host: per SPACE step, seconds outside the model's forward and LM head: the planner,
+            the layout, verification, cache compaction, drafting and lookup (the prefill not
+            included). On a CPU the step's host work; on a GPU it also holds the wait for the
+            device (the step's one read). Empty for AR.
+        step_plan: per SPACE step, seconds of the planner and the block's layout (part of step_host).
         stop_reason: "eos", "length", or "stop" (``on_tokens`` raised :class:`StopDecoding`).
     """
 
@@ -48,10 +54,13 @@ class DecodeResult:
     step_tokens: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     step_rows: list[int] = field(default_factory=list)
+    step_host: list[float] = field(default_factory=list)
+    step_plan: list[float] = field(default_factory=list)
     stop_reason: str | None = None
 
     def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
-             candidates: int | None = None, rows: int | None = None) -> bool:
+             candidates: int | None = None, rows: int | None = None, host: float | None = None,
+             plan: float | None = None) -> bool:
         """Record one step's tokens, cut at the first stop token and at max_new_tokens.
 
         Args:
@@ -59,6 +68,7 @@ class DecodeResult:
             seconds: the step's wall time in s.
             accepted, candidates, rows: SPACE steps only: a, the depth of the candidates verified
                 (m for a chain), and the block's rows.
+            host, plan: SPACE steps only: seconds outside the model, and of the planner + layout.
 
         Returns:
             True when generation is finished.
@@ -79,6 +89,9 @@ class DecodeResult:
             self.step_candidates.append(candidates)
         if rows is not None:
             self.step_rows.append(rows)
+        if host is not None:
+            self.step_host.append(host)
+            self.step_plan.append(plan or 0.0)
         if self.on_tokens is not None and kept:
             try:
                 self.on_tokens(kept)
@@ -139,3 +152,24 @@ def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, conte
         raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
                          f"the model context {context}; shorten the prompt or lower max_new_tokens")
     return ids
+
+
+@contextmanager
+def model_time(*modules: torch.nn.Module) -> Iterator[list[float]]:
+    """Seconds spent inside ``modules``' forward calls while the block runs, accumulated in the
+    yielded one-item list (read it before and after a step for that step's share). Forward hooks,
+    removed on exit; the list is the caller's, no module keeps it."""
+    spent, starts = [0.0], []
+
+    def pre(*_):
+        starts.append(time.perf_counter())
+
+    def post(*_):
+        spent[0] += time.perf_counter() - starts.pop()
+
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        yield spent
+    finally:
+        for h in handles:
+            h.remove()

@@ -68,7 +68,8 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
              else ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids))
         return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths,
                 "step_tokens": r.step_tokens if method == "space" else [], "candidates": r.step_candidates,
-                "rows": r.step_rows}
+                "rows": r.step_rows, "host_ms": [round(x * 1e3, 3) for x in r.step_host],
+                "plan_ms": [round(x * 1e3, 3) for x in r.step_plan]}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
                            eos_token_id=target.stop_ids, pad_token_id=target.tokenizer.pad_token_id,
                            prompt_lookup_num_tokens=10 if method == "pld" else None,
@@ -89,7 +90,7 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
         hook.remove()
     new = out[0, len(ids):].tolist()
     return {"ids": new, "wall_time": wall, "steps": len(forwards), "accept_lengths": [], "step_tokens": [],
-            "candidates": [], "rows": []}
+            "candidates": [], "rows": [], "host_ms": [], "plan_ms": []}
 
 
 def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: int, sampling: SamplingConfig,
@@ -101,7 +102,8 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
     for index in range(num_samples):
         cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + index)
         messages, choice = [], {"index": index, "turns": [], "new_tokens": [], "wall_time": [], "steps": [],
-                                "accept_lengths": [], "step_tokens": [], "candidates": [], "rows": [], "token_ids": []}
+                                "accept_lengths": [], "step_tokens": [], "candidates": [], "rows": [], "host_ms": [], "plan_ms": [],
+                                "token_ids": []}
         for turn in task.turns:
             messages.append({"role": "user", "content": turn})
             out = generate(method, target, chat_ids(target.tokenizer, messages), max_new_tokens, cfg)
@@ -109,7 +111,7 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
             messages.append({"role": "assistant", "content": text})
             choice["turns"].append(text)
             choice["new_tokens"].append(len(out["ids"]))
-            for key in ("wall_time", "steps", "accept_lengths", "step_tokens", "candidates", "rows"):
+            for key in ("wall_time", "steps", "accept_lengths", "step_tokens", "candidates", "rows", "host_ms", "plan_ms"):
                 choice[key].append(out[key])
             choice["token_ids"].append(out["ids"])
         if task.language:

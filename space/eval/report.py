@@ -34,6 +34,12 @@ def _method_stats(rows: list[dict]) -> dict:
     rows_fed = [q for r in rows for c in r["choices"] for turn in c.get("rows") or [] for q in turn]
     if rows_fed:  # SPACE records since issue 31: the block rows of every step, padding included
         stats["rows_per_step"] = round(sum(rows_fed) / len(rows_fed), 2)
+    host = [h for r in rows for c in r["choices"] for turn in c.get("host_ms") or [] for h in turn]
+    if host:  # SPACE records since issue 43: each step's time outside the model (planner, layout, verify, cache)
+        plan = [p for r in rows for c in r["choices"] for turn in c.get("plan_ms") or [] for p in turn]
+        stats["host_ms_per_step"] = round(statistics.median(host), 3)
+        stats["plan_ms_per_step"] = round(statistics.median(plan), 3) if plan else None
+        stats["host_share"] = round(sum(host) / 1e3 / wall, 4) if wall else None
     return stats
 
 
@@ -194,6 +200,10 @@ def to_markdown(s: dict) -> str:
                 + f" ({_fmt(sm['steps_with_candidates'], True)} % of steps had a candidate)")
         lines.append("Acceptance per offset j, over all steps: " + ", ".join(
             _fmt(a) for a in sm["acceptance_per_offset_all_steps"]))
+        if sm.get("host_ms_per_step") is not None:
+            lines.append(f"Host work per SPACE step (outside the model's forward and LM head): median "
+                         f"{sm['host_ms_per_step']:.3f} ms, of which planner + layout {_fmt(sm.get('plan_ms_per_step'))} ms; "
+                         f"{_fmt(sm.get('host_share'), True)} % of SPACE's wall time")
         if "layout_cap_tokens_per_step" in sm:  # none with prompt lookup: its candidates are unbounded
             lines.append(f"Layout cap ({layout_text(meta)}; every draft accepted): "
                          f"{sm['layout_cap_tokens_per_step']:.2f} tokens/step")

@@ -534,3 +534,24 @@ def test_layout_matches_naive_random():
         assert lay.allowed[:, :cache_len].all()
         listed = build_layout(cache_len, n, ctx, lens, parents=parents, pad_to=pad_to)
         assert torch.equal(listed.allowed, lay.allowed) and torch.equal(listed.position_ids, lay.position_ids)
+
+
+def test_step_records_host_time_and_reuses_layouts(trained):
+    """Issue 43: each step records its time outside the model (planner + layout included), and a
+    tree shape seen before reuses its block layout, still exact against AR."""
+    from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+
+    model, _, spec, lang = trained
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10))
+    built, steps = [], []
+    for i in range(8):
+        prompt = torch.tensor(lang.sample(10 + i))
+        before = len(dec._layouts)
+        out = dec.generate(prompt, 64)
+        built.append(len(dec._layouts) - before)
+        steps.append(out.num_steps)
+        assert out.new_ids == ar_generate(model, prompt, 64, suppress_ids=spec.token_ids).new_ids
+        assert len(out.step_host) == len(out.step_plan) == out.num_steps
+        assert all(0 <= p <= h <= t for p, h, t in zip(out.step_plan, out.step_host, out.step_times))
+    print(f"new layouts per generation {built}, steps {steps}")
+    assert sum(built[4:]) <= 0.7 * sum(steps[4:])  # later generations reuse shapes (about half here)

@@ -1,5 +1,6 @@
 """space-eval end to end on tiny-random-llama, the executors, resume and bad input."""
 import json
+import statistics
 
 import pytest
 
@@ -43,6 +44,14 @@ def test_end_to_end_all_methods(tmp_path):
         assert key in s["meta"]
     assert "| Model | Dataset | Pass@1" in (tmp_path / "summary.md").read_text()
     assert set(s["pass_at_1"]) == {"ar", "hf", "pld", "space"}
+    # issue 43: every SPACE step's host time (outside the model) and its planner + layout part
+    space = [c for r in rows if r["model_id"] == "space" for c in r["choices"]]
+    host = [h for c in space for turn in c["host_ms"] for h in turn]
+    assert len(host) == steps and all(h >= 0 for h in host)
+    assert all(0 <= p <= h for c in space for ht, pt in zip(c["host_ms"], c["plan_ms"]) for h, p in zip(ht, pt))
+    assert s["methods"]["space"]["host_ms_per_step"] == pytest.approx(statistics.median(host), abs=1e-3)
+    assert 0 < s["methods"]["space"]["host_share"] < 1 and "host_ms_per_step" not in s["methods"]["ar"]
+    assert "Host work per SPACE step" in (tmp_path / "summary.md").read_text()
 
 
 def test_resume_skips_finished_samples(tmp_path):
