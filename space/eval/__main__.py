@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise ValueError(f"--model {args.model} / --adapter {args.adapter}: a config file is not UTF-8 text "
                          f"({e.reason} at byte {e.start})") from None
     kernels = apply_kernels(model, args.kernels)
+    kernel_paths = kernels.pop("stock_rows", None)  # timed on this machine: recorded, not a resume key
     # the adapter's tuned layout (space_config.json "decode"), then the flags given on top of it
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
@@ -219,14 +220,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     meta = {"model": base, "adapter": args.adapter, "adapter_sha256": adapter_sha256(args.adapter),
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
-            "tree": decode.to_dict()["tree"],
+            "lookup_ngram": decode.lookup_ngram, "tree": decode.to_dict()["tree"],
             # the dynamic tree's own settings (None for static layouts, which do not use them)
             **{key: decode.to_dict()[key] if decode.tree == "dynamic" else None
                for key in ("row_budget", "draft_ranks", "step_cost")},
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,
-            "ranks": 1, "threads": torch.get_num_threads(), "kernels": kernels, "machine": machine(devices[0]),
+            "ranks": 1, "threads": torch.get_num_threads(), "kernels": kernels, "kernel_paths": kernel_paths,
+            "machine": machine(devices[0]),
             "torch": torch.__version__, "transformers": transformers.__version__, "commits": [git_commit()]}
     if shard:
         meta["shard"] = {"rank": shard.rank, "world_size": shard.world_size,

@@ -73,6 +73,8 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
                            eos_token_id=target.stop_ids, pad_token_id=target.tokenizer.pad_token_id,
                            prompt_lookup_num_tokens=10 if method == "pld" else None,
+                           # the mask tokens are never output, as in AR and SPACE (issue 44)
+                           suppress_tokens=list(target.mask.token_ids) or None,
                            **({} if sampling.greedy else {"temperature": sampling.temperature,
                                                            "top_p": sampling.top_p, "top_k": sampling.top_k}))
     if not sampling.greedy:

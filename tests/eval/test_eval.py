@@ -196,3 +196,31 @@ def test_summary_prints_the_full_layout_and_a_cap_only_without_lookup():
 def test_summary_says_greedy_exactness_is_expected_in_fp32(tmp_path):
     text = to_markdown(summarize([_space_record(30, 10)], {"mask_num": 2}))
     assert "exact (greedy)" in text and "expected 100 % in float32" in text and "near-ties" in text
+
+
+def test_hf_and_pld_suppress_the_mask_tokens_as_ar_and_space_do(monkeypatch):
+    """Issue 44: a baseline that may emit a mask token compares other outputs; HF's own
+    ``suppress_tokens`` gets the mask ids, for plain generate and prompt lookup alike."""
+    import torch
+
+    from space.decoding import SamplingConfig
+    from space.eval.bench import generate
+    from space.models import tiny_random_llama
+    from space.tokens import add_mask_tokens
+
+    model, tok = tiny_random_llama(seed=0)
+    spec = add_mask_tokens(model, tok, mask_num=3)
+    seen = []
+
+    def fake_generate(prompt, attention_mask=None, generation_config=None):
+        seen.append(generation_config)
+        return torch.cat([prompt, torch.tensor([[5, 6]])], dim=1)
+
+    monkeypatch.setattr(model, "generate", fake_generate)
+    target = type("T", (), {"model": model, "tokenizer": tok, "mask": spec, "stop_ids": [tok.eos_token_id]})()
+    for method in ("hf", "pld"):
+        out = generate(method, target, [1, 2, 3], 4, SamplingConfig())
+        assert out["ids"] == [5, 6]
+    assert [list(c.suppress_tokens) for c in seen] == [list(spec.token_ids)] * 2
+    assert seen[1].prompt_lookup_num_tokens == 10
+
