@@ -30,9 +30,11 @@ tree's are built on the device each step with tensor ops. A greedy step copies t
 (the accepted row and the tokens to emit), which the cache crop needs anyway; the accepted path's
 keys and values move by a gather whose order is computed on the device before that copy, and the
 bonus token stays there. Host syncs per step, counted as CUDA would make them
-(``tests/decoding/test_syncs.py``, issue 43): 1 for the chain and a static tree; with prompt
-lookup, one upload more when the lookup found candidates; the dynamic tree also copies its drafts'
-top-R ids and probabilities for the planner and uploads the plan (tokens and layout).
+(``tests/decoding/test_syncs.py``, issue 43, checked against CUDA's own count on an H200 in
+issue 45): 1 for the chain and a static tree; with prompt lookup, one upload more when the lookup
+found candidates; the dynamic tree also copies its drafts' top-R ids and probabilities for the
+planner and uploads its plan in one copy (only the tokens for a tree shape it has built before).
+Mask tokens are suppressed with ``index_fill_``: ``logits[:, ids] = -inf`` would upload the scalar.
 
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
 >= the model's context (fewer candidates, shorter mask groups, at the very end no group).
@@ -247,6 +249,19 @@ class StepLayout:
             out.append(row)
             row = self.parents[row]
         return out[::-1]
+
+    def draft_rows(self, best: int) -> tuple[int, int, int, int] | None:
+        """The group-shift rule (DESIGN §3.5), the one place the decoder applies it: after the
+        path to ``best`` is accepted, the next drafts come from the deepest group anchored on that
+        path, from the mask offset just past the path's end (``shift`` = accepted depth minus the
+        anchor's). Returns (group, shift, first row, end row) in the block, or None when no group
+        is on the path or its masks all lie behind the path's end."""
+        g = self.group_of(best)
+        if g is None:
+            return None
+        shift = len(self.path(best)) - self.depth[self.group_rows[g]]
+        start, stop = self.group_start(g) + shift, self.group_start(g) + self.group_len[g]
+        return (g, shift, start, stop) if start < stop else None
 
     def group_of(self, row: int) -> int | None:
         """The group ``row``'s next drafts come from: its deepest anchored ancestor-or-self (groups
@@ -514,7 +529,7 @@ class SpaceDecoder:
 
     def _step(self, cache, last: torch.Tensor, lay: StepLayout, tokens: torch.Tensor, q: torch.Tensor | None,
               sampling: SamplingConfig, gen, processor: LogitsProcessor | None, seq: list[int] | None):
-        """One forward pass: verify ``tokens`` (the block's nodes), emit, draft.
+        """One forward pass: verify ``tokens`` (the block's nodes), emit, compact the cache, draft.
 
         Args:
             tokens: (N,) node tokens in block order.
@@ -524,63 +539,90 @@ class SpaceDecoder:
         Returns:
             (bonus (1,), next Drafts or None, emitted tokens, a).
         """
-        L = cache.get_seq_length()
-        n1 = lay.num_real
+        # 1. the block [x_{n-1}] [nodes] [mask groups] [padding] after the cache (DESIGN §3.3)
+        L, n1 = cache.get_seq_length(), lay.num_real
         block = torch.cat([last, tokens, lay.mask_ids])
+        # 2. one forward; the LM head on the verification rows (on every row, when that wastes few)
         hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows), cache, n1)
-        # The LM head's cost is mostly one read of its (vocab, hidden) weight, so when few rows
-        # would be wasted, run it once on every row (drafts included) rather than twice.
-        used = lay.used_rows
-        # (a sampler head drafts from its own output, so then the draft rows' head logits would be wasted)
+        logits, target = self._head_rows(hidden, lay)
+        # 3. each verification row scored as AR would score it (a processor sees the row's context)
+        host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None
+        contexts = self._contexts(lay, seq, host_tokens) if processor is not None else None
+        if contexts is not None:
+            target = torch.cat([processor(contexts[i][None], target[i:i + 1]) for i in range(n1)])
+        # 4. verify: the accepted row and the bonus (auto-correct) token
+        best, bonus, bonus_id, host_tokens, order = self._verify(lay, target, tokens, q, sampling, gen, host_tokens)
+        # 5. emit the accepted path and the bonus
+        path = lay.path(best)
+        emitted = [host_tokens[r - 1] for r in path] + [bonus_id]
+        # 6. keep x_0..x_{n-1} and the accepted path in the cache, drop the rest
+        compact_cache(cache, L, path, order)
+        # 7. draft from the deepest group anchored on the path, past the path's end (DESIGN §3.5)
+        rows = lay.draft_rows(best)
+        if rows is None:
+            return bonus, None, emitted, len(path)
+        g, shift, start, stop = rows
+        ctx = contexts[lay.group_rows[g]][None] if contexts is not None else None  # its anchor row's context
+        drafts = self._draft(hidden, logits, start, stop, shift, bonus, sampling, gen, q is not None, processor, ctx)
+        return bonus, drafts, emitted, len(path)
+
+    def _head_rows(self, hidden: torch.Tensor, lay: StepLayout) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits of every used row or None, the verification rows' logits (1+N, vocab)).
+
+        The LM head's cost is mostly one read of its (vocab, hidden) weight, so when few rows would
+        be wasted it runs once on every row, drafts included, rather than twice. Not with a sampler
+        head, which drafts from its own output (the draft rows' head logits would be wasted)."""
+        n1, used = lay.num_real, lay.used_rows
         once = self.sampler is None and used <= 2 * (n1 + max(lay.group_len, default=0))
         logits = self._logits(hidden[:used]) if once else None
-        target = logits[:n1] if logits is not None else self._logits(hidden[:n1])  # (1+N, vocab)
-        host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None
-        contexts = None
-        if processor is not None:  # row i scores the token after x_0..x_{n-1} and i's path
-            rows = [seq + [host_tokens[r - 1] for r in lay.path(i)] for i in range(n1)]
-            # every row's context in one upload (not one per row), split into views on the device
-            contexts = torch.tensor([t for row in rows for t in row], device=self.device).split([len(r) for r in rows])
-            target = torch.cat([processor(contexts[i][None], target[i:i + 1]) for i in range(n1)])
-        if q is not None:  # a sampled chain: node i is row i
+        return logits, logits[:n1] if logits is not None else self._logits(hidden[:n1])
+
+    def _contexts(self, lay: StepLayout, seq: list[int], host_tokens: list[int]) -> tuple[torch.Tensor, ...]:
+        """Per verification row i, x_0..x_{n-1} and i's path (what a logits processor sees as AR
+        would): every row's context in one upload, split into views on the device."""
+        rows = [seq + [host_tokens[r - 1] for r in lay.path(i)] for i in range(lay.num_real)]
+        return torch.tensor([t for row in rows for t in row], device=self.device).split([len(r) for r in rows])
+
+    def _verify(self, lay: StepLayout, target: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None,
+                sampling: SamplingConfig, gen, host_tokens: list[int] | None):
+        """Verify the nodes against the target's rows (DESIGN §3.4).
+
+        Returns:
+            (best row, bonus (1,) on the device, its id, the node tokens on the host, the cache's
+            gather order or None). Greedy and the sampled chain copy to the host once.
+        """
+        if q is not None:  # a sampled chain: node i is row i, the p/q rule
             best, bonus = verify_rejection(logits_to_probs(target, sampling), q, tokens, gen)
-            best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
+            order = None
         elif sampling.greedy:
             best, bonus = verify_tree_greedy(target, tokens, lay.parent_rows, lay.ancestors, lay.score)
             # a tree's gather order, queued before the copy: its cache moves without another
             order = None if lay.is_chain else path_first(lay.ancestors, best)
-            best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
-        else:
+        else:  # a sampled tree: siblings tried in order, exact multi-candidate sampling
             best, bonus = verify_tree_sampling(logits_to_probs(target, sampling), host_tokens, lay.children, gen)
-            bonus_id = int(bonus)
-        path = lay.path(best)
-        a = len(path)
-        emitted = [host_tokens[r - 1] for r in path] + [bonus_id]
-        compact_cache(cache, L, path, order if sampling.greedy and q is None else None)
-        bonus = bonus.view(1)  # stays on the device
-        gi = lay.group_of(best)  # draft from the deepest group on the path, shifted (DESIGN §3.5)
-        if gi is None:
-            return bonus, None, emitted, a
-        shift = a - len(lay.path(lay.group_rows[gi]))
-        start, stop = lay.group_start(gi) + shift, lay.group_start(gi) + lay.group_len[gi]
-        if start >= stop:  # the group's masks all lie behind the accepted path
-            return bonus, None, emitted, a
-        # the group drafts after x_0..x_{n-1} and the path to its anchor: its anchor row's context
-        ctx = contexts[lay.group_rows[gi]][None] if contexts is not None else None
+            return best, bonus.view(1), int(bonus), host_tokens, None
+        best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
+        return best, bonus.view(1), bonus_id, host_tokens, order
+
+    def _draft(self, hidden: torch.Tensor, logits: torch.Tensor | None, start: int, stop: int, shift: int,
+               bonus: torch.Tensor, sampling: SamplingConfig, gen, pq: bool, processor: LogitsProcessor | None,
+               ctx: torch.Tensor | None) -> Drafts:
+        """The next step's drafts from the group's mask rows ``start:stop`` (offsets ``shift`` on):
+        by the sampler head, sampled with their q (a sampled chain), top-R with probabilities (the
+        dynamic tree prices nodes with them), or top-R ids."""
         if self.sampler is not None:
-            return bonus, self._head_drafts(hidden[start:stop], bonus, shift, sampling, gen, q is not None,
-                                            processor, ctx), emitted, a
+            return self._head_drafts(hidden[start:stop], bonus, shift, sampling, gen, pq, processor, ctx)
         draft_logits = logits[start:stop] if logits is not None else self._logits(hidden[start:stop])
         if processor is not None:
             draft_logits = processor(ctx.expand(draft_logits.shape[0], -1), draft_logits)
-        if q is not None:
+        if pq:
             q_next = logits_to_probs(draft_logits, sampling)
-            return bonus, Drafts(sample(q_next, gen)[:, None], q=q_next, offset=shift), emitted, a
-        if self.dynamic:  # the planner prices nodes with the drafts' probabilities
+            return Drafts(sample(q_next, gen)[:, None], q=q_next, offset=shift)
+        if self.dynamic:
             probs = torch.softmax(draft_logits, -1) if sampling.greedy else logits_to_probs(draft_logits, sampling)
             top = probs.topk(self.draft_ranks, dim=-1)
-            return bonus, Drafts(top.indices, probs=top.values, offset=shift), emitted, a
-        return bonus, Drafts(draft_logits.topk(self.draft_ranks, dim=-1).indices, offset=shift), emitted, a
+            return Drafts(top.indices, probs=top.values, offset=shift)
+        return Drafts(draft_logits.topk(self.draft_ranks, dim=-1).indices, offset=shift)
 
     def _head_drafts(self, hidden: torch.Tensor, bonus: torch.Tensor, shift: int, sampling: SamplingConfig, gen,
                      pq: bool, processor: LogitsProcessor | None, ctx: torch.Tensor | None) -> Drafts:
