@@ -27,7 +27,8 @@ ARCHS = {  # name: (model class, config class, overrides)
     "mistral-sliding": (MistralForCausalLM, MistralConfig, dict(sliding_window=WINDOW)),
 }
 CONFIGS = [DecodeConfig(4), DecodeConfig(4, 2), DecodeConfig(3, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
-           DecodeConfig(3, 2, lookup_tokens=6)]
+           DecodeConfig(3, 2, lookup_tokens=6),
+           DecodeConfig(3, 4, tree="dynamic", lookup_tokens=6)]  # the shipped kind of layout (issue 44: untested here)
 
 
 def tiny_model(arch: str, **overrides):

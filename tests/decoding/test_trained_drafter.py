@@ -120,7 +120,9 @@ def test_frozen_base_exact_at_high_acceptance(trained, kernels):
 
 @pytest.mark.parametrize("config", [DecodeConfig(K, 2), DecodeConfig(K, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
                                     DecodeConfig(K, 2, tree=[[0], [1], [0, 0]], lookup_tokens=6),
-                                    DecodeConfig(K, lookup_tokens=6)], ids=["chain", "tree", "tree+lookup", "lookup"])
+                                    DecodeConfig(K, lookup_tokens=6),
+                                    DecodeConfig(3, 4, tree="dynamic", lookup_tokens=6)],
+                         ids=["chain", "tree", "tree+lookup", "lookup", "dynamic+lookup"])
 def test_logits_processor_exact_at_high_acceptance(trained, config):
     """A processor that depends on the tokens before each row (HF's repetition penalty) changes
     the output; SPACE applies it to every verification row with that row's own prefix (in a tree:
@@ -141,3 +143,22 @@ def test_logits_processor_exact_at_high_acceptance(trained, config):
         changed += ar.new_ids != ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
         assert out.tokens_per_step > 1.2
     assert changed  # the processor really acted
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(4), DecodeConfig(3, 4, tree="dynamic", lookup_tokens=6)],
+                         ids=["chain", "dynamic+lookup"])
+def test_mask_diff_model_decodes_exactly(config):
+    """A model with one mask token per offset (``mask_diff``, DESIGN §3.2) decodes with each mask
+    row's own id, and greedy output equals AR's (issue 44: no decode test covered it)."""
+    from space.models import tiny_random_llama
+    from space.tokens import add_mask_tokens
+
+    model, tok = tiny_random_llama(seed=5)
+    spec = add_mask_tokens(model, tok, mask_num=4, mask_diff=True)
+    assert len(spec.token_ids) == 4
+    dec = SpaceDecoder(model, spec, config)
+    gen = torch.Generator().manual_seed(0)
+    for n in (5, 17, 40):
+        prompt = torch.randint(11, 250, (n,), generator=gen)
+        assert dec.generate(prompt, 40).new_ids == ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
+
