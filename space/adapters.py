@@ -107,8 +107,11 @@ class GatedLoraLinear(nn.Module):
 
     ``forward(x (batch, seq, in)) -> (batch, seq, out)``. Mask rows are rows
     ``space.masking.mask_rows_start()`` on (the layout puts mask groups last); the update runs on
-    those rows only, so real rows are exactly ``base(x)``, bit for bit, and outside a
-    ``mask_rows`` block (AR, HF ``generate``) the layer costs what the base costs.
+    those rows only, so real rows get the base linear's output and no LoRA term. Outside a
+    ``mask_rows`` block (AR, HF ``generate``), or when the call holds no mask row, the layer is
+    the base alone and costs what the base costs. (With the CPU kernels' per-row-count paths, a
+    few-row call may take MKL and a many-row call oneDNN: the same weights, equal to fp32
+    rounding, ``space.cpu_kernels``.)
     """
 
     def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor):

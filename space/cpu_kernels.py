@@ -14,7 +14,10 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
    are applied, and each :class:`PackedLinear` calls stock ``F.linear`` up to the row count where
    MKL is faster (``stock_rows``), oneDNN above it; the choice goes into the run record. Both
    paths match ``F.linear`` to fp32 rounding (~1e-6); oneDNN's rows do not depend on how many
-   rows a call holds.
+   rows a call holds. So an AR row (MKL) and the same row in a SPACE block (oneDNN) can differ at
+   fp32 rounding, as they already do with the stock kernels (MKL's one-row and many-row paths):
+   greedy SPACE equals AR except at a near-tie that rounding flips, and the timed choice can
+   differ between runs (``stock_rows = 0``, oneDNN everywhere, makes every row call-independent).
 2. **GQA attention with a mask** (:data:`SDPA_GQA`). transformers' ``sdpa`` copies the key/value
    cache to every query head (``repeat_kv``) whenever a mask is given, which SPACE's 4-D mask always
    is: 60 cache copies per step for SmolLM2. Registered through ``AttentionInterface``, this
@@ -57,7 +60,8 @@ class PackedLinear(nn.Module):
             (``tests/test_packed_linear.py`` checks it).
 
         stock_rows: calls of at most this many rows take stock ``F.linear`` on W alone (MKL's
-            matrix-vector path; ``extra`` is not computed by :meth:`forward`); 0 = always oneDNN.
+            matrix-vector path, without computing ``extra``); 0 = always oneDNN. Above it,
+            :meth:`forward` computes ``extra`` with W in one call and drops it.
 
     ``forward(x (..., in)) -> (..., out)``; ``forward_extra(x) -> ((..., out), (..., r))``.
 
@@ -230,7 +234,8 @@ def optimize_for_cpu(model: nn.Module) -> dict:
 def apply_kernels(model: nn.Module, choice: str) -> dict:
     """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`,
     ``stock`` keeps transformers' own kernels. Returns the run-record entry
-    ``{"choice": choice, "packed_linears": n, "attention": name}``.
+    ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"stock_rows"`` (the
+    timed path per weight shape, :func:`optimize_for_cpu`) for ``fast`` on an fp32 CPU model.
 
     Raises:
         ValueError: choice not in KERNEL_CHOICES.

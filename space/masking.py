@@ -150,8 +150,8 @@ def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Ten
         lens: (G,) the per-group lengths ``k`` already on ``device`` (a decoder's one upload of its
             step plan), used as they are; ``k`` still gives them on the host, for the shapes.
 
-    A tensor ``group_ctx`` (like a tensor ``parents``) is trusted: it is a decoder's own plan, and
-    checking it would read the device.
+    With ``lens`` given, a tensor ``group_ctx`` is trusted like a tensor ``parents``: it is a
+    decoder's own uploaded plan, and checking it would read the device. Otherwise it is checked.
 
     Raises:
         ValueError: k < 1, num_real < 1, a group context outside 1..num_real, one length per
@@ -163,7 +163,7 @@ def build_layout(cache_len: int, num_real: int, group_ctx: list[int] | torch.Ten
         raise ValueError(f"mask_num (k) must be >= 1, got {k}")
     if num_real < 1 or cache_len < 0:
         raise ValueError(f"need num_real >= 1 and cache_len >= 0, got {num_real}, {cache_len}")
-    trusted_ctx = isinstance(group_ctx, torch.Tensor)
+    trusted_ctx = lens is not None and isinstance(group_ctx, torch.Tensor)
     ctx = torch.as_tensor(group_ctx, dtype=torch.long).reshape(-1)
     if not trusted_ctx and ctx.numel() and (int(ctx.min()) < 1 or int(ctx.max()) > num_real):
         raise ValueError(f"group context lengths must lie in 1..{num_real}, got {ctx.tolist()}")

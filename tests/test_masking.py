@@ -159,3 +159,14 @@ def test_render_labels_padding_and_groups_of_different_lengths():
     lay = build_layout(2, 2, [1, 2], [1, 2], parents=[-1, 0], pad_to=7)
     names = [line.split()[3] for line in render(lay).splitlines()[1:]]
     assert names == ["x", "c1", "G0m0", "G1m0", "G1m1", "pad", "pad"]
+
+
+def test_train_layout_checks_tensor_span_starts():
+    """A tensor of span starts is checked like a list (only a decoder's own uploaded plan, given
+    with ``lens``, is trusted): a start outside 1..seq_len is a ValueError, not a wrapped index."""
+    from space.masking import train_layout
+
+    for bad in (torch.tensor([0]), torch.tensor([9]), [0]):
+        with pytest.raises(ValueError, match="group context"):
+            train_layout(5, bad, 2)
+

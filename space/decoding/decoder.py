@@ -415,7 +415,8 @@ class SpaceDecoder:
         found: list[int] = []
         stats = AcceptanceStats(self.config.mask_num, self.config.lookup_tokens, self.cost) if self.dynamic else None
         mask_rows_before = self.config.mask_num
-        with model_time(self.decoder, self.head) as spent:  # host time = a step minus the model
+        # host time = a step minus the model (trunk, LM head, and the sampler head and its embedding)
+        with model_time(self.decoder, self.head, *([self.sampler, self.embed] if self.sampler is not None else [])) as spent:
             while True:
                 t0, model0 = time.perf_counter(), spent[0]
                 L = cache.get_seq_length()  # n - 1

@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
             "lookup_ngram": decode.lookup_ngram, "tree": decode.to_dict()["tree"],
+            "baselines_suppress_masks": True,  # hf and pld never emit a mask token (issue 44); older runs let them
             # the dynamic tree's own settings (None for static layouts, which do not use them)
             **{key: decode.to_dict()[key] if decode.tree == "dynamic" else None
                for key in ("row_budget", "draft_ranks", "step_cost")},

@@ -39,7 +39,8 @@ def _method_stats(rows: list[dict]) -> dict:
         plan = [p for r in rows for c in r["choices"] for turn in c.get("plan_ms") or [] for p in turn]
         stats["host_ms_per_step"] = round(statistics.median(host), 3)
         stats["plan_ms_per_step"] = round(statistics.median(plan), 3) if plan else None
-        stats["host_share"] = round(sum(host) / 1e3 / wall, 4) if wall else None
+        timed = sum(t for r in rows for c in r["choices"] if c.get("host_ms") for t in c["wall_time"])
+        stats["host_share"] = round(sum(host) / 1e3 / timed, 4) if timed else None  # over records that have it
     return stats
 
 
