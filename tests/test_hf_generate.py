@@ -9,7 +9,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 
 from space.decoding import SamplingConfig, SpaceDecoder, ar_generate
-from space.decoding.cache import cache_input
+from space.decoding.cache import CACHE_ARG, cache_input
 from space.decoding.result import StopDecoding
 from space.hf import space_generate
 from space.models import tiny_random_llama
@@ -239,8 +239,8 @@ def test_unsupported_inputs_say_what(tiny):
                        max_new_tokens=4)
     filled = DynamicCache(config=model.config)
     model(input_ids=ids, **cache_input(filled), use_cache=True)
-    with pytest.raises(ValueError, match="a filled cache"):  # under either name the installed version uses
-        _space(model, ids, max_new_tokens=4, past_key_values=filled)
+    with pytest.raises(ValueError, match="a filled cache"):  # under the name the installed version uses
+        _space(model, ids, max_new_tokens=4, **{CACHE_ARG: filled})
     plain, _ = tiny_random_llama(seed=0)  # no mask token
     with pytest.raises(ValueError, match="no SPACE mask token"):
         _space(plain, ids, max_new_tokens=4)
