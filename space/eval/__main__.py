@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import warnings
 from pathlib import Path
 
 from ..cli import (HelpFormatter, add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number,
@@ -210,6 +211,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
         tree=tree_flag(args.tree, args.mask_num))
     decoder = SpaceDecoder(model, spec, decode)
+    from .tree_search import step_cost_mismatch
+
+    setup = read_record(Path(args.adapter) / "space_config.json").get("step_cost_setup") if args.adapter else None
+    mismatch = step_cost_mismatch(setup, torch.get_num_threads(), args.kernels) if decode.tree == "dynamic" else None
+    if mismatch:
+        warnings.warn(mismatch, stacklevel=2)
     context = model.config.max_position_embeddings
     if args.max_new_tokens >= context:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model "
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
             "lookup_ngram": decode.lookup_ngram, "tree": decode.to_dict()["tree"],
-            "baselines_suppress_masks": True,  # hf and pld never emit a mask token (issue 44); older runs let them
+            "baselines_suppress_masks": True, "step_cost_setup": setup if decode.tree == "dynamic" else None,  # hf and pld never emit a mask token (issue 44); older runs let them
             # the dynamic tree's own settings (None for static layouts, which do not use them)
             **{key: decode.to_dict()[key] if decode.tree == "dynamic" else None
                for key in ("row_budget", "draft_ranks", "step_cost")},

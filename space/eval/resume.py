@@ -57,6 +57,7 @@ def adapter_sha256(adapter: str | Path | None) -> str | None:
             try:
                 config = json.loads(data)
                 config.pop("decode", None)
+                config.pop("step_cost_setup", None)  # how the tuned layout's curve was measured
                 data = json.dumps(config, sort_keys=True).encode()
             except (ValueError, AttributeError):  # not a JSON object: its bytes count as they are
                 pass

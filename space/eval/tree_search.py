@@ -262,17 +262,40 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
     return sorted(results, key=lambda r: -r["est_speedup"])
 
 
-def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = None) -> None:
+def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = None,
+                 setup: dict | None = None) -> None:
     """Store ``decode`` in the adapter's space_config.json, atomically, keeping the other keys; with
-    ``curve`` (measured {rows: seconds}), as its ``"step_cost"`` (:func:`step_cost_points`)."""
+    ``curve`` (measured {rows: seconds}), as its ``"step_cost"`` (:func:`step_cost_points`).
+
+    ``setup`` (threads and kernels the curve was measured with) goes beside it as
+    ``"step_cost_setup"`` when the stored layout prices rows by a curve (the dynamic tree), so
+    ``space-eval`` can warn when a run's setup differs (issue 44); else any old one is dropped."""
     from ..adapters import SPACE_CONFIG
 
     path = adapter / SPACE_CONFIG
     cfg = json.loads(path.read_text())
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
+    if setup is not None and cfg["decode"].get("tree") == "dynamic" and cfg["decode"].get("step_cost"):
+        cfg["step_cost_setup"] = setup
+    else:
+        cfg.pop("step_cost_setup", None)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(cfg, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def step_cost_mismatch(setup: dict | None, threads: int, kernels: str) -> str | None:
+    """Why a stored step-cost curve may not price this run's rows: the threads or kernels it was
+    measured with differ from the run's (a curve at 1 thread prices rows wrong at 2). None when
+    they agree or nothing was recorded."""
+    if not setup:
+        return None
+    diff = [f"{key} {setup[key]} (run: {now})" for key, now in (("threads", threads), ("kernels", kernels))
+            if key in setup and setup[key] != now]
+    if not diff:
+        return None
+    return ("the adapter's step-cost curve was measured with " + ", ".join(diff) + ": the dynamic tree prices "
+            "rows by it; re-measure with space-tree --write-adapter under this run's setup")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     current = DecodeConfig.of_model(model, spec.mask_num) if a.adapter else None
     points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
     curve = step_cost_curve(model, points, a.cache_len)
+    setup = {"threads": torch.get_num_threads(), "kernels": a.kernels}  # what the curve was measured with
     results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current)
     if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows
         raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")
@@ -385,14 +409,14 @@ def main(argv: list[str] | None = None) -> dict:
     if a.write_adapter:
         where = a.adapter / SPACE_CONFIG
         if dynamic is not None:
-            write_decode(a.adapter, dynamic)
+            write_decode(a.adapter, dynamic, setup=setup)
             print(f"[space-tree] stored the dynamic tree (k = {dynamic['mask_num']}, row budget {a.max_rows}) with "
                   f"this machine's step-cost curve in {where}; time it with space-eval --tree dynamic")
         elif best is mine:
             if current.to_dict()["step_cost"] == step_cost_points(curve):
                 print(f"[space-tree] the adapter's current layout is already the best estimate: {where} left unchanged")
             else:
-                write_decode(a.adapter, current.to_dict(), curve)
+                write_decode(a.adapter, current.to_dict(), curve, setup=setup)
                 print(f"[space-tree] the adapter's current layout is already the best estimate: kept it, with this "
                       f"machine's step-cost curve, in {where}")
         else:
@@ -403,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 was = (f"current layout (k = {current.mask_num}) not estimated: the ranks have k = "
                        f"{min(r.shape[1] for r in ranks)}")
-            write_decode(a.adapter, best["decode"], curve)
+            write_decode(a.adapter, best["decode"], curve, setup=setup)
             print(f"[space-tree] stored the best layout (est. {best['est_speedup']:.3f}x; {was}) with this machine's "
                   f"step-cost curve in {where}")
     return report

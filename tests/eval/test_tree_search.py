@@ -66,6 +66,29 @@ def test_write_decode_keeps_other_keys(tmp_path):
         load_ranks(bad)
 
 
+def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
+    """Issue 44: the threads and kernels a stored curve was measured with travel with it (only
+    when the layout prices rows by it), leave the adapter's hash alone, and space-eval's check
+    names what differs from the run."""
+    from space.eval.resume import adapter_sha256
+    from space.eval.tree_search import step_cost_mismatch
+
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base"}))
+    before = adapter_sha256(tmp_path)
+    setup = {"threads": 1, "kernels": "fast"}
+    dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
+    write_decode(tmp_path, dynamic, {1: 0.002, 8: 0.003}, setup=setup)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert cfg["step_cost_setup"] == setup and DecodeConfig.from_dict(cfg["decode"]).tree == "dynamic"
+    assert adapter_sha256(tmp_path) == before  # tuning metadata, like "decode": not the drafter
+    write_decode(tmp_path, DecodeConfig(3, 2, tree=[[0], [1]]).to_dict(), {1: 0.002}, setup=setup)
+    assert "step_cost_setup" not in json.loads((tmp_path / "space_config.json").read_text())  # static: no curve use
+    assert step_cost_mismatch(setup, 1, "fast") is None and step_cost_mismatch(None, 2, "stock") is None
+    msg = step_cost_mismatch(setup, 2, "fast")
+    assert "threads 1 (run: 2)" in msg and "kernels" not in msg
+    assert "kernels fast (run: stock)" in step_cost_mismatch(setup, 1, "stock")
+
+
 def test_load_ranks_by_source(tmp_path):
     path = tmp_path / "ranks.jsonl"
     path.write_text('{"source": "mbpp", "ranks": [[0, 1]]}\n{"source": "lima", "ranks": [[2, 3]]}\n'
