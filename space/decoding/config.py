@@ -62,6 +62,9 @@ class DecodeConfig:
         draft_ranks: dynamic tree: top-R drafts per mask it may use (>= 1).
         step_cost: dynamic tree: the step-cost curve ``((rows, cost), ...)``, rows ascending from
             1 (``space-tree`` measures it in ms); None = ``dynamic.DEFAULT_STEP_COST``.
+        adapter_cost: dynamic tree: what a step pays once for having mask rows (the frozen-base
+            adapter's fixed cost), in the curve's unit; ``space-tree --dynamic`` measures it as 2
+            rows with and without mask rows. 0 = not measured (``dynamic.StepCost.adapter``).
 
     Raises:
         ValueError: any field out of range or not an integer (NaN, inf and 2.0 included), at
@@ -77,6 +80,7 @@ class DecodeConfig:
     row_budget: int = 32
     draft_ranks: int = 4
     step_cost: tuple[tuple[int, float], ...] | None = None
+    adapter_cost: float = 0.0
 
     def __post_init__(self):
         check_mask_num(self.mask_num)
@@ -89,6 +93,7 @@ class DecodeConfig:
         check_int("draft_ranks", self.draft_ranks, 1)
         if self.step_cost is not None:
             object.__setattr__(self, "step_cost", StepCost(self.step_cost).points)
+        check_real("adapter_cost", self.adapter_cost, 0.0)
         if self.num_groups is not None:
             check_int("num_groups", self.num_groups, 1, self.mask_num + 1)  # G_0..G_k
         check_int("lookup_tokens", self.lookup_tokens, 0)

@@ -73,7 +73,7 @@ from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache
 from .config import DecodeConfig
-from .dynamic import DEFAULT_STEP_COST, AcceptanceStats, StepCost, plan_step
+from .dynamic import DEFAULT_STEP_COST, LOOKUP, MASK, AcceptanceStats, StepCost, plan_step
 from .result import DecodeResult, check_prompt, model_time
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .tree import chain_depth, prune
@@ -114,6 +114,30 @@ def path_first(ancestors: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     """
     on_path = ancestors.index_select(0, best.view(1))[0]
     return torch.argsort((~on_path).to(torch.uint8), stable=True)
+
+
+def provenance(parents: tuple[int, ...], sources: tuple[int, ...], tokens: list[int], path: list[int]
+               ) -> tuple[str, int, int]:
+    """Where a step's accepted tokens came from (issue 44): the masks, prompt lookup, or both.
+
+    Args:
+        parents: (1+N,) parent row of each row of the block (-1 for x_{n-1}).
+        sources: (N,) each node's sources (``dynamic.MASK`` / ``LOOKUP`` bits).
+        tokens: (N,) node tokens on the host.
+        path: the accepted rows, in depth order.
+
+    Returns:
+        (one letter per accepted token, ``m`` mask draft, ``l`` lookup token, ``b`` both: the same
+        token path offered by both, as one node or as two branches; the deepest node offered by
+        the masks; the deepest offered by lookup).
+    """
+    by_path: dict[tuple[int, ...], int] = {}
+    paths = [()]
+    for r in range(1, len(parents)):
+        paths.append(paths[parents[r]] + (tokens[r - 1],))
+        by_path[paths[r]] = by_path.get(paths[r], 0) | sources[r - 1]
+    offered = [max((len(p) for p, s in by_path.items() if s & bit), default=0) for bit in (MASK, LOOKUP)]
+    return "".join(" mlb"[by_path[paths[r]]] for r in path), offered[0], offered[1]
 
 
 def check_attention(model, caller: str = "SpaceDecoder") -> None:
@@ -341,7 +365,7 @@ class SpaceDecoder:
             self.config.tree or tuple((0,) * d for d in range(1, self.config.mask_num + 1)))
         # R: drafts kept per mask
         self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
-        self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST) if self.dynamic else None
+        self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
         vocab = self.head.weight.shape[0]
         if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
@@ -412,7 +436,7 @@ class SpaceDecoder:
         # verifies deterministic candidates
         pq = not sampling.greedy and self.config.tree is None and self.lookup is None
         drafts = self._no_drafts(pq)
-        found: list[int] = []
+        found = self._look_up(seq)  # the first step already verifies what the prompt repeats, as PLD's does
         stats = AcceptanceStats(self.config.mask_num, self.config.lookup_tokens, self.cost) if self.dynamic else None
         mask_rows_before = self.config.mask_num
         # host time = a step minus the model (trunk, LM head, and the sampler head and its embedding)
@@ -424,29 +448,37 @@ class SpaceDecoder:
                     host_ids, host_probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
                     host_ids = [[int(t) for t in row] for row in host_ids]
                     plan = plan_step(host_ids, host_probs, drafts.offset, found, stats, self.config.row_budget, self.config.mask_num,
-                                     self.config.groups, self.context - L - 1, mask_rows_before)
+                                     self.config.groups, self.context - L - 1, mask_rows_before,
+                                     chained=self.sampler is not None)
                     lay, tokens = self._layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
+                    sources = plan.sources
                 else:
-                    lay, tokens = self._static_block(L, drafts, found)
+                    lay, tokens, sources = self._static_block(L, drafts, found)
                 plan_s = time.perf_counter() - t0
                 q = drafts.q[: tokens.numel()] if pq else None
-                last, nxt, emitted, a = self._step(cache, last, lay, tokens, q, sampling, gen, logits_processor, seq)
+                last, nxt, emitted, path, host_tokens = self._step(cache, last, lay, tokens, q, sampling, gen,
+                                                                   logits_processor, seq)
                 if seq is not None:
                     seq.extend(emitted)
                 if stats is not None:
-                    stats.observe(emitted, [r[0] for r in host_ids], [p[0] for p in host_probs], drafts.offset, found,
-                                  lay.rows)
+                    stats.observe(emitted, host_ids, [p[0] for p in host_probs], drafts.offset, found, lay.rows)
                     mask_rows_before = sum(lay.group_len)
-                if self.lookup is not None:
-                    found = self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
+                found = self._look_up(seq)
                 step_s = time.perf_counter() - t0
-                if res.emit(emitted, step_s + prefill_s, accepted=a, candidates=max(lay.depth), rows=lay.rows,
-                            host=step_s - (spent[0] - model0), plan=plan_s):
+                if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,
+                            host=step_s - (spent[0] - model0), plan=plan_s,
+                            provenance=provenance(lay.parents, sources, host_tokens, path)):
                     return res
                 drafts = nxt if nxt is not None else self._no_drafts(pq)
                 if draft_override is not None and sampling.greedy:
                     drafts = self._override(draft_override, res.new_ids, drafts)
                 prefill_s = 0.0
+
+    def _look_up(self, seq: list[int] | None) -> list[int]:
+        """Prompt lookup's continuation of the text so far (empty without lookup or a match)."""
+        if self.lookup is None:
+            return []
+        return self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
 
     def _no_drafts(self, pq: bool) -> Drafts:
         ids = torch.empty(0, self.draft_ranks, dtype=torch.long, device=self.device)
@@ -471,11 +503,11 @@ class SpaceDecoder:
         probs = torch.as_tensor(probs, dtype=torch.float, device=self.device)[: ids.shape[0], : ids.shape[1]]
         return Drafts(ids, probs=probs, offset=drafts.offset)
 
-    def _static_block(self, L: int, drafts: Drafts, found: list[int]) -> tuple[StepLayout, torch.Tensor]:
+    def _static_block(self, L: int, drafts: Drafts, found: list[int]) -> tuple[StepLayout, torch.Tensor, tuple[int, ...]]:
         """A static step: the configured tree (or the chain) pruned to the drafts at hand, then a
         lookup branch of ``found``; groups on x_{n-1} and the top-1 chain. Near the end of the
         context nodes, groups and masks shrink so no row reaches position ``context``. The layout
-        is built once per shape and kept on the device."""
+        is built once per shape and kept on the device. Returns (layout, node tokens, node sources)."""
         room = self.context - L - 1  # deepest depth that fits
         found = found[:room]
         tree = prune(self.tree, min(drafts.ids.shape[0], room))
@@ -494,7 +526,7 @@ class SpaceDecoder:
         tokens = drafts.nodes[: len(tree)] if drafts.nodes is not None else drafts.ids.reshape(-1)[index]
         if found:
             tokens = torch.cat([tokens, torch.tensor(found, device=self.device)])
-        return lay, tokens
+        return lay, tokens, (MASK,) * len(tree) + (LOOKUP,) * len(found)
 
     def _layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int,
                 tokens: list[int] = ()) -> tuple[StepLayout, torch.Tensor]:
@@ -538,7 +570,8 @@ class SpaceDecoder:
             seq: x_0..x_{n-1} on the host, needed only by ``processor``.
 
         Returns:
-            (bonus (1,), next Drafts or None, emitted tokens, a).
+            (bonus (1,), next Drafts or None, emitted tokens, the accepted rows (a of them, in
+            depth order), the node tokens on the host).
         """
         # 1. the block [x_{n-1}] [nodes] [mask groups] [padding] after the cache (DESIGN §3.3)
         L, n1 = cache.get_seq_length(), lay.num_real
@@ -561,11 +594,11 @@ class SpaceDecoder:
         # 7. draft from the deepest group anchored on the path, past the path's end (DESIGN §3.5)
         rows = lay.draft_rows(best)
         if rows is None:
-            return bonus, None, emitted, len(path)
+            return bonus, None, emitted, path, host_tokens
         g, shift, start, stop = rows
         ctx = contexts[lay.group_rows[g]][None] if contexts is not None else None  # its anchor row's context
         drafts = self._draft(hidden, logits, start, stop, shift, bonus, sampling, gen, q is not None, processor, ctx)
-        return bonus, drafts, emitted, len(path)
+        return bonus, drafts, emitted, path, host_tokens
 
     def _head_rows(self, hidden: torch.Tensor, lay: StepLayout) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(logits of every used row or None, the verification rows' logits (1+N, vocab)).

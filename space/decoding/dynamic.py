@@ -60,6 +60,7 @@ MASK_PRIOR = 0.5  # prior P(mask offset j's top draft is right | the drafts befo
 # a recurring n-gram's continuation is a guess, but once it matched, the copied span tends to go on
 LOOKUP_PRIOR = (0.3, 0.6)
 RATE_PRIOR = (2.0, 8)  # prior λ: 2 tokens per step of 8 rows
+MASK, LOOKUP = 1, 2  # a node's sources (bits): a mask draft, a prompt-lookup token, or both (3)
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,18 @@ class StepCost:
     Attributes:
         points: ((rows, cost), ...) measured points, rows ascending from 1, cost in any unit
             (``space-tree`` stores ms); linear between points and past the last.
+        adapter: what a step pays once for having any mask row, in the points' unit: the
+            frozen-base adapter's fixed cost, which ``space-tree`` measures as 2 rows with and
+            without mask rows. 0 when not measured: the 1 -> 2-row jump is then all the multi-row
+            path's (a 4-D mask, a many-row kernel), which every block of more than one row pays.
 
     Raises:
         ValueError: no points, rows not ascending integers from 1, or a cost that is not a finite
-            number > 0.
+            number > 0, or an adapter cost that is not a finite number >= 0.
     """
 
     points: tuple[tuple[int, float], ...] = DEFAULT_STEP_COST
+    adapter: float = 0.0
 
     def __post_init__(self):
         try:
@@ -88,6 +94,9 @@ class StepCost:
             raise ValueError(f"step_cost must be [[rows, cost], ...] with rows ascending from 1 and costs > 0, "
                              f"got {self.points!r}")
         object.__setattr__(self, "points", pts)
+        if isinstance(self.adapter, bool) or not isinstance(self.adapter, (int, float)) \
+                or not math.isfinite(self.adapter) or self.adapter < 0:
+            raise ValueError(f"the adapter's step cost must be a finite number >= 0, got {self.adapter!r}")
 
     def __call__(self, q: int) -> float:
         """c(q) / c(1)."""
@@ -99,15 +108,23 @@ class StepCost:
         return max(c0 + (c1 - c0) * (q - q0) / (q1 - q0), 1e-9) / pts[0][1]
 
     def marginal(self, q: int) -> float:
-        """c(q + 1) - c(q) at q >= 2 rows: what one more row costs (never below 0). The curve is
-        measured with the adapter on every row but the first (``space-tree``), so its first step
-        also holds the adapter's fixed cost, which :meth:`adapter_overhead` charges to mask rows."""
+        """c(q + 1) - c(q) at q >= 2 rows: what one more row costs (never below 0). The step from 1
+        to 2 rows also holds a fixed cost, which :meth:`multi_row` and :meth:`adapter_overhead`
+        split."""
         q = max(q, 2)
         return max(self(q + 1) - self(q), 0.0)
 
     def adapter_overhead(self) -> float:
-        """The part of c(2) - c(1) beyond an ordinary row: what a step pays once for having any
-        mask row (the frozen-base adapter runs only on mask rows)."""
+        """What a step pays once for having any mask row (the adapter's fixed cost, :attr:`adapter`,
+        relative to one row), at most the 1 -> 2-row jump beyond an ordinary row."""
+        return min(self.adapter / self.points[0][1], self._jump())
+
+    def multi_row(self) -> float:
+        """What any block of more than one row pays once, mask rows or not (issue 44): the 1 -> 2-row
+        jump beyond an ordinary row, less the adapter's part."""
+        return self._jump() - self.adapter_overhead()
+
+    def _jump(self) -> float:
         return max(self(2) - self(1) - self.marginal(2), 0.0)
 
 
@@ -143,7 +160,8 @@ class AcceptanceStats:
 
     def __init__(self, mask_num: int, lookup_tokens: int, cost: StepCost):
         self.cost = cost
-        self.mask = [[PRIOR_WEIGHT * MASK_PRIOR, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, trials]
+        self.mask = [[PRIOR_WEIGHT * MASK_PRIOR, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, trials], top-1
+        self.ranked = [[PRIOR_WEIGHT * MASK_PRIOR, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, trials], top-R
         self.said = [[PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, sum of top-1 probabilities]
         self.lookup = [[PRIOR_WEIGHT * LOOKUP_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
         self.tokens, self.spent = PRIOR_WEIGHT * RATE_PRIOR[0], PRIOR_WEIGHT * cost(RATE_PRIOR[1])
@@ -158,6 +176,12 @@ class AcceptanceStats:
         than left at its prior.
         """
         return monotone(self.mask, increasing=False)
+
+    def ranked_alphas(self) -> list[float]:
+        """P(the true token at mask offset j is among its top-R drafts | it was at every offset
+        before), non-increasing like :meth:`alphas`: how far the next step's draft tree, which
+        verifies top-R drafts rather than the top-1 chain, is expected to reach (issue 44)."""
+        return monotone(self.ranked, increasing=False)
 
     def lookup_rates(self) -> list[float]:
         """P(the lookup token at depth d + 1 is right | the ones before it were right), made
@@ -177,32 +201,38 @@ class AcceptanceStats:
         """λ: tokens emitted per unit of step cost so far (with the prior)."""
         return self.tokens / self.spent
 
-    def observe(self, emitted: list[int], top_drafts: list[int], top_probs: list[float], draft_offset: int,
+    def observe(self, emitted: list[int], drafts: list[list[int]], top_probs: list[float], draft_offset: int,
                 found: list[int], rows: int) -> None:
         """Learn from one step.
 
         Args:
             emitted: the step's tokens, the accepted path then the bonus: the true tokens at
                 depths 1..a+1, whether or not their node was in the tree.
-            top_drafts: the top-1 draft of each mask the step drafted from, from mask offset
-                ``draft_offset`` on; ``top_probs``: their probabilities.
+            drafts: (r, R) the top-R drafts of each mask the step drafted from, from mask offset
+                ``draft_offset`` on, the top-1 first; ``top_probs``: the top-1 drafts' probabilities.
             found: the step's prompt-lookup tokens.
             rows: the block's rows, padding included.
         """
-        if not top_drafts:  # no mask drafted this step: forget a little, towards the prior
-            for cells, prior in ((self.mask, MASK_PRIOR), (self.said, 1.0)):
+        if not drafts:  # no mask drafted this step: forget a little, towards the prior
+            for cells, prior in ((self.mask, MASK_PRIOR), (self.ranked, MASK_PRIOR), (self.said, 1.0)):
                 for cell in cells:
                     cell[0] = PRIOR_WEIGHT * prior + FORGET * (cell[0] - PRIOR_WEIGHT * prior)
                     cell[1] = PRIOR_WEIGHT + FORGET * (cell[1] - PRIOR_WEIGHT)
-        for i, t in enumerate(top_drafts[: len(emitted)]):
+        for i, row in enumerate(drafts[: len(emitted)]):
             j = min(draft_offset + i, len(self.mask) - 1)
             cell, said = self.mask[j], self.said[j]
             cell[1] += 1
             said[1] += top_probs[i]
-            if t != emitted[i]:
+            if row[0] != emitted[i]:
                 break
             cell[0] += 1
             said[0] += 1
+        for i, row in enumerate(drafts[: len(emitted)]):
+            cell = self.ranked[min(draft_offset + i, len(self.ranked) - 1)]
+            cell[1] += 1
+            if emitted[i] not in row:
+                break
+            cell[0] += 1
         for d, t in enumerate(found[: min(len(emitted), len(self.lookup))]):
             self.lookup[d][1] += 1
             if t != emitted[d]:
@@ -223,6 +253,8 @@ class StepPlan:
         group_len: masks in each group (1..k).
         rows: the block's rows, padding included (a bucket size).
         values: (N,) each node's value, P(its path is right) as priced.
+        sources: (N,) each node's sources: ``MASK`` (a mask draft), ``LOOKUP`` (a prompt-lookup
+            token) or both (the same token at the same place), for the provenance records.
     """
 
     tokens: tuple[int, ...]
@@ -231,6 +263,7 @@ class StepPlan:
     group_len: tuple[int, ...]
     rows: int
     values: tuple[float, ...]
+    sources: tuple[int, ...] = ()
 
     @property
     def used_rows(self) -> int:
@@ -249,19 +282,26 @@ def calibrated(probs: list[float], c: float) -> list[float]:
 
 
 def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
-                stats: AcceptanceStats, limit: int, room: int) -> list[tuple[tuple[int, ...], float]]:
-    """Up to ``limit`` distinct token paths in non-increasing value, each after its prefix.
+                rates: list[float], limit: int, room: int, top1: list[int] | None
+                ) -> list[tuple[tuple[int, ...], float, int]]:
+    """Up to ``limit`` distinct token paths (path, value, sources) in non-increasing value, each
+    after its prefix.
 
     A node's value is its parent's times its own conditional probability: a mask draft's, a lookup
-    token's running rate at its depth, or the larger of the two for a lookup token that is also the
-    mask draft at its place (one node, so its children are priced from that merged value).
-    ``draft_probs`` rows come sorted in decreasing order. Best-first: popping a node pushes its
-    first mask child, its next mask sibling, and its merged or lookup child, so each node is pushed
-    once and every push is worth at most what popped it.
+    token's running rate ``rates[d]`` at its depth, or the larger of the two for a lookup token
+    that is also the mask draft at its place (one node, sources ``MASK | LOOKUP``, so its children
+    are priced from that merged value). The lookup child is tried first: its mask siblings share
+    what it leaves, ``v·(1-r)·p`` (for a merged child, the other drafts share ``1 - max(p, r)`` in
+    proportion), so siblings never sum above their parent and P(all rejected) stays > 0.
+    ``draft_probs`` rows come sorted in decreasing order. ``top1``: with a sampler head, the rank
+    of each mask's top-1 draft in its row; the head drafted offset d+1 given the top-1 draft at d,
+    so only the top-1 path has mask children (None: every path does, the drafts of plain masks
+    do not depend on each other). Best-first: popping a node pushes its first mask child, its next
+    mask sibling, and its merged or lookup child, so each node is pushed once and every push is
+    worth at most what popped it.
     """
     depth_cap = min(room, len(draft_ids))
-    rates = stats.lookup_rates()
-    lookup_depth = min(len(found), room, len(stats.lookup))
+    lookup_depth = min(len(found), room, len(rates))
     match: list[int] = []  # match[d]: the rank of mask d's draft equal to found[d], while all so far are
     for d in range(min(depth_cap, lookup_depth)):
         if found[d] not in draft_ids[d]:
@@ -270,12 +310,12 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     heap: list = []
     tick = 0
 
-    def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, on_lookup: bool, sibling) -> None:
-        # ranks: the mask ranks of the path (None off the mask tree); sibling: (parent value,
-        # the merged rank the sibling chain skips) for a plain mask child
+    def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int, sibling) -> None:
+        # ranks: the mask ranks of the path (None off the mask tree); sibling: (parent value as
+        # its mask children see it, the merged rank the sibling chain skips) for a plain mask child
         nonlocal tick
         if value > 0:
-            heapq.heappush(heap, (-value, tick, path, ranks, on_lookup, sibling))
+            heapq.heappush(heap, (-value, tick, path, ranks, source, sibling))
             tick += 1
 
     def next_rank(d: int, r: int, skip: int) -> int | None:
@@ -284,38 +324,65 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
 
     def push_mask_child(value: float, path, ranks, d: int, r: int | None, skip: int) -> None:
         if r is not None:
-            push(value * draft_probs[d][r], path + (draft_ids[d][r],), ranks + (r,), False, (value, skip))
+            push(value * draft_probs[d][r], path + (draft_ids[d][r],), ranks + (r,), MASK, (value, skip))
 
-    def expand(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, on_lookup: bool) -> None:
-        d = len(path)
+    def expand(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int) -> None:
+        d, on_lookup = len(path), bool(source & LOOKUP)
         merged = on_lookup and ranks is not None and d < len(match)  # the lookup child is a mask draft too
-        if ranks is not None and d < depth_cap:
+        has_masks = ranks is not None and d < depth_cap and (top1 is None or ranks == tuple(top1[:d]))
+        if merged:
+            p = draft_probs[d][match[d]]
+            own = max(p, rates[d])
+            push(value * own, path + (found[d],), ranks + (match[d],), MASK | LOOKUP, None)
+            share = (1 - own) / (1 - p) if p < 1 else 0.0
+        elif on_lookup and d < lookup_depth:
+            push(value * rates[d], path + (found[d],), None, LOOKUP, None)
+            share = 1 - rates[d]
+        else:
+            share = 1.0
+        if has_masks:
             skip = match[d] if merged else -1
-            push_mask_child(value, path, ranks, d, next_rank(d, -1, skip), skip)
-            if merged:
-                push(value * max(draft_probs[d][skip], rates[d]), path + (found[d],), ranks + (skip,), True, None)
-        if on_lookup and not merged and d < lookup_depth:
-            push(value * rates[d], path + (found[d],), None, True, None)
+            push_mask_child(value * share, path, ranks, d, next_rank(d, -1, skip), skip)
 
-    expand(1.0, (), (), True)
+    expand(1.0, (), (), LOOKUP)
     seen: set[tuple[int, ...]] = set()  # a row may repeat a token (a test hook's drafts)
     out = []
     while heap and len(out) < limit:
-        neg, _, path, ranks, on_lookup, sibling = heapq.heappop(heap)
+        neg, _, path, ranks, source, sibling = heapq.heappop(heap)
         if sibling is not None:
             d = len(path) - 1
             push_mask_child(sibling[0], path[:-1], ranks[:-1], d, next_rank(d, ranks[-1], sibling[1]), sibling[1])
         if path not in seen:
             seen.add(path)
-            out.append((path, -neg))
-            expand(-neg, path, ranks, on_lookup)
+            out.append((path, -neg, source))
+            expand(-neg, path, ranks, source)
+    return out
+
+
+def _lookup_chain(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
+                  rates: list[float], depth: int) -> list[tuple[tuple[int, ...], float, int]]:
+    """The first ``depth`` lookup tokens as nodes (path, value, sources), valued as
+    :func:`_candidates` values them."""
+    out, value, merged = [], 1.0, True
+    for d in range(depth):
+        merged = merged and d < len(draft_ids) and found[d] in draft_ids[d]
+        p = draft_probs[d][draft_ids[d].index(found[d])] if merged else 0.0
+        value *= max(p, rates[d])
+        out.append((tuple(found[: d + 1]), value, MASK | LOOKUP if merged else LOOKUP))
     return out
 
 
 def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_offset: int, found: list[int],
               stats: AcceptanceStats, budget: int, mask_num: int, max_groups: int, room: int,
-              mask_rows_before: int) -> StepPlan:
+              mask_rows_before: int, chained: bool = False) -> StepPlan:
     """Choose this step's nodes, mask groups and their lengths (module docstring).
+
+    Prices (issue 44): a node pays its row's marginal cost; the groups pay their rows and, once,
+    the adapter's fixed cost (:meth:`StepCost.adapter_overhead`); and the block pays the multi-row
+    jump (:meth:`StepCost.multi_row`) once if it has more than one row. A one-row (AR) step is
+    chosen only when the best block's net value is below zero and there is no lookup
+    continuation: every lookup token found is in the tree, as prompt lookup would verify it
+    (as deep as the budget allows), beside the mask drafts.
 
     Args:
         draft_ids: (r, R) the top-R draft tokens of the r masks the step drafts from.
@@ -332,49 +399,67 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
         room: deepest depth a row may take (context - cache length - 1): a node of depth d sits
             at depth d, mask j of a group anchored at depth g at depth g + 1 + j.
         mask_rows_before: mask rows of the previous step, to price this step's node rows.
+        chained: the drafts come from a sampler head (offset d+1 drafted given offset d's top-1
+            draft): only the top-1 path has mask children.
 
     Returns:
         StepPlan with ``rows <= max(budget, 1)``.
     """
-    lam = stats.rate
+    lam, cost = stats.rate, stats.cost
     # calibrated drafts, re-sorted: an over-confident top draft may fall below the next one
-    ranked = [sorted(zip(calibrated(p, stats.calibration(draft_offset + d)), ids), key=lambda t: -t[0])
+    ranked = [sorted(zip(calibrated(p, stats.calibration(draft_offset + d)), ids, range(len(ids))), key=lambda t: -t[0])
               for d, (ids, p) in enumerate(zip(draft_ids, draft_probs))]
-    draft_ids = [[t for _, t in row] for row in ranked]
-    draft_probs = [[v for v, _ in row] for row in ranked]
-    cands = _candidates(draft_ids, draft_probs, found, stats, max(budget - 1, 0), room)
+    top1 = [[r for _, _, r in row].index(0) for row in ranked] if chained else None
+    draft_ids = [[t for _, t, _ in row] for row in ranked]
+    draft_probs = [[v for v, _, _ in row] for row in ranked]
+    rates = stats.lookup_rates()
+    cands = _candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1)
+    forced = _lookup_chain(draft_ids, draft_probs, found, rates, min(len(found), room, len(rates), max(budget - 1, 0)))
 
-    def paying(cap: int) -> int:
-        """How many leading candidates pay for their row (values are non-increasing), at most cap."""
-        n = 0
-        while n < min(len(cands), cap) and cands[n][1] >= lam * stats.cost.marginal(1 + n + mask_rows_before):
-            n += 1
-        return n
+    def nodes(cap: int, fill: int = 0) -> list[tuple[tuple[int, ...], float, int]]:
+        """The lookup chain and the candidates that pay for their row, at most ``cap`` nodes in
+        all, then ``fill`` more candidates; by value, so parents come before children (values
+        never grow down a path)."""
+        kept = forced[:cap]
+        have = {p for p, _, _ in kept}
+        extra = []
+        for c in cands:
+            if c[0] in have:
+                continue
+            if not extra and len(kept) < cap and c[1] >= lam * cost.marginal(1 + len(kept) + mask_rows_before):
+                kept.append(c)
+            elif len(extra) < fill:
+                extra.append(c)
+            else:
+                break
+            have.add(c[0])
+        return sorted(kept + extra, key=lambda c: (-c[1], len(c[0])))
 
-    def tree(n: int) -> tuple[list[int], list[int], list[float], list[int]]:
-        """(parents, depth, value, tokens) of x_{n-1} and the first n candidates."""
+    def tree(kept) -> tuple[list[int], list[int], list[float]]:
+        """(parents, depth, value) of x_{n-1} and the kept nodes."""
         row_of = {(): 0}
-        parents, depth, value, tokens = [-1], [0], [1.0], []
-        for p, v in cands[:n]:
+        parents, depth, value = [-1], [0], [1.0]
+        for p, v, _ in kept:
             row_of[p] = len(parents)
             parents.append(row_of[p[:-1]])
             depth.append(len(p))
             value.append(v)
-            tokens.append(p[-1])
-        return parents, depth, value, tokens
+        return parents, depth, value
 
-    # rows kept for G_0; a tight budget is split, else its masks would be fed every step while no
-    # row is left to verify their drafts
+    # rows kept for G_0 (but never from the lookup chain); a tight budget is split, else its masks
+    # would be fed every step while no row is left to verify their drafts
     reserve = min(mask_num, room, max(budget - 1, 0) // 2) if max_groups else 0
-    n = paying(budget - 1 - reserve)
-    parents, depth, value, tokens = tree(n)
-    groups, lens = _choose_groups(parents, depth, value, stats, lam, mask_num, max_groups, room,
-                                  stats.cost.marginal(len(parents) + mask_rows_before),
-                                  stats.cost.adapter_overhead())
+    kept = nodes(max(budget - 1 - reserve, len(forced)))
+    parents, depth, value = tree(kept)
+    groups, lens, net = _choose_groups(parents, depth, value, stats, lam, mask_num, max_groups, room,
+                                       cost.marginal(len(parents) + mask_rows_before), cost.adapter_overhead())
     if not groups and reserve:  # no group after all: the reserved rows may verify nodes
-        n = paying(budget - 1)
-        parents, depth, value, tokens = tree(n)
-    used = len(parents) + sum(lens)
+        kept = nodes(budget - 1)
+        parents, depth, value = tree(kept)
+    net += sum(v - lam * cost.marginal(1 + i + mask_rows_before) for i, (_, v, _) in enumerate(kept))
+    if not forced and net < lam * cost.multi_row():  # the block does not pay its multi-row jump: an AR step
+        kept, groups, lens = [], [], []
+    used = 1 + len(kept) + sum(lens)
     while used > budget and lens:  # a budget below 1 + nodes + k: shorten the deepest group
         lens[-1] -= 1
         if not lens[-1]:
@@ -382,17 +467,23 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
             groups.pop()
         used -= 1
     rows = bucket(used, budget)
-    # the bucket's free rows take the next-best nodes (group rows come after the nodes in the
-    # block, so the groups' anchor rows do not move)
-    parents, _, value, tokens = tree(n + min(rows - used, len(cands) - n))
-    return StepPlan(tuple(tokens), tuple(parents), tuple(groups), tuple(lens), rows, tuple(value[1:]))
+    if rows > used and kept:  # the bucket's free rows take the next-best nodes; the groups keep their anchors
+        anchors = [kept[r - 1][0] if r else () for r in groups]
+        kept = nodes(len(kept), rows - used)
+        row_of = {p: r for r, (p, _, _) in enumerate(kept, 1)} | {(): 0}
+        groups = [row_of[p] for p in anchors]
+    parents, _, value = tree(kept)
+    return StepPlan(tuple(p[-1] for p, _, _ in kept), tuple(parents), tuple(groups), tuple(lens), rows,
+                    tuple(value[1:]), tuple(s for _, _, s in kept))
 
 
 def _choose_groups(parents: list[int], depth: list[int], value: list[float], stats: AcceptanceStats,
                    lam: float, mask_num: int, max_groups: int, room: int, row_cost: float,
-                   overhead: float) -> tuple[list[int], list[int]]:
-    """Anchor rows and lengths of the mask groups that maximize their net value (module docstring);
-    any group at all also pays ``overhead``, the adapter's fixed cost per step."""
+                   overhead: float) -> tuple[list[int], list[int], float]:
+    """Anchor rows and lengths of the mask groups that maximize their net value (module docstring),
+    and that value in tokens; any group at all also pays ``overhead``, the adapter's fixed cost per
+    step. The next step verifies a tree of each mask's top-R drafts, so its reach is valued by the
+    rate at which the true token is among them (:meth:`AcceptanceStats.ranked_alphas`)."""
     n1 = len(parents)
     children_value = [0.0] * n1
     best_child = [0] * n1  # the most likely child of each row (0: none)
@@ -409,7 +500,7 @@ def _choose_groups(parents: list[int], depth: list[int], value: list[float], sta
     for r in range(1, n1):
         branch[r] = depth[r] if r in on_spine else branch[parents[r]]
     end = [max(value[r] - children_value[r], 0.0) for r in range(n1)]  # P(the accepted path ends at r)
-    alpha = stats.alphas()
+    alpha = stats.ranked_alphas()
     reach = [[0.0] * mask_num for _ in range(mask_num)]  # reach[s][j]: next step's chain from offset s reaches j
     for s in range(mask_num):
         acc = 1.0
@@ -435,4 +526,4 @@ def _choose_groups(parents: list[int], depth: list[int], value: list[float], sta
             lens.append(best_len)
         if total > best[0]:
             best = (total, spine[:gn], lens)
-    return list(best[1]), list(best[2])
+    return list(best[1]), list(best[2]), best[0]

@@ -41,6 +41,9 @@ class DecodeResult:
             included). On a CPU the step's host work; on a GPU it also holds the wait for the
             device (the step's one read). Empty for AR.
         step_plan: per SPACE step, seconds of the planner and the block's layout (part of step_host).
+        step_sources: per SPACE step, where each accepted token came from, a letter each: ``m`` a
+            mask draft, ``l`` a prompt-lookup token, ``b`` both (``decoder.provenance``).
+        step_offered: per SPACE step, (deepest candidate from the masks, deepest from lookup).
         stop_reason: "eos", "length", or "stop" (``on_tokens`` raised :class:`StopDecoding`).
     """
 
@@ -56,11 +59,13 @@ class DecodeResult:
     step_rows: list[int] = field(default_factory=list)
     step_host: list[float] = field(default_factory=list)
     step_plan: list[float] = field(default_factory=list)
+    step_sources: list[str] = field(default_factory=list)
+    step_offered: list[tuple[int, int]] = field(default_factory=list)
     stop_reason: str | None = None
 
     def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
              candidates: int | None = None, rows: int | None = None, host: float | None = None,
-             plan: float | None = None) -> bool:
+             plan: float | None = None, provenance: tuple[str, int, int] | None = None) -> bool:
         """Record one step's tokens, cut at the first stop token and at max_new_tokens.
 
         Args:
@@ -69,6 +74,8 @@ class DecodeResult:
             accepted, candidates, rows: SPACE steps only: a, the depth of the candidates verified
                 (m for a chain), and the block's rows.
             host, plan: SPACE steps only: seconds outside the model, and of the planner + layout.
+            provenance: SPACE steps only: (sources of the accepted tokens, deepest mask candidate,
+                deepest lookup candidate), as ``decoder.provenance`` gives them.
 
         Returns:
             True when generation is finished.
@@ -92,6 +99,9 @@ class DecodeResult:
         if host is not None:
             self.step_host.append(host)
             self.step_plan.append(plan or 0.0)
+        if provenance is not None:
+            self.step_sources.append(provenance[0])
+            self.step_offered.append(provenance[1:])
         if self.on_tokens is not None and kept:
             try:
                 self.on_tokens(kept)

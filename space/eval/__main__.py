@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "baselines_suppress_masks": True, "step_cost_setup": setup if decode.tree == "dynamic" else None,  # hf and pld never emit a mask token (issue 44); older runs let them
             # the dynamic tree's own settings (None for static layouts, which do not use them)
             **{key: decode.to_dict()[key] if decode.tree == "dynamic" else None
-               for key in ("row_budget", "draft_ranks", "step_cost")},
+               for key in ("row_budget", "draft_ranks", "step_cost", "adapter_cost")},
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,

@@ -52,6 +52,12 @@ class Target:
         return sorted(i for i in ids if i is not None)
 
 
+# per-step records of a SPACE generation (empty lists for the other methods): accepted drafts,
+# tokens emitted, candidate depth, block rows, host and planner ms, and where the accepted tokens
+# came from (a letter each: m mask, l lookup, b both) with the deepest candidate of each source
+STEP_KEYS = ("accept_lengths", "step_tokens", "candidates", "rows", "host_ms", "plan_ms", "sources", "offered")
+
+
 def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> dict:
     """One generation: new token ids, wall time (s), target forward passes ("steps", counted for
     every method), and for SPACE per step the accepted drafts, the tokens emitted and the
@@ -69,7 +75,8 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
         return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths,
                 "step_tokens": r.step_tokens if method == "space" else [], "candidates": r.step_candidates,
                 "rows": r.step_rows, "host_ms": [round(x * 1e3, 3) for x in r.step_host],
-                "plan_ms": [round(x * 1e3, 3) for x in r.step_plan]}
+                "plan_ms": [round(x * 1e3, 3) for x in r.step_plan], "sources": r.step_sources,
+                "offered": [list(o) for o in r.step_offered]}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
                            eos_token_id=target.stop_ids, pad_token_id=target.tokenizer.pad_token_id,
                            prompt_lookup_num_tokens=10 if method == "pld" else None,
@@ -91,8 +98,7 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
     finally:
         hook.remove()
     new = out[0, len(ids):].tolist()
-    return {"ids": new, "wall_time": wall, "steps": len(forwards), "accept_lengths": [], "step_tokens": [],
-            "candidates": [], "rows": [], "host_ms": [], "plan_ms": []}
+    return {"ids": new, "wall_time": wall, "steps": len(forwards), **{key: [] for key in STEP_KEYS}}
 
 
 def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: int, sampling: SamplingConfig,
@@ -104,8 +110,7 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
     for index in range(num_samples):
         cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + index)
         messages, choice = [], {"index": index, "turns": [], "new_tokens": [], "wall_time": [], "steps": [],
-                                "accept_lengths": [], "step_tokens": [], "candidates": [], "rows": [], "host_ms": [], "plan_ms": [],
-                                "token_ids": []}
+                                **{key: [] for key in STEP_KEYS}, "token_ids": []}
         for turn in task.turns:
             messages.append({"role": "user", "content": turn})
             out = generate(method, target, chat_ids(target.tokenizer, messages), max_new_tokens, cfg)
@@ -113,7 +118,7 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
             messages.append({"role": "assistant", "content": text})
             choice["turns"].append(text)
             choice["new_tokens"].append(len(out["ids"]))
-            for key in ("wall_time", "steps", "accept_lengths", "step_tokens", "candidates", "rows", "host_ms", "plan_ms"):
+            for key in ("wall_time", "steps", *STEP_KEYS):
                 choice[key].append(out[key])
             choice["token_ids"].append(out["ids"])
         if task.language:

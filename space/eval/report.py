@@ -71,6 +71,28 @@ def _acceptance(rows: list[dict], k: int) -> dict:
             "steps_with_candidates": round(sum(m > 0 for _, m in known) / len(known), 4) if known else None}
 
 
+def _sources(rows: list[dict]) -> dict | None:
+    """Where SPACE's accepted tokens came from (issue 44), from the per-step records: how many came
+    from the mask drafts, from prompt lookup, or from both (the same token offered by both), and
+    per source the acceptance per offset j: over the steps whose deepest candidate from that source
+    is deeper than j, how often the first j+1 accepted tokens were all offered by it. None for
+    records written before the sources were stored."""
+    steps = [(src, off) for r in rows for c in r["choices"]
+             for turn_src, turn_off in zip(c.get("sources") or [], c.get("offered") or []) for src, off in zip(turn_src, turn_off)]
+    if not steps:
+        return None
+    counts = Counter(ch for src, _ in steps for ch in src)
+    out = {"accepted_from": {"mask": counts["m"], "lookup": counts["l"], "both": counts["b"]},
+           "acceptance_per_offset_by_source": {}}
+    for name, letters, i in (("mask", "mb", 0), ("lookup", "lb", 1)):
+        rates = []
+        for j in range(max((o[i] for _, o in steps), default=0)):
+            had = [src for src, o in steps if o[i] > j]
+            rates.append(round(sum(len(src) > j and all(ch in letters for ch in src[: j + 1]) for src in had) / len(had), 4))
+        out["acceptance_per_offset_by_source"][name] = rates
+    return out
+
+
 def _pass_at(rows: list[dict], k: int = 1):
     results = [[c["exec"] for c in r["choices"] if "exec" in c] for r in rows]
     results = [res for res in results if res]
@@ -98,7 +120,7 @@ def summarize(records: list[dict], meta: dict) -> dict:
     if skipped:
         summary["skipped"] = {"count": len(skipped), "questions": skipped}
     per_q = {m: {r["question_id"]: _method_stats([r])["tokens_per_s"] for r in rows} for m, rows in by_method.items()}
-    for base in ("ar", "hf"):
+    for base in ("ar", "hf", "pld"):
         for m in methods:
             if m != base and base in methods and methods[base]["tokens_per_s"]:
                 key = f"{m}_vs_{base}"
@@ -114,6 +136,9 @@ def summarize(records: list[dict], meta: dict) -> dict:
         # a step verifies up to k mask drafts, or up to lookup_tokens prompt-lookup candidates
         k = max(meta.get("mask_num", DEFAULT_MASK_NUM), meta.get("lookup_tokens") or 0)
         methods["space"].update(_acceptance(by_method["space"], k))
+        sources = _sources(by_method["space"])
+        if sources is not None:
+            methods["space"].update(sources)
         if meta.get("mask_num") and not meta.get("lookup_tokens") and meta.get("tree") != "dynamic":
             # lookup candidates have no cap, and the dynamic tree's only bound is k + 1
             layout = DecodeConfig(meta["mask_num"], meta.get("num_groups"), tree=meta.get("tree"))
@@ -131,10 +156,12 @@ def summarize(records: list[dict], meta: dict) -> dict:
         for cat, rows in sorted(cats.items()):
             entry = {"space_tokens_per_step": _method_stats(rows).get("tokens_per_step")}
             ids = {r["question_id"] for r in rows}
-            for base in ("ar", "hf"):
+            for base in ("ar", "hf", "pld"):
                 if base in by_method:
                     b = _method_stats([r for r in by_method[base] if r["question_id"] in ids])
                     entry[f"speedup_vs_{base}"] = round(_method_stats(rows)["tokens_per_s"] / b["tokens_per_s"], 3) if b["tokens_per_s"] else None
+                    if base == "pld":  # tokens/step on the same prompts: the planner's target (issue 44)
+                        entry["pld_tokens_per_step"] = b.get("tokens_per_step")
             summary["categories"][cat] = entry
     return summary
 
@@ -181,12 +208,13 @@ def to_markdown(s: dict) -> str:
              f"{_fmt(sp.get('space_vs_hf'))} | {_fmt(sp.get('pld_vs_hf'))} | {_fmt(s.get('exact_match_rate'), True)} % |",
              "", "exact (greedy) = share of turns whose SPACE tokens equal AR's; expected 100 % in float32 (bfloat16"
              " and float16 can flip near-ties: the rate is reported as measured)",
-             "", "| method | new tokens | time (s) | tokens/s | tokens/step | speedup vs AR | speedup vs HF | pass@1 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| method | new tokens | time (s) | tokens/s | tokens/step | speedup vs AR | speedup vs HF | speedup vs PLD | pass@1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, st in m.items():
         lines.append(f"| {name} | {st['new_tokens']} | {st['wall_time_s']:.1f} | {st['tokens_per_s']:.2f} | "
                      f"{_fmt(st.get('tokens_per_step'))} | {_fmt(1.0 if name == 'ar' else sp.get(f'{name}_vs_ar'))} | "
-                     f"{_fmt(1.0 if name == 'hf' else sp.get(f'{name}_vs_hf'))} | {_fmt(p1.get(name), True)} |")
+                     f"{_fmt(1.0 if name == 'hf' else sp.get(f'{name}_vs_hf'))} | "
+                     f"{_fmt(1.0 if name == 'pld' else sp.get(f'{name}_vs_pld'))} | {_fmt(p1.get(name), True)} |")
     med = s.get("median_question_speedup", {})
     if med:
         lines += ["", "Median per-question speedup: " + ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.2f}"
@@ -205,13 +233,23 @@ def to_markdown(s: dict) -> str:
             lines.append(f"Host work per SPACE step (outside the model's forward and LM head): median "
                          f"{sm['host_ms_per_step']:.3f} ms, of which planner + layout {_fmt(sm.get('plan_ms_per_step'))} ms; "
                          f"{_fmt(sm.get('host_share'), True)} % of SPACE's wall time")
+        if sm.get("accepted_from"):
+            src, total = sm["accepted_from"], sum(sm["accepted_from"].values())
+            lines.append("Accepted tokens by source: " + ", ".join(
+                f"{name} {n} ({_fmt(n / total if total else None, True)} %)" for name, n in
+                (("mask drafts", src["mask"]), ("prompt lookup", src["lookup"]), ("both", src["both"]))))
+            for name, rates in sm["acceptance_per_offset_by_source"].items():
+                lines.append(f"Acceptance per offset j of {name} candidates, over steps with one at j: "
+                             + (", ".join(_fmt(a) for a in rates) or "none offered"))
         if "layout_cap_tokens_per_step" in sm:  # none with prompt lookup: its candidates are unbounded
             lines.append(f"Layout cap ({layout_text(meta)}; every draft accepted): "
                          f"{sm['layout_cap_tokens_per_step']:.2f} tokens/step")
     if len(s.get("categories", {})) > 1:
-        lines += ["", "| category | tokens/step | speedup vs AR | speedup vs HF |", "|---|---|---|---|"]
-        lines += [f"| {c} | {_fmt(e['space_tokens_per_step'])} | {_fmt(e.get('speedup_vs_ar'))} | "
-                  f"{_fmt(e.get('speedup_vs_hf'))} |" for c, e in s["categories"].items()]
+        lines += ["", "| category | tokens/step | PLD tokens/step | speedup vs AR | speedup vs HF | speedup vs PLD |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {c} | {_fmt(e['space_tokens_per_step'])} | {_fmt(e.get('pld_tokens_per_step'))} | "
+                  f"{_fmt(e.get('speedup_vs_ar'))} | {_fmt(e.get('speedup_vs_hf'))} | {_fmt(e.get('speedup_vs_pld'))} |"
+                  for c, e in s["categories"].items()]
     lines += _provenance(s)
     return "\n".join(lines) + "\n"
 

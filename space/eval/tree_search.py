@@ -136,11 +136,13 @@ def check_ranks_source(meta: dict | None, path: Path, model: str | None, adapter
                          "run space-probe with this model")
 
 
-def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int = 15) -> dict[int, float]:
+def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int = 15,
+                    masks: bool = True) -> dict[int, float]:
     """Median seconds of one SPACE-like forward of q rows after ``cache_len`` cached tokens: an
     additive 4-D mask, the frozen-base LoRA on rows 1.. (``mask_rows(1)``: every row but the first
     treated as a mask row, an upper bound on a step's adapter work) and the LM head on every row.
-    q = 1 is timed as an AR step (no mask rows). Returns {q: seconds}.
+    q = 1 is timed as an AR step (no mask rows); ``masks=False`` times every q without mask rows
+    (a nodes-only block), which :func:`adapter_cost` compares with. Returns {q: seconds}.
 
     Which ids and which visibility the rows have does not change the cost, only their number.
     """
@@ -168,7 +170,7 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
             positions = torch.arange(cache_len, cache_len + q, device=device)[None]
             for _ in range(repeats + 1):  # the first call of a shape warms it up
                 t0 = time.perf_counter()
-                with mask_rows(1 if q > 1 else q):
+                with mask_rows(1 if q > 1 and masks else q):
                     hidden = decoder(input_ids=ids[None, cache_len:cache_len + q], position_ids=positions,
                                      attention_mask=attn, **cache_input(cache), use_cache=True).last_hidden_state
                 head(hidden)
@@ -178,6 +180,15 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
                 crop_cache(cache, cache_len)
             out[q] = statistics.median(times[1:])
         return out
+
+
+def adapter_cost(model, cache_len: int = 300, repeats: int = 15) -> float:
+    """The adapter's fixed cost per step in ms (issue 44): a 2-row step with a mask row minus one
+    without (never below 0), the part of the curve's 1 -> 2-row jump that only blocks with mask
+    groups pay (``DecodeConfig.adapter_cost``)."""
+    with_mask = step_cost_curve(model, [2], cache_len, repeats)[2]
+    without = step_cost_curve(model, [2], cache_len, repeats, masks=False)[2]
+    return round(max(with_mask - without, 0.0) * 1e3, 3)
 
 
 def interpolate(curve: dict[int, float], q: int) -> float:
@@ -377,7 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
         lookup = DecodeConfig() if current is None else current
         dynamic = DecodeConfig(k, k + 1, lookup.lookup_tokens, lookup.lookup_ngram, tree="dynamic",
                                row_budget=a.max_rows, draft_ranks=4,
-                               step_cost=tuple(map(tuple, step_cost_points(curve)))).to_dict()
+                               step_cost=tuple(map(tuple, step_cost_points(curve))),
+                               adapter_cost=adapter_cost(model, a.cache_len)).to_dict()
     best, mine = results[0], next((r for r in results if r.get("current")), None)
     chain = next((r for r in results if r["decode"]["tree"] is None
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)

@@ -1,6 +1,7 @@
 """Per-step dynamic token trees (issue 31): greedy exactness, the row budget, KV compaction through
 siblings, exact sampling, the one model call site, the planner, its config and the layout core."""
 import inspect
+from collections import Counter
 import json
 import math
 
@@ -9,7 +10,7 @@ import torch
 
 import space.decoding.decoder as decoder_mod
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
-from space.decoding.dynamic import BUCKETS, AcceptanceStats, StepCost, bucket, calibrated, plan_step
+from space.decoding.dynamic import LOOKUP, MASK, BUCKETS, AcceptanceStats, StepCost, bucket, calibrated, plan_step
 from space.masking import build_layout, tree_ancestors
 from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
@@ -109,7 +110,7 @@ def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
         nonlocal sibling_accepts
         want = state["want"]
         out = original(cache, last, *args)
-        a = out[3]
+        a = len(out[3])
         accepts.append(a)
         if want is not None and a >= 2 and any(r > 0 for r in want[1:a]):
             sibling_accepts += 1  # the path went through a runner-up at depth >= 2
@@ -274,17 +275,21 @@ def test_acceptance_stats():
     assert stats.alphas() == pytest.approx([0.5] * 3) and stats.lookup_rates() == pytest.approx([0.3, 0.6, 0.6])
     lam0 = stats.rate
     for i in range(8):  # offset 0: right 2 of 8 times
-        stats.observe([7, 8], [7 if i < 2 else 9], [0.5], 0, [], 4)
+        stats.observe([7, 8], [[7 if i < 2 else 9]], [0.5], 0, [], 4)
     for _ in range(8):  # offset 1 (a shifted group): always right
-        stats.observe([5, 6], [5], [0.5], 1, [], 4)
+        stats.observe([5, 6], [[5]], [0.5], 1, [], 4)
     hits = [c[0] for c in stats.mask]
     trials = [c[1] for c in stats.mask]
     assert hits == pytest.approx([1 + 2, 1 + 8, 1]) and trials == pytest.approx([10, 10, 2])
     assert stats.alphas() == pytest.approx([0.6, 0.6, 0.5])  # 0.3 then 0.9 pool to 12 / 20
     assert stats.calibration(1) == pytest.approx((2 + 8) / (2 + 4))  # right more often than 0.5 said
-    stats.observe([1, 2, 3, 4], [1, 9, 3], [0.9, 0.9, 0.9], 0, [1, 2, 5], 8)  # right, wrong, (right)
+    stats.observe([1, 2, 3, 4], [[1, 8], [9, 2], [3, 0]], [0.9, 0.9, 0.9], 0, [1, 2, 5], 8)  # right, wrong, (right)
     assert stats.mask[0] == pytest.approx([4, 11]) and stats.mask[1] == pytest.approx([9, 11])
     assert stats.mask[2] == pytest.approx([1, 2])  # after a miss the chain is not counted
+    # top-R: offset 1's true token was its second draft, so the ranked chain goes on to offset 2
+    assert [c[1] for c in stats.ranked] == pytest.approx([2 + 8 + 1, 2 + 8 + 1, 2 + 1])
+    assert stats.ranked[1][0] == pytest.approx(1 + 8 + 1) and stats.ranked[2][0] == pytest.approx(1 + 1)
+    assert stats.ranked_alphas()[1] >= stats.alphas()[1]
     assert stats.lookup[0] == pytest.approx([1.6, 3]) and stats.lookup[2] == pytest.approx([1.2, 3])
     assert stats.lookup_rates() == pytest.approx([1.6 / 3, 3.4 / 6, 3.4 / 6])  # 2.2/3 then 1.2/3 pool
     assert stats.rate > lam0  # 2 tokens per 4-row step beat the prior
@@ -352,24 +357,34 @@ def test_calibration_scales_the_top_draft_and_shrinks_the_rest():
 
 def test_merged_node_prices_its_children_from_the_merged_value():
     """A lookup token that is also the mask draft at its place is one node worth the larger of
-    the two probabilities, and both its mask children and its lookup child build on that value."""
+    the two probabilities, and both its mask children and its lookup child build on that value.
+    The lookup child comes first: its mask siblings share what it leaves (v·(1-r)·p), so siblings
+    never sum above their parent (issue 44)."""
     stats = fresh_stats(k=3, lookup=3)  # lookup rates 0.3, 0.6, 0.6
+    stats.tokens = 1e-6  # λ ~ 0: every node pays, so every value can be read
     ids, probs = drafts([0.2, 0.1], k=3)
     plan = plan_step(ids, probs, 0, [101, 999, 5], stats, budget=64, mask_num=3, max_groups=0, room=100,
                      mask_rows_before=3)
     check_plan(plan, 64, 3, 0, 100)
     by_path = dict(zip(node_paths(plan), plan.values))
     assert by_path[(101,)] == pytest.approx(0.3)  # merged: the lookup rate beats the draft's 0.1
-    assert by_path[(101, 110)] == pytest.approx(0.3 * 0.2)  # mask child of the merged node
     assert by_path[(101, 999)] == pytest.approx(0.3 * 0.6)  # lookup child of the merged node
-    assert by_path[(100,)] == pytest.approx(0.2) and by_path[(100, 110)] == pytest.approx(0.04)
+    assert by_path[(101, 110)] == pytest.approx(0.3 * (1 - 0.6) * 0.2)  # its mask child shares the rest
+    assert by_path[(100,)] == pytest.approx(0.2 * (1 - 0.3) / (1 - 0.1))  # beside the merged 0.3, not 0.1
+    assert by_path[(100, 110)] == pytest.approx(by_path[(100,)] * 0.2)
     assert list(by_path).count((101,)) == 1
+    for parent in [()] + list(by_path):  # siblings never sum above their parent
+        kids = [v for p, v in by_path.items() if p[:-1] == parent]
+        assert sum(kids) <= by_path.get(parent, 1.0) + 1e-9
+    source = dict(zip(node_paths(plan), plan.sources))
+    assert source[(101,)] == MASK | LOOKUP and source[(101, 999)] == LOOKUP and source[(100,)] == MASK
 
 
 def test_reserve_for_the_first_group_returns_to_nodes_without_groups():
     """Rows held back for G_0 verify nodes when no group is chosen (drafts that never hit)."""
     stats = fresh_stats(k=4, lookup=8)
     stats.mask = [[0.0, 1000.0] for _ in range(4)]  # the masks' drafts were never right: no group pays
+    stats.ranked = [[0.0, 1000.0] for _ in range(4)]
     stats.lookup = [[1000.0, 1000.0] for _ in range(8)]  # lookup always right
     plan = plan_step([], [], 0, list(range(50, 58)), stats, budget=8, mask_num=4, max_groups=2, room=100,
                      mask_rows_before=0)
@@ -391,7 +406,7 @@ def test_plan_step_random_invariants():
         found = torch.randint(20, 24, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen).tolist()
         stats = fresh_stats(k, lookup=4)
         for _ in range(int(torch.randint(0, 6, (1,), generator=gen))):
-            stats.observe(torch.randint(20, 24, (3,), generator=gen).tolist(), [20, 21], [0.7, 0.4], 0,
+            stats.observe(torch.randint(20, 24, (3,), generator=gen).tolist(), [[20], [21]], [0.7, 0.4], 0,
                           [20, 22], int(torch.randint(1, 30, (1,), generator=gen)))
         budget = [1, 2, 3, 5, 8, 13, 32, 64][case % 8]
         groups = int(torch.randint(0, k + 2, (1,), generator=gen))
@@ -555,3 +570,134 @@ def test_step_records_host_time_and_reuses_layouts(trained):
         assert all(0 <= p <= h <= t for p, h, t in zip(out.step_plan, out.step_host, out.step_times))
     print(f"new layouts per generation {built}, steps {steps}")
     assert sum(built[4:]) <= 0.7 * sum(steps[4:])  # later generations reuse shapes (about half here)
+
+
+# ---------------------------------------------------------------------------------------------
+# prices, never starving, containing prompt lookup, provenance (issue 44)
+
+# the shipped adapter's curve, in ms (1 thread): the 1 -> 2-row jump is 0.3 of an AR step, rows 2-4 free
+SHIPPED_CURVE = ((1, 64.817), (2, 84.16), (4, 84.014), (6, 96.534), (8, 101.469), (12, 120.052), (16, 130.983),
+                 (20, 139.747), (24, 153.194), (32, 164.63), (40, 188.241), (48, 213.394), (64, 269.809))
+
+
+def test_prices_charge_the_jump_to_every_multi_row_block():
+    """The 1 -> 2-row jump is the multi-row path's: a nodes-only block pays it as a block with a
+    group does, and a group pays only the adapter's measured fixed cost. On the shipped curve the
+    old prices (the jump charged to groups only) chose no group in each case below, so the next
+    step had no drafts; the issue's table says the first group with 2-3 masks."""
+    cost = StepCost(SHIPPED_CURVE)
+    assert cost.adapter_overhead() == 0 and cost.multi_row() == pytest.approx((84.16 - 64.817 - 0) / 64.817, rel=1e-3)
+    measured = StepCost(SHIPPED_CURVE, adapter=6.0)  # space-tree's 2 rows with and without mask rows
+    assert measured.adapter_overhead() == pytest.approx(6.0 / 64.817)
+    assert measured.multi_row() + measured.adapter_overhead() == pytest.approx(cost.multi_row())
+    ids, probs = drafts([0.55, 0.15, 0.15, 0.075], k=3)
+    cases = {"drafts + a different lookup": (ids, probs, [7, 8, 9, 10]), "drafts only": (ids, probs, []),
+             "lookup only": ([], [], [7, 8, 9, 10])}
+    for name, (i, p, found) in cases.items():
+        plan = plan_step(i, p, 0, found, AcceptanceStats(3, 10, cost), budget=32, mask_num=3, max_groups=4,
+                         room=1000, mask_rows_before=3)
+        check_plan(plan, 32, 3, 4, 1000)
+        assert plan.group_rows[:1] == (0,) and plan.group_len[0] >= 2, name
+    for bad in (-1.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="adapter"):
+            StepCost(SHIPPED_CURVE, adapter=bad)
+
+
+def test_an_ar_step_only_when_the_block_does_not_pay_its_jump():
+    """Drafts that were never right buy no group and no node (an AR step), unless a lookup
+    continuation was found: prompt lookup would verify it, so the step does too."""
+    stats = AcceptanceStats(3, 4, StepCost(SHIPPED_CURVE))
+    stats.mask = [[0.0, 1000.0] for _ in range(3)]
+    stats.ranked = [[0.0, 1000.0] for _ in range(3)]
+    stats.said = [[0.0, 1000.0] for _ in range(3)]  # calibration 0: no draft is worth anything
+    stats.lookup = [[0.0, 1000.0] for _ in range(4)]
+    ids, probs = drafts([0.3, 0.2, 0.1], k=3)
+    ar = plan_step(ids, probs, 0, [], stats, budget=32, mask_num=3, max_groups=4, room=100, mask_rows_before=3)
+    assert ar.rows == 1 and ar.tokens == () and ar.group_rows == ()
+    kept = plan_step(ids, probs, 0, [7, 8, 9], stats, budget=32, mask_num=3, max_groups=4, room=100, mask_rows_before=3)
+    paths = node_paths(kept)
+    assert all(kept.sources[paths.index(p)] == LOOKUP for p in [(7,), (7, 8), (7, 8, 9)])
+
+
+def test_plans_contain_the_whole_lookup_continuation():
+    """Whatever the rates say, every lookup token found (up to the budget) is a node on one chain
+    from x_{n-1}, beside the mask drafts: a rejected lookup costs only its rows."""
+    gen = torch.Generator().manual_seed(1)
+    for case in range(200):
+        stats = fresh_stats(3, lookup=10)
+        stats.lookup = [[float(torch.rand(1, generator=gen)), 50.0] for _ in range(10)]  # rates near 0 too
+        found = torch.randint(100, 104, (int(torch.randint(1, 11, (1,), generator=gen)),), generator=gen).tolist()
+        ids = torch.randint(100, 104, (3, 4), generator=gen).tolist()
+        probs = torch.rand(3, 4, generator=gen).softmax(-1).sort(-1, descending=True).values.tolist()
+        budget = [2, 6, 12, 32][case % 4]
+        plan = plan_step(ids, probs, 0, found, stats, budget, 3, 4, 100, 3)
+        check_plan(plan, budget, 3, 4, 100)
+        paths = node_paths(plan)
+        for d in range(min(len(found), budget - 1)):
+            assert tuple(found[: d + 1]) in paths, (case, found, paths)
+            assert plan.sources[paths.index(tuple(found[: d + 1]))] & LOOKUP
+
+
+def test_sampler_head_drafts_have_children_only_on_the_top1_path():
+    """A sampler head drafts offset d+1 given offset d's top-1 draft, so a node off that path has
+    no mask child: it was never drafted for that context (issue 44)."""
+    stats = fresh_stats(3)
+    stats.tokens = 1e-6  # λ ~ 0: every node pays
+    ids, probs = drafts([0.5, 0.3, 0.2], k=3)
+    plain = node_paths(plan_step(ids, probs, 0, [], stats, 64, 3, 0, 100, 3))
+    headed = node_paths(plan_step(ids, probs, 0, [], stats, 64, 3, 0, 100, 3, chained=True))
+    assert (101, 110) in plain
+    assert all(p[:-1] in {(), (100,), (100, 110)} for p in headed) and (100, 110, 120) in headed
+    assert {p for p in headed if len(p) == 1} == {(100,), (101,), (102,)}
+
+
+def shipped_priced(k: int, lookup: int) -> DecodeConfig:
+    return DecodeConfig(k, k + 1, tree="dynamic", lookup_tokens=lookup, row_budget=32, step_cost=SHIPPED_CURVE)
+
+
+def test_never_starve_after_all_rejected(trained):
+    """Priced with the shipped curve (a steep 1 -> 2-row jump), a step whose candidates were all
+    rejected is never followed by a step without candidates: it kept the group on x_{n-1}, whose
+    drafts the next step verifies. The old prices dropped every group there."""
+    model, _, spec, language = trained
+    dec = SpaceDecoder(model, spec, shipped_priced(TRAINED_K, 0))
+    gen = torch.Generator().manual_seed(3)
+    rejected = 0
+    for _ in range(6):
+        prompt = torch.tensor(language.sample(int(torch.randint(4, 20, (1,), generator=gen))))
+        out = dec.generate(prompt, 60)
+        assert out.new_ids == ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+        for i in range(1, len(out.accept_lengths)):
+            if out.step_candidates[i - 1] and out.accept_lengths[i - 1] == 0:
+                rejected += 1
+                assert out.step_candidates[i] > 0, (prompt.tolist(), i)
+    assert rejected >= 3  # the case was exercised
+
+
+def test_candidates_contain_prompt_lookups_and_provenance(trained):
+    """Over a generation on repetitive text, every step's tree holds the whole continuation that
+    prompt lookup (HF's, as the pld baseline runs it) finds for the same text, and the provenance
+    records say which accepted tokens came from the masks, from lookup, or from both."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    model, _, spec, language = trained
+    dec = SpaceDecoder(model, spec, shipped_priced(TRAINED_K, 10))
+    pld = PromptLookupCandidateGenerator(num_output_tokens=10, max_matching_ngram_size=2, max_length=10_000)
+    letters = Counter()
+    for seed in range(3):
+        prompt = language.sample(24) * 2  # the text repeats: lookup finds continuations
+        out = dec.generate(torch.tensor(prompt), 50)
+        assert out.new_ids == ar_generate(model, torch.tensor(prompt), 50, suppress_ids=spec.token_ids).new_ids
+        text = list(prompt)
+        for i, (emitted, src, (mask_depth, lookup_depth)) in enumerate(
+                zip(out.step_tokens, out.step_sources, out.step_offered)):
+            found = pld.get_candidates(torch.tensor([text]))[0][0, len(text):].tolist()
+            assert lookup_depth == len(found), (seed, i)  # the whole continuation, as PLD verifies it
+            assert len(src) == out.accept_lengths[i] and set(src) <= set("mlb")
+            assert out.accept_lengths[i] <= max(mask_depth, lookup_depth)
+            accepted = out.new_ids[len(text) - len(prompt):][: len(src)]
+            for d, ch in enumerate(src[: len(accepted)]):  # a lookup letter only on the found path
+                assert (ch in "lb") == (found[: d + 1] == accepted[: d + 1]), (seed, i, d)
+            letters.update(src)
+            text += out.new_ids[len(text) - len(prompt): len(text) - len(prompt) + emitted]
+    assert letters["m"] and letters["l"] + letters["b"]  # both sources were accepted

@@ -173,6 +173,38 @@ def test_acceptance_over_steps_with_candidates_and_emitted_histogram():
     m = summarize([old], {"mask_num": 1})["methods"]["space"]  # records from before candidates were stored
     assert m["acceptance_per_offset"] is None and m["tokens_per_step_histogram"]["8"] == 1
 
+def test_provenance_split_and_acceptance_per_source():
+    """Issue 44: the accepted tokens by source (mask drafts, lookup, both) and, per source, the
+    acceptance per offset over the steps that offered a candidate of that source at that depth;
+    the per-category table puts SPACE's tokens/step beside PLD's on the same prompts."""
+    def rec(model, cat, sources=(), offered=(), steps=4, wall=1.0):
+        return {"question_id": "q" + cat, "category": cat, "model_id": model,
+                "choices": [{"new_tokens": [8], "wall_time": [wall], "steps": [steps],
+                             "accept_lengths": [[len(x) for x in sources]], "sources": [list(sources)],
+                             "offered": [[list(o) for o in offered]], "token_ids": [[0] * 8]}]}
+    space = [rec("space", "a", ["mm", "", "lb", "bbm"], [(2, 0), (1, 0), (0, 3), (3, 2)]),
+             rec("space", "b", ["l"], [(0, 1)], steps=8)]
+    records = space + [rec("pld", "a", steps=5, wall=2.0), rec("pld", "b", steps=8, wall=1.0)]
+    s = summarize(records, {"mask_num": 3, "lookup_tokens": 10})
+    m = s["methods"]["space"]
+    assert m["accepted_from"] == {"mask": 3, "lookup": 2, "both": 3}
+    by = m["acceptance_per_offset_by_source"]
+    # masks offered depth > 0 in 3 steps: "mm" and "bbm" start with a mask token, "" does not
+    assert by["mask"] == pytest.approx([2 / 3, 2 / 2, 1 / 1], abs=1e-4)
+    # lookup offered depth > 0 in 3 steps: "lb", "bbm" (its 3rd token is mask only), "l"
+    assert by["lookup"] == pytest.approx([3 / 3, 2 / 2, 0 / 1], abs=1e-4)
+    assert s["speedup"]["space_vs_pld"] == pytest.approx(1.5)  # 16 tokens in 2 s against 3 s
+    cats = s["categories"]
+    assert cats["a"]["pld_tokens_per_step"] == pytest.approx(8 / 5) and cats["a"]["space_tokens_per_step"] == 2.0
+    assert cats["a"]["speedup_vs_pld"] == pytest.approx(2.0)
+    md = to_markdown(s)
+    assert "Accepted tokens by source: mask drafts 3 (37.5 %), prompt lookup 2 (25.0 %), both 3 (37.5 %)" in md
+    assert "| a | 2.00 | 1.60 |" in md
+    old = summarize([{**space[0], "choices": [{k: v for k, v in space[0]["choices"][0].items()
+                                               if k not in ("sources", "offered")}]}], {"mask_num": 3})
+    assert "accepted_from" not in old["methods"]["space"]  # records from before sources were stored
+
+
 def _space_record(tokens: int, steps: int) -> dict:
     return {"question_id": "q0", "category": "c", "model_id": "space",
             "choices": [{"new_tokens": [tokens], "wall_time": [1.0], "steps": [steps], "accept_lengths": [[2] * steps],
