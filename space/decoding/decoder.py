@@ -42,7 +42,9 @@ Near the end of the context the step shrinks instead of refusing: no row is plac
 One step function (issue 31): every step verifies a token tree. The chain of top-1 drafts is the
 tree with one node per depth, a static tree (issue #14, ``DecodeConfig.tree``) is pruned to the
 drafts at hand, and the dynamic tree (``tree="dynamic"``, ``space.decoding.dynamic``) is chosen each
-step from the drafts' probabilities and the machine's step cost. A step feeds
+step from the drafts' probabilities and the machine's step cost. A planner
+(``space.decoding.planner``, issue 44) proposes each step's block and learns from its outcome;
+the decoder calls nothing else to decide what a step verifies. A step feeds
 ``[x_{n-1}] [tree nodes] [lookup branch] [groups] [padding]`` (layout:
 ``space.masking.build_layout(parents=...)``); groups anchor on x_{n-1} and the top-1 chain (the
 dynamic tree: its spine, with a length per group). The deepest node whose path matches the target
@@ -54,7 +56,9 @@ x_{n-1} in the cache (``compact_cache``; a chain's path is already there), then 
 Optional prompt lookup (``lookup_tokens``, our addition): when the last n-gram of the text so far
 (prompt + output) occurred earlier, the tokens that followed it (transformers'
 ``PromptLookupCandidateGenerator`` finds them) are one more branch of the next step's tree, added
-to the mask drafts, so a failed lookup costs only its rows. Its candidates are deterministic.
+to the mask drafts, so a failed lookup costs only its rows. Its candidates are deterministic, and
+the first step looks up the prompt, as prompt lookup decoding does. Each step records where its
+accepted tokens came from, the masks, lookup or both (:func:`provenance`).
 """
 from __future__ import annotations
 
@@ -73,7 +77,8 @@ from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache
 from .config import DecodeConfig
-from .dynamic import DEFAULT_STEP_COST, LOOKUP, MASK, AcceptanceStats, StepCost, plan_step
+from .dynamic import DEFAULT_STEP_COST, LOOKUP, MASK, StepCost
+from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .tree import chain_depth, prune
@@ -375,9 +380,15 @@ class SpaceDecoder:
         # dozen shapes, and building one costs ~40 small tensor ops (most of the planner's time)
         self._layouts: dict[tuple, StepLayout] = {}
 
+    def planner(self) -> StepPlanner:
+        """A fresh planner for one generation, from this decoder's layout: the dynamic tree's
+        (running rates, step-cost prices) or the static tree's (``space.decoding.planner``)."""
+        return DynamicPlanner(self) if self.dynamic else StaticPlanner(self)
+
+    @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
                  stop_token_ids: Iterable[int] = (), on_tokens: Callable[[list[int]], None] | None = None,
-                 logits_processor: LogitsProcessor | None = None) -> DecodeResult:
+                 logits_processor: LogitsProcessor | None = None, planner: StepPlanner | None = None) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ((seq,) or (1, seq)).
 
         Args:
@@ -392,6 +403,8 @@ class SpaceDecoder:
                 decoding would, so greedy output equals AR with the same processor (in fp32; see
                 the module docstring for bf16 / fp16) and sampling stays exact; applied to draft
                 rows with their group's context (drafts only need to be drawn from the q they report).
+            planner: what each step verifies (``space.decoding.planner``, issue 44); None: a fresh
+                one from this decoder's layout (:meth:`planner`). Output is exact with any planner.
 
         Returns:
             DecodeResult with the new ids and per-step statistics (times in s, rows per step).
@@ -401,26 +414,10 @@ class SpaceDecoder:
         Raises:
             ValueError: empty prompt, batch > 1, or prompt + max_new_tokens over the context.
         """
-        return self._generate(input_ids, max_new_tokens, sampling, stop_token_ids, on_tokens, logits_processor)
-
-    @torch.inference_mode()
-    def _generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
-                  stop_token_ids: Iterable[int] = (),
-                  on_tokens: Callable[[list[int]], None] | None = None, logits_processor: LogitsProcessor | None = None,
-                  draft_override: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None) -> DecodeResult:
-        """:meth:`generate`, with a test and ablation hook.
-
-        Args:
-            draft_override: greedy only: called with (tokens generated so far, the model's drafts),
-                returns the drafts to verify next. The chain (no tree, no lookup): drafts (m,),
-                returns <= k ids. Otherwise: drafts (r, R) (mask j's top-R tokens, r <= k; (0, R)
-                when no group was left), returns (r' <= k, R), or for the dynamic tree optionally
-                ``(ids, probs)`` with the probabilities the planner prices them with (a row sums to at
-                most 1; the planner calibrates its first entry as the top draft).
-        """
         ids = check_prompt(input_ids, max_new_tokens, self.context)
         res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
+        planner = planner if planner is not None else self.planner()
         cache = full_cache()
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
@@ -437,41 +434,25 @@ class SpaceDecoder:
         pq = not sampling.greedy and self.config.tree is None and self.lookup is None
         drafts = self._no_drafts(pq)
         found = self._look_up(seq)  # the first step already verifies what the prompt repeats, as PLD's does
-        stats = AcceptanceStats(self.config.mask_num, self.config.lookup_tokens, self.cost) if self.dynamic else None
-        mask_rows_before = self.config.mask_num
         # host time = a step minus the model (trunk, LM head, and the sampler head and its embedding)
         with model_time(self.decoder, self.head, *([self.sampler, self.embed] if self.sampler is not None else [])) as spent:
             while True:
                 t0, model0 = time.perf_counter(), spent[0]
-                L = cache.get_seq_length()  # n - 1
-                if stats is not None:
-                    host_ids, host_probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
-                    host_ids = [[int(t) for t in row] for row in host_ids]
-                    plan = plan_step(host_ids, host_probs, drafts.offset, found, stats, self.config.row_budget, self.config.mask_num,
-                                     self.config.groups, self.context - L - 1, mask_rows_before,
-                                     chained=self.sampler is not None)
-                    lay, tokens = self._layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
-                    sources = plan.sources
-                else:
-                    lay, tokens, sources = self._static_block(L, drafts, found)
-                plan_s = time.perf_counter() - t0
-                q = drafts.q[: tokens.numel()] if pq else None
-                last, nxt, emitted, path, host_tokens = self._step(cache, last, lay, tokens, q, sampling, gen,
+                block = planner.propose(drafts, found, cache.get_seq_length())
+                lay, plan_s = block.layout, time.perf_counter() - t0
+                q = drafts.q[: block.tokens.numel()] if pq else None
+                last, nxt, emitted, path, host_tokens = self._step(cache, last, lay, block.tokens, q, sampling, gen,
                                                                    logits_processor, seq)
+                planner.observe(StepOutcome(emitted, path, lay))
                 if seq is not None:
                     seq.extend(emitted)
-                if stats is not None:
-                    stats.observe(emitted, host_ids, [p[0] for p in host_probs], drafts.offset, found, lay.rows)
-                    mask_rows_before = sum(lay.group_len)
                 found = self._look_up(seq)
                 step_s = time.perf_counter() - t0
                 if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,
                             host=step_s - (spent[0] - model0), plan=plan_s,
-                            provenance=provenance(lay.parents, sources, host_tokens, path)):
+                            provenance=provenance(lay.parents, block.sources, host_tokens, path)):
                     return res
                 drafts = nxt if nxt is not None else self._no_drafts(pq)
-                if draft_override is not None and sampling.greedy:
-                    drafts = self._override(draft_override, res.new_ids, drafts)
                 prefill_s = 0.0
 
     def _look_up(self, seq: list[int] | None) -> list[int]:
@@ -486,28 +467,12 @@ class SpaceDecoder:
         return Drafts(ids, probs=ids.float() if self.dynamic else None,
                       q=torch.empty(0, vocab, device=self.device) if pq else None)
 
-    def _override(self, draft_override, new_ids: list[int], drafts: Drafts) -> Drafts:
-        """The drafts a test hook returns (see :meth:`_generate`)."""
-        chain = self.config.tree is None and self.lookup is None
-        out = draft_override(new_ids, drafts.ids[:, 0].cpu() if chain else drafts.ids.cpu())
-        probs = None
-        if isinstance(out, tuple):
-            out, probs = out
-        ids = torch.as_tensor(out, dtype=torch.long)
-        ids = (ids[:, None] if chain else ids)[: self.config.mask_num, : self.draft_ranks].to(self.device)
-        if not self.dynamic:
-            return Drafts(ids, offset=drafts.offset)
-        if probs is None:  # keep the model's probabilities where the shapes agree, else uniform
-            same = drafts.probs is not None and drafts.probs.shape == ids.shape
-            probs = drafts.probs if same else torch.full(ids.shape, 1.0 / ids.shape[1], device=self.device)
-        probs = torch.as_tensor(probs, dtype=torch.float, device=self.device)[: ids.shape[0], : ids.shape[1]]
-        return Drafts(ids, probs=probs, offset=drafts.offset)
-
-    def _static_block(self, L: int, drafts: Drafts, found: list[int]) -> tuple[StepLayout, torch.Tensor, tuple[int, ...]]:
+    def static_block(self, L: int, drafts: Drafts, found: list[int]) -> tuple[StepLayout, torch.Tensor, tuple[int, ...]]:
         """A static step: the configured tree (or the chain) pruned to the drafts at hand, then a
         lookup branch of ``found``; groups on x_{n-1} and the top-1 chain. Near the end of the
         context nodes, groups and masks shrink so no row reaches position ``context``. The layout
-        is built once per shape and kept on the device. Returns (layout, node tokens, node sources)."""
+        is built once per shape and kept on the device. Returns (layout, node tokens on the device,
+        node sources): :class:`planner.StaticPlanner`'s block."""
         room = self.context - L - 1  # deepest depth that fits
         found = found[:room]
         tree = prune(self.tree, min(drafts.ids.shape[0], room))
@@ -518,7 +483,7 @@ class SpaceDecoder:
             par = tree_parents(tree) + [0 if i == 0 else len(tree) + i for i in range(len(found))]
             row_of = {p: i + 1 for i, p in enumerate(tree)}
             group_rows = ([0] + [row_of[(0,) * d] for d in range(1, groups)]) if groups else []
-            lay, _ = self._layout(par, group_rows, [k] * groups, len(par) + groups * k)
+            lay, _ = self.block_layout(par, group_rows, [k] * groups, len(par) + groups * k)
             R = self.draft_ranks
             index = torch.tensor([(len(p) - 1) * R + p[-1] for p in tree], dtype=torch.long, device=self.device)
             self._static[key] = (lay, index)
@@ -528,9 +493,9 @@ class SpaceDecoder:
             tokens = torch.cat([tokens, torch.tensor(found, device=self.device)])
         return lay, tokens, (MASK,) * len(tree) + (LOOKUP,) * len(found)
 
-    def _layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int,
-                tokens: list[int] = ()) -> tuple[StepLayout, torch.Tensor]:
-        """The device tensors of a block (``space.masking.build_layout``: tensor ops, no loop over
+    def block_layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int,
+                     tokens: list[int] = ()) -> tuple[StepLayout, torch.Tensor]:
+        """A planner's block, built: the device tensors of a block (``space.masking.build_layout``: tensor ops, no loop over
         rows) and its node ``tokens`` on the device. The plan (parents, group anchors and lengths,
         tokens) goes up in one copy, split into views: one host-to-device sync per new layout."""
         dev, n1, G = self.device, len(parents), len(group_rows)

@@ -15,6 +15,7 @@ from space.decoding.cache import attention_windows
 from space.models import tiny_tokenizer
 from space.tokens import add_mask_tokens
 from tests.decoding.test_lossless import oracle
+from tests.oracle import oracle_generate
 
 WINDOW = 16
 ARCHS = {  # name: (model class, config class, overrides)
@@ -71,7 +72,7 @@ def test_sliding_window_exact_at_every_accept_length(arch):
     prompt = next(prompts(1, seed=2))
     truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
     for corrupt_at in range(5):
-        out = SpaceDecoder(model, spec, DecodeConfig(4))._generate(prompt, 60, draft_override=oracle(truth, corrupt_at, 4))
+        out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(4)), prompt, 60, override=oracle(truth, corrupt_at, 4))
         assert out.new_ids == truth
         assert max(out.accept_lengths) == corrupt_at
 
@@ -82,7 +83,7 @@ def test_sliding_window_exact_at_every_accept_length(arch):
         return out
 
     dec = SpaceDecoder(model, spec, DecodeConfig(3, 1, tree=[[0], [1], [1, 1], [1, 1, 1]]))
-    out = dec._generate(prompt, 60, draft_override=rank_one)
+    out = oracle_generate(dec, prompt, 60, override=rank_one)
     assert out.new_ids == truth and max(out.accept_lengths) == 3
 
 

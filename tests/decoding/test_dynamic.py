@@ -14,6 +14,7 @@ from space.decoding.dynamic import LOOKUP, MASK, BUCKETS, AcceptanceStats, StepC
 from space.masking import build_layout, tree_ancestors
 from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
+from tests.oracle import oracle_generate
 
 # ---------------------------------------------------------------------------------------------
 # decoding with the trained tiny drafter
@@ -118,7 +119,7 @@ def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
         return out
 
     dec._step = checked
-    out = dec._generate(prompt, 60, draft_override=override)
+    out = oracle_generate(dec, prompt, 60, override=override)
     assert out.new_ids == truth
     assert max(accepts) >= 3 and sibling_accepts >= 4, (accepts, sibling_accepts)
 
@@ -145,7 +146,7 @@ def test_dynamic_context_end(tiny, tail, lookup):
         lambda mod, args, kwargs: positions.append(int(kwargs["position_ids"].max()))
         if kwargs.get("position_ids") is not None else None, with_kwargs=True)
     try:
-        out = dec._generate(prompt, tail, draft_override=override)
+        out = oracle_generate(dec, prompt, tail, override=override)
     finally:
         hook.remove()
     assert out.new_ids == truth and max(positions) == context - 1 and max(out.accept_lengths) >= 3

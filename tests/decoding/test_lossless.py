@@ -8,6 +8,7 @@ import torch
 import space.decoding.decoder as space_mod
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import CACHE_ARG
+from tests.oracle import oracle_generate
 
 STOP = 10  # an ordinary byte id used as the stop token, so EOS lands inside steps
 
@@ -95,7 +96,7 @@ def test_every_accept_length_and_cache_crop(tiny, monkeypatch, k, groups):
     seen = set()
     for corrupt_at in range(k + 1):  # k + 1: no corruption, every candidate accepted
         crops.clear()
-        out = SpaceDecoder(model, spec, DecodeConfig(k, groups))._generate(prompt, 120, draft_override=oracle(truth, corrupt_at, k))
+        out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(k, groups)), prompt, 120, override=oracle(truth, corrupt_at, k))
         assert out.new_ids == truth
         seen.update(out.accept_lengths)
         # the cache keeps exactly prompt + accepted tokens: n-1 before a step, n+a after it
@@ -114,10 +115,10 @@ def test_eos_and_max_new_tokens_inside_a_step(tiny):
     truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
     stop = truth[17]
     ar = ar_generate(model, prompt, 60, stop_token_ids=[stop], suppress_ids=spec.token_ids)
-    out = SpaceDecoder(model, spec, DecodeConfig(5))._generate(prompt, 60, stop_token_ids=[stop], draft_override=oracle(truth, 9, 5))
+    out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(5)), prompt, 60, stop_token_ids=[stop], override=oracle(truth, 9, 5))
     assert out.new_ids == ar.new_ids and out.new_ids[-1] == stop and out.stop_reason == "eos"
     for max_new in (1, 2, 7, 13):
-        out = SpaceDecoder(model, spec, DecodeConfig(5))._generate(prompt, max_new, draft_override=oracle(truth, 9, 5))
+        out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(5)), prompt, max_new, override=oracle(truth, 9, 5))
         assert out.new_ids == truth[:max_new] and out.stop_reason == "length"
 
 
@@ -161,7 +162,7 @@ def test_context_end_shrinks_the_step(tiny, k, groups):
         lambda mod, args, kwargs: positions.append(int(kwargs["position_ids"].max())) if kwargs.get("position_ids") is not None else None,
         with_kwargs=True)
     try:
-        out = SpaceDecoder(model, spec, DecodeConfig(k, groups))._generate(prompt, 12, draft_override=oracle(truth, k, k))
+        out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(k, groups)), prompt, 12, override=oracle(truth, k, k))
     finally:
         hook.remove()
     assert out.new_ids == truth and max(positions) == context - 1  # the last steps ran right at the end

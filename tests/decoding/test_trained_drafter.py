@@ -15,6 +15,7 @@ from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.masking import to_additive_4d, train_layout
 from tests.conftest import TRAINED_K as K
 from tests.conftest import CycleLanguage
+from tests.oracle import oracle_generate
 
 
 def check_exact(model, spec, lang, config, n_prompts=6, max_new=48, reference=None):
@@ -71,8 +72,7 @@ def test_group_shift_drafts_the_right_rows(trained, groups):
     for i in range(6):
         prompt = lang.sample(3 + 2 * i)
         drafts = []
-        out = SpaceDecoder(model, spec, DecodeConfig(K, groups))._generate(
-            torch.tensor(prompt), 40, draft_override=spoil(drafts))
+        out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(K, groups)), torch.tensor(prompt), 40, override=spoil(drafts))
         done = 0
         for d, a, m, emitted in zip(drafts, out.accept_lengths, out.step_candidates, out.step_tokens):
             g = min(a, min(groups, m + 1) - 1)

@@ -12,6 +12,7 @@ from space.masking import build_layout, tree_parents
 from space.masking import main as layout_main
 from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue
+from tests.oracle import oracle_generate
 
 
 def random_tree(gen: torch.Generator, nodes: int, depth: int):
@@ -119,7 +120,7 @@ def test_oracle_accepts_every_sibling_and_cache_matches_fresh_forward(trained):
         return out
 
     dec._step = checked
-    assert dec._generate(prompt, 50, draft_override=override).new_ids == truth
+    assert oracle_generate(dec, prompt, 50, override=override).new_ids == truth
     assert max(seen) == 3 and seen.count(3) >= 5  # full-depth accepts through rank-1 and rank-2 siblings
 
 
@@ -205,7 +206,7 @@ def test_context_end_shrinks_the_tree(tiny, k, groups, lookup):
         lambda mod, args, kwargs: positions.append(int(kwargs["position_ids"].max()))
         if kwargs.get("position_ids") is not None else None, with_kwargs=True)
     try:
-        out = dec._generate(prompt, 14, draft_override=override)
+        out = oracle_generate(dec, prompt, 14, override=override)
     finally:
         hook.remove()
     assert out.new_ids == truth and max(positions) == context - 1 and max(out.accept_lengths) == 3
@@ -218,5 +219,5 @@ def test_static_block_with_no_room_left(tiny):
 
     model, _, spec = tiny
     dec = SpaceDecoder(model, spec, DecodeConfig(3, 4))
-    lay, tokens, _ = dec._static_block(dec.context - 1, Drafts(torch.zeros(3, 1, dtype=torch.long)), [5, 6])
+    lay, tokens, _ = dec.static_block(dec.context - 1, Drafts(torch.zeros(3, 1, dtype=torch.long)), [5, 6])
     assert lay.group_rows == () and lay.group_len == () and lay.rows == 1 and tokens.numel() == 0

@@ -16,6 +16,7 @@ from space.decoding.cache import CACHE_ARG, cache_input
 from space.eval.__main__ import cli as eval_cli
 from space.eval.__main__ import main as eval_main
 from space.models import parse_device_map, tiny_random_llama
+from tests.oracle import oracle_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--model", "tiny-random-llama", "--adapter", "none", "--dataset", "humaneval", "--limit", "4",
@@ -133,7 +134,7 @@ def test_device_map_hooks_space_equals_ar_and_every_layer_is_cropped(tmp_path, a
     hook = model.model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw[CACHE_ARG]),
                                                  with_kwargs=True)
     try:
-        out = decoder._generate(prompt, 40, draft_override=oracle)
+        out = oracle_generate(decoder, prompt, 40, override=oracle)
     finally:
         hook.remove()
     assert out.new_ids == truth and max(out.accept_lengths) == 3 and 0 < min(out.accept_lengths[1:]) < 3

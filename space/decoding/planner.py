@@ -1,0 +1,116 @@
+"""Step planners: the one seam between the SPACE decoder and what a step verifies (issue 44).
+
+HF's assisted generation asks a ``CandidateGenerator`` for candidates and then tells it how many
+were accepted. A SPACE step also feeds mask groups, so its planner proposes the whole block
+``[x_{n-1}] [nodes] [groups] [padding]`` from the drafts at hand and the prompt-lookup
+continuation, and learns from each step's outcome. :class:`SpaceDecoder` calls only
+:meth:`StepPlanner.propose` and :meth:`StepPlanner.observe`; it makes a fresh planner per
+generation (``SpaceDecoder.planner``), and ``SpaceDecoder.generate(..., planner=...)`` takes any
+other, e.g. one that proposes chosen drafts in a test.
+
+Exactness does not depend on the planner: any block of nodes whose parents come first is verified
+exactly (greedy and sampling), so a planner decides only how fast decoding is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .dynamic import AcceptanceStats, plan_step
+
+if TYPE_CHECKING:
+    from .decoder import Drafts, SpaceDecoder, StepLayout
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One step's block, as a planner proposes it.
+
+    Attributes:
+        layout: the block's layout (``SpaceDecoder.block_layout`` or ``static_block`` builds it).
+        tokens: (N,) node tokens in block order, on the model's device.
+        sources: (N,) each node's sources (``dynamic.MASK`` / ``LOOKUP`` bits), for the records.
+    """
+
+    layout: StepLayout
+    tokens: torch.Tensor
+    sources: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a step did, as its planner is told.
+
+    Attributes:
+        emitted: the accepted tokens then the bonus token (before any cut at max_new_tokens).
+        path: the accepted rows of the block, in depth order.
+        layout: the block that was verified.
+    """
+
+    emitted: list[int]
+    path: list[int]
+    layout: StepLayout
+
+
+class StepPlanner(Protocol):
+    """Proposes each step's block and learns from its outcome (one generation, batch size 1)."""
+
+    def propose(self, drafts: Drafts, found: list[int], cache_len: int) -> Proposal:
+        """The block of the next step.
+
+        Args:
+            drafts: the previous step's mask drafts (none on the first step, or when no group was
+                on the accepted path).
+            found: prompt lookup's continuation of the text so far (may be empty).
+            cache_len: tokens in the KV cache (x_0..x_{n-2}): rows may reach depth
+                ``context - cache_len - 1``.
+        """
+        ...
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Learn from the step just verified."""
+        ...
+
+
+class StaticPlanner:
+    """The configured token tree (or the chain) pruned to the drafts at hand, then a lookup branch;
+    groups on x_{n-1} and the top-1 chain (``SpaceDecoder.static_block``). Learns nothing."""
+
+    def __init__(self, decoder: SpaceDecoder):
+        self.decoder = decoder
+
+    def propose(self, drafts: Drafts, found: list[int], cache_len: int) -> Proposal:
+        return Proposal(*self.decoder.static_block(cache_len, drafts, found))
+
+    def observe(self, outcome: StepOutcome) -> None:
+        pass
+
+
+class DynamicPlanner:
+    """The dynamic tree (issue 31, ``space.decoding.dynamic``): each step's nodes, groups and group
+    lengths priced from the drafts' probabilities, this sequence's running rates and the step-cost
+    curve. Copies the drafts' top-R ids and probabilities to the host once per step."""
+
+    def __init__(self, decoder: SpaceDecoder):
+        cfg = decoder.config
+        self.decoder = decoder
+        self.stats = AcceptanceStats(cfg.mask_num, cfg.lookup_tokens, decoder.cost)
+        self.mask_rows_before = cfg.mask_num
+        self.last: tuple | None = None  # what the last proposal was made from, for observe()
+
+    def propose(self, drafts: Drafts, found: list[int], cache_len: int) -> Proposal:
+        dec, cfg = self.decoder, self.decoder.config
+        ids, probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
+        ids = [[int(t) for t in row] for row in ids]
+        plan = plan_step(ids, probs, drafts.offset, found, self.stats, cfg.row_budget, cfg.mask_num, cfg.groups,
+                         dec.context - cache_len - 1, self.mask_rows_before, chained=dec.sampler is not None)
+        self.last = (ids, [p[0] for p in probs], drafts.offset, found)
+        lay, tokens = dec.block_layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
+        return Proposal(lay, tokens, plan.sources)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        ids, top_probs, offset, found = self.last
+        self.stats.observe(outcome.emitted, ids, top_probs, offset, found, outcome.layout.rows)
+        self.mask_rows_before = sum(outcome.layout.group_len)
