@@ -110,18 +110,30 @@ def test_head_drafts_follow_the_drafted_path(headed):
             prev = drafts.ids[d, 0].item()
 
 
-@pytest.mark.parametrize("temperature,top_p,lookup,tree", [(1.0, 1.0, 0, None), (1.5, 0.9, 2, "dynamic"),
-                                                           (1.0, 1.0, 0, [[0], [1], [0, 0]])])
-def test_sampling_with_head_matches_ar_distribution(small_vocab_model, temperature, top_p, lookup, tree):
-    """A sampled chain draws each offset from the head given the token drawn before it (the p/q
-    rule with those distributions); trees verify the head's deterministic candidates. Either way
-    t1..t3 follow AR sampling's exact joint distribution."""
-    model, spec = small_vocab_model
+def with_head(model, std: float):
+    """A copy of ``model`` with an untrained sampler head, its fc2 drawn with ``std`` so its drafts
+    depend on the previous token (the larger, the more)."""
     model = copy.deepcopy(model)
     with torch.random.fork_rng():
         torch.manual_seed(1)
         head = add_sampler_head(model, 16)
-        torch.nn.init.normal_(head.fc2.weight, std=0.3)  # drafts that depend on the previous token
+        torch.nn.init.normal_(head.fc2.weight, std=std)
+    return model
+
+
+@pytest.fixture(scope="module")
+def small_headed(small_vocab_model):
+    model, spec = small_vocab_model
+    return with_head(model, 0.3), spec
+
+
+@pytest.mark.parametrize("temperature,top_p,lookup,tree", [(1.0, 1.0, 0, None), (1.5, 0.9, 2, "dynamic"),
+                                                           (1.0, 1.0, 0, [[0], [1], [0, 0]])])
+def test_sampling_with_head_matches_ar_distribution(small_headed, temperature, top_p, lookup, tree):
+    """A sampled chain draws each offset from the head given the token drawn before it (the p/q
+    rule with those distributions); trees verify the head's deterministic candidates. Either way
+    t1..t3 follow AR sampling's exact joint distribution."""
+    model, spec = small_headed
     prompt = [1, 3, 0, 2]
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1000
@@ -132,6 +144,28 @@ def test_sampling_with_head_matches_ar_distribution(small_vocab_model, temperatu
         counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
         accepts += out.accept_lengths[1:]
     assert max(accepts) >= 2
+    assert chi2_pvalue(counts, exact, n) > ALPHA
+
+
+def test_sampled_chain_with_head_one_group_shifts(small_vocab_model):
+    """One mask group (DESIGN §3.5): after a step accepts a < k drafts, the next step's drafts are
+    the same group's masks from offset a on, drawn by the head given the bonus token, and verified
+    with the p/q rule against the q each was drawn from. t1..t6 follow AR sampling exactly. With
+    this head the offsets' q differ widely, so a shifted step that pairs its drafts with another
+    offset's q (rolled by one) gives p < 1e-6 here; unshifted steps are not enough to see it."""
+    model, spec = small_vocab_model
+    model = with_head(model, 1.0)
+    k, prompt, length, n = 3, [1, 3, 0, 2], 6, 2000
+    exact = exact_distribution(model, prompt, SamplingConfig(1.0), length=length)
+    dec = SpaceDecoder(model, spec, DecodeConfig(k, 1))
+    assert dec.sampler is not None
+    counts, shifted = {}, 0
+    for seed in range(n):
+        out = dec.generate(torch.tensor(prompt), length, sampling=SamplingConfig(1.0, seed=seed))
+        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
+        # a step verifying 0 < m < k candidates drew them from offsets k - m.. of the one group
+        shifted += sum(0 < m < k for m in out.step_candidates)
+    assert shifted >= n // 4, shifted
     assert chi2_pvalue(counts, exact, n) > ALPHA
 
 

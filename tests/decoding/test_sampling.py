@@ -4,7 +4,8 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, NoRepeatNGramLogitsProcessor,
+                          RepetitionPenaltyLogitsProcessor)
 
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 from space.decoding.sampling import logits_to_probs
@@ -78,17 +79,20 @@ def small_vocab_model():
     return model, spec
 
 
-def exact_distribution(model, prompt, cfg, length=3):
-    """P(t1..t_length | prompt) under AR sampling with ``cfg``, by enumeration."""
-    probs = {}
-    for seq in itertools.product(range(V_REAL), repeat=length):
-        ids = torch.tensor(prompt + list(seq))[None]
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1]
-        logits[:, MASK] = float("-inf")
-        p = logits_to_probs(logits, cfg)
-        probs[seq] = float(torch.prod(p[torch.arange(length), torch.tensor(seq)]))
-    return probs
+def exact_distribution(model, prompt, cfg, length=3, processor=None):
+    """P(t1..t_length | prompt) under AR sampling with ``cfg``, by enumeration (one batched forward
+    of every continuation). ``processor`` (HF convention, (rows, seq) ids and (rows, vocab) scores)
+    scores position i with the prompt and t1..t_{i-1}, after the mask is suppressed, as AR does."""
+    seqs = torch.tensor(list(itertools.product(range(V_REAL), repeat=length)))
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1: -1]  # (continuations, length, vocab)
+    logits[..., MASK] = float("-inf")
+    probs = torch.ones(len(seqs), dtype=torch.float64)
+    for i in range(length):
+        scores = logits[:, i] if processor is None else processor(ids[:, : len(prompt) + i], logits[:, i])
+        probs *= logits_to_probs(scores, cfg)[torch.arange(len(seqs)), seqs[:, i]].double()
+    return dict(zip(map(tuple, seqs.tolist()), probs.tolist()))
 
 
 @pytest.mark.parametrize("temperature,top_p,k,groups,lookup,tree", [
@@ -115,3 +119,54 @@ def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, 
     assert max(accepts) >= 1 and (tree or (0 in accepts and max(accepts) >= 2))
     assert chi2_pvalue(space_counts, exact, n) > ALPHA
     assert chi2_pvalue(ar_counts, exact, n // 3) > ALPHA
+
+
+def context_processor():
+    """A real HF processor whose effect depends on every token before the scored position:
+    no-repeat bigrams ban what followed the last token before, the repetition penalty damps what
+    was said. On this model and prompt it moves the 3-token distribution by TV ~0.9, and scoring
+    every position with the prompt alone instead of its own prefix moves it by ~0.8."""
+    return LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.8), NoRepeatNGramLogitsProcessor(2)])
+
+
+@pytest.mark.parametrize("top_k,processor,tree", [
+    (0, True, None), (0, True, [[0], [1], [0, 0]]), (0, True, "dynamic"),
+    (2, False, None), (2, False, [[0], [1], [0, 0]])],
+    ids=["processor-chain", "processor-tree", "processor-dynamic", "top_k-chain", "top_k-tree"])
+def test_space_sampling_with_processor_or_top_k_matches_ar_distribution(small_vocab_model, top_k, processor, tree):
+    """Sampling (T=1) with a logits processor, or with top_k=2, keeps AR's exact distribution in the
+    chain (p/q rule), a static tree with siblings and the dynamic tree. Catches a processor skipped
+    on the verification rows or fed the wrong prefix (e.g. x_0..x_{n-1} without the row's own path),
+    and top-k left out of the target's p: each gives p ~ 0 here."""
+    model, spec = small_vocab_model
+    prompt = [1, 3, 0, 2]
+    proc = context_processor() if processor else None
+    exact = exact_distribution(model, prompt, SamplingConfig(1.0, top_k=top_k), processor=proc)
+    plain = exact_distribution(model, prompt, SamplingConfig(1.0))
+    assert sum(abs(exact[s] - plain[s]) for s in exact) / 2 > 0.1  # the setting matters here
+    n = 1200
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, tree=tree))
+    counts, accepts = {}, []
+    for seed in range(n):
+        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(1.0, top_k=top_k, seed=seed),
+                           logits_processor=proc)
+        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
+        accepts += out.accept_lengths[1:]
+    assert max(accepts) >= 1 and (tree or (0 in accepts and max(accepts) >= 2))
+    assert chi2_pvalue(counts, exact, n) > ALPHA
+
+
+@pytest.mark.parametrize("top_k,processor", [(0, True), (2, False)], ids=["processor", "top_k"])
+def test_ar_sampling_with_processor_or_top_k_matches_exact(small_vocab_model, top_k, processor):
+    """The baseline itself: ar_generate's sampling with a processor (fed every token so far) or
+    top_k=2 follows the enumerated distribution, so SPACE is compared with a correct AR."""
+    model, spec = small_vocab_model
+    prompt = [1, 3, 0, 2]
+    proc = context_processor() if processor else None
+    exact = exact_distribution(model, prompt, SamplingConfig(1.0, top_k=top_k), processor=proc)
+    n, counts = 600, {}
+    for seed in range(n):
+        out = ar_generate(model, torch.tensor(prompt), 3, sampling=SamplingConfig(1.0, top_k=top_k, seed=seed),
+                          suppress_ids=[MASK], logits_processor=proc)
+        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
+    assert chi2_pvalue(counts, exact, n) > ALPHA
