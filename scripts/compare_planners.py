@@ -1,0 +1,53 @@
+"""Compare the SPACE steps of space-eval runs folder by folder (issue 44): tokens/step, rows/step,
+steps without a candidate, steps starved after an all-rejected step, and tokens per unit of the
+adapter's step-cost curve (the planner's own price of a step, relative to an AR step); with
+prompt lookup (pld) in a run, its tokens/step and the provenance split.
+
+    python scripts/compare_planners.py results/planner_issue44/old_humaneval20 results/planner_issue44/new_humaneval20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from space.decoding.dynamic import StepCost
+from space.jsonl import read_jsonl
+
+
+def describe(folder: Path, cost: StepCost) -> str:
+    space = [r for r in read_jsonl(folder / "samples.jsonl") if r.get("model_id") == "space"]
+    summary = json.loads((folder / "summary.json").read_text())
+    turns = [(A, M, R, T) for r in space for c in r["choices"]
+             for A, M, R, T in zip(c["accept_lengths"], c["candidates"], c["rows"], c["step_tokens"])]
+    rows = [q for _, _, R, _ in turns for q in R]
+    tokens = sum(sum(T) for *_, T in turns)
+    cands = [m for _, M, _, _ in turns for m in M]
+    rejected = [(M[i], A[i - 1]) for A, M, _, _ in turns for i in range(1, len(A)) if M[i - 1] and A[i - 1] == 0]
+    lines = [f"{folder}: tokens/step {tokens / len(rows):.3f}, rows/step {sum(rows) / len(rows):.2f}, "
+             f"steps without a candidate {sum(m == 0 for m in cands) / len(cands):.3f}, "
+             f"starved after an all-rejected step {sum(m == 0 for m, _ in rejected)} of {len(rejected)}, "
+             f"tokens per AR-step of modelled cost {tokens / sum(cost(q) for q in rows):.3f}"]
+    methods = summary["methods"]
+    if "pld" in methods:
+        lines.append(f"  pld tokens/step {methods['pld']['tokens_per_step']}, space/pld tokens/s {summary['speedup'].get('space_vs_pld')}")
+    if methods["space"].get("accepted_from"):
+        lines.append(f"  accepted from {methods['space']['accepted_from']}, acceptance per offset by source "
+                     f"{methods['space']['acceptance_per_offset_by_source']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="space-eval output folders")
+    p.add_argument("--adapter", type=Path, default=Path("adapters/smollm2-135m-space"),
+                   help="the adapter whose step-cost curve prices the rows (default: the shipped one)")
+    a = p.parse_args()
+    decode = json.loads((a.adapter / "space_config.json").read_text())["decode"]
+    cost = StepCost(tuple(map(tuple, decode["step_cost"])), decode.get("adapter_cost", 0.0))
+    for run in a.runs:
+        print(describe(run, cost))
+
+
+if __name__ == "__main__":
+    main()
