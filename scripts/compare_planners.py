@@ -17,6 +17,8 @@ from space.jsonl import read_jsonl
 
 def describe(folder: Path, cost: StepCost) -> str:
     space = [r for r in read_jsonl(folder / "samples.jsonl") if r.get("model_id") == "space"]
+    if not space:
+        return f"{folder}: no SPACE samples"
     summary = json.loads((folder / "summary.json").read_text())
     turns = [(A, M, R, T) for r in space for c in r["choices"]
              for A, M, R, T in zip(c["accept_lengths"], c["candidates"], c["rows"], c["step_tokens"])]
@@ -44,6 +46,8 @@ def main() -> None:
                    help="the adapter whose step-cost curve prices the rows (default: the shipped one)")
     a = p.parse_args()
     decode = json.loads((a.adapter / "space_config.json").read_text())["decode"]
+    if not decode.get("step_cost"):
+        p.error(f"{a.adapter} stores no step-cost curve (space-tree --dynamic --write-adapter measures one)")
     cost = StepCost(tuple(map(tuple, decode["step_cost"])), decode.get("adapter_cost", 0.0))
     for run in a.runs:
         print(describe(run, cost))

@@ -94,6 +94,8 @@ class DecodeConfig:
         if self.step_cost is not None:
             object.__setattr__(self, "step_cost", StepCost(self.step_cost).points)
         check_real("adapter_cost", self.adapter_cost, 0.0)
+        if self.adapter_cost and self.step_cost is None:  # the default curve has no unit to measure it in
+            raise ValueError("adapter_cost is in the step-cost curve's unit: give step_cost with it")
         if self.num_groups is not None:
             check_int("num_groups", self.num_groups, 1, self.mask_num + 1)  # G_0..G_k
         check_int("lookup_tokens", self.lookup_tokens, 0)

@@ -404,7 +404,10 @@ class SpaceDecoder:
                 the module docstring for bf16 / fp16) and sampling stays exact; applied to draft
                 rows with their group's context (drafts only need to be drawn from the q they report).
             planner: what each step verifies (``space.decoding.planner``, issue 44); None: a fresh
-                one from this decoder's layout (:meth:`planner`). Output is exact with any planner.
+                one from this decoder's layout (:meth:`planner`). Greedy output and sampled trees
+                are exact with any planner whose nodes come after their parents; a sampled chain
+                (temperature > 0, no tree, no lookup) verifies its own drawn drafts by the p/q rule
+                and takes no other planner.
 
         Returns:
             DecodeResult with the new ids and per-step statistics (times in s, rows per step).
@@ -412,11 +415,18 @@ class SpaceDecoder:
             near-tie can flip.
 
         Raises:
-            ValueError: empty prompt, batch > 1, or prompt + max_new_tokens over the context.
+            ValueError: empty prompt, batch > 1, prompt + max_new_tokens over the context, or a
+                ``planner`` with a sampled chain.
         """
         ids = check_prompt(input_ids, max_new_tokens, self.context)
         res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
+        # a sampled chain drafts by sampling and verifies with the p/q rule; every other step
+        # verifies deterministic candidates
+        pq = not sampling.greedy and self.config.tree is None and self.lookup is None
+        if planner is not None and pq:
+            raise ValueError("a sampled chain (temperature > 0, no tree, no lookup) verifies the drafts it drew with "
+                             "the p/q rule, so it takes no planner: use greedy, a token tree or prompt lookup")
         planner = planner if planner is not None else self.planner()
         cache = full_cache()
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
@@ -429,9 +439,6 @@ class SpaceDecoder:
             self._forward(ids[:-1], None, None, cache, None)
         prefill_s = time.perf_counter() - t0
         last = ids[-1:]
-        # a sampled chain drafts by sampling and verifies with the p/q rule; every other step
-        # verifies deterministic candidates
-        pq = not sampling.greedy and self.config.tree is None and self.lookup is None
         drafts = self._no_drafts(pq)
         found = self._look_up(seq)  # the first step already verifies what the prompt repeats, as PLD's does
         # host time = a step minus the model (trunk, LM head, and the sampler head and its embedding)
@@ -447,10 +454,10 @@ class SpaceDecoder:
                 if seq is not None:
                     seq.extend(emitted)
                 found = self._look_up(seq)
+                sources = provenance(lay.parents, block.sources, host_tokens, path)
                 step_s = time.perf_counter() - t0
                 if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,
-                            host=step_s - (spent[0] - model0), plan=plan_s,
-                            provenance=provenance(lay.parents, block.sources, host_tokens, path)):
+                            host=step_s - (spent[0] - model0), plan=plan_s, provenance=sources):
                     return res
                 drafts = nxt if nxt is not None else self._no_drafts(pq)
                 prefill_s = 0.0

@@ -9,8 +9,9 @@ on this machine:
 * **Cost.** c(q), the time of a q-row step over a 1-row step (:class:`StepCost`, the step-cost
   curve that ``space-tree`` measures and stores with the layout). Tokens per second is a ratio,
   so by Dinkelbach's rule a step maximizes E[tokens] - λ·c(q), with λ the tokens per unit of cost
-  achieved so far in this sequence (:class:`AcceptanceStats`). A row is kept while its value is at
-  least λ times the marginal cost of a row.
+  achieved so far in this sequence (:class:`AcceptanceStats`). A node is kept while its value is at
+  least λ times the marginal cost of a row; the block pays the curve's 1 -> 2-row jump once
+  (:meth:`StepCost.multi_row`), and any group the adapter's fixed cost (issue 44).
 * **A node's value** is P(its path is right):
   * for mask drafts, the product of the draft probabilities along the path (the probabilities of
     each mask's top-R tokens under its full softmax, EAGLE-2's path value); a top draft's is
@@ -24,11 +25,15 @@ on this machine:
 * **Mask groups.** Groups anchor on x_{n-1} and on the spine, the chain of most likely nodes. After
   the step accepts node u, the next drafts come from u's deepest anchored group G_g, from mask
   offset s = depth(u) - g on (DESIGN §3.5). So mask j of G_g is worth the probability that u ends
-  the accepted path with s <= j, times the chance that the next step's draft chain from offset s
-  reaches j (running per-offset rates α), net of the row it will need then. Each group takes the
-  length k' <= k that maximizes its net value; the number of groups maximizes the total. No group
-  at all (the next step drafts by lookup alone) and no mask node (only lookup, PLD's step) are
-  allowed outcomes.
+  the accepted path with s <= j, times the chance that the next step's draft tree from offset s
+  reaches j (running per-offset rates at which the true token is among the top-R drafts; the
+  top-1 rate with a sampler head, whose deeper drafts follow the top-1 path), net of the row it
+  will need then. Each group takes the length k' <= k that maximizes its net value; the number of
+  groups maximizes the total. No group at all (the next step drafts by lookup alone), no mask
+  node (only lookup, PLD's step) and a one-row AR step (when the best block does not pay the
+  multi-row jump and lookup found nothing) are allowed outcomes.
+* **Prompt lookup is contained.** Every lookup token found is a node, as deep as the budget allows,
+  whatever its rate: the step verifies at least what prompt lookup decoding would.
 * **Shapes.** Rows are rounded up to a bucket size (:data:`BUCKETS`, capped by the row budget). The
   bucket's free rows take the next-best nodes; only the rest is padding.
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -94,7 +100,7 @@ class StepCost:
             raise ValueError(f"step_cost must be [[rows, cost], ...] with rows ascending from 1 and costs > 0, "
                              f"got {self.points!r}")
         object.__setattr__(self, "points", pts)
-        if isinstance(self.adapter, bool) or not isinstance(self.adapter, (int, float)) \
+        if isinstance(self.adapter, bool) or not isinstance(self.adapter, numbers.Real) \
                 or not math.isfinite(self.adapter) or self.adapter < 0:
             raise ValueError(f"the adapter's step cost must be a finite number >= 0, got {self.adapter!r}")
 
@@ -302,11 +308,7 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     """
     depth_cap = min(room, len(draft_ids))
     lookup_depth = min(len(found), room, len(rates))
-    match: list[int] = []  # match[d]: the rank of mask d's draft equal to found[d], while all so far are
-    for d in range(min(depth_cap, lookup_depth)):
-        if found[d] not in draft_ids[d]:
-            break
-        match.append(draft_ids[d].index(found[d]))
+    match = _merged_ranks(draft_ids, found, min(depth_cap, lookup_depth), top1)
     heap: list = []
     tick = 0
 
@@ -359,14 +361,26 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     return out
 
 
-def _lookup_chain(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
-                  rates: list[float], depth: int) -> list[tuple[tuple[int, ...], float, int]]:
-    """The first ``depth`` lookup tokens as nodes (path, value, sources), valued as
-    :func:`_candidates` values them."""
-    out, value, merged = [], 1.0, True
+def _merged_ranks(draft_ids: list[list[int]], found: list[int], depth: int, top1: list[int] | None) -> list[int]:
+    """match[d]: the rank of mask d's draft equal to found[d], while every lookup token so far is a
+    draft at its place. With a sampler head (``top1``), the drafts at d + 1 were made given the
+    top-1 draft at d, so the match also stops after a lookup token that is another rank."""
+    match: list[int] = []
     for d in range(depth):
-        merged = merged and d < len(draft_ids) and found[d] in draft_ids[d]
-        p = draft_probs[d][draft_ids[d].index(found[d])] if merged else 0.0
+        if found[d] not in draft_ids[d] or (top1 is not None and d and match[-1] != top1[d - 1]):
+            break
+        match.append(draft_ids[d].index(found[d]))
+    return match
+
+
+def _lookup_chain(draft_probs: list[list[float]], found: list[int], rates: list[float], depth: int,
+                  match: list[int]) -> list[tuple[tuple[int, ...], float, int]]:
+    """The first ``depth`` lookup tokens as nodes (path, value, sources), valued as
+    :func:`_candidates` values them (``match``: :func:`_merged_ranks`)."""
+    out, value = [], 1.0
+    for d in range(depth):
+        merged = d < len(match)
+        p = draft_probs[d][match[d]] if merged else 0.0
         value *= max(p, rates[d])
         out.append((tuple(found[: d + 1]), value, MASK | LOOKUP if merged else LOOKUP))
     return out
@@ -380,7 +394,7 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     Prices (issue 44): a node pays its row's marginal cost; the groups pay their rows and, once,
     the adapter's fixed cost (:meth:`StepCost.adapter_overhead`); and the block pays the multi-row
     jump (:meth:`StepCost.multi_row`) once if it has more than one row. A one-row (AR) step is
-    chosen only when the best block's net value is below zero and there is no lookup
+    chosen only when the best block's net value is below that jump and there is no lookup
     continuation: every lookup token found is in the tree, as prompt lookup would verify it
     (as deep as the budget allows), beside the mask drafts.
 
@@ -414,7 +428,8 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     draft_probs = [[v for v, _, _ in row] for row in ranked]
     rates = stats.lookup_rates()
     cands = _candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1)
-    forced = _lookup_chain(draft_ids, draft_probs, found, rates, min(len(found), room, len(rates), max(budget - 1, 0)))
+    depth = min(len(found), room, len(rates), max(budget - 1, 0))
+    forced = _lookup_chain(draft_probs, found, rates, depth, _merged_ranks(draft_ids, found, min(depth, len(draft_ids)), top1))
 
     def nodes(cap: int, fill: int = 0) -> list[tuple[tuple[int, ...], float, int]]:
         """The lookup chain and the candidates that pay for their row, at most ``cap`` nodes in
@@ -452,7 +467,8 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     kept = nodes(max(budget - 1 - reserve, len(forced)))
     parents, depth, value = tree(kept)
     groups, lens, net = _choose_groups(parents, depth, value, stats, lam, mask_num, max_groups, room,
-                                       cost.marginal(len(parents) + mask_rows_before), cost.adapter_overhead())
+                                       cost.marginal(len(parents) + mask_rows_before), cost.adapter_overhead(),
+                                       chained)
     if not groups and reserve:  # no group after all: the reserved rows may verify nodes
         kept = nodes(budget - 1)
         parents, depth, value = tree(kept)
@@ -467,7 +483,7 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
             groups.pop()
         used -= 1
     rows = bucket(used, budget)
-    if rows > used and kept:  # the bucket's free rows take the next-best nodes; the groups keep their anchors
+    if rows > used:  # the bucket's free rows take the next-best nodes; the groups keep their anchors
         anchors = [kept[r - 1][0] if r else () for r in groups]
         kept = nodes(len(kept), rows - used)
         row_of = {p: r for r, (p, _, _) in enumerate(kept, 1)} | {(): 0}
@@ -479,11 +495,12 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
 
 def _choose_groups(parents: list[int], depth: list[int], value: list[float], stats: AcceptanceStats,
                    lam: float, mask_num: int, max_groups: int, room: int, row_cost: float,
-                   overhead: float) -> tuple[list[int], list[int], float]:
+                   overhead: float, chained: bool = False) -> tuple[list[int], list[int], float]:
     """Anchor rows and lengths of the mask groups that maximize their net value (module docstring),
     and that value in tokens; any group at all also pays ``overhead``, the adapter's fixed cost per
     step. The next step verifies a tree of each mask's top-R drafts, so its reach is valued by the
-    rate at which the true token is among them (:meth:`AcceptanceStats.ranked_alphas`)."""
+    rate at which the true token is among them (:meth:`AcceptanceStats.ranked_alphas`); with a
+    sampler head (``chained``) by the top-1 rate, since its deeper drafts follow the top-1 path."""
     n1 = len(parents)
     children_value = [0.0] * n1
     best_child = [0] * n1  # the most likely child of each row (0: none)
@@ -500,7 +517,7 @@ def _choose_groups(parents: list[int], depth: list[int], value: list[float], sta
     for r in range(1, n1):
         branch[r] = depth[r] if r in on_spine else branch[parents[r]]
     end = [max(value[r] - children_value[r], 0.0) for r in range(n1)]  # P(the accepted path ends at r)
-    alpha = stats.ranked_alphas()
+    alpha = stats.alphas() if chained else stats.ranked_alphas()
     reach = [[0.0] * mask_num for _ in range(mask_num)]  # reach[s][j]: next step's chain from offset s reaches j
     for s in range(mask_num):
         acc = 1.0

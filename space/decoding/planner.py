@@ -8,8 +8,9 @@ continuation, and learns from each step's outcome. :class:`SpaceDecoder` calls o
 generation (``SpaceDecoder.planner``), and ``SpaceDecoder.generate(..., planner=...)`` takes any
 other, e.g. one that proposes chosen drafts in a test.
 
-Exactness does not depend on the planner: any block of nodes whose parents come first is verified
-exactly (greedy and sampling), so a planner decides only how fast decoding is.
+Exactness does not depend on the planner: any block of nodes whose parents come first, within the
+context, is verified exactly (greedy, and sampled trees), so a planner decides only how fast
+decoding is. A sampled chain verifies the drafts it drew by the p/q rule and takes no planner.
 """
 from __future__ import annotations
 

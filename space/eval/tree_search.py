@@ -253,7 +253,8 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
 
     fit, held = ranks[0::2], ranks[1::2] or ranks
     lookup = {} if current is None else {"lookup_tokens": current.lookup_tokens, "lookup_ngram": current.lookup_ngram,
-                                         "row_budget": current.row_budget, "draft_ranks": current.draft_ranks}
+                                         "row_budget": current.row_budget, "draft_ranks": current.draft_ranks,
+                                         "adapter_cost": current.adapter_cost}
     width = min(r.shape[1] for r in ranks)
     results = []
     for k in range(1, min(max_mask_num, width) + 1):

@@ -1,9 +1,9 @@
 """Per-step dynamic token trees (issue 31): greedy exactness, the row budget, KV compaction through
 siblings, exact sampling, the one model call site, the planner, its config and the layout core."""
 import inspect
-from collections import Counter
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -702,3 +702,47 @@ def test_candidates_contain_prompt_lookups_and_provenance(trained):
             letters.update(src)
             text += out.new_ids[len(text) - len(prompt): len(text) - len(prompt) + emitted]
     assert letters["m"] and letters["l"] + letters["b"]  # both sources were accepted
+
+
+def test_bucket_rows_verify_nodes_even_when_only_a_group_paid():
+    """A block of x_{n-1} and a group rounds up to a bucket; its free rows take the next-best
+    nodes rather than padding (review of issue 44: the fill was skipped when no node paid)."""
+    stats = fresh_stats(3)
+    stats.tokens = 1e3  # λ large: no node pays its row, a group still may
+    ids, probs = drafts([0.3, 0.2, 0.1], k=3)
+    for budget in (4, 8, 32):
+        plan = plan_step(ids, probs, 0, [], stats, budget, 3, 4, 100, 3)
+        check_plan(plan, budget, 3, 4, 100)
+        assert plan.rows == plan.used_rows or len(plan.tokens) == len(plan.parents) - 1 > 0
+
+
+def test_sampler_head_lookup_merges_only_on_the_top1_path():
+    """With a sampler head the drafts at depth d+1 were made given the top-1 draft at d: a lookup
+    token after a non-top-1 one is not that draft, whatever its token (review of issue 44)."""
+    stats = fresh_stats(3, lookup=3)
+    stats.tokens = 1e-6
+    ids = [[100, 101], [110, 111], [120, 121]]
+    probs = [[0.6, 0.3], [0.9, 0.05], [0.9, 0.05]]
+    rate1 = stats.lookup_rates()[1]
+    plan = plan_step(ids, probs, 0, [101, 110, 120], stats, 64, 3, 0, 100, 3, chained=True)
+    by_path = dict(zip(node_paths(plan), zip(plan.values, plan.sources)))
+    assert by_path[(101,)][1] == MASK | LOOKUP
+    assert by_path[(101, 110)] == (pytest.approx(0.3 * rate1), LOOKUP)  # not 0.3 * 0.9 as a draft
+    plain = plan_step(ids, probs, 0, [101, 110, 120], stats, 64, 3, 0, 100, 3)
+    assert dict(zip(node_paths(plain), plain.sources))[(101, 110)] == MASK | LOOKUP  # plain masks: any prefix
+
+
+def test_adapter_cost_needs_a_curve():
+    with pytest.raises(ValueError, match="adapter_cost"):
+        DecodeConfig(3, tree="dynamic", adapter_cost=2.0)
+    assert DecodeConfig(3, tree="dynamic", step_cost=SHIPPED_CURVE, adapter_cost=2.0).adapter_cost == 2.0
+
+
+def test_a_sampled_chain_takes_no_planner(tiny):
+    """A sampled chain verifies the drafts it drew with the p/q rule: another planner's nodes would
+    not match the q it keeps, so the seam refuses it rather than sample wrongly."""
+    model, _, spec = tiny
+    dec = SpaceDecoder(model, spec, DecodeConfig(3))
+    with pytest.raises(ValueError, match="p/q rule"):
+        dec.generate(torch.tensor([5, 6]), 4, sampling=SamplingConfig(1.0), planner=dec.planner())
+    assert len(dec.generate(torch.tensor([5, 6]), 4, planner=dec.planner()).new_ids) == 4  # greedy takes one

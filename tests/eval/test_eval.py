@@ -173,6 +173,7 @@ def test_acceptance_over_steps_with_candidates_and_emitted_histogram():
     m = summarize([old], {"mask_num": 1})["methods"]["space"]  # records from before candidates were stored
     assert m["acceptance_per_offset"] is None and m["tokens_per_step_histogram"]["8"] == 1
 
+
 def test_provenance_split_and_acceptance_per_source():
     """Issue 44: the accepted tokens by source (mask drafts, lookup, both) and, per source, the
     acceptance per offset over the steps that offered a candidate of that source at that depth;
