@@ -15,14 +15,15 @@ decoding is. A sampled chain verifies the drafts it drew by the p/q rule and tak
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from .dynamic import AcceptanceStats, plan_step
 
-if TYPE_CHECKING:
-    from .decoder import Drafts, SpaceDecoder, StepLayout
+# Drafts, SpaceDecoder and StepLayout in the annotations are ``space.decoding.decoder``'s, which
+# imports this module: annotations stay strings (``from __future__ import annotations``), so this
+# module imports nothing back
 
 
 @dataclass(frozen=True)
