@@ -138,8 +138,9 @@ def test_space_layout_dynamic_example(capsys):
 
     text = main(["--tree", "dynamic", "-k", "3", "--draft-probs", "[[0.8,0.1],[0.6,0.2],[0.3,0.1]]", "--lookup", "2"])
     assert capsys.readouterr().out.rstrip("\n") == text
-    assert "c1    1      x       mask 0 rank 0    0.800" in text  # the top draft of mask 0, a child of x
-    assert "c2    2      c1      mask 1 rank 0    0.480" in text  # the path value: 0.8 * 0.6
+    # the top draft of mask 0, a child of x beside the lookup child (rate 0.3): 0.8 * (1 - 0.3)
+    assert "c1    1      x       mask 0 rank 0    0.560" in text
+    assert "c2    2      c1      mask 1 rank 0    0.336" in text  # the path value: 0.56 * 0.6
     assert any(" lookup 1 " in line for line in nodes(text))
     assert "groups: G0 on x (3 masks), G1 on c1 (3 masks)" in text and "G1m2" in text
     assert "(0 pad)" in text and " pad " not in text
