@@ -288,7 +288,7 @@ def calibrated(probs: list[float], c: float) -> list[float]:
 
 
 def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
-                rates: list[float], limit: int, room: int, top1: list[int] | None
+                rates: list[float], limit: int, room: int, top1: list[int] | None, match: list[int]
                 ) -> list[tuple[tuple[int, ...], float, int]]:
     """Up to ``limit`` distinct token paths (path, value, sources) in non-increasing value, each
     after its prefix.
@@ -302,13 +302,13 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     ``draft_probs`` rows come sorted in decreasing order. ``top1``: with a sampler head, the rank
     of each mask's top-1 draft in its row; the head drafted offset d+1 given the top-1 draft at d,
     so only the top-1 path has mask children (None: every path does, the drafts of plain masks
-    do not depend on each other). Best-first: popping a node pushes its first mask child, its next
+    do not depend on each other). ``match``: where the lookup tokens are mask drafts
+    (:func:`_merged_ranks`). Best-first: popping a node pushes its first mask child, its next
     mask sibling, and its merged or lookup child, so each node is pushed once and every push is
     worth at most what popped it.
     """
     depth_cap = min(room, len(draft_ids))
     lookup_depth = min(len(found), room, len(rates))
-    match = _merged_ranks(draft_ids, found, min(depth_cap, lookup_depth), top1)
     heap: list = []
     tick = 0
 
@@ -427,9 +427,9 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     draft_ids = [[t for _, t, _ in row] for row in ranked]
     draft_probs = [[v for v, _, _ in row] for row in ranked]
     rates = stats.lookup_rates()
-    cands = _candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1)
-    depth = min(len(found), room, len(rates), max(budget - 1, 0))
-    forced = _lookup_chain(draft_probs, found, rates, depth, _merged_ranks(draft_ids, found, min(depth, len(draft_ids)), top1))
+    match = _merged_ranks(draft_ids, found, min(len(found), room, len(rates), len(draft_ids)), top1)
+    cands = _candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match)
+    forced = _lookup_chain(draft_probs, found, rates, min(len(found), room, len(rates), max(budget - 1, 0)), match)
 
     def nodes(cap: int, fill: int = 0) -> list[tuple[tuple[int, ...], float, int]]:
         """The lookup chain and the candidates that pay for their row, at most ``cap`` nodes in
