@@ -245,8 +245,8 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
     True``, so the best is never estimated slower than it; that needs its k within the ranks' k
     and a static layout (the dynamic tree cannot be replayed: it is left out). Every layout keeps
     ``current``'s prompt-lookup setting: the replay does not model lookup, so the search cannot
-    choose it (``scripts/tune_layout.py --search`` times it); and its row budget and draft ranks,
-    which a later switch to the dynamic tree would use.
+    choose it (``scripts/tune_layout.py --search`` times it); and its row budget, draft ranks and
+    step-cost prices (curve and adapter cost, a pair), which a later switch to the dynamic tree would use.
     """
     from ..decoding.config import DecodeConfig
     from ..decoding.tree import grow_tree, path_probs_from_ranks
@@ -254,7 +254,7 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
     fit, held = ranks[0::2], ranks[1::2] or ranks
     lookup = {} if current is None else {"lookup_tokens": current.lookup_tokens, "lookup_ngram": current.lookup_ngram,
                                          "row_budget": current.row_budget, "draft_ranks": current.draft_ranks,
-                                         "adapter_cost": current.adapter_cost}
+                                         "step_cost": current.step_cost, "adapter_cost": current.adapter_cost}
     width = min(r.shape[1] for r in ranks)
     results = []
     for k in range(1, min(max_mask_num, width) + 1):
