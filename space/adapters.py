@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
+from .decoding.compiled import compile_trunk
 from .decoding.config import DEFAULT_MASK_NUM, DecodeConfig
 from .masking import mask_rows_start
 from .models import SMOLLM2, dispatch, load_model, model_identity
@@ -329,7 +330,8 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
 
 
 def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
-               dtype="float32", device: str = "cpu", device_map: str | dict | None = None, kernels: str = "stock"):
+               dtype="float32", device: str = "cpu", device_map: str | dict | None = None, kernels: str = "stock",
+               compile: bool = False):
     """Load a model ready for SPACE decoding.
 
     Args:
@@ -347,6 +349,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             ``generate`` runs about 2x faster, and SPACE's many-row steps gain more than that.
             ``"stock"`` (default) keeps transformers' kernels, so the model computes bit for bit
             what ``load_model`` gives. Packed weights are for inference only: never train them.
+        compile: ``torch.compile`` the trunk after the kernels (``space.decoding.compiled``, issue
+            43); ``SpaceDecoder`` and ``ar_generate`` then preallocate their KV caches.
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``.
@@ -381,7 +385,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             if device_map is not None:  # the resized embeddings are new modules, without hooks
                 dispatch(base, base.hf_device_map)
         apply_kernels(base, kernels)
-        return base, tok, spec
+        return (compile_trunk(base) if compile else base), tok, spec
     adapter = Path(adapter)
     cfg = read_space_config(adapter)
     if cfg["mode"] == "full":
@@ -409,7 +413,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     base.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
     apply_kernels(base.eval(), kernels)
-    return base, tok, spec
+    return (compile_trunk(base) if compile else base), tok, spec
 
 
 def sampler_width(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> int | None:

@@ -4,8 +4,8 @@ import torch
 from transformers import DynamicCache
 
 from space.decoding.cache import cache_input
-from space.masking import (IGNORE_INDEX, build_layout, decode_layout, render, targets, to_additive_4d,
-                           train_layout, truncate_layout)
+from space.masking import (IGNORE_INDEX, anchored_group, build_layout, decode_layout, render, targets,
+                           to_additive_4d, train_layout, truncate_layout)
 
 DRAWING = """cache | block
 oo    | o......   x     pos 2
@@ -171,3 +171,16 @@ def test_train_layout_checks_tensor_span_starts():
         with pytest.raises(ValueError, match="group context"):
             train_layout(5, bad, 2)
 
+
+
+def test_anchored_group_is_the_group_shift_rule():
+    """DESIGN §3.5 with k+1 groups on the chain: an all-chain path of depth a drafts from G_a,
+    offset 0; fewer groups shift; a path that leaves the chain after c nodes drafts from G_c."""
+    assert anchored_group(0, 4, 0) == (0, 0)  # nothing accepted: G_0 from its first mask
+    assert anchored_group(3, 4, 3) == (3, 0)  # the whole chain: its last group, unshifted
+    assert anchored_group(3, 2, 3) == (1, 2)  # 2 groups: G_1, shifted past the 2 drafts accepted beyond it
+    assert anchored_group(3, 4, 1) == (1, 2)  # left the chain after 1 node (a rank-1 sibling)
+    assert anchored_group(2, 1, 0) == (0, 2)
+    for bad in [(2, 0, 0), (1, 3, 2), (1, 3, -1)]:
+        with pytest.raises(ValueError, match="anchored_group"):
+            anchored_group(*bad)

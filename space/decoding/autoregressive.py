@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache
 
-from .cache import cache_input
+from .cache import cache_input, static_cache as preallocated
+from .compiled import eager, is_compiled
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
 
@@ -15,8 +17,9 @@ from .sampling import SamplingConfig, logits_to_probs, sample
 def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
                 stop_token_ids: Iterable[int] = (), suppress_ids: Iterable[int] = (),
                 on_tokens: Callable[[list[int]], None] | None = None,
-                logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> DecodeResult:
-    """Greedy or sampled generation, one token per forward pass, DynamicCache, LM head on 1 row.
+                logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                static_cache: bool | None = None) -> DecodeResult:
+    """Greedy or sampled generation, one token per forward pass, LM head on 1 row.
 
     Args:
         model: a HF causal LM.
@@ -28,6 +31,10 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         on_tokens: streaming callback, called with each step's new tokens.
         logits_processor: HF convention ``(input_ids (1, seq), scores (1, vocab)) -> scores``,
             applied to each step's logits with every token so far.
+        static_cache: a preallocated KV cache of prompt + max_new_tokens slots
+            (``cache.static_cache``: one shape per step, for a compiled trunk); False: transformers'
+            growing ``DynamicCache``; None: static when the trunk is compiled
+            (``compiled.compile_trunk``), as ``SpaceDecoder`` decides.
 
     Raises:
         ValueError: see ``check_prompt``.
@@ -37,11 +44,15 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
     gen = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
-    cache = DynamicCache(config=model.config)
+    if is_compiled(model) if static_cache is None else static_cache:
+        cache = preallocated(model.config.num_hidden_layers, ids.numel() + max_new_tokens)
+    else:
+        cache = DynamicCache(config=model.config)
     step_in, seen = ids[None].to(device), None  # seen: every token so far, for logits_processor
     while True:
         t0 = clock(device)
-        logits = model(input_ids=step_in, **cache_input(cache), use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
+        with eager() if step_in.shape[1] > 1 else nullcontext():  # the prompt: as SpaceDecoder's prefill
+            logits = model(input_ids=step_in, **cache_input(cache), use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
         if suppress.numel():  # index_fill_, not logits[:, ids] = -inf: on CUDA that uploads the scalar (a sync)
             logits.index_fill_(1, suppress, float("-inf"))
         if logits_processor is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 
 from transformers import Cache, DynamicCache, LlamaModel
+from transformers.cache_utils import StaticLayer
 
 # the stock Llama forward stands for the installed version: the rename covered every model class at once
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -22,9 +23,11 @@ def cache_input(cache: Cache) -> dict[str, Cache]:
     return {CACHE_ARG: cache}
 
 
-def crop_cache(cache: Cache, keep: int) -> None:
-    """Keep the first ``keep`` cached tokens (negative crop works on transformers 4.x and 5.x)."""
-    drop = cache.get_seq_length() - keep
+def crop_cache(cache: Cache, keep: int, length: int | None = None) -> None:
+    """Keep the first ``keep`` cached tokens (a negative crop: transformers 4.x and 5.x, dynamic and
+    static layers). ``length``: the tokens cached now, when the caller knows it (a static cache
+    counts its length on the device, so asking it would be a host sync)."""
+    drop = (cache.get_seq_length() if length is None else length) - keep
     if drop > 0:
         cache.crop(-drop)
 
@@ -38,6 +41,23 @@ def full_cache() -> DynamicCache:
     its 4-D mask instead (:func:`attention_windows`).
     """
     return DynamicCache()
+
+
+def static_cache(num_layers: int, max_len: int) -> Cache:
+    """A preallocated cache (gpt-fast style, issue 43): every layer a transformers ``StaticLayer``
+    of ``max_len`` slots, slot i holding position i, full attention on every layer like
+    :func:`full_cache`. Its tensors are allocated at the first write and never again: a step
+    writes its block at the cache's length, a crop only lowers the length (on the device, no
+    sync), and compaction moves entries inside the same tensors. The model attends over all
+    ``max_len`` slots, so a step's 4-D mask must hide the slots past the block (the decoder's
+    ``with_cache(..., slots=max_len)``); shapes then repeat, which a compiled forward needs.
+
+    Raises:
+        ValueError: max_len < 1.
+    """
+    if max_len < 1:
+        raise ValueError(f"a static cache needs at least 1 slot, got {max_len}")
+    return Cache(layers=[StaticLayer(max_cache_len=max_len) for _ in range(num_layers)])
 
 
 def attention_windows(config) -> dict[str, int | None]:

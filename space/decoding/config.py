@@ -11,6 +11,7 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, fields, replace
 
+from ..masking import anchored_group
 from ..tokens import check_mask_num
 from .dynamic import StepCost
 from .tree import Tree, chain_depth, check_tree, prune
@@ -165,7 +166,6 @@ class DecodeConfig:
             seen[m] = len(emitted)
             a = min(m, depth)
             emitted.append(a + 1)
-            g = min(a, g_max)  # all a accepted: draft from G_a, else from the deepest group G_g
-            m = k - (a - g)
+            m = k - anchored_group(a, g_max + 1, a)[1]  # all a accepted: the path is the top-1 chain
         cycle = emitted[seen[m]:]
         return sum(cycle) / len(cycle)

@@ -36,6 +36,12 @@ found candidates; the dynamic tree also copies its drafts' top-R ids and probabi
 planner and uploads its plan in one copy (only the tokens for a tree shape it has built before).
 Mask tokens are suppressed with ``index_fill_``: ``logits[:, ids] = -inf`` would upload the scalar.
 
+KV cache (issue 43): a growing ``DynamicCache`` by default, or with ``static_cache`` (the default
+under a compiled trunk, ``space.decoding.compiled``) one preallocated per generation
+(``cache.static_cache``): the decoder counts its length on the host, writes each block at that
+length, moves the accepted path inside the same tensors and crops by lowering the length, so the
+cache is never reallocated and a step's shapes repeat. The step's mask then spans every slot.
+
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
 >= the model's context (fewer candidates, shorter mask groups, at the very end no group).
 
@@ -69,13 +75,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..masking import build_layout, in_window, mask_rows, to_additive_4d, tree_parents
+from ..masking import anchored_group, build_layout, in_window, mask_rows, to_additive_4d, tree_parents
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
-from .cache import attention_windows, cache_input, crop_cache, full_cache
+from .cache import attention_windows, cache_input, crop_cache, full_cache, static_cache
+from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import DEFAULT_STEP_COST, LOOKUP, MASK, StepCost
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
@@ -88,11 +95,13 @@ from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def compact_cache(cache: DynamicCache, start: int, rows: list[int], order: torch.Tensor | None = None) -> None:
+def compact_cache(cache: Cache, start: int, rows: list[int], order: torch.Tensor | None = None,
+                  length: int | None = None) -> None:
     """Move the keys and values of block rows ``rows`` (the accepted path of a token tree) to the
     contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), on each
     layer's own device, then crop after them. A chain's path is already in place and is only
-    cropped.
+    cropped. Dynamic and static (preallocated) caches alike: the move stays inside each layer's
+    tensors.
 
     Args:
         start: the cache length before the block (x_{n-1}'s slot).
@@ -100,13 +109,15 @@ def compact_cache(cache: DynamicCache, start: int, rows: list[int], order: torch
         order: (1+N,) device tensor of block rows with x_{n-1} and ``rows`` first
             (:func:`path_first`), so the move is one gather per layer with no host-to-device copy;
             None: built from ``rows`` (one copy to each layer's device).
+        length: the cache length now (``start`` + the block's rows); None: asked of the cache
+            (a static cache's answer is a device read).
     """
     if any(r != i for i, r in enumerate(rows, 1)):
         for layer in cache.layers:
             idx = (order[: 1 + len(rows)] if order is not None else torch.tensor([0, *rows])).to(layer.keys.device) + start
             layer.keys[..., start: start + idx.numel(), :] = layer.keys.index_select(-2, idx)
             layer.values[..., start: start + idx.numel(), :] = layer.values.index_select(-2, idx)
-    crop_cache(cache, start + 1 + len(rows))
+    crop_cache(cache, start + 1 + len(rows), length)
 
 
 def path_first(ancestors: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -179,27 +190,31 @@ def attention_dtype(decoder) -> torch.dtype:
 
 
 def with_cache(block_mask: torch.Tensor, position_ids: torch.Tensor, cache_len: int,
-               windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+               windows: dict[str, int | None], slots: int | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """The forward's ``attention_mask`` for a step block after a cache of ``cache_len`` tokens.
 
     Args:
         block_mask: (1, 1, q, q) additive mask of the block's rows among themselves.
         position_ids: (q,) position of each row minus ``cache_len``.
         windows: the model's attention kinds (``cache.attention_windows``).
+        slots: a static cache's size (``cache.static_cache``), whose every slot the model attends
+            over: the slots past the block are hidden. None: a dynamic cache.
 
     Returns:
-        (1, 1, q, cache_len + q) additive mask in which every row sees the cache; on a sliding-window
+        (1, 1, q, cache_len + q, or ``slots``) additive mask in which every row sees the cache; on a sliding-window
         model a row also sees only the keys less than the window behind its position (cache slot i
         holds position i: the cache is full-attention and compacted), which is what AR decoding
         sees. A model mixing full and sliding layers gets ``{layer type: mask}``, the form
         transformers' hybrid models take.
     """
     q = block_mask.shape[-1]
-    full = torch.cat([block_mask.new_zeros(1, 1, q, cache_len), block_mask], dim=-1)
+    tail = [] if slots is None else [block_mask.new_full((1, 1, q, slots - cache_len - q), torch.finfo(block_mask.dtype).min)]
+    full = torch.cat([block_mask.new_zeros(1, 1, q, cache_len), block_mask, *tail], dim=-1)
     if all(w is None for w in windows.values()):
         return full
     query_pos = position_ids + cache_len
-    key_pos = torch.cat([torch.arange(cache_len, device=query_pos.device), query_pos])
+    key_pos = torch.cat([torch.arange(cache_len, device=query_pos.device), query_pos,
+                         *(torch.arange(cache_len + q, slots, device=query_pos.device) for _ in tail)])
     masks = {kind: full if w is None else full.masked_fill(~in_window(query_pos, key_pos, w), torch.finfo(full.dtype).min)
              for kind, w in windows.items()}
     return masks if len(masks) > 1 else next(iter(masks.values()))
@@ -268,8 +283,9 @@ class StepLayout:
             kids[self.parents[r]].append(r)
         return tuple(map(tuple, kids))
 
-    def attention_mask(self, cache_len: int, windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
-        return with_cache(self.block_mask, self.position_ids, cache_len, windows)
+    def attention_mask(self, cache_len: int, windows: dict[str, int | None],
+                       slots: int | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        return with_cache(self.block_mask, self.position_ids, cache_len, windows, slots)
 
     def path(self, row: int) -> list[int]:
         """Rows from depth 1 down to ``row`` (empty for x_{n-1})."""
@@ -280,27 +296,19 @@ class StepLayout:
         return out[::-1]
 
     def draft_rows(self, best: int) -> tuple[int, int, int, int] | None:
-        """The group-shift rule (DESIGN §3.5), the one place the decoder applies it: after the
-        path to ``best`` is accepted, the next drafts come from the deepest group anchored on that
-        path, from the mask offset just past the path's end (``shift`` = accepted depth minus the
-        anchor's). Returns (group, shift, first row, end row) in the block, or None when no group
-        is on the path or its masks all lie behind the path's end."""
-        g = self.group_of(best)
-        if g is None:
+        """Where the next drafts come from after the path to ``best`` is accepted: the group-shift
+        rule (``masking.anchored_group``, DESIGN §3.5) on this block, whose groups anchor on
+        x_{n-1} and down one chain (``group_rows``). Returns (group, shift, first row, end row) in
+        the block, or None without groups or when the group's masks all lie behind the path's end."""
+        if not self.group_rows:
             return None
-        shift = len(self.path(best)) - self.depth[self.group_rows[g]]
+        path = self.path(best)
+        on_chain = 0
+        while on_chain < min(len(path), len(self.group_rows) - 1) and path[on_chain] == self.group_rows[on_chain + 1]:
+            on_chain += 1
+        g, shift = anchored_group(len(path), len(self.group_rows), on_chain)
         start, stop = self.group_start(g) + shift, self.group_start(g) + self.group_len[g]
         return (g, shift, start, stop) if start < stop else None
-
-    def group_of(self, row: int) -> int | None:
-        """The group ``row``'s next drafts come from: its deepest anchored ancestor-or-self (groups
-        anchor on one chain from x_{n-1}, so the first met going up); None without groups."""
-        while True:
-            if row in self.group_rows:
-                return self.group_rows.index(row)
-            if row == 0:
-                return None
-            row = self.parents[row]
 
 
 @dataclass(frozen=True)
@@ -336,6 +344,12 @@ class SpaceDecoder:
             recorded layout (``model.config.space_decode``, set by ``load_space`` from the adapter's
             ``space_config.json``), else k = the trained k (see ``DecodeConfig.of_model``).
 
+        static_cache: preallocate the KV cache for each generation (``cache.static_cache``, issue
+            43: sized prompt + max_new_tokens + the most rows a step can have, no allocation per
+            step, shapes that repeat for a compiled forward); False: a growing ``DynamicCache``;
+            None: static when the trunk is compiled (``compiled.compile_trunk``). The output is
+            the same either way.
+
     Raises:
         ValueError: k larger than the model's per-offset mask tokens (mask_diff), a tree rank at or
             above the vocabulary size, a model with attention layers other than full and
@@ -346,7 +360,8 @@ class SpaceDecoder:
     the LM head's input is cast to the head's dtype, so an fp32 head on a bf16 trunk decodes.
     """
 
-    def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None):
+    def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None,
+                 static_cache: bool | None = None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_attention(base)
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
@@ -371,6 +386,12 @@ class SpaceDecoder:
         # R: drafts kept per mask
         self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
         self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
+        self.static_cache = is_compiled(base) if static_cache is None else static_cache
+        # the most rows one step's block has: the dynamic tree's budget, else x_{n-1}, the tree,
+        # the lookup branch and the groups
+        k = self.config.mask_num
+        self.max_rows = self.config.row_budget if self.dynamic else (
+            1 + len(self.tree) + self.config.lookup_tokens + self.config.groups * k)
         vocab = self.head.weight.shape[0]
         if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
@@ -428,7 +449,9 @@ class SpaceDecoder:
             raise ValueError("a sampled chain (temperature > 0, no tree, no lookup) verifies the drafts it drew with "
                              "the p/q rule, so it takes no planner: use greedy, a token tree or prompt lookup")
         planner = planner if planner is not None else self.planner()
-        cache = full_cache()
+        slots = ids.numel() + max_new_tokens + self.max_rows if self.static_cache else None
+        cache = full_cache() if slots is None else static_cache(len(self.decoder.layers), slots)
+        L = ids.numel() - 1  # tokens cached (x_0..x_{n-2}), counted on the host
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
         # host clock only: each step ends by copying its result to the host, which waits for the
@@ -436,7 +459,8 @@ class SpaceDecoder:
         t0 = time.perf_counter()
         ids = ids.to(self.device)
         if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
-            self._forward(ids[:-1], None, None, cache, None)
+            with eager():  # a compiled trunk would make a graph per prompt length
+                self._forward(ids[:-1], None, None, cache, None)
         prefill_s = time.perf_counter() - t0
         last = ids[-1:]
         drafts = self._no_drafts(pq)
@@ -445,11 +469,12 @@ class SpaceDecoder:
         with model_time(self.decoder, self.head, *([self.sampler, self.embed] if self.sampler is not None else [])) as spent:
             while True:
                 t0, model0 = time.perf_counter(), spent[0]
-                block = planner.propose(drafts, found, cache.get_seq_length())
+                block = planner.propose(drafts, found, L)
                 lay, plan_s = block.layout, time.perf_counter() - t0
                 q = drafts.q[: block.tokens.numel()] if pq else None
-                last, nxt, emitted, path, host_tokens = self._step(cache, last, lay, block.tokens, q, sampling, gen,
-                                                                   logits_processor, seq)
+                last, nxt, emitted, path, host_tokens = self._step(cache, L, slots, last, lay, block.tokens, q,
+                                                                   sampling, gen, logits_processor, seq)
+                L += 1 + len(path)  # x_{n-1} and the accepted path stay
                 planner.observe(StepOutcome(emitted, path, lay))
                 if seq is not None:
                     seq.extend(emitted)
@@ -532,11 +557,14 @@ class SpaceDecoder:
         with mask_rows(mask_start) if mask_start is not None else nullcontext():
             return self.decoder(input_ids=ids[None], **kwargs, **cache_input(cache), use_cache=True).last_hidden_state[0]
 
-    def _step(self, cache, last: torch.Tensor, lay: StepLayout, tokens: torch.Tensor, q: torch.Tensor | None,
-              sampling: SamplingConfig, gen, processor: LogitsProcessor | None, seq: list[int] | None):
+    def _step(self, cache, L: int, slots: int | None, last: torch.Tensor, lay: StepLayout, tokens: torch.Tensor,
+              q: torch.Tensor | None, sampling: SamplingConfig, gen, processor: LogitsProcessor | None,
+              seq: list[int] | None):
         """One forward pass: verify ``tokens`` (the block's nodes), emit, compact the cache, draft.
 
         Args:
+            L: tokens in the cache (x_0..x_{n-2}).
+            slots: a static cache's size, None for a dynamic cache.
             tokens: (N,) node tokens in block order.
             q: (N, vocab) for a sampled chain (the p/q rule), else None.
             seq: x_0..x_{n-1} on the host, needed only by ``processor``.
@@ -546,10 +574,13 @@ class SpaceDecoder:
             depth order), the node tokens on the host).
         """
         # 1. the block [x_{n-1}] [nodes] [mask groups] [padding] after the cache (DESIGN §3.3)
-        L, n1 = cache.get_seq_length(), lay.num_real
+        n1 = lay.num_real
+        if slots is not None and L + lay.rows > slots:
+            raise ValueError(f"a planner's block of {lay.rows} rows after {L} cached tokens overflows the static "
+                             f"cache's {slots} slots (sized for {self.max_rows} rows per step)")
         block = torch.cat([last, tokens, lay.mask_ids])
         # 2. one forward; the LM head on the verification rows (on every row, when that wastes few)
-        hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows), cache, n1)
+        hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows, slots), cache, n1)
         logits, target = self._head_rows(hidden, lay)
         # 3. each verification row scored as AR would score it (a processor sees the row's context)
         host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None
@@ -562,7 +593,7 @@ class SpaceDecoder:
         path = lay.path(best)
         emitted = [host_tokens[r - 1] for r in path] + [bonus_id]
         # 6. keep x_0..x_{n-1} and the accepted path in the cache, drop the rest
-        compact_cache(cache, L, path, order)
+        compact_cache(cache, L, path, order, L + lay.rows)
         # 7. draft from the deepest group anchored on the path, past the path's end (DESIGN §3.5)
         rows = lay.draft_rows(best)
         if rows is None:

@@ -49,6 +49,8 @@ import numbers
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from ..masking import anchored_group
+
 # Block sizes a step is rounded up to (then to the row budget): few shapes for caches and graphs,
 # fine enough at the small end that a CPU does not pay for many padding rows.
 BUCKETS = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
@@ -528,8 +530,7 @@ def _choose_groups(parents: list[int], depth: list[int], value: list[float], sta
     for gn in range(1, min(max_groups, len(spine), room) + 1):
         mass = [[0.0] * mask_num for _ in range(gn)]  # mass[g][s]: P(end at a row drafting from G_g, offset s)
         for r in range(n1):
-            g = min(branch[r], gn - 1)
-            s = depth[r] - g
+            g, s = anchored_group(depth[r], gn, branch[r])
             if s < mask_num:
                 mass[g][s] += end[r]
         total, lens = -lam * overhead, []

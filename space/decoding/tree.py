@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..masking import anchored_group
+
 Tree = tuple[tuple[int, ...], ...]
 
 
@@ -221,13 +223,13 @@ def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: 
                 if len(p) > a and list(p) == true[: len(p)]:
                     a, path = len(p), p
             groups = min(num_groups, chain_depth(nodes) + 1)
-            g = min(a, groups - 1, next((i for i, x in enumerate(path) if x), len(path)))
+            g, shift = anchored_group(a, groups, next((i for i, x in enumerate(path) if x), len(path)))
             steps += 1
             tokens += a + 1
             rows.append(1 + len(nodes) + groups * mask_num)
             accept_lengths.append(a)
             step_candidates.append(max(map(len, nodes), default=0))
-            anchor, offset, avail = t + g, a - g, mask_num - (a - g)
+            anchor, offset, avail = t + g, shift, mask_num - shift
             t += a + 1
             if anchor >= len(r):
                 anchor, avail = None, 0

@@ -74,9 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", type=Path, default=None, metavar="OUT",
                    help="merge the finished ranks of a sharded run in OUT into samples.jsonl, summary.* and plots "
                         "(other flags are not used)")
-    p.add_argument("--kernels", default="fast",
-                   help="fast: oneDNN-packed linears + GQA attention for every method on an fp32 CPU "
-                        "(space/cpu_kernels.py); stock: transformers' own kernels")
+    p.add_argument("--kernels", default=None,
+                   help="fast (default): oneDNN-packed linears + GQA attention for every method on an fp32 CPU "
+                        "(space/cpu_kernels.py); stock: transformers' own kernels (the default with --compile, "
+                        "which packs its own)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model's trunk for every method, with preallocated KV caches for SPACE and "
+                        "AR (space/decoding/compiled.py, issue 43); the first generations of each shape compile")
     add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
@@ -118,8 +122,13 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
     check_number("--seed", args.seed, 0, 2**32 - 1)
     if args.num_samples > 1 and args.temperature == 0:
         raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    if args.kernels is None:
+        args.kernels = "stock" if args.compile else "fast"
     if args.kernels not in KERNEL_CHOICES:
         raise ValueError(f"unknown --kernels {args.kernels!r}; choose one of {KERNEL_CHOICES}")
+    if args.compile and args.kernels != "stock":  # inductor cannot lower oneDNN's prepacked linears
+        raise ValueError(f"--compile takes --kernels stock (torch.compile packs the linears itself), got "
+                         f"--kernels {args.kernels}")
     parse_dtype(args.dtype)
     check_device(args.device)
     tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
@@ -187,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from ..adapters import git_commit, load_space
     from ..cpu_kernels import apply_kernels
+    from ..decoding.compiled import compile_trunk
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
     from ..decoding.tree import tree_flag
     from ..models import SMOLLM2
@@ -206,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                          f"({e.reason} at byte {e.start})") from None
     kernels = apply_kernels(model, args.kernels)
     kernel_paths = kernels.pop("stock_rows", None)  # timed on this machine: recorded, not a resume key
+    if args.compile:
+        compile_trunk(model)
     # the adapter's tuned layout (space_config.json "decode"), then the flags given on top of it
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
@@ -236,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,
             "ranks": 1, "threads": torch.get_num_threads(), "kernels": kernels, "kernel_paths": kernel_paths,
+            "compile": args.compile,
             "machine": machine(devices[0]),
             "torch": torch.__version__, "transformers": transformers.__version__, "commits": [git_commit()]}
     if shard:

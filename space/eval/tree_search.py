@@ -137,12 +137,14 @@ def check_ranks_source(meta: dict | None, path: Path, model: str | None, adapter
 
 
 def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int = 15,
-                    masks: bool = True) -> dict[int, float]:
+                    masks: bool = True, static: bool = False) -> dict[int, float]:
     """Median seconds of one SPACE-like forward of q rows after ``cache_len`` cached tokens: an
     additive 4-D mask, the frozen-base LoRA on rows 1.. (``mask_rows(1)``: every row but the first
     treated as a mask row, an upper bound on a step's adapter work) and the LM head on every row.
     q = 1 is timed as an AR step (no mask rows); ``masks=False`` times every q without mask rows
-    (a nodes-only block), which :func:`adapter_cost` compares with. Returns {q: seconds}.
+    (a nodes-only block), which :func:`adapter_cost` compares with. ``static``: after a
+    preallocated cache of ``cache_len + max(rows)`` slots (``cache.static_cache``), as a compiled
+    decoder runs its steps (the mask then spans every slot). Returns {q: seconds}.
 
     Which ids and which visibility the rows have does not change the cost, only their number.
     """
@@ -150,7 +152,7 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
     from tqdm import tqdm
     from transformers import DynamicCache
 
-    from ..decoding.cache import cache_input, crop_cache, refuse_sliding_window
+    from ..decoding.cache import cache_input, crop_cache, refuse_sliding_window, static_cache
     from ..masking import mask_rows, to_additive_4d
 
     with torch.inference_mode():
@@ -160,12 +162,13 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + max(rows),), generator=gen).to(device)
         refuse_sliding_window(base.config, "the step-cost measurement")
-        cache = DynamicCache(config=base.config)
+        slots = cache_len + max(rows) if static else None
+        cache = static_cache(base.config.num_hidden_layers, slots) if static else DynamicCache(config=base.config)
         decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
         out = {}
         for q in tqdm(rows, desc="step cost", unit="shape"):
             times = []
-            causal = torch.ones(q, cache_len + q, dtype=torch.bool).tril(cache_len)
+            causal = torch.ones(q, slots or cache_len + q, dtype=torch.bool).tril(cache_len)
             attn = to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 else None
             positions = torch.arange(cache_len, cache_len + q, device=device)[None]
             for _ in range(repeats + 1):  # the first call of a shape warms it up
@@ -177,7 +180,7 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-                crop_cache(cache, cache_len)
+                crop_cache(cache, cache_len, cache_len + q)
             out[q] = statistics.median(times[1:])
         return out
 
@@ -189,18 +192,6 @@ def adapter_cost(model, cache_len: int = 300, repeats: int = 15) -> float:
     with_mask = step_cost_curve(model, [2], cache_len, repeats)[2]
     without = step_cost_curve(model, [2], cache_len, repeats, masks=False)[2]
     return round(max(with_mask - without, 0.0) * 1e3, 3)
-
-
-def interpolate(curve: dict[int, float], q: int) -> float:
-    """Cost of q rows from the measured curve (linear between points, linear beyond the last)."""
-    xs = sorted(curve)
-    if q <= xs[0]:
-        return curve[xs[0]]
-    for lo, hi in zip(xs, xs[1:]):
-        if q <= hi:
-            return curve[lo] + (curve[hi] - curve[lo]) * (q - lo) / (hi - lo)
-    lo, hi = xs[-2], xs[-1]
-    return curve[hi] + (curve[hi] - curve[lo]) * (q - hi) / (hi - lo)
 
 
 def step_cost_points(curve: dict[int, float]) -> list[list]:
@@ -224,16 +215,17 @@ def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float
     Raises:
         ValueError: ``cfg`` is the dynamic tree, which the replay cannot play.
     """
+    from ..decoding.dynamic import StepCost
     from ..decoding.tree import replay
 
     if cfg.tree == "dynamic":
         raise ValueError("the replay cannot estimate the dynamic tree (its tree is chosen each step from the drafts' "
                          "probabilities); time it with space-eval --tree dynamic")
     res = replay(held, cfg.mask_num, cfg.groups, cfg.tree)
-    cost = sum(interpolate(curve, q) for q in res.rows)
+    cost = StepCost(tuple(sorted(curve.items())))  # the one interpolation of the curve, relative to 1 row
     return {"decode": cfg.to_dict(), "nodes": len(cfg.tree) if cfg.tree else cfg.mask_num,
             "tokens_per_step": round(res.tokens_per_step, 4), "rows_per_step": round(sum(res.rows) / res.steps, 2),
-            "est_speedup": round(res.tokens * curve[1] / cost, 4)}
+            "est_speedup": round(res.tokens / sum(cost(q) for q in res.rows), 4)}
 
 
 def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int, max_rows: int,

@@ -87,9 +87,10 @@ def test_every_accept_length_and_cache_crop(tiny, monkeypatch, k, groups):
     crops = []
     real_crop = space_mod.crop_cache
 
-    def spy(cache, keep):
+    def spy(cache, keep, length=None):
+        assert length is None or length == cache.get_seq_length()  # the decoder's host count is right
         crops.append(keep)
-        real_crop(cache, keep)
+        real_crop(cache, keep, length)
         assert cache.get_seq_length() == keep
 
     monkeypatch.setattr(space_mod, "crop_cache", spy)

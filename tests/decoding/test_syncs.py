@@ -33,9 +33,9 @@ from tests.syncs import SyncCounter
 STATIC_TREE = ((0,), (1,), (0, 0), (0, 1))
 
 
-def count(trained, config: DecodeConfig, prompt_len: int = 20, new: int = 64, processor=None):
+def count(trained, config: DecodeConfig, prompt_len: int = 20, new: int = 64, processor=None, static=False):
     model, _, spec, lang = trained
-    dec = SpaceDecoder(model, spec, config)
+    dec = SpaceDecoder(model, spec, config, static_cache=static)
     prompt = torch.tensor(lang.sample(prompt_len))
     dec.generate(prompt, new, logits_processor=processor)  # warm: static layouts are built once per shape
     with SyncCounter(model, holders=[dec]) as syncs:  # the warm decoder's cached layouts live on the device
@@ -45,10 +45,13 @@ def count(trained, config: DecodeConfig, prompt_len: int = 20, new: int = 64, pr
     return syncs, out, 1 + 2 * model.config.num_hidden_layers  # per generation: prompt, cache init
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic cache", "static cache"])
 @pytest.mark.parametrize("config", [DecodeConfig(3, 4), DecodeConfig(4, 5), DecodeConfig(2, 2, tree=STATIC_TREE)],
                          ids=["chain k3", "chain k4", "static tree"])
-def test_greedy_step_reads_the_device_once(trained, config):
-    syncs, out, per_generation = count(trained, config)
+def test_greedy_step_reads_the_device_once(trained, config, static):
+    """The preallocated cache (issue 43) keeps its length on the device and is cropped by the
+    host's count, so it adds no sync."""
+    syncs, out, per_generation = count(trained, config, static=static)
     assert out.tokens_per_step > 1.5  # drafts are accepted, so the cache really compacts
     assert syncs.kinds["read"] == out.num_steps, syncs.where
     assert syncs.kinds["index"] == syncs.kinds["shape"] == 0, syncs.where
@@ -76,11 +79,12 @@ def test_logits_processor_uploads_once_per_step(trained, config):
     assert syncs.kinds["index"] == syncs.kinds["shape"] == 0, syncs.where
 
 
-def test_dynamic_tree_sync_budget(trained):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic cache", "static cache"])
+def test_dynamic_tree_sync_budget(trained, static):
     """Two reads (the planner's drafts, the verification) and one upload of the whole plan
     (parents, group anchors and lengths, node tokens, split into views on the device): it was
     five uploads, and 7.55 syncs per step by CUDA's own count (issue 45)."""
-    syncs, out, per_generation = count(trained, DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10))
+    syncs, out, per_generation = count(trained, DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10), static=static)
     assert syncs.kinds["read"] == 2 * out.num_steps, syncs.where
     assert syncs.kinds["upload"] <= out.num_steps + per_generation, syncs.where
     assert syncs.total <= 3 * out.num_steps + per_generation, syncs.where

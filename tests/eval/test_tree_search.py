@@ -7,18 +7,26 @@ import pytest
 import torch
 
 from space.decoding.config import DecodeConfig
+from space.decoding.dynamic import StepCost
+from space.decoding.tree import replay
 from space.eval import probe
 from space.eval.resume import adapter_sha256
-from space.eval.tree_search import (_key, cli, estimate, interpolate, load_ranks, main, search, step_cost_points,
-                                    write_decode)
+from space.eval.tree_search import _key, cli, estimate, load_ranks, main, search, step_cost_points, write_decode
 
 SHIPPED = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
 
 
-def test_interpolate():
-    curve = {1: 1.0, 4: 2.5, 8: 3.0}
-    assert interpolate(curve, 1) == 1.0 and interpolate(curve, 2) == 1.5 and interpolate(curve, 6) == 2.75
-    assert interpolate(curve, 12) == 3.5  # beyond the last point: the last slope
+def test_one_interpolation_of_the_curve():
+    """The replay's estimate and the dynamic planner price rows with the same StepCost (issue 46)."""
+    curve = {1: 2.0, 4: 5.0, 8: 6.0}
+    cost = StepCost(tuple(sorted(curve.items())))
+    assert cost(1) == 1.0 and cost(2) == 1.5 and cost(6) == 2.75
+    assert cost(12) == 3.5  # beyond the last point: the last slope
+    ranks = [torch.zeros(12, 2, dtype=torch.long)]  # every draft right: the chain accepts k each step
+    res = replay(ranks, 2, 3, None)
+    assert estimate(ranks, DecodeConfig(2, 3), curve)["est_speedup"] == pytest.approx(
+        res.tokens / sum(cost(q) for q in res.rows), rel=1e-3)
+    assert max(res.rows) == 1 + 2 + 3 * 2  # full steps priced at cost(9), past the 8-row point
 
 
 def test_search_prefers_trees_when_runner_ups_are_right_and_rows_are_cheap():

@@ -1,0 +1,160 @@
+"""A compiled trunk against the eager one, in one run on this machine (issue 43, item 4): the
+step-cost curve, AR tokens/s, and SPACE against prompt lookup (PLD), plus the preallocated KV
+cache alone (eager).
+
+Loads the shipped adapter twice with the same kernels; compiles one copy's trunk
+(``space.decoding.compiled.compile_trunk``: SPACE and AR then preallocate their caches). Every
+method of the compiled copy first decodes every prompt once, untimed, so each shape is compiled
+before the timed pass (the time that takes is reported as the compile cost). Then, per prompt,
+every (setup, method) pair runs once, the order rotating per prompt so a busy spell hits all.
+SPACE's output must equal AR's of the same copy (fp32, exact).
+
+Setups: ``eager`` (growing DynamicCache, the default), ``eager-static`` (preallocated cache,
+no compile), ``compiled``. Methods (``--methods``): ``ar``, ``pld`` (transformers' prompt lookup,
+10 tokens, over its own growing cache: assisted generation takes no static cache), ``space``
+with the adapter's layout or ``--layout chain`` (k = 3, 2 groups: few shapes, few graphs).
+
+On a 2-core CPU every graph of SmolLM2's trunk takes minutes to compile, and the dynamic tree
+meets many shapes; ``results/compile_cpu`` was made with
+
+    python scripts/bench_compile.py --threads 2 --prompts 4 --max-new-tokens 64 --methods ar,space \
+        --layout chain --rows 1,4,16 --out results/compile_cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from space.adapters import load_space
+from space.data.prompts import chat_ids, code_prompt
+from space.decoding import DecodeConfig, SpaceDecoder
+from space.decoding.compiled import compile_trunk
+from space.eval.bench import Target, generate
+from space.eval.tasks import load_tasks
+from space.eval.tree_search import step_cost_curve
+
+ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--adapter", default=str(ADAPTER))
+    p.add_argument("--prompts", type=int, default=10, help="HumanEval prompts (default 10)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", default="stock", help="both copies' kernels (stock: AR's fastest here, issue 43)")
+    p.add_argument("--rows", default="1,2,4,8,16,32", help="step-cost curve rows")
+    p.add_argument("--methods", default="ar,pld,space", help="comma-separated: ar, pld, space")
+    p.add_argument("--layout", default="adapter", choices=["adapter", "chain"],
+                   help="SPACE's layout: the adapter's tuned one, or the k=3 chain with 2 groups")
+    p.add_argument("--out", type=Path, required=True, help="folder for compile.json and compile.md")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if not methods or set(methods) - {"ar", "pld", "space"}:
+        p.error(f"--methods: choose among ar, pld, space, got {args.methods!r}")
+    layout = DecodeConfig(3, 2) if args.layout == "chain" else None
+
+    eager, tok, spec = load_space(adapter=args.adapter, kernels=args.kernels)
+    compiled, _, _ = load_space(adapter=args.adapter, kernels=args.kernels, compile=True)
+    targets = {"eager": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout)),
+               "eager-static": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout, static_cache=True)),
+               "compiled": Target(compiled, tok, spec, SpaceDecoder(compiled, spec, layout))}
+    prompts = [chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}])
+               for t in load_tasks("humaneval", limit=args.prompts)]
+    n = args.max_new_tokens
+
+    def run(setup: str, method: str, ids: list[int]) -> dict:
+        if method == "ar" and setup == "eager-static":  # AR over a preallocated cache, not compiled
+            from space.decoding import ar_generate
+            r = ar_generate(eager, torch.tensor(ids), n, stop_token_ids=targets[setup].stop_ids,
+                            suppress_ids=spec.token_ids, static_cache=True)
+            return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps}
+        return generate(method, targets[setup], ids, n, _greedy())
+
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):  # the compiled copy meets every shape once before it is timed
+        for method in methods:
+            run("compiled", method, ids)
+        print(f"warm-up (compiling) prompt {i}: {time.perf_counter() - t0:.0f} s so far", flush=True)
+    compile_s = time.perf_counter() - t0
+    for setup in ("eager", "eager-static"):
+        for method in methods:
+            if not (setup == "eager-static" and method == "pld"):
+                run(setup, method, prompts[0])
+    pairs = [(s, m) for s in targets for m in methods if not (s == "eager-static" and m == "pld")]
+    rates: dict[str, list[float]] = {f"{s}/{m}": [] for s, m in pairs}
+    exact = {s: True for s in targets}
+    for i, ids in enumerate(prompts):
+        out = {}
+        for s, m in pairs[i % len(pairs):] + pairs[:i % len(pairs)]:
+            r = run(s, m, ids)
+            rates[f"{s}/{m}"].append(len(r["ids"]) / r["wall_time"])
+            out[s, m] = r["ids"]
+        for s in targets:
+            exact[s] &= ("space" not in methods or "ar" not in methods) or out[s, "space"] == out[s, "ar"]
+        print(f"prompt {i}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
+    curves = {"eager": step_cost_curve(eager, rows), "eager-static": step_cost_curve(eager, rows, static=True),
+              "compiled": step_cost_curve(compiled, rows, static=True)}
+    med = {k: round(statistics.median(v), 2) for k, v in rates.items()}
+    result = {
+        "command": "python scripts/bench_compile.py " + " ".join(argv or __import__("sys").argv[1:]),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                    "torch": torch.__version__, "transformers": transformers.__version__},
+        "kernels": args.kernels, "prompts": args.prompts, "max_new_tokens": n,
+        "layout": targets["eager"].decoder.config.to_dict(),
+        "tokens_per_s_median": med,
+        "space_vs_pld": {s: round(med[f"{s}/space"] / med[f"{s}/pld"], 3) for s in ("eager", "compiled")
+                         if f"{s}/pld" in med and f"{s}/space" in med},
+        "space_vs_ar": {s: round(med[f"{s}/space"] / med[f"{s}/ar"], 3) for s in targets
+                        if f"{s}/ar" in med and f"{s}/space" in med},
+        "compiled_over_eager": {m: round(med[f"compiled/{m}"] / med[f"eager/{m}"], 3) for m in methods},
+        "static_over_dynamic_cache_eager": {m: round(med[f"eager-static/{m}"] / med[f"eager/{m}"], 3)
+                                            for m in methods if m != "pld"},
+        "space_equals_ar": exact,
+        "compile_warmup_s": round(compile_s, 1),
+        "step_cost_ms": {s: {q: round(v * 1e3, 3) for q, v in c.items()} for s, c in curves.items()},
+        "per_prompt_tokens_per_s": rates,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compile.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "compile.md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+def _greedy():
+    from space.decoding import SamplingConfig
+    return SamplingConfig()
+
+
+def markdown(r: dict) -> str:
+    med, curve = r["tokens_per_s_median"], r["step_cost_ms"]
+    lines = [f"# Compiled vs eager trunk ({r['machine']['cpu']}, {r['machine']['threads']} threads, kernels "
+             f"{r['kernels']}, HumanEval {r['prompts']} x {r['max_new_tokens']} tokens)", "",
+             f"`{r['command']}`", "", f"SPACE layout: `{json.dumps(r['layout'])}`", "",
+             "| setup | AR tok/s | PLD tok/s | SPACE tok/s | SPACE / PLD | SPACE / AR | SPACE = AR |",
+             "|---|---|---|---|---|---|---|"]
+    for s in ("eager", "eager-static", "compiled"):
+        cells = [med.get(f"{s}/{m}", "-") for m in ("ar", "pld", "space")]
+        lines.append(f"| {s} | " + " | ".join(map(str, cells)) + f" | {r['space_vs_pld'].get(s, '-')} | "
+                     f"{r['space_vs_ar'].get(s, '-')} | {r['space_equals_ar'][s]} |")
+    rows = list(next(iter(curve.values())))
+    lines += ["", f"Compile warm-up (every prompt once, every method): {r['compile_warmup_s']} s.", "",
+              "Step cost (ms) by rows, after 300 cached tokens:", "",
+              "| setup | " + " | ".join(str(q) for q in rows) + " |", "|---|" + "---|" * len(rows)]
+    for s, c in curve.items():
+        lines.append(f"| {s} | " + " | ".join(str(c[q]) for q in rows) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""An opt-in compiled forward (issue 43): ``torch.compile`` of the model's trunk, shared by SPACE
+and the AR baseline, so a speedup stays the method's and not the compiler's.
+
+The trunk's ``forward`` is replaced on the instance by its compiled version (inductor on CPU and
+CUDA). Forward hooks stay outside the graph (the decoder's host-time hooks, device-map hooks),
+and so does the LM head, which the decoder runs on selected rows only. A compiled trunk wants
+shapes that repeat: ``SpaceDecoder`` and ``ar_generate`` then default to a preallocated KV cache
+(``cache.static_cache``), whose key length is fixed per generation, and the dynamic tree pads its
+rows to buckets (``dynamic.BUCKETS``). Where the row count or the first mask row still vary
+(static trees pruned near a rejection, lookup branches), dynamo's automatic dynamic shapes make
+one graph with a symbolic size after the second value, rather than one graph per value. Prompts
+run eagerly (:func:`eager`): their lengths would only add graphs, and a prefill runs once.
+
+Exactness: a compiled forward computes the same function with other kernels and fusions, so
+greedy SPACE still equals greedy AR of the same compiled model in fp32 (both verify with the same
+graph); against an eager model the two can differ by float rounding, like two kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cpu_kernels import PackedLinear
+
+RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
+
+
+def compile_trunk(model):
+    """Compile ``model``'s decoder trunk in place (``model.get_decoder().forward``), once; returns
+    ``model``. Compilation happens on the first calls of each shape (seconds on the tiny model,
+    about a minute per graph at SmolLM2's size on 2 CPU cores), so time a compiled model after a
+    warm-up generation.
+
+    Raises:
+        ValueError: a model without ``get_decoder`` (not a HF causal LM), or with the fast CPU
+            kernels applied (``space.cpu_kernels``: inductor cannot lower oneDNN's prepacked
+            linears; it packs the stock ones itself).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "get_decoder"):
+        raise ValueError(f"compile_trunk needs a HF causal LM with get_decoder(), got {type(base).__name__}")
+    trunk = base.get_decoder()
+    if any(isinstance(m, PackedLinear) for m in trunk.modules()):
+        raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
+                         "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
+    if not is_compiled(base):
+        trunk.forward = torch.compile(trunk.forward)
+        # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
+        # transformers' generate (PLD, HF) all call it (another set of arguments each, static and
+        # dynamic variants); past the limit it would run eagerly without a word
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return model
+
+
+def eager():
+    """A context in which a compiled trunk runs eagerly (``torch.compiler.set_stance``): the
+    prompt's forward, whose length changes with every prompt."""
+    return torch.compiler.set_stance("force_eager")
+
+
+def is_compiled(model) -> bool:
+    """Whether ``model``'s trunk was compiled by :func:`compile_trunk`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    trunk = base.get_decoder() if hasattr(base, "get_decoder") else base
+    return hasattr(trunk.forward, "_torchdynamo_orig_callable")

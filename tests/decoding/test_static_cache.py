@@ -1,0 +1,114 @@
+"""The preallocated KV cache (issue 43, ``cache.static_cache``): the same output as the growing
+cache and AR, for every kind of layout, on the trained drafter (long accepts, so tree paths move
+inside the cache) and on sliding-window models; its tensors are allocated once per generation; a
+planner whose block overflows it gets a clear error."""
+import pytest
+import torch
+
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import crop_cache, static_cache
+from tests.decoding.test_architectures import tiny_model
+from tests.oracle import oracle_generate
+
+LAYOUTS = {
+    "chain": DecodeConfig(4),
+    "chain-2-groups": DecodeConfig(4, 2),
+    "static-tree": DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+    "tree+lookup": DecodeConfig(3, 2, tree=[[0], [1], [0, 0]], lookup_tokens=6),
+    "dynamic+lookup": DecodeConfig(4, tree="dynamic", lookup_tokens=8, row_budget=24),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_static_cache_equals_ar_and_the_dynamic_cache(trained, name):
+    model, _, spec, lang = trained
+    config = LAYOUTS[name]
+    for n, new in [(12, 80), (1, 40), (30, 64)]:
+        prompt = torch.tensor(lang.sample(n))
+        truth = ar_generate(model, prompt, new, suppress_ids=spec.token_ids).new_ids
+        grown = SpaceDecoder(model, spec, config).generate(prompt, new)
+        static = SpaceDecoder(model, spec, config, static_cache=True).generate(prompt, new)
+        assert static.new_ids == grown.new_ids == truth, (name, n)
+        assert static.accept_lengths == grown.accept_lengths  # the same steps, not only the same text
+        assert max(static.accept_lengths) >= 2  # drafts are accepted: the cache compacts and crops
+
+
+def test_static_cache_holds_what_a_fresh_forward_gives_and_never_reallocates(trained):
+    """After every step the first L slots equal a fresh forward of the tokens kept, through a tree
+    whose accepted paths move (rank-1 siblings); the layers' tensors keep their storage."""
+    model, _, spec, lang = trained
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [1, 1]]), static_cache=True)
+    prompt = torch.tensor(lang.sample(15))
+    truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+    original, seen, storage = dec._step, [], []
+
+    def checked(cache, L, slots, *args):
+        out = original(cache, L, slots, *args)
+        kept = L + 1 + len(out[3])
+        ids = torch.cat([prompt, torch.tensor(truth)])[:kept]
+        fresh = model.get_decoder()(input_ids=ids[None], use_cache=True).past_key_values
+        for mine, ref in zip(cache.layers, fresh.layers):
+            assert mine.keys.shape[-2] == slots and int(mine.cumulative_length) == kept
+            torch.testing.assert_close(mine.keys[..., :kept, :], ref.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mine.values[..., :kept, :], ref.values, rtol=1e-4, atol=1e-5)
+        storage.append(tuple(layer.keys.data_ptr() for layer in cache.layers))
+        seen.append([r - 1 for r in out[3]])
+        return out
+
+    dec._step = checked
+    assert dec.generate(prompt, 60).new_ids == truth
+    assert len(set(storage)) == 1  # allocated at the prefill, written in place ever after
+    assert any(path and path[0] == 1 for path in seen)  # a rank-1 path was accepted: entries moved
+
+
+@pytest.mark.parametrize("arch", ["qwen2-sliding-upper-layer", "mistral-sliding"])
+def test_static_cache_on_sliding_window_models(arch):
+    """The window is applied in the step's mask over every slot; prompts cross the 16-token window."""
+    model, spec = tiny_model(arch)
+    prompt = torch.randint(11, 250, (40,), generator=torch.Generator().manual_seed(1))
+    truth = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
+    for config in [DecodeConfig(4), DecodeConfig(3, tree=[[0], [1], [0, 0], [1, 0]]),
+                   DecodeConfig(3, 4, tree="dynamic", lookup_tokens=6)]:
+        assert SpaceDecoder(model, spec, config, static_cache=True).generate(prompt, 40).new_ids == truth, config
+
+
+def test_a_block_that_overflows_the_static_cache_is_refused(trained):
+    """A planner proposing more rows than the decoder sized the cache for is a clear error, not an
+    index out of range inside the model."""
+    model, _, spec, lang = trained
+    dec = SpaceDecoder(model, spec, DecodeConfig(2, 1), static_cache=True)
+    dec.max_rows = 0  # the cache is sized for no block rows: the chain's 1 + 2 + 2 overflow near the end
+    with pytest.raises(ValueError, match="overflows the static cache"):
+        dec.generate(torch.tensor(lang.sample(5)), 20)
+
+
+def test_static_cache_crop_by_host_length():
+    cache = static_cache(2, 8)
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        static_cache(2, 0)
+    for layer in cache.layers:
+        layer.lazy_initialization(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+        layer.cumulative_length.fill_(6)
+    crop_cache(cache, 4, length=6)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [4, 4]
+    crop_cache(cache, 5, length=4)  # keeping more than there is drops nothing
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [4, 4]
+
+
+def test_oracle_planner_with_static_cache(trained):
+    """Forced accepts at every length keep the static cache exact (the oracle's planner seam)."""
+    model, _, spec, lang = trained
+    prompt = torch.tensor(lang.sample(9))
+    truth = ar_generate(model, prompt, 50, suppress_ids=spec.token_ids).new_ids
+    for corrupt_at in range(4):
+        def override(generated, drafts, corrupt_at=corrupt_at):
+            c = list(truth[len(generated): len(generated) + 3]) + [11] * 3
+            c = c[:3]
+            if corrupt_at < 3:
+                c[corrupt_at] = (c[corrupt_at] + 1) % 250
+            return torch.tensor(c)
+        dec = SpaceDecoder(model, spec, DecodeConfig(3), static_cache=True)
+        out = oracle_generate(dec, prompt, 50, override=override)
+        assert out.new_ids == truth
+        if corrupt_at < 3:
+            assert max(out.accept_lengths[1:]) == corrupt_at
