@@ -14,11 +14,14 @@ no compile), ``compiled``. Methods (``--methods``): ``ar``, ``pld`` (transformer
 10 tokens, over its own growing cache: assisted generation takes no static cache), ``space``
 with the adapter's layout or ``--layout chain`` (k = 3, 2 groups: few shapes, few graphs).
 
-On a 2-core CPU every graph of SmolLM2's trunk takes minutes to compile, and the dynamic tree
-meets many shapes; ``results/compile_cpu`` was made with
+On a 2-core CPU a new graph of SmolLM2's trunk takes minutes to compile, and SPACE's steps meet
+many shapes (rows, first mask row); ``results/compile_cpu`` (AR only) and
+``results/static_cache_cpu`` (eager, both caches) were made with
 
-    python scripts/bench_compile.py --threads 2 --prompts 4 --max-new-tokens 64 --methods ar,space \
-        --layout chain --rows 1,4,16 --out results/compile_cpu
+    python scripts/bench_compile.py --threads 2 --prompts 4 --max-new-tokens 64 --setups eager,compiled \
+        --methods ar --rows "" --out results/compile_cpu
+    python scripts/bench_compile.py --threads 2 --prompts 10 --max-new-tokens 128 --setups eager,eager-static \
+        --methods ar,pld,space --out results/static_cache_cpu
 """
 from __future__ import annotations
 
@@ -52,22 +55,29 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", default="stock", help="both copies' kernels (stock: AR's fastest here, issue 43)")
     p.add_argument("--rows", default="1,2,4,8,16,32", help="step-cost curve rows")
     p.add_argument("--methods", default="ar,pld,space", help="comma-separated: ar, pld, space")
+    p.add_argument("--setups", default="eager,eager-static,compiled",
+                   help="comma-separated: eager, eager-static, compiled (the compiled copy is loaded only if named)")
     p.add_argument("--layout", default="adapter", choices=["adapter", "chain"],
                    help="SPACE's layout: the adapter's tuned one, or the k=3 chain with 2 groups")
     p.add_argument("--out", type=Path, required=True, help="folder for compile.json and compile.md")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = [int(r) for r in args.rows.split(",") if r]
+    setups = tuple(s for s in args.setups.split(",") if s)
+    if not setups or set(setups) - {"eager", "eager-static", "compiled"}:
+        p.error(f"--setups: choose among eager, eager-static, compiled, got {args.setups!r}")
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or set(methods) - {"ar", "pld", "space"}:
         p.error(f"--methods: choose among ar, pld, space, got {args.methods!r}")
     layout = DecodeConfig(3, 2) if args.layout == "chain" else None
 
     eager, tok, spec = load_space(adapter=args.adapter, kernels=args.kernels)
-    compiled, _, _ = load_space(adapter=args.adapter, kernels=args.kernels, compile=True)
     targets = {"eager": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout)),
-               "eager-static": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout, static_cache=True)),
-               "compiled": Target(compiled, tok, spec, SpaceDecoder(compiled, spec, layout))}
+               "eager-static": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout, static_cache=True))}
+    if "compiled" in setups:
+        compiled, _, _ = load_space(adapter=args.adapter, kernels=args.kernels, compile=True)
+        targets["compiled"] = Target(compiled, tok, spec, SpaceDecoder(compiled, spec, layout))
+    targets = {s: targets[s] for s in setups}
     prompts = [chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}])
                for t in load_tasks("humaneval", limit=args.prompts)]
     n = args.max_new_tokens
@@ -81,18 +91,18 @@ def main(argv=None) -> dict:
         return generate(method, targets[setup], ids, n, _greedy())
 
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):  # the compiled copy meets every shape once before it is timed
+    for i, ids in enumerate(prompts if "compiled" in targets else []):  # every shape compiled before timing
         for method in methods:
             run("compiled", method, ids)
         print(f"warm-up (compiling) prompt {i}: {time.perf_counter() - t0:.0f} s so far", flush=True)
     compile_s = time.perf_counter() - t0
-    for setup in ("eager", "eager-static"):
+    for setup in set(targets) - {"compiled"}:
         for method in methods:
             if not (setup == "eager-static" and method == "pld"):
                 run(setup, method, prompts[0])
     pairs = [(s, m) for s in targets for m in methods if not (s == "eager-static" and m == "pld")]
     rates: dict[str, list[float]] = {f"{s}/{m}": [] for s, m in pairs}
-    exact = {s: True for s in targets}
+    exact = {s: True if {"ar", "space"} <= set(methods) else None for s in targets}
     for i, ids in enumerate(prompts):
         out = {}
         for s, m in pairs[i % len(pairs):] + pairs[:i % len(pairs)]:
@@ -100,27 +110,28 @@ def main(argv=None) -> dict:
             rates[f"{s}/{m}"].append(len(r["ids"]) / r["wall_time"])
             out[s, m] = r["ids"]
         for s in targets:
-            exact[s] &= ("space" not in methods or "ar" not in methods) or out[s, "space"] == out[s, "ar"]
+            if exact[s] is not None:
+                exact[s] &= out[s, "space"] == out[s, "ar"]
         print(f"prompt {i}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
-    curves = {"eager": step_cost_curve(eager, rows), "eager-static": step_cost_curve(eager, rows, static=True),
-              "compiled": step_cost_curve(compiled, rows, static=True)}
+    curves = {s: step_cost_curve(targets[s].model, rows, static=s != "eager") for s in targets} if rows else {}
     med = {k: round(statistics.median(v), 2) for k, v in rates.items()}
     result = {
         "command": "python scripts/bench_compile.py " + " ".join(argv or __import__("sys").argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                     "torch": torch.__version__, "transformers": transformers.__version__},
         "kernels": args.kernels, "prompts": args.prompts, "max_new_tokens": n,
-        "layout": targets["eager"].decoder.config.to_dict(),
+        "layout": targets[setups[0]].decoder.config.to_dict() if "space" in methods else None,
         "tokens_per_s_median": med,
-        "space_vs_pld": {s: round(med[f"{s}/space"] / med[f"{s}/pld"], 3) for s in ("eager", "compiled")
+        "space_vs_pld": {s: round(med[f"{s}/space"] / med[f"{s}/pld"], 3) for s in targets
                          if f"{s}/pld" in med and f"{s}/space" in med},
         "space_vs_ar": {s: round(med[f"{s}/space"] / med[f"{s}/ar"], 3) for s in targets
                         if f"{s}/ar" in med and f"{s}/space" in med},
-        "compiled_over_eager": {m: round(med[f"compiled/{m}"] / med[f"eager/{m}"], 3) for m in methods},
+        "compiled_over_eager": {m: round(med[f"compiled/{m}"] / med[f"eager/{m}"], 3) for m in methods
+                                if f"compiled/{m}" in med and f"eager/{m}" in med},
         "static_over_dynamic_cache_eager": {m: round(med[f"eager-static/{m}"] / med[f"eager/{m}"], 3)
-                                            for m in methods if m != "pld"},
+                                            for m in methods if f"eager-static/{m}" in med and f"eager/{m}" in med},
         "space_equals_ar": exact,
-        "compile_warmup_s": round(compile_s, 1),
+        "compile_warmup_s": round(compile_s, 1) if "compiled" in targets else None,
         "step_cost_ms": {s: {q: round(v * 1e3, 3) for q, v in c.items()} for s, c in curves.items()},
         "per_prompt_tokens_per_s": rates,
     }
@@ -140,19 +151,21 @@ def markdown(r: dict) -> str:
     med, curve = r["tokens_per_s_median"], r["step_cost_ms"]
     lines = [f"# Compiled vs eager trunk ({r['machine']['cpu']}, {r['machine']['threads']} threads, kernels "
              f"{r['kernels']}, HumanEval {r['prompts']} x {r['max_new_tokens']} tokens)", "",
-             f"`{r['command']}`", "", f"SPACE layout: `{json.dumps(r['layout'])}`", "",
+             f"`{r['command']}`", "", *([f"SPACE layout: `{json.dumps(r['layout'])}`", ""] if r["layout"] else []),
              "| setup | AR tok/s | PLD tok/s | SPACE tok/s | SPACE / PLD | SPACE / AR | SPACE = AR |",
              "|---|---|---|---|---|---|---|"]
-    for s in ("eager", "eager-static", "compiled"):
+    for s in r["space_equals_ar"]:
         cells = [med.get(f"{s}/{m}", "-") for m in ("ar", "pld", "space")]
         lines.append(f"| {s} | " + " | ".join(map(str, cells)) + f" | {r['space_vs_pld'].get(s, '-')} | "
-                     f"{r['space_vs_ar'].get(s, '-')} | {r['space_equals_ar'][s]} |")
-    rows = list(next(iter(curve.values())))
-    lines += ["", f"Compile warm-up (every prompt once, every method): {r['compile_warmup_s']} s.", "",
-              "Step cost (ms) by rows, after 300 cached tokens:", "",
-              "| setup | " + " | ".join(str(q) for q in rows) + " |", "|---|" + "---|" * len(rows)]
-    for s, c in curve.items():
-        lines.append(f"| {s} | " + " | ".join(str(c[q]) for q in rows) + " |")
+                     f"{r['space_vs_ar'].get(s, '-')} | {'-' if r['space_equals_ar'][s] is None else r['space_equals_ar'][s]} |")
+    if r["compile_warmup_s"] is not None:
+        lines += ["", f"Compile warm-up (every prompt once, every method): {r['compile_warmup_s']} s."]
+    if curve:
+        rows = list(next(iter(curve.values())))
+        lines += ["", "Step cost (ms) by rows, after 300 cached tokens:", "",
+                  "| setup | " + " | ".join(str(q) for q in rows) + " |", "|---|" + "---|" * len(rows)]
+        for s, c in curve.items():
+            lines.append(f"| {s} | " + " | ".join(str(c[q]) for q in rows) + " |")
     return "\n".join(lines) + "\n"
 
 
