@@ -11,9 +11,12 @@ rows to buckets (``dynamic.BUCKETS``). Where the row count or the first mask row
 one graph with a symbolic size after the second value, rather than one graph per value. Prompts
 run eagerly (:func:`eager`): their lengths would only add graphs, and a prefill runs once.
 
-Exactness: a compiled forward computes the same function with other kernels and fusions, so
-greedy SPACE still equals greedy AR of the same compiled model in fp32 (both verify with the same
-graph); against an eager model the two can differ by float rounding, like two kernels.
+Exactness: a compiled forward computes the same function with other kernels and fusions. SPACE's
+multi-row graphs and AR's one-row graph are different graphs, as SPACE's and AR's eager forwards
+run different kernels: greedy SPACE equals greedy AR of the same compiled model in fp32 for the
+same reason it does eagerly (each row's result does not depend on the other rows), which
+``tests/decoding/test_compiled.py`` checks; against an eager model either can differ by float
+rounding, like two kernels.
 """
 from __future__ import annotations
 

@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     from .tree_search import step_cost_mismatch
 
     setup = read_record(Path(args.adapter) / "space_config.json").get("step_cost_setup") if args.adapter else None
-    mismatch = step_cost_mismatch(setup, torch.get_num_threads(), args.kernels) if decode.tree == "dynamic" else None
+    mismatch = (step_cost_mismatch(setup, torch.get_num_threads(), args.kernels, args.compile)
+                if decode.tree == "dynamic" else None)
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
     context = model.config.max_position_embeddings

@@ -153,6 +153,7 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
     from transformers import DynamicCache
 
     from ..decoding.cache import cache_input, crop_cache, refuse_sliding_window, static_cache
+    from ..decoding.compiled import eager
     from ..masking import mask_rows, to_additive_4d
 
     with torch.inference_mode():
@@ -164,7 +165,8 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
         refuse_sliding_window(base.config, "the step-cost measurement")
         slots = cache_len + max(rows) if static else None
         cache = static_cache(base.config.num_hidden_layers, slots) if static else DynamicCache(config=base.config)
-        decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
+        with eager():  # the cached prefix, as a decoder's prefill (a compiled trunk would make a graph for it)
+            decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
         out = {}
         for q in tqdm(rows, desc="step cost", unit="shape"):
             times = []
@@ -288,14 +290,17 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     os.replace(tmp, path)
 
 
-def step_cost_mismatch(setup: dict | None, threads: int, kernels: str) -> str | None:
-    """Why a stored step-cost curve may not price this run's rows: the threads or kernels it was
-    measured with differ from the run's (a curve at 1 thread prices rows wrong at 2). None when
-    they agree or nothing was recorded."""
+def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool = False) -> str | None:
+    """Why a stored step-cost curve may not price this run's rows: the threads, kernels or
+    compilation it was measured with differ from the run's (a curve at 1 thread prices rows wrong
+    at 2; space-tree measures eagerly, a ``--compile`` run attends over a preallocated cache with
+    other kernels). None when they agree or nothing was recorded."""
     if not setup:
         return None
-    diff = [f"{key} {setup[key]} (run: {now})" for key, now in (("threads", threads), ("kernels", kernels))
-            if key in setup and setup[key] != now]
+    recorded = {"compile": False, **setup}  # space-tree's curves are eager
+    diff = [f"{key} {recorded[key]} (run: {now})"
+            for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled))
+            if key in recorded and recorded[key] != now]
     if not diff:
         return None
     return ("the adapter's step-cost curve was measured with " + ", ".join(diff) + ": the dynamic tree prices "

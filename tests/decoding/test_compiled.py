@@ -68,3 +68,27 @@ def test_space_eval_compile_flag_is_recorded_and_a_resume_key(tmp_path):
         eval_main([*args, "--kernels", "stock"])  # the same run but eager: its timings would mix
     with pytest.raises(ValueError, match="--compile takes --kernels stock"):
         eval_main([*args, "--compile", "--kernels", "fast"])
+
+
+def test_compiled_frozen_base_reads_the_mask_rows_in_the_graph(monkeypatch):
+    """The shipped kind of adapter: a frozen-base LoRA whose gate (``mask_rows``) is read inside the
+    compiled trunk, with the mask start changing from step to step. SPACE equals AR over the same
+    compiled trunk, and AR preallocated its cache as the decoder did."""
+    from space.adapters import fuse_frozen_base, prepare_model
+    from space.decoding import autoregressive
+    from space.models import load_model
+
+    model, tok = load_model("tiny-random-llama")
+    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # the mask rows really differ from the base's
+    model = compile_trunk(fuse_frozen_base(model))
+    made = []
+    real = autoregressive.preallocated
+    monkeypatch.setattr(autoregressive, "preallocated", lambda *a: made.append(a) or real(*a))
+    prompt = torch.randint(11, 250, (14,), generator=torch.Generator().manual_seed(5))
+    truth = ar_generate(model, prompt, 30, suppress_ids=spec.token_ids).new_ids
+    assert made == [(model.config.num_hidden_layers, 14 + 30)]
+    for config in [DecodeConfig(3, 2), DecodeConfig(3, tree="dynamic", lookup_tokens=6)]:
+        assert SpaceDecoder(model, spec, config).generate(prompt, 30).new_ids == truth, config

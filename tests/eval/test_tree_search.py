@@ -95,6 +95,7 @@ def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
     msg = step_cost_mismatch(setup, 2, "fast")
     assert "threads 1 (run: 2)" in msg and "kernels" not in msg
     assert "kernels fast (run: stock)" in step_cost_mismatch(setup, 1, "stock")
+    assert "compile False (run: True)" in step_cost_mismatch(setup, 1, "fast", compiled=True)  # eager curve
 
 
 def test_load_ranks_by_source(tmp_path):
