@@ -380,29 +380,6 @@ def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     return out[:, None]
 
 
-def anchored_group(depth: int, num_groups: int, on_chain: int) -> tuple[int, int]:
-    """The group-shift rule (DESIGN §3.5), the one place it is written: groups G_0..G_{num_groups-1}
-    anchor on x_{n-1} and down one chain (G_g on the chain's node at depth g: the top-1 chain of a
-    static layout, the dynamic tree's spine). After a step accepts a path of ``depth`` nodes whose
-    first ``on_chain`` lie on that chain, the next drafts come from the deepest group on the path,
-    g = min(on_chain, num_groups - 1), from mask offset ``shift = depth - g`` on (k - shift drafts
-    left: none once shift >= k). Used by the decoder (``StepLayout.draft_rows``), the dynamic
-    planner's prices, the static layouts' cap (``DecodeConfig.max_tokens_per_step``) and the
-    replay (``tree.replay``).
-
-    Returns:
-        (g, shift).
-
-    Raises:
-        ValueError: num_groups < 1 (no group to draft from), or on_chain > depth.
-    """
-    if num_groups < 1 or not 0 <= on_chain <= depth:
-        raise ValueError(f"anchored_group needs >= 1 group and 0 <= on_chain <= depth, got {num_groups} groups, "
-                         f"on_chain {on_chain}, depth {depth}")
-    g = min(on_chain, num_groups - 1)
-    return g, depth - g
-
-
 def in_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
     """(q, kv) bool, True where a key lies less than ``window`` positions behind its query.
 

@@ -4,7 +4,8 @@ import torch
 from transformers import DynamicCache
 
 from space.decoding.cache import cache_input
-from space.masking import (IGNORE_INDEX, anchored_group, build_layout, decode_layout, render, targets,
+from space.decoding.tree import anchored_group
+from space.masking import (IGNORE_INDEX, build_layout, decode_layout, render, targets,
                            to_additive_4d, train_layout, truncate_layout)
 
 DRAWING = """cache | block

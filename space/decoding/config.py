@@ -11,10 +11,9 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, fields, replace
 
-from ..masking import anchored_group
 from ..tokens import check_mask_num
 from .dynamic import StepCost
-from .tree import Tree, chain_depth, check_tree, prune
+from .tree import Tree, anchored_group, chain_depth, check_tree, prune
 
 DEFAULT_MASK_NUM = 5  # the paper's k (DESIGN §2); the only place a default k is written
 

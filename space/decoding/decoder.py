@@ -78,7 +78,7 @@ import torch
 from transformers import Cache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..masking import anchored_group, build_layout, in_window, mask_rows, to_additive_4d, tree_parents
+from ..masking import build_layout, in_window, mask_rows, to_additive_4d, tree_parents
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache, static_cache
@@ -88,7 +88,7 @@ from .dynamic import DEFAULT_STEP_COST, LOOKUP, MASK, StepCost
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
 from .sampling import SamplingConfig, logits_to_probs, sample
-from .tree import chain_depth, prune
+from .tree import anchored_group, chain_depth, prune
 from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
 
 # HF's logits-processor convention: (input_ids (rows, seq), scores (rows, vocab)) -> scores
@@ -297,7 +297,7 @@ class StepLayout:
 
     def draft_rows(self, best: int) -> tuple[int, int, int, int] | None:
         """Where the next drafts come from after the path to ``best`` is accepted: the group-shift
-        rule (``masking.anchored_group``, DESIGN §3.5) on this block, whose groups anchor on
+        rule (``tree.anchored_group``, DESIGN §3.5) on this block, whose groups anchor on
         x_{n-1} and down one chain (``group_rows``). Returns (group, shift, first row, end row) in
         the block, or None without groups or when the group's masks all lie behind the path's end."""
         if not self.group_rows:

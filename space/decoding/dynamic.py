@@ -49,7 +49,7 @@ import numbers
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from ..masking import anchored_group
+from .tree import anchored_group
 
 # Block sizes a step is rounded up to (then to the row budget): few shapes for caches and graphs,
 # fine enough at the small end that a CPU does not pay for many padding rows.

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from ..masking import anchored_group
 
 Tree = tuple[tuple[int, ...], ...]
 
@@ -187,6 +186,31 @@ class ReplayResult:
         the acceptance ``space.eval.report`` labels "over steps with a candidate" (DESIGN §6)."""
         had = [a for a, m in zip(self.accept_lengths, self.step_candidates) if m > j]
         return sum(a > j for a in had) / len(had) if had else 0.0
+
+
+def anchored_group(depth: int, num_groups: int, on_chain: int) -> tuple[int, int]:
+    """The group-shift rule (DESIGN §3.5), the one place it is written: groups G_0..G_{num_groups-1}
+    anchor on x_{n-1} and down one chain (G_g on the chain's node at depth g: the top-1 chain of a
+    static layout, the dynamic tree's spine). After a step accepts a path of ``depth`` nodes whose
+    first ``on_chain`` lie on that chain, the next drafts come from the deepest group on the path,
+    g = min(on_chain, num_groups - 1), from mask offset ``shift = depth - g`` on (k - shift drafts
+    left: none once shift >= k). A layout rule that lives here, beside the trees whose top-1 chain the groups anchor on, so
+    ``space.masking`` (which builds the layouts) and the estimators share it without an import
+    cycle. Used by the decoder (``StepLayout.draft_rows``), the dynamic
+    planner's prices, the static layouts' cap (``DecodeConfig.max_tokens_per_step``) and the
+    replay (``tree.replay``).
+
+    Returns:
+        (g, shift).
+
+    Raises:
+        ValueError: num_groups < 1 (no group to draft from), or on_chain > depth.
+    """
+    if num_groups < 1 or not 0 <= on_chain <= depth:
+        raise ValueError(f"anchored_group needs >= 1 group and 0 <= on_chain <= depth, got {num_groups} groups, "
+                         f"on_chain {on_chain}, depth {depth}")
+    g = min(on_chain, num_groups - 1)
+    return g, depth - g
 
 
 def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: Tree | None) -> ReplayResult:
