@@ -411,7 +411,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     if device_map is not None:  # the new modules (embedding, gated layers, sampler head) have no hooks yet
         dispatch(base, base.hf_device_map)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
-    base.config.space_decode = adapter_decode_config(cfg, adapter).to_dict()
+    base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels).to_dict()
     apply_kernels(base.eval(), kernels)
     return (compile_trunk(base) if compile else base), tok, spec
 
@@ -585,15 +585,34 @@ def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> 
         load_sampler_head(head, adapter / SAMPLER_HEAD)
 
 
-def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> DecodeConfig:
+def stored_step_cost(cfg: dict, threads: int, kernels: str) -> dict | None:
+    """The step-cost entry of an adapter's ``space_config.json`` measured with ``threads`` CPU threads
+    and ``kernels`` (``"step_costs"``: a list of ``{"threads", "kernels", "step_cost", "adapter_cost"}``,
+    one per setup, written by ``space-tree --write-adapter``; issue 44), else None."""
+    entries = cfg.get("step_costs") or []
+    return next((e for e in entries if isinstance(e, dict) and e.get("threads") == threads
+                 and e.get("kernels") == kernels), None)
+
+
+def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
+                          kernels: str | None = None) -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
     trained k with the paper's k+1 groups.
 
+    With ``threads`` and ``kernels``, a dynamic tree prices its rows by the curve stored for that
+    setup (:func:`stored_step_cost`) when there is one: a curve measured at 1 thread prices rows
+    wrong at 2 (issue 44). Else by the ``"decode"`` entry's own curve.
+
     Raises:
-        ValueError: a malformed ``decode`` entry (``where`` names the file).
+        ValueError: a malformed ``decode`` or ``step_costs`` entry (``where`` names the file).
     """
     try:
-        return DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
+        decode = DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
+        entry = stored_step_cost(cfg, threads, kernels) if decode.tree == "dynamic" and threads else None
+        if entry is not None:
+            decode = decode.override(step_cost=tuple(map(tuple, entry["step_cost"])),
+                                     adapter_cost=entry.get("adapter_cost", 0.0))
+        return decode
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{where}: bad decode settings: {e}") from None
 

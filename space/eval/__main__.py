@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
     import transformers
 
-    from ..adapters import git_commit, load_space
+    from ..adapters import adapter_decode_config, git_commit, load_space, stored_step_cost
     from ..cpu_kernels import apply_kernels
     from ..decoding.compiled import compile_trunk
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
@@ -218,15 +218,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     kernel_paths = kernels.pop("stock_rows", None)  # timed on this machine: recorded, not a resume key
     if args.compile:
         compile_trunk(model)
-    # the adapter's tuned layout (space_config.json "decode"), then the flags given on top of it
-    decode = DecodeConfig.of_model(model, spec.mask_num).override(
-        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
-        tree=tree_flag(args.tree, args.mask_num))
+    # the adapter's tuned layout (space_config.json "decode", a dynamic tree priced by the curve stored
+    # for this run's threads and kernels), then the flags given on top of it
+    threads = torch.get_num_threads()
+    where = Path(args.adapter) / "space_config.json" if args.adapter else None
+    adapter_cfg = read_record(where) if where else {}
+    tuned = (adapter_decode_config(adapter_cfg, where, threads, args.kernels) if where
+             else DecodeConfig.of_model(model, spec.mask_num))
+    decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
+                            tree=tree_flag(args.tree, args.mask_num))
     decoder = SpaceDecoder(model, spec, decode)
     from .tree_search import step_cost_mismatch
 
-    setup = read_record(Path(args.adapter) / "space_config.json").get("step_cost_setup") if args.adapter else None
-    mismatch = (step_cost_mismatch(setup, torch.get_num_threads(), args.kernels, args.compile)
+    setup = ({"threads": threads, "kernels": args.kernels} if stored_step_cost(adapter_cfg, threads, args.kernels)
+             else adapter_cfg.get("step_cost_setup"))
+    mismatch = (step_cost_mismatch(setup, threads, args.kernels, args.compile)
                 if decode.tree == "dynamic" else None)
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
@@ -248,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,
-            "ranks": 1, "threads": torch.get_num_threads(), "kernels": kernels, "kernel_paths": kernel_paths,
+            "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
             "compile": args.compile,
             "machine": machine(devices[0]),
             "torch": torch.__version__, "transformers": transformers.__version__, "commits": [git_commit()]}

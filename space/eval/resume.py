@@ -39,8 +39,9 @@ def adapter_sha256(adapter: str | Path | None) -> str | None:
     None for no adapter.
 
     Every file counts by its relative name and bytes, in name order, except the README and the
-    tuned ``"decode"`` entry of space_config.json, which ``space-tree --write-adapter`` rewrites
-    without changing the drafts (an evaluation records its layout separately).
+    tuned ``"decode"`` entry of space_config.json with its step-cost curves (``"step_cost_setup"``,
+    ``"step_costs"``), which ``space-tree --write-adapter`` rewrites without changing the drafts (an
+    evaluation records its layout and curve separately).
 
     Raises:
         FileNotFoundError: ``adapter`` is not a folder.
@@ -58,6 +59,7 @@ def adapter_sha256(adapter: str | Path | None) -> str | None:
                 config = json.loads(data)
                 config.pop("decode", None)
                 config.pop("step_cost_setup", None)  # how the tuned layout's curve was measured
+                config.pop("step_costs", None)  # the curves measured per threads and kernels
                 data = json.dumps(config, sort_keys=True).encode()
             except (ValueError, AttributeError):  # not a JSON object: its bytes count as they are
                 pass

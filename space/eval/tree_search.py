@@ -275,7 +275,12 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
 
     ``setup`` (threads and kernels the curve was measured with) goes beside it as
     ``"step_cost_setup"`` when the stored layout prices rows by a curve (the dynamic tree), so
-    ``space-eval`` can warn when a run's setup differs (issue 44); else any old one is dropped."""
+    ``space-eval`` can warn when a run's setup differs (issue 44); else any old one is dropped.
+
+    A dynamic layout's curve and adapter cost are also kept in ``"step_costs"``, one entry per
+    (threads, kernels), replacing only the entry of the same setup: a curve written at 2 threads
+    leaves the 1-thread one, and ``load_space`` / ``space-eval`` price rows by the entry of their
+    own setup (``adapters.adapter_decode_config``)."""
     from ..adapters import SPACE_CONFIG
 
     path = adapter / SPACE_CONFIG
@@ -283,6 +288,11 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
     if setup is not None and cfg["decode"].get("tree") == "dynamic" and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
+        entry = {"threads": setup["threads"], "kernels": setup["kernels"], "step_cost": cfg["decode"]["step_cost"],
+                 "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
+        others = [e for e in cfg.get("step_costs", [])
+                  if (e.get("threads"), e.get("kernels")) != (entry["threads"], entry["kernels"])]
+        cfg["step_costs"] = sorted(others + [entry], key=lambda e: (e["kernels"], e["threads"]))
     else:
         cfg.pop("step_cost_setup", None)
     tmp = path.with_suffix(".json.tmp")

@@ -167,6 +167,55 @@ def test_search_leaves_out_a_current_dynamic_tree():
         estimate(ranks, current, {1: 1.0, 64: 2.0})
 
 
+def test_one_stored_curve_per_threads_and_kernels(tmp_path):
+    """Issue 44: space-tree --write-adapter keeps one curve per (threads, kernels); a later curve
+    replaces only its own setup's; the adapter's hash ignores them; and a dynamic tree loads the
+    curve of the run's own setup, else the "decode" entry's."""
+    from space.adapters import adapter_decode_config, stored_step_cost
+    from space.eval.resume import adapter_sha256
+
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    before = adapter_sha256(tmp_path)
+    dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.5}, {1: 0.001, 8: 0.004}, setup={"threads": 1, "kernels": "fast"})
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.7}, {1: 0.002, 8: 0.003}, setup={"threads": 2, "kernels": "fast"})
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.9}, {1: 0.003, 8: 0.005}, setup={"threads": 2, "kernels": "fast"})
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert [(e["threads"], e["kernels"], e["adapter_cost"]) for e in cfg["step_costs"]] == [(1, "fast", 0.5), (2, "fast", 0.9)]
+    assert stored_step_cost(cfg, 2, "stock") is None and stored_step_cost(cfg, 3, "fast") is None
+    assert adapter_sha256(tmp_path) == before
+    one = adapter_decode_config(cfg, threads=1, kernels="fast")
+    assert one.step_cost == ((1, 1.0), (8, 4.0)) and one.adapter_cost == 0.5
+    two = adapter_decode_config(cfg, threads=2, kernels="fast")
+    assert two.step_cost == ((1, 3.0), (8, 5.0)) and two.adapter_cost == 0.9
+    # no curve for this setup: the "decode" entry's own (the last written), as before issue 44
+    assert adapter_decode_config(cfg, threads=4, kernels="fast").step_cost == two.step_cost
+    cfg["decode"] = {**cfg["decode"], "tree": [[0], [1]]}  # a static layout prices no rows by a curve
+    assert adapter_decode_config(cfg, threads=1, kernels="fast").step_cost == two.step_cost
+    cfg["step_costs"][0]["step_cost"] = [[1, -1.0]]
+    cfg["decode"]["tree"] = "dynamic"
+    with pytest.raises(ValueError, match="bad decode settings"):
+        adapter_decode_config(cfg, "x/space_config.json", threads=1, kernels="fast")
+
+
+def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
+    """space-eval on the shipped adapter with curves stored for 1 and 2 threads: the run at 1 thread
+    decodes with (and records) the 1-thread curve, and does not warn about a mismatch."""
+    from space.eval.__main__ import main as eval_main
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(SHIPPED, adapter)
+    decode = json.loads((adapter / "space_config.json").read_text())["decode"]
+    for threads, curve in ((1, {1: 0.05, 32: 0.15}), (2, {1: 0.04, 32: 0.09})):
+        write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup={"threads": threads, "kernels": "stock"})
+    eval_main(["--adapter", str(adapter), "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "8",
+               "--methods", "space", "--kernels", "stock", "--threads", "1", "--out", str(tmp_path / "run")])
+    meta = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert meta["step_cost"] == [[1, 50.0], [32, 150.0]] and meta["adapter_cost"] == 5.0
+    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "stock"}
+    assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
+
+
 def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     """--dynamic --write-adapter stores the dynamic tree with the curve; a later plain --write-adapter
     run over that adapter skips the dynamic current layout and stores the best static one."""
