@@ -35,13 +35,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from space.adapters import load_space
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder
-from space.decoding.compiled import compile_trunk
 from space.eval.bench import Target, generate
 from space.eval.tasks import load_tasks
 from space.eval.tree_search import step_cost_curve
+from space.loader import load_space
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
 

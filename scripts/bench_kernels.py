@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from space.adapters import load_space
 from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import SpaceDecoder, ar_generate
 from space.eval.tasks import load_tasks
+from space.loader import load_space
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
 

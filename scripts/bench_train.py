@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from space.adapters import prepare_model
+from space.adapter_layers import prepare_model
 from space.data.collator import SpaceCollator
 from space.data.sft import load_examples, tokenize
 from space.models import load_model

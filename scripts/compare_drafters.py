@@ -11,8 +11,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from space.decoding.tree import replay
 from space.eval.tree_search import load_ranks
 

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from space.adapters import apply_lora  # noqa: E402
+from space.adapter_layers import apply_lora  # noqa: E402
 from space.models import tiny_tokenizer  # noqa: E402
 from space.tokens import add_mask_tokens  # noqa: E402
 
@@ -134,9 +134,9 @@ def cmd_host_time(args) -> dict:
 
     dtype = getattr(torch, args.dtype)
     if args.adapter:
-        from space.adapters import load_space
         from space.data.prompts import chat_ids, code_prompt
         from space.eval.tasks import load_tasks
+        from space.loader import load_space
 
         model, tok, spec = load_space(adapter=args.adapter, dtype=args.dtype, device=DEVICE)
         prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
@@ -182,7 +182,7 @@ def cmd_host_time(args) -> dict:
 def cmd_train(args) -> dict:
     from transformers import TrainerCallback, TrainingArguments
 
-    from space.adapters import prepare_model
+    from space.adapter_layers import prepare_model
     from space.data.collator import SpaceCollator
     from space.train.trainer import SpaceTrainer
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from space.adapters import load_space
 from space.choices import KERNEL_CHOICES
 from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.loader import load_space
 
 
 def main() -> None:

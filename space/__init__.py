@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "load_space": ".adapters", "prepare_model": ".adapters",
+    "load_space": ".loader", "prepare_model": ".adapter_layers",
     "DecodeConfig": ".decoding", "DecodeResult": ".decoding", "SamplingConfig": ".decoding",
     "SpaceDecoder": ".decoding", "ar_generate": ".decoding",
     "load_model": ".models",

@@ -197,10 +197,10 @@ def adapter_path(args) -> str | Path | None:
 
 def load(args) -> tuple:
     """(model, tokenizer, decoder) from the parsed flags; the adapter's layout, flags on top."""
-    from .adapters import load_space
     from .cpu_kernels import apply_kernels
     from .decoding import DEFAULT_MASK_NUM, DecodeConfig, SpaceDecoder
     from .decoding.tree import tree_flag
+    from .loader import load_space
 
     model, tok, spec = load_space(args.model, adapter_path(args), args.mask_num or DEFAULT_MASK_NUM,
                                   device=args.device)

@@ -169,7 +169,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             ddp_find_unused_parameters true, init_adapter with mode full, or an output_dir that is a
             file.
     """
-    from .adapters import MODES  # here, not at the top: importing the config needs no model code
+    from .adapter_layers import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
 
     if model_args.mode not in MODES:

@@ -140,7 +140,7 @@ def pack_linears(model: nn.Module, choose: bool = False) -> tuple[int, dict]:
     """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place.
 
     A module with a ``base`` linear and a ``lora_a`` (r, in) weight (the frozen-base
-    ``space.adapters.GatedLoraLinear``) gets ``lora_a`` packed under W, so the gated update costs
+    ``space.adapter_layers.GatedLoraLinear``) gets ``lora_a`` packed under W, so the gated update costs
     one small matmul instead of two linears (on SmolLM2, the 210 unfused LoRA updates took ~40 ms
     of a ~130 ms SPACE step on a 2-core CPU). Duck-typed, so this module imports nothing of ours.
 

@@ -304,7 +304,7 @@ class Distiller:
         import torch
         import transformers
 
-        from .adapters import git_commit
+        from .artifact import git_commit
 
         manifest = {
             "file": self.out.name, "complete": complete, "settings": self.settings,

@@ -55,8 +55,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 
 from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder
 from .decoding.decoder import check_attention
-from .decoding.tree import tree_flag
 from .decoding.result import DecodeResult, StopDecoding
+from .decoding.tree import tree_flag
 from .tokens import mask_spec
 
 # model inputs a decoder-only text model gets from generate(); anything else (inputs_embeds,
@@ -93,7 +93,7 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     verification can flip near-ties); sampled output has plain ``generate``'s distribution.
 
     Args:
-        model: a causal LM with SPACE mask tokens (``space.adapters.load_space``).
+        model: a causal LM with SPACE mask tokens (``space.loader.load_space``).
         input_ids: (batch, seq) prompts, left-padded when batch > 1 (``attention_mask`` says where).
         logits_processor, stopping_criteria, generation_config: prepared by ``generate``.
         streamer: receives the new tokens as they are accepted, then ``end()`` (``generate`` has

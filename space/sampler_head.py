@@ -13,7 +13,7 @@ at offset j-1 and feeds the model's own LM head:
   extra model forward.
 
 The head lives on the HF model as the submodule ``space_sampler`` (trained, placed and saved with
-it); ``space.adapters`` writes and reads ``sampler_head.safetensors``.
+it); ``space.artifact`` writes and reads ``sampler_head.safetensors``.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from space.adapters import fuse_frozen_base, prepare_model
+from space.adapter_layers import fuse_frozen_base, prepare_model
 from space.masking import decode_layout, mask_rows, to_additive_4d
 from space.models import load_model
 
@@ -44,6 +44,23 @@ def test_no_import_cycle():
 
     for m in graph:
         visit(m, [])
+
+
+def test_modules_hold_one_level():
+    """A module that defines nn.Modules does no file I/O and has no CLI (issue 46): the layers, the
+    artifact's files (space.artifact) and the commands live apart."""
+    io = {"argparse", "json", "safetensors", "shutil", "tempfile", "subprocess"}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = [n.name for n in tree.body if isinstance(n, ast.ClassDef)
+                   and any(ast.unparse(b) in ("nn.Module", "torch.nn.Module") for b in n.bases)]
+        if not modules:
+            continue
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                     and not n.level}
+        assert not imported & io, f"{path.name} defines {modules} and imports {sorted(imported & io)}"
+        assert "main" not in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, path.name
 
 
 def test_import_leaves_transformers_registries_untouched():

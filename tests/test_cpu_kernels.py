@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from space.adapters import fuse_frozen_base, prepare_model
+from space.adapter_layers import fuse_frozen_base, prepare_model
 from space.cpu_kernels import (SDPA_GQA, PackedLinear, apply_kernels, optimize_for_cpu, packing_available,
                                register_attention)
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
@@ -143,7 +143,7 @@ def test_choose_stock_rows_is_recorded(tiny):
 def test_gated_lora_without_mask_rows_is_the_base_alone():
     """AR rows (no mask_rows block, or a block whose mask rows start past the call's rows) never
     compute the packed LoRA A: the call is the base linear's, bit for bit."""
-    from space.adapters import GatedLoraLinear
+    from space.adapter_layers import GatedLoraLinear
 
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(64, 48)

@@ -155,9 +155,9 @@ def test_sync_budget_seen_by_cuda(on_gpu, layout, budget):
 
 def test_shipped_adapter_exact_on_cuda():
     """The shipped adapter on the real SmolLM2, fp32 on the GPU: SPACE == AR on 2 HumanEval prompts."""
-    from space.adapters import load_space
     from space.data.prompts import chat_ids, code_prompt
     from space.eval.tasks import load_tasks
+    from space.loader import load_space
     from space.models import cache_dir
 
     if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():

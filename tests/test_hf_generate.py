@@ -273,9 +273,9 @@ def test_unsupported_inputs_say_what(tiny):
 def test_smollm2_shipped_adapter_equals_plain_generate():
     """Real SmolLM2 with the shipped adapter: 2 chat prompts x 32 tokens, the adapter's own layout;
     ids, streamed text, a stop string and max_length as plain generate()."""
-    from space.adapters import load_space
     from space.data.prompts import chat_ids, code_prompt
     from space.eval.tasks import load_tasks
+    from space.loader import load_space
 
     model, tok, _ = load_space(adapter=ADAPTER)
     assert model.config.space_decode  # the adapter's layout is what space_generate decodes with

@@ -5,8 +5,10 @@ import pytest
 import torch
 from peft import PeftModel
 
-from space.adapters import MaskEmbedding, fuse_frozen_base, load_mask_rows, load_space, prepare_model, save_artifact
+from space.adapter_layers import MaskEmbedding, fuse_frozen_base, prepare_model
+from space.artifact import load_mask_rows, save_artifact
 from space.cpu_kernels import PackedLinear, packing_available
+from space.loader import load_space
 from space.masking import mask_rows
 from space.models import TINY, load_model, tiny_random_llama
 from space.tokens import add_mask_tokens

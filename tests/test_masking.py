@@ -132,7 +132,7 @@ def test_to_additive_4d_shape():
 
 def test_space_layout_dynamic_example(capsys):
     """``space-layout --tree dynamic``: the planner's step from given draft probabilities, drawn."""
-    from space.masking import main
+    from space.layout_cli import main
 
     def nodes(text):
         return [line for line in text.splitlines() if line.startswith("c") and ("mask " in line or "lookup " in line)]

@@ -1,7 +1,7 @@
 """``DecodeConfig``: the one source of SPACE decode defaults (STYLE.md item 15).
 
 A trained adapter carries its tuned layout in ``space_config.json`` under ``"decode"``;
-``space.adapters.load_space`` records it on the model (``model.config.space_decode``) and
+``space.loader.load_space`` records it on the model (``model.config.space_decode``) and
 ``SpaceDecoder(model, mask)`` reads it from there, so the Python API, ``space-eval`` and
 ``run_eval.sh`` all decode an adapter with its own layout unless a flag overrides it.
 """

@@ -338,7 +338,7 @@ class SpaceDecoder:
 
     Args:
         model: a ``LlamaForCausalLM``-like model whose vocabulary contains the mask token(s) of
-            ``mask`` (``space.adapters.load_space`` gives one; a peft model is unwrapped).
+            ``mask`` (``space.loader.load_space`` gives one; a peft model is unwrapped).
         mask: the model's MaskSpec (``space.tokens.mask_spec``).
         config: the step layout (k, groups, tree or dynamic tree, prompt lookup). None: the model's
             recorded layout (``model.config.space_decode``, set by ``load_space`` from the adapter's

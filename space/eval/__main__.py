@@ -194,11 +194,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
     import transformers
 
-    from ..adapters import adapter_decode_config, git_commit, load_space, stored_step_cost
+    from ..artifact import adapter_decode_config, git_commit, stored_step_cost
     from ..cpu_kernels import apply_kernels
-    from ..decoding.compiled import compile_trunk
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
+    from ..decoding.compiled import compile_trunk
     from ..decoding.tree import tree_flag
+    from ..loader import load_space
     from ..models import SMOLLM2
     from .bench import Target, run_bench
 

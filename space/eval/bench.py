@@ -2,7 +2,7 @@
 
 Methods: ``ar`` (our cached loop), ``hf`` (HF ``generate``), ``pld`` (HF prompt lookup decoding),
 ``space``. The AR-like methods run on the original weights: a frozen-base adapter
-(``space.adapters.GatedLoraLinear``) does nothing on inputs without mask tokens. Methods are
+(``space.adapter_layers.GatedLoraLinear``) does nothing on inputs without mask tokens. Methods are
 interleaved per prompt so that machine drift hits all of them alike, after one untimed warm-up each.
 One JSONL line per (question, method), written when the question is done, so an interrupted run
 resumes where it stopped. A question whose prompt and answers cannot fit the model context is
@@ -34,7 +34,7 @@ class Target:
     """The model under evaluation.
 
     Attributes:
-        model: the SPACE model from ``space.adapters.load_space`` (a plain HF causal LM).
+        model: the SPACE model from ``space.loader.load_space`` (a plain HF causal LM).
         tokenizer: its tokenizer.
         mask: its MaskSpec.
         decoder: the SpaceDecoder (mask_num, num_groups).

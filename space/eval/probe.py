@@ -209,7 +209,7 @@ def base_model_name(model: str | None, adapter: str | Path | None) -> str:
     Raises:
         FileNotFoundError / ValueError: ``adapter`` is not a SPACE adapter (``read_space_config``).
     """
-    from ..adapters import read_space_config
+    from ..artifact import read_space_config
     from ..models import SMOLLM2
 
     if model is not None:
@@ -220,7 +220,7 @@ def base_model_name(model: str | None, adapter: str | Path | None) -> str:
 def target_name(model: str | None, adapter: str | None) -> str:
     """Which model's greedy answers are probed: the base for a frozen-base adapter (its real-token
     logits are the base's), else base + adapter (a merged lora adapter is a new model)."""
-    from ..adapters import read_space_config
+    from ..artifact import read_space_config
 
     base = base_model_name(model, adapter)
     if adapter is None or read_space_config(Path(adapter))["mode"] == "frozen-base":
@@ -269,7 +269,7 @@ def read_tree(spec: str | None, k: int, model: str | None, adapter: str | Path |
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="space-probe", description="Drafter acceptance probe on the dev set (DESIGN §6).")
     ap.add_argument("--model", default=None, help="alias or local HF directory (default: the adapter's base, else SmolLM2)")
-    ap.add_argument("--adapter", default=None, help="SPACE adapter directory (space.adapters.load_space; default: none)")
+    ap.add_argument("--adapter", default=None, help="SPACE adapter directory (space.loader.load_space; default: none)")
     ap.add_argument("--mask-num", "-k", type=int, default=None, help="k masks per group (default: the trained k, else 5)")
     ap.add_argument("--tree", default=None, help="token tree: JSON paths of ranks, e.g. '[[0],[1],[0,0]]', or a file "
                     "(default: none, the chain)")
@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
     from tqdm import tqdm
 
-    from ..adapters import DEFAULT_MASK_NUM, load_space
     from ..decoding.cache import refuse_sliding_window
+    from ..decoding.config import DEFAULT_MASK_NUM
+    from ..loader import load_space
     from ..tokens import MAX_MASK_NUM
 
     read_tree(a.tree, a.mask_num or MAX_MASK_NUM, a.model, a.adapter)  # before loading; rechecked against k below

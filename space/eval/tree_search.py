@@ -280,8 +280,8 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     A dynamic layout's curve and adapter cost are also kept in ``"step_costs"``, one entry per
     (threads, kernels), replacing only the entry of the same setup: a curve written at 2 threads
     leaves the 1-thread one, and ``load_space`` / ``space-eval`` price rows by the entry of their
-    own setup (``adapters.adapter_decode_config``)."""
-    from ..adapters import SPACE_CONFIG
+    own setup (``artifact.adapter_decode_config``)."""
+    from ..artifact import SPACE_CONFIG
 
     path = adapter / SPACE_CONFIG
     cfg = json.loads(path.read_text())
@@ -374,9 +374,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"{a.ranks} holds no samples")
     import torch
 
-    from ..adapters import SPACE_CONFIG, load_space
+    from ..artifact import SPACE_CONFIG
     from ..cpu_kernels import apply_kernels
     from ..decoding.config import DecodeConfig
+    from ..loader import load_space
 
     model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, device=a.device)
     if a.cache_len + a.max_rows > model.config.max_position_embeddings:

@@ -11,14 +11,16 @@ from transformers import set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..adapters import (MASK_EMBEDDING, SAMPLER_HEAD, add_sampler_head, load_mask_rows, load_sampler_head,
-                        mask_embedding, prepare_model, read_space_config, save_artifact, warm_start)
+from ..adapter_layers import mask_embedding, prepare_model
+from ..artifact import MASK_EMBEDDING, SAMPLER_HEAD, load_mask_rows, load_sampler_head, read_space_config, save_artifact
 from ..config import check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
 from ..data.sft import load_examples, tokenize
 from ..decoding.cache import refuse_sliding_window
+from ..loader import warm_start
 from ..models import load_model
+from ..sampler_head import add_sampler_head
 from .curves import plot_training_curves
 from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer, TimeBudgetCallback
 
@@ -178,7 +180,7 @@ def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, na
                 state_dict=None) -> Path:
     """Write ``OUTPUT_DIR/final`` (the artifact DESIGN §6 names), ``log_history.json`` and
     ``training_curves.png`` (loss and mask accuracy); main process only. ``state_dict``: the
-    gathered weights of a ZeRO-3 run (``space.adapters.save_artifact`` refuses partitions)."""
+    gathered weights of a ZeRO-3 run (``space.artifact.save_artifact`` refuses partitions)."""
     config = {cls_name: dataclasses.asdict(a) for cls_name, a in
               (("model", model_args), ("data", data_args), ("mask", mask_args))}
     meta = {"base_model": model_args.model_name_or_path, "training_data": names, "num_samples": num_samples,

@@ -141,7 +141,7 @@ def smoke_config(config: dict, stand_in: Path, out_dir: Path, datasets: str, cud
 def check_init_adapter(config: dict) -> str:
     """A note on ``init_adapter``: checked as a SPACE artifact when it exists here, never applied
     (its LoRA weights have the real model's shapes)."""
-    from ..adapters import read_space_config
+    from ..artifact import read_space_config
 
     where = config.get("init_adapter")
     if not where:
@@ -179,9 +179,9 @@ def decode_check(stand_in: Path, artifact: Path, mode: str) -> tuple[bool, int]:
     SPACE and AR, greedy, from a chat prompt. Returns (equal, tokens compared)."""
     import torch
 
-    from ..adapters import load_space
     from ..decoding.autoregressive import ar_generate
     from ..decoding.decoder import SpaceDecoder
+    from ..loader import load_space
 
     if mode == "full":
         model, tok, spec = load_space(model=str(artifact))

@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import DynamicCache, Trainer, TrainerCallback
 
-from ..adapters import MASK_EMBEDDING, SAMPLER_HEAD, save_mask_rows, save_sampler_head
+from ..artifact import MASK_EMBEDDING, SAMPLER_HEAD, save_mask_rows, save_sampler_head
 from ..decoding.cache import cache_input
 from ..decoding.config import DEFAULT_MASK_NUM
 from ..decoding.decoder import check_attention
@@ -324,7 +324,7 @@ def mask_pass(model, unwrapped, inputs: dict, cache: PrefixCache, rows: slice, h
     the rows of other chunks are left out of the attention mask's columns. The cache is frozen
     (:class:`PrefixCache`): every chunk sees the real tokens alone, and no graph links two chunks.
     ``hidden_states``: also return every layer's hidden
-    states (the consistency loss reads the last). With a sampler head (``space.adapters``), the
+    states (the consistency loss reads the last). With a sampler head (``space.sampler_head``), the
     logits are the LM head of the sampler head's output, given each mask's last hidden state and
     the true token before its target (efficient layout: ``space.masking.previous_ids``).
     """

@@ -10,6 +10,10 @@ import torch
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.compiled import compile_trunk, is_compiled
 
+# these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning
+# (space.loader.load_space) is expected here; tests/test_load_space.py checks it with pytest.warns
+pytestmark = pytest.mark.filterwarnings("ignore:tiny-random-llama has no SPACE mask token:UserWarning")
+
 
 @pytest.fixture(scope="module")
 def compiled(trained):
@@ -46,7 +50,7 @@ def test_an_eager_trunk_is_not_compiled(trained):
 
 def test_compile_refuses_the_fast_cpu_kernels():
     """Inductor cannot lower oneDNN's prepacked linears (it packs the stock ones itself)."""
-    from space.adapters import load_space
+    from space.loader import load_space
 
     with pytest.raises(ValueError, match="stock kernels"):
         load_space("tiny-random-llama", mask_num=3, kernels="fast", compile=True)
@@ -74,7 +78,7 @@ def test_compiled_frozen_base_reads_the_mask_rows_in_the_graph(monkeypatch):
     """The shipped kind of adapter: a frozen-base LoRA whose gate (``mask_rows``) is read inside the
     compiled trunk, with the mask start changing from step to step. SPACE equals AR over the same
     compiled trunk, and AR preallocated its cache as the decoder did."""
-    from space.adapters import fuse_frozen_base, prepare_model
+    from space.adapter_layers import fuse_frozen_base, prepare_model
     from space.decoding import autoregressive
     from space.models import load_model
 

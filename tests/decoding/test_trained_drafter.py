@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from space.adapters import fuse_frozen_base, mask_embedding, prepare_model
+from space.adapter_layers import fuse_frozen_base, mask_embedding, prepare_model
 from space.cpu_kernels import optimize_for_cpu
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.masking import to_additive_4d, train_layout

@@ -8,8 +8,8 @@ from space.decoding.sampling import logits_to_probs
 from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, path_probs_from_table, replay
 from space.decoding.verify import verify_tree_sampling
 from space.eval.probe import anchor_ranks
+from space.layout_cli import main as layout_main
 from space.masking import build_layout, tree_parents
-from space.masking import main as layout_main
 from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue
 from tests.oracle import oracle_generate

@@ -4,9 +4,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from space.adapters import GatedLoraLinear, fuse_frozen_base, load_space, prepare_model, warm_start
+from space.adapter_layers import GatedLoraLinear, fuse_frozen_base, prepare_model
 from space.config import parse_train_args
 from space.data.collator import SpaceCollator
+from space.loader import load_space, warm_start
 from space.masking import mask_rows
 from space.models import load_model, tiny_random_llama
 from space.train import run as run_module

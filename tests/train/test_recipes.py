@@ -11,8 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from space.adapters import load_space, prepare_model, save_artifact
+from space.adapter_layers import prepare_model
+from space.artifact import save_artifact
 from space.data.collator import SpaceCollator
+from space.loader import load_space
 from space.masking import to_additive_4d
 from space.models import tiny_random_llama
 from space.train.smoke import REFUSED_EXIT, build_stand_in

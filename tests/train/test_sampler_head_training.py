@@ -8,9 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from space.adapters import SAMPLER_HEAD, load_space, prepare_model
+from space.adapter_layers import prepare_model
+from space.artifact import SAMPLER_HEAD
 from space.config import parse_train_args
 from space.data.collator import SpaceCollator
+from space.loader import load_space
 from space.masking import IGNORE_INDEX, previous_ids
 from space.models import load_model
 from space.sampler_head import SamplerHead, add_sampler_head, sampler_head

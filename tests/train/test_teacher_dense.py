@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from space.adapters import prepare_model
+from space.adapter_layers import prepare_model
 from space.config import parse_train_args
 from space.data.collator import SpaceCollator
 from space.masking import IGNORE_INDEX, targets, train_layout

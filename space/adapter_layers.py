@@ -1,0 +1,223 @@
+"""The adapter's layers and the training modes (DESIGN §3.6): full, lora, frozen-base.
+
+* ``full``: every weight trains, the mask rows of the embedding included; saved as a HF checkpoint.
+* ``lora``: peft LoRA on every token plus trainable mask embeddings; saved as a small adapter.
+* ``frozen-base``: base weights frozen; trainable mask embeddings plus a LoRA whose update is
+  multiplied by a gate that is 1 on mask rows and 0 on real rows. Real tokens never attend to
+  masks, so every real-token logit equals the original model's: SPACE is lossless against the
+  user's own checkpoint.
+
+Which rows are masks travels explicitly: the caller wraps its forward in
+``space.masking.mask_rows(start)`` (mask groups are always the block's tail, so one integer says it;
+the decoder and the frozen-base trainer do this), and forward hooks on the peft ``lora_B`` modules
+(training) or :class:`GatedLoraLinear` (decoding) read it. No module stores per-call state, and a
+forward outside such a block (AR, HF ``generate``) is exactly the base model. No modeling file is
+forked.
+
+For decoding, each LoRA update of a frozen-base adapter sits in a :class:`GatedLoraLinear`
+(:func:`apply_lora` from the artifact's weights, :func:`fuse_frozen_base` from a live peft model):
+the same update, computed only on the block's mask rows and skipped entirely when the input holds
+no mask token. peft's per-layer Python (4 module calls and a hook on each of 210 linears in
+SmolLM2) cost about 45 ms per forward on a 2-core CPU, more than half an AR token; the fused layer
+leaves AR forwards exactly the base model's cost.
+
+The artifact's files are ``space.artifact``'s; ``space.loader.load_space`` puts them together.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from .masking import mask_rows_start
+from .tokens import add_mask_tokens
+from .zero3 import gathered
+
+MODES = ("full", "lora", "frozen-base")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class MaskEmbedding(nn.Module):
+    """Input embedding with trainable mask rows.
+
+    Args:
+        base: the model's original embedding (frozen in lora / frozen-base).
+        mask_ids: contiguous mask token ids.
+
+    ``forward(input_ids (batch, seq)) -> (batch, seq, hidden)``: the base embedding, with the
+    trainable row of each mask token in its place. It records nothing: which rows are masks
+    travels through :func:`space.masking.mask_rows`.
+
+    Raises:
+        ValueError: mask ids that are not contiguous.
+    """
+
+    def __init__(self, base: nn.Embedding, mask_ids: tuple[int, ...]):
+        super().__init__()
+        if list(mask_ids) != list(range(mask_ids[0], mask_ids[0] + len(mask_ids))):
+            raise ValueError(f"mask ids must be contiguous, got {mask_ids}")
+        self.base = base
+        self.first_id, self.num = mask_ids[0], len(mask_ids)
+        with gathered([base.weight]):  # ZeRO-3: the rows live on every rank only while gathered
+            # fp32 whatever the base's dtype: a bf16 base trains its mask rows in fp32 (forward casts)
+            self.mask_rows = nn.Parameter(base.weight[list(mask_ids)].detach().float())
+
+    @property
+    def weight(self) -> torch.Tensor:  # HF utilities (tying, resizing) look for .weight
+        return self.base.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.base(input_ids)
+        is_mask = (input_ids >= self.first_id) & (input_ids < self.first_id + self.num)
+        rows = self.mask_rows[(input_ids - self.first_id).clamp(0, self.num - 1)]
+        return torch.where(is_mask[..., None], rows.to(out.dtype), out)
+
+
+class GatedLoraLinear(nn.Module):
+    """A frozen-base LoRA linear for decoding: ``W x`` on real rows, ``W x + B A x`` on mask rows.
+
+    Args:
+        base: the frozen ``nn.Linear`` (in -> out), or a ``space.cpu_kernels.PackedLinear`` that
+            packs ``lora_a`` under W (``extra_out`` > 0: one kernel call gives ``W x`` and ``A x``).
+        lora_a: (r, in); lora_b: (out, r), already multiplied by the LoRA scaling.
+
+    ``forward(x (batch, seq, in)) -> (batch, seq, out)``. Mask rows are rows
+    ``space.masking.mask_rows_start()`` on (the layout puts mask groups last); the update runs on
+    those rows only, so real rows get the base linear's output and no LoRA term. Outside a
+    ``mask_rows`` block (AR, HF ``generate``), or when the call holds no mask row, the layer is
+    the base alone and costs what the base costs. (With the CPU kernels' per-row-count paths, a
+    few-row call may take MKL and a many-row call oneDNN: the same weights, equal to fp32
+    rounding, ``space.cpu_kernels``.)
+    """
+
+    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor):
+        super().__init__()
+        self.base = base
+        self.lora_a, self.lora_b = nn.Parameter(lora_a, requires_grad=False), nn.Parameter(lora_b, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = mask_rows_start()
+        if s is None or s >= x.shape[-2]:  # no mask row (AR, HF generate, a block of real rows): the base alone
+            return self.base(x)
+        if getattr(self.base, "extra_out", 0):  # A packed under W: x W^T and x A^T in one call
+            y, xa = self.base.forward_extra(x)
+            xa = xa[:, s:]
+        else:
+            y = self.base(x)
+            xa = nn.functional.linear(x[:, s:], self.lora_a)
+        if x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
+            y[0, s:].addmm_(xa[0], self.lora_b.T)
+        else:
+            y[:, s:] += nn.functional.linear(xa, self.lora_b)
+        return y
+
+
+def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = False, lora_r: int = 16,
+                  lora_alpha: int = 32, lora_dropout: float = 0.0, lora_targets=LORA_TARGETS):
+    """Add mask tokens and set up the training mode.
+
+    Returns:
+        (model, MaskSpec): the model to train (a peft model for lora / frozen-base).
+
+    Raises:
+        ValueError: unknown mode or mask_num out of range.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown training mode {mode!r}; choose one of {MODES}")
+    spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
+    if mode == "full":
+        model.requires_grad_(True)
+        return model, spec
+    emb = MaskEmbedding(model.get_input_embeddings(), spec.token_ids)
+    model.set_input_embeddings(emb)
+    cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                     target_modules=list(lora_targets), task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    emb.mask_rows.requires_grad_(True)  # peft froze everything that is not LoRA
+    if mode == "frozen-base":
+        _gate_lora(peft_model)
+    return peft_model, spec
+
+
+def _gate_lora(model) -> None:
+    """Apply every LoRA update to mask rows only (frozen-base training): rows before
+    ``mask_rows_start()`` get exactly zero, and outside a ``mask_rows`` block every row does."""
+    def hook(module, args, out):
+        s = mask_rows_start()
+        if s is None:
+            return out * 0.0  # keeps the graph: the trainable weights still get (zero) gradients
+        if s == 0:
+            return out
+        gate = (torch.arange(out.shape[-2], device=out.device) >= s).to(out.dtype)[:, None]
+        return out * gate
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for lora_b in module.lora_B.values():
+                lora_b.register_forward_hook(hook)
+
+
+def fuse_frozen_base(peft_model) -> nn.Module:
+    """Replace the peft LoRA layers of a frozen-base model by :class:`GatedLoraLinear` (decoding).
+
+    Args:
+        peft_model: a peft model from :func:`prepare_model` / ``PeftModel.from_pretrained`` whose
+            input embedding is a MaskEmbedding, with the ``default`` adapter.
+
+    Returns:
+        the underlying HF model (``LlamaForCausalLM``-like), no longer wrapped by peft; its
+        outputs equal the gated peft model's (mask rows up to float rounding, real rows exactly).
+
+    Raises:
+        ValueError: the model has no MaskEmbedding (not a frozen-base model).
+    """
+    emb = mask_embedding(peft_model)
+    if emb is None:
+        raise ValueError("fuse_frozen_base needs a frozen-base model (its input embedding must be a MaskEmbedding)")
+    model = peft_model.get_base_model()
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    for name, layer in layers:
+        parent, _, attr = name.rpartition(".")
+        a = layer.lora_A["default"].weight.detach()
+        b = layer.lora_B["default"].weight.detach() * layer.scaling["default"]
+        setattr(model.get_submodule(parent), attr, GatedLoraLinear(layer.get_base_layer(), a, b))
+    return model.eval()
+
+
+def mask_embedding(model) -> MaskEmbedding | None:
+    emb = model.get_input_embeddings()
+    return emb if isinstance(emb, MaskEmbedding) else None
+
+
+def apply_lora(model: nn.Module, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], mode: str,
+               where: os.PathLike | str) -> None:
+    """Put :func:`read_lora`'s updates into ``model`` for decoding, in place: merged into the
+    weights (``lora``), or as :class:`GatedLoraLinear` layers (``frozen-base``). Each update takes
+    its layer's device and dtype (a device map included).
+
+    Raises:
+        ValueError: an update for a module the model lacks or of another shape (``where`` named).
+    """
+    for name, (a, b) in updates.items():
+        linear = model.get_submodule(name) if _has_module(model, name) else None
+        if type(linear) is not nn.Linear or a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
+            raise ValueError(f"{where}: LoRA for {name} of shapes {tuple(a.shape)}, {tuple(b.shape)} does not fit "
+                             f"this model ({type(linear).__name__}): wrong base model?")
+        a, b = a.to(linear.weight), b.to(linear.weight)
+        if mode == "lora":
+            with torch.no_grad():
+                linear.weight += b @ a
+        else:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, GatedLoraLinear(linear, a, b))
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

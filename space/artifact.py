@@ -1,0 +1,320 @@
+"""A SPACE artifact's files (DESIGN §3.6): written atomically, read with every damage named.
+
+Layout (lora / frozen-base): ``adapter_model.safetensors`` + ``adapter_config.json`` (peft's
+names, read here without peft), ``mask_embedding.safetensors`` (the k or 1 mask rows),
+``space_config.json`` (base model, mode, mask ids, mask_num, training data, commit; the tuned
+``"decode"`` layout and its step-cost curves, ``"step_costs"``, one per threads and kernels), and
+with the optional sampler head (issue 34, ``space.sampler_head``) ``sampler_head.safetensors`` plus
+its width under ``"sampler_head"``. A ``full`` artifact is a HF checkpoint with ``space_config.json``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .adapter_layers import MaskEmbedding, mask_embedding
+from .decoding.config import DecodeConfig
+from .sampler_head import SAMPLER_ATTR, SamplerHead, sampler_head
+from .tokens import MaskSpec
+from .zero3 import check_saved_shapes
+
+SPACE_CONFIG = "space_config.json"
+MASK_EMBEDDING = "mask_embedding.safetensors"
+LORA_WEIGHTS, LORA_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # peft's file names
+SAMPLER_HEAD = "sampler_head.safetensors"
+
+
+def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, mode: str, meta: dict,
+                  state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the trained SPACE model atomically (temporary directory, then rename), after checking
+    what was written (:func:`check_artifact`).
+
+    Args:
+        meta: extra provenance for space_config.json (base model, training data, steps, ...).
+        state_dict: the model's full weights when the live ones are partitioned (DeepSpeed ZeRO-3:
+            ``accelerator.get_state_dict`` gathers them on every rank); None: the model's own.
+
+    Raises:
+        ValueError: the weights written are empty or do not fit the model's config (e.g. a ZeRO-3
+            partition saved without ``state_dict``); nothing is written then.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    config = {"mode": mode, "mask_token_ids": list(spec.token_ids), "mask_num": spec.mask_num,
+              "mask_diff": spec.mask_diff, "commit": git_commit(), **meta}
+    try:
+        if mode == "full":
+            model.save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+        else:
+            # peft: LoRA weights + adapter_config.json only; the base embedding (resized for the mask
+            # token) is the base model's, and the mask rows are saved on their own just below
+            model.save_pretrained(tmp, state_dict=state_dict, save_embedding_layers=False)
+            save_mask_rows(mask_embedding(model), tmp / MASK_EMBEDDING, _entry(state_dict, "mask_rows"))
+            head = sampler_head(model)
+            if head is not None:
+                save_sampler_head(head, tmp / SAMPLER_HEAD, _entry(state_dict, SAMPLER_ATTR + "."))
+                config["sampler_head"] = {"width": head.width}
+        (tmp / SPACE_CONFIG).write_text(json.dumps(config, indent=2))
+        check_artifact(tmp, model.config.hidden_size, where=out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _entry(state_dict: dict[str, torch.Tensor] | None, key: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of a gathered state dict under ``key`` (a parameter's last name, or a module
+    prefix ending in "."), keyed by what follows it; None without a state dict."""
+    if state_dict is None:
+        return None
+    if not key.endswith("."):
+        return {key: v for k, v in state_dict.items() if k.endswith("." + key)}
+    return {k.split(key, 1)[1]: v for k, v in state_dict.items() if key in k}
+
+
+def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathLike | str | None = None) -> None:
+    """Refuse an artifact whose weights are empty or do not fit its model (a ZeRO-3 partition
+    saved without gathering has tensors of shape (0,)).
+
+    Full checkpoints: every tensor against the shapes ``config.json`` gives
+    (``space.zero3.check_saved_shapes``). Adapters: the LoRA pairs (``read_lora``) and the mask rows,
+    ``(1 or k, hidden_size)`` when ``hidden_size`` is given.
+
+    Raises:
+        ValueError: an empty tensor or a wrong shape; the file is named (with ``where`` for a
+            folder not yet in place).
+    """
+    where = Path(where or folder)
+    cfg = read_space_config(folder)
+    if cfg["mode"] == "full":
+        try:
+            check_saved_shapes(folder)
+        except ValueError as e:
+            raise ValueError(str(e).replace(str(folder), str(where))) from None
+        return
+    read_lora(folder)
+    rows = read_tensors(folder / MASK_EMBEDDING).get("mask_rows")
+    n = len(cfg["mask_token_ids"])
+    if rows is None or rows.dim() != 2 or rows.shape[0] != n or 0 in rows.shape or (
+            hidden_size is not None and rows.shape[1] != hidden_size):
+        shape = None if rows is None else tuple(rows.shape)
+        raise ValueError(f"{where / MASK_EMBEDDING}: mask rows of shape {shape}, expected ({n}, "
+                         f"{hidden_size or 'hidden'}): saved while partitioned by ZeRO-3? refusing this artifact")
+
+
+def read_space_config(adapter: Path) -> dict:
+    """The ``space_config.json`` of artifact directory ``adapter``.
+
+    Raises:
+        FileNotFoundError: no space_config.json in ``adapter``.
+        ValueError: not valid JSON, or a required key missing (the file is named).
+    """
+    if not (adapter / SPACE_CONFIG).is_file():
+        raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
+    cfg = read_json(adapter / SPACE_CONFIG)
+    missing = [key for key in ("mode", "base_model", "mask_num", "mask_diff", "mask_token_ids") if key not in cfg]
+    if missing:
+        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config (missing {', '.join(missing)})")
+    return cfg
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not UTF-8 JSON holding an object, e.g. a truncated or garbage file (named).
+    """
+    try:  # a damaged or hand-edited file: name it, rather than a bare JSONDecodeError / UnicodeDecodeError
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not valid JSON for this file (a {type(data).__name__}, not an object)")
+    return data
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file ``path`` (on the CPU).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a truncated or garbage file (named).
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return load_file(path)
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a valid safetensors file ({e})") from None
+
+
+def read_lora(adapter: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The LoRA updates of a lora / frozen-base artifact (peft's files, read without peft:
+    ``PeftModel`` costs a wrapper and a deprecation warning per load for weights we fuse anyway).
+
+    Returns:
+        module name (``model.layers.0.self_attn.q_proj``) -> (A (r, in), B (out, r) times the LoRA
+        scaling alpha / r, or alpha / sqrt(r) with rsLoRA).
+
+    Raises:
+        FileNotFoundError: adapter_config.json or adapter_model.safetensors missing.
+        ValueError: either file damaged, a LoRA variant other than plain LoRA (DoRA, per-layer
+            ranks, biases), or weights that do not pair up (the file is named).
+    """
+    where = adapter / LORA_CONFIG
+    cfg = read_json(where)
+    try:
+        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not a valid LoRA config (bad or missing r / lora_alpha: {e})") from None
+    if r < 1:
+        raise ValueError(f"{where}: not a valid LoRA config (r must be >= 1, got {r})")
+    variant = {k: cfg[k] for k in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "lora_bias")
+               if cfg.get(k)}
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none" or variant:
+        raise ValueError(f"{where}: only plain LoRA adapters load here, not peft_type={cfg.get('peft_type')!r} "
+                         f"bias={cfg.get('bias')!r} {variant}")
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    where = adapter / LORA_WEIGHTS
+    state = read_tensors(where)
+    prefix, a_key, b_key = "base_model.model.", ".lora_A.weight", ".lora_B.weight"
+    names = sorted(k[len(prefix): -len(a_key)] for k in state if k.startswith(prefix) and k.endswith(a_key))
+    unpaired = sorted(set(state) - {prefix + n + s for n in names for s in (a_key, b_key)})
+    if unpaired or not names:
+        raise ValueError(f"{where}: not a LoRA weight file of this format (unexpected keys {unpaired[:3]})")
+    updates = {}
+    for n in names:
+        a, b = state[prefix + n + a_key], state[prefix + n + b_key]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise ValueError(f"{where}: {n} has LoRA shapes {tuple(a.shape)}, {tuple(b.shape)}, not rank {r}")
+        updates[n] = (a, b * scaling)
+    return updates
+
+
+def sampler_width(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> int | None:
+    """The sampler head's width an adapter's ``space_config.json`` records, None without a head.
+
+    Raises:
+        ValueError: a malformed ``sampler_head`` entry (``where`` names the adapter).
+    """
+    entry = cfg.get("sampler_head")
+    if entry is None:
+        return None
+    width = entry.get("width") if isinstance(entry, dict) else None
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"{where}: bad sampler_head entry {entry!r} (expected {{\"width\": n >= 1}})")
+    return width
+
+
+def stored_step_cost(cfg: dict, threads: int, kernels: str) -> dict | None:
+    """The step-cost entry of an adapter's ``space_config.json`` measured with ``threads`` CPU threads
+    and ``kernels`` (``"step_costs"``: a list of ``{"threads", "kernels", "step_cost", "adapter_cost"}``,
+    one per setup, written by ``space-tree --write-adapter``; issue 44), else None."""
+    entries = cfg.get("step_costs") or []
+    return next((e for e in entries if isinstance(e, dict) and e.get("threads") == threads
+                 and e.get("kernels") == kernels), None)
+
+
+def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
+                          kernels: str | None = None) -> DecodeConfig:
+    """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
+    trained k with the paper's k+1 groups.
+
+    With ``threads`` and ``kernels``, a dynamic tree prices its rows by the curve stored for that
+    setup (:func:`stored_step_cost`) when there is one: a curve measured at 1 thread prices rows
+    wrong at 2 (issue 44). Else by the ``"decode"`` entry's own curve.
+
+    Raises:
+        ValueError: a malformed ``decode`` or ``step_costs`` entry (``where`` names the file).
+    """
+    try:
+        decode = DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
+        entry = stored_step_cost(cfg, threads, kernels) if decode.tree == "dynamic" and threads else None
+        if entry is not None:
+            decode = decode.override(step_cost=tuple(map(tuple, entry["step_cost"])),
+                                     adapter_cost=entry.get("adapter_cost", 0.0))
+        return decode
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{where}: bad decode settings: {e}") from None
+
+
+def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the trainable mask rows of ``emb`` to ``path`` (safetensors, fp32, key ``mask_rows``).
+
+    Args:
+        state: ``{"mask_rows": tensor}`` gathered from a ZeRO-3 model; None: ``emb``'s own rows.
+    """
+    rows = emb.mask_rows if state is None else state["mask_rows"]
+    save_file({"mask_rows": rows.detach().float().contiguous().cpu()}, path)
+
+
+def load_mask_rows(emb: MaskEmbedding, path: str | os.PathLike) -> None:
+    """Copy mask rows written by :func:`save_mask_rows` into ``emb``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a damaged file, or rows of another shape (another mask_diff, k or model width).
+    """
+    copy_mask_rows(emb, read_tensors(Path(path)), path)
+
+
+def copy_mask_rows(emb: MaskEmbedding, tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Copy the ``mask_rows`` tensor of a mask-embedding file (read from ``path``) into ``emb``.
+
+    Raises:
+        ValueError: no ``mask_rows`` in it, or rows of another shape (the file is named).
+    """
+    rows = tensors.get("mask_rows")
+    if rows is None:
+        raise ValueError(f"{path}: no mask_rows tensor (keys {sorted(tensors)[:3]})")
+    if rows.shape != emb.mask_rows.shape:
+        raise ValueError(f"{path}: mask rows of shape {tuple(rows.shape)}, expected {tuple(emb.mask_rows.shape)}")
+    with torch.no_grad():
+        emb.mask_rows.copy_(rows)
+
+
+def save_sampler_head(head: SamplerHead, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``head``'s weights to ``path`` (safetensors, fp32); ``state``: its weights gathered from
+    a ZeRO-3 model (None: the head's own)."""
+    state = head.state_dict() if state is None else state
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in state.items()}, path)
+
+
+def load_sampler_head(head: SamplerHead, path: str | os.PathLike) -> None:
+    """Copy weights written by :func:`save_sampler_head` into ``head``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a damaged file, or weights of other names or shapes (another width or model).
+    """
+    state = read_tensors(Path(path))
+    mine = head.state_dict()
+    if set(state) != set(mine) or any(state[k].shape != mine[k].shape for k in mine):
+        raise ValueError(f"{path}: sampler head weights {({k: tuple(v.shape) for k, v in state.items()})} do not "
+                         f"fit a head of width {head.width} on this model")
+    head.load_state_dict({k: v.to(mine[k]) for k, v in state.items()})
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,147 @@
+"""Load a SPACE model: the base, its mask tokens, the adapter's layers and tuned layout
+(:func:`load_space`, for decoding), or an artifact's weights into a model being trained
+(:func:`warm_start`).
+
+``load_space`` reads the LoRA weights without peft (``space.artifact.read_lora``) and puts a
+frozen-base adapter's updates in ``space.adapter_layers.GatedLoraLinear`` layers, so AR forwards
+cost exactly the base model's.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from peft import set_peft_model_state_dict
+
+from .adapter_layers import MaskEmbedding, apply_lora, mask_embedding
+from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config,
+                       check_artifact, copy_mask_rows, load_mask_rows, load_sampler_head, read_lora,
+                       read_space_config, read_tensors, sampler_width)
+from .cpu_kernels import KERNEL_CHOICES, apply_kernels
+from .decoding.compiled import compile_trunk
+from .decoding.config import DEFAULT_MASK_NUM
+from .models import SMOLLM2, dispatch, load_model, model_identity
+from .sampler_head import add_sampler_head, sampler_head
+from .tokens import MaskSpec, add_mask_tokens, mask_spec
+
+
+def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
+               dtype="float32", device: str = "cpu", device_map: str | dict | None = None, kernels: str = "stock",
+               compile: bool = False):
+    """Load a model ready for SPACE decoding.
+
+    Args:
+        model: alias or path of the base (default: the adapter's recorded base, else SmolLM2).
+            Another base than the adapter's recorded ``base_model`` gives a UserWarning naming both.
+        adapter: a lora / frozen-base artifact directory, or None.
+        mask_num: k for a model that has no mask token yet (untrained masks: exact, accepts little;
+            loading such a model without an adapter gives a UserWarning).
+        device_map: None (all on ``device``), or a ``space.models.parse_device_map`` value: the
+            base loads placed, and once the mask token and adapter are in, the model is placed
+            again by the resolved map (``space.models.dispatch``), so the new modules (mask
+            embedding, resized embeddings) get their hooks too.
+        kernels: ``"fast"`` applies ``space.cpu_kernels.optimize_for_cpu`` to an fp32 CPU model
+            (oneDNN-prepacked linears, GQA attention; a no-op elsewhere): on a 2-core CPU plain
+            ``generate`` runs about 2x faster, and SPACE's many-row steps gain more than that.
+            ``"stock"`` (default) keeps transformers' kernels, so the model computes bit for bit
+            what ``load_model`` gives. Packed weights are for inference only: never train them.
+        compile: ``torch.compile`` the trunk after the kernels (``space.decoding.compiled``, issue
+            43); ``SpaceDecoder`` and ``ar_generate`` then preallocate their KV caches.
+
+    An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
+    returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``.
+
+    Returns:
+        (model, tokenizer, MaskSpec): a plain HF model in every case. A lora adapter is merged
+        into the weights; a frozen-base adapter stays separate as :class:`GatedLoraLinear` layers,
+        so every forward without mask tokens (AR, HF ``generate``) computes exactly the original
+        model, and real-token logits are the base model's in SPACE steps too.
+
+    Raises:
+        FileNotFoundError: adapter directory without space_config.json or another artifact file,
+            unknown model.
+        ValueError: the base's tokenizer gives the mask token another id than recorded; a damaged
+            artifact file (space_config.json not a JSON object or lacking a key, a truncated or
+            garbage safetensors file; the file is named); LoRA weights that do not fit the model;
+            a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``.
+    """
+    if kernels not in KERNEL_CHOICES:  # before the load, not after it
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if adapter is None:
+        if model is not None and (Path(model) / SPACE_CONFIG).is_file():  # a full SAR-SFT artifact
+            check_artifact(Path(model))
+        base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
+        try:
+            spec = mask_spec(base, tok)
+        except ValueError:  # a plain model: its new mask token is untrained, which a user rarely means
+            warnings.warn(f"{model or SMOLLM2} has no SPACE mask token and no adapter was given: SPACE decodes "
+                          f"exactly but with untrained masks, whose drafts are rarely accepted; pass a SPACE "
+                          f"adapter (e.g. adapters/smollm2-135m-space) or a SAR-SFT checkpoint", stacklevel=2)
+            spec = add_mask_tokens(base, tok, mask_num)
+            if device_map is not None:  # the resized embeddings are new modules, without hooks
+                dispatch(base, base.hf_device_map)
+        apply_kernels(base, kernels)
+        return (compile_trunk(base) if compile else base), tok, spec
+    adapter = Path(adapter)
+    cfg = read_space_config(adapter)
+    if cfg["mode"] == "full":
+        raise ValueError(f"{adapter} is a full checkpoint: pass it as the model, not as an adapter")
+    if model is not None and model_identity(model) != model_identity(cfg["base_model"]):
+        warnings.warn(f"adapter {adapter} was trained on base model {cfg['base_model']!r}, not on the given "
+                      f"model {model!r}: its drafts may be rarely accepted"
+                      + (" (output stays exact to the given model)" if cfg["mode"] == "frozen-base"
+                         else " and its merged LoRA changes a model it was not trained for"), stacklevel=2)
+    updates = read_lora(adapter)  # a damaged file fails here, before the base model loads
+    rows = read_tensors(adapter / MASK_EMBEDDING)
+    head_width = sampler_width(cfg, adapter)
+    base, tok = load_model(model or cfg["base_model"], dtype, device, device_map)
+    spec = add_mask_tokens(base, tok, cfg["mask_num"], cfg["mask_diff"])
+    if list(spec.token_ids) != cfg["mask_token_ids"]:
+        raise ValueError(f"mask ids {spec.token_ids} differ from the adapter's {cfg['mask_token_ids']}: wrong base model?")
+    emb = MaskEmbedding(base.get_input_embeddings(), spec.token_ids)
+    copy_mask_rows(emb, rows, adapter / MASK_EMBEDDING)
+    base.set_input_embeddings(emb)
+    apply_lora(base, updates, cfg["mode"], adapter / LORA_WEIGHTS)
+    if head_width is not None:
+        load_sampler_head(add_sampler_head(base, head_width).eval().requires_grad_(False), adapter / SAMPLER_HEAD)
+    if device_map is not None:  # the new modules (embedding, gated layers, sampler head) have no hooks yet
+        dispatch(base, base.hf_device_map)
+    # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
+    base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels).to_dict()
+    apply_kernels(base.eval(), kernels)
+    return (compile_trunk(base) if compile else base), tok, spec
+
+
+def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:
+    """Start training from a saved lora / frozen-base artifact: copy its LoRA weights and mask rows
+    into ``model`` (a peft model from :func:`prepare_model` with the same LoRA shape).
+
+    Continuing from the shipped adapter on new data trains a stronger drafter in less time than
+    starting from zero LoRA and the base's mean embedding (#13).
+
+    Raises:
+        FileNotFoundError / ValueError: not an artifact (:func:`read_space_config`); a full
+            checkpoint, another mode, k or mask_diff, or LoRA weights that do not fit ``model``
+            (another rank or target list).
+    """
+    adapter = Path(adapter)
+    cfg = read_space_config(adapter)
+    mine = {"mode": mode, "mask_num": spec.mask_num, "mask_diff": spec.mask_diff}
+    diff = {k: (cfg[k], v) for k, v in mine.items() if cfg[k] != v}
+    if diff:
+        raise ValueError(f"init_adapter {adapter} was trained with other settings; (adapter, now): {diff}")
+    state = read_tensors(adapter / LORA_WEIGHTS)
+    try:
+        result = set_peft_model_state_dict(model, state)
+    except RuntimeError as e:  # size mismatch: another LoRA rank
+        raise ValueError(f"init_adapter {adapter}: LoRA weights do not fit this model ({' '.join(str(e).split())[:300]})") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"init_adapter {adapter}: LoRA layers differ from this model's (unexpected "
+                         f"{result.unexpected_keys[:3]}, missing {missing[:3]}): other lora_targets?")
+    load_mask_rows(mask_embedding(model), adapter / MASK_EMBEDDING)
+    head = sampler_head(model)
+    if head is not None and sampler_width(cfg, adapter) is not None:  # else the head starts fresh
+        load_sampler_head(head, adapter / SAMPLER_HEAD)

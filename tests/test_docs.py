@@ -1,0 +1,44 @@
+"""The front door stays a front door (issue 46): the README and the model card within their size,
+every ``results/...`` path the documents name exists, and every entry of ``results/`` is cited by a
+document or by the code that writes or reads it (the rest is history: git keeps it)."""
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# docs/history.md names past runs that are no longer in results/ (it says at which commit to read them)
+DOCS = [ROOT / "README.md", *sorted(ROOT.glob("adapters/*/README.md")),
+        *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "history.md")]
+CODE = [*sorted((ROOT / "space").rglob("*.py")), *sorted((ROOT / "scripts").glob("*")),
+        *sorted(p for p in (ROOT / "configs").rglob("*") if p.is_file()), ROOT / "run_eval.sh"]
+RESULTS_PATH = re.compile(r"results/[A-Za-z0-9_.\-/]*[A-Za-z0-9_\-/]")
+
+
+def named_paths(files: list[Path]) -> dict[str, Path]:
+    """Each ``results/...`` path named in ``files`` -> the first file naming it."""
+    found = {}
+    for f in files:
+        for path in RESULTS_PATH.findall(f.read_text(encoding="utf-8", errors="replace")):
+            found.setdefault(path.rstrip("/"), f)
+    return found
+
+
+@pytest.mark.parametrize("doc, limit", [("README.md", 12_000), ("adapters/smollm2-135m-space/README.md", 15_000)])
+def test_front_door_sizes(doc, limit):
+    assert (ROOT / doc).stat().st_size <= limit, f"{doc} is over {limit} bytes: history goes to docs/history.md"
+
+
+def test_every_results_path_the_docs_name_exists():
+    missing = {path: str(doc.relative_to(ROOT)) for path, doc in named_paths(DOCS).items()
+               if not (ROOT / path).exists()}
+    assert not missing, f"documents name results that do not exist: {missing}"
+
+
+def test_every_results_entry_is_cited_and_has_its_command():
+    cited = {path.split("/")[1] for path in named_paths(DOCS + CODE)}
+    entries = sorted(p for p in (ROOT / "results").iterdir())
+    uncited = [p.name for p in entries if p.name not in cited]
+    assert not uncited, f"results/ entries that no document or code cites (delete them: git keeps them): {uncited}"
+    no_command = [p.name for p in entries if p.is_dir() and not (p / "README.md").is_file()]
+    assert not no_command, f"results/ folders without a README giving their command: {no_command}"
