@@ -137,14 +137,25 @@ def check_ranks_source(meta: dict | None, path: Path, model: str | None, adapter
 
 
 def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int = 15,
-                    masks: bool = True, static: bool = False) -> dict[int, float]:
+                    static: bool = False) -> dict[int, float]:
     """Median seconds of one SPACE-like forward of q rows after ``cache_len`` cached tokens: an
     additive 4-D mask, the frozen-base LoRA on rows 1.. (``mask_rows(1)``: every row but the first
     treated as a mask row, an upper bound on a step's adapter work) and the LM head on every row.
-    q = 1 is timed as an AR step (no mask rows); ``masks=False`` times every q without mask rows
-    (a nodes-only block), which :func:`adapter_cost` compares with. ``static``: after a
-    preallocated cache of ``cache_len + max(rows)`` slots (``cache.static_cache``), as a compiled
-    decoder runs its steps (the mask then spans every slot). Returns {q: seconds}.
+    q = 1 is timed as an AR step (no mask rows). ``static``: after a preallocated cache of
+    ``cache_len + max(rows)`` slots (``cache.static_cache``), as a compiled decoder runs its steps
+    (the mask then spans every slot). Returns {q: seconds} (:func:`time_steps`).
+    """
+    timed = time_steps(model, [(q, q > 1) for q in rows], cache_len, repeats, static)
+    return {q: timed[q, q > 1] for q in rows}
+
+
+def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repeats: int = 15,
+               static: bool = False) -> dict[tuple[int, bool], float]:
+    """Median seconds of one forward of each ``(rows, with mask rows)`` shape after ``cache_len``
+    cached tokens, the LM head on every row. The shapes take turns, in alternating order, for
+    ``repeats`` rounds after one warm-up round: a step's cost drifts by 10-20 % over seconds on a
+    shared CPU, and timing each shape in its own block put that drift into the curve's ratios
+    (the 1-row point of two runs differed by 15 %), while the decoder too changes shape every step.
 
     Which ids and which visibility the rows have does not change the cost, only their number.
     """
@@ -156,44 +167,45 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
     from ..decoding.compiled import eager
     from ..masking import mask_rows, to_additive_4d
 
+    most = max(q for q, _ in shapes)
     with torch.inference_mode():
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         decoder, head = base.get_decoder(), base.get_output_embeddings()
         device = head.weight.device
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + max(rows),), generator=gen).to(device)
+        ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + most,), generator=gen).to(device)
         refuse_sliding_window(base.config, "the step-cost measurement")
-        slots = cache_len + max(rows) if static else None
+        slots = cache_len + most if static else None
         cache = static_cache(base.config.num_hidden_layers, slots) if static else DynamicCache(config=base.config)
         with eager():  # the cached prefix, as a decoder's prefill (a compiled trunk would make a graph for it)
             decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
-        out = {}
-        for q in tqdm(rows, desc="step cost", unit="shape"):
-            times = []
+        inputs = {}
+        for q, _ in shapes:
             causal = torch.ones(q, slots or cache_len + q, dtype=torch.bool).tril(cache_len)
-            attn = to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 else None
-            positions = torch.arange(cache_len, cache_len + q, device=device)[None]
-            for _ in range(repeats + 1):  # the first call of a shape warms it up
+            inputs[q] = dict(input_ids=ids[None, cache_len:cache_len + q],
+                             position_ids=torch.arange(cache_len, cache_len + q, device=device)[None],
+                             attention_mask=to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 else None)
+        times = {shape: [] for shape in shapes}
+        for round_ in tqdm(range(repeats + 1), desc="step cost", unit="round"):  # round 0 warms every shape up
+            for q, masks in shapes if round_ % 2 else shapes[::-1]:
                 t0 = time.perf_counter()
-                with mask_rows(1 if q > 1 and masks else q):
-                    hidden = decoder(input_ids=ids[None, cache_len:cache_len + q], position_ids=positions,
-                                     attention_mask=attn, **cache_input(cache), use_cache=True).last_hidden_state
+                with mask_rows(1 if masks else q):
+                    hidden = decoder(**inputs[q], **cache_input(cache), use_cache=True).last_hidden_state
                 head(hidden)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
+                if round_:
+                    times[q, masks].append(time.perf_counter() - t0)
                 crop_cache(cache, cache_len, cache_len + q)
-            out[q] = statistics.median(times[1:])
-        return out
+        return {shape: statistics.median(t) for shape, t in times.items()}
 
 
 def adapter_cost(model, cache_len: int = 300, repeats: int = 15) -> float:
     """The adapter's fixed cost per step in ms (issue 44): a 2-row step with a mask row minus one
-    without (never below 0), the part of the curve's 1 -> 2-row jump that only blocks with mask
-    groups pay (``DecodeConfig.adapter_cost``)."""
-    with_mask = step_cost_curve(model, [2], cache_len, repeats)[2]
-    without = step_cost_curve(model, [2], cache_len, repeats, masks=False)[2]
-    return round(max(with_mask - without, 0.0) * 1e3, 3)
+    without (never below 0), timed in turns (:func:`time_steps`), the part of the curve's 1 -> 2-row
+    jump that only blocks with mask groups pay (``DecodeConfig.adapter_cost``)."""
+    timed = time_steps(model, [(2, True), (2, False)], cache_len, repeats)
+    return round(max(timed[2, True] - timed[2, False], 0.0) * 1e3, 3)
 
 
 def step_cost_points(curve: dict[int, float]) -> list[list]:
