@@ -223,36 +223,66 @@ def sampler_width(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> int | N
     return width
 
 
-def stored_step_cost(cfg: dict, threads: int, kernels: str) -> dict | None:
-    """The step-cost entry of an adapter's ``space_config.json`` measured with ``threads`` CPU threads
-    and ``kernels`` (``"step_costs"``: a list of ``{"threads", "kernels", "step_cost", "adapter_cost"}``,
-    one per setup, written by ``space-tree --write-adapter``; issue 44), else None."""
-    entries = cfg.get("step_costs") or []
-    return next((e for e in entries if isinstance(e, dict) and e.get("threads") == threads
-                 and e.get("kernels") == kernels), None)
+def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> list[dict]:
+    """The step-cost curves of an adapter's ``space_config.json`` (``"step_costs"``: one
+    ``{"threads", "kernels", "step_cost", "adapter_cost"}`` per setup, written by ``space-tree
+    --write-adapter --dynamic``; issue 44), [] when it has none.
+
+    Raises:
+        ValueError: ``step_costs`` is not such a list (``where`` names the file).
+    """
+    entries = cfg.get("step_costs", [])
+    good = isinstance(entries, list) and all(
+        isinstance(e, dict) and type(e.get("threads")) is int and e["threads"] >= 1
+        and isinstance(e.get("kernels"), str) and isinstance(e.get("step_cost"), list) for e in entries)
+    if not good:
+        raise ValueError(f"{where}: bad step_costs: expected a list of {{\"threads\": n >= 1, \"kernels\": str, "
+                         f"\"step_cost\": [[rows, ms], ...], \"adapter_cost\": ms}}, got {entries!r:.200}")
+    return entries
+
+
+def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str,
+                     where: os.PathLike | str = SPACE_CONFIG) -> tuple[DecodeConfig, dict | None]:
+    """A dynamic tree priced by the step-cost curve the adapter stores for ``threads`` CPU threads
+    and ``kernels`` (:func:`stored_step_costs`): a curve measured at 1 thread prices rows wrong at 2
+    (issue 44). Apply it after any layout flags, so ``--tree dynamic`` over a static stored layout
+    is priced too.
+
+    Returns:
+        (the layout, the setup its curve was measured with: this one when a stored curve applied,
+        else the adapter's ``"step_cost_setup"`` or None). Layouts other than the dynamic tree
+        price no rows by a curve and come back unchanged, with None.
+
+    Raises:
+        ValueError: a malformed ``step_costs`` entry (``where`` names the file).
+    """
+    if decode.tree != "dynamic":
+        return decode, None
+    entry = next((e for e in stored_step_costs(cfg, where) if (e["threads"], e["kernels"]) == (threads, kernels)), None)
+    if entry is None:
+        return decode, cfg.get("step_cost_setup")
+    try:
+        priced = decode.override(step_cost=tuple(map(tuple, entry["step_cost"])),
+                                 adapter_cost=entry.get("adapter_cost") or 0.0)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: bad step_costs entry for {threads} threads, {kernels} kernels: {e}") from None
+    return priced, {"threads": threads, "kernels": kernels}
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
                           kernels: str | None = None) -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
-    trained k with the paper's k+1 groups.
-
-    With ``threads`` and ``kernels``, a dynamic tree prices its rows by the curve stored for that
-    setup (:func:`stored_step_cost`) when there is one: a curve measured at 1 thread prices rows
-    wrong at 2 (issue 44). Else by the ``"decode"`` entry's own curve.
+    trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, a dynamic tree priced
+    by the curve stored for that setup (:func:`priced_for_setup`), else by the entry's own.
 
     Raises:
         ValueError: a malformed ``decode`` or ``step_costs`` entry (``where`` names the file).
     """
     try:
         decode = DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
-        entry = stored_step_cost(cfg, threads, kernels) if decode.tree == "dynamic" and threads else None
-        if entry is not None:
-            decode = decode.override(step_cost=tuple(map(tuple, entry["step_cost"])),
-                                     adapter_cost=entry.get("adapter_cost", 0.0))
-        return decode
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{where}: bad decode settings: {e}") from None
+    return priced_for_setup(decode, cfg, threads, kernels, where)[0] if threads else decode
 
 
 def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:

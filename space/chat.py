@@ -197,14 +197,13 @@ def adapter_path(args) -> str | Path | None:
 
 def load(args) -> tuple:
     """(model, tokenizer, decoder) from the parsed flags; the adapter's layout, flags on top."""
-    from .cpu_kernels import apply_kernels
     from .decoding import DEFAULT_MASK_NUM, DecodeConfig, SpaceDecoder
     from .decoding.tree import tree_flag
     from .loader import load_space
 
+    # the kernels at load: a dynamic tree is priced by the adapter's curve for these kernels and threads
     model, tok, spec = load_space(args.model, adapter_path(args), args.mask_num or DEFAULT_MASK_NUM,
-                                  device=args.device)
-    apply_kernels(model, args.kernels)
+                                  device=args.device, kernels=args.kernels)
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
         tree=tree_flag(args.tree, args.mask_num))

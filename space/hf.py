@@ -33,9 +33,9 @@ length-dependent ones (``min_length``, ``min_new_tokens``, ``forced_eos_token_id
 Near the end of the context, where plain ``generate`` warns and goes on past the model's
 ``max_position_embeddings``, SPACE warns and stops each row at the context.
 
-On CPU, load with ``load_space(..., kernels="fast")`` (or call
-``space.cpu_kernels.apply_kernels(model, "fast")``): plain ``generate`` and SPACE then both use
-oneDNN-prepacked linears, and SPACE's many-row steps cost little more than one-row steps.
+On CPU, load with ``load_space(..., kernels="fast")``: plain ``generate`` and SPACE then both use
+the faster of MKL and oneDNN per row count, SPACE's many-row steps cost little more than one-row
+steps, and a dynamic tree is priced by the adapter's step-cost curve for those kernels.
 Flash attention takes no 4-D mask: models loaded with it are refused (use ``sdpa``).
 """
 from __future__ import annotations

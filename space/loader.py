@@ -51,7 +51,9 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             43); ``SpaceDecoder`` and ``ar_generate`` then preallocate their KV caches.
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
-    returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``.
+    returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``;
+    a dynamic tree is priced by the step-cost curve the adapter stores for ``kernels`` and
+    ``torch.get_num_threads()`` at load (``space.artifact.priced_for_setup``), else by its own.
 
     Returns:
         (model, tokenizer, MaskSpec): a plain HF model in every case. A lora adapter is merged

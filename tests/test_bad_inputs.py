@@ -26,6 +26,10 @@ from space.layout_cli import cli as layout_cli
 from space.train.__main__ import cli as train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
+# these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning
+# (space.loader.load_space) is expected here; tests/test_load_space.py checks it with pytest.warns
+pytestmark = pytest.mark.filterwarnings("ignore:tiny-random-llama has no SPACE mask token:UserWarning")
+
 ENTRY = {"space-eval": eval_cli, "space-train": train_cli, "space-layout": layout_cli, "space-distill": distill_cli}
 EVAL = ["--model", "tiny-random-llama", "--out", "{tmp}/out"]
 TRAIN = ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", "{tmp}/train", "--max_steps", "1"]
@@ -506,9 +510,6 @@ def test_damaged_adapter_file_is_one_line_error(tiny_adapter, tmp_path, capsys, 
 
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder  # noqa: E402  (this section's API)
 
-# these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning
-# (space.loader.load_space) is expected here; tests/test_load_space.py checks it with pytest.warns
-pytestmark = pytest.mark.filterwarnings("ignore:tiny-random-llama has no SPACE mask token:UserWarning")
 
 NAN, INF = float("nan"), float("inf")
 DECODING_CONFIG_CASES = [

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # docs/history.md names past runs that are no longer in results/ (it says at which commit to read them)
 DOCS = [ROOT / "README.md", *sorted(ROOT.glob("adapters/*/README.md")),
         *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "history.md")]
-CODE = [*sorted((ROOT / "space").rglob("*.py")), *sorted((ROOT / "scripts").glob("*")),
+CODE = [*sorted((ROOT / "space").rglob("*.py")), *sorted(p for p in (ROOT / "scripts").glob("*") if p.is_file()),
         *sorted(p for p in (ROOT / "configs").rglob("*") if p.is_file()), ROOT / "run_eval.sh"]
 RESULTS_PATH = re.compile(r"results/[A-Za-z0-9_.\-/]*[A-Za-z0-9_\-/]")
 

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
     import transformers
 
-    from ..artifact import adapter_decode_config, git_commit, stored_step_cost
+    from ..artifact import adapter_decode_config, git_commit, priced_for_setup
     from ..cpu_kernels import apply_kernels
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
     from ..decoding.compiled import compile_trunk
@@ -219,22 +219,19 @@ def main(argv: list[str] | None = None) -> dict | None:
     kernel_paths = kernels.pop("stock_rows", None)  # timed on this machine: recorded, not a resume key
     if args.compile:
         compile_trunk(model)
-    # the adapter's tuned layout (space_config.json "decode", a dynamic tree priced by the curve stored
-    # for this run's threads and kernels), then the flags given on top of it
+    # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a
+    # dynamic tree priced by the curve the adapter stores for this run's threads and kernels
     threads = torch.get_num_threads()
     where = Path(args.adapter) / "space_config.json" if args.adapter else None
     adapter_cfg = read_record(where) if where else {}
-    tuned = (adapter_decode_config(adapter_cfg, where, threads, args.kernels) if where
-             else DecodeConfig.of_model(model, spec.mask_num))
+    tuned = adapter_decode_config(adapter_cfg, where) if where else DecodeConfig.of_model(model, spec.mask_num)
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
                             tree=tree_flag(args.tree, args.mask_num))
+    decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "")
     decoder = SpaceDecoder(model, spec, decode)
     from .tree_search import step_cost_mismatch
 
-    setup = ({"threads": threads, "kernels": args.kernels} if stored_step_cost(adapter_cfg, threads, args.kernels)
-             else adapter_cfg.get("step_cost_setup"))
-    mismatch = (step_cost_mismatch(setup, threads, args.kernels, args.compile)
-                if decode.tree == "dynamic" else None)
+    mismatch = step_cost_mismatch(setup, threads, args.kernels, args.compile) if decode.tree == "dynamic" else None
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
     context = model.config.max_position_embeddings

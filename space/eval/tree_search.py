@@ -292,8 +292,12 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     A dynamic layout's curve and adapter cost are also kept in ``"step_costs"``, one entry per
     (threads, kernels), replacing only the entry of the same setup: a curve written at 2 threads
     leaves the 1-thread one, and ``load_space`` / ``space-eval`` price rows by the entry of their
-    own setup (``artifact.adapter_decode_config``)."""
-    from ..artifact import SPACE_CONFIG
+    own setup (``artifact.priced_for_setup``).
+
+    Raises:
+        ValueError: the file's ``step_costs`` is malformed (``artifact.stored_step_costs``).
+    """
+    from ..artifact import SPACE_CONFIG, stored_step_costs
 
     path = adapter / SPACE_CONFIG
     cfg = json.loads(path.read_text())
@@ -302,8 +306,8 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
         cfg["step_cost_setup"] = setup
         entry = {"threads": setup["threads"], "kernels": setup["kernels"], "step_cost": cfg["decode"]["step_cost"],
                  "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
-        others = [e for e in cfg.get("step_costs", [])
-                  if (e.get("threads"), e.get("kernels")) != (entry["threads"], entry["kernels"])]
+        others = [e for e in stored_step_costs(cfg, path)
+                  if (e["threads"], e["kernels"]) != (entry["threads"], entry["kernels"])]
         cfg["step_costs"] = sorted(others + [entry], key=lambda e: (e["kernels"], e["threads"]))
     else:
         cfg.pop("step_cost_setup", None)

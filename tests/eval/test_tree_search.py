@@ -175,7 +175,7 @@ def test_one_stored_curve_per_threads_and_kernels(tmp_path):
     """Issue 44: space-tree --write-adapter keeps one curve per (threads, kernels); a later curve
     replaces only its own setup's; the adapter's hash ignores them; and a dynamic tree loads the
     curve of the run's own setup, else the "decode" entry's."""
-    from space.artifact import adapter_decode_config, stored_step_cost
+    from space.artifact import adapter_decode_config, priced_for_setup, stored_step_costs
     from space.eval.resume import adapter_sha256
 
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
@@ -186,7 +186,7 @@ def test_one_stored_curve_per_threads_and_kernels(tmp_path):
     write_decode(tmp_path, {**dynamic, "adapter_cost": 0.9}, {1: 0.003, 8: 0.005}, setup={"threads": 2, "kernels": "fast"})
     cfg = json.loads((tmp_path / "space_config.json").read_text())
     assert [(e["threads"], e["kernels"], e["adapter_cost"]) for e in cfg["step_costs"]] == [(1, "fast", 0.5), (2, "fast", 0.9)]
-    assert stored_step_cost(cfg, 2, "stock") is None and stored_step_cost(cfg, 3, "fast") is None
+    assert len(stored_step_costs(cfg)) == 2
     assert adapter_sha256(tmp_path) == before
     one = adapter_decode_config(cfg, threads=1, kernels="fast")
     assert one.step_cost == ((1, 1.0), (8, 4.0)) and one.adapter_cost == 0.5
@@ -195,28 +195,40 @@ def test_one_stored_curve_per_threads_and_kernels(tmp_path):
     # no curve for this setup: the "decode" entry's own (the last written), as before issue 44
     assert adapter_decode_config(cfg, threads=4, kernels="fast").step_cost == two.step_cost
     cfg["decode"] = {**cfg["decode"], "tree": [[0], [1]]}  # a static layout prices no rows by a curve
-    assert adapter_decode_config(cfg, threads=1, kernels="fast").step_cost == two.step_cost
+    static = adapter_decode_config(cfg, threads=1, kernels="fast")
+    assert static.step_cost == two.step_cost
+    # --tree dynamic over the static stored layout: priced after the flag, with the setup it names
+    priced, setup = priced_for_setup(static.override(tree="dynamic"), cfg, 1, "fast")
+    assert priced.step_cost == one.step_cost and setup == {"threads": 1, "kernels": "fast"}
+    unpriced, setup = priced_for_setup(static.override(tree="dynamic"), cfg, 1, "stock")
+    assert unpriced.step_cost == two.step_cost and setup == {"threads": 2, "kernels": "fast"}  # warns in space-eval
     cfg["step_costs"][0]["step_cost"] = [[1, -1.0]]
-    cfg["decode"]["tree"] = "dynamic"
-    with pytest.raises(ValueError, match="bad decode settings"):
-        adapter_decode_config(cfg, "x/space_config.json", threads=1, kernels="fast")
+    with pytest.raises(ValueError, match="x/space_config.json: bad step_costs entry for 1 threads"):
+        priced_for_setup(priced, cfg, 1, "fast", "x/space_config.json")
+    for bad in (None, 3, [{"threads": "2", "kernels": "fast", "step_cost": []}], [{"threads": 1}]):
+        with pytest.raises(ValueError, match="bad step_costs"):
+            priced_for_setup(priced, {**cfg, "step_costs": bad}, 1, "fast")
+        (tmp_path / "space_config.json").write_text(json.dumps({**cfg, "step_costs": bad}))
+        with pytest.raises(ValueError, match="bad step_costs"):  # space-tree refuses to extend it
+            write_decode(tmp_path, dynamic, {1: 0.001}, setup={"threads": 1, "kernels": "fast"})
 
 
 def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
-    """space-eval on the shipped adapter with curves stored for 1 and 2 threads: the run at 1 thread
-    decodes with (and records) the 1-thread curve, and does not warn about a mismatch."""
+    """space-eval on the shipped adapter with curves stored for 1 and 2 threads and the fast kernels:
+    the run at 1 thread decodes with (and records) the 1-thread curve, and does not warn about a
+    mismatch (load_space itself loads with the stock kernels, so the eval must choose the curve)."""
     from space.eval.__main__ import main as eval_main
 
     adapter = tmp_path / "adapter"
     shutil.copytree(SHIPPED, adapter)
     decode = json.loads((adapter / "space_config.json").read_text())["decode"]
     for threads, curve in ((1, {1: 0.05, 32: 0.15}), (2, {1: 0.04, 32: 0.09})):
-        write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup={"threads": threads, "kernels": "stock"})
+        write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup={"threads": threads, "kernels": "fast"})
     eval_main(["--adapter", str(adapter), "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "8",
-               "--methods", "space", "--kernels", "stock", "--threads", "1", "--out", str(tmp_path / "run")])
+               "--methods", "space", "--threads", "1", "--out", str(tmp_path / "run")])
     meta = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert meta["step_cost"] == [[1, 50.0], [32, 150.0]] and meta["adapter_cost"] == 5.0
-    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "stock"}
+    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast"}
     assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
 
 
