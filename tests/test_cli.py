@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module", ["space.eval", "space.train", "space.distill", "space.masking", "space.eval.probe"])
+@pytest.mark.parametrize("module", ["space.eval", "space.train", "space.distill", "space.layout_cli", "space.eval.probe"])
 def test_module_help(module):
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "usage" in out.stdout.lower(), out.stderr[-500:]
