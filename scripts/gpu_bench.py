@@ -1,4 +1,4 @@
-"""GPU measurements of issue 45, one JSON file per subcommand (``results/gpu_h100/``).
+"""GPU measurements of issues 45 and 43, one JSON file per subcommand (``results/gpu_h200/``, ``results/gpu_compiled/``).
 
 * ``step-cost``: latency of one SPACE-like forward against its query rows (1, 2, 4 ... 128) after
   a cache of 512 and 2,048 tokens, at a real shape with random weights (``smollm2``: 30 layers,
@@ -9,6 +9,10 @@
   step's kernel times, read by ``torch.profiler`` in a second, profiled run), for AR and SPACE
   layouts; ``1 - busy / wall`` is the share of the step the GPU waits for the host. On a random
   model of a real shape (``--shape``) or on the real SmolLM2 with an adapter (``--adapter``).
+
+``step-cost`` and ``host-time`` take ``--compile [default|reduce-overhead]``: the same measurement
+again with the trunk compiled (``space.decoding.compiled.compile_trunk``; reduce-overhead adds CUDA
+graphs) over a preallocated cache, after the eager one, in the same process.
 * ``train``: SAR-SFT throughput (real tokens per second) and peak GPU memory of a random 1B-class
   Llama (22 layers, hidden 2048, TinyLlama's shape) through ``SpaceTrainer``, bf16 autocast,
   frozen-base or full.
@@ -96,19 +100,27 @@ def random_model(shape: str, dtype: torch.dtype, mask_num: int = 3, lora: bool =
 
 
 def cmd_step_cost(args) -> dict:
+    from space.decoding.compiled import compile_trunk
     from space.eval.tree_search import step_cost_curve
 
     dtype = getattr(torch, args.dtype)
     model, _ = random_model(args.shape, dtype)
     rows = [int(r) for r in args.rows.split(",")]
-    out = {"shape": args.shape, "dtype": args.dtype, "attention": "sdpa", "lora_r": LORA_R, "compiled": False,
+    out = {"shape": args.shape, "dtype": args.dtype, "attention": "sdpa", "lora_r": LORA_R, "compiled": args.compile,
            "repeats": args.repeats, "curves": {}}
-    for cache_len in (int(c) for c in args.caches.split(",")):
-        curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats)
-        out["curves"][str(cache_len)] = {str(q): round(s * 1e3, 4) for q, s in curve.items()}
-        ar = curve[1]
-        print(f"step-cost {args.shape} cache {cache_len}: " +
-              ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / ar:.2f}x)" for q, s in curve.items()), flush=True)
+    setups = ["eager"] + ([f"compiled {args.compile}"] if args.compile else [])
+    for setup in setups:
+        if setup != "eager":  # a compiled trunk runs over a preallocated cache, as the decoder then does
+            compile_trunk(model, mode=None if args.compile == "default" else args.compile)
+        for cache_len in (int(c) for c in args.caches.split(",")):
+            t0 = time.perf_counter()
+            curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats, static=setup != "eager")
+            key = str(cache_len) if setup == "eager" else f"{setup}, {cache_len}"
+            out["curves"][key] = {str(q): round(s * 1e3, 4) for q, s in curve.items()}
+            out.setdefault("seconds", {})[key] = round(time.perf_counter() - t0, 1)  # a compiled one's includes compiling
+            ar = curve[1]
+            print(f"step-cost {args.shape} {setup} cache {cache_len}: " +
+                  ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / ar:.2f}x)" for q, s in curve.items()), flush=True)
     return out
 
 
@@ -130,7 +142,8 @@ def gpu_busy_ms(fn) -> float:
 
 
 def cmd_host_time(args) -> dict:
-    from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+    from space.decoding import DecodeConfig, SpaceDecoder
+    from space.decoding.compiled import compile_trunk
 
     dtype = getattr(torch, args.dtype)
     if args.adapter:
@@ -151,32 +164,52 @@ def cmd_host_time(args) -> dict:
                    "static tree": DecodeConfig(2, 2, tree=((0,), (1,), (0, 0), (0, 1))),
                    "dynamic + lookup 10": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10)}
         what = f"random {args.shape}"
+    if args.layouts:
+        unknown = set(args.layouts.split(",")) - set(layouts)
+        if unknown:
+            raise SystemExit(f"--layouts: unknown {sorted(unknown)}; known: {sorted(layouts)}")
+        layouts = {name: layouts[name] for name in args.layouts.split(",")}
     out = {"model": what, "dtype": args.dtype, "new_tokens": args.new_tokens, "layouts": {}}
-    for name, cfg in layouts.items():
-        if cfg is None:
-            def run(p, n):
-                return ar_generate(model, p, n, suppress_ids=spec.token_ids)
-        else:
-            def run(p, n, dec=SpaceDecoder(model, spec, cfg)):
-                return dec.generate(p, n)
-        run(prompts[0], args.new_tokens)  # warm
-        walls, steps, tokens, busy, rows = [], 0, 0, 0.0, []
-        for p in prompts:
-            res = run(p, args.new_tokens)
-            walls += res.step_times[1:]  # step 0 holds the prefill
-            steps, tokens, rows = steps + res.num_steps - 1, tokens + len(res.new_ids), rows + res.step_rows[1:]
-            # the steps' kernels: a whole generation's less a prefill-only one's
-            busy += gpu_busy_ms(lambda: run(p, args.new_tokens)) - gpu_busy_ms(lambda: run(p, 1))
-        mean_wall_ms, busy_ms = statistics.fmean(walls) * 1e3, busy / steps
-        entry = {"median_step_ms": round(statistics.median(walls) * 1e3, 3), "mean_step_ms": round(mean_wall_ms, 3),
-                 "gpu_busy_ms_per_step": round(busy_ms, 3),
-                 "host_share": round(max(0.0, 1 - busy_ms / mean_wall_ms), 3),
-                 "tokens_per_step": round(tokens / (steps + len(prompts)), 3), "steps": steps,
-                 "mean_rows": round(statistics.fmean(rows), 2) if rows else 1,
-                 "tokens_per_s": round(tokens / sum(walls), 1)}
-        out["layouts"][name] = entry
-        print(f"host-time {what} {name}: {entry}", flush=True)
+    for setup in ["eager"] + ([f"compiled {args.compile}"] if args.compile else []):
+        if setup != "eager":  # AR and SPACE over the same compiled trunk, each with a preallocated cache
+            compile_trunk(model, mode=None if args.compile == "default" else args.compile)
+        for name, cfg in layouts.items():
+            key = name if setup == "eager" else f"{name}, {setup}"
+            out["layouts"][key] = entry = host_time(model, spec, cfg, prompts, args.new_tokens)
+            print(f"host-time {what} {key}: {entry}", flush=True)
     return out
+
+
+def host_time(model, spec, cfg, prompts: list, new_tokens: int) -> dict:
+    """Wall time per step against the GPU's busy time per step, over ``prompts``: AR (``cfg`` None)
+    or SPACE with ``cfg``. The first generation is a warm-up (it compiles a compiled trunk's shapes;
+    its seconds are ``warm_s``)."""
+    from space.decoding import SpaceDecoder, ar_generate
+
+    if cfg is None:
+        def run(p, n):
+            return ar_generate(model, p, n, suppress_ids=spec.token_ids)
+    else:
+        def run(p, n, dec=SpaceDecoder(model, spec, cfg)):
+            return dec.generate(p, n)
+    t0 = time.perf_counter()
+    for p in prompts[:2]:  # warm: the second prompt meets shapes (e.g. cache sizes) the first did not
+        run(p, new_tokens)
+    warm_s = time.perf_counter() - t0
+    walls, steps, tokens, busy, rows = [], 0, 0, 0.0, []
+    for p in prompts:
+        res = run(p, new_tokens)
+        walls += res.step_times[1:]  # step 0 holds the prefill
+        steps, tokens, rows = steps + res.num_steps - 1, tokens + len(res.new_ids), rows + res.step_rows[1:]
+        # the steps' kernels: a whole generation's less a prefill-only one's
+        busy += gpu_busy_ms(lambda: run(p, new_tokens)) - gpu_busy_ms(lambda: run(p, 1))
+    mean_wall_ms, busy_ms = statistics.fmean(walls) * 1e3, busy / steps
+    return {"median_step_ms": round(statistics.median(walls) * 1e3, 3), "mean_step_ms": round(mean_wall_ms, 3),
+            "gpu_busy_ms_per_step": round(busy_ms, 3),
+            "host_share": round(max(0.0, 1 - busy_ms / mean_wall_ms), 3),
+            "tokens_per_step": round(tokens / (steps + len(prompts)), 3), "steps": steps,
+            "mean_rows": round(statistics.fmean(rows), 2) if rows else 1,
+            "tokens_per_s": round(tokens / sum(walls), 1), "warm_s": round(warm_s, 1)}
 
 
 def cmd_train(args) -> dict:
@@ -249,6 +282,11 @@ def main(argv=None) -> dict:
     h.add_argument("--prompt-len", type=int, default=200)
     h.add_argument("--new-tokens", type=int, default=128)
     h.add_argument("--dtype", default="bfloat16")
+    h.add_argument("--layouts", help="comma-separated names of the layouts to time (default: all)")
+    for sp in (s, h):
+        sp.add_argument("--compile", nargs="?", const="default", choices=["default", "reduce-overhead"],
+                        help="then the same with the trunk compiled (space.decoding.compiled.compile_trunk; "
+                             "reduce-overhead: with CUDA graphs)")
     t = sub.add_parser("train", help="SAR-SFT tokens/s and peak memory of a random 1B-class Llama")
     t.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
     t.add_argument("--mode", choices=["frozen-base", "full"], default="frozen-base")

