@@ -20,6 +20,10 @@ are host tensors. It then counts, by kind:
   ``new_tensor``, ``.to(device)`` or ``copy_`` of a host tensor, a device tensor indexed by a
   Python list or a host tensor, host data written into a device tensor).
 
+``.to(device, non_blocking=True)`` of a host tensor is not counted: the copy is queued on the
+stream and the host goes on (``space.decoding.decoder.upload`` pins the tensor first on CUDA, as a
+non-blocking copy wants); it is tallied in ``queued``.
+
 Checked against CUDA's own count (``torch.cuda.set_sync_debug_mode``) on an H200, issue 45: the
 marginal syncs per step of the chain, static tree, lookup and dynamic layouts agree (a
 ``logits[:, list] = -inf`` that this counter missed before was 1-2 of them per step).
@@ -56,6 +60,7 @@ class SyncCounter(TorchFunctionMode):
             self._mark_held(holder, depth=4)
         self.kinds: Counter[str] = Counter()
         self.where: Counter[str] = Counter()
+        self.queued = 0  # non-blocking uploads: not syncs
 
     @property
     def total(self) -> int:
@@ -118,7 +123,10 @@ class SyncCounter(TorchFunctionMode):
         elif name in UPLOADS and explicit and not (args and self.is_device(args[0])):
             self._count("upload", name)
         elif name == "to" and not on_device and _names_device(args[1:], kwargs):
-            self._count("upload", "to")
+            if kwargs.get("non_blocking"):
+                self.queued += 1
+            else:
+                self._count("upload", "to")
         out = func(*args, **kwargs)
         if on_device or explicit or name == "to" and _names_device(args[1:], kwargs):
             for t in tree_flatten(out)[0]:

@@ -156,6 +156,15 @@ def provenance(parents: tuple[int, ...], sources: tuple[int, ...], tokens: list[
     return "".join(" mlb"[by_path[paths[r]]] for r in path), offered[0], offered[1]
 
 
+def upload(values, device: torch.device) -> torch.Tensor:
+    """Host integers as a (len,) long tensor on ``device`` without making the host wait (issue
+    43): on CUDA the copy goes from pinned memory and is queued on the stream (a plain
+    ``torch.tensor(..., device=)`` synchronizes), elsewhere it is a plain copy. The kernels that
+    read it run after it on the same stream."""
+    host = torch.tensor(values, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device, non_blocking=True)
+
+
 def check_attention(model, caller: str = "SpaceDecoder") -> None:
     """Refuse attention implementations that ignore a 4-D mask: every SPACE step's layout is one,
     and so is every SAR-SFT batch (``space.train.trainer.forward_mask``).
@@ -522,7 +531,7 @@ class SpaceDecoder:
         lay, index = self._static[key]
         tokens = drafts.nodes[: len(tree)] if drafts.nodes is not None else drafts.ids.reshape(-1)[index]
         if found:
-            tokens = torch.cat([tokens, torch.tensor(found, device=self.device)])
+            tokens = torch.cat([tokens, upload(found, self.device)])
         return lay, tokens, (MASK,) * len(tree) + (LOOKUP,) * len(found)
 
     def block_layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int,
@@ -534,8 +543,8 @@ class SpaceDecoder:
         key = (tuple(parents), tuple(group_rows), tuple(group_len), rows)
         if key in self._layouts:  # a tree shape seen before (most are): only its tokens go up
             self._layouts[key] = self._layouts.pop(key)  # most recently used last
-            return self._layouts[key], torch.tensor(tokens, dtype=torch.long, device=dev)
-        plan = torch.tensor([*parents, *(r + 1 for r in group_rows), *group_len, *tokens], dtype=torch.long, device=dev)
+            return self._layouts[key], upload(tokens, dev)
+        plan = upload([*parents, *(r + 1 for r in group_rows), *group_len, *tokens], dev)
         par, ctx, lens, node_tokens = plan.split([n1, G, G, len(tokens)])
         lay = build_layout(0, n1, ctx, list(group_len), parents=par, pad_to=rows, device=dev, lens=lens)
         if len(self._layouts) >= LAYOUT_CACHE:
@@ -618,7 +627,7 @@ class SpaceDecoder:
         """Per verification row i, x_0..x_{n-1} and i's path (what a logits processor sees as AR
         would): every row's context in one upload, split into views on the device."""
         rows = [seq + [host_tokens[r - 1] for r in lay.path(i)] for i in range(lay.num_real)]
-        return torch.tensor([t for row in rows for t in row], device=self.device).split([len(r) for r in rows])
+        return upload([t for row in rows for t in row], self.device).split([len(r) for r in rows])
 
     def _verify(self, lay: StepLayout, target: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None,
                 sampling: SamplingConfig, gen, host_tokens: list[int] | None):

@@ -10,13 +10,17 @@ Budgets measured today and asserted here (per generation, decoder warm, model on
 
 * chain, static tree: one read per step; besides, per generation, the prompt's upload and the
   KV cache's first allocation (2 per layer, transformers' lazy ``DynamicLayer``);
-* static tree + prompt lookup: also one upload per step that found lookup candidates (they come
-  from the host); the issue's target of 1 per step needs the lookup on the device (not done);
-* a logits processor: one read of the nodes and one upload of every verification row's context
-  per step (it was one upload per row);
-* dynamic tree + lookup: the planner's copy of the drafts, the verification copy, and one upload
-  of the plan: 3 per step, against the issue's target of 2 (the plan's upload could be a
-  non-blocking copy from pinned memory on CUDA, which this CPU counter cannot tell apart).
+* static tree + prompt lookup: the same one read; the lookup candidates, found on the host, go up
+  in a non-blocking copy (``decoder.upload``: pinned memory on CUDA), which the host does not wait
+  for (it was one synchronizing upload per step that found candidates: 1.58 syncs per step by
+  CUDA's count, ``results/gpu_compiled``);
+* a logits processor: one read of the nodes per step besides verification's, and every
+  verification row's context in one non-blocking upload (it was one upload per row);
+* dynamic tree + lookup: the planner's read of the drafts and the verification read, 2 per step;
+  the plan goes up non-blocking (it was 2.55 per step by CUDA's count, with the plan's upload).
+
+The non-blocking uploads are this change's claim, counted here; CUDA's own count of them is
+``tests/test_cuda.py::test_sync_budget_seen_by_cuda``, not yet run on a GPU since.
 
 The counter was checked against CUDA's own count (``torch.cuda.set_sync_debug_mode``) on an H200
 (issue 45): before these fixes CUDA saw 2.98 / 2.00 / 2.58 / 7.55 syncs per step for the chain,
@@ -58,15 +62,16 @@ def test_greedy_step_reads_the_device_once(trained, config, static):
     assert syncs.total <= out.num_steps + per_generation, syncs.where
 
 
-def test_lookup_adds_at_most_one_upload_per_step(trained):
+def test_lookup_step_reads_the_device_once(trained):
     syncs, out, per_generation = count(trained, DecodeConfig(2, 2, tree=STATIC_TREE, lookup_tokens=10))
     assert syncs.kinds["read"] == out.num_steps, syncs.where
-    assert syncs.total <= 2 * out.num_steps + per_generation, syncs.where
+    assert syncs.total <= out.num_steps + per_generation, syncs.where
+    assert syncs.queued >= 1  # the candidates went up, without a wait
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(3, 4), DecodeConfig(2, 2, tree=STATIC_TREE)],
                          ids=["chain k3", "static tree"])
-def test_logits_processor_uploads_once_per_step(trained, config):
+def test_logits_processor_uploads_without_a_wait(trained, config):
     """A logits processor needs every verification row's context (x_0..x_{n-1} and the row's
     path) on the device: one upload for all rows, split into views (it was one per row, and one
     more for the drafting group's context), plus the nodes' read that builds those contexts."""
@@ -75,19 +80,19 @@ def test_logits_processor_uploads_once_per_step(trained, config):
     processor = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty=1.5)])
     syncs, out, per_generation = count(trained, config, processor=processor)
     assert syncs.kinds["read"] == 2 * out.num_steps, syncs.where
-    assert syncs.kinds["upload"] <= out.num_steps + per_generation, syncs.where
+    assert syncs.kinds["upload"] <= per_generation and syncs.queued >= out.num_steps, syncs.where
     assert syncs.kinds["index"] == syncs.kinds["shape"] == 0, syncs.where
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic cache", "static cache"])
 def test_dynamic_tree_sync_budget(trained, static):
-    """Two reads (the planner's drafts, the verification) and one upload of the whole plan
-    (parents, group anchors and lengths, node tokens, split into views on the device): it was
-    five uploads, and 7.55 syncs per step by CUDA's own count (issue 45)."""
+    """Two reads (the planner's drafts, the verification) and one non-blocking upload of the whole
+    plan (parents, group anchors and lengths, node tokens, split into views on the device): it was
+    five uploads, and 7.55 syncs per step by CUDA's own count (issue 45), then 2.55."""
     syncs, out, per_generation = count(trained, DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10), static=static)
     assert syncs.kinds["read"] == 2 * out.num_steps, syncs.where
-    assert syncs.kinds["upload"] <= out.num_steps + per_generation, syncs.where
-    assert syncs.total <= 3 * out.num_steps + per_generation, syncs.where
+    assert syncs.kinds["upload"] <= per_generation and syncs.queued >= out.num_steps, syncs.where
+    assert syncs.total <= 2 * out.num_steps + per_generation, syncs.where
 
 
 def test_counter_sees_what_cuda_would_sync(tiny):
@@ -108,7 +113,9 @@ def test_counter_sees_what_cuda_would_sync(tiny):
         y.index_fill_(0, x.argmax(0, keepdim=True), 0.0)  # the scalar travels as a kernel argument: free
         y[:2] = x[2:]  # device to device: free
         y.copy_(host.float().repeat(2)[:4])  # host data into a device tensor
+        host.to(x.device, non_blocking=True)  # queued on the stream: the host does not wait
     assert dict(syncs.kinds) == {"read": 1, "upload": 5, "index": 1, "shape": 1}, syncs.where
+    assert syncs.queued == 1
 
 
 def test_sampling_sync_budget(trained):
