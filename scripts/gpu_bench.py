@@ -9,13 +9,13 @@
   step's kernel times, read by ``torch.profiler`` in a second, profiled run), for AR and SPACE
   layouts; ``1 - busy / wall`` is the share of the step the GPU waits for the host. On a random
   model of a real shape (``--shape``) or on the real SmolLM2 with an adapter (``--adapter``).
+* ``train``: SAR-SFT throughput (real tokens per second) and peak GPU memory of a random 1B-class
+  Llama (22 layers, hidden 2048, TinyLlama's shape) through ``SpaceTrainer``, bf16 autocast,
+  frozen-base or full.
 
 ``step-cost`` and ``host-time`` take ``--compile [default|reduce-overhead]``: the same measurement
 again with the trunk compiled (``space.decoding.compiled.compile_trunk``; reduce-overhead adds CUDA
 graphs) over a preallocated cache, after the eager one, in the same process.
-* ``train``: SAR-SFT throughput (real tokens per second) and peak GPU memory of a random 1B-class
-  Llama (22 layers, hidden 2048, TinyLlama's shape) through ``SpaceTrainer``, bf16 autocast,
-  frozen-base or full.
 
 Each prints one line per measurement and writes ``--out`` (JSON). Usage::
 

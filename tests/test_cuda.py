@@ -154,6 +154,20 @@ def test_sync_budget_seen_by_cuda(on_gpu, layout, budget):
     assert per_step <= budget
 
 
+def test_upload_is_queued_behind_the_gpu_work():
+    """``decoder.upload`` returns while a long kernel still runs: the copy went from pinned memory
+    and was queued on the stream (CUDA's sync debug mode does not flag an unpinned non-blocking
+    copy, which can still make the host wait while the driver stages it)."""
+    from space.decoding.decoder import upload
+
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the stream
+    out = upload(list(range(64)), device)
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the sleep
+    assert out.tolist() == list(range(64)) and out.dtype == torch.long
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_trunk_exact_on_cuda(on_gpu, mode):
     """Issue 43, item 4 on CUDA: SPACE over a compiled trunk (inductor, and with CUDA graphs) equals AR

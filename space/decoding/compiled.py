@@ -33,6 +33,7 @@ def compile_trunk(model, mode: str | None = None):
     about a minute per graph at SmolLM2's size on 2 CPU cores), so time a compiled model after a
     warm-up generation. ``mode``: ``torch.compile``'s (None: inductor's default; on CUDA,
     ``"reduce-overhead"`` adds CUDA graphs, one per shape, over the static cache's fixed tensors).
+    A trunk is compiled once: a second call returns ``model`` as it is, whatever its ``mode``.
 
     Raises:
         ValueError: a model without ``get_decoder`` (not a HF causal LM), or with the fast CPU

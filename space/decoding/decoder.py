@@ -159,8 +159,10 @@ def provenance(parents: tuple[int, ...], sources: tuple[int, ...], tokens: list[
 def upload(values, device: torch.device) -> torch.Tensor:
     """Host integers as a (len,) long tensor on ``device`` without making the host wait (issue
     43): on CUDA the copy goes from pinned memory and is queued on the stream (a plain
-    ``torch.tensor(..., device=)`` synchronizes), elsewhere it is a plain copy. The kernels that
-    read it run after it on the same stream."""
+    ``torch.tensor(..., device=)`` synchronizes; PyTorch's pinned-memory allocator keeps the block
+    until the copy is done), and the kernels that read it run after it on the same stream.
+    Elsewhere ``non_blocking`` changes nothing on the CPU; it marks the copy as one CUDA would
+    queue for the sync counter (``tests/syncs.py``)."""
     host = torch.tensor(values, dtype=torch.long)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device, non_blocking=True)
 
@@ -526,7 +528,7 @@ class SpaceDecoder:
             group_rows = ([0] + [row_of[(0,) * d] for d in range(1, groups)]) if groups else []
             lay, _ = self.block_layout(par, group_rows, [k] * groups, len(par) + groups * k)
             R = self.draft_ranks
-            index = torch.tensor([(len(p) - 1) * R + p[-1] for p in tree], dtype=torch.long, device=self.device)
+            index = upload([(len(p) - 1) * R + p[-1] for p in tree], self.device)
             self._static[key] = (lay, index)
         lay, index = self._static[key]
         tokens = drafts.nodes[: len(tree)] if drafts.nodes is not None else drafts.ids.reshape(-1)[index]
@@ -538,7 +540,7 @@ class SpaceDecoder:
                      tokens: list[int] = ()) -> tuple[StepLayout, torch.Tensor]:
         """A planner's block, built: the device tensors of a block (``space.masking.build_layout``: tensor ops, no loop over
         rows) and its node ``tokens`` on the device. The plan (parents, group anchors and lengths,
-        tokens) goes up in one copy, split into views: one host-to-device sync per new layout."""
+        tokens) goes up in one non-blocking copy (:func:`upload`), split into views."""
         dev, n1, G = self.device, len(parents), len(group_rows)
         key = (tuple(parents), tuple(group_rows), tuple(group_len), rows)
         if key in self._layouts:  # a tree shape seen before (most are): only its tokens go up
