@@ -111,7 +111,7 @@ def cmd_step_cost(args) -> dict:
     setups = ["eager"] + ([f"compiled {args.compile}"] if args.compile else [])
     for setup in setups:
         if setup != "eager":  # a compiled trunk runs over a preallocated cache, as the decoder then does
-            compile_trunk(model, mode=None if args.compile == "default" else args.compile)
+            compile_trunk(model, mode=args.compile)
         for cache_len in (int(c) for c in args.caches.split(",")):
             t0 = time.perf_counter()
             curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats, static=setup != "eager")
@@ -172,7 +172,7 @@ def cmd_host_time(args) -> dict:
     out = {"model": what, "dtype": args.dtype, "new_tokens": args.new_tokens, "layouts": {}}
     for setup in ["eager"] + ([f"compiled {args.compile}"] if args.compile else []):
         if setup != "eager":  # AR and SPACE over the same compiled trunk, each with a preallocated cache
-            compile_trunk(model, mode=None if args.compile == "default" else args.compile)
+            compile_trunk(model, mode=args.compile)
         for name, cfg in layouts.items():
             key = name if setup == "eager" else f"{name}, {setup}"
             out["layouts"][key] = entry = host_time(model, spec, cfg, prompts, args.new_tokens)

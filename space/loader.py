@@ -29,7 +29,7 @@ from .tokens import MaskSpec, add_mask_tokens, mask_spec
 
 def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
                dtype="float32", device: str = "cpu", device_map: str | dict | None = None, kernels: str = "stock",
-               compile: bool = False):
+               compile: bool | str = False):
     """Load a model ready for SPACE decoding.
 
     Args:
@@ -48,7 +48,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             ``"stock"`` (default) keeps transformers' kernels, so the model computes bit for bit
             what ``load_model`` gives. Packed weights are for inference only: never train them.
         compile: ``torch.compile`` the trunk after the kernels (``space.decoding.compiled``, issue
-            43); ``SpaceDecoder`` and ``ar_generate`` then preallocate their KV caches.
+            43); ``SpaceDecoder`` and ``ar_generate`` then preallocate their KV caches. True or
+            ``"default"``: inductor's default mode; ``"reduce-overhead"``: with CUDA graphs (a GPU).
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``;
@@ -85,7 +86,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             if device_map is not None:  # the resized embeddings are new modules, without hooks
                 dispatch(base, base.hf_device_map)
         apply_kernels(base, kernels)
-        return (compile_trunk(base) if compile else base), tok, spec
+        return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
     adapter = Path(adapter)
     cfg = read_space_config(adapter)
     if cfg["mode"] == "full":
@@ -113,7 +114,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels).to_dict()
     apply_kernels(base.eval(), kernels)
-    return (compile_trunk(base) if compile else base), tok, spec
+    return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
 
 
 def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..choices import COMPILE_MODES
 from ..cpu_kernels import PackedLinear
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
@@ -31,15 +32,18 @@ def compile_trunk(model, mode: str | None = None):
     """Compile ``model``'s decoder trunk in place (``model.get_decoder().forward``), once; returns
     ``model``. Compilation happens on the first calls of each shape (seconds on the tiny model,
     about a minute per graph at SmolLM2's size on 2 CPU cores), so time a compiled model after a
-    warm-up generation. ``mode``: ``torch.compile``'s (None: inductor's default; on CUDA,
-    ``"reduce-overhead"`` adds CUDA graphs, one per shape, over the static cache's fixed tensors).
-    A trunk is compiled once: a second call returns ``model`` as it is, whatever its ``mode``.
+    warm-up generation. ``mode``: ``torch.compile``'s, one of ``space.choices.COMPILE_MODES``
+    (None or ``"default"``: inductor's default; ``"reduce-overhead"`` adds CUDA graphs on a GPU,
+    one per shape, over the static cache's fixed tensors). A trunk is compiled once: a second call
+    returns ``model`` as it is, whatever its ``mode``.
 
     Raises:
         ValueError: a model without ``get_decoder`` (not a HF causal LM), or with the fast CPU
             kernels applied (``space.cpu_kernels``: inductor cannot lower oneDNN's prepacked
-            linears; it packs the stock ones itself).
+            linears; it packs the stock ones itself), or an unknown ``mode``.
     """
+    if mode not in (None, *COMPILE_MODES):
+        raise ValueError(f"unknown compile mode {mode!r}; choose one of {COMPILE_MODES}")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "get_decoder"):
         raise ValueError(f"compile_trunk needs a HF causal LM with get_decoder(), got {type(base).__name__}")
@@ -48,7 +52,7 @@ def compile_trunk(model, mode: str | None = None):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
     if not is_compiled(base):
-        trunk.forward = torch.compile(trunk.forward, mode=mode)
+        trunk.forward = torch.compile(trunk.forward, mode=None if mode == "default" else mode)
         # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
         # transformers' generate (PLD, HF) all call it (another set of arguments each, static and
         # dynamic variants); past the limit it would run eagerly without a word

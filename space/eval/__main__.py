@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..cli import (HelpFormatter, add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number,
                    check_threads, console, set_threads)
-from ..choices import ALIASES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
+from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
 from .bench import METHODS
 from .resume import adapter_sha256, check_resume, merge_run, read_record, report
 from .shard import Shard, current_shard, join, wait_for_all
@@ -78,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fast (default): oneDNN-packed linears + GQA attention for every method on an fp32 CPU "
                         "(space/cpu_kernels.py); stock: transformers' own kernels (the default with --compile, "
                         "which packs its own)")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                    help="torch.compile the model's trunk for every method, with preallocated KV caches for SPACE and "
-                        "AR (space/decoding/compiled.py, issue 43); the first generations of each shape compile")
+                        "AR (space/decoding/compiled.py, issue 43); the first generations of each shape compile. "
+                        "reduce-overhead: with CUDA graphs, on a GPU (results/gpu_compiled)")
     add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
@@ -218,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     kernels = apply_kernels(model, args.kernels)
     kernel_paths = kernels.pop("stock_rows", None)  # timed on this machine: recorded, not a resume key
     if args.compile:
-        compile_trunk(model)
+        compile_trunk(model, mode=args.compile)
+    compiled = args.compile == "default" or args.compile or False  # True: inductor's default, as older runs recorded
     # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a
     # dynamic tree priced by the curve the adapter stores for this run's threads and kernels
     threads = torch.get_num_threads()
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     decoder = SpaceDecoder(model, spec, decode)
     from .tree_search import step_cost_mismatch
 
-    mismatch = step_cost_mismatch(setup, threads, args.kernels, args.compile) if decode.tree == "dynamic" else None
+    mismatch = step_cost_mismatch(setup, threads, args.kernels, compiled) if decode.tree == "dynamic" else None
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
     context = model.config.max_position_embeddings
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,
             "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
-            "compile": args.compile,
+            "compile": compiled,
             "machine": machine(devices[0]),
             "torch": torch.__version__, "transformers": transformers.__version__, "commits": [git_commit()]}
     if shard:

@@ -72,6 +72,17 @@ def test_space_eval_compile_flag_is_recorded_and_a_resume_key(tmp_path):
         eval_main([*args, "--kernels", "stock"])  # the same run but eager: its timings would mix
     with pytest.raises(ValueError, match="--compile takes --kernels stock"):
         eval_main([*args, "--compile", "--kernels", "fast"])
+    with pytest.raises(ValueError, match="'compile': \\(True, 'reduce-overhead'\\)"):
+        eval_main([*args, "--compile", "reduce-overhead"])  # CUDA graphs: another setup, recorded by its mode
+    with pytest.raises(SystemExit):
+        eval_main([*args, "--compile", "max-speed"])
+
+
+def test_compile_modes(trained):
+    model, *_ = trained
+    with pytest.raises(ValueError, match="unknown compile mode 'max-speed'"):
+        compile_trunk(copy.deepcopy(model), mode="max-speed")
+    assert is_compiled(compile_trunk(copy.deepcopy(model), mode="reduce-overhead"))  # compiles at the first call
 
 
 def test_compiled_frozen_base_reads_the_mask_rows_in_the_graph(monkeypatch):
