@@ -5,11 +5,13 @@ The trunk's ``forward`` is replaced on the instance by its compiled version (ind
 CUDA). Forward hooks stay outside the graph (the decoder's host-time hooks, device-map hooks),
 and so does the LM head, which the decoder runs on selected rows only. A compiled trunk wants
 shapes that repeat: ``SpaceDecoder`` and ``ar_generate`` then default to a preallocated KV cache
-(``cache.static_cache``), whose key length is fixed per generation, and the dynamic tree pads its
-rows to buckets (``dynamic.BUCKETS``). Where the row count or the first mask row still vary
-(static trees pruned near a rejection, lookup branches), dynamo's automatic dynamic shapes make
-one graph with a symbolic size after the second value, rather than one graph per value. Prompts
-run eagerly (:func:`eager`): their lengths would only add graphs, and a prefill runs once.
+(``cache.static_cache``), whose key length is fixed per generation, and every layout pads its
+rows to buckets (``dynamic.BUCKETS``; ``SpaceDecoder(buckets=...)`` for static layouts, whose
+trees are pruned near a rejection and whose lookup branches vary). Where a size still varies (the
+bucket, the first mask row), dynamo's automatic dynamic shapes make one graph with a symbolic size
+after the second value, rather than one graph per value; CUDA graphs (``mode="reduce-overhead"``)
+record one graph per bucket. Prompts run eagerly (:func:`eager`): their lengths would only add
+graphs, and a prefill runs once.
 
 Exactness: a compiled forward computes the same function with other kernels and fusions. SPACE's
 multi-row graphs and AR's one-row graph are different graphs, as SPACE's and AR's eager forwards

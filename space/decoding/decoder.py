@@ -84,7 +84,7 @@ from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
-from .dynamic import DEFAULT_STEP_COST, LOOKUP, MASK, StepCost
+from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
 from .sampling import SamplingConfig, logits_to_probs, sample
@@ -360,6 +360,11 @@ class SpaceDecoder:
             step, shapes that repeat for a compiled forward); False: a growing ``DynamicCache``;
             None: static when the trunk is compiled (``compiled.compile_trunk``). The output is
             the same either way.
+        buckets: pad a static layout's block to a bucket size (``dynamic.BUCKETS``, DESIGN §3.9;
+            padding rows are masked out), so the row counts a compiled forward meets are few (a
+            pruned tree or a short lookup branch would otherwise make a new shape); None: when
+            the trunk is compiled. The dynamic tree always pads to buckets. The same output
+            either way; the records count the padding apart (``DecodeResult.step_padding``).
 
     Raises:
         ValueError: k larger than the model's per-offset mask tokens (mask_diff), a tree rank at or
@@ -372,7 +377,7 @@ class SpaceDecoder:
     """
 
     def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None,
-                 static_cache: bool | None = None):
+                 static_cache: bool | None = None, buckets: bool | None = None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_attention(base)
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
@@ -401,8 +406,11 @@ class SpaceDecoder:
         # the most rows one step's block has: the dynamic tree's budget, else x_{n-1}, the tree,
         # the lookup branch and the groups
         k = self.config.mask_num
+        self.buckets = not self.dynamic and (is_compiled(base) if buckets is None else buckets)
         self.max_rows = self.config.row_budget if self.dynamic else (
             1 + len(self.tree) + self.config.lookup_tokens + self.config.groups * k)
+        if self.buckets:
+            self.max_rows = bucket(self.max_rows, BUCKETS[-1])
         vocab = self.head.weight.shape[0]
         if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
@@ -492,7 +500,7 @@ class SpaceDecoder:
                 found = self._look_up(seq)
                 sources = provenance(lay.parents, block.sources, host_tokens, path)
                 step_s = time.perf_counter() - t0
-                if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,
+                if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows, padding=lay.rows - lay.used_rows,
                             host=step_s - (spent[0] - model0), plan=plan_s, provenance=sources):
                     return res
                 drafts = nxt if nxt is not None else self._no_drafts(pq)
@@ -526,7 +534,8 @@ class SpaceDecoder:
             par = tree_parents(tree) + [0 if i == 0 else len(tree) + i for i in range(len(found))]
             row_of = {p: i + 1 for i, p in enumerate(tree)}
             group_rows = ([0] + [row_of[(0,) * d] for d in range(1, groups)]) if groups else []
-            lay, _ = self.block_layout(par, group_rows, [k] * groups, len(par) + groups * k)
+            rows = len(par) + groups * k
+            lay, _ = self.block_layout(par, group_rows, [k] * groups, bucket(rows, self.max_rows) if self.buckets else rows)
             R = self.draft_ranks
             index = upload([(len(p) - 1) * R + p[-1] for p in tree], self.device)
             self._static[key] = (lay, index)

@@ -36,6 +36,8 @@ class DecodeResult:
         step_tokens: per step (one target forward pass that emits tokens), tokens emitted (1..k+1).
         step_times: per step, wall time in s; ``step_times[0]`` includes the prefill.
         step_rows: per SPACE step, the rows of its block (x_{n-1}, nodes, masks, padding); empty for AR.
+        step_padding: per SPACE step, how many of ``step_rows`` are padding (a block rounded up to a
+            bucket size); empty for AR.
         step_host: per SPACE step, seconds outside the model's forward and LM head: the planner,
             the layout, verification, cache compaction, drafting and lookup (the prefill not
             included). On a CPU the step's host work; on a GPU it also holds the wait for the
@@ -57,6 +59,7 @@ class DecodeResult:
     step_tokens: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     step_rows: list[int] = field(default_factory=list)
+    step_padding: list[int] = field(default_factory=list)
     step_host: list[float] = field(default_factory=list)
     step_plan: list[float] = field(default_factory=list)
     step_sources: list[str] = field(default_factory=list)
@@ -65,14 +68,14 @@ class DecodeResult:
 
     def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
              candidates: int | None = None, rows: int | None = None, host: float | None = None,
-             plan: float | None = None, provenance: tuple[str, int, int] | None = None) -> bool:
+             plan: float | None = None, provenance: tuple[str, int, int] | None = None, padding: int = 0) -> bool:
         """Record one step's tokens, cut at the first stop token and at max_new_tokens.
 
         Args:
             tokens: the step's tokens (accepted candidates and the bonus).
             seconds: the step's wall time in s.
             accepted, candidates, rows: SPACE steps only: a, the depth of the candidates verified
-                (m for a chain), and the block's rows.
+                (m for a chain), and the block's rows; ``padding``: how many of them are padding.
             host, plan: SPACE steps only: seconds outside the model, and of the planner + layout.
             provenance: SPACE steps only: (sources of the accepted tokens, deepest mask candidate,
                 deepest lookup candidate), as ``decoder.provenance`` gives them.
@@ -96,6 +99,7 @@ class DecodeResult:
             self.step_candidates.append(candidates)
         if rows is not None:
             self.step_rows.append(rows)
+            self.step_padding.append(padding)
         if host is not None:
             self.step_host.append(host)
             self.step_plan.append(plan or 0.0)

@@ -55,7 +55,7 @@ class Target:
 # per-step records of a SPACE generation (empty lists for the other methods): accepted drafts,
 # tokens emitted, candidate depth, block rows, host and planner ms, and where the accepted tokens
 # came from (a letter each: m mask, l lookup, b both) with the deepest candidate of each source
-STEP_KEYS = ("accept_lengths", "step_tokens", "candidates", "rows", "host_ms", "plan_ms", "sources", "offered")
+STEP_KEYS = ("accept_lengths", "step_tokens", "candidates", "rows", "padding", "host_ms", "plan_ms", "sources", "offered")
 
 
 def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> dict:
@@ -74,7 +74,7 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
              else ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids))
         return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths,
                 "step_tokens": r.step_tokens if method == "space" else [], "candidates": r.step_candidates,
-                "rows": r.step_rows, "host_ms": [round(x * 1e3, 3) for x in r.step_host],
+                "rows": r.step_rows, "padding": r.step_padding, "host_ms": [round(x * 1e3, 3) for x in r.step_host],
                 "plan_ms": [round(x * 1e3, 3) for x in r.step_plan], "sources": r.step_sources,
                 "offered": [list(o) for o in r.step_offered]}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,

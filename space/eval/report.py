@@ -34,6 +34,9 @@ def _method_stats(rows: list[dict]) -> dict:
     rows_fed = [q for r in rows for c in r["choices"] for turn in c.get("rows") or [] for q in turn]
     if rows_fed:  # SPACE records since issue 31: the block rows of every step, padding included
         stats["rows_per_step"] = round(sum(rows_fed) / len(rows_fed), 2)
+        padding = [p for r in rows for c in r["choices"] for turn in c.get("padding") or [] for p in turn]
+        if any(padding):  # records since issue 43's row buckets: how many of those rows were padding
+            stats["padding_per_step"] = round(sum(padding) / len(rows_fed), 2)
     host = [h for r in rows for c in r["choices"] for turn in c.get("host_ms") or [] for h in turn]
     if host:  # SPACE records since issue 43: each step's time outside the model (planner, layout, verify, cache)
         plan = [p for r in rows for c in r["choices"] for turn in c.get("plan_ms") or [] for p in turn]
@@ -174,18 +177,20 @@ def _fmt(x, pct=False):
     return f"{100 * x:.1f}" if pct else f"{x:.2f}"
 
 
-def layout_text(meta: dict, rows_per_step: float | None = None) -> str:
-    """The decoding layout of a run's meta in words: k, groups, tree (chain, static tree, or dynamic
-    with its mean rows per step), lookup tokens."""
+def layout_text(meta: dict, rows_per_step: float | None = None, padding_per_step: float | None = None) -> str:
+    """The decoding layout of a run's meta in words: k, groups, tree (chain, static tree, or dynamic),
+    lookup tokens, and the mean rows per step (with the padding among them) when given."""
     tree = meta.get("tree")
+    rows = f", {rows_per_step:.1f} rows per step on average" if rows_per_step else ""
+    if rows and padding_per_step:
+        rows += f" ({padding_per_step:.1f} of them padding)"
     if tree == "dynamic":
-        rows = f", {rows_per_step:.1f} rows per step on average" if rows_per_step else ""
         return (f"dynamic tree (k <= {meta.get('mask_num')}, <= {meta.get('num_groups')} mask group(s), "
                 f"<= {meta.get('row_budget')} rows{rows}), prompt lookup {meta.get('lookup_tokens') or 0} tokens")
     shape = f"tree {json.dumps(tree, separators=(',', ':'))}" if tree else "chain of top-1 drafts"
     groups = meta.get("num_groups")
     return (f"k = {meta.get('mask_num')}, {groups if groups is not None else '?'} mask group(s), {shape}, "
-            f"prompt lookup {meta.get('lookup_tokens') or 0} tokens")
+            f"prompt lookup {meta.get('lookup_tokens') or 0} tokens{rows}")
 
 
 def to_markdown(s: dict) -> str:
@@ -198,7 +203,7 @@ def to_markdown(s: dict) -> str:
     if meta.get("ranks", 1) > 1:
         placement += f", {meta['ranks']} ranks (each question's methods in one process)"
     lines = [f"# SPACE evaluation: {meta.get('dataset')} ({meta.get('num_questions')} questions)", "",
-             f"layout: {layout_text(meta, m.get('space', {}).get('rows_per_step'))}; max_new_tokens = {meta.get('max_new_tokens')}, temperature = {meta.get('temperature')}, dtype = {meta.get('dtype')}, "
+             f"layout: {layout_text(meta, m.get('space', {}).get('rows_per_step'), m.get('space', {}).get('padding_per_step'))}; max_new_tokens = {meta.get('max_new_tokens')}, temperature = {meta.get('temperature')}, dtype = {meta.get('dtype')}, "
              f"device = {meta.get('device')} ({meta.get('machine')}){placement}, torch {meta.get('torch')}, "
              f"transformers {meta.get('transformers')}", "",
              "| Model | Dataset | Pass@1 SPACE (AR) | tokens/step | speedup vs AR | speedup vs HF | PLD speedup vs HF | exact (greedy) |",

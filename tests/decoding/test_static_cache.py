@@ -33,6 +33,29 @@ def test_static_cache_equals_ar_and_the_dynamic_cache(trained, name):
         assert max(static.accept_lengths) >= 2  # drafts are accepted: the cache compacts and crops
 
 
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("dynamic")])
+def test_row_buckets_pad_static_layouts_and_change_nothing_else(trained, name):
+    """Issue 43, item 3: with ``buckets`` (a compiled decoder's default) a static layout's block is
+    rounded up to a bucket size, so a pruned tree or a short lookup branch makes no new shape; the
+    padding rows are masked out, so the steps and the output are those of the unpadded block, and
+    the records count the padding apart from the real rows."""
+    from space.decoding.dynamic import BUCKETS
+
+    model, _, spec, lang = trained
+    padded = SpaceDecoder(model, spec, LAYOUTS[name], static_cache=True, buckets=True)
+    plain = SpaceDecoder(model, spec, LAYOUTS[name], static_cache=True)
+    assert padded.buckets and not plain.buckets and padded.max_rows in BUCKETS
+    for n, new in [(12, 80), (30, 64)]:
+        prompt = torch.tensor(lang.sample(n))
+        out, ref = padded.generate(prompt, new), plain.generate(prompt, new)
+        assert out.new_ids == ref.new_ids == ar_generate(model, prompt, new, suppress_ids=spec.token_ids).new_ids
+        assert out.accept_lengths == ref.accept_lengths
+        assert set(out.step_rows) <= set(BUCKETS) and len(set(out.step_rows)) <= len(set(ref.step_rows))
+        assert [r - p for r, p in zip(out.step_rows, out.step_padding)] == ref.step_rows
+        assert not any(ref.step_padding)
+    assert any(out.step_padding) or set(ref.step_rows) <= set(BUCKETS)  # padding where a block was off-bucket
+
+
 def test_static_cache_holds_what_a_fresh_forward_gives_and_never_reallocates(trained):
     """After every step the first L slots equal a fresh forward of the tokens kept, through a tree
     whose accepted paths move (rank-1 siblings); the layers' tensors keep their storage."""
