@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from space.adapter_layers import apply_lora  # noqa: E402
+from space.choices import COMPILE_MODES  # noqa: E402
 from space.models import tiny_tokenizer  # noqa: E402
 from space.tokens import add_mask_tokens  # noqa: E402
 
@@ -284,7 +285,7 @@ def main(argv=None) -> dict:
     h.add_argument("--dtype", default="bfloat16")
     h.add_argument("--layouts", help="comma-separated names of the layouts to time (default: all)")
     for sp in (s, h):
-        sp.add_argument("--compile", nargs="?", const="default", choices=["default", "reduce-overhead"],
+        sp.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES,
                         help="then the same with the trunk compiled (space.decoding.compiled.compile_trunk; "
                              "reduce-overhead: with CUDA graphs)")
     t = sub.add_parser("train", help="SAR-SFT tokens/s and peak memory of a random 1B-class Llama")

@@ -19,6 +19,7 @@ from .adapter_layers import MaskEmbedding, apply_lora, mask_embedding
 from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config,
                        check_artifact, copy_mask_rows, load_mask_rows, load_sampler_head, read_lora,
                        read_space_config, read_tensors, sampler_width)
+from .choices import COMPILE_MODES
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
 from .decoding.config import DEFAULT_MASK_NUM
@@ -68,10 +69,13 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         ValueError: the base's tokenizer gives the mask token another id than recorded; a damaged
             artifact file (space_config.json not a JSON object or lacking a key, a truncated or
             garbage safetensors file; the file is named); LoRA weights that do not fit the model;
-            a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``.
+            a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``; a
+            ``compile`` mode not in ``COMPILE_MODES``.
     """
     if kernels not in KERNEL_CHOICES:  # before the load, not after it
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if compile not in (False, True, *COMPILE_MODES):
+        raise ValueError(f"compile must be a bool or one of {COMPILE_MODES}, got {compile!r}")
     if adapter is None:
         if model is not None and (Path(model) / SPACE_CONFIG).is_file():  # a full SAR-SFT artifact
             check_artifact(Path(model))

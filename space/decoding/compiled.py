@@ -37,7 +37,7 @@ def compile_trunk(model, mode: str | None = None):
     warm-up generation. ``mode``: ``torch.compile``'s, one of ``space.choices.COMPILE_MODES``
     (None or ``"default"``: inductor's default; ``"reduce-overhead"`` adds CUDA graphs on a GPU,
     one per shape, over the static cache's fixed tensors). A trunk is compiled once: a second call
-    returns ``model`` as it is, whatever its ``mode``.
+    with a known ``mode`` returns ``model`` as the first call compiled it.
 
     Raises:
         ValueError: a model without ``get_decoder`` (not a HF causal LM), or with the fast CPU

@@ -360,7 +360,7 @@ class SpaceDecoder:
             step, shapes that repeat for a compiled forward); False: a growing ``DynamicCache``;
             None: static when the trunk is compiled (``compiled.compile_trunk``). The output is
             the same either way.
-        buckets: pad a static layout's block to a bucket size (``dynamic.BUCKETS``, DESIGN §3.9;
+        buckets: pad a static layout's block to a bucket size (``dynamic.BUCKETS``, DESIGN §3.11;
             padding rows are masked out), so the row counts a compiled forward meets are few (a
             pruned tree or a short lookup branch would otherwise make a new shape); None: when
             the trunk is compiled. The dynamic tree always pads to buckets. The same output
@@ -500,8 +500,9 @@ class SpaceDecoder:
                 found = self._look_up(seq)
                 sources = provenance(lay.parents, block.sources, host_tokens, path)
                 step_s = time.perf_counter() - t0
-                if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows, padding=lay.rows - lay.used_rows,
-                            host=step_s - (spent[0] - model0), plan=plan_s, provenance=sources):
+                if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,
+                            padding=lay.rows - lay.used_rows, host=step_s - (spent[0] - model0), plan=plan_s,
+                            provenance=sources):
                     return res
                 drafts = nxt if nxt is not None else self._no_drafts(pq)
                 prefill_s = 0.0

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,
             "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
-            "compile": compiled,
+            "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
             "machine": machine(devices[0]),
             "torch": torch.__version__, "transformers": transformers.__version__, "commits": [git_commit()]}
     if shard:

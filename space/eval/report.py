@@ -34,9 +34,10 @@ def _method_stats(rows: list[dict]) -> dict:
     rows_fed = [q for r in rows for c in r["choices"] for turn in c.get("rows") or [] for q in turn]
     if rows_fed:  # SPACE records since issue 31: the block rows of every step, padding included
         stats["rows_per_step"] = round(sum(rows_fed) / len(rows_fed), 2)
-        # records since issue 43's row buckets say how many of a step's rows were padding (older ones do not)
+        # records since issue 43's row buckets say how many of a step's rows were padding; with
+        # older records among them (a resumed run) the share is not known, so none is given
         padding = [p for r in rows for c in r["choices"] for turn in c.get("padding") or [] for p in turn]
-        if any(padding):
+        if any(padding) and len(padding) == len(rows_fed):
             stats["padding_per_step"] = round(sum(padding) / len(padding), 2)
     host = [h for r in rows for c in r["choices"] for turn in c.get("host_ms") or [] for h in turn]
     if host:  # SPACE records since issue 43: each step's time outside the model (planner, layout, verify, cache)

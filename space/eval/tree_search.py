@@ -316,7 +316,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     os.replace(tmp, path)
 
 
-def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool = False) -> str | None:
+def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool | str = False) -> str | None:
     """Why a stored step-cost curve may not price this run's rows: the threads, kernels or
     compilation it was measured with differ from the run's (a curve at 1 thread prices rows wrong
     at 2; space-tree measures eagerly, a ``--compile`` run attends over a preallocated cache with

@@ -262,14 +262,14 @@ def test_hf_and_pld_suppress_the_mask_tokens_as_ar_and_space_do(monkeypatch):
     assert seen[1].prompt_lookup_num_tokens == 10
 
 
-
-def test_padding_is_counted_over_the_steps_that_record_it():
-    """Row buckets (issue 43): summary.md gives the padding among a step's rows, averaged over the
-    steps whose records carry it (records from before the buckets do not)."""
+def test_padding_is_given_only_when_every_step_records_it():
+    """Row buckets (issue 43): summary.md gives the padding among a step's rows; a resumed run
+    that mixes records from before the buckets (which lack it) gives none rather than a wrong share."""
     new, old = _space_record(30, 10), _space_record(30, 10)
     new["choices"][0].update(rows=[[8] * 10], padding=[[2] * 10])
     old["choices"][0].update(rows=[[6] * 10])
-    s = summarize([new, {**old, "question_id": "q1"}], {"mask_num": 2, "num_groups": 2, "tree": None})
-    assert s["methods"]["space"]["rows_per_step"] == 7.0 and s["methods"]["space"]["padding_per_step"] == 2.0
-    assert "7.0 rows per step on average (2.0 of them padding)" in to_markdown(s)
-    assert "padding_per_step" not in summarize([old], {"mask_num": 2})["methods"]["space"]
+    meta = {"mask_num": 2, "num_groups": 2, "tree": None}
+    s = summarize([new, {**new, "question_id": "q1"}], meta)
+    assert s["methods"]["space"]["rows_per_step"] == 8.0 and s["methods"]["space"]["padding_per_step"] == 2.0
+    assert "8.0 rows per step on average (2.0 of them padding)" in to_markdown(s)
+    assert "padding_per_step" not in summarize([new, {**old, "question_id": "q1"}], meta)["methods"]["space"]
