@@ -38,7 +38,7 @@ class DraftOracle:
 
     def _chosen(self, drafts: Drafts) -> Drafts:
         dec = self.decoder
-        chain = dec.config.tree is None and dec.lookup is None
+        chain = dec.config.tree is None and not dec.lookup
         out = self.override(list(self.generated), drafts.ids[:, 0].cpu() if chain else drafts.ids.cpu())
         probs = None
         if isinstance(out, tuple):

@@ -164,8 +164,8 @@ def test_render_labels_padding_and_groups_of_different_lengths():
 
 
 def test_train_layout_checks_tensor_span_starts():
-    """A tensor of span starts is checked like a list (only a decoder's own uploaded plan, given
-    with ``lens``, is trusted): a start outside 1..seq_len is a ValueError, not a wrapped index."""
+    """A tensor of span starts is checked like a list: a start outside 1..seq_len is a ValueError,
+    not a wrapped index."""
     from space.masking import train_layout
 
     for bad in (torch.tensor([0]), torch.tensor([9]), [0]):

@@ -52,7 +52,7 @@ step from the drafts' probabilities and the machine's step cost. A planner
 (``space.decoding.planner``, issue 44) proposes each step's block and learns from its outcome;
 the decoder calls nothing else to decide what a step verifies. A step feeds
 ``[x_{n-1}] [tree nodes] [lookup branch] [groups] [padding]`` (layout:
-``space.masking.build_layout(parents=...)``); groups anchor on x_{n-1} and the top-1 chain (the
+``space.masking.host_block``); groups anchor on x_{n-1} and the top-1 chain (the
 dynamic tree: its spine, with a length per group). The deepest node whose path matches the target
 is accepted (greedy), or siblings are tried in order with exact multi-candidate sampling
 (``verify_tree_sampling``); a chain sampled with temperature > 0 keeps the draft distributions and
@@ -60,11 +60,12 @@ the p/q rule instead (``verify_rejection``). The accepted path's keys and values
 x_{n-1} in the cache (``compact_cache``; a chain's path is already there), then the rest is cropped.
 
 Optional prompt lookup (``lookup_tokens``, our addition): when the last n-gram of the text so far
-(prompt + output) occurred earlier, the tokens that followed it (transformers'
-``PromptLookupCandidateGenerator`` finds them) are one more branch of the next step's tree, added
-to the mask drafts, so a failed lookup costs only its rows. Its candidates are deterministic, and
-the first step looks up the prompt, as prompt lookup decoding does. Each step records where its
-accepted tokens came from, the masks, lookup or both (:func:`provenance`).
+(prompt + output) occurred earlier, the tokens that followed it (what transformers'
+``PromptLookupCandidateGenerator`` finds, kept incrementally by ``lookup.PromptLookup``) are one
+more branch of the next step's tree, added to the mask drafts, so a failed lookup costs only its
+rows. Its candidates are deterministic, and the first step looks up the prompt, as prompt lookup
+decoding does. Each step records where its accepted tokens came from, the masks, lookup or both
+(:func:`provenance`).
 """
 from __future__ import annotations
 
@@ -76,15 +77,15 @@ from functools import cached_property
 
 import torch
 from transformers import Cache
-from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..masking import build_layout, in_window, mask_rows, to_additive_4d, tree_parents
+from ..masking import host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents, unpack_rows
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
 from .cache import attention_windows, cache_input, crop_cache, full_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
+from .lookup import PromptLookup
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
 from .sampling import SamplingConfig, logits_to_probs, sample
@@ -129,7 +130,7 @@ def path_first(ancestors: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
         ancestors: (1+N, 1+N) bool, ancestor-or-self of each row.
     """
     on_path = ancestors.index_select(0, best.view(1))[0]
-    return torch.argsort((~on_path).to(torch.uint8), stable=True)
+    return torch.argsort(on_path.to(torch.uint8), descending=True, stable=True)
 
 
 def provenance(parents: tuple[int, ...], sources: tuple[int, ...], tokens: list[int], path: list[int]
@@ -389,12 +390,10 @@ class SpaceDecoder:
         self.windows = attention_windows(base.config)  # sliding windows go into the step's 4-D mask
         self.device = self.head.weight.device
         self.mask_dtype = attention_dtype(self.decoder)  # the trunk's, not the LM head's
-        ids = mask.ids_for(self.config.mask_num).to(self.device)
-        self.mask_ids = ids if ids.numel() > 1 else ids.expand(self.config.mask_num)  # (k,): offset j's id
+        ids = mask.ids_for(self.config.mask_num).tolist()
+        self.mask_ids = ids if len(ids) > 1 else ids * self.config.mask_num  # (k,) offset j's id, on the host
         self.suppress = torch.tensor(mask.token_ids, device=self.device)
-        self.lookup = PromptLookupCandidateGenerator(
-            num_output_tokens=self.config.lookup_tokens, max_matching_ngram_size=self.config.lookup_ngram,
-            max_length=self.context) if self.config.lookup_tokens else None
+        self.lookup = self.config.lookup_tokens > 0  # prompt lookup: one more branch of each step's tree
         self.dynamic = self.config.tree == "dynamic"
         # a static step verifies the configured tree, else the chain of top-1 drafts as a tree
         self.tree = None if self.dynamic else (
@@ -463,7 +462,7 @@ class SpaceDecoder:
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
         # a sampled chain drafts by sampling and verifies with the p/q rule; every other step
         # verifies deterministic candidates
-        pq = not sampling.greedy and self.config.tree is None and self.lookup is None
+        pq = not sampling.greedy and self.config.tree is None and not self.lookup
         if planner is not None and pq:
             raise ValueError("a sampled chain (temperature > 0, no tree, no lookup) verifies the drafts it drew with "
                              "the p/q rule, so it takes no planner: use greedy, a token tree or prompt lookup")
@@ -472,7 +471,9 @@ class SpaceDecoder:
         cache = full_cache() if slots is None else static_cache(len(self.decoder.layers), slots)
         L = ids.numel() - 1  # tokens cached (x_0..x_{n-2}), counted on the host
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
-        seq = ids.tolist() if self.lookup is not None or logits_processor is not None else None
+        seq = ids.tolist() if self.lookup or logits_processor is not None else None
+        cfg = self.config
+        lookup = PromptLookup(seq, cfg.lookup_tokens, cfg.lookup_ngram, self.context) if self.lookup else None
         # host clock only: each step ends by copying its result to the host, which waits for the
         # device, so step times add up without a synchronize of their own (on CUDA, two per step)
         t0 = time.perf_counter()
@@ -483,7 +484,8 @@ class SpaceDecoder:
         prefill_s = time.perf_counter() - t0
         last = ids[-1:]
         drafts = self._no_drafts(pq)
-        found = self._look_up(seq)  # the first step already verifies what the prompt repeats, as PLD's does
+        # the first step already verifies what the prompt repeats, as PLD's does
+        found = lookup.continuation() if lookup else []
         # host time = a step minus the model (trunk, LM head, and the sampler head and its embedding)
         with model_time(self.decoder, self.head, *([self.sampler, self.embed] if self.sampler is not None else [])) as spent:
             while True:
@@ -497,7 +499,7 @@ class SpaceDecoder:
                 planner.observe(StepOutcome(emitted, path, lay))
                 if seq is not None:
                     seq.extend(emitted)
-                found = self._look_up(seq)
+                found = lookup.continuation() if lookup else []
                 sources = provenance(lay.parents, block.sources, host_tokens, path)
                 step_s = time.perf_counter() - t0
                 if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,
@@ -506,12 +508,6 @@ class SpaceDecoder:
                     return res
                 drafts = nxt if nxt is not None else self._no_drafts(pq)
                 prefill_s = 0.0
-
-    def _look_up(self, seq: list[int] | None) -> list[int]:
-        """Prompt lookup's continuation of the text so far (empty without lookup or a match)."""
-        if self.lookup is None:
-            return []
-        return self.lookup.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
 
     def _no_drafts(self, pq: bool) -> Drafts:
         ids = torch.empty(0, self.draft_ranks, dtype=torch.long, device=self.device)
@@ -548,25 +544,30 @@ class SpaceDecoder:
 
     def block_layout(self, parents: list[int] | tuple[int, ...], group_rows, group_len, rows: int,
                      tokens: list[int] = ()) -> tuple[StepLayout, torch.Tensor]:
-        """A planner's block, built: the device tensors of a block (``space.masking.build_layout``: tensor ops, no loop over
-        rows) and its node ``tokens`` on the device. The plan (parents, group anchors and lengths,
-        tokens) goes up in one non-blocking copy (:func:`upload`), split into views."""
-        dev, n1, G = self.device, len(parents), len(group_rows)
+        """A planner's block, built: the device tensors of a block and its node ``tokens`` on the
+        device. The layout is computed on the host (``space.masking.host_block``: one pass over
+        the rows, no tensor op) and goes up with the tokens in one non-blocking copy
+        (:func:`upload`), split into views; a tree shape seen before reuses its tensors."""
+        dev, n1 = self.device, len(parents)
         key = (tuple(parents), tuple(group_rows), tuple(group_len), rows)
         if key in self._layouts:  # a tree shape seen before (most are): only its tokens go up
             self._layouts[key] = self._layouts.pop(key)  # most recently used last
             return self._layouts[key], upload(tokens, dev)
-        plan = upload([*parents, *(r + 1 for r in group_rows), *group_len, *tokens], dev)
-        par, ctx, lens, node_tokens = plan.split([n1, G, G, len(tokens)])
-        lay = build_layout(0, n1, ctx, list(group_len), parents=par, pad_to=rows, device=dev, lens=lens)
+        positions, offsets, sees = host_block(parents, [r + 1 for r in group_rows], group_len, rows)
+        # tie-break of greedy verification among right rows: deeper first, then earlier
+        score = [d * (n1 + 1) + n1 - r for r, d in enumerate(positions[:n1])]
+        mask_ids = [self.mask_ids[max(j, 0)] for j in offsets[n1:]]  # padding takes offset 0's id
+        words = pack_rows(sees, rows)
+        plan = upload([*parents[1:], *score, *positions, *mask_ids, *words, *tokens], dev)
+        par, score, positions, mask_ids, words, node_tokens = plan.split(
+            [n1 - 1, n1, rows, rows - n1, len(words), len(tokens)])
+        allowed = unpack_rows(words, rows)
         if len(self._layouts) >= LAYOUT_CACHE:
             del self._layouts[next(iter(self._layouts))]  # the least recently used
         self._layouts[key] = StepLayout(
             parents=tuple(parents), group_rows=tuple(group_rows), group_len=tuple(group_len), rows=rows,
-            parent_rows=par[1:], ancestors=lay.ancestors,
-            score=lay.depth * (n1 + 1) + (n1 - torch.arange(n1, device=dev)),
-            mask_ids=self.mask_ids[lay.mask_offset[n1:].clamp_min(0)], position_ids=lay.position_ids,
-            block_mask=to_additive_4d(lay.allowed, self.mask_dtype))
+            parent_rows=par, ancestors=allowed[:n1, :n1], score=score, mask_ids=mask_ids, position_ids=positions,
+            block_mask=to_additive_4d(allowed, self.mask_dtype))
         return self._layouts[key], node_tokens
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache,

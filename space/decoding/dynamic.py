@@ -46,6 +46,7 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
+import operator
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -102,18 +103,25 @@ class StepCost:
             raise ValueError(f"step_cost must be [[rows, cost], ...] with rows ascending from 1 and costs > 0, "
                              f"got {self.points!r}")
         object.__setattr__(self, "points", pts)
+        object.__setattr__(self, "_rows", [q for q, _ in pts])
+        object.__setattr__(self, "_memo", {})  # c(q) by q: a planner prices the same few row counts all step
         if isinstance(self.adapter, bool) or not isinstance(self.adapter, numbers.Real) \
                 or not math.isfinite(self.adapter) or self.adapter < 0:
             raise ValueError(f"the adapter's step cost must be a finite number >= 0, got {self.adapter!r}")
 
     def __call__(self, q: int) -> float:
         """c(q) / c(1)."""
-        pts = self.points
-        if len(pts) == 1:
-            return 1.0
-        i = min(max(bisect_left([p[0] for p in pts], q), 1), len(pts) - 1)
-        (q0, c0), (q1, c1) = pts[i - 1], pts[i]
-        return max(c0 + (c1 - c0) * (q - q0) / (q1 - q0), 1e-9) / pts[0][1]
+        cost = self._memo.get(q)
+        if cost is None:
+            pts = self.points
+            if len(pts) == 1:
+                cost = 1.0
+            else:
+                i = min(max(bisect_left(self._rows, q), 1), len(pts) - 1)
+                (q0, c0), (q1, c1) = pts[i - 1], pts[i]
+                cost = max(c0 + (c1 - c0) * (q - q0) / (q1 - q0), 1e-9) / pts[0][1]
+            self._memo[q] = cost
+        return cost
 
     def marginal(self, q: int) -> float:
         """c(q + 1) - c(q) at q >= 2 rows: what one more row costs (never below 0). The step from 1
@@ -526,18 +534,22 @@ def _choose_groups(parents: list[int], depth: list[int], value: list[float], sta
         for j in range(s, mask_num):
             acc *= alpha[j]
             reach[s][j] = acc
+    row = lam * row_cost
+    # gain[j][s]: what mask j of a group is worth to a path ending at offset s, less its row's cost
+    gain = [[max(reach[s][j] - row, 0.0) for s in range(j + 1)] for j in range(mask_num)]
+    ends = [(depth[r], branch[r], end[r]) for r in range(n1) if end[r] > 0]  # rows a path may end at
     best = (0.0, [], [])  # no group: nothing gained, nothing paid
     for gn in range(1, min(max_groups, len(spine), room) + 1):
         mass = [[0.0] * mask_num for _ in range(gn)]  # mass[g][s]: P(end at a row drafting from G_g, offset s)
-        for r in range(n1):
-            g, s = anchored_group(depth[r], gn, branch[r])
+        for d, b, e in ends:
+            g, s = anchored_group(d, gn, b)
             if s < mask_num:
-                mass[g][s] += end[r]
+                mass[g][s] += e
         total, lens = -lam * overhead, []
         for g in range(gn):
             run, best_run, best_len = 0.0, -math.inf, 1
             for j in range(min(mask_num, room - g)):
-                run += sum(mass[g][s] * max(reach[s][j] - lam * row_cost, 0.0) for s in range(j + 1)) - lam * row_cost
+                run += sum(map(operator.mul, mass[g], gain[j])) - row
                 if run > best_run:
                     best_run, best_len = run, j + 1
             total += best_run

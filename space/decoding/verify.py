@@ -57,16 +57,16 @@ def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parent
         tokens: (N,) node tokens.
         parent_rows: (N,) parent row of each node (0 = x_{n-1}).
         ancestors: (1+N, 1+N) bool, ancestor-or-self of each row.
-        score: (1+N,) tie-break among right rows, highest wins (deeper first).
+        score: (1+N,) tie-break among right rows, highest wins (deeper first), each >= 0.
 
     Returns:
         (best, bonus): 0-d long tensors; the accepted row (0 = none accepted) and the argmax of its
         row (the auto-correct token).
     """
     pred = target_logits.argmax(dim=-1)  # (1+N,)
-    right = torch.cat([pred.new_ones(1, dtype=torch.bool), pred[parent_rows] == tokens])
-    path_right = ~(ancestors & ~right[None, :]).any(dim=1)  # (1+N,)
-    best = torch.where(path_right, score, score.new_full((), -1)).argmax()
+    wrong = pred.index_select(0, parent_rows) != tokens  # (N,) node i's token is not its parent row's argmax
+    bad = (ancestors[:, 1:] & wrong).any(dim=1)  # (1+N,) a node on the row's path is wrong (never x_{n-1})
+    best = score.masked_fill(bad, -1).argmax()  # a scalar fill: no upload
     return best, pred.index_select(0, best.view(1)).view(())  # not pred[best]: a 0-d index is a host read
 
 

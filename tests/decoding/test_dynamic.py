@@ -552,6 +552,26 @@ def test_layout_matches_naive_random():
         assert torch.equal(listed.allowed, lay.allowed) and torch.equal(listed.position_ids, lay.position_ids)
 
 
+def test_host_block_equals_build_layout():
+    """The decoder's host-side block (issue 43) has build_layout's positions, mask offsets and
+    visibility, through the packed upload, for random trees, groups and padding, blocks of more
+    than one and two 32-bit words per row included."""
+    from space.masking import host_block, pack_rows, unpack_rows
+
+    gen = torch.Generator().manual_seed(2)
+    for case in range(120):
+        n = int(torch.randint(1, 70 if case % 6 == 0 else 14, (1,), generator=gen))
+        parents = random_parents(gen, n, chainy=case % 4 == 0)
+        G = int(torch.randint(0, 5, (1,), generator=gen))
+        ctx = torch.randint(1, n + 1, (G,), generator=gen).tolist()
+        lens = torch.randint(1, 6, (G,), generator=gen).tolist()
+        q = n + sum(lens) + int(torch.randint(0, 40, (1,), generator=gen))
+        lay = build_layout(0, n, ctx, lens, parents=parents, pad_to=q)
+        positions, offsets, sees = host_block(parents, ctx, lens, q)
+        assert positions == lay.position_ids.tolist() and offsets == lay.mask_offset.tolist(), (parents, ctx, lens)
+        assert torch.equal(unpack_rows(torch.tensor(pack_rows(sees, q)), q), lay.allowed), (parents, ctx, lens, q)
+
+
 def test_step_records_host_time_and_reuses_layouts(trained):
     """Issue 43: each step records its time outside the model (planner + layout included), and a
     tree shape seen before reuses its block layout, still exact against AR."""

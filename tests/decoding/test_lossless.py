@@ -8,6 +8,7 @@ import torch
 import space.decoding.decoder as space_mod
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import CACHE_ARG
+from space.decoding.lookup import PromptLookup
 from tests.oracle import oracle_generate
 
 STOP = 10  # an ordinary byte id used as the stop token, so EOS lands inside steps
@@ -61,8 +62,8 @@ def test_prompt_lookup_exact(tiny, k, groups, lookup):
         prompt = torch.cat([pattern.repeat(3), torch.randint(11, 250, (5,), generator=gen)])  # n-grams recur
         ar = ar_generate(model, prompt, 60, stop_token_ids=[STOP], suppress_ids=spec.token_ids)
         assert dec.generate(prompt, 60, stop_token_ids=[STOP]).new_ids == ar.new_ids
-    found = dec.lookup.get_candidates(torch.tensor([[5, 6, 7, 8, 9, 5, 6]]))[0][0, 7:]
-    assert found.tolist() == [7, 8, 9, 5, 6][:lookup]  # the tokens after the earlier "5 6"
+    found = PromptLookup([5, 6, 7, 8, 9, 5, 6], lookup, 2, dec.context).continuation()
+    assert found == [7, 8, 9, 5, 6][:lookup]  # the tokens after the earlier "5 6"
     assert dec.tree is not None  # lookup is a branch of the step's tree, next to the mask drafts
     with pytest.raises(ValueError, match="lookup_tokens"):
         SpaceDecoder(model, spec, DecodeConfig(k, lookup_tokens=-1))
