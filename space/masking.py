@@ -419,9 +419,8 @@ def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) ->
         if allowed.shape[1] != 1:
             raise ValueError(f"expected a (batch, 1, q, kv) mask, got shape {tuple(allowed.shape)}")
         allowed = allowed[:, 0]
-    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    out.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return out[:, None]
+    # one pass, in ``dtype`` (a 0-d tensor sets it; the scalar fill is no upload)
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device), torch.finfo(dtype).min)[:, None]
 
 
 def in_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -70,6 +70,7 @@ decoding does. Each step records where its accepted tokens came from, the masks,
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -114,8 +115,12 @@ def compact_cache(cache: Cache, start: int, rows: list[int], order: torch.Tensor
             (a static cache's answer is a device read).
     """
     if any(r != i for i, r in enumerate(rows, 1)):
+        rows_idx = order[: 1 + len(rows)] if order is not None else torch.tensor([0, *rows])
+        on: dict[torch.device, torch.Tensor] = {}  # the slots to gather, once per device (not per layer)
         for layer in cache.layers:
-            idx = (order[: 1 + len(rows)] if order is not None else torch.tensor([0, *rows])).to(layer.keys.device) + start
+            idx = on.get(layer.keys.device)
+            if idx is None:
+                idx = on[layer.keys.device] = rows_idx.to(layer.keys.device) + start
             layer.keys[..., start: start + idx.numel(), :] = layer.keys.index_select(-2, idx)
             layer.values[..., start: start + idx.numel(), :] = layer.values.index_select(-2, idx)
     crop_cache(cache, start + 1 + len(rows), length)
@@ -164,7 +169,8 @@ def upload(values, device: torch.device) -> torch.Tensor:
     until the copy is done), and the kernels that read it run after it on the same stream.
     Elsewhere ``non_blocking`` changes nothing on the CPU; it marks the copy as one CUDA would
     queue for the sync counter (``tests/syncs.py``)."""
-    host = torch.tensor(values, dtype=torch.long)
+    # through an int64 buffer: ~4x faster than torch.tensor of a list of a hundred ints here
+    host = torch.frombuffer(array("q", values), dtype=torch.long) if len(values) else torch.empty(0, dtype=torch.long)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device, non_blocking=True)
 
 
