@@ -25,15 +25,15 @@ in the step's 4-D mask by position, per kind of layer (:func:`with_cache`): each
 decoding with transformers' sliding cache sees.
 
 Device work: tokens, candidates, draft distributions and the sampling generator live on the
-model's device; a static layout's tensors are built once per shape and kept there, a dynamic
-tree's are built on the device each step with tensor ops. A greedy step copies to the host once
-(the accepted row and the tokens to emit), which the cache crop needs anyway; the accepted path's
-keys and values move by a gather whose order is computed on the device before that copy, and the
-bonus token stays there. Host syncs per step, counted as CUDA would make them
-(``tests/decoding/test_syncs.py``, issue 43, checked against CUDA's own count on an H200 in
-issue 45): 1 for the chain and a static tree; with prompt lookup, one upload more when the lookup
-found candidates; the dynamic tree also copies its drafts' top-R ids and probabilities for the
-planner and uploads its plan in one copy (only the tokens for a tree shape it has built before).
+model's device. A block's layout is computed on the host (``space.masking.host_block``, one pass
+over its rows) and goes up with its node tokens in one queued copy (:func:`upload`); a layout
+seen before (every static one, most dynamic ones) is kept on the device and only its tokens go
+up. A greedy step copies to the host once (the accepted row and the tokens to emit), which the
+cache crop needs anyway; the accepted path's keys and values move by a gather whose order is
+computed on the device before that copy, and the bonus token stays there. Host syncs per step,
+counted as CUDA would make them (``tests/decoding/test_syncs.py``, issue 43): 1 for the chain, a
+static tree and prompt lookup (uploads are queued, not waited for), 2 for the dynamic tree, whose
+planner reads the drafts' top-R ids and probabilities.
 Mask tokens are suppressed with ``index_fill_``: ``logits[:, ids] = -inf`` would upload the scalar.
 
 KV cache (issue 43): a growing ``DynamicCache`` by default, or with ``static_cache`` (the default
@@ -421,8 +421,8 @@ class SpaceDecoder:
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
                              f"size {vocab} (ranks count from 0)")
         self._static: dict[tuple[int, int, int, int], tuple[StepLayout, torch.Tensor]] = {}
-        # block layouts by tree shape, least recently used first: a dynamic tree repeats a few
-        # dozen shapes, and building one costs ~40 small tensor ops (most of the planner's time)
+        # block layouts by tree shape, least recently used first: a dynamic tree repeats many of
+        # its shapes, and a kept layout needs no upload of its own (only its tokens go up)
         self._layouts: dict[tuple, StepLayout] = {}
 
     def planner(self) -> StepPlanner:

@@ -5,7 +5,8 @@ its runner-up (a sibling), ``(0, 2)`` the third-ranked token of mask 1 after the
 A node at depth d (its path has d ranks) proposes the token at offset d-1 after the step's bonus
 token, so the tree of a step with k draft masks has depth <= k. Every prefix of a path is a node.
 Trees are stored sorted breadth-first, siblings by rank: the decode block lays nodes out in this
-order (``space.masking.build_layout(parents=...)``) and exact sampling tries siblings in it.
+order (``space.masking.host_block``, by ``build_layout(parents=...)``'s rules) and exact sampling
+tries siblings in it.
 
 Construction (``space-tree``): nodes are added greedily by the measured probability that the
 whole path is right, read from the acceptance probe's ranks (``space-probe``'s ``ranks.jsonl``)
