@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from space.choices import COMPILE_MODES
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder
 from space.eval.bench import Target, generate
@@ -51,6 +52,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompts", type=int, default=10, help="HumanEval prompts (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both copies)")
+    p.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                   help="the compiled copy's torch.compile mode (reduce-overhead: CUDA graphs, a GPU)")
     p.add_argument("--kernels", default="stock", help="both copies' kernels (stock: AR's fastest here, issue 43)")
     p.add_argument("--rows", default="1,2,4,8,16,32", help="step-cost curve rows")
     p.add_argument("--methods", default="ar,pld,space", help="comma-separated: ar, pld, space")
@@ -70,11 +74,12 @@ def main(argv=None) -> dict:
         p.error(f"--methods: choose among ar, pld, space, got {args.methods!r}")
     layout = DecodeConfig(3, 2) if args.layout == "chain" else None
 
-    eager, tok, spec = load_space(adapter=args.adapter, kernels=args.kernels)
+    eager, tok, spec = load_space(adapter=args.adapter, kernels=args.kernels, device=args.device)
     targets = {"eager": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout)),
                "eager-static": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout, static_cache=True))}
     if "compiled" in setups:
-        compiled, _, _ = load_space(adapter=args.adapter, kernels=args.kernels, compile=True)
+        compiled, _, _ = load_space(adapter=args.adapter, kernels=args.kernels, device=args.device,
+                                    compile=args.compile_mode)
         targets["compiled"] = Target(compiled, tok, spec, SpaceDecoder(compiled, spec, layout))
     targets = {s: targets[s] for s in setups}
     prompts = [chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}])
@@ -117,7 +122,9 @@ def main(argv=None) -> dict:
     result = {
         "command": "python scripts/bench_compile.py " + " ".join(argv or __import__("sys").argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                    "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     "torch": torch.__version__, "transformers": transformers.__version__},
+        "compile_mode": args.compile_mode,
         "kernels": args.kernels, "prompts": args.prompts, "max_new_tokens": n,
         "layout": targets[setups[0]].decoder.config.to_dict() if "space" in methods else None,
         "tokens_per_s_median": med,
@@ -148,7 +155,8 @@ def _greedy():
 
 def markdown(r: dict) -> str:
     med, curve = r["tokens_per_s_median"], r["step_cost_ms"]
-    lines = [f"# Compiled vs eager trunk ({r['machine']['cpu']}, {r['machine']['threads']} threads, kernels "
+    where = r["machine"]["cpu"] if r["machine"]["device"] == "cpu" else r["machine"]["device"]
+    lines = [f"# Compiled ({r['compile_mode']}) vs eager trunk ({where}, {r['machine']['threads']} threads, kernels "
              f"{r['kernels']}, HumanEval {r['prompts']} x {r['max_new_tokens']} tokens)", "",
              f"`{r['command']}`", "", *([f"SPACE layout: `{json.dumps(r['layout'])}`", ""] if r["layout"] else []),
              "| setup | AR tok/s | PLD tok/s | SPACE tok/s | SPACE / PLD | SPACE / AR | SPACE = AR |",

