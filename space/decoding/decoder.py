@@ -54,7 +54,8 @@ the decoder calls nothing else to decide what a step verifies. A step feeds
 ``[x_{n-1}] [tree nodes] [lookup branch] [groups] [padding]`` (layout:
 ``space.masking.host_block``); groups anchor on x_{n-1} and the top-1 chain (the
 dynamic tree: its spine, with a length per group). The deepest node whose path matches the target
-is accepted (greedy), or siblings are tried in order with exact multi-candidate sampling
+is accepted (greedy: the rows' argmaxes come to the host in the step's one copy, and the tree is
+walked there), or siblings are tried in order with exact multi-candidate sampling
 (``verify_tree_sampling``); a chain sampled with temperature > 0 keeps the draft distributions and
 the p/q rule instead (``verify_rejection``). The accepted path's keys and values are moved next to
 x_{n-1} in the cache (``compact_cache``; a chain's path is already there), then the rest is cropped.
@@ -97,45 +98,29 @@ from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def compact_cache(cache: Cache, start: int, rows: list[int], order: torch.Tensor | None = None,
-                  length: int | None = None) -> None:
+def compact_cache(cache: Cache, start: int, rows: list[int], length: int | None = None) -> None:
     """Move the keys and values of block rows ``rows`` (the accepted path of a token tree) to the
     contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), on each
     layer's own device, then crop after them. A chain's path is already in place and is only
     cropped. Dynamic and static (preallocated) caches alike: the move stays inside each layer's
-    tensors.
+    tensors, one gather per layer, its slots uploaded once per device without a wait (:func:`upload`).
 
     Args:
         start: the cache length before the block (x_{n-1}'s slot).
         rows: block rows of the accepted nodes in depth order (row 0 is x_{n-1}), on the host.
-        order: (1+N,) device tensor of block rows with x_{n-1} and ``rows`` first
-            (:func:`path_first`), so the move is one gather per layer with no host-to-device copy;
-            None: built from ``rows`` (one copy to each layer's device).
         length: the cache length now (``start`` + the block's rows); None: asked of the cache
             (a static cache's answer is a device read).
     """
     if any(r != i for i, r in enumerate(rows, 1)):
-        rows_idx = order[: 1 + len(rows)] if order is not None else torch.tensor([0, *rows])
+        slots = [start + r for r in (0, *rows)]
         on: dict[torch.device, torch.Tensor] = {}  # the slots to gather, once per device (not per layer)
         for layer in cache.layers:
             idx = on.get(layer.keys.device)
             if idx is None:
-                idx = on[layer.keys.device] = rows_idx.to(layer.keys.device) + start
-            layer.keys[..., start: start + idx.numel(), :] = layer.keys.index_select(-2, idx)
-            layer.values[..., start: start + idx.numel(), :] = layer.values.index_select(-2, idx)
+                idx = on[layer.keys.device] = upload(slots, layer.keys.device)
+            layer.keys[..., start: start + len(slots), :] = layer.keys.index_select(-2, idx)
+            layer.values[..., start: start + len(slots), :] = layer.values.index_select(-2, idx)
     crop_cache(cache, start + 1 + len(rows), length)
-
-
-def path_first(ancestors: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
-    """(1+N,) block rows, the accepted path's first (x_{n-1}, then down to row ``best``, in row
-    order, which is depth order since parents come first), then the others: the gather order of
-    :func:`compact_cache`, computed on the device from ``best`` (0-d) before it is read.
-
-    Args:
-        ancestors: (1+N, 1+N) bool, ancestor-or-self of each row.
-    """
-    on_path = ancestors.index_select(0, best.view(1))[0]
-    return torch.argsort(on_path.to(torch.uint8), descending=True, stable=True)
 
 
 def provenance(parents: tuple[int, ...], sources: tuple[int, ...], tokens: list[int], path: list[int]
@@ -250,7 +235,6 @@ class StepLayout:
         group_rows: anchor row of each mask group (x_{n-1}, then down the top-1 chain or spine).
         group_len: masks in each group.
         rows: q, the block's rows, padding included.
-        parent_rows, ancestors, score: device tensors for :func:`verify_tree_greedy`.
         mask_ids: (q - 1 - N,) ids of the mask rows, then of the padding rows.
         position_ids: (q,) position of each row minus the cache length.
         block_mask: (1, 1, q, q) additive mask of the rows among themselves (they all see the cache).
@@ -260,9 +244,6 @@ class StepLayout:
     group_rows: tuple[int, ...]
     group_len: tuple[int, ...]
     rows: int
-    parent_rows: torch.Tensor
-    ancestors: torch.Tensor
-    score: torch.Tensor
     mask_ids: torch.Tensor
     position_ids: torch.Tensor
     block_mask: torch.Tensor
@@ -279,11 +260,6 @@ class StepLayout:
     def group_start(self, g: int) -> int:
         """Block row of group g's mask 0."""
         return self.num_real + sum(self.group_len[:g])
-
-    @cached_property
-    def is_chain(self) -> bool:
-        """Every node's parent is the row before it: an accepted path is already in place."""
-        return all(p == r - 1 for r, p in enumerate(self.parents[1:], 1))
 
     @cached_property
     def depth(self) -> tuple[int, ...]:
@@ -560,20 +536,15 @@ class SpaceDecoder:
             self._layouts[key] = self._layouts.pop(key)  # most recently used last
             return self._layouts[key], upload(tokens, dev)
         positions, offsets, sees = host_block(parents, [r + 1 for r in group_rows], group_len, rows)
-        # tie-break of greedy verification among right rows: deeper first, then earlier
-        score = [d * (n1 + 1) + n1 - r for r, d in enumerate(positions[:n1])]
         mask_ids = [self.mask_ids[max(j, 0)] for j in offsets[n1:]]  # padding takes offset 0's id
         words = pack_rows(sees, rows)
-        plan = upload([*parents[1:], *score, *positions, *mask_ids, *words, *tokens], dev)
-        par, score, positions, mask_ids, words, node_tokens = plan.split(
-            [n1 - 1, n1, rows, rows - n1, len(words), len(tokens)])
-        allowed = unpack_rows(words, rows)
+        plan = upload([*positions, *mask_ids, *words, *tokens], dev)
+        positions, mask_ids, words, node_tokens = plan.split([rows, rows - n1, len(words), len(tokens)])
         if len(self._layouts) >= LAYOUT_CACHE:
             del self._layouts[next(iter(self._layouts))]  # the least recently used
         self._layouts[key] = StepLayout(
             parents=tuple(parents), group_rows=tuple(group_rows), group_len=tuple(group_len), rows=rows,
-            parent_rows=par, ancestors=allowed[:n1, :n1], score=score, mask_ids=mask_ids, position_ids=positions,
-            block_mask=to_additive_4d(allowed, self.mask_dtype))
+            mask_ids=mask_ids, position_ids=positions, block_mask=to_additive_4d(unpack_rows(words, rows), self.mask_dtype))
         return self._layouts[key], node_tokens
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask, cache,
@@ -616,12 +587,12 @@ class SpaceDecoder:
         if contexts is not None:
             target = torch.cat([processor(contexts[i][None], target[i:i + 1]) for i in range(n1)])
         # 4. verify: the accepted row and the bonus (auto-correct) token
-        best, bonus, bonus_id, host_tokens, order = self._verify(lay, target, tokens, q, sampling, gen, host_tokens)
+        best, bonus, bonus_id, host_tokens = self._verify(lay, target, tokens, q, sampling, gen, host_tokens)
         # 5. emit the accepted path and the bonus
         path = lay.path(best)
         emitted = [host_tokens[r - 1] for r in path] + [bonus_id]
         # 6. keep x_0..x_{n-1} and the accepted path in the cache, drop the rest
-        compact_cache(cache, L, path, order, L + lay.rows)
+        compact_cache(cache, L, path, L + lay.rows)
         # 7. draft from the deepest group anchored on the path, past the path's end (DESIGN §3.5)
         rows = lay.draft_rows(best)
         if rows is None:
@@ -653,21 +624,22 @@ class SpaceDecoder:
         """Verify the nodes against the target's rows (DESIGN §3.4).
 
         Returns:
-            (best row, bonus (1,) on the device, its id, the node tokens on the host, the cache's
-            gather order or None). Greedy and the sampled chain copy to the host once.
+            (best row, bonus (1,) on the device, its id, the node tokens on the host). Greedy and
+            the sampled chain copy to the host once.
         """
         if q is not None:  # a sampled chain: node i is row i, the p/q rule
             best, bonus = verify_rejection(logits_to_probs(target, sampling), q, tokens, gen)
-            order = None
-        elif sampling.greedy:
-            best, bonus = verify_tree_greedy(target, tokens, lay.parent_rows, lay.ancestors, lay.score)
-            # a tree's gather order, queued before the copy: its cache moves without another
-            order = None if lay.is_chain else path_first(lay.ancestors, best)
-        else:  # a sampled tree: siblings tried in order, exact multi-candidate sampling
-            best, bonus = verify_tree_sampling(logits_to_probs(target, sampling), host_tokens, lay.children, gen)
-            return best, bonus.view(1), int(bonus), host_tokens, None
-        best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
-        return best, bonus.view(1), bonus_id, host_tokens, order
+            best, bonus_id, *host_tokens = torch.cat([best.view(1), bonus.view(1), tokens]).tolist()  # one copy
+            return best, bonus.view(1), bonus_id, host_tokens
+        if sampling.greedy:  # the rows' argmaxes and the nodes in one copy, the tree walked on the host
+            pred = target.argmax(dim=-1)
+            host = torch.cat([pred, tokens]).tolist()
+            pred_host, host_tokens = host[: lay.num_real], host[lay.num_real:]
+            best = verify_tree_greedy(pred_host, host_tokens, lay.parents, lay.depth)
+            return best, pred.narrow(0, best, 1), pred_host[best], host_tokens  # a view: no read, no upload
+        # a sampled tree: siblings tried in order, exact multi-candidate sampling
+        best, bonus = verify_tree_sampling(logits_to_probs(target, sampling), host_tokens, lay.children, gen)
+        return best, bonus.view(1), int(bonus), host_tokens
 
     def _draft(self, hidden: torch.Tensor, logits: torch.Tensor | None, start: int, stop: int, shift: int,
                bonus: torch.Tensor, sampling: SamplingConfig, gen, pq: bool, processor: LogitsProcessor | None,
