@@ -106,6 +106,14 @@ class DecodeConfig:
         """Mask groups attached per step (num_groups, or k+1 when unset)."""
         return self.mask_num + 1 if self.num_groups is None else self.num_groups
 
+    def max_rows(self) -> int:
+        """The most rows one step's block has, padding excluded: the dynamic tree's ``row_budget``,
+        else x_{n-1}, the tree (the chain of k top-1 drafts when unset), the lookup branch and the
+        groups' k masks each."""
+        if self.tree == "dynamic":
+            return self.row_budget
+        return 1 + (len(self.tree) if self.tree else self.mask_num) + self.lookup_tokens + self.groups * self.mask_num
+
     def override(self, **values) -> DecodeConfig:
         """A copy with the given fields replaced; None values keep the current field.
 

@@ -384,12 +384,8 @@ class SpaceDecoder:
         self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
         self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
         self.static_cache = is_compiled(base) if static_cache is None else static_cache
-        # the most rows one step's block has: the dynamic tree's budget, else x_{n-1}, the tree,
-        # the lookup branch and the groups
-        k = self.config.mask_num
         self.buckets = not self.dynamic and (is_compiled(base) if buckets is None else buckets)
-        self.max_rows = self.config.row_budget if self.dynamic else (
-            1 + len(self.tree) + self.config.lookup_tokens + self.config.groups * k)
+        self.max_rows = self.config.max_rows()
         if self.buckets:
             self.max_rows = bucket(self.max_rows, BUCKETS[-1])
         vocab = self.head.weight.shape[0]

@@ -222,14 +222,16 @@ def _key(decode: dict) -> tuple:
     return decode["mask_num"], groups, tree, decode["lookup_tokens"], decode["lookup_ngram"]
 
 
-def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float]) -> dict:
+def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float], buckets: bool = False) -> dict:
     """Replay ``cfg`` (a DecodeConfig) over the ranks ``held``: tokens/step, rows/step and the
-    estimated speedup over AR, tokens * cost(1) / sum of the steps' costs.
+    estimated speedup over AR, tokens * cost(1) / sum of the steps' costs. ``buckets``: each step
+    is priced at its row bucket, as a compiled decoder pads a static layout's steps
+    (``dynamic.bucket`` up to the layout's bucketed ``max_rows``); rows/step stays unpadded.
 
     Raises:
         ValueError: ``cfg`` is the dynamic tree, which the replay cannot play.
     """
-    from ..decoding.dynamic import StepCost
+    from ..decoding.dynamic import BUCKETS, StepCost, bucket
     from ..decoding.tree import replay
 
     if cfg.tree == "dynamic":
@@ -237,13 +239,15 @@ def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float
                          "probabilities); time it with space-eval --tree dynamic")
     res = replay(held, cfg.mask_num, cfg.groups, cfg.tree)
     cost = StepCost(tuple(sorted(curve.items())))  # the one interpolation of the curve, relative to 1 row
+    top = bucket(cfg.max_rows(), BUCKETS[-1])
+    priced = [bucket(q, top) for q in res.rows] if buckets else res.rows
     return {"decode": cfg.to_dict(), "nodes": len(cfg.tree) if cfg.tree else cfg.mask_num,
             "tokens_per_step": round(res.tokens_per_step, 4), "rows_per_step": round(sum(res.rows) / res.steps, 2),
-            "est_speedup": round(res.tokens / sum(cost(q) for q in res.rows), 4)}
+            "est_speedup": round(res.tokens / sum(cost(q) for q in priced), 4)}
 
 
 def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int, max_rows: int,
-           current: DecodeConfig | None = None) -> list[dict]:
+           current: DecodeConfig | None = None, buckets: bool = False) -> list[dict]:
     """Every layout up to ``max_mask_num`` and ``max_rows`` rows per step, replayed on the odd samples
     with trees grown on the even ones; sorted by estimated speedup over AR (best first).
 
@@ -270,11 +274,11 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
         for groups in range(1, k + 2):
             for tree in trees:
                 if 1 + (len(tree) if tree else k) + groups * k <= max_rows:
-                    results.append(estimate(held, DecodeConfig(k, groups, tree=tree, **lookup), curve))
+                    results.append(estimate(held, DecodeConfig(k, groups, tree=tree, **lookup), curve, buckets))
     if current is not None and current.tree != "dynamic" and current.mask_num <= width:
         mine = next((r for r in results if _key(r["decode"]) == _key(current.to_dict())), None)
         if mine is None:
-            mine = estimate(held, current, curve)
+            mine = estimate(held, current, curve, buckets)
             results.append(mine)
         mine["current"] = True
     return sorted(results, key=lambda r: -r["est_speedup"])
@@ -345,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cached tokens behind the timed block (default: %(default)s)")
     p.add_argument("--kernels", default="fast", help="CPU kernels, fast or stock, as space-eval --kernels "
                    "(default: %(default)s)")
+    p.add_argument("--buckets", action="store_true", help="price each step at its row bucket, as a --compile run "
+                   "pads static layouts (space/decoding/compiled.py); the curve is still measured eagerly")
     add_threads_flag(p)
     add_device_flag(p)
     p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json (default: %(default)s)")
@@ -404,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
     points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
     curve = step_cost_curve(model, points, a.cache_len)
     setup = {"threads": torch.get_num_threads(), "kernels": a.kernels}  # what the curve was measured with
-    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current)
+    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, a.buckets)
     if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows
         raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")
     dynamic = None
@@ -419,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
     chain = next((r for r in results if r["decode"]["tree"] is None
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
     report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
-              "samples": len(ranks), "threads": torch.get_num_threads(),
+              "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": a.buckets,
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
               "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}
     a.out.mkdir(parents=True, exist_ok=True)

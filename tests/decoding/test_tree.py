@@ -6,7 +6,7 @@ import torch
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 from space.decoding.sampling import logits_to_probs
 from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, path_probs_from_table, replay
-from space.decoding.verify import verify_tree_sampling
+from space.decoding.verify import verify_tree_greedy, verify_tree_sampling
 from space.eval.probe import anchor_ranks
 from space.layout_cli import main as layout_main
 from space.masking import build_layout, tree_parents
@@ -66,6 +66,37 @@ def test_tree_layout_by_hand():
         build_layout(0, 3, [1], 2, parents=[-1, 2, 0])
     text = layout_main(["--tree", "[[0],[1],[0,0]]", "-k", "2", "--num-groups", "2"])
     assert "c2" in text and "G1m1" in text
+
+
+def test_greedy_tree_walk_equals_the_rule_by_brute_force():
+    """The host walk of greedy verification (issue 43) against its rule, checked row by row: a
+    row is right when every node on its path is its parent row's argmax; the accepted row is the
+    deepest right one, the first in block order among equals. Random trees with small vocabularies,
+    so that many nodes are right, siblings tie and a wrong node has right-looking children."""
+    rng = torch.Generator().manual_seed(0)
+    accepted_deep = 0
+    for _ in range(400):
+        n = int(torch.randint(1, 24, (1,), generator=rng))
+        parents = [-1] + [int(torch.randint(0, r, (1,), generator=rng)) for r in range(1, n + 1)]
+        depth = [0] * (n + 1)
+        for r in range(1, n + 1):
+            depth[r] = depth[parents[r]] + 1
+        vocab = int(torch.randint(2, 4, (1,), generator=rng))
+        pred = torch.randint(0, vocab, (n + 1,), generator=rng).tolist()
+        tokens = torch.randint(0, vocab, (n,), generator=rng).tolist()
+
+        def right(r):
+            while r > 0:
+                if tokens[r - 1] != pred[parents[r]]:
+                    return False
+                r = parents[r]
+            return True
+
+        ok = [r for r in range(n + 1) if right(r)]
+        expect = min(ok, key=lambda r: (-depth[r], r))
+        assert verify_tree_greedy(pred, tokens, parents, depth) == expect
+        accepted_deep += depth[expect] >= 2
+    assert accepted_deep > 50  # the check met deep accepts, not only empty ones
 
 
 def test_greedy_tree_exact_random_trees(trained):

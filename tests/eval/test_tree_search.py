@@ -33,6 +33,22 @@ def test_one_interpolation_of_the_curve():
     assert max(res.rows) == 1 + 2 + 3 * 2  # full steps priced at cost(9), past the 8-row point
 
 
+def test_buckets_price_the_padded_rows():
+    """With ``buckets`` (a compiled run pads static layouts, issue 43) every step is priced at its
+    row bucket, up to the layout's own bucketed size: a full chain step of 9 rows at 12, the first
+    step of 3 rows at 4. Without it, at its own rows."""
+    curve = {1: 1.0, 32: 32.0}  # one cost unit per row
+    ranks = [torch.zeros(12, 2, dtype=torch.long)]
+    res = replay(ranks, 2, 3, None)
+    assert sorted(set(res.rows)) == [3, 9]
+    padded = [{3: 4, 9: 12}[q] for q in res.rows]
+    assert estimate(ranks, DecodeConfig(2, 3), curve, buckets=True)["est_speedup"] == pytest.approx(
+        res.tokens / sum(padded), rel=1e-3)
+    assert estimate(ranks, DecodeConfig(2, 3), curve)["est_speedup"] == pytest.approx(
+        res.tokens / sum(res.rows), rel=1e-3)
+    assert DecodeConfig(2, 3).max_rows() == 9 and DecodeConfig(2, 3, lookup_tokens=4).max_rows() == 13
+
+
 def test_search_prefers_trees_when_runner_ups_are_right_and_rows_are_cheap():
     # mask 0's top-1 right half the time, its runner-up the other half: a sibling doubles acceptance
     ranks = [torch.tensor([[j % 2, 0] for j in range(40)]) for _ in range(6)]
