@@ -48,6 +48,7 @@ import math
 import numbers
 import operator
 from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .tree import anchored_group
@@ -105,6 +106,7 @@ class StepCost:
         object.__setattr__(self, "points", pts)
         object.__setattr__(self, "_rows", [q for q, _ in pts])
         object.__setattr__(self, "_memo", {})  # c(q) by q: a planner prices the same few row counts all step
+        object.__setattr__(self, "_marginal", {})  # c(q + 1) - c(q) by q, likewise
         if isinstance(self.adapter, bool) or not isinstance(self.adapter, numbers.Real) \
                 or not math.isfinite(self.adapter) or self.adapter < 0:
             raise ValueError(f"the adapter's step cost must be a finite number >= 0, got {self.adapter!r}")
@@ -128,7 +130,10 @@ class StepCost:
         to 2 rows also holds a fixed cost, which :meth:`multi_row` and :meth:`adapter_overhead`
         split."""
         q = max(q, 2)
-        return max(self(q + 1) - self(q), 0.0)
+        step = self._marginal.get(q)
+        if step is None:
+            step = self._marginal[q] = max(self(q + 1) - self(q), 0.0)
+        return step
 
     def adapter_overhead(self) -> float:
         """What a step pays once for having any mask row (the adapter's fixed cost, :attr:`adapter`,
@@ -299,9 +304,9 @@ def calibrated(probs: list[float], c: float) -> list[float]:
 
 def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
                 rates: list[float], limit: int, room: int, top1: list[int] | None, match: list[int]
-                ) -> list[tuple[tuple[int, ...], float, int]]:
+                ) -> Iterator[tuple[tuple[int, ...], float, int]]:
     """Up to ``limit`` distinct token paths (path, value, sources) in non-increasing value, each
-    after its prefix.
+    after its prefix; generated as they are asked for (a step keeps only its first few).
 
     A node's value is its parent's times its own conditional probability: a mask draft's, a lookup
     token's running rate ``rates[d]`` at its depth, or the larger of the two for a lookup token
@@ -358,17 +363,34 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
 
     expand(1.0, (), (), LOOKUP)
     seen: set[tuple[int, ...]] = set()  # a row may repeat a token (a test hook's drafts)
-    out = []
-    while heap and len(out) < limit:
+    while heap and len(seen) < limit:
         neg, _, path, ranks, source, sibling = heapq.heappop(heap)
         if sibling is not None:
             d = len(path) - 1
             push_mask_child(sibling[0], path[:-1], ranks[:-1], d, next_rank(d, ranks[-1], sibling[1]), sibling[1])
         if path not in seen:
             seen.add(path)
-            out.append((path, -neg, source))
+            yield path, -neg, source
             expand(-neg, path, ranks, source)
-    return out
+
+
+class _Kept:
+    """A generator's items, produced once, on first demand, and replayed to every later
+    iteration (the planner walks the candidates up to three times a step, each a little further)."""
+
+    def __init__(self, items: Iterator):
+        self.items, self.done = items, []
+
+    def __iter__(self):
+        i = 0
+        while True:
+            if i == len(self.done):
+                item = next(self.items, None)
+                if item is None:
+                    return
+                self.done.append(item)
+            yield self.done[i]
+            i += 1
 
 
 def _merged_ranks(draft_ids: list[list[int]], found: list[int], depth: int, top1: list[int] | None) -> list[int]:
@@ -438,7 +460,7 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     draft_probs = [[v for v, _, _ in row] for row in ranked]
     rates = stats.lookup_rates()
     match = _merged_ranks(draft_ids, found, min(len(found), room, len(rates), len(draft_ids)), top1)
-    cands = _candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match)
+    cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match))
     forced = _lookup_chain(draft_probs, found, rates, min(len(found), room, len(rates), max(budget - 1, 0)), match)
 
     def nodes(cap: int, fill: int = 0) -> list[tuple[tuple[int, ...], float, int]]:
