@@ -11,7 +11,7 @@ Prints and writes ``--out`` (JSON): median and mean host ms per step, plan ms, s
 To compare two checkouts, run the script from each in turns on a quiet machine (the numbers move
 with the machine's load; compare runs made side by side only)::
 
-    python scripts/bench_host.py --out host.json  # results/host_time: 7 rounds against 2f8b19a
+    python scripts/bench_host.py --out host.json  # results/host_time: 7 rounds against 2f8b19a, then 82ab8ce
 """
 from __future__ import annotations
 
