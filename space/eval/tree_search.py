@@ -239,8 +239,7 @@ def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float
                          "probabilities); time it with space-eval --tree dynamic")
     res = replay(held, cfg.mask_num, cfg.groups, cfg.tree)
     cost = StepCost(tuple(sorted(curve.items())))  # the one interpolation of the curve, relative to 1 row
-    top = bucket(cfg.max_rows(), BUCKETS[-1])
-    priced = [bucket(q, top) for q in res.rows] if buckets else res.rows
+    priced = [bucket(q, bucket(cfg.max_rows(), BUCKETS[-1])) for q in res.rows] if buckets else res.rows
     return {"decode": cfg.to_dict(), "nodes": len(cfg.tree) if cfg.tree else cfg.mask_num,
             "tokens_per_step": round(res.tokens_per_step, 4), "rows_per_step": round(sum(res.rows) / res.steps, 2),
             "est_speedup": round(res.tokens / sum(cost(q) for q in priced), 4)}
@@ -273,8 +272,9 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
         trees = [None] + [t for t in dict.fromkeys(grow_tree(probs, n, k) for n in NODE_COUNTS) if t and t != chain]
         for groups in range(1, k + 2):
             for tree in trees:
-                if 1 + (len(tree) if tree else k) + groups * k <= max_rows:
-                    results.append(estimate(held, DecodeConfig(k, groups, tree=tree, **lookup), curve, buckets))
+                cfg = DecodeConfig(k, groups, tree=tree, **lookup)
+                if cfg.max_rows() - cfg.lookup_tokens <= max_rows:  # the replay plays no lookup branch
+                    results.append(estimate(held, cfg, curve, buckets))
     if current is not None and current.tree != "dynamic" and current.mask_num <= width:
         mine = next((r for r in results if _key(r["decode"]) == _key(current.to_dict())), None)
         if mine is None:
