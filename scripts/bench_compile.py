@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 from space.choices import COMPILE_MODES
 from space.data.prompts import chat_ids, code_prompt
@@ -100,6 +101,7 @@ def main(argv=None) -> dict:
             run("compiled", method, ids)
         print(f"warm-up (compiling) prompt {i}: {time.perf_counter() - t0:.0f} s so far", flush=True)
     compile_s = time.perf_counter() - t0
+    graphs_warm = counters["stats"]["unique_graphs"]
     for setup in set(targets) - {"compiled"}:
         for method in methods:
             if not (setup == "eager-static" and method == "pld"):
@@ -138,6 +140,8 @@ def main(argv=None) -> dict:
                                             for m in methods if f"eager-static/{m}" in med and f"eager/{m}" in med},
         "space_equals_ar": exact,
         "compile_warmup_s": round(compile_s, 1) if "compiled" in targets else None,
+        # graphs compiled in the warm-up, and in the whole run (a timed pass that compiles is not timed fairly)
+        "graphs": {"warm_up": graphs_warm, "total": counters["stats"]["unique_graphs"]},
         "step_cost_ms": {s: {q: round(v * 1e3, 3) for q, v in c.items()} for s, c in curves.items()},
         "per_prompt_tokens_per_s": rates,
     }
@@ -166,7 +170,8 @@ def markdown(r: dict) -> str:
         lines.append(f"| {s} | " + " | ".join(map(str, cells)) + f" | {r['space_vs_pld'].get(s, '-')} | "
                      f"{r['space_vs_ar'].get(s, '-')} | {'-' if r['space_equals_ar'][s] is None else r['space_equals_ar'][s]} |")
     if r["compile_warmup_s"] is not None:
-        lines += ["", f"Compile warm-up (every prompt once, every method): {r['compile_warmup_s']} s."]
+        lines += ["", f"Compile warm-up (every prompt once, every method): {r['compile_warmup_s']} s, "
+                  f"{r['graphs']['warm_up']} graphs ({r['graphs']['total']} by the end of the run)."]
     if curve:
         rows = list(next(iter(curve.values())))
         lines += ["", "Step cost (ms) by rows, after 300 cached tokens:", "",

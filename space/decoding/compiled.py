@@ -7,10 +7,12 @@ and so does the LM head, which the decoder runs on selected rows only. A compile
 shapes that repeat: ``SpaceDecoder`` and ``ar_generate`` then default to a preallocated KV cache
 (``cache.static_cache``), whose key length is fixed per generation, and every layout pads its
 rows to buckets (``dynamic.BUCKETS``; ``SpaceDecoder(buckets=...)`` for static layouts, whose
-trees are pruned near a rejection and whose lookup branches vary). Where a size still varies (the
-bucket, the first mask row), dynamo's automatic dynamic shapes make one graph with a symbolic size
-after the second value, rather than one graph per value; CUDA graphs (``mode="reduce-overhead"``)
-record one graph per bucket. Prompts run eagerly (:func:`eager`): their lengths would only add
+trees are pruned near a rejection and whose lookup branches vary). The sizes that still vary (the
+bucket, the first mask row, the cache's slot count per prompt) are symbolic from the first
+compile (``dynamic=True``): one graph for the 1-row AR step and one for SPACE's blocks, where
+dynamo's default would first compile each size's specialized graph and recompile at its second
+value (5 graphs instead of 2 on the tiny model, each minutes of compile on SmolLM2 on 2 CPU
+cores). CUDA graphs (``mode="reduce-overhead"``) record one graph per concrete shape. Prompts run eagerly (:func:`eager`): their lengths would only add
 graphs, and a prefill runs once.
 
 Exactness: a compiled forward computes the same function with other kernels and fusions. SPACE's
@@ -32,8 +34,8 @@ RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 
 def compile_trunk(model, mode: str | None = None):
     """Compile ``model``'s decoder trunk in place (``model.get_decoder().forward``), once; returns
-    ``model``. Compilation happens on the first calls of each shape (seconds on the tiny model,
-    about a minute per graph at SmolLM2's size on 2 CPU cores), so time a compiled model after a
+    ``model``. Compilation happens on the first calls (seconds on the tiny model, minutes per
+    graph at SmolLM2's size on 2 CPU cores), so time a compiled model after a
     warm-up generation. ``mode``: ``torch.compile``'s, one of ``space.choices.COMPILE_MODES``
     (None or ``"default"``: inductor's default; ``"reduce-overhead"`` adds CUDA graphs on a GPU,
     one per shape, over the static cache's fixed tensors). A trunk is compiled once: a second call
@@ -54,7 +56,9 @@ def compile_trunk(model, mode: str | None = None):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
     if not is_compiled(base):
-        trunk.forward = torch.compile(trunk.forward, mode=None if mode == "default" else mode)
+        # dynamic=True: the row count and the slot count are symbolic from the first graph, so a new
+        # prompt or bucket reuses it instead of compiling a specialized graph and then a dynamic one
+        trunk.forward = torch.compile(trunk.forward, mode=None if mode == "default" else mode, dynamic=True)
         # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
         # transformers' generate (PLD, HF) all call it (another set of arguments each, static and
         # dynamic variants); past the limit it would run eagerly without a word

@@ -1,7 +1,8 @@
 """The opt-in compiled trunk (issue 43, ``space.decoding.compiled``): SPACE over a compiled trunk
 equals AR over the same compiled trunk in fp32, for the chain, a static tree and the dynamic tree
 with lookup, on the trained drafter (long accepts, moving tree paths); both then preallocate their
-caches, and the graphs stay few (automatic dynamic shapes, not one graph per row count)."""
+caches, and the graphs stay few (sizes symbolic from the first compile: not one graph per row
+count, mask row or prompt)."""
 import copy
 
 import pytest
@@ -37,7 +38,9 @@ def test_compiled_trunk_is_exact_and_preallocates(compiled):
             out = dec.generate(prompt, 48)
             assert out.new_ids == truth, config
             assert max(out.accept_lengths) >= 2
-    assert counters["stats"]["unique_graphs"] - graphs <= 12  # not one per shape and mask row
+    # symbolic sizes from the first compile: the 1-row AR graph and the SPACE block graph (dynamo's
+    # default would add a specialized graph per size before its dynamic one: 5 on two prompts)
+    assert counters["stats"]["unique_graphs"] - graphs <= 2, counters["stats"]["unique_graphs"] - graphs
 
 
 def test_an_eager_trunk_is_not_compiled(trained):
