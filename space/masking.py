@@ -443,8 +443,9 @@ _ROWS = threading.local()  # per thread: a plain attribute read, which torch.com
 
 
 @contextmanager
-def mask_rows(start: int) -> Iterator[None]:
-    """Declare that the model calls inside this block feed mask rows from row ``start`` on.
+def mask_rows(start: int | None) -> Iterator[None]:
+    """Declare that the model calls inside this block feed mask rows from row ``start`` on
+    (None: no mask row, a plain forward, as outside any block).
 
     Every layout here puts the mask groups after the real rows, so one integer says which rows
     are masks: rows ``start:`` of the block (``start = layout.num_real`` in a decode step, 0 for
@@ -452,13 +453,14 @@ def mask_rows(start: int) -> Iterator[None]:
     :func:`mask_rows_start` and updates only those rows; outside any such block it updates no
     row, so a plain forward (AR, HF ``generate``) is exactly the base model.
 
-    The value is scoped to the calling thread and restored on exit (blocks may nest). It is
-    read, never written, during forward: no module keeps per-call state (STYLE.md item 13).
+    The value is scoped to the calling thread and restored on exit (blocks may nest). Modules
+    read it, never write it: no module keeps per-call state (STYLE.md item 13). A compiled trunk
+    (``space.decoding.compiled``) takes it as an argument and re-enters the block inside its graph.
 
     Raises:
         ValueError: start < 0.
     """
-    if start < 0:
+    if start is not None and start < 0:
         raise ValueError(f"mask rows start at a row >= 0, got {start}")
     previous = getattr(_ROWS, "start", None)
     _ROWS.start = start

@@ -2,7 +2,9 @@
 and the AR baseline, so a speedup stays the method's and not the compiler's.
 
 The trunk's ``forward`` is replaced on the instance by its compiled version (inductor on CPU and
-CUDA). Forward hooks stay outside the graph (the decoder's host-time hooks, device-map hooks),
+CUDA). The frozen-base adapter's first mask row (``space.masking.mask_rows``, a thread's global)
+enters the graph as an argument: read inside the graph, each value would be a guard and a graph
+of its own (one per count of real rows: an hour of compiling SmolLM2's dynamic tree on 2 cores). Forward hooks stay outside the graph (the decoder's host-time hooks, device-map hooks),
 and so does the LM head, which the decoder runs on selected rows only. A compiled trunk wants
 shapes that repeat: ``SpaceDecoder`` and ``ar_generate`` then default to a preallocated KV cache
 (``cache.static_cache``), whose key length is fixed per generation, and every layout pads its
@@ -28,6 +30,7 @@ import torch
 
 from ..choices import COMPILE_MODES
 from ..cpu_kernels import PackedLinear
+from ..masking import mask_rows, mask_rows_start
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 
@@ -56,9 +59,24 @@ def compile_trunk(model, mode: str | None = None):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
     if not is_compiled(base):
-        # dynamic=True: the row count and the slot count are symbolic from the first graph, so a new
-        # prompt or bucket reuses it instead of compiling a specialized graph and then a dynamic one
-        trunk.forward = torch.compile(trunk.forward, mode=None if mode == "default" else mode, dynamic=True)
+        forward = trunk.forward
+
+        def with_mask_rows(start: int | None, *args, **kwargs):
+            with mask_rows(start):
+                return forward(*args, **kwargs)
+
+        # dynamic=True: the row count, the slot count and the first mask row are symbolic from the
+        # first graph, so a new prompt, bucket or tree reuses it instead of compiling a specialized
+        # graph and then a dynamic one
+        graph = torch.compile(with_mask_rows, mode=None if mode == "default" else mode, dynamic=True)
+
+        def compiled_forward(*args, **kwargs):
+            start = mask_rows_start()
+            with mask_rows(None):  # cleared around the graph: only its argument says where masks start
+                return graph(start, *args, **kwargs)
+
+        compiled_forward.graph = graph
+        trunk.forward = compiled_forward
         # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
         # transformers' generate (PLD, HF) all call it (another set of arguments each, static and
         # dynamic variants); past the limit it would run eagerly without a word
@@ -76,4 +94,4 @@ def is_compiled(model) -> bool:
     """Whether ``model``'s trunk was compiled by :func:`compile_trunk`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     trunk = base.get_decoder() if hasattr(base, "get_decoder") else base
-    return hasattr(trunk.forward, "_torchdynamo_orig_callable")
+    return hasattr(getattr(trunk.forward, "graph", None), "_torchdynamo_orig_callable")

@@ -91,7 +91,11 @@ def test_compile_modes(trained):
 def test_compiled_frozen_base_reads_the_mask_rows_in_the_graph(monkeypatch):
     """The shipped kind of adapter: a frozen-base LoRA whose gate (``mask_rows``) is read inside the
     compiled trunk, with the mask start changing from step to step. SPACE equals AR over the same
-    compiled trunk, and AR preallocated its cache as the decoder did."""
+    compiled trunk, AR preallocated its cache as the decoder did, and the first mask row enters the
+    graph as an argument: the graphs stay few (read as a global, each start made its own graph)."""
+    from torch._dynamo.utils import counters
+
+    import space.decoding.decoder as decoder_module
     from space.adapter_layers import fuse_frozen_base, prepare_model
     from space.decoding import autoregressive
     from space.models import load_model
@@ -108,5 +112,11 @@ def test_compiled_frozen_base_reads_the_mask_rows_in_the_graph(monkeypatch):
     prompt = torch.randint(11, 250, (14,), generator=torch.Generator().manual_seed(5))
     truth = ar_generate(model, prompt, 30, suppress_ids=spec.token_ids).new_ids
     assert made == [(model.config.num_hidden_layers, 14 + 30)]
+    starts = set()
+    real_rows = decoder_module.mask_rows
+    monkeypatch.setattr(decoder_module, "mask_rows", lambda start: starts.add(start) or real_rows(start))
+    graphs = counters["stats"]["unique_graphs"]
     for config in [DecodeConfig(3, 2), DecodeConfig(3, tree="dynamic", lookup_tokens=6)]:
         assert SpaceDecoder(model, spec, config).generate(prompt, 30).new_ids == truth, config
+    # blocks with and without mask rows (a start past the block), not one graph per start
+    assert len(starts) >= 4 and counters["stats"]["unique_graphs"] - graphs <= 3, (starts, counters["stats"])
