@@ -14,12 +14,15 @@ no compile), ``compiled``. Methods (``--methods``): ``ar``, ``pld`` (transformer
 10 tokens, over its own growing cache: assisted generation takes no static cache), ``space``
 with the adapter's layout or ``--layout chain`` (k = 3, 2 groups: few shapes, few graphs).
 
-On a 2-core CPU a new graph of SmolLM2's trunk takes minutes to compile, and SPACE's steps meet
-many shapes (rows, first mask row); ``results/compile_cpu`` (AR only) and
-``results/static_cache_cpu`` (eager, both caches) were made with
+On a 2-core CPU a graph of SmolLM2's trunk takes minutes to compile; with the sizes symbolic and
+the first mask row an argument of the graph (``space.decoding.compiled``), the three methods need
+9 graphs, compiled in about 15 minutes from a cold cache. ``results/compile_cpu`` was made with
 
-    python scripts/bench_compile.py --threads 2 --prompts 4 --max-new-tokens 64 --setups eager,compiled \
-        --methods ar --rows "" --out results/compile_cpu
+    python scripts/bench_compile.py --threads 2 --prompts 10 --max-new-tokens 128 --setups eager,compiled \
+        --methods ar,pld,space --out results/compile_cpu
+
+and ``results/static_cache_cpu`` (eager, both caches) with
+
     python scripts/bench_compile.py --threads 2 --prompts 10 --max-new-tokens 128 --setups eager,eager-static \
         --methods ar,pld,space --out results/static_cache_cpu
 """

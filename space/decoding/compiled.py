@@ -2,20 +2,23 @@
 and the AR baseline, so a speedup stays the method's and not the compiler's.
 
 The trunk's ``forward`` is replaced on the instance by its compiled version (inductor on CPU and
-CUDA). The frozen-base adapter's first mask row (``space.masking.mask_rows``, a thread's global)
-enters the graph as an argument: read inside the graph, each value would be a guard and a graph
-of its own (one per count of real rows: an hour of compiling SmolLM2's dynamic tree on 2 cores). Forward hooks stay outside the graph (the decoder's host-time hooks, device-map hooks),
-and so does the LM head, which the decoder runs on selected rows only. A compiled trunk wants
-shapes that repeat: ``SpaceDecoder`` and ``ar_generate`` then default to a preallocated KV cache
-(``cache.static_cache``), whose key length is fixed per generation, and every layout pads its
-rows to buckets (``dynamic.BUCKETS``; ``SpaceDecoder(buckets=...)`` for static layouts, whose
-trees are pruned near a rejection and whose lookup branches vary). The sizes that still vary (the
-bucket, the first mask row, the cache's slot count per prompt) are symbolic from the first
-compile (``dynamic=True``): one graph for the 1-row AR step and one for SPACE's blocks, where
-dynamo's default would first compile each size's specialized graph and recompile at its second
-value (5 graphs instead of 2 on the tiny model, each minutes of compile on SmolLM2 on 2 CPU
-cores). CUDA graphs (``mode="reduce-overhead"``) record one graph per concrete shape. Prompts run eagerly (:func:`eager`): their lengths would only add
-graphs, and a prefill runs once.
+CUDA). Forward hooks stay outside the graph (the decoder's host-time hooks, device-map hooks),
+and so does the LM head, which the decoder runs on selected rows only.
+
+A compiled trunk wants shapes that repeat: ``SpaceDecoder`` and ``ar_generate`` then default to a
+preallocated KV cache (``cache.static_cache``), whose key length is fixed per generation, and
+every layout pads its rows to buckets (``dynamic.BUCKETS``; ``SpaceDecoder(buckets=...)`` for
+static layouts, whose trees are pruned near a rejection and whose lookup branches vary). The
+sizes that still vary (the bucket, the cache's slot count per prompt, the first mask row) are
+symbolic from the first compile (``dynamic=True``): one graph for the 1-row AR step and one for
+SPACE's blocks, where dynamo's default compiles each size's specialized graph first and a
+dynamic one at its second value (5 graphs instead of 2 on the tiny model, and a graph of
+SmolLM2 takes minutes on 2 CPU cores). The frozen-base adapter's first mask row
+(``space.masking.mask_rows``, a thread's global) enters the graph as an argument: read inside
+it, every value was a guard and a graph of its own (SmolLM2's dynamic tree was still compiling
+new graphs after 45 minutes). CUDA graphs (``mode="reduce-overhead"``) record one graph per
+concrete shape. Prompts run eagerly (:func:`eager`): their lengths would only add graphs, and a
+prefill runs once.
 
 Exactness: a compiled forward computes the same function with other kernels and fusions. SPACE's
 multi-row graphs and AR's one-row graph are different graphs, as SPACE's and AR's eager forwards
