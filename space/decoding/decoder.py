@@ -73,7 +73,6 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -549,7 +548,7 @@ class SpaceDecoder:
         (q, hidden). ``mask_start``: first mask row (the frozen-base LoRA acts from there); None
         for the prefill, a plain forward of the base model."""
         kwargs = {} if position_ids is None else {"position_ids": position_ids[None], "attention_mask": attention_mask}
-        with mask_rows(mask_start) if mask_start is not None else nullcontext():
+        with mask_rows(mask_start):
             return self.decoder(input_ids=ids[None], **kwargs, **cache_input(cache), use_cache=True).last_hidden_state[0]
 
     def _step(self, cache, L: int, slots: int | None, last: torch.Tensor, lay: StepLayout, tokens: torch.Tensor,

@@ -239,7 +239,8 @@ def estimate(held: list[torch.Tensor], cfg: DecodeConfig, curve: dict[int, float
                          "probabilities); time it with space-eval --tree dynamic")
     res = replay(held, cfg.mask_num, cfg.groups, cfg.tree)
     cost = StepCost(tuple(sorted(curve.items())))  # the one interpolation of the curve, relative to 1 row
-    priced = [bucket(q, bucket(cfg.max_rows(), BUCKETS[-1])) for q in res.rows] if buckets else res.rows
+    top = bucket(cfg.max_rows(), BUCKETS[-1])  # the largest bucket a step of this layout pads to
+    priced = [bucket(q, top) for q in res.rows] if buckets else res.rows
     return {"decode": cfg.to_dict(), "nodes": len(cfg.tree) if cfg.tree else cfg.mask_num,
             "tokens_per_step": round(res.tokens_per_step, 4), "rows_per_step": round(sum(res.rows) / res.steps, 2),
             "est_speedup": round(res.tokens / sum(cost(q) for q in priced), 4)}

@@ -119,4 +119,4 @@ def test_compiled_frozen_base_reads_the_mask_rows_in_the_graph(monkeypatch):
     for config in [DecodeConfig(3, 2), DecodeConfig(3, tree="dynamic", lookup_tokens=6)]:
         assert SpaceDecoder(model, spec, config).generate(prompt, 30).new_ids == truth, config
     # blocks with and without mask rows (a start past the block), not one graph per start
-    assert len(starts) >= 4 and counters["stats"]["unique_graphs"] - graphs <= 3, (starts, counters["stats"])
+    assert len(starts - {None}) >= 4 and counters["stats"]["unique_graphs"] - graphs <= 3, (starts, counters["stats"])
