@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .adapter_layers import MaskEmbedding, mask_embedding
@@ -44,8 +44,9 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
             ``accelerator.get_state_dict`` gathers them on every rank); None: the model's own.
 
     Raises:
-        ValueError: the weights written are empty or do not fit the model's config (e.g. a ZeRO-3
-            partition saved without ``state_dict``); nothing is written then.
+        ValueError: the weights written are empty, do not fit the model's config (e.g. a ZeRO-3
+            partition saved without ``state_dict``), or hold NaN or inf (a diverged run); nothing
+            is written then.
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,16 +90,17 @@ def _entry(state_dict: dict[str, torch.Tensor] | None, key: str) -> dict[str, to
 
 
 def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathLike | str | None = None) -> None:
-    """Refuse an artifact whose weights are empty or do not fit its model (a ZeRO-3 partition
-    saved without gathering has tensors of shape (0,)).
+    """Refuse an artifact whose weights are empty, do not fit its model (a ZeRO-3 partition
+    saved without gathering has tensors of shape (0,)), or are not finite.
 
     Full checkpoints: every tensor against the shapes ``config.json`` gives
     (``space.zero3.check_saved_shapes``). Adapters: the LoRA pairs (``read_lora``) and the mask rows,
-    ``(1 or k, hidden_size)`` when ``hidden_size`` is given.
+    ``(1 or k, hidden_size)`` when ``hidden_size`` is given. Both: every tensor of every
+    safetensors file finite (:func:`check_finite`).
 
     Raises:
-        ValueError: an empty tensor or a wrong shape; the file is named (with ``where`` for a
-            folder not yet in place).
+        ValueError: an empty tensor, a wrong shape, or a NaN / inf value; the file is named (with
+            ``where`` for a folder not yet in place).
     """
     where = Path(where or folder)
     cfg = read_space_config(folder)
@@ -107,8 +109,10 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
             check_saved_shapes(folder)
         except ValueError as e:
             raise ValueError(str(e).replace(str(folder), str(where))) from None
+        check_finite(folder, where)
         return
     read_lora(folder)
+    check_finite(folder, where)
     rows = read_tensors(folder / MASK_EMBEDDING).get("mask_rows")
     n = len(cfg["mask_token_ids"])
     if rows is None or rows.dim() != 2 or rows.shape[0] != n or 0 in rows.shape or (
@@ -116,6 +120,32 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
         shape = None if rows is None else tuple(rows.shape)
         raise ValueError(f"{where / MASK_EMBEDDING}: mask rows of shape {shape}, expected ({n}, "
                          f"{hidden_size or 'hidden'}): saved while partitioned by ZeRO-3? refusing this artifact")
+
+
+def check_finite(folder: Path, where: os.PathLike | str | None = None) -> None:
+    """Refuse a folder whose safetensors files hold a NaN or inf anywhere.
+
+    A diverged run's weights are non-finite, yet SPACE still decodes them "exactly" (a rejected
+    draft never changes greedy output), so exactness cannot catch them: this check does (issue
+    59). Tensors are read one at a time (``safe_open``), so a 7B checkpoint never sits in memory
+    whole.
+
+    Raises:
+        ValueError: names the first non-finite tensor and its file, and how many tensors are.
+    """
+    bad, total = [], 0
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(path, "pt") as f:
+                for key in f.keys():
+                    t, total = f.get_tensor(key), total + 1
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        bad.append(f"{path.name}:{key}")
+        except SafetensorError as e:
+            raise ValueError(f"{Path(where or folder) / path.name}: not a valid safetensors file ({e})") from None
+    if bad:
+        raise ValueError(f"{Path(where or folder)}: {len(bad)} of {total} tensors hold NaN or inf, first "
+                         f"{bad[0]}: the training diverged; refusing this artifact")
 
 
 def read_space_config(adapter: Path) -> dict:

@@ -17,7 +17,7 @@ from peft import set_peft_model_state_dict
 
 from .adapter_layers import MaskEmbedding, apply_lora, mask_embedding
 from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config,
-                       check_artifact, copy_mask_rows, load_mask_rows, load_sampler_head, read_lora,
+                       check_artifact, check_finite, copy_mask_rows, load_mask_rows, load_sampler_head, read_lora,
                        read_space_config, read_tensors, sampler_width)
 from .choices import COMPILE_MODES
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
@@ -68,7 +68,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             unknown model.
         ValueError: the base's tokenizer gives the mask token another id than recorded; a damaged
             artifact file (space_config.json not a JSON object or lacking a key, a truncated or
-            garbage safetensors file; the file is named); LoRA weights that do not fit the model;
+            garbage safetensors file; the file is named); a NaN or inf weight (the tensor named);
+            LoRA weights that do not fit the model;
             a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``; a
             ``compile`` mode not in ``COMPILE_MODES``.
     """
@@ -101,6 +102,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
                       + (" (output stays exact to the given model)" if cfg["mode"] == "frozen-base"
                          else " and its merged LoRA changes a model it was not trained for"), stacklevel=2)
     updates = read_lora(adapter)  # a damaged file fails here, before the base model loads
+    check_finite(adapter)  # a diverged run's NaN weights would still decode "exactly"
     rows = read_tensors(adapter / MASK_EMBEDDING)
     head_width = sampler_width(cfg, adapter)
     base, tok = load_model(model or cfg["base_model"], dtype, device, device_map)
@@ -130,8 +132,8 @@ def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> 
 
     Raises:
         FileNotFoundError / ValueError: not an artifact (:func:`read_space_config`); a full
-            checkpoint, another mode, k or mask_diff, or LoRA weights that do not fit ``model``
-            (another rank or target list).
+            checkpoint, another mode, k or mask_diff, a NaN or inf weight, or LoRA weights that do
+            not fit ``model`` (another rank or target list).
     """
     adapter = Path(adapter)
     cfg = read_space_config(adapter)
@@ -139,6 +141,7 @@ def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> 
     diff = {k: (cfg[k], v) for k, v in mine.items() if cfg[k] != v}
     if diff:
         raise ValueError(f"init_adapter {adapter} was trained with other settings; (adapter, now): {diff}")
+    check_finite(adapter)
     state = read_tensors(adapter / LORA_WEIGHTS)
     try:
         result = set_peft_model_state_dict(model, state)
