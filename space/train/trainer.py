@@ -15,7 +15,7 @@ from ..artifact import MASK_EMBEDDING, SAMPLER_HEAD, save_mask_rows, save_sample
 from ..decoding.cache import cache_input
 from ..decoding.config import DEFAULT_MASK_NUM
 from ..decoding.decoder import check_attention
-from ..masking import IGNORE_INDEX, mask_rows, previous_ids, to_additive_4d
+from ..masking import IGNORE_INDEX, mask_rows, mask_rows_start, previous_ids, to_additive_4d
 from ..sampler_head import sampler_head
 from ..zero3 import gathered
 from .loss import consistency_loss, offset_hits, space_loss, teacher_targets
@@ -85,8 +85,8 @@ class SpaceTrainer(Trainer):
         self.max_nonfinite_steps = max_nonfinite_steps
         self._nonfinite_steps = 0  # consecutive optimizer steps with a non-finite loss or gradient norm
         self._loss_finite = torch.ones((), dtype=torch.bool)  # this step's micro-batches so far
-        if self.two_pass and getattr(self.args, "activation_checkpointing", self.args.gradient_checkpointing):
-            checkpoint_with_prefix_cache(self.accelerator.unwrap_model(self.model))
+        if self.args.activation_checkpointing:  # after train() enables it: the callback runs then
+            self.add_callback(CheckpointInMaskRowsCallback())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.two_pass:
@@ -223,15 +223,23 @@ class PrefixCache(DynamicCache):
 
 
 def checkpoint_with_prefix_cache(model) -> None:
-    """Let transformers' activation checkpointing keep the cache in the frozen-base mask pass.
+    """Make transformers' activation checkpointing of ``model`` recompute what the forward computed.
 
-    transformers drops the cache of a checkpointed layer (``GradientCheckpointingLayer``), since a
-    recomputed layer would write it twice; its ``_can_checkpoint_with_cache`` is for layers that
-    only read it, which is what a frozen :class:`PrefixCache` makes every layer do here. Only the
-    mask pass runs layers with gradients and a cache in this mode.
+    Call it after checkpointing is enabled (``activation_checkpointing_enable``; the Trainer does
+    that in ``train()``). Two things differ in a recompute unless told:
+
+    * the mask rows: a layer recomputed in backward runs outside the forward's ``mask_rows``
+      block (and on a GPU in autograd's own thread), so the frozen-base LoRA gate would see no
+      mask row and zero the LoRA output; each checkpoint re-enters the forward's block
+      (``context_fn``);
+    * the cache: transformers drops the cache of a checkpointed layer, since a recomputed layer
+      would write it twice; its ``_can_checkpoint_with_cache`` is for layers that only read it,
+      which is what a frozen :class:`PrefixCache` makes every layer do (the frozen-base mask pass
+      is the only one that runs layers with gradients and a cache).
 
     Raises:
-        ValueError: a transformers version without that switch (it appeared in 5.24).
+        ValueError: a transformers version without that switch (it appeared in 5.24), or
+            reentrant checkpointing (``use_reentrant: true``), which takes no ``context_fn``.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -241,6 +249,22 @@ def checkpoint_with_prefix_cache(model) -> None:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             module._can_checkpoint_with_cache = True
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            if func is not None and not getattr(func, "in_mask_rows", False):
+                if getattr(func, "keywords", {}).get("use_reentrant", False):
+                    raise ValueError("SPACE training needs activation_checkpointing_kwargs use_reentrant: false "
+                                     "(a reentrant recompute cannot re-enter the mask rows' context)")
+                module._gradient_checkpointing_func = _in_mask_rows(func)
+
+
+def _in_mask_rows(func):
+    """``func`` (a checkpoint function) with the recompute inside the forward's mask_rows block."""
+    def checkpoint(function, *args, **kwargs):
+        start = mask_rows_start()  # read at forward time; the recompute enters a block of its own
+        return func(function, *args, context_fn=lambda: (nullcontext(), mask_rows(start)), **kwargs)
+
+    checkpoint.in_mask_rows = True
+    return checkpoint
 
 
 def forward_mask(allowed: torch.Tensor, model) -> torch.Tensor:
@@ -357,6 +381,14 @@ def mask_chunks(mask_offset: torch.Tensor, chunk_rows: int) -> list[slice]:
     group = int(mask_offset.max()) + 1
     step = max(group, chunk_rows // group * group)
     return [slice(s, min(s + step, M)) for s in range(0, M, step)]
+
+
+class CheckpointInMaskRowsCallback(TrainerCallback):
+    """Runs :func:`checkpoint_with_prefix_cache` once ``Trainer.train`` has enabled activation
+    checkpointing (it replaces each layer's checkpoint function then)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        checkpoint_with_prefix_cache(model)
 
 
 class EpochSeedCallback(TrainerCallback):

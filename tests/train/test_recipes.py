@@ -139,18 +139,23 @@ def test_a_run_that_cannot_learn_stops_non_zero(tmp_path):
     assert all(torch.isfinite(v).all() for v in ckpt.values())
 
 
-def frozen_base_batch():
+def tiny_batch(mode):
+    """The tiny Llama in ``mode`` with random non-zero LoRA B (peft starts it at zero, which would
+    hide a LoRA output lost in backward), and a 2-sample batch with 4 mask groups each."""
     model, tok = tiny_random_llama(seed=0, initializer_range=0.2)
-    peft, spec = prepare_model(model, tok, "frozen-base", 3)
+    peft, spec = prepare_model(model, tok, mode, 3)
+    gen = torch.Generator().manual_seed(1)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=gen) * 0.1
     collator = SpaceCollator(spec.ids_for(3), 3, tok.pad_token_id, spans_per_sample=4)
-    gen = torch.Generator().manual_seed(0)
     batch = collator([{"input_ids": torch.randint(0, 250, (n,), generator=gen).tolist(), "prompt_len": 5, "idx": i}
                       for i, n in enumerate((40, 33))])
     return peft, batch
 
 
-def loss_and_grads(peft, batch):
-    out, labels, offsets = sar_forward(peft, peft, batch, two_pass=True)
+def loss_and_grads(peft, batch, mode):
+    out, labels, offsets = sar_forward(peft, peft, batch, two_pass=mode == "frozen-base")
     scored = (labels != -100) & (offsets >= 0)
     loss = torch.nn.functional.cross_entropy(out.logits[scored], labels[scored])
     peft.zero_grad()
@@ -158,20 +163,31 @@ def loss_and_grads(peft, batch):
     return loss.detach(), {n: p.grad.clone() for n, p in peft.named_parameters() if p.requires_grad}
 
 
-def test_frozen_base_with_activation_checkpointing_gives_the_same_loss():
-    """transformers drops a checkpointed layer's cache, so the mask pass lost the real tokens' keys
-    (a size mismatch). With the frozen prefix cache, checkpointing changes nothing but memory."""
-    peft, batch = frozen_base_batch()
+@pytest.mark.parametrize("mode", ["frozen-base", "lora"])
+def test_activation_checkpointing_changes_no_gradient(mode):
+    """Checkpointing changes nothing but memory: every trainable tensor gets the same gradient. The
+    recomputed layers must see the forward's mask rows (the frozen-base gate zeroed the LoRA output
+    in the recompute before), and the frozen-base mask pass must keep the real tokens' cache
+    (transformers drops a checkpointed layer's cache: a size mismatch before the prefix cache)."""
+    peft, batch = tiny_batch(mode)
     peft.train()
-    want, want_grads = loss_and_grads(peft, batch)
+    want, want_grads = loss_and_grads(peft, batch, mode)
     peft.get_base_model().activation_checkpointing_enable({"use_reentrant": False})
     checkpoint_with_prefix_cache(peft)
-    got, got_grads = loss_and_grads(peft, batch)
+    got, got_grads = loss_and_grads(peft, batch, mode)
     assert peft.get_base_model().model.layers[0].gradient_checkpointing
     torch.testing.assert_close(got, want)
+    assert want_grads.keys() == got_grads.keys() and any("lora_B" in n for n in want_grads)
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], msg=name)
-    assert any(g.abs().sum() > 0 for g in got_grads.values())
+    assert all(g.abs().sum() > 0 for n, g in got_grads.items() if "lora_B" in n)
+
+
+def test_reentrant_checkpointing_is_refused():
+    peft, _ = tiny_batch("frozen-base")
+    peft.get_base_model().activation_checkpointing_enable({"use_reentrant": True})
+    with pytest.raises(ValueError, match="use_reentrant"):
+        checkpoint_with_prefix_cache(peft)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -190,3 +206,21 @@ def test_bf16_training_step_masks_and_loss(impl):
         assert torch.equal(mask, to_additive_4d(batch["attention_mask"], torch.bfloat16))
     out, labels, offsets = sar_forward(model.train(), model, batch, two_pass=False)
     assert torch.isfinite(out.logits.float()).all()
+
+
+def test_frozen_base_run_with_activation_checkpointing_equals_one_without(tmp_path):
+    """Through the Trainer (which enables checkpointing in ``train()``): 3 steps, so LoRA B is
+    non-zero from step 2 on, end with the same LoRA weights and mask rows as without."""
+    from space.config import parse_train_args
+    from space.train.run import run_sft
+
+    finals = []
+    for ckpt in ("false", "true"):
+        out = run_sft(*parse_train_args([
+            "--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / ckpt), "--limit", "4",
+            "--max_steps", "3", "--save_steps", "1000", "--learning_rate", "1e-2", "--activation_checkpointing", ckpt,
+            "--activation_checkpointing_kwargs", '{"use_reentrant": false}']))
+        finals.append({**load_file(out / "adapter_model.safetensors"), **load_file(out / "mask_embedding.safetensors")})
+    assert finals[0].keys() == finals[1].keys()
+    for name, tensor in finals[0].items():
+        torch.testing.assert_close(finals[1][name], tensor, msg=name)
