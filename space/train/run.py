@@ -22,7 +22,8 @@ from ..loader import warm_start
 from ..models import load_model
 from ..sampler_head import add_sampler_head
 from .curves import plot_training_curves
-from .trainer import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer, TimeBudgetCallback
+from .trainer import (SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer, TimeBudgetCallback,
+                      TrainingDiverged)
 
 # what a checkpoint must share with the run that resumes it: mixing them would train k=3 masks
 # for a while and then save an artifact that claims k=5 (keys MaskArgs lacks are left out)
@@ -162,6 +163,13 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
             print(f"[space] training already finished: {done} of {trainer.state.max_steps} steps done in {last}; "
                   f"kept {final}", flush=True)
         return final if trainer.is_world_process_zero() else None
+    if trainer.nonfinite_steps:  # fewer than max_nonfinite_steps, but the weights are those of a bad step
+        if trainer.is_world_process_zero():
+            (Path(train_args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        raise TrainingDiverged(
+            f"training ended at step {trainer.state.global_step} with {trainer.nonfinite_steps} NaN or inf "
+            f"step{'s' if trainer.nonfinite_steps > 1 else ''} in a row, so no final/ was written (its weights would be those of a bad step); the last checkpoint in "
+            f"{train_args.output_dir} was saved before them. Lower the learning rate, or check the data")
     # (a run stopped between its last checkpoint and final/ gets final/ written from that checkpoint)
     # ZeRO-3: every rank takes part in gathering the 16-bit weights; rank 0 writes them
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped) if is_deepspeed_zero3_enabled() else None

@@ -75,6 +75,7 @@ class SpaceTrainer(Trainer):
         if teacher_topk < 1 or mask_chunk_rows < 0:
             raise ValueError(f"need teacher_topk >= 1 and mask_chunk_rows >= 0, got {teacher_topk}, {mask_chunk_rows}")
         super().__init__(*args, **kwargs)
+        self.args.logging_nan_inf_filter = False  # HF's filter logs a NaN loss as the mean of the finite ones
         self.mask_loss_weight, self.mask_num, self.two_pass = mask_loss_weight, mask_num, two_pass
         self.mask_target, self.teacher_topk, self.mask_chunk_rows = mask_target, teacher_topk, mask_chunk_rows
         self.suppress_ids = tuple(suppress_ids)
@@ -83,8 +84,9 @@ class SpaceTrainer(Trainer):
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
         self.max_nonfinite_steps = max_nonfinite_steps
-        self._nonfinite_steps = 0  # consecutive optimizer steps with a non-finite loss or gradient norm
+        self.nonfinite_steps = 0  # consecutive optimizer steps with a non-finite loss or gradient norm, so far
         self._loss_finite = torch.ones((), dtype=torch.bool)  # this step's micro-batches so far
+        self._checked_step = -1  # the global step the guard last counted
         if self.args.activation_checkpointing:  # after train() enables it: the callback runs then
             self.add_callback(CheckpointInMaskRowsCallback())
 
@@ -167,7 +169,14 @@ class SpaceTrainer(Trainer):
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def _check_finite(self, grad_norm) -> None:
-        """Count consecutive non-finite steps (every rank agrees); raise past the limit."""
+        """Count consecutive non-finite steps (every rank agrees); raise past the limit.
+
+        Once per optimizer step: at an epoch's end HF calls the hook again with the same step and
+        gradient norm, which must neither count the step twice nor (its loss flag already reset)
+        clear the count."""
+        if self.state.global_step == self._checked_step:
+            return
+        self._checked_step = self.state.global_step
         ok = self._loss_finite.clone()
         self._loss_finite = torch.ones((), dtype=torch.bool, device=ok.device)
         if grad_norm is not None and not self.args.fp16:
@@ -177,19 +186,19 @@ class SpaceTrainer(Trainer):
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # one bad rank stops all
             ok = bad.item() == 0
         if bool(ok):
-            self._nonfinite_steps = 0
+            self.nonfinite_steps = 0
             return
-        self._nonfinite_steps += 1
+        self.nonfinite_steps += 1
         self.control.should_save = False  # keep the last checkpoint saved before the trouble
         step = self.state.global_step
-        if self.max_nonfinite_steps and self._nonfinite_steps >= self.max_nonfinite_steps:
+        if self.max_nonfinite_steps and self.nonfinite_steps >= self.max_nonfinite_steps:
             raise TrainingDiverged(
                 f"training stopped at step {step}: the loss or gradient norm was NaN or inf on "
-                f"{self._nonfinite_steps} consecutive steps (max_nonfinite_steps={self.max_nonfinite_steps}); "
+                f"{self.nonfinite_steps} consecutive steps (max_nonfinite_steps={self.max_nonfinite_steps}); "
                 f"the last checkpoint in {self.args.output_dir} was saved before them. Lower the learning rate, "
                 "check the data and the mask rows, or use bf16 instead of fp16")
         if self.is_world_process_zero():
-            print(f"[space] step {step}: non-finite loss or gradient norm ({self._nonfinite_steps} in a row; "
+            print(f"[space] step {step}: non-finite loss or gradient norm ({self.nonfinite_steps} in a row; "
                   f"stopping at {self.max_nonfinite_steps or 'never'}); no checkpoint saved for it", flush=True)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:

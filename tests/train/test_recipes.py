@@ -218,9 +218,53 @@ def test_frozen_base_run_with_activation_checkpointing_equals_one_without(tmp_pa
     for ckpt in ("false", "true"):
         out = run_sft(*parse_train_args([
             "--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / ckpt), "--limit", "4",
-            "--max_steps", "3", "--save_steps", "1000", "--learning_rate", "1e-2", "--activation_checkpointing", ckpt,
+            "--max_steps", "3", "--save_steps", "1000", "--learning_rate", "1e-2", "--max_length", "128",
+            "--activation_checkpointing", ckpt,
             "--activation_checkpointing_kwargs", '{"use_reentrant": false}']))
         finals.append({**load_file(out / "adapter_model.safetensors"), **load_file(out / "mask_embedding.safetensors")})
     assert finals[0].keys() == finals[1].keys()
     for name, tensor in finals[0].items():
         torch.testing.assert_close(finals[1][name], tensor, msg=name)
+
+
+def test_a_run_whose_last_steps_are_not_finite_writes_no_artifact(tmp_path):
+    """3 full-mode steps at learning rate 1e30: step 2's gradient norm and step 3's loss are NaN,
+    one step short of max_nonfinite_steps (3). The run must still fail (no final/, whose weights
+    would be NaN), and the log must show step 3's NaN loss, not HF's filtered mean of the finite
+    ones. Each step ends an epoch here (4 samples, batch 4), where HF calls the guard's hook a
+    second time: each step counts once."""
+    from space.config import parse_train_args
+    from space.train.run import run_sft
+    from space.train.trainer import TrainingDiverged
+
+    out = tmp_path / "run"
+    args = parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--mode", "full", "--limit", "4",
+                             "--learning_rate", "1e30", "--lr_scheduler_type", "constant", "--max_steps", "3",
+                             "--save_steps", "1", "--max_nonfinite_steps", "3", "--output_dir", str(out)])
+    with pytest.raises(TrainingDiverged, match="ended at step 3 with 2 NaN or inf steps in a row"):
+        run_sft(*args)
+    assert not (out / "final").exists()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    losses = [h["loss"] for h in json.loads((out / "log_history.json").read_text()) if "loss" in h]
+    assert len(losses) == 3 and not torch.isfinite(torch.tensor(losses[2]))
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_nonfinite_guard_counts_each_step_once(tmp_path, fp16):
+    """At an epoch's end HF calls the log hook a second time with the same step and gradient norm:
+    the step counts once (fp32 counted it twice; under fp16, where only the loss counts, the second
+    call found the loss flag reset and cleared the count)."""
+    from transformers import TrainingArguments
+
+    from space.train.trainer import SpaceTrainer
+
+    model, tok = tiny_random_llama()
+    trainer = SpaceTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+                           max_nonfinite_steps=10)
+    trainer.args.fp16 = fp16  # the guard reads the flag only (fp16 needs a GPU)
+    for step in (1, 2):
+        trainer.state.global_step = step
+        trainer._loss_finite = torch.tensor(False)
+        for _ in range(2):  # the step's own call, then the epoch end's
+            trainer._maybe_log_save_evaluate(torch.zeros(()), torch.tensor(float("nan")), model, None, 0, None, 0.0)
+            assert trainer.nonfinite_steps == step
