@@ -1,30 +1,36 @@
 #!/usr/bin/env bash
 # SAR-SFT on one machine or many, through torchrun (torch.distributed.run).
 #
-#   bash run_sft_multi_node.sh [CONFIG] [--key value ...]     # CONFIG: a YAML under configs/train
+#   bash run_sft_multi_node.sh CONFIG [--key value ...]     # CONFIG: a YAML, e.g. under configs/train
 #   bash run_sft_multi_node.sh CONFIG --smoke [--key value ...]
 #
-# --smoke (anywhere after CONFIG): runs the config's Trainer/DeepSpeed/LoRA settings unchanged on a tiny
-#   stand-in model of the same architecture for 2 optimizer steps through this launcher, saves, reloads
-#   with load_space and checks greedy SPACE == AR; prints one line; exits non-zero on any failure.
-#   Run it before a long job. (It runs python -m space.train.smoke CONFIG [--key value ...].)
-# Environment (defaults in brackets):
-#   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500; on one node with neither
-#   MASTER_ADDR nor MASTER_PORT set, torchrun --standalone picks a free port]
+# CONFIG is found relative to the current directory, else relative to this script's folder.
+# --smoke (anywhere after CONFIG): runs the config's Trainer/DeepSpeed/LoRA settings on a tiny stand-in
+#   model of the same architecture for 2 optimizer steps through this launcher, on this node alone, saves,
+#   reloads with load_space and checks the artifact (finite, trained) and greedy SPACE == AR; prints a line
+#   per setting it changes and one summary line; exits non-zero on any failure. Run it before a long job.
+#   (It runs python -m space.train.smoke CONFIG [--key value ...].)
+# Environment (defaults in brackets); a value out of range stops the launcher (exit 2) before torchrun:
+#   NNODES [1]; with NNODES > 1, NODE_RANK (0..NNODES-1) and MASTER_ADDR are required.
+#   NODE_RANK [0 on one node]  MASTER_ADDR  MASTER_PORT [29500; on one node with neither MASTER_ADDR nor
+#   MASTER_PORT set, torchrun --standalone picks a free port]
 #   NPROC_PER_NODE [number of local GPUs, or 1 when there are none]; when set, it overrides the count.
 #     GPUs counted: with CUDA_VISIBLE_DEVICES set, its comma-separated entries up to the first one that is
 #     neither a decimal index nor a GPU-/MIG- UUID (as CUDA does: "", "-1" or "NoDevFiles" mean none;
 #     each MIG- entry is one process); otherwise the "GPU n:" lines of nvidia-smi -L (MIG instances
-#     under a GPU are not counted: CUDA sees them only through CUDA_VISIBLE_DEVICES).
+#     under a GPU are not counted: CUDA sees them only through CUDA_VISIBLE_DEVICES); without nvidia-smi,
+#     torch.cuda.device_count(). The count chosen is printed (one line, stderr).
 #   PYTHON [.venv/bin/python when present, else python3]
 #   SPACE_LAUNCH_DRY_RUN=1: print the command (one line) instead of running it, to see what would run.
+# A failed training ends with one line (the failing rank's own error is above it) and its exit code.
 # Examples:
 #   bash run_sft_multi_node.sh configs/train/smollm2_frozen_base_cpu.yaml
 #   NPROC_PER_NODE=8 bash run_sft_multi_node.sh configs/train/llama2_7b_full_zero2.yaml
 #   on node i of 4: NNODES=4 NODE_RANK=i MASTER_ADDR=node0 bash run_sft_multi_node.sh configs/train/llama2_70b_full_zero3.yaml
 #   SPACE_LAUNCH_DRY_RUN=1 bash run_sft_multi_node.sh configs/train/llama2_7b_lora.yaml --smoke
 
-# count_gpus: print the number of GPUs the processes of this node can use (0 when none).
+# count_gpus PYTHON: print the number of GPUs the processes of this node can use (0 when none), then
+# how they were counted.
 count_gpus() {
   if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
     local entry n=0
@@ -39,12 +45,12 @@ count_gpus() {
         break  # CUDA ignores this entry and every one after it
       fi
     done
-    echo "$n"
+    echo "$n in CUDA_VISIBLE_DEVICES"
   elif command -v nvidia-smi >/dev/null 2>&1; then
     # grep -c prints 0 (and exits 1) when nothing matches, e.g. nvidia-smi's "failed to communicate" message
-    nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
-  else
-    echo 0
+    echo "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true) listed by nvidia-smi -L"
+  else  # a container without the NVIDIA tools: ask CUDA itself (seconds: it imports torch)
+    echo "$("$1" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0) seen by torch.cuda.device_count()"
   fi
 }
 
@@ -52,12 +58,22 @@ count_gpus() {
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then return 0; fi
 
 set -euo pipefail
+USAGE="usage: bash run_sft_multi_node.sh CONFIG [--smoke] [--key value ...]  (--help: the environment and examples)"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,${/^#/!q;p;}' "$0"; exit 0; fi
+die() { echo "run_sft_multi_node.sh: $*" >&2; exit 2; }
+[[ $# -gt 0 ]] || { echo "$USAGE" >&2; exit 2; }
+CONFIG=$1
+shift
+# the caller's directory first, then the launcher's (configs/train/... from anywhere)
+if [[ -f "$CONFIG" && "$CONFIG" != /* ]]; then CONFIG="$PWD/$CONFIG"; fi
 cd "$(dirname "$0")"
-CONFIG=${1:-configs/train/smollm2_frozen_base_cpu.yaml}
-[ $# -gt 0 ] && shift
-[ -f "$CONFIG" ] || { echo "run_sft_multi_node.sh: config not found: $CONFIG" >&2; exit 2; }
+[ -f "$CONFIG" ] || die "config not found: $CONFIG"
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+command -v "$PY" >/dev/null 2>&1 || die "PYTHON=$PY: no such program"
+[[ "${SPACE_LAUNCH_DRY_RUN:-0}" =~ ^[01]$ ]] || die "SPACE_LAUNCH_DRY_RUN must be 0 or 1, got '$SPACE_LAUNCH_DRY_RUN'"
+if [[ -n "${NPROC_PER_NODE+set}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+  die "NPROC_PER_NODE must be an integer >= 1, got '$NPROC_PER_NODE'"
+fi
 
 run() {  # exec the command, or print it with SPACE_LAUNCH_DRY_RUN=1
   if [[ "${SPACE_LAUNCH_DRY_RUN:-0}" == 1 ]]; then echo "$*"; exit 0; fi
@@ -70,18 +86,36 @@ for arg in "$@"; do
   if [[ "$arg" == --smoke ]]; then SMOKE=1; else ARGS+=("$arg"); fi
 done
 if [[ $SMOKE == 1 ]]; then
-  # space.train.smoke calls this launcher again (without --smoke) for its 2-step training
+  # space.train.smoke calls this launcher again (without --smoke, on this node alone) for its training
   run "$PY" -m space.train.smoke "$CONFIG" ${ARGS[@]+"${ARGS[@]}"}
 fi
 
-GPUS=$(count_gpus)
-NPROC_PER_NODE=${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 1)}
-if [[ "${NNODES:-1}" == 1 && -z "${MASTER_ADDR:-}${MASTER_PORT:-}" ]]; then
+NNODES=${NNODES:-1}
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES must be an integer >= 1, got '$NNODES'"
+if [[ $NNODES -gt 1 ]]; then
+  [[ -n "${NODE_RANK:-}" ]] || die "NNODES=$NNODES needs NODE_RANK (this node's index, 0..$((NNODES - 1)))"
+  [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of the node with NODE_RANK=0)"
+fi
+NODE_RANK=${NODE_RANK:-0}
+[[ "$NODE_RANK" =~ ^[0-9]+$ && $NODE_RANK -lt $NNODES ]] ||
+  die "NODE_RANK must be an integer in 0..$((NNODES - 1)) (NNODES=$NNODES), got '$NODE_RANK'"
+if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[0-9]+$ && $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]]; then
+  die "MASTER_PORT must be a port number in 1..65535, got '$MASTER_PORT'"
+fi
+
+if [[ -n "${NPROC_PER_NODE:-}" ]]; then
+  echo "run_sft_multi_node.sh: processes per node: $NPROC_PER_NODE (NPROC_PER_NODE); nodes: $NNODES" >&2
+else
+  read -r GPUS HOW <<< "$(count_gpus "$PY")"
+  NPROC_PER_NODE=$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 1)
+  echo "run_sft_multi_node.sh: processes per node: $NPROC_PER_NODE (GPUs $HOW: $GPUS); nodes: $NNODES" >&2
+fi
+if [[ $NNODES == 1 && -z "${MASTER_ADDR:-}${MASTER_PORT:-}" ]]; then
   # one node: torchrun picks a free port, so a second run (or the tests) beside a training works
   RDZV=(--standalone)
 else
-  RDZV=(--nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --master_addr "${MASTER_ADDR:-127.0.0.1}" \
+  RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:-127.0.0.1}" \
         --master_port "${MASTER_PORT:-29500}")
 fi
-run "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC_PER_NODE" -m space.train --config "$CONFIG" \
+run "$PY" -m space.train.torchrun "${RDZV[@]}" --nproc_per_node "$NPROC_PER_NODE" -m space.train --config "$CONFIG" \
   ${ARGS[@]+"${ARGS[@]}"}

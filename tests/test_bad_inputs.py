@@ -552,3 +552,39 @@ def test_tree_rank_at_the_vocabulary_size_is_refused(tiny):
         SpaceDecoder(model, spec, DecodeConfig(2, tree=[[0], [vocab], [0, 0]]))
     assert str(error.value) == f"token tree: rank {vocab} is at or above this model's vocabulary size {vocab} (ranks count from 0)"
     assert SpaceDecoder(model, spec, DecodeConfig(2, tree=[[0], [vocab - 1]])).draft_ranks == vocab  # the last rank is fine
+
+
+# ---- run_sft_multi_node.sh: its arguments and environment (checked in a dry run too) ----
+
+LAUNCHER = ROOT / "run_sft_multi_node.sh"
+LAUNCH_CONFIG = ["configs/train/tiny_smoke.yaml", "--max_steps", "1", "--output_dir", "{tmp}/train"]
+LAUNCHER_CASES = [  # (environment, arguments, the one line on stderr)
+    ({}, [], "usage: bash run_sft_multi_node.sh CONFIG [--smoke] [--key value ...]"),
+    ({}, ["configs/train/nope.yaml"], "config not found: configs/train/nope.yaml"),
+    ({"NNODES": "2", "MASTER_ADDR": "node0"}, LAUNCH_CONFIG, "NNODES=2 needs NODE_RANK (this node's index, 0..1)"),
+    ({"NNODES": "2", "NODE_RANK": "1"}, LAUNCH_CONFIG, "NNODES=2 needs MASTER_ADDR"),
+    ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "node0"}, LAUNCH_CONFIG,
+     "NODE_RANK must be an integer in 0..1 (NNODES=2), got '2'"),
+    ({"NODE_RANK": "-1"}, LAUNCH_CONFIG, "NODE_RANK must be an integer in 0..0 (NNODES=1), got '-1'"),
+    ({"NNODES": "two"}, LAUNCH_CONFIG, "NNODES must be an integer >= 1, got 'two'"),
+    ({"NPROC_PER_NODE": "0"}, LAUNCH_CONFIG, "NPROC_PER_NODE must be an integer >= 1, got '0'"),
+    ({"NPROC_PER_NODE": "abc"}, LAUNCH_CONFIG, "NPROC_PER_NODE must be an integer >= 1, got 'abc'"),
+    ({"NPROC_PER_NODE": "abc"}, [*LAUNCH_CONFIG, "--smoke"], "NPROC_PER_NODE must be an integer >= 1, got 'abc'"),
+    ({"MASTER_PORT": "99999"}, LAUNCH_CONFIG, "MASTER_PORT must be a port number in 1..65535, got '99999'"),
+    ({"PYTHON": "/no/such/python"}, LAUNCH_CONFIG, "PYTHON=/no/such/python: no such program"),
+    ({"SPACE_LAUNCH_DRY_RUN": "yes"}, LAUNCH_CONFIG, "SPACE_LAUNCH_DRY_RUN must be 0 or 1, got 'yes'"),
+]
+
+
+@pytest.mark.parametrize("env, args, message", LAUNCHER_CASES)
+def test_bad_launcher_input(env, args, message, tmp_path):
+    """Exit 2 with one line before torchrun starts: a multi-node run without its rendezvous would
+    otherwise wait out torchrun's 600 s timeout, and no arguments would start a 3-hour training."""
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "PYTHON")}
+    run = subprocess.run(["bash", str(LAUNCHER), *[a.format(tmp=tmp_path) for a in args]], cwd=ROOT,
+                         env={**inherited, "SPACE_LAUNCH_DRY_RUN": "1", **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and run.stdout == "", (run.stdout, run.stderr)
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+    assert not (tmp_path / "train").exists()

@@ -1,4 +1,5 @@
-"""run_sft_multi_node.sh: how many processes it starts per node, and its --smoke dispatch.
+"""run_sft_multi_node.sh: how many processes it starts per node, where it finds the config, its
+--smoke dispatch, and torchrun's failure in one line (its bad inputs: tests/test_bad_inputs.py).
 
 The launcher runs with SPACE_LAUNCH_DRY_RUN=1 (it prints the command instead of running torchrun) and a
 fake ``nvidia-smi`` first on PATH that prints what the real one prints on a GPU machine."""
@@ -52,21 +53,24 @@ def path_without_nvidia_smi(tmp_path):
     return str(bin_dir)
 
 
-def launch(env_extra, *args, path=None):
+def launch(env_extra, *args, path=None, config=CONFIG, cwd=ROOT, stderr=None):
+    """The command the launcher would run, as words; ``stderr``: a list that gets its stderr lines."""
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
-    env.update(PYTHON=sys.executable, SPACE_LAUNCH_DRY_RUN="1", **env_extra)
+    env.update({"PYTHON": sys.executable, "SPACE_LAUNCH_DRY_RUN": "1", **env_extra})
     if path is not None:
         env["PATH"] = path
-    out = subprocess.run([BASH, str(SCRIPT), CONFIG, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    out = subprocess.run([BASH, str(SCRIPT), config, *args], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 1, out.stdout
+    if stderr is not None:
+        stderr += out.stderr.splitlines()
     return lines[0].split()
 
 
 def nproc(words):
-    assert words[1:4] == ["-m", "torch.distributed.run", "--standalone"], words
+    assert words[1:4] == ["-m", "space.train.torchrun", "--standalone"], words
     return int(words[words.index("--nproc_per_node") + 1])
 
 
@@ -75,10 +79,12 @@ def with_gpus(tmp_path, listing, rc=0):
 
 
 def test_launcher_eight_gpus(tmp_path):
-    words = launch({}, "--max_steps", "2", path=with_gpus(tmp_path, EIGHT_H100))
+    err = []
+    words = launch({}, "--max_steps", "2", path=with_gpus(tmp_path, EIGHT_H100), stderr=err)
     assert nproc(words) == 8
     assert words[0] == sys.executable
-    assert words[-5:] == ["space.train", "--config", CONFIG, "--max_steps", "2"]
+    assert words[-5:] == ["space.train", "--config", str(ROOT / CONFIG), "--max_steps", "2"]
+    assert err == ["run_sft_multi_node.sh: processes per node: 8 (GPUs listed by nvidia-smi -L: 8); nodes: 1"]
 
 
 def test_launcher_mig_lines_are_not_gpus(tmp_path):
@@ -93,7 +99,50 @@ def test_launcher_two_gpus_with_mig_lines(tmp_path):
 
 def test_launcher_without_nvidia_smi(tmp_path):
     path = path_without_nvidia_smi(tmp_path)
-    assert nproc(launch({}, path=path)) == 1
+    assert nproc(launch({}, path=path)) == 1  # this machine's torch sees no GPU
+
+
+def test_launcher_without_nvidia_smi_asks_torch(tmp_path):
+    """A container without the NVIDIA tools: the count is torch.cuda.device_count()'s (a fake Python
+    here, that sees 4), not 1."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\n[ "$1" = "-c" ] && case "$2" in *torch.cuda.device_count*) echo 4; exit 0;; esac\n'
+                      f'exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    err = []
+    words = launch({"PYTHON": str(python)}, path=path_without_nvidia_smi(tmp_path), stderr=err)
+    assert nproc(words) == 4
+    assert err == ["run_sft_multi_node.sh: processes per node: 4 (GPUs seen by torch.cuda.device_count(): 4); "
+                   "nodes: 1"]
+
+
+def test_launcher_config_relative_to_the_callers_directory(tmp_path):
+    """A path relative to where the user stands, not to the launcher's folder (it cds there); a path
+    under the launcher's folder still works from anywhere."""
+    (tmp_path / "my.yaml").write_text((ROOT / CONFIG).read_text())
+    words = launch({}, config="my.yaml", cwd=tmp_path, path=with_gpus(tmp_path, EIGHT_H100))
+    assert words[words.index("--config") + 1] == str(tmp_path / "my.yaml")
+    words = launch({}, cwd=tmp_path, path=with_gpus(tmp_path, EIGHT_H100))
+    assert words[words.index("--config") + 1] == CONFIG
+
+
+def test_launcher_multi_node_command(tmp_path):
+    env = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "node0", "NPROC_PER_NODE": "8"}
+    words = launch(env, path=with_gpus(tmp_path, EIGHT_H100))
+    assert words[3:15] == ["--nnodes", "4", "--node_rank", "3", "--master_addr", "node0", "--master_port", "29500",
+                           "--nproc_per_node", "8", "-m", "space.train"], words
+
+
+def test_torchrun_failure_is_one_line():
+    """A worker that fails (json.tool exits 2 on a missing file): its own output, then one line and its
+    exit code, not torchrun's 30-line ChildFailedError report."""
+    out = subprocess.run([sys.executable, "-m", "space.train.torchrun", "--standalone", "--nproc_per_node", "1",
+                          "-m", "json.tool", "/no/such/file.json"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "No such file" in out.stderr, out.stderr
+    assert lines[-1] == "run_sft_multi_node.sh: training failed: rank 0 exited 2 (its output is above)", lines
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr and "failed (exitcode" not in out.stderr
 
 
 def test_launcher_nvidia_smi_without_driver(tmp_path):
@@ -122,12 +171,13 @@ def test_launcher_nproc_per_node_overrides(tmp_path):
 
 
 def count_gpus(env_extra, path):
+    """count_gpus's number (its first word)."""
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
     env.update(env_extra, PATH=path)
-    out = subprocess.run([BASH, "-c", f'source "{SCRIPT}" && count_gpus'], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run([BASH, "-c", f'source "{SCRIPT}" && count_gpus "{sys.executable}"'], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+    return out.stdout.split()[0]
 
 
 @pytest.mark.parametrize("visible, expected", [
@@ -143,7 +193,7 @@ def test_launcher_count_gpus_cuda_visible_devices(tmp_path, visible, expected):
 def test_launcher_smoke_dispatch(tmp_path):
     words = launch({}, "--max_steps", "2", "--smoke", "--output_dir", str(tmp_path / "out"),
                    path=with_gpus(tmp_path, EIGHT_H100))
-    assert words == [sys.executable, "-m", "space.train.smoke", CONFIG, "--max_steps", "2",
+    assert words == [sys.executable, "-m", "space.train.smoke", str(ROOT / CONFIG), "--max_steps", "2",
                      "--output_dir", str(tmp_path / "out")]
 
 
