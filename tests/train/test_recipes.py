@@ -218,7 +218,7 @@ def test_frozen_base_run_with_activation_checkpointing_equals_one_without(tmp_pa
     for ckpt in ("false", "true"):
         out = run_sft(*parse_train_args([
             "--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / ckpt), "--limit", "4",
-            "--max_steps", "3", "--save_steps", "1000", "--learning_rate", "1e-2", "--max_length", "128",
+            "--max_steps", "3", "--save_steps", "1000", "--learning_rate", "1e-2", "--max_length", "256",
             "--activation_checkpointing", ckpt,
             "--activation_checkpointing_kwargs", '{"use_reentrant": false}']))
         finals.append({**load_file(out / "adapter_model.safetensors"), **load_file(out / "mask_embedding.safetensors")})
