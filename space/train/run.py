@@ -43,17 +43,24 @@ def check_checkpoint(last: str, settings: dict) -> None:
     """Refuse to resume from checkpoint ``last`` unless it was trained with ``settings``.
 
     Raises:
-        ValueError: the checkpoint has no space_settings.json, or one that differs from ``settings``.
+        ValueError: the checkpoint has no space_settings.json, or one that differs from ``settings``,
+            or lacks the mask rows (lora / frozen-base) or the sampler head its settings need.
     """
     path = Path(last) / SETTINGS_FILE
     if not path.is_file():
-        raise ValueError(f"{last} has no {SETTINGS_FILE}, so its SPACE settings are unknown; "
-                         "use another output_dir, or delete the checkpoint to start over")
+        raise ValueError(f"{last} has no {SETTINGS_FILE}, so its SPACE settings are unknown (a save cut "
+                         "short?); use another output_dir, or delete the checkpoint to resume from the one before")
     saved = {**SETTINGS_BEFORE, **json.loads(path.read_text(encoding="utf-8"))}
     diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
     if diff:
         raise ValueError(f"{last} was trained with other SPACE settings; (checkpoint, now): {diff}. "
                          "Use another output_dir, or delete it to start over")
+    needed = ([MASK_EMBEDDING] if settings.get("mode") != "full" else []) + \
+        ([SAMPLER_HEAD] if settings.get("sampler_head") else [])
+    missing = [name for name in needed if not (Path(last) / name).is_file()]
+    if missing:  # resuming would train from fresh mask rows (or a fresh head) under trained LoRA weights
+        raise ValueError(f"{last} lacks {', '.join(missing)}; delete the checkpoint to resume from the one before, "
+                         "or use another output_dir")
 
 
 def drop_dev_set(examples: list, root) -> tuple[list, int]:
@@ -146,7 +153,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
                            mask_chunk_rows=mask_args.mask_chunk_rows, suppress_ids=spec.token_ids,
                            chain_weight=mask_args.chain_weight, consistency_weight=mask_args.consistency_weight,
                            max_nonfinite_steps=getattr(train_args, "max_nonfinite_steps", 3))
-    if last and emb is not None and os.path.isfile(os.path.join(last, MASK_EMBEDDING)):
+    if last and emb is not None:  # check_checkpoint found the file
         load_mask_rows(emb, os.path.join(last, MASK_EMBEDDING))
     if last and sampler is not None:  # settings matched, so a checkpoint of this run holds the head
         load_sampler_head(sampler, os.path.join(last, SAMPLER_HEAD))

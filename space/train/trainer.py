@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -454,8 +455,13 @@ class SpaceCheckpointCallback(TrainerCallback):
         with gathered(params):
             if state.is_world_process_zero:
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                (ckpt / SETTINGS_FILE).write_text(json.dumps(self.settings, indent=2))
                 if self.emb is not None:
                     save_mask_rows(self.emb, ckpt / MASK_EMBEDDING)
                 if self.sampler is not None:
                     save_sampler_head(self.sampler, ckpt / SAMPLER_HEAD)
+                # last, and whole or not at all: a save cut short leaves a checkpoint without it,
+                # which a resume refuses (a checkpoint with it but without its mask rows would
+                # resume from fresh rows)
+                tmp = ckpt / f".{SETTINGS_FILE}.tmp"
+                tmp.write_text(json.dumps(self.settings, indent=2))
+                os.replace(tmp, ckpt / SETTINGS_FILE)

@@ -1,0 +1,60 @@
+"""What a checkpoint holds beyond HF's files, and what a resume refuses (issue 59, finding 4)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from space import artifact
+from space.adapter_layers import mask_embedding, prepare_model
+from space.models import tiny_random_llama
+from space.train import trainer as trainer_module
+from space.train.run import check_checkpoint
+from space.train.trainer import SETTINGS_FILE, SpaceCheckpointCallback
+
+SETTINGS = {"model": "tiny-random-llama", "mode": "frozen-base", "mask_num": 3}
+
+
+def save(tmp_path, monkeypatch=None, fail=False):
+    model, tok = tiny_random_llama()
+    model, _ = prepare_model(model, tok, "frozen-base", 3)
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    if fail:  # the job is killed while the mask rows are written
+        def killed(*args):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(trainer_module, "save_mask_rows", killed)
+    callback = SpaceCheckpointCallback(SETTINGS, mask_embedding(model))
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=2, is_world_process_zero=True)
+    callback.on_save(args, state, None)
+    return ckpt
+
+
+def test_a_whole_save_resumes(tmp_path):
+    ckpt = save(tmp_path)
+    assert sorted(p.name for p in ckpt.iterdir()) == [artifact.MASK_EMBEDDING, SETTINGS_FILE]
+    assert json.loads((ckpt / SETTINGS_FILE).read_text()) == SETTINGS
+    check_checkpoint(str(ckpt), SETTINGS)
+
+
+def test_a_save_cut_short_in_the_mask_rows_is_refused(tmp_path, monkeypatch):
+    """The settings are written last: before, a save cut short in the mask rows left a checkpoint
+    that passed the settings check and resumed from fresh mask rows."""
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, monkeypatch, fail=True)
+    ckpt = tmp_path / "checkpoint-2"
+    assert list(ckpt.iterdir()) == []
+    with pytest.raises(ValueError, match=f"no {SETTINGS_FILE}"):
+        check_checkpoint(str(ckpt), SETTINGS)
+
+
+@pytest.mark.parametrize("mode", ["lora", "frozen-base"])
+def test_a_checkpoint_without_its_mask_rows_is_refused(tmp_path, mode):
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps({**SETTINGS, "mode": mode}))
+    with pytest.raises(ValueError, match=f"lacks {artifact.MASK_EMBEDDING}"):
+        check_checkpoint(str(tmp_path), {**SETTINGS, "mode": mode})
+
+
+def test_a_full_checkpoint_needs_no_mask_rows_file(tmp_path):
+    """Full mode keeps its mask rows in the model weights HF saves."""
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps({**SETTINGS, "mode": "full"}))
+    check_checkpoint(str(tmp_path), {**SETTINGS, "mode": "full"})
