@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -166,8 +167,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             a negative mask_loss_weight, max_train_minutes, max_nonfinite_steps, learning_rate, weight_decay,
             num_train_epochs, max_grad_norm or sampler_width, NaN or inf in any number, a teacher,
             consistency or sampler head without frozen-base + efficient, a sampler head with
-            ddp_find_unused_parameters true, init_adapter with mode full, or an output_dir that is a
-            file.
+            ddp_find_unused_parameters true, init_adapter with mode full, an output_dir that is a
+            file, dataloader_persistent_workers with workers, or DeepSpeed settings
+            :func:`check_deepspeed` refuses.
     """
     from .adapter_layers import MODES  # here, not at the top: importing the config needs no model code
     from .tokens import check_mask_num
@@ -217,3 +219,35 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")
+    if getattr(train_args, "dataloader_persistent_workers", False) and getattr(train_args, "dataloader_num_workers", 0):
+        raise ValueError("dataloader_persistent_workers needs to be false: the collator draws each epoch's mask spans "
+                         "from the epoch the main process sets, which persistent workers never see (they would "
+                         "keep epoch 0's spans)")
+    check_deepspeed(getattr(train_args, "deepspeed", None), mask_args)
+
+
+def check_deepspeed(deepspeed, mask_args) -> None:
+    """Refuse, before training, DeepSpeed settings that would fail only later.
+
+    Args:
+        deepspeed: ``TrainingArguments.deepspeed``: None, a JSON file's path, or its dict.
+
+    Raises:
+        ValueError: mask_chunk_rows > 0 (each DeepSpeed backward also steps, so a batch cannot be
+            back-propagated chunk by chunk), or ZeRO-3 without
+            ``stage3_gather_16bit_weights_on_model_save: true`` (the final save gathers the
+            partitioned weights; without it, it fails after the whole training).
+    """
+    if not deepspeed:
+        return
+    if mask_args.mask_chunk_rows > 0:
+        raise ValueError("mask_chunk_rows > 0 does not work with DeepSpeed (each backward also steps): set it to 0")
+    config = deepspeed
+    if not isinstance(config, dict):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+        raise ValueError(f"{deepspeed if not isinstance(deepspeed, dict) else 'the DeepSpeed config'}: ZeRO-3 needs "
+                         "zero_optimization.stage3_gather_16bit_weights_on_model_save true, else the artifact "
+                         "cannot be saved at the end of training")
