@@ -19,18 +19,17 @@ from space.adapter_layers import prepare_model
 from space.data.collator import SpaceCollator
 from space.data.sft import load_examples, tokenize
 from space.models import load_model
-from space.train.loss import space_loss
-from space.train.trainer import sar_forward
+from space.config import SpaceSettings
+from space.train.steps import sar_step
 
 
-def time_steps(model, batch, two_pass: bool, repeats: int, k: int) -> float:
+def time_steps(model, batch, settings: SpaceSettings, repeats: int) -> float:
+    """Median seconds of the training step (``space.train.steps.sar_step``) + backward + AdamW."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        out, labels, offsets = sar_forward(model, model, batch, two_pass)
-        loss, _ = space_loss(out.logits, labels, offsets, 1.0, k)
-        loss.backward()
+        sar_step(model, batch, settings).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i:  # the first step is a warm-up
@@ -58,7 +57,7 @@ def main() -> None:
         long = [row for row in data if len(row["input_ids"]) == a.seq][: a.batch]
         col = SpaceCollator(spec.ids_for(a.mask_num), a.mask_num, tok.pad_token_id, spans_per_sample=a.spans)
         batch = col(long)
-        secs = time_steps(model, batch, mode == "frozen-base", a.repeats, a.mask_num)
+        secs = time_steps(model, batch, SpaceSettings(mode=mode, mask_num=a.mask_num), a.repeats)
         res[mode] = {"step_s": round(secs, 3), "tokens_per_s": round(a.batch * a.seq / secs, 1)}
         print(mode, res[mode], flush=True)
         del model

@@ -218,6 +218,7 @@ def cmd_train(args) -> dict:
 
     from space.adapter_layers import prepare_model
     from space.data.collator import SpaceCollator
+    from space.config import SpaceSettings
     from space.train.trainer import SpaceTrainer
 
     cfg = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096, attn_implementation="sdpa")
@@ -250,8 +251,8 @@ def cmd_train(args) -> dict:
                                   remove_unused_columns=False, gradient_checkpointing=args.checkpointing,
                                   dataloader_num_workers=0)
         trainer = SpaceTrainer(model=model, args=targs, train_dataset=rows, data_collator=collator,
-                               mask_num=args.mask_num, two_pass=args.mode == "frozen-base",
-                               suppress_ids=spec.token_ids, callbacks=[clock])
+                               space=SpaceSettings(mode=args.mode, mask_num=args.mask_num, suppress_ids=spec.token_ids),
+                               callbacks=[clock])
         if DEVICE != "cpu":
             torch.cuda.reset_peak_memory_stats()
         trainer.train()

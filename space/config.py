@@ -99,6 +99,72 @@ class SpaceTrainingArguments(TrainingArguments):
                 "stop; under fp16 only the loss counts, as the loss scaler skips overflowing steps)"})
 
 
+@dataclass(frozen=True)
+class SpaceSettings:
+    """What ``SpaceTrainer`` and the per-batch step (``space.train.steps``) need, validated once.
+
+    Built from the parsed arguments by :meth:`from_args` (``check_train_args`` does, so a bad value
+    fails before the model loads); a Python caller may build one directly. Fields are MaskArgs'
+    and ModelArgs' of the same names (DESIGN §3.2, §3.6), plus ``suppress_ids`` (the mask token
+    ids, which the teacher never proposes) and ``max_nonfinite_steps``
+    (:class:`SpaceTrainingArguments`).
+
+    Raises:
+        ValueError: unknown mode, layout or mask_target; mask_num outside 1..MAX_MASK_NUM;
+            teacher_topk < 1, mask_chunk_rows, mask_loss_weight, consistency_weight or
+            max_nonfinite_steps < 0 (or NaN/inf); chain_weight outside [0, 1]; a teacher or
+            consistency loss without mode frozen-base and layout efficient.
+    """
+
+    mode: str = "frozen-base"
+    layout: str = "efficient"
+    mask_num: int = DEFAULT_MASK_NUM
+    mask_loss_weight: float = 1.0
+    mask_target: str = "token"
+    teacher_topk: int = 20
+    mask_chunk_rows: int = 0
+    chain_weight: float = 0.0
+    consistency_weight: float = 0.0
+    max_nonfinite_steps: int = 3
+    suppress_ids: tuple[int, ...] = ()
+
+    @property
+    def frozen_base(self) -> bool:
+        """The two-pass step: real tokens without gradients, then the mask rows (DESIGN §3.6)."""
+        return self.mode == "frozen-base"
+
+    @classmethod
+    def from_args(cls, model_args, mask_args, train_args, suppress_ids: tuple[int, ...] = ()) -> "SpaceSettings":
+        names = ("mask_num", "mask_loss_weight", "mask_target", "teacher_topk", "mask_chunk_rows", "chain_weight",
+                 "consistency_weight", "layout")
+        return cls(mode=model_args.mode, max_nonfinite_steps=getattr(train_args, "max_nonfinite_steps", 3),
+                   suppress_ids=tuple(suppress_ids), **{name: getattr(mask_args, name) for name in names})
+
+    def __post_init__(self):
+        from .adapter_layers import MODES  # here, not at the top: importing the config needs no model code
+        from .tokens import check_mask_num
+
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {MODES}")
+        if self.layout not in ("efficient", "truncate"):
+            raise ValueError(f"unknown layout {self.layout!r}; choose efficient or truncate")
+        check_mask_num(self.mask_num)
+        for name, minimum in (("mask_chunk_rows", 0), ("teacher_topk", 1), ("mask_loss_weight", 0),
+                              ("max_nonfinite_steps", 0), ("consistency_weight", 0)):
+            check_number(name, getattr(self, name), minimum)  # NaN and inf too
+        if not 0 <= self.chain_weight <= 1:  # False for NaN
+            raise ValueError(f"chain_weight must lie in [0, 1], got {self.chain_weight}")
+        if self.mask_target not in ("token", "teacher"):
+            raise ValueError(f"unknown mask_target {self.mask_target!r}; choose token or teacher")
+        two_pass = self.frozen_base and self.layout == "efficient"
+        if self.mask_target == "teacher" and not two_pass:
+            raise ValueError("mask_target teacher needs mode frozen-base and layout efficient (the two-pass step "
+                             "computes the base's distribution)")
+        if self.consistency_weight > 0 and not two_pass:
+            raise ValueError("consistency_weight needs mode frozen-base and layout efficient (the two-pass step "
+                             "computes the base's hidden states)")
+
+
 ARG_CLASSES = (ModelArgs, DataArgs, MaskArgs, SpaceTrainingArguments)
 
 
@@ -171,28 +237,16 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             file, dataloader_persistent_workers with workers, or DeepSpeed settings
             :func:`check_deepspeed` refuses.
     """
-    from .adapter_layers import MODES  # here, not at the top: importing the config needs no model code
-    from .tokens import check_mask_num
-
-    if model_args.mode not in MODES:
-        raise ValueError(f"unknown mode {model_args.mode!r}; choose one of {MODES}")
-    if mask_args.layout not in ("efficient", "truncate"):
-        raise ValueError(f"unknown layout {mask_args.layout!r}; choose efficient or truncate")
-    check_mask_num(mask_args.mask_num)
+    SpaceSettings.from_args(model_args, mask_args, train_args)
     for name, value, minimum in (("spans_per_sample", mask_args.spans_per_sample, 1),
                                  ("limit", data_args.limit, 1), ("max_length", data_args.max_length, 2),
-                                 ("mask_chunk_rows", mask_args.mask_chunk_rows, 0),
-                                 ("teacher_topk", mask_args.teacher_topk, 1), ("lora_r", model_args.lora_r, 1),
-                                 ("mask_loss_weight", mask_args.mask_loss_weight, 0),
+                                 ("lora_r", model_args.lora_r, 1),
                                  ("max_train_minutes", getattr(train_args, "max_train_minutes", 0), 0),
-                                 ("max_nonfinite_steps", getattr(train_args, "max_nonfinite_steps", 0), 0),
                                  *((name, getattr(train_args, name), 0) for name in
                                    ("learning_rate", "weight_decay", "num_train_epochs", "max_grad_norm"))):
         check_number(name, value, minimum)  # NaN and inf too: they pass every comparison below
-    check_number("consistency_weight", mask_args.consistency_weight, 0)
     check_number("sampler_width", mask_args.sampler_width, 0)
     for name, value in (("mask_prob", mask_args.mask_prob), ("span_density", mask_args.span_density),
-                        ("chain_weight", mask_args.chain_weight),
                         ("lora_dropout", model_args.lora_dropout)):
         if not 0 <= value <= 1:  # False for NaN
             raise ValueError(f"{name} must lie in [0, 1], got {value}")
@@ -201,14 +255,6 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     check_number("lora_alpha", model_args.lora_alpha)
     if model_args.lora_alpha <= 0:
         raise ValueError(f"lora_alpha must be > 0, got {model_args.lora_alpha}")
-    if mask_args.mask_target not in ("token", "teacher"):
-        raise ValueError(f"unknown mask_target {mask_args.mask_target!r}; choose token or teacher")
-    if mask_args.mask_target == "teacher" and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
-        raise ValueError("mask_target teacher needs mode frozen-base and layout efficient (the two-pass step "
-                         "computes the base's distribution)")
-    if mask_args.consistency_weight > 0 and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
-        raise ValueError("consistency_weight needs mode frozen-base and layout efficient (the two-pass step "
-                         "computes the base's hidden states)")
     if mask_args.sampler_head and (model_args.mode != "frozen-base" or mask_args.layout != "efficient"):
         raise ValueError("sampler_head needs mode frozen-base and layout efficient (the two-pass step feeds it "
                          "the true token before each mask's target)")

@@ -7,7 +7,7 @@ them, so mask j cannot follow the path a chain or tree has committed to. Hydra (
 design. Here the head combines mask j's last hidden state with the input embedding of the token
 at offset j-1 and feeds the model's own LM head:
 
-* training (``space.train.trainer.mask_pass``) is teacher-forced on the true previous token;
+* training (``space.train.steps.mask_pass``) is teacher-forced on the true previous token;
 * decoding (``space.decoding.decoder``) drafts offset by offset after the step's forward, each
   offset conditioned on the token drafted before it (the bonus token before the first), with no
   extra model forward.

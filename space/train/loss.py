@@ -54,8 +54,11 @@ def offset_hits(logits: torch.Tensor, labels: torch.Tensor, offsets: torch.Tenso
 
 def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Tensor, weight: float,
                mask_num: int, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-               mask_rows_total: int | None = None, chain_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss and metrics of a SAR-SFT batch (or of one chunk of its mask rows).
+               mask_rows_total: int | torch.Tensor | None = None,
+               chain_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss, and the sums and counts its metrics come from, of a SAR-SFT batch (or one chunk of
+    its mask rows). Reads nothing back to the host: the sums stay on the device until the log step
+    adds them up (``space.train.metrics``, STYLE item 20).
 
     Args:
         logits: (batch, rows, vocab).
@@ -72,46 +75,42 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
             there is a teacher, else the model's own, detached). Groups must be whole in ``rows``.
 
     Returns:
-        (loss, metrics): metrics has ``ar_loss`` (when the batch has AR rows), ``mask_loss`` (the
-        loss optimized on mask rows: token CE or teacher soft CE; a chunk's share when
-        ``mask_rows_total`` is given), ``mask_token_ce`` with a teacher, and ``mask_acc_{j}`` =
-        top-1 accuracy of mask offset j against the token label, the predictor of acceptance.
+        (loss, stats): the loss is CE(AR rows) averaged over them + lambda * the mask loss averaged
+        over ``mask_rows_total`` (else this call's mask rows). ``stats`` holds detached float
+        tensors on the logits' device, the same keys for every batch of a run: ``ar_loss_sum``,
+        ``ar_rows``, ``mask_loss_sum`` (the loss optimized on mask rows: token CE or teacher soft
+        CE, chain-weighted), ``mask_rows``, ``mask_hits`` and ``mask_offset_rows`` ((mask_num,)
+        top-1 hits against the token label and rows per offset j, the predictor of acceptance),
+        with a teacher ``mask_token_ce_sum``, with chain weighting ``chain_weight_sum``.
     """
     valid = labels != IGNORE_INDEX
     is_mask = mask_offset >= 0
-    metrics: dict[str, float] = {}
-    loss = logits.new_zeros(())
     ar_rows, mask_rows = valid & ~is_mask, valid & is_mask
-    if ar_rows.any():
-        ar = F.cross_entropy(logits[ar_rows].float(), labels[ar_rows])
-        loss = loss + ar
-        metrics["ar_loss"] = ar.item()
-    if mask_rows.any():
-        mask_logits, mask_labels = logits[mask_rows].float(), labels[mask_rows]
-        token_ce = F.cross_entropy(mask_logits, mask_labels, reduction="none")  # (rows,)
-        per_row = token_ce
-        if teacher is not None:
-            per_row = soft_cross_entropy(mask_logits, teacher[0][mask_rows], teacher[1][mask_rows])
-        if chain_weight:
-            p_true = torch.zeros(labels.shape, device=logits.device)
-            p_true[mask_rows] = (true_token_prob(mask_logits, mask_labels) if teacher is None
-                                 else ((teacher[0][mask_rows] == mask_labels[:, None]) * teacher[1][mask_rows]).sum(-1))
-            chain = chain_weights(p_true, mask_offset)[mask_rows]
-            per_row = per_row * ((1 - chain_weight) + chain_weight * chain)
-            metrics["chain_weight_mean"] = chain.mean().item()
-        denominator = mask_rows_total or per_row.numel()
-        ml = per_row.sum() / denominator
-        loss = loss + weight * ml
-        metrics["mask_loss"] = ml.item()
-        if teacher is not None:
-            metrics["mask_token_ce"] = (token_ce.sum() / denominator).item()
-        hits, rows = offset_hits(mask_logits, mask_labels, mask_offset[mask_rows], mask_num)
-        for j in range(mask_num):
-            if rows[j] > 0:
-                metrics[f"mask_acc_{j}"] = (hits[j] / rows[j]).item()
-    else:
-        loss = loss + logits.sum() * 0.0  # keep the graph: a batch with no mask row still steps
-    return loss, metrics
+    ar_ce = F.cross_entropy(logits[ar_rows].float(), labels[ar_rows], reduction="sum")  # 0 for no row
+    n_ar = ar_rows.sum().float()
+    loss = ar_ce / n_ar.clamp(min=1)
+    mask_logits, mask_labels = logits[mask_rows].float(), labels[mask_rows]
+    token_ce = F.cross_entropy(mask_logits, mask_labels, reduction="none")  # (rows,)
+    per_row = token_ce if teacher is None else soft_cross_entropy(mask_logits, teacher[0][mask_rows], teacher[1][mask_rows])
+    stats = {}
+    if chain_weight:
+        p_true = torch.zeros(labels.shape, device=logits.device)
+        p_true[mask_rows] = (true_token_prob(mask_logits, mask_labels) if teacher is None
+                             else ((teacher[0][mask_rows] == mask_labels[:, None]) * teacher[1][mask_rows]).sum(-1))
+        chain = chain_weights(p_true, mask_offset)[mask_rows]
+        per_row = per_row * ((1 - chain_weight) + chain_weight * chain)
+        stats["chain_weight_sum"] = chain.sum()
+    n_mask = mask_rows.sum().float()
+    total = n_mask if mask_rows_total is None else mask_rows_total
+    total = total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
+    # an empty selection keeps the graph: a batch without a scored row steps with zero gradients
+    loss = loss + weight * per_row.sum() / total
+    hits, rows = offset_hits(mask_logits, mask_labels, mask_offset[mask_rows], mask_num)
+    stats.update(ar_loss_sum=ar_ce, ar_rows=n_ar, mask_loss_sum=per_row.sum(), mask_rows=n_mask,
+                 mask_hits=hits, mask_offset_rows=rows)
+    if teacher is not None:
+        stats["mask_token_ce_sum"] = token_ce.sum()
+    return loss, {k: v.detach().float() for k, v in stats.items()}
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..adapter_layers import mask_embedding, prepare_model
 from ..artifact import MASK_EMBEDDING, SAMPLER_HEAD, load_mask_rows, load_sampler_head, read_space_config, save_artifact
-from ..config import check_train_args
+from ..config import SpaceSettings, check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
 from ..data.sft import load_examples, tokenize
@@ -22,8 +22,8 @@ from ..loader import warm_start
 from ..models import load_model
 from ..sampler_head import add_sampler_head
 from .curves import plot_training_curves
-from .trainer import (SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, SpaceTrainer, TimeBudgetCallback,
-                      TrainingDiverged)
+from .callbacks import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, TimeBudgetCallback
+from .trainer import SpaceTrainer, TrainingDiverged
 
 # what a checkpoint must share with the run that resumes it: mixing them would train k=3 masks
 # for a while and then save an artifact that claims k=5 (keys MaskArgs lacks are left out)
@@ -146,13 +146,9 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     callbacks = [EpochSeedCallback(collator), SpaceCheckpointCallback(settings, emb, sampler)]
     if getattr(train_args, "max_train_minutes", 0) > 0:
         callbacks.append(TimeBudgetCallback(train_args.max_train_minutes))
+    space = SpaceSettings.from_args(model_args, mask_args, train_args, suppress_ids=spec.token_ids)
     trainer = SpaceTrainer(model=model, args=train_args, train_dataset=dataset, data_collator=collator,
-                           processing_class=tok, callbacks=callbacks, mask_loss_weight=mask_args.mask_loss_weight,
-                           mask_num=mask_args.mask_num, two_pass=model_args.mode == "frozen-base",
-                           mask_target=mask_args.mask_target, teacher_topk=mask_args.teacher_topk,
-                           mask_chunk_rows=mask_args.mask_chunk_rows, suppress_ids=spec.token_ids,
-                           chain_weight=mask_args.chain_weight, consistency_weight=mask_args.consistency_weight,
-                           max_nonfinite_steps=getattr(train_args, "max_nonfinite_steps", 3))
+                           processing_class=tok, callbacks=callbacks, space=space)
     if last and emb is not None:  # check_checkpoint found the file
         load_mask_rows(emb, os.path.join(last, MASK_EMBEDDING))
     if last and sampler is not None:  # settings matched, so a checkpoint of this run holds the head

@@ -7,9 +7,9 @@ import pytest
 from space import artifact
 from space.adapter_layers import mask_embedding, prepare_model
 from space.models import tiny_random_llama
-from space.train import trainer as trainer_module
+from space.train import callbacks
 from space.train.run import check_checkpoint
-from space.train.trainer import SETTINGS_FILE, SpaceCheckpointCallback
+from space.train.callbacks import SETTINGS_FILE, SpaceCheckpointCallback
 
 SETTINGS = {"model": "tiny-random-llama", "mode": "frozen-base", "mask_num": 3}
 
@@ -22,7 +22,7 @@ def save(tmp_path, monkeypatch=None, fail=False):
     if fail:  # the job is killed while the mask rows are written
         def killed(*args):
             raise KeyboardInterrupt
-        monkeypatch.setattr(trainer_module, "save_mask_rows", killed)
+        monkeypatch.setattr(callbacks, "save_mask_rows", killed)
     callback = SpaceCheckpointCallback(SETTINGS, mask_embedding(model))
     args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=2, is_world_process_zero=True)
     callback.on_save(args, state, None)

@@ -5,14 +5,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from space.adapter_layers import GatedLoraLinear, fuse_frozen_base, prepare_model
-from space.config import parse_train_args
+from space.config import SpaceSettings, parse_train_args
 from space.data.collator import SpaceCollator
 from space.loader import load_space, warm_start
 from space.masking import mask_rows
 from space.models import load_model, tiny_random_llama
 from space.train import run as run_module
 from space.train.run import run_sft
-from space.train.trainer import sar_forward
+from space.train.steps import frozen_base_step, one_pass_step
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,8 @@ def test_two_pass_equals_gated_one_pass():
              {"input_ids": list(range(70, 90)), "prompt_len": 5, "idx": 1}])
     T = b["num_real"]
     with torch.no_grad():
-        one = sar_forward(model, model, b, two_pass=False)[0].logits
-        two = sar_forward(model, model, b, two_pass=True)[0].logits
+        one = one_pass_step(model, b, SpaceSettings(mask_num=3)).logits
+        two = frozen_base_step(model, b, SpaceSettings(mask_num=3)).logits
     rows = b["mask_offset"][:, T:] >= 0
     assert (one[:, T:][rows] - two[rows]).abs().max() < 1e-4
 

@@ -18,7 +18,9 @@ from space.loader import load_space
 from space.masking import to_additive_4d
 from space.models import tiny_random_llama
 from space.train.smoke import REFUSED_EXIT, build_stand_in
-from space.train.trainer import checkpoint_with_prefix_cache, forward_mask, sar_forward
+from space.config import SpaceSettings
+from space.train.prefix_cache import checkpoint_with_prefix_cache
+from space.train.steps import forward_mask, sar_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs" / "train").glob("*.yaml"))
@@ -155,9 +157,7 @@ def tiny_batch(mode):
 
 
 def loss_and_grads(peft, batch, mode):
-    out, labels, offsets = sar_forward(peft, peft, batch, two_pass=mode == "frozen-base")
-    scored = (labels != -100) & (offsets >= 0)
-    loss = torch.nn.functional.cross_entropy(out.logits[scored], labels[scored])
+    loss = sar_step(peft, batch, SpaceSettings(mode=mode, mask_num=3)).loss
     peft.zero_grad()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in peft.named_parameters() if p.requires_grad}
@@ -204,8 +204,8 @@ def test_bf16_training_step_masks_and_loss(impl):
     assert mask.dtype == (torch.bool if impl == "sdpa" else torch.bfloat16)
     if impl == "eager":
         assert torch.equal(mask, to_additive_4d(batch["attention_mask"], torch.bfloat16))
-    out, labels, offsets = sar_forward(model.train(), model, batch, two_pass=False)
-    assert torch.isfinite(out.logits.float()).all()
+    step = sar_step(model.train(), batch, SpaceSettings(mode="full", mask_num=3))
+    assert torch.isfinite(step.logits.float()).all() and torch.isfinite(step.loss)
 
 
 def test_frozen_base_run_with_activation_checkpointing_equals_one_without(tmp_path):
@@ -260,7 +260,7 @@ def test_nonfinite_guard_counts_each_step_once(tmp_path, fp16):
 
     model, tok = tiny_random_llama()
     trainer = SpaceTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
-                           max_nonfinite_steps=10)
+                           space=SpaceSettings(max_nonfinite_steps=10))
     trainer.args.fp16 = fp16  # the guard reads the flag only (fp16 needs a GPU)
     for step in (1, 2):
         trainer.state.global_step = step

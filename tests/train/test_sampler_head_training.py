@@ -16,7 +16,7 @@ from space.loader import load_space
 from space.masking import IGNORE_INDEX, previous_ids
 from space.models import load_model
 from space.sampler_head import SamplerHead, add_sampler_head, sampler_head
-from space.train.trainer import mask_pass, real_pass
+from space.train.steps import mask_pass, real_pass
 
 
 def train(tmp_path, steps=4, extra=()):

@@ -1,4 +1,5 @@
 """Dense supervision, chunked mask rows and teacher targets (issue 13; DESIGN §3.2, §3.6)."""
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,10 @@ from space.masking import IGNORE_INDEX, targets, train_layout
 from space.models import load_model
 from space.train.loss import space_loss, teacher_targets
 from space.train.run import run_sft
-from space.train.trainer import SpaceTrainer, real_pass
+from space.config import SpaceSettings
+from space.train.metrics import MetricSums
+from space.train.steps import real_pass
+from space.train.trainer import SpaceTrainer
 
 MASK, PAD, K = 999, 0, 3
 
@@ -51,6 +55,13 @@ def test_span_density_counts_and_checks():
         SpaceCollator(torch.tensor([MASK]), K, PAD, span_density=0.5, layout="truncate")
 
 
+def logged(stats):
+    """What the trainer would log for one micro-batch's stats."""
+    sums = MetricSums()
+    sums.add(stats)
+    return sums.reduce()
+
+
 def test_teacher_loss_equals_token_ce_for_one_hot_teacher():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 9, 50, generator=g)
@@ -60,6 +71,7 @@ def test_teacher_loss_equals_token_ce_for_one_hot_teacher():
     token, tm = space_loss(logits, labels, offsets, 0.7, 3)
     one_hot = (labels.clamp(min=0)[..., None], torch.ones(2, 9, 1))
     teacher, m = space_loss(logits, labels, offsets, 0.7, 3, teacher=one_hot)
+    tm, m = logged(tm), logged(m)
     assert torch.allclose(token, teacher) and m["mask_loss"] == pytest.approx(tm["mask_loss"])
     assert m["mask_token_ce"] == pytest.approx(tm["mask_loss"]) and m["mask_acc_0"] == tm["mask_acc_0"]
     spread = (torch.stack([labels.clamp(min=0), (labels.clamp(min=0) + 1) % 50], -1), torch.full((2, 9, 2), 0.5))
@@ -106,19 +118,20 @@ def test_teacher_rows_are_the_base_at_row_e_plus_j(frozen):
 def test_chunked_loss_and_gradients_equal_unchunked(frozen, tmp_path, target, chain, consistency):
     model, spec, batch = frozen
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    trainer = SpaceTrainer(model=model, args=args, mask_num=K, two_pass=True, mask_target=target,
-                           teacher_topk=5, suppress_ids=spec.token_ids, chain_weight=chain,
-                           consistency_weight=consistency)
+    space = SpaceSettings(mask_num=K, mask_target=target, teacher_topk=5, suppress_ids=spec.token_ids,
+                          chain_weight=chain, consistency_weight=consistency)
+    trainer = SpaceTrainer(model=model, args=args, space=space)
     model.train()
     results = []
     for chunk_rows in (0, 7):  # 7 rows -> chunks of 2 groups (6 rows): 72 mask columns in 12 chunks
-        trainer.mask_chunk_rows = chunk_rows
+        trainer.space = dataclasses.replace(space, mask_chunk_rows=chunk_rows)
         model.zero_grad()
         loss = trainer.compute_loss(model, batch)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((loss.detach(), grads))
-    (loss0, g0), (loss1, g1) = results
+        results.append((loss.detach(), grads, trainer.metrics.reduce()))
+    (loss0, g0, m0), (loss1, g1, m1) = results
+    assert m0.keys() == m1.keys() and all(m0[k] == pytest.approx(m1[k], abs=2e-4) for k in m0)
     assert torch.allclose(loss0, loss1, atol=1e-5)
     assert all(torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4) for n in g0)
     assert any(g.abs().sum() > 0 for g in g0.values())

@@ -1,0 +1,72 @@
+"""Metrics are sums and counts on the device, reduced once per log step (issue 59, finding 10;
+STYLE item 20)."""
+import torch
+
+from space.config import SpaceSettings
+from space.train import metrics as metrics_module
+from space.train.loss import space_loss
+from space.train.metrics import MetricSums
+from tests.syncs import SyncCounter
+
+K = 3
+
+
+def batch(seed, rows=12):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, rows, 40, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (2, rows), generator=g)
+    offsets = torch.tensor([-1, -1, -1, 0, 1, 2, 0, 1, 2, 0, 1, 2][:rows]).repeat(2, 1)
+    return logits, labels, offsets
+
+
+def test_loss_and_accumulator_read_nothing_back():
+    """Each micro-batch made about 2k+3 ``.item()`` host syncs for its metrics before."""
+    sums = MetricSums()
+    inputs = [batch(seed) for seed in range(3)]
+    with SyncCounter(holders=[inputs]) as syncs:  # the batches live on the device
+        for logits, labels, offsets in inputs:
+            loss, stats = space_loss(logits, labels, offsets, 1.0, K, chain_weight=0.5)
+            sums.add(stats, short_samples=0, batches=1)
+    assert syncs.kinds["read"] == 0, syncs.where
+    assert sums.reduce()["mask_loss"] > 0  # the one read, at the log step
+
+
+def test_reduce_is_one_all_reduce_of_sums_over_ranks(monkeypatch):
+    """Two ranks with different row counts: accuracy is Σhits/Σrows over both, not a mean of ratios;
+    one collective carries every metric."""
+    calls = []
+    other = MetricSums()  # the other rank's micro-batches
+    _, other_stats = space_loss(*batch(7, rows=6), 1.0, K)
+    other.add(other_stats, short_samples=1, batches=1)
+
+    def all_reduce(flat):
+        calls.append(flat.numel())
+        keys = sorted(other.device)
+        flat += torch.cat([other.device[k].reshape(-1) for k in keys]
+                          + [torch.tensor([other.host[k] for k in sorted(other.host)])])
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    mine = MetricSums()
+    stats = [space_loss(*batch(seed), 1.0, K)[1] for seed in (1, 2)]
+    for s in stats:
+        mine.add(s, short_samples=0, batches=1)
+    got = mine.reduce()
+    assert len(calls) == 1
+    everything = [*stats, other_stats]
+    for j in range(K):
+        hits = sum(float(s["mask_hits"][j]) for s in everything)
+        rows = sum(float(s["mask_offset_rows"][j]) for s in everything)
+        assert got[f"mask_acc_{j}"] == round(hits / rows, 4)
+    mask = sum(float(s["mask_loss_sum"]) for s in everything) / sum(float(s["mask_rows"]) for s in everything)
+    assert got["mask_loss"] == round(mask, 4) and got["short_samples"] == round(1 / 3, 4)
+    assert mine.reduce() == {}  # a new interval starts empty
+
+
+def test_logged_names_are_the_ones_curves_and_tests_read():
+    _, stats = space_loss(*batch(0), 1.0, K, teacher=None, chain_weight=0.3)
+    sums = MetricSums()
+    sums.add(stats)
+    assert set(sums.reduce()) == {"ar_loss", "mask_loss", "chain_weight_mean", *(f"mask_acc_{j}" for j in range(K))}
+    assert set(metrics_module.RATIOS) >= {"ar_loss", "mask_loss", "mask_token_ce", "consistency_loss"}
+    assert SpaceSettings().mask_num >= 1
