@@ -65,7 +65,7 @@ def _budget_rank(rank, port, results):
     import torch.distributed as dist
     from transformers import TrainerControl
 
-    from space.train.trainer import TimeBudgetCallback
+    from space.train.callbacks import TimeBudgetCallback
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     cb = TimeBudgetCallback(minutes=1.0)
