@@ -54,8 +54,8 @@ def offset_hits(logits: torch.Tensor, labels: torch.Tensor, offsets: torch.Tenso
 
 def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Tensor, weight: float,
                mask_num: int, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-               mask_rows_total: int | torch.Tensor | None = None,
-               chain_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               mask_rows_total: int | torch.Tensor | None = None, chain_weight: float = 0.0,
+               ar_rows_total: int | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss, and the sums and counts its metrics come from, of a SAR-SFT batch (or one chunk of
     its mask rows). Reads nothing back to the host: the sums stay on the device until the log step
     adds them up (``space.train.metrics``, STYLE item 20).
@@ -69,14 +69,16 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
         teacher: None (token targets), or (ids, probs), each (batch, rows, K): the soft target of
             every row (read on valid mask rows only).
         mask_rows_total: divide the mask loss by this many rows instead of this call's count (a
-            chunk of the batch's mask rows: the chunks' losses then add up to the batch's loss).
+            chunk of the batch's mask rows, or a micro-batch of an optimizer step: the parts'
+            losses then add up to the whole's).
+        ar_rows_total: the same for the AR loss.
         chain_weight: alpha in [0, 1]: weight each mask row's loss by ``(1 - alpha) + alpha *
             chain`` (:func:`chain_weights`, from the teacher's probabilities of the true tokens when
             there is a teacher, else the model's own, detached). Groups must be whole in ``rows``.
 
     Returns:
-        (loss, stats): the loss is CE(AR rows) averaged over them + lambda * the mask loss averaged
-        over ``mask_rows_total`` (else this call's mask rows). ``stats`` holds detached float
+        (loss, stats): the loss is CE(AR rows) summed over them / ``ar_rows_total`` (else their
+        count) + lambda * the mask loss summed / ``mask_rows_total`` (else the mask rows' count). ``stats`` holds detached float
         tensors on the logits' device, the same keys for every batch of a run: ``ar_loss_sum``,
         ``ar_rows``, ``mask_loss_sum`` (the loss optimized on mask rows: token CE or teacher soft
         CE, chain-weighted), ``mask_rows``, ``mask_hits`` and ``mask_offset_rows`` ((mask_num,)
@@ -88,7 +90,7 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
     ar_rows, mask_rows = valid & ~is_mask, valid & is_mask
     ar_ce = F.cross_entropy(logits[ar_rows].float(), labels[ar_rows], reduction="sum")  # 0 for no row
     n_ar = ar_rows.sum().float()
-    loss = ar_ce / n_ar.clamp(min=1)
+    loss = ar_ce / _at_least_one(n_ar if ar_rows_total is None else ar_rows_total)
     mask_logits, mask_labels = logits[mask_rows].float(), labels[mask_rows]
     token_ce = F.cross_entropy(mask_logits, mask_labels, reduction="none")  # (rows,)
     per_row = token_ce if teacher is None else soft_cross_entropy(mask_logits, teacher[0][mask_rows], teacher[1][mask_rows])
@@ -101,16 +103,19 @@ def space_loss(logits: torch.Tensor, labels: torch.Tensor, mask_offset: torch.Te
         per_row = per_row * ((1 - chain_weight) + chain_weight * chain)
         stats["chain_weight_sum"] = chain.sum()
     n_mask = mask_rows.sum().float()
-    total = n_mask if mask_rows_total is None else mask_rows_total
-    total = total.clamp(min=1) if torch.is_tensor(total) else max(total, 1)
     # an empty selection keeps the graph: a batch without a scored row steps with zero gradients
-    loss = loss + weight * per_row.sum() / total
+    loss = loss + weight * per_row.sum() / _at_least_one(n_mask if mask_rows_total is None else mask_rows_total)
     hits, rows = offset_hits(mask_logits, mask_labels, mask_offset[mask_rows], mask_num)
     stats.update(ar_loss_sum=ar_ce, ar_rows=n_ar, mask_loss_sum=per_row.sum(), mask_rows=n_mask,
                  mask_hits=hits, mask_offset_rows=rows)
     if teacher is not None:
         stats["mask_token_ce_sum"] = token_ce.sum()
     return loss, {k: v.detach().float() for k, v in stats.items()}
+
+
+def _at_least_one(count: int | torch.Tensor) -> int | torch.Tensor:
+    """A row count as a divisor (no rows: a zero sum stays zero), on the device for a tensor."""
+    return count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
 
 
 @torch.no_grad()

@@ -46,7 +46,8 @@ class Step:
 
 
 def sar_step(model, inputs: dict, settings: SpaceSettings, unwrapped=None,
-             backward: Callable[[torch.Tensor], None] | None = None, no_sync=nullcontext) -> Step:
+             backward: Callable[[torch.Tensor], None] | None = None, no_sync=nullcontext,
+             totals: torch.Tensor | None = None) -> Step:
     """One SpaceCollator batch: the frozen-base step when ``settings.frozen_base``, else one pass.
 
     Args:
@@ -55,31 +56,44 @@ def sar_step(model, inputs: dict, settings: SpaceSettings, unwrapped=None,
         backward: frozen-base with several chunks: back-propagates every chunk but the last
             (default ``loss.backward()``; the trainer scales it for gradient accumulation).
         no_sync: a function of ``model`` returning the context those chunks run in (DDP's no_sync).
+        totals: (2,) the scored (AR, mask) rows the losses are averaged over (:func:`scored_rows`
+            of a whole optimizer step: its micro-batches' losses then add up to the step's mean);
+            None: this batch's own.
     """
     if settings.frozen_base:
-        return frozen_base_step(model, inputs, settings, unwrapped, backward, no_sync)
-    return one_pass_step(model, inputs, settings, unwrapped)
+        return frozen_base_step(model, inputs, settings, unwrapped, backward, no_sync, totals)
+    return one_pass_step(model, inputs, settings, unwrapped, totals)
 
 
-def one_pass_step(model, inputs: dict, settings: SpaceSettings, unwrapped=None) -> Step:
+def scored_rows(inputs: dict) -> torch.Tensor:
+    """(2,) float counts of a batch's scored rows, (AR, mask), on the batch's device."""
+    scored, is_mask = inputs["labels"] != IGNORE_INDEX, inputs["mask_offset"] >= 0
+    return torch.stack([(scored & ~is_mask).sum(), (scored & is_mask).sum()]).float()
+
+
+def one_pass_step(model, inputs: dict, settings: SpaceSettings, unwrapped=None,
+                  totals: torch.Tensor | None = None) -> Step:
     """Real rows ``:T`` and mask rows ``T:`` in one forward (the gate matters to a frozen-base LoRA only)."""
     unwrapped = model if unwrapped is None else unwrapped
     labels, offsets, T = inputs["labels"], inputs["mask_offset"], inputs["num_real"]
     with mask_rows(T):
         out = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
                     attention_mask=forward_mask(inputs["attention_mask"], unwrapped))
+    ar_total, mask_total = (None, None) if totals is None else totals
     loss, stats = space_loss(out.logits, labels, offsets, settings.mask_loss_weight, settings.mask_num,
-                             chain_weight=settings.chain_weight)
+                             mask_rows_total=mask_total, chain_weight=settings.chain_weight, ar_rows_total=ar_total)
     return Step(loss, stats, out.logits, labels, offsets)
 
 
 def frozen_base_step(model, inputs: dict, settings: SpaceSettings, unwrapped=None,
-                     backward: Callable[[torch.Tensor], None] | None = None, no_sync=nullcontext) -> Step:
+                     backward: Callable[[torch.Tensor], None] | None = None, no_sync=nullcontext,
+                     totals: torch.Tensor | None = None) -> Step:
     """A no-grad real pass, then the mask rows chunk by chunk (arguments as :func:`sar_step`).
 
-    Each chunk's mask loss is divided by the batch's scored mask rows, so the chunks add up to
-    the unchunked loss and gradients; activation memory is bounded by one chunk. Every chunk but
-    the last is back-propagated here (when gradients are on), the last one by the caller.
+    Each chunk's mask loss is divided by the batch's scored mask rows (or ``totals[1]``), so the
+    chunks add up to the unchunked loss and gradients; activation memory is bounded by one chunk.
+    Every chunk but the last is back-propagated here (when gradients are on), the last one by the
+    caller.
     """
     unwrapped = model if unwrapped is None else unwrapped
     backward = backward or (lambda loss: loss.backward())
@@ -92,7 +106,7 @@ def frozen_base_step(model, inputs: dict, settings: SpaceSettings, unwrapped=Non
         teacher = teacher_targets(head, hidden, inputs, settings.teacher_topk, settings.suppress_ids)
     chunks = mask_chunks(offsets, settings.mask_chunk_rows)
     scored = (labels != IGNORE_INDEX) & (offsets >= 0)  # (batch, M)
-    total = scored.sum()  # on the device: no read back
+    total = scored.sum() if totals is None else totals[1]  # on the device: no read back
     early = torch.is_grad_enabled() and model.training and len(chunks) > 1
     done, stats = 0.0, {}
     for i, rows in enumerate(chunks):

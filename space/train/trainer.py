@@ -8,7 +8,7 @@ from transformers import Trainer
 from ..config import SpaceSettings
 from .callbacks import CheckpointInMaskRowsCallback
 from .metrics import MetricSums
-from .steps import sar_step
+from .steps import sar_step, scored_rows
 
 
 class TrainingDiverged(ValueError):
@@ -42,7 +42,8 @@ class SpaceTrainer(Trainer):
         if self.space.mask_chunk_rows and self.is_deepspeed_enabled:
             raise ValueError("mask_chunk_rows > 0 does not work with DeepSpeed (each backward also steps): set it to 0")
         self.args.logging_nan_inf_filter = False  # HF's filter logs a NaN loss as the mean of the finite ones
-        self.model_accepts_loss_kwargs = False  # the step's loss is a mean: let Trainer scale for accumulation
+        self.model_accepts_loss_kwargs = False  # HF's num_items_in_batch counts AR and mask rows as one
+        self.loss_is_scaled_for_ga = True  # each micro-batch's loss is its share of the step's mean
         self.metrics = MetricSums()
         self.nonfinite_steps = 0  # consecutive optimizer steps with a non-finite loss or gradient norm, so far
         self._loss_finite = torch.ones((), dtype=torch.bool)  # this step's micro-batches so far
@@ -50,17 +51,29 @@ class SpaceTrainer(Trainer):
         if self.args.activation_checkpointing:  # after train() enables it: the callback runs then
             self.add_callback(CheckpointInMaskRowsCallback())
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """An optimizer step's micro-batches, and as ``num_items_in_batch`` their scored (AR, mask)
+        rows summed over them and over every rank (one all-reduce per step)."""
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batches:  # the epoch ran out (every rank alike)
+            return batches, None
+        counts = torch.stack([scored_rows(b) for b in batches]).sum(0).to(device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)
+        return batches, counts
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The step's loss. With ``num_items_in_batch`` (:meth:`get_batch_samples`' counts) it is
+        this micro-batch's share of the optimizer step's mean over every rank, times the ranks
+        (DDP and DeepSpeed average gradients over them); else this batch's mean."""
+        scale = self.accelerator.num_processes if num_items_in_batch is not None else 1
         step = sar_step(model, inputs, self.space, self.accelerator.unwrap_model(model),
-                        backward=lambda loss: self.accelerator.backward(loss / self._accumulation_steps()),
-                        no_sync=self.accelerator.no_sync)
+                        backward=lambda loss: self.accelerator.backward(loss * scale),
+                        no_sync=self.accelerator.no_sync, totals=num_items_in_batch)
         self._loss_finite = self._loss_finite.to(step.loss.device) & torch.isfinite(step.loss.detach())
         self.metrics.add(step.stats, short_samples=inputs["num_short"], batches=1)
-        return (step.loss, {"logits": step.logits}) if return_outputs else step.loss
-
-    def _accumulation_steps(self) -> int:
-        """What ``Trainer.training_step`` divides this micro-batch's loss by (set in the train loop)."""
-        return getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        loss = step.loss * scale
+        return (loss, {"logits": step.logits}) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log (every rank calls it): the interval's metrics over all ranks

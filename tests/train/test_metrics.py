@@ -1,5 +1,6 @@
 """Metrics are sums and counts on the device, reduced once per log step (issue 59, finding 10;
 STYLE item 20)."""
+import pytest
 import torch
 
 from space.config import SpaceSettings
@@ -70,3 +71,34 @@ def test_logged_names_are_the_ones_curves_and_tests_read():
     assert set(sums.reduce()) == {"ar_loss", "mask_loss", "chain_weight_mean", *(f"mask_acc_{j}" for j in range(K))}
     assert set(metrics_module.RATIOS) >= {"ar_loss", "mask_loss", "mask_token_ce", "consistency_loss"}
     assert SpaceSettings().mask_num >= 1
+
+
+@pytest.mark.parametrize("mode", ["full", "frozen-base"])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, mode):
+    """Two micro-batches with different row counts, accumulated, give the gradient of the one batch
+    holding both: each micro-batch's loss is its share of the step's mean (num_items_in_batch), not
+    a mean of the micro-batches' means."""
+    from transformers import TrainingArguments
+
+    from space.adapter_layers import prepare_model
+    from space.data.collator import SpaceCollator
+    from space.models import tiny_random_llama
+    from space.train.trainer import SpaceTrainer
+
+    model, tok = tiny_random_llama(seed=0, initializer_range=0.2)
+    model, spec = prepare_model(model, tok, mode, K)
+    collator = SpaceCollator(spec.ids_for(K), K, tok.pad_token_id, spans_per_sample=3)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 250, (n,), generator=g).tolist(), "prompt_len": 4, "idx": i}
+            for i, n in enumerate((40, 12, 25))]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], gradient_accumulation_steps=2)
+    trainer = SpaceTrainer(model=model, args=args, space=SpaceSettings(mode=mode, mask_num=K))
+    micro, counts = trainer.get_batch_samples(iter([collator(rows[:1]), collator(rows[1:])]), 2, torch.device("cpu"))
+    model.zero_grad()
+    for b in micro:
+        trainer.training_step(model, b, counts)
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    trainer.compute_loss(model, collator(rows)).backward()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, model.get_parameter(name).grad, msg=name, atol=1e-6, rtol=1e-4)
