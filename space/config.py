@@ -224,7 +224,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
 
 
 def check_train_args(model_args, data_args, mask_args, train_args) -> None:
-    """Range checks that need no model, so a typo fails before the model loads.
+    """Range checks that need no model, so a typo fails before the model loads (the trainer's
+    own settings through :class:`SpaceSettings`, which validates them once).
 
     Raises:
         ValueError: unknown mode, layout or mask_target, mask_num outside 1..MAX_MASK_NUM,

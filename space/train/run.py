@@ -89,8 +89,10 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     Raises:
         ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
             an init_adapter that is not a SPACE artifact, bad dataset name or rows (an empty file
-            included), or a checkpoint in ``output_dir`` made with other SPACE settings; all
-            raised before the model loads.
+            included), or a checkpoint in ``output_dir`` made with other SPACE settings or
+            missing its mask rows; all raised before the model loads.
+        TrainingDiverged: too many NaN or inf steps in a row, or training ended inside such a run
+            (:func:`refuse_a_bad_end`); no artifact is written.
     """
     set_seed(train_args.seed)
     train_args.remove_unused_columns = False  # the collator needs prompt_len and idx
@@ -166,13 +168,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
             print(f"[space] training already finished: {done} of {trainer.state.max_steps} steps done in {last}; "
                   f"kept {final}", flush=True)
         return final if trainer.is_world_process_zero() else None
-    if trainer.nonfinite_steps:  # fewer than max_nonfinite_steps, but the weights are those of a bad step
-        if trainer.is_world_process_zero():
-            (Path(train_args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        raise TrainingDiverged(
-            f"training ended at step {trainer.state.global_step} with {trainer.nonfinite_steps} NaN or inf "
-            f"step{'s' if trainer.nonfinite_steps > 1 else ''} in a row, so no final/ was written (its weights would be those of a bad step); the last checkpoint in "
-            f"{train_args.output_dir} was saved before them. Lower the learning rate, or check the data")
+    refuse_a_bad_end(trainer)
     # (a run stopped between its last checkpoint and final/ gets final/ written from that checkpoint)
     # ZeRO-3: every rank takes part in gathering the 16-bit weights; rank 0 writes them
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped) if is_deepspeed_zero3_enabled() else None
@@ -185,6 +181,24 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         trainer.accelerator.wait_for_everyone()
         trainer.accelerator.end_training()
     return out
+
+
+def refuse_a_bad_end(trainer) -> None:
+    """Raise when training ended inside a run of NaN or inf steps (fewer than max_nonfinite_steps):
+    the weights are those of a bad step, so no artifact is written. Keeps the log to look at.
+
+    Raises:
+        TrainingDiverged: ``trainer.nonfinite_steps`` > 0 (on every rank: they agree on it).
+    """
+    n = trainer.nonfinite_steps
+    if not n:
+        return
+    if trainer.is_world_process_zero():
+        (Path(trainer.args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    raise TrainingDiverged(
+        f"training ended at step {trainer.state.global_step} with {n} NaN or inf step{'s' if n > 1 else ''} in a "
+        f"row, so no final/ was written (its weights would be those of a bad step); the last checkpoint in "
+        f"{trainer.args.output_dir} was saved before them. Lower the learning rate, or check the data")
 
 
 def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, num_samples,

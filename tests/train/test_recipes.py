@@ -268,3 +268,18 @@ def test_nonfinite_guard_counts_each_step_once(tmp_path, fp16):
         for _ in range(2):  # the step's own call, then the epoch end's
             trainer._maybe_log_save_evaluate(torch.zeros(()), torch.tensor(float("nan")), model, None, 0, None, 0.0)
             assert trainer.nonfinite_steps == step
+
+
+def test_the_trainer_internals_space_relies_on_are_still_there():
+    """SpaceTrainer overrides one private Trainer method (the guard's hook, the one place that
+    gets each optimizer step's gradient norm before the step is logged and saved) and reads one
+    switch of ``training_step``; a transformers upgrade that moves either must fail here, not
+    silently skip the guard or scale the loss twice."""
+    import inspect
+
+    from transformers import Trainer
+
+    assert list(inspect.signature(Trainer._maybe_log_save_evaluate).parameters)[:3] == ["self", "tr_loss", "grad_norm"]
+    assert list(inspect.signature(Trainer.get_batch_samples).parameters) == ["self", "epoch_iterator", "num_batches",
+                                                                              "device"]
+    assert "self.loss_is_scaled_for_ga" in inspect.getsource(Trainer.training_step)
