@@ -71,12 +71,11 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             garbage safetensors file; the file is named); a NaN or inf weight (the tensor named);
             LoRA weights that do not fit the model;
             a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``; a
-            ``compile`` mode not in ``COMPILE_MODES``.
+            ``compile`` this machine cannot run (:func:`check_compile`).
     """
     if kernels not in KERNEL_CHOICES:  # before the load, not after it
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-    if compile not in (False, True, *COMPILE_MODES):
-        raise ValueError(f"compile must be a bool or one of {COMPILE_MODES}, got {compile!r}")
+    check_compile(compile, device, device_map)
     if adapter is None:
         if model is not None and (Path(model) / SPACE_CONFIG).is_file():  # a full SAR-SFT artifact
             check_artifact(Path(model))
@@ -121,6 +120,25 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels).to_dict()
     apply_kernels(base.eval(), kernels)
     return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
+
+
+def check_compile(compile: bool | str, device: str = "cpu", device_map: str | dict | None = None) -> None:
+    """Refuse a ``compile`` setting before anything loads (a compile that fails starts minutes in).
+
+    Raises:
+        ValueError: not a bool or one of ``COMPILE_MODES``; ``"reduce-overhead"`` (CUDA graphs)
+            on a machine without a usable CUDA GPU, or on a CPU or MPS ``device``.
+    """
+    if compile not in (False, True, *COMPILE_MODES):
+        raise ValueError(f"compile must be a bool or one of {COMPILE_MODES}, got {compile!r}")
+    if compile != "reduce-overhead":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("compile mode reduce-overhead records CUDA graphs and needs a CUDA GPU; none is usable "
+                         "here (compile mode default compiles for the CPU)")
+    if device_map is None and str(device).split(":")[0] in ("cpu", "mps"):
+        raise ValueError(f"compile mode reduce-overhead records CUDA graphs and needs a CUDA device, got device "
+                         f"{device!r}")
 
 
 def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:

@@ -74,6 +74,11 @@ CASES = [  # (command, args, exit code, fragment of stderr)
                  marks=pytest.mark.skipif(ROOT_USER, reason="root may write anywhere")),
     pytest.param("space-eval", [*EVAL, "--device", "cuda"], 2, "no CUDA GPU is usable here",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
+    pytest.param("space-eval", [*EVAL, "--compile", "reduce-overhead"], 2,
+                 "compile mode reduce-overhead records CUDA graphs and needs a CUDA GPU; none is usable here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
+    ("space-eval", [*EVAL, "--compile", "reduce-overhead", "--device", "cpu"], 2,
+     "compile mode reduce-overhead records CUDA graphs and needs a CUDA"),
     ("space-eval", [*EVAL, "--device", "banana"], 2, "unknown --device 'banana'"),
     ("space-eval", [*EVAL, "--dtype", "banana"], 2, "unknown dtype 'banana'"),
     ("space-eval", [*EVAL, "--temperature", "-1"], 2, "--temperature must be >= 0, got -1.0"),
@@ -462,6 +467,21 @@ def test_eval_resume_refuses_another_thread_count(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "'threads': (1, 2)" in err and err.count("\n") == 1, err
     assert _lines(tmp_path / "samples.jsonl") == before
+
+
+def test_eval_refuses_an_out_another_run_writes(tmp_path, capsys):
+    """Two runs into one --out both wrote every record; the second is refused in one line, naming
+    the first's process, before its model loads."""
+    from space.eval.resume import hold_samples
+
+    (tmp_path / "out").mkdir()
+    with hold_samples(tmp_path / "out" / "samples.jsonl"):
+        with pytest.raises(SystemExit) as exit_info:
+            eval_cli([a.format(tmp=tmp_path) for a in EVAL])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert f"samples.jsonl is being written by another run (pid {os.getpid()})" in err, err
+    assert not (tmp_path / "out" / "samples.jsonl").exists()
 
 
 def test_eval_resume_says_how_far_it_got(tmp_path, capsys):

@@ -15,14 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..cli import (HelpFormatter, add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number,
                    check_threads, console, set_threads)
 from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
 from .bench import METHODS
-from .resume import adapter_sha256, check_resume, merge_run, read_record, report
+from .resume import adapter_sha256, check_resume, hold_samples, merge_run, read_record, report
 from .shard import Shard, current_shard, join, wait_for_all
 from .tasks import DATASETS, load_tasks
 
@@ -100,11 +103,13 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
             unknown dtype, kernels or device (space.cli.check_device), a CUDA/MPS device this torch
             cannot use (in the device map too), a bad device map, a --tree or --device-map file that
             is not UTF-8, a device map shared by several torchrun processes of one node that have
-            GPUs, or ``--out`` that is a file.
+            GPUs, ``--compile reduce-overhead`` without a CUDA device (loader.check_compile), or
+            ``--out`` that is a file.
     """
     import torch  # lazy: --help stays fast
 
     from ..decoding.tree import tree_flag
+    from ..loader import check_compile
     from ..models import parse_device_map, parse_dtype
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -132,6 +137,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
                          f"--kernels {args.kernels}")
     parse_dtype(args.dtype)
     check_device(args.device)
+    check_compile(args.compile or False, args.device, args.device_map)
     tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
     try:
         placement = None if args.device_map is None else parse_device_map(args.device_map)
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     Raises:
         ValueError, FileNotFoundError, PermissionError: bad arguments, dataset, adapter, device map,
             shard or output folder, or a folder holding samples made otherwise (see check_args,
-            load_tasks, check_resume); all raised before any generation. ``--merge``: see resume.merge_run.
+            load_tasks, check_resume), or an ``--out`` another run is writing (its pid named:
+            resume.hold_samples); all raised before any generation. ``--merge``: see resume.merge_run.
     """
     args = build_parser().parse_args(argv)
     if args.merge is not None:
@@ -191,7 +198,43 @@ def main(argv: list[str] | None = None) -> dict | None:
     tasks = load_tasks(args.dataset, args.data_root, args.limit)
     mine = shard.select(tasks) if shard else tasks
     out = make_out(args.out or Path("runs/eval") / args.dataset.replace(":", "-").replace("/", "_"))
+    with hold_samples(out / (shard.samples if shard else "samples.jsonl")), compile_progress(bool(args.compile)):
+        return evaluate(args, shard, methods, placement, tasks, mine, out)
 
+
+@contextmanager
+def compile_progress(enabled: bool) -> Iterator[None]:
+    """While ``enabled`` (``--compile``), print a line as torch.compile starts and ends each graph:
+    one takes minutes at SmolLM2's size on a CPU, and the progress bar stands still meanwhile."""
+    if not enabled:
+        yield
+        return
+    from torch._dynamo.callback import callback_handler
+    from tqdm import tqdm
+
+    started = {}
+
+    def start(event) -> None:
+        started[event.compile_id] = time.perf_counter()
+        tqdm.write(f"[space-eval] compiling graph {event.compile_id} (a new shape; may take minutes)")
+
+    def end(event) -> None:
+        seconds = time.perf_counter() - started.pop(event.compile_id)
+        tqdm.write(f"[space-eval] compiled graph {event.compile_id} in {seconds:.0f} s")
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+
+
+def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], placement, tasks: list, mine: list,
+             out: Path) -> dict | None:
+    """Load the model and run this process's questions ``mine`` of ``tasks`` into ``out`` (main,
+    once the arguments are checked and ``out`` is held); returns as main. Raises as main."""
     import torch
     import transformers
 

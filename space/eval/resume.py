@@ -6,11 +6,18 @@ Every run records its settings in ``run_config.json`` (a rank of a sharded run i
 entries are equal, so one samples file never mixes two setups' outputs or timings. The ranks
 of a sharded run (``space.eval.shard``) are merged into one folder by :func:`merge_run`
 (``space-eval --merge``, or rank 0 under a launcher).
+
+One run writes a samples file at a time (:func:`hold_samples`), and a resume drops records that
+an earlier run wrote twice (:func:`check_resume`).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..jsonl import read_jsonl_resumable, write_jsonl
@@ -75,8 +82,34 @@ def read_record(path: Path) -> dict:
         raise ValueError(f"{path}: damaged run record ({e}); fix or delete it") from None
 
 
+@contextmanager
+def hold_samples(samples: Path) -> Iterator[None]:
+    """Hold ``samples`` (a run's samples file) for the block: a second run that would write the same
+    file is refused, so two runs into one ``--out`` never both append every record. The ranks of a
+    sharded run write files of their own and run side by side.
+
+    The hold is an exclusive ``flock`` on ``.<samples name>.lock`` beside it, which holds this
+    process's id; the kernel releases it when the process ends, a crash or ``kill -9`` included.
+
+    Raises:
+        ValueError: another process holds ``samples`` (its process id named).
+    """
+    with open(samples.parent / f".{samples.name}.lock", "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise ValueError(f"{samples} is being written by another run (pid {lock.read().strip() or '?'}); "
+                             "wait for it to end, or use another --out") from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
+
+
 def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
-    """Record the run's settings in ``out/run_config.json``; refuse to mix in samples made otherwise.
+    """Record the run's settings in ``out/run_config.json``; refuse to mix in samples made otherwise;
+    drop the records its samples file holds twice (the first of each (question, method) is kept).
 
     A rank of a sharded run records them in its own ``run_config.rank{i}.json`` (``meta`` then
     holds its ``shard`` entry) and is checked against its own samples and the merged ones.
@@ -96,6 +129,22 @@ def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
     tmp = out / f"{name}.tmp"
     tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
     tmp.replace(out / name)
+    _drop_duplicates(out / (shard.samples if shard is not None else "samples.jsonl"))
+
+
+def _drop_duplicates(samples: Path) -> None:
+    """Rewrite ``samples`` with the first record of each (question, method) only, saying how many
+    went (two runs that wrote one folder at once, before runs held their samples file)."""
+    if not samples.is_file():
+        return
+    rows, first = read_jsonl_resumable(samples), {}
+    for row in rows:
+        first.setdefault((row["question_id"], row["model_id"]), row)
+    kept = list(first.values())
+    if len(kept) < len(rows):
+        write_jsonl(samples, kept)
+        print(f"[space-eval] {samples}: dropped {len(rows) - len(kept)} duplicate (question, method) records, "
+              "kept the first of each", flush=True)
 
 
 def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, ...]) -> list[str]:

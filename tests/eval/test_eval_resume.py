@@ -1,10 +1,13 @@
 """Resuming an evaluation folder (space/eval/resume.py): every setting that shapes the samples or
-their timings blocks a resume when it changes; the adapter counts by content, not by path."""
+their timings blocks a resume when it changes; the adapter counts by content, not by path; one run
+writes a samples file at a time, and a resume keeps no record twice."""
 import json
+import os
 
 import pytest
 
 from space.eval.resume import RESUME_KEYS, adapter_sha256, check_resume
+from space.eval.shard import Shard
 
 # written out, not read from RESUME_KEYS: a key dropped from the tuple must fail here
 CHANGES = {
@@ -52,3 +55,36 @@ def test_adapter_hash_follows_content_not_path(tmp_path):
     before = adapter_sha256(tmp_path / "a")
     (tmp_path / "a" / "sub" / "w.bin").rename(tmp_path / "a" / "w.bin")  # same bytes, another file
     assert adapter_sha256(tmp_path / "a") != before
+
+
+def test_resume_drops_duplicate_records(tmp_path, capsys):
+    """Two runs that wrote one folder at once left every record twice: the resume keeps the first
+    of each (question, method), in order, and says how many went."""
+    check_resume(tmp_path, meta())
+    rows = [{"question_id": q, "model_id": m, "n": i} for i, (q, m) in enumerate(
+        [("q1", "ar"), ("q1", "space"), ("q1", "ar"), ("q2", "ar"), ("q1", "space"), ("q2", "ar")])]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    check_resume(tmp_path, meta())
+    kept = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["n"] for r in kept] == [0, 1, 3]
+    assert "dropped 3 duplicate (question, method) records" in capsys.readouterr().out
+    shard, rank = Shard(1, 2), {**meta(), "shard": {"rank": 1, "world_size": 2, "questions": ["q1"]}}
+    check_resume(tmp_path, rank, shard)  # a rank's own samples file too
+    (tmp_path / shard.samples).write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    check_resume(tmp_path, rank, shard)
+    assert len((tmp_path / shard.samples).read_text().splitlines()) == 2
+
+
+def test_one_run_holds_a_samples_file(tmp_path):
+    """A second holder of the same samples file is refused, naming the first one's process; another
+    rank's file is free; the hold ends with its block."""
+    from space.eval.resume import hold_samples
+
+    with hold_samples(tmp_path / "samples.jsonl"):
+        with pytest.raises(ValueError, match=rf"samples.jsonl is being written by another run \(pid {os.getpid()}\)"):
+            with hold_samples(tmp_path / "samples.jsonl"):
+                pass
+        with hold_samples(tmp_path / "samples.rank1.jsonl"):
+            pass
+    with hold_samples(tmp_path / "samples.jsonl"):
+        pass
