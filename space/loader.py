@@ -101,9 +101,9 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
                       + (" (output stays exact to the given model)" if cfg["mode"] == "frozen-base"
                          else " and its merged LoRA changes a model it was not trained for"), stacklevel=2)
     updates = read_lora(adapter)  # a damaged file fails here, before the base model loads
-    check_finite(adapter)  # a diverged run's NaN weights would still decode "exactly"
     rows = read_tensors(adapter / MASK_EMBEDDING)
     head_width = sampler_width(cfg, adapter)
+    check_finite(adapter)  # after the files' own checks, which name what is damaged; NaN decodes "exactly"
     base, tok = load_model(model or cfg["base_model"], dtype, device, device_map)
     spec = add_mask_tokens(base, tok, cfg["mask_num"], cfg["mask_diff"])
     if list(spec.token_ids) != cfg["mask_token_ids"]:
