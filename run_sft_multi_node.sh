@@ -50,7 +50,9 @@ count_gpus() {
     # grep -c prints 0 (and exits 1) when nothing matches, e.g. nvidia-smi's "failed to communicate" message
     echo "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true) listed by nvidia-smi -L"
   else  # a container without the NVIDIA tools: ask CUDA itself (seconds: it imports torch)
-    echo "$("$1" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0) seen by torch.cuda.device_count()"
+    local n
+    n=$("$1" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+    echo "$n seen by torch.cuda.device_count()"
   fi
 }
 
@@ -99,7 +101,8 @@ fi
 NODE_RANK=${NODE_RANK:-0}
 [[ "$NODE_RANK" =~ ^[0-9]+$ && $NODE_RANK -lt $NNODES ]] ||
   die "NODE_RANK must be an integer in 0..$((NNODES - 1)) (NNODES=$NNODES), got '$NODE_RANK'"
-if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[0-9]+$ && $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]]; then
+if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[0-9]+$ && $MASTER_PORT -ge 1 &&
+                                     $MASTER_PORT -le 65535 ]]; then
   die "MASTER_PORT must be a port number in 1..65535, got '$MASTER_PORT'"
 fi
 

@@ -1,0 +1,153 @@
+"""``run_sft_multi_node.sh CONFIG --smoke`` (space/train/smoke.py): the stand-in copies the model's
+attention shape, the smoke says what it changes, refuses what the effective settings need (a
+``--deepspeed`` override included), checks the artifact's tensors, runs on this node alone, and
+a failure names the user's config and keeps its log. Every config's smoke: tests/train/test_recipes.py."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from space.train.smoke import (REFUSED_EXIT, build_stand_in, check_trained, family, main, smoke_config,
+                               stand_in_heads)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("model, heads", [
+    ("/models/Llama-2-7b-hf", (2, 2)),  # multi-head: 32/32
+    ("/models/Llama-2-70b-hf", (8, 1)),  # grouped-query: 8 query heads per KV head
+    ("smollm2-135m-instruct", (6, 2)),  # 9/3
+    ("tiny-random-llama", (4, 2)),
+])
+def test_stand_in_copies_the_attention_shape(model, heads, tmp_path):
+    build_stand_in(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == heads
+    assert cfg["hidden_size"] == 16 * heads[0] and cfg["num_hidden_layers"] == 2
+
+
+def test_stand_in_reads_the_model_directory(tmp_path):
+    """A local model's config.json wins over its name (named like a 70B, multi-head here)."""
+    from transformers import LlamaConfig
+
+    model = tmp_path / "Llama-2-70b-hf"
+    LlamaConfig(hidden_size=64, num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
+                vocab_size=320).save_pretrained(model)
+    from space.models import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(model)
+    assert family(str(model))[:4] == ("llama", False, 16, 16)
+    assert "2/2 heads (the model's 16/16)" in build_stand_in(str(model), tmp_path / "stand-in")
+    assert stand_in_heads(71, 1) == (8, 1) and stand_in_heads(32, 8) == (8, 2)
+
+
+def test_smoke_config_says_what_it_changes(tmp_path):
+    """One line per setting changed; sources (which filters a replaced data file) and init_adapter
+    are left out with a line each; max_train_minutes is kept."""
+    config = {"model_name_or_path": "/models/Llama-2-7b-hf", "datasets": "runs/distill/not_here.jsonl",
+              "sources": "stdlib,lima", "init_adapter": "runs/x/final", "max_train_minutes": 30, "max_steps": 900,
+              "logging_steps": 1, "learning_rate": 1e-4, "output_dir": "runs/x"}
+    smoke, lines, replaced = smoke_config(config, tmp_path / "stand-in", tmp_path / "run", cuda=False)
+    assert replaced == ["runs/distill/not_here.jsonl"] and smoke["datasets"] == "mbpp"
+    assert smoke["max_train_minutes"] == 30 and smoke["learning_rate"] == 1e-4
+    assert "sources" not in smoke and "init_adapter" not in smoke and smoke["logging_nan_inf_filter"] is False
+    keys = [line.split(":")[0] for line in lines]
+    assert keys == [f"smoke changes {k}" for k in ("model_name_or_path", "output_dir", "max_steps", "save_steps",
+                                                   "limit", "max_length", "logging_nan_inf_filter", "use_cpu",
+                                                   "datasets", "init_adapter", "sources")], lines
+    assert "smoke changes max_steps: 900 -> 2 (2 optimizer steps)" in lines
+    assert "smoke changes sources: stdlib,lima -> (left out) (it filters the rows of the data replaced)" in lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs fp16 and offload")
+@pytest.mark.parametrize("override, reason", [
+    (["--deepspeed", "configs/deepspeed/zero3_offload.json"],
+     "needs a GPU: ZeRO offload (offload_optimizer to cpu, offload_param to cpu, deepspeed "
+     "configs/deepspeed/zero3_offload.json)"),
+    (["--fp16", "true"], "needs a GPU: fp16 mixed precision"),
+    (["--fp16"], "needs a GPU: fp16 mixed precision"),
+])
+def test_refusal_reads_the_overrides(override, reason, capsys):
+    """The refusal reads the settings the run would have, a command-line override included."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["configs/train/tiny_smoke.yaml", *override])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == REFUSED_EXIT
+    assert out == f"smoke: refused: configs/train/tiny_smoke.yaml: {reason}" + out.partition(reason)[2]
+    assert out.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory):
+    """(stand-in folder, a frozen-base artifact of it as training starts it: LoRA B zero)."""
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("smoke")
+    build_stand_in("tiny-random-llama", root / "stand-in")
+    tok = AutoTokenizer.from_pretrained(root / "stand-in")
+    model, spec = prepare_model(AutoModelForCausalLM.from_pretrained(root / "stand-in"), tok, "frozen-base", 3)
+    return root / "stand-in", save_artifact(root / "final", model, tok, spec, "frozen-base",
+                                            {"base_model": str(root / "stand-in")})
+
+
+def test_check_trained_refuses_untrained_and_non_finite_tensors(tiny_artifact, tmp_path):
+    import shutil
+
+    stand_in, artifact = tiny_artifact
+    config = {"mode": "frozen-base", "mask_num": 3}
+    with pytest.raises(ValueError, match=r"did not change in 2 steps \(base_model.*lora_B"):
+        check_trained(artifact, stand_in, config)
+    trained = shutil.copytree(artifact, tmp_path / "trained")
+    lora = load_file(trained / "adapter_model.safetensors")
+    save_file({k: v + 1e-3 if "lora_B" in k else v for k, v in lora.items()}, trained / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"1 of \d+ trained tensors did not change .*\(mask_rows\)"):
+        check_trained(trained, stand_in, config)
+    rows = load_file(trained / "mask_embedding.safetensors")
+    save_file({"mask_rows": rows["mask_rows"] + 1e-3}, trained / "mask_embedding.safetensors")
+    assert check_trained(trained, stand_in, config).endswith("trained ones changed")
+    lora[next(k for k in lora if "lora_A" in k)][0, 0] = float("nan")
+    save_file({k: v + 1e-3 if "lora_B" in k else v for k, v in lora.items()}, trained / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: .*lora_A.* holds NaN or inf"):
+        check_trained(trained, stand_in, config)
+
+
+def smoke(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "SPACE_LAUNCH_DRY_RUN")}
+    return subprocess.run(["bash", "run_sft_multi_node.sh", *args, "--smoke", "--timeout", "240"], cwd=ROOT,
+                          env={**env, "PYTHON": sys.executable, **(env_extra or {})}, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.distributed
+def test_smoke_runs_alone_inside_a_multi_node_job():
+    """Inside a 4-node job's environment the smoke still trains on this node alone (it joined that
+    job's rendezvous and waited), and checks what matters: a line per change, then the summary."""
+    job = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "nowhere.invalid", "MASTER_PORT": "29511"}
+    proc = smoke("configs/train/tiny_smoke.yaml", env_extra=job)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "smoke changes max_steps: 4 -> 2 (2 optimizer steps)" in lines, lines
+    [summary] = [line for line in lines if line.startswith("smoke: ")]
+    assert summary.startswith("smoke: config=configs/train/tiny_smoke.yaml steps=2 ") and "exact=yes" in summary
+    assert "tensors finite, 15 trained ones changed" in summary and "4/2 heads (the model's 4/2 by its name)" in summary
+
+
+@pytest.mark.distributed
+def test_failed_smoke_names_the_users_config_and_keeps_its_log(tmp_path):
+    config = tmp_path / "my_config.yaml"
+    config.write_text((ROOT / "configs/train/tiny_smoke.yaml").read_text() + "no_such_key: 1\n")
+    proc = smoke(str(config))
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    err = proc.stderr
+    assert f"space-smoke: error: smoke: {config}: training exited 2 (log: " in err, err
+    assert f"{config}: unknown config keys ['no_such_key']" in err and "space-smoke-" not in err, err
+    log = Path(err.partition("(log: ")[2].partition(")")[0])
+    assert log.parent == ROOT / "runs" / "smoke" and "no_such_key" in log.read_text()
+    log.unlink()
