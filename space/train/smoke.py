@@ -107,18 +107,27 @@ def parse_overrides(overrides: list[str]) -> dict:
 def deepspeed_settings(deepspeed) -> dict:
     """The DeepSpeed config a ``deepspeed`` setting names (a JSON file, relative to the repository
     like the training run's, or a mapping); {} for none or a file that is not here (the training
-    run then says so)."""
+    run then says so).
+
+    Raises:
+        ValueError: a file that is not JSON (named).
+    """
     if isinstance(deepspeed, dict):
         return deepspeed
     if not deepspeed:
         return {}
     path = Path(deepspeed) if Path(deepspeed).is_absolute() else ROOT / deepspeed
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"deepspeed {deepspeed}: not valid JSON ({e})") from None
 
 
 def refusal(config: dict, cuda: bool) -> str | None:
     """Why this machine cannot run ``config``'s settings (the effective ones: the YAML with the
-    overrides applied), or None."""
+    overrides applied), or None. Raises as :func:`deepspeed_settings`."""
     if cuda:
         return None
     ds = deepspeed_settings(config.get("deepspeed"))

@@ -82,6 +82,17 @@ def test_refusal_reads_the_overrides(override, reason, capsys):
     assert out.count("\n") == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs any DeepSpeed file: the smoke does not read it")
+def test_a_broken_deepspeed_override_is_named(tmp_path, capsys):
+    from space.train.smoke import cli
+
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {')
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["configs/train/tiny_smoke.yaml", "--deepspeed", str(tmp_path / "ds.json")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"space-smoke: error: deepspeed {tmp_path / 'ds.json'}: not valid JSON" in err
+
+
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory):
     """(stand-in folder, a frozen-base artifact of it as training starts it: LoRA B zero)."""
