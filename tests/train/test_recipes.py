@@ -37,15 +37,18 @@ def env(**extra):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_config_smokes(config):
     """``run_sft_multi_node.sh CONFIG --smoke``: 2 steps through torchrun (DeepSpeed on 2 CPU
-    processes), a finite loss, an artifact that loads, and greedy SPACE == AR on it."""
+    processes), a finite loss, a finite artifact whose trained tensors changed and that loads, and
+    greedy SPACE == AR on it; inside a 4-node job's environment, which the smoke must not join."""
+    job = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "nowhere.invalid", "MASTER_PORT": "29511"}
     proc = subprocess.run(["bash", "run_sft_multi_node.sh", config, "--smoke", "--timeout", "900"], cwd=ROOT,
-                          env=env(), capture_output=True, text=True, timeout=1200)
+                          env=env(**job), capture_output=True, text=True, timeout=1200)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("smoke: ")]
     if config in REFUSED_ON_CPU:
         assert proc.returncode == REFUSED_EXIT and REFUSED_ON_CPU[config] in proc.stdout, proc.stdout[-2000:]
         return
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert len(lines) == 1 and f"config={config} steps=2 " in lines[0] and "exact=yes" in lines[0], lines
+    assert "tensors finite, " in lines[0] and " trained ones changed" in lines[0], lines
 
 
 @pytest.fixture(scope="module")

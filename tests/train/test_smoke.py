@@ -1,7 +1,8 @@
 """``run_sft_multi_node.sh CONFIG --smoke`` (space/train/smoke.py): the stand-in copies the model's
 attention shape, the smoke says what it changes, refuses what the effective settings need (a
 ``--deepspeed`` override included), checks the artifact's tensors, runs on this node alone, and
-a failure names the user's config and keeps its log. Every config's smoke: tests/train/test_recipes.py."""
+a failure names the user's config and keeps its log. Every config's smoke, run inside a 4-node
+job's environment it must not join, with its summary line: tests/train/test_recipes.py."""
 import json
 import os
 import subprocess
@@ -129,32 +130,13 @@ def test_check_trained_refuses_untrained_and_non_finite_tensors(tiny_artifact, t
         check_trained(trained, stand_in, config)
 
 
-def smoke(*args, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "SPACE_LAUNCH_DRY_RUN")}
-    return subprocess.run(["bash", "run_sft_multi_node.sh", *args, "--smoke", "--timeout", "240"], cwd=ROOT,
-                          env={**env, "PYTHON": sys.executable, **(env_extra or {})}, capture_output=True, text=True,
-                          timeout=600)
-
-
-@pytest.mark.distributed
-def test_smoke_runs_alone_inside_a_multi_node_job():
-    """Inside a 4-node job's environment the smoke still trains on this node alone (it joined that
-    job's rendezvous and waited), and checks what matters: a line per change, then the summary."""
-    job = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "nowhere.invalid", "MASTER_PORT": "29511"}
-    proc = smoke("configs/train/tiny_smoke.yaml", env_extra=job)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    lines = proc.stdout.splitlines()
-    assert "smoke changes max_steps: 4 -> 2 (2 optimizer steps)" in lines, lines
-    [summary] = [line for line in lines if line.startswith("smoke: ")]
-    assert summary.startswith("smoke: config=configs/train/tiny_smoke.yaml steps=2 ") and "exact=yes" in summary
-    assert "tensors finite, 15 trained ones changed" in summary and "4/2 heads (the model's 4/2 by its name)" in summary
-
-
 @pytest.mark.distributed
 def test_failed_smoke_names_the_users_config_and_keeps_its_log(tmp_path):
     config = tmp_path / "my_config.yaml"
     config.write_text((ROOT / "configs/train/tiny_smoke.yaml").read_text() + "no_such_key: 1\n")
-    proc = smoke(str(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "SPACE_LAUNCH_DRY_RUN")}
+    proc = subprocess.run(["bash", "run_sft_multi_node.sh", str(config), "--smoke", "--timeout", "240"], cwd=ROOT,
+                          env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     err = proc.stderr
     assert f"space-smoke: error: smoke: {config}: training exited 2 (log: " in err, err
