@@ -1,6 +1,13 @@
-"""space-train reruns: a resumed run says how far it got, a finished one trains and rewrites
-nothing, and every run leaves its loss / mask-accuracy curves as a PNG."""
+"""space-train reruns: a resumed run says how far it got and equals the uninterrupted run bit for
+bit, a finished one trains and rewrites nothing, and every run leaves its loss / mask-accuracy
+curves as a PNG."""
 import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
 
 from space.train.__main__ import main as train_main
 
@@ -27,13 +34,6 @@ def test_rerun_of_a_finished_training_changes_nothing(tmp_path, capsys):
 
 
 # --- resume == uninterrupted (issue 59, finding 3) ---------------------------------------------
-import shutil  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
 # 6 samples at batch 2: 3 steps an epoch, so the resume at step 2 lands mid-epoch (the data loader
 # skips what was trained) and step 4 starts epoch 2 (the collator's epoch seed after a resume)
 RESUME_ARGS = ["--config", "configs/train/tiny_smoke.yaml", "--limit", "6", "--per_device_train_batch_size", "2",
@@ -61,20 +61,8 @@ def interrupt_and_resume(whole: Path, resumed: Path, n: int) -> None:
     shutil.copytree(whole / f"checkpoint-{n}", resumed / f"checkpoint-{n}")
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread while the test runs. With two, even two uninterrupted lora runs in one
-    process end up to 5e-8 apart (a CPU kernel whose reduction order varies between calls; with
-    torch.use_deterministic_algorithms, or one thread, they are equal), which is no resume bug.
-    torchrun's workers run one thread each already (it sets OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("mode", ["full", "lora", "frozen-base"])
-def test_resume_after_n_steps_is_bit_exact(tmp_path, capsys, one_thread, mode):
+def test_resume_after_n_steps_is_bit_exact(tmp_path, capsys, mode):
     """Resume after 2 steps of a 4-step run == the same run uninterrupted, bit for bit: every tensor
     of the final artifact and every number logged per step. Without DeepSpeed nothing in between
     is allowed to differ (same seed, same process count, fp32 on CPU).
