@@ -72,9 +72,7 @@ class MaskEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.base(input_ids)
         is_mask = (input_ids >= self.first_id) & (input_ids < self.first_id + self.num)
-        # an embedding lookup, not mask_rows[idx]: advanced indexing's backward adds up in a varying
-        # order on a multi-threaded CPU, so two identical runs trained apart by 1e-8 (issue 59)
-        rows = nn.functional.embedding((input_ids - self.first_id).clamp(0, self.num - 1), self.mask_rows)
+        rows = self.mask_rows[(input_ids - self.first_id).clamp(0, self.num - 1)]
         return torch.where(is_mask[..., None], rows.to(out.dtype), out)
 
 
@@ -93,28 +91,63 @@ class GatedLoraLinear(nn.Module):
     the base alone and costs what the base costs. (With the CPU kernels' per-row-count paths, a
     few-row call may take MKL and a many-row call oneDNN: the same weights, equal to fp32
     rounding, ``space.cpu_kernels``.)
+
+    DESIGN (issue 58: on a GPU an eager step costs about its kernel launches): A is packed under
+    W in one (out + r, in) tensor whose first ``out`` rows are the base's weight (a view: no second
+    copy of W), so a call with mask rows is one GEMM giving ``x W^T`` and ``x A^T`` together, then
+    one in-place ``addmm_`` of ``xA (B^T)`` on the contiguous mask rows, with B^T stored
+    contiguous: 2 kernels where the unpacked update took 7 ops and 2 GEMMs of its own. The
+    output is a view of the packed GEMM's (row stride out + r), which ``view`` / ``transpose``
+    in the modeling code accept.
     """
 
     def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor):
         super().__init__()
         self.base = base
-        self.lora_a, self.lora_b = nn.Parameter(lora_a, requires_grad=False), nn.Parameter(lora_b, requires_grad=False)
+        with torch.no_grad():
+            packed = torch.cat([base.weight.detach(), lora_a.detach().to(base.weight)])
+            if type(base) is nn.Linear:  # the base keeps its weight as the packed tensor's first rows
+                base.weight = nn.Parameter(packed[: base.out_features], requires_grad=False)
+            bias = None if base.bias is None else torch.cat([base.bias.detach(), base.bias.new_zeros(lora_a.shape[0])])
+        # buffers, out of the state dict: it holds base.weight, lora_a and lora_b, as before packing
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("packed_bias", bias, persistent=False)
+        self.register_buffer("lora_bt", lora_b.detach().T.contiguous(), persistent=False)  # (r, out)
+        self._register_state_dict_hook(_lora_state)
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        """(r, in): the packed rows under W."""
+        return self.packed[self.base.out_features:]
+
+    @property
+    def lora_b(self) -> torch.Tensor:
+        """(out, r), scaled."""
+        return self.lora_bt.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = mask_rows_start()
         if s is None or s >= x.shape[-2]:  # no mask row (AR, HF generate, a block of real rows): the base alone
             return self.base(x)
-        if getattr(self.base, "extra_out", 0):  # A packed under W: x W^T and x A^T in one call
+        out = self.base.out_features
+        if getattr(self.base, "extra_out", 0):  # the CPU kernels' oneDNN-packed W and A
             y, xa = self.base.forward_extra(x)
-            xa = xa[:, s:]
-        else:
-            y = self.base(x)
-            xa = nn.functional.linear(x[:, s:], self.lora_a)
+        else:  # x W^T and x A^T in one GEMM
+            both = nn.functional.linear(x, self.packed, self.packed_bias)
+            y, xa = both[..., :out], both[..., out:]
         if x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
-            y[0, s:].addmm_(xa[0], self.lora_b.T)
+            y[0, s:].addmm_(xa[0, s:], self.lora_bt)
         else:
-            y[:, s:] += nn.functional.linear(xa, self.lora_b)
+            y[:, s:] += xa[:, s:] @ self.lora_bt
         return y
+
+
+def _lora_state(module: GatedLoraLinear, state: dict, prefix: str, _metadata) -> dict:
+    """A :class:`GatedLoraLinear`'s update in its state dict as ``lora_a`` (r, in) and ``lora_b``
+    (out, r, scaled), copies (the packed tensor's views would look like tied weights to a saver)."""
+    state[prefix + "lora_a"] = module.lora_a.detach().clone()
+    state[prefix + "lora_b"] = module.lora_b.detach().clone()
+    return state
 
 
 def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = False, lora_r: int = 16,

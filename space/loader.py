@@ -23,6 +23,7 @@ from .choices import COMPILE_MODES
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
 from .decoding.config import DEFAULT_MASK_NUM
+from .decoding.fused import fuse_trunk
 from .models import SMOLLM2, dispatch, load_model, model_identity
 from .sampler_head import add_sampler_head, sampler_head
 from .tokens import MaskSpec, add_mask_tokens, mask_spec
@@ -46,11 +47,17 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         kernels: ``"fast"`` applies ``space.cpu_kernels.optimize_for_cpu`` to an fp32 CPU model
             (oneDNN-prepacked linears, GQA attention; a no-op elsewhere): on a 2-core CPU plain
             ``generate`` runs about 2x faster, and SPACE's many-row steps gain more than that.
-            ``"stock"`` (default) keeps transformers' kernels, so the model computes bit for bit
-            what ``load_model`` gives. Packed weights are for inference only: never train them.
+            ``"stock"`` (default) keeps transformers' kernels. Packed weights are for inference
+            only: never train them.
         compile: ``torch.compile`` the trunk after the kernels (``space.decoding.compiled``, issue
             43); ``SpaceDecoder`` and ``ar_generate`` then preallocate their KV caches. True or
             ``"default"``: inductor's default mode; ``"reduce-overhead"``: with CUDA graphs (a GPU).
+
+    An eager model on one device gets the fused trunk (``space.decoding.fused.fuse_trunk``,
+    issue 58: q/k/v and gate/up in one GEMM each, a frozen-base LoRA packed under them, GQA
+    attention without ``repeat_kv`` on the CPU), which every method then runs, AR included; it
+    computes what ``load_model``'s model computes up to float rounding (other GEMM shapes), and
+    ``model.space_trunk`` records it.
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``;
@@ -89,6 +96,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             spec = add_mask_tokens(base, tok, mask_num)
             if device_map is not None:  # the resized embeddings are new modules, without hooks
                 dispatch(base, base.hf_device_map)
+        _trunk(base, compile, device_map)
         apply_kernels(base, kernels)
         return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
     adapter = Path(adapter)
@@ -118,7 +126,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         dispatch(base, base.hf_device_map)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels).to_dict()
-    apply_kernels(base.eval(), kernels)
+    _trunk(base.eval(), compile, device_map)
+    apply_kernels(base, kernels)
     return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
 
 
@@ -139,6 +148,14 @@ def check_compile(compile: bool | str, device: str = "cpu", device_map: str | di
     if device_map is None and str(device).split(":")[0] in ("cpu", "mps"):
         raise ValueError(f"compile mode reduce-overhead records CUDA graphs and needs a CUDA device, got device "
                          f"{device!r}")
+
+
+def _trunk(model, compile: bool | str, device_map) -> None:
+    """The fused trunk (``space.decoding.fused.fuse_trunk``: q/k/v and gate/up in one GEMM each,
+    GQA attention on the CPU) for an eager model on one device, recorded as ``model.space_trunk``
+    (``None`` when left unfused: a compiled trunk, whose graphs fuse on their own and must not
+    hold module state, or a model spread over devices)."""
+    model.space_trunk = None if compile or device_map is not None else fuse_trunk(model)
 
 
 def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:

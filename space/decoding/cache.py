@@ -1,6 +1,7 @@
 """KV-cache plumbing shared by decoding, training and evaluation: the name under which a cache goes
-into a model's forward (on both sides of a transformers rename), cropping it, and the full-attention
-cache plus per-layer attention windows that SPACE steps need on sliding-window models.
+into a model's forward (on both sides of a transformers rename), cropping it, the full-attention
+cache plus per-layer attention windows that SPACE steps need on sliding-window models, and the
+one-tensor cache eager decoding uses (:func:`slab_cache`).
 
 transformers 5.24 renamed the forward input ``past_key_values`` to ``cache``; the old name still works
 there with a FutureWarning on every call and goes away in 5.40. We support transformers 5.x from 5.0
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers import Cache, DynamicCache, LlamaModel
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import CacheLayerMixin, StaticLayer
 
 # the stock Llama forward stands for the installed version: the rename covered every model class at once
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
@@ -58,6 +60,121 @@ def static_cache(num_layers: int, max_len: int) -> Cache:
     if max_len < 1:
         raise ValueError(f"a static cache needs at least 1 slot, got {max_len}")
     return Cache(layers=[StaticLayer(max_cache_len=max_len) for _ in range(num_layers)])
+
+
+class Slab:
+    """The one tensor behind a :class:`SlabCache`: (layers, 2, batch, kv_heads, slots, head_dim),
+    keys at [:, 0], values at [:, 1]; allocated at the first write (the shapes, dtype and device are
+    the first layer's keys')."""
+
+    def __init__(self, num_layers: int, slots: int):
+        self.num_layers, self.slots = num_layers, slots
+        self.tensor: torch.Tensor | None = None
+
+    def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if keys.shape != values.shape:
+            raise ValueError(f"a slab cache needs keys and values of one shape, got {tuple(keys.shape)} and "
+                             f"{tuple(values.shape)}")
+        b, h, _, d = keys.shape
+        self.tensor = keys.new_zeros(self.num_layers, 2, b, h, self.slots, d)
+
+    def grow(self, slots: int) -> None:
+        """At least ``slots`` slots, the held tokens kept (a copy of the whole slab: a caller that
+        sized it right never pays it). Every layer grows at once, so it is called by the first
+        layer a forward writes, before any other layer has written its block."""
+        new = self.tensor.new_zeros(*self.tensor.shape[:-2], max(slots, 2 * self.slots), self.tensor.shape[-1])
+        new[..., : self.slots, :] = self.tensor
+        self.tensor, self.slots = new, new.shape[-2]
+
+
+class SlabLayer(CacheLayerMixin):
+    """One layer of a :class:`SlabCache`: its keys and values are views of the slab, its length a
+    host integer (a crop costs nothing). ``update`` writes the block at the length (one copy for
+    the keys, one for the values) and returns views of slots ``0..length``."""
+
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, slab: Slab, index: int):  # not the mixin's: its keys and values are properties here
+        self.slab, self.index, self.length, self.is_initialized = slab, index, 0, False
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.slab.tensor[self.index, 0, ..., : self.length, :]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.slab.tensor[self.index, 1, ..., : self.length, :]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.slab.tensor is None:
+            self.slab.allocate(key_states, value_states)
+        self.device, self.is_initialized = self.slab.tensor.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        if self.length + q > self.slab.slots:  # every layer holds `length` tokens: this is the forward's first write
+            self.slab.grow(self.length + q)
+        self.slab.tensor[self.index, 0, ..., self.length: self.length + q, :] = key_states
+        self.slab.tensor[self.index, 1, ..., self.length: self.length + q, :] = value_states
+        self.length += q
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.slab.slots
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (a negative count, as transformers' crop)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class SlabCache(Cache):
+    """A growing cache whose every layer lives in one preallocated tensor (issue 58; eager
+    decoding's cache on one device): a step writes 2 copies per layer, as ``DynamicCache``'s
+    concatenations, but writes only the block instead of the whole cache; a crop is free; and
+    moving an accepted tree path (:meth:`gather`) is one gather and one copy for every layer
+    together, where a cache of separate tensors takes 4 ops per layer (120 on SmolLM2). Keys and
+    values a step sees are slots ``0..length`` of its layer (full attention on every layer, slot i
+    holding position i, as :func:`full_cache`).
+
+    Args:
+        num_layers: the model's decoder layers (all on one device).
+        slots: most tokens it is expected to hold (prompt + new tokens + a step's block); a
+            write past them grows the slab (:meth:`Slab.grow`), a copy of it.
+
+    Raises:
+        ValueError: slots < 1.
+    """
+
+    def __init__(self, num_layers: int, slots: int):
+        if slots < 1:
+            raise ValueError(f"a slab cache needs at least 1 slot, got {slots}")
+        self.slab = Slab(num_layers, slots)
+        super().__init__(layers=[SlabLayer(self.slab, i) for i in range(num_layers)])
+
+    def gather(self, start: int, index: torch.Tensor) -> None:
+        """Write slots ``index`` (a (n,) long tensor on the slab's device) of every layer to slots
+        ``start..start+n``, in one gather and one copy."""
+        t = self.slab.tensor
+        t[..., start: start + index.numel(), :] = t.index_select(-2, index)
+
+
+def slab_cache(num_layers: int, slots: int) -> SlabCache:
+    """An empty :class:`SlabCache` of ``slots`` slots per layer."""
+    return SlabCache(num_layers, slots)
 
 
 def attention_windows(config) -> dict[str, int | None]:

@@ -20,8 +20,8 @@ so a near-tie between the two best tokens can flip and the output can then diffe
 that token on; check exactness in fp32.
 
 Sliding-window models (Mistral, Qwen2 with ``use_sliding_window``): the cache keeps every token on
-every layer (``cache.full_cache``), so it can be cropped and compacted, and the window is applied
-in the step's 4-D mask by position, per kind of layer (:func:`with_cache`): each row sees what AR
+every layer (``cache.SlabCache`` or ``cache.full_cache``), so it can be cropped and compacted, and
+the window is applied in the step's 4-D mask by position, per kind of layer (:func:`with_cache`): each row sees what AR
 decoding with transformers' sliding cache sees.
 
 Device work: tokens, candidates, draft distributions and the sampling generator live on the
@@ -36,11 +36,13 @@ static tree and prompt lookup (uploads are queued, not waited for), 2 for the dy
 planner reads the drafts' top-R ids and probabilities.
 Mask tokens are suppressed with ``index_fill_``: ``logits[:, ids] = -inf`` would upload the scalar.
 
-KV cache (issue 43): a growing ``DynamicCache`` by default, or with ``static_cache`` (the default
-under a compiled trunk, ``space.decoding.compiled``) one preallocated per generation
-(``cache.static_cache``): the decoder counts its length on the host, writes each block at that
-length, moves the accepted path inside the same tensors and crops by lowering the length, so the
-cache is never reallocated and a step's shapes repeat. The step's mask then spans every slot.
+KV cache: eagerly, every layer in one preallocated tensor (``cache.SlabCache``, issue 58): a step
+writes its block, a crop lowers host integers, and moving the accepted path is one gather for all
+layers; a ``DynamicCache`` when the model is spread over devices. With ``static_cache`` (the
+default under a compiled trunk, ``space.decoding.compiled``) one preallocated per generation
+(``cache.static_cache``, issue 43): the decoder counts its length on the host, writes each block
+at that length, moves the accepted path inside the same tensors and crops by lowering the length,
+so the cache is never reallocated and a step's shapes repeat. The step's mask then spans every slot.
 
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
 >= the model's context (fewer candidates, shorter mask groups, at the very end no group).
@@ -82,7 +84,7 @@ from transformers import Cache
 from ..masking import host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents, unpack_rows
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
-from .cache import attention_windows, cache_input, crop_cache, full_cache, static_cache
+from .cache import SlabCache, attention_windows, cache_input, crop_cache, full_cache, slab_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
@@ -99,10 +101,11 @@ LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def compact_cache(cache: Cache, start: int, rows: list[int], length: int | None = None) -> None:
     """Move the keys and values of block rows ``rows`` (the accepted path of a token tree) to the
-    contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), on each
-    layer's own device, then crop after them. A chain's path is already in place and is only
-    cropped. Dynamic and static (preallocated) caches alike: the move stays inside each layer's
-    tensors, one gather per layer, its slots uploaded once per device without a wait (:func:`upload`).
+    contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), then crop
+    after them. A chain's path is already in place and is only cropped. A ``SlabCache`` (eager
+    decoding on one device) moves every layer at once: one gather and one copy (issue 58). Other
+    caches (dynamic, static, a model spread over devices) move inside each layer's tensors, one
+    gather per layer, its slots uploaded once per device; uploads never wait (:func:`upload`).
 
     Args:
         start: the cache length before the block (x_{n-1}'s slot).
@@ -112,13 +115,16 @@ def compact_cache(cache: Cache, start: int, rows: list[int], length: int | None 
     """
     if any(r != i for i, r in enumerate(rows, 1)):
         slots = [start + r for r in (0, *rows)]
-        on: dict[torch.device, torch.Tensor] = {}  # the slots to gather, once per device (not per layer)
-        for layer in cache.layers:
-            idx = on.get(layer.keys.device)
-            if idx is None:
-                idx = on[layer.keys.device] = upload(slots, layer.keys.device)
-            layer.keys[..., start: start + len(slots), :] = layer.keys.index_select(-2, idx)
-            layer.values[..., start: start + len(slots), :] = layer.values.index_select(-2, idx)
+        if isinstance(cache, SlabCache):
+            cache.gather(start, upload(slots, cache.slab.tensor.device))
+        else:
+            on: dict[torch.device, torch.Tensor] = {}  # the slots to gather, once per device (not per layer)
+            for layer in cache.layers:
+                idx = on.get(layer.keys.device)
+                if idx is None:
+                    idx = on[layer.keys.device] = upload(slots, layer.keys.device)
+                layer.keys[..., start: start + len(slots), :] = layer.keys.index_select(-2, idx)
+                layer.values[..., start: start + len(slots), :] = layer.values.index_select(-2, idx)
     crop_cache(cache, start + 1 + len(rows), length)
 
 
@@ -339,7 +345,8 @@ class SpaceDecoder:
 
         static_cache: preallocate the KV cache for each generation (``cache.static_cache``, issue
             43: sized prompt + max_new_tokens + the most rows a step can have, no allocation per
-            step, shapes that repeat for a compiled forward); False: a growing ``DynamicCache``;
+            step, shapes that repeat for a compiled forward); False: the eager cache (a
+            ``cache.SlabCache``, or a ``DynamicCache`` for a model spread over devices);
             None: static when the trunk is compiled (``compiled.compile_trunk``). The output is
             the same either way.
         buckets: pad a static layout's block to a bucket size (``dynamic.BUCKETS``, DESIGN §3.11;
@@ -383,6 +390,8 @@ class SpaceDecoder:
         self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
         self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
         self.static_cache = is_compiled(base) if static_cache is None else static_cache
+        # an eager cache in one tensor (cache.SlabCache) needs every layer on one device (no device map)
+        self.one_device = len({p.device for p in self.decoder.parameters()}) == 1
         self.buckets = not self.dynamic and (is_compiled(base) if buckets is None else buckets)
         self.max_rows = self.config.max_rows()
         if self.buckets:
@@ -444,8 +453,10 @@ class SpaceDecoder:
             raise ValueError("a sampled chain (temperature > 0, no tree, no lookup) verifies the drafts it drew with "
                              "the p/q rule, so it takes no planner: use greedy, a token tree or prompt lookup")
         planner = planner if planner is not None else self.planner()
-        slots = ids.numel() + max_new_tokens + self.max_rows if self.static_cache else None
-        cache = full_cache() if slots is None else static_cache(len(self.decoder.layers), slots)
+        size = ids.numel() + max_new_tokens + self.max_rows  # the most tokens a generation caches
+        slots = size if self.static_cache else None
+        cache = (static_cache(len(self.decoder.layers), size) if self.static_cache
+                 else slab_cache(len(self.decoder.layers), size) if self.one_device else full_cache())
         L = ids.numel() - 1  # tokens cached (x_0..x_{n-2}), counted on the host
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup or logits_processor is not None else None

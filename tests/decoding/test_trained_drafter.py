@@ -12,6 +12,7 @@ import torch
 from space.adapter_layers import fuse_frozen_base, mask_embedding, prepare_model
 from space.cpu_kernels import optimize_for_cpu
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.fused import fuse_trunk
 from space.masking import to_additive_4d, train_layout
 from tests.conftest import TRAINED_K as K
 from tests.conftest import CycleLanguage
@@ -98,10 +99,12 @@ def test_eos_inside_a_step(trained):
     assert hits >= 1
 
 
-@pytest.mark.parametrize("kernels", ["stock", "fast"])
+@pytest.mark.parametrize("kernels", ["stock", "fast", "fused", "fused+fast"])
 def test_frozen_base_exact_at_high_acceptance(trained, kernels):
     """The trained model as a frozen base, its mask rows kept, a random gated LoRA on top: SPACE
-    output equals AR of the untouched base, and the drafts still mostly land."""
+    output equals AR of the untouched base, and the drafts still mostly land; with the CPU
+    kernels, and with the trunk ``load_space`` gives (``fused``: q/k/v and gate/up in one GEMM
+    each, GQA attention, ``space.decoding.fused.fuse_trunk``)."""
     model, tok, spec, lang = trained
     base = copy.deepcopy(model)
     rows = base.get_input_embeddings().weight[list(spec.token_ids)].detach().clone()
@@ -112,7 +115,9 @@ def test_frozen_base_exact_at_high_acceptance(trained, kernels):
             if "lora_B" in name:
                 p.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
     fused = fuse_frozen_base(peft_model)
-    if kernels == "fast":
+    if "fused" in kernels:
+        assert fuse_trunk(fused)["fused_groups"] == 2 * fused.config.num_hidden_layers
+    if "fast" in kernels:
         optimize_for_cpu(fused)
     assert spec2.token_ids == spec.token_ids
     assert check_exact(fused, spec, lang, DecodeConfig(K), reference=model) > 2.5

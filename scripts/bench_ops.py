@@ -1,0 +1,104 @@
+"""Ops dispatched per greedy step on the real SmolLM2 with the shipped adapter (issue 58, item 1).
+
+On a launch-bound GPU a step costs about its kernel launches; ``space.decoding.op_count.OpCounter``
+counts the ops that would launch one, on the CPU, deterministically (no timing: the numbers do not
+move with the machine's load). Methods: AR, the chain (k 3 x 4 groups), a static tree (k 3, 2
+groups) and the shipped layout (the adapter's dynamic tree + prompt lookup 10), over
+``--prompts`` HumanEval prompts x ``--max-new-tokens``, each after a warm-up generation, in each
+``--dtype``. The model is what ``space.loader.load_space`` gives with the stock kernels (the
+GPU's); ``--attention sdpa`` keeps transformers' attention, which is what runs on CUDA (GQA through
+``repeat_kv`` copies when a mask is given), where the default is the CPU's at load.
+``tests/decoding/test_op_budget.py`` holds the same budget on a tiny model::
+
+    python scripts/bench_ops.py --out results/op_budget/smollm2.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's space/, not an installed copy
+
+import torch  # noqa: E402
+
+from space.data.prompts import chat_ids, code_prompt  # noqa: E402
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate  # noqa: E402
+from space.decoding.op_count import OpCounter  # noqa: E402
+from space.eval.tasks import load_tasks  # noqa: E402
+from space.loader import load_space  # noqa: E402
+
+ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
+
+
+def count(generate, prompts) -> tuple[float, int, dict]:
+    """(ops per step, steps counted, ops per step by op) over ``prompts``, after a warm-up."""
+    generate(prompts[0], 8, None)
+    total = steps = 0
+    by_op = {}
+    for ids in prompts:
+        with OpCounter() as ops:
+            generate(ids, None, ops.mark)
+        total, steps = total + ops.marks[-1] - ops.marks[0], steps + len(ops.marks) - 1
+        for name, n in ops.by_op.items():
+            by_op[name] = by_op.get(name, 0) + n
+    return total / steps, steps, by_op
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--attention", choices=["load", "sdpa"], default="load",
+                   help="load: what load_space sets on this device; sdpa: transformers' own (CUDA's path)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", help="JSON file to write")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip(),
+              "torch": torch.__version__, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+              "attention": args.attention, "ops_per_step": {}, "steps": {}, "by_op": {}}
+    for dtype in args.dtype:
+        model, tok, spec = load_space(adapter=ADAPTER, dtype=dtype)
+        if args.attention == "sdpa":
+            model.set_attn_implementation("sdpa")
+        record.setdefault("trunk", {})[dtype] = getattr(model, "space_trunk", None)
+        prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
+                   for t in load_tasks("humaneval", limit=args.prompts)]
+        n = args.max_new_tokens
+        methods = {"AR": lambda ids, m, cb: ar_generate(model, ids, m or n, stop_token_ids=[tok.eos_token_id],
+                                                        suppress_ids=spec.token_ids, on_tokens=cb)}
+        shipped = SpaceDecoder(model, spec)
+        layouts = {"chain": SpaceDecoder(model, spec, DecodeConfig(3, 4)),
+                   "static tree": SpaceDecoder(model, spec, DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])),
+                   "dynamic tree (shipped)": shipped}
+        for name, dec in layouts.items():
+            methods[name] = lambda ids, m, cb, dec=dec: dec.generate(ids, m or n, stop_token_ids=[tok.eos_token_id],
+                                                                     on_tokens=cb)
+        for name, generate in methods.items():
+            per_step, steps, by_op = count(generate, prompts)
+            record["ops_per_step"].setdefault(name, {})[dtype] = round(per_step, 1)
+            record["steps"].setdefault(name, {})[dtype] = steps
+            record["by_op"].setdefault(name, {})[dtype] = {k: round(v / steps, 1) for k, v in
+                                                           sorted(by_op.items(), key=lambda kv: -kv[1])}
+            print(f"{dtype:9s} {name:24s} {per_step:7.1f} ops/step over {steps} steps", flush=True)
+    ar = record["ops_per_step"]["AR"]
+    record["over_ar"] = {name: {d: round(v / ar[d], 3) for d, v in by.items()}
+                         for name, by in record["ops_per_step"].items()}
+    if len(args.dtype) == 2:
+        a, b = args.dtype
+        record["bf16_over_fp32"] = {name: round(by[b] / by[a], 3) for name, by in record["ops_per_step"].items()}
+    print(json.dumps({k: record[k] for k in ("ops_per_step", "over_ar", "bf16_over_fp32") if k in record}, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The fused trunk (issue 58): q/k/v in one GEMM and gate/up in one GEMM, with the stock HF
+modeling code.
+
+A Llama-like attention calls ``q_proj(h)``, ``k_proj(h)`` and ``v_proj(h)`` on the same tensor,
+and its MLP ``gate_proj(x)`` and ``up_proj(x)``. :func:`fuse_projections` replaces each such
+group by :class:`ProjectionSlice` modules over one :class:`SharedProjection`, whose weights are
+the members' concatenated (out_1 + out_2 + ..., in), and for a frozen-base adapter the members'
+LoRA A's packed under them and their B's block-diagonal in one
+``space.adapter_layers.GatedLoraLinear``: the first member called runs the one GEMM (and on mask
+rows the one ``addmm_``) for all, and each member returns its columns, a view. On SmolLM2 a
+layer's 7 linears become 4 GEMMs (AR) or 4 GEMMs and 4 ``addmm_`` (a SPACE step with mask rows).
+
+DESIGN. The modeling file is not forked: the modules keep their names and the layer's forward is
+transformers' own. The price is state between the members' calls: the shared projection keeps
+the group's outputs from the first member's call until each member has taken its own (then it
+lets go of them). It recognizes its input by identity, so a member called with another tensor
+(another model's call order, a hook that replaces the input) recomputes the group on that tensor
+instead of returning another input's result: never wrong, at worst one more GEMM. A member's
+``weight`` and ``bias`` are views of the fused tensors (HF utilities that read them still work);
+the fused model is for inference (``requires_grad`` off), and ``torch.compile`` is left the
+unfused trunk (``space.loader`` fuses only eager models: the kept outputs are module state).
+Its ``state_dict`` (``save_pretrained``) is the unfused one: each member's ``weight`` and ``bias``
+(a gated member's ``base.weight``, ``base.bias``, ``lora_a``, ``lora_b``) under its own name, so a
+saved fused model loads as the model it came from; loading a state dict into a fused model is
+not supported.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..adapter_layers import GatedLoraLinear
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedProjection(nn.Module):
+    """One GEMM for several linears that read the same input.
+
+    Args:
+        members: ``nn.Linear`` or ``GatedLoraLinear`` (over a plain ``nn.Linear``), all of one
+            ``in_features``, dtype and device.
+
+    Attributes:
+        fused: ``nn.Linear`` (in, sum of outs), or a ``GatedLoraLinear`` over it when a member has
+            a LoRA (A's stacked, B block-diagonal: members without one get zero blocks).
+        splits: each member's out_features.
+        ranks: each member's LoRA rank (0: none).
+    """
+
+    def __init__(self, members: list[nn.Module]):
+        super().__init__()
+        linears = [m.base if isinstance(m, GatedLoraLinear) else m for m in members]
+        self.splits = [lin.out_features for lin in linears]
+        w = linears[0].weight
+        with torch.no_grad():
+            linear = nn.Linear(linears[0].in_features, sum(self.splits), bias=any(lin.bias is not None for lin in linears),
+                               device=w.device, dtype=w.dtype)
+            linear.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+            if linear.bias is not None:
+                linear.bias = nn.Parameter(torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features)
+                                                      for lin in linears]), requires_grad=False)
+            loras = [(m.lora_a, m.lora_b) if isinstance(m, GatedLoraLinear) else None for m in members]
+            self.ranks = ranks = [0 if lr is None else lr[0].shape[0] for lr in loras]
+            if any(loras):
+                a = torch.cat([lr[0] for lr in loras if lr is not None])
+                b = w.new_zeros(sum(self.splits), sum(ranks))
+                row = col = 0
+                for lr, out, r in zip(loras, self.splits, ranks):
+                    if lr is not None:
+                        b[row: row + out, col: col + r] = lr[1]
+                    row, col = row + out, col + r
+                self.fused = GatedLoraLinear(linear, a, b)
+            else:
+                self.fused = linear.requires_grad_(False)
+        self._input: torch.Tensor | None = None
+        self._outputs: list[torch.Tensor | None] = []
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Member ``index``'s output for input ``x`` (batch, seq, in) -> (batch, seq, out_index):
+        a view of the group's one GEMM, run when a member first asks for ``x``."""
+        if self._input is not x or self._outputs[index] is None:
+            self._input, self._outputs = x, list(self.fused(x).split(self.splits, dim=-1))
+        out, self._outputs[index] = self._outputs[index], None
+        if all(o is None for o in self._outputs):  # every member served: keep no activation alive
+            self._input = None
+        return out
+
+    def lora_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A (r, in), B (out, r)) of member ``index`` (a gated fused linear; copies, r = 0 for a
+        member that had no LoRA)."""
+        start, r0 = sum(self.splits[:index]), sum(self.ranks[:index])
+        rows = slice(r0, r0 + self.ranks[index])
+        bt = self.fused.lora_bt[rows, start: start + self.splits[index]]
+        return self.fused.lora_a[rows].detach().clone(), bt.T.detach().clone()
+
+    def weight_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight (out, in), bias or None) of member ``index``: views of the fused tensors."""
+        linear = self.fused.base if isinstance(self.fused, GatedLoraLinear) else self.fused
+        start = sum(self.splits[:index])
+        bias = None if linear.bias is None else linear.bias[start: start + self.splits[index]]
+        return linear.weight[start: start + self.splits[index]], bias
+
+
+class ProjectionSlice(nn.Module):
+    """A member of a :class:`SharedProjection`, in place of its linear:
+    ``forward(x (batch, seq, in)) -> (batch, seq, out)``, the group's GEMM's columns for it."""
+
+    def __init__(self, shared: SharedProjection, index: int, in_features: int):
+        super().__init__()
+        self.shared, self.index = shared, index
+        self.in_features, self.out_features = in_features, shared.splits[index]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.shared.weight_of(self.index)[0]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.shared.weight_of(self.index)[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.output(x, self.index)
+
+
+def _unfused_state(names: tuple[str, ...]):
+    """A state-dict hook for the parent of fused members ``names``: their entries as the unfused
+    modules had them (copies: one storage's views would look like tied weights to a saver)."""
+    def hook(module, state, prefix, _metadata):
+        for i, name in enumerate(names):
+            for key in [k for k in state if k.startswith(f"{prefix}{name}.")]:
+                del state[key]
+            member = getattr(module, name)
+            weight, bias = member.shared.weight_of(i)
+            base = f"{prefix}{name}.base." if isinstance(member.shared.fused, GatedLoraLinear) else f"{prefix}{name}."
+            state[base + "weight"] = weight.detach().clone()
+            if bias is not None:
+                state[base + "bias"] = bias.detach().clone()
+            if isinstance(member.shared.fused, GatedLoraLinear):
+                a, b = member.shared.lora_of(i)
+                state[f"{prefix}{name}.lora_a"], state[f"{prefix}{name}.lora_b"] = a, b
+        return state
+    return hook
+
+
+def _fusable(members: list[nn.Module | None]) -> bool:
+    linears = [m.base if isinstance(m, GatedLoraLinear) else m for m in members]
+    if any(type(lin) is not nn.Linear for lin in linears):  # absent, a packed CPU kernel, or another module
+        return False
+    w = linears[0].weight
+    return all(lin.in_features == linears[0].in_features and lin.weight.dtype == w.dtype
+               and lin.weight.device == w.device for lin in linears)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every q/k/v and gate/up group of ``model`` in place (:data:`GROUPS`, by module name:
+    Llama, Mistral, Qwen2 and kin). A group is left alone unless each member is an ``nn.Linear``
+    (or a ``GatedLoraLinear`` over one) of the same input size, dtype and device. Call it before
+    ``space.cpu_kernels.apply_kernels``, which then packs the fused linears.
+
+    Returns:
+        how many groups were fused (0 for a model without such groups, or already fused).
+    """
+    count = 0
+    for parent in list(model.modules()):
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if not _fusable(members):
+                continue
+            shared = SharedProjection(members)
+            for i, name in enumerate(names):
+                setattr(parent, name, ProjectionSlice(shared, i, members[0].in_features if isinstance(members[0], nn.Linear)
+                                                      else members[0].base.in_features))
+            parent._register_state_dict_hook(_unfused_state(names))
+            count += 1
+    return count
+
+
+def fuse_trunk(model: nn.Module) -> dict:
+    """Make ``model``'s trunk cheap in launches, in place, as ``space.loader.load_space`` does
+    for every eager model: :func:`fuse_projections`, and on the CPU grouped-query attention
+    without ``repeat_kv`` (``space.cpu_kernels.SDPA_GQA``: SDPA with ``enable_gqa`` and the mask,
+    registered with transformers here, at load, never at import). transformers' ``sdpa`` turns
+    GQA off whenever a mask is given, which a SPACE step's always is, and then copies the keys and
+    values, the whole cache included, in every layer. On CUDA that copy stays: with torch 2.11
+    the memory-efficient kernel has no GQA, and a masked GQA call lands on the math kernel.
+
+    Returns:
+        the run record's entry ``{"fused_groups": n, "attention": implementation}``.
+    """
+    from ..cpu_kernels import SDPA_GQA, register_attention
+
+    fused = fuse_projections(model)
+    config = model.config
+    grouped = getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if on_cpu and grouped and config._attn_implementation == "sdpa":
+        register_attention()
+        model.set_attn_implementation(SDPA_GQA)
+    return {"fused_groups": fused, "attention": config._attn_implementation}

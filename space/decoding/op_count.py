@@ -1,0 +1,113 @@
+"""Count the ops a decoding step dispatches, a hardware-free proxy for its kernel launches (issue 58).
+
+On a GPU a small model's eager step is launch-bound: the host spends ~10 us queueing each kernel
+and the GPU finishes it sooner, so a step costs about what its op count says, whatever its rows.
+:class:`OpCounter` is a ``TorchDispatchMode``: it sees every aten op as dispatched (after autograd,
+a composite op such as ``linear`` or ``scaled_dot_product_attention`` as one op, which is one
+kernel, or one library call, on CUDA) and counts those that would launch a kernel:
+
+* an op that writes a tensor (in-place or ``out=``: ``addmm_``, ``index_copy_``, ``copy_``);
+* an op that returns a tensor with storage of its own (``mm``, ``cat``, ``to`` a new dtype);
+* a host read (``_local_scalar_dense``: ``item``, ``tolist``), a device-to-host copy on CUDA;
+* a non-blocking ``Tensor.to``: on the CPU it returns its input before any dispatch, on CUDA it
+  is the host-to-device copy of ``space.decoding.decoder.upload`` (seen by a ``TorchFunctionMode``
+  the counter enters with itself).
+
+Views (``slice``, ``transpose``, ``view``, a ``to`` that changes nothing) and allocations
+(``empty``) launch nothing and are not counted. Counts are deterministic for a given input and
+model structure and do not depend on the model's width, so a narrow model with a real model's
+depth and attention layout counts what the real one counts per layer.
+
+Per step: :meth:`OpCounter.mark` is the decoders' ``on_tokens`` callback, called once per step
+after its tokens are known; :meth:`OpCounter.per_step` averages the ops between the first mark
+and the last (the first step, which holds the prompt's forward, is left out).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+             aten.new_empty.default, aten.new_empty_strided.default, aten.lift_fresh.default}
+
+
+def _storages(values) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(values)[0]
+            if isinstance(t, torch.Tensor) and t.numel()}
+
+
+class _Uploads(TorchFunctionMode):
+    """Counts non-blocking ``Tensor.to`` calls into an :class:`OpCounter` (see the module doc)."""
+
+    def __init__(self, counter: "OpCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and kwargs.get("non_blocking", False):
+            self.counter.count("upload")
+        return func(*args, **kwargs)
+
+
+class OpCounter(TorchDispatchMode):
+    """``with OpCounter() as ops: generate(..., on_tokens=ops.mark)`` then ``ops.per_step()``.
+
+    Attributes:
+        total: ops counted so far.
+        by_op: ``{op name: count}`` so far, to see where a step's ops come from.
+        marks: ``total`` at each :meth:`mark`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.total, self.by_op, self.marks = 0, Counter(), []
+        self._uploads = _Uploads(self)
+
+    def __enter__(self):
+        self._uploads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._uploads.__exit__(*exc)
+
+    def count(self, name: str) -> None:
+        self.total += 1
+        self.by_op[name] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._launches(func, args, kwargs, out):
+            self.count(str(func.overloadpacket.__name__))
+        return out
+
+    @staticmethod
+    def _launches(func, args, kwargs, out) -> bool:
+        if func in NO_KERNEL:
+            return False
+        if func is aten._local_scalar_dense.default or func._schema.is_mutable:
+            return True
+        return bool(_storages(out) - _storages((args, kwargs)))
+
+    def mark(self, _tokens=None) -> None:
+        """Record the count at the end of a step (signature of the decoders' ``on_tokens``)."""
+        self.marks.append(self.total)
+
+    def per_step(self) -> float:
+        """Mean ops per step between the first and the last mark.
+
+        Raises:
+            ValueError: fewer than two marks (no whole step after the first).
+        """
+        if len(self.marks) < 2:
+            raise ValueError(f"need at least 2 steps to count ops per step, got {len(self.marks)}")
+        return (self.marks[-1] - self.marks[0]) / (len(self.marks) - 1)

@@ -1,0 +1,95 @@
+"""The op budget (issue 58): on a launch-bound GPU a step costs about its op count, so a SPACE step
+must dispatch about what an AR step dispatches, in fp32 and in bf16.
+
+Counted by ``space.decoding.op_count.OpCounter`` over a greedy generation after a warm-up one, on
+a narrow random Llama with SmolLM2's depth (30 layers) and grouped-query attention, as a
+frozen-base adapter (gated LoRA on every linear, what the shipped adapter is) whose trunk AR runs
+too. Op counts do not depend on the width, and the per-layer ops are what a real model pays: on the
+2-layer test model the step's fixed work would weigh 15 times more than on any real model.
+``scripts/bench_ops.py`` prints the same counts for the real SmolLM2 and the shipped adapter.
+"""
+from functools import cache
+
+import pytest
+import torch
+
+from space.adapter_layers import fuse_frozen_base, mask_embedding, prepare_model
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.fused import fuse_trunk
+from space.decoding.op_count import OpCounter
+from space.models import tiny_random_llama
+
+SPACE_OVER_AR = 1.15
+BF16_OVER_FP32 = 1.2  # HF's RMSNorm and rotary casts alone add about 11 % in bf16
+METHODS = {"chain": DecodeConfig(3, 4),
+           "static tree": DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+           "dynamic tree": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10)}
+PROMPT = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6])  # after it this random model repeats one token
+
+
+def frozen_base_model(dtype: torch.dtype, layers: int = 30):
+    """(model, MaskSpec): a narrow random Llama with k=3 masks and a random gated LoRA (r 4), its
+    trunk fused as ``load_space`` fuses it. The mask's embedding is that of the token the model
+    repeats after ``PROMPT``, so the drafts are mostly that token and steps accept several (a
+    step's ops depend on what it accepts: cache compaction, the next group)."""
+    model, tok = tiny_random_llama(seed=0, num_hidden_layers=layers)
+    model, spec = prepare_model(model, tok, "frozen-base", 3, lora_r=4)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02, generator=gen)
+    model = fuse_frozen_base(model).to(dtype)
+    fuse_trunk(model)  # what space.loader.load_space does to every eager model
+    repeated = ar_generate(model, PROMPT, 4, suppress_ids=spec.token_ids).new_ids[-1]
+    with torch.no_grad():
+        emb = mask_embedding(model)
+        emb.mask_rows.copy_(emb.base.weight[repeated])
+    return model, spec
+
+
+def counted(generate) -> OpCounter:
+    generate(None)  # warm-up: layouts and caches the decoder keeps are built once
+    with OpCounter() as ops:
+        generate(ops.mark)
+    return ops
+
+
+@cache
+def step_ops(dtype: torch.dtype) -> dict[str, float]:
+    """Ops per greedy step, by method, 16 new tokens after ``PROMPT``."""
+    torch.set_num_threads(2)
+    model, spec = frozen_base_model(dtype)
+    ops = {"AR": counted(lambda cb: ar_generate(model, PROMPT, 16, suppress_ids=spec.token_ids, on_tokens=cb))}
+    for name, config in METHODS.items():
+        decoder = SpaceDecoder(model, spec, config)
+        ops[name] = counted(lambda cb: decoder.generate(PROMPT, 16, on_tokens=cb))
+    return {name: o.per_step() for name, o in ops.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_space_step_dispatches_about_an_ar_step(dtype):
+    ops = step_ops(dtype)
+    over = {name: round(n / ops["AR"], 3) for name, n in ops.items() if name != "AR"}
+    assert all(r <= SPACE_OVER_AR for r in over.values()), (ops, over)
+
+
+def test_bf16_step_dispatches_about_an_fp32_step():
+    fp32, bf16 = step_ops(torch.float32), step_ops(torch.bfloat16)
+    over = {name: round(bf16[name] / fp32[name], 3) for name in fp32}
+    assert all(r <= BF16_OVER_FP32 for r in over.values()), (fp32, bf16, over)
+
+
+def test_counter_counts_kernels_not_views():
+    """Views and allocations launch nothing; a new tensor, an in-place write and an upload do."""
+    x = torch.randn(4, 8)
+    with OpCounter() as ops:
+        x[:, 2:].T.unsqueeze(0).view(6, 4)  # views
+        torch.empty(3)
+        x.to(torch.float32)  # a no-op
+    assert ops.total == 0
+    with OpCounter() as ops:
+        y = x + 1
+        y.add_(1)
+        torch.arange(3).to("cpu", non_blocking=True)  # an upload on CUDA
+    assert ops.total == 4 and ops.by_op["add"] == 1 and ops.by_op["add_"] == 1 and ops.by_op["upload"] == 1

@@ -1,0 +1,93 @@
+"""Parts of a step pinned on hand-made inputs (issue 58), where the end-to-end exactness tests are
+blind: a confident model emits AR's tokens even when the cache keeps a wrong row, and the
+chi-square reference of the sampling tests shares ``logits_to_probs`` with the decoder."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from space.decoding import DecodeConfig, SpaceDecoder
+from space.decoding.cache import SlabCache, static_cache
+from space.decoding.decoder import Drafts, compact_cache
+from space.decoding.dynamic import LOOKUP, MASK
+from space.decoding.sampling import SamplingConfig, logits_to_probs
+
+LAYERS, HEADS, DIM = 3, 2, 4
+
+
+def filled(kind: str, tokens: int):
+    """A cache of ``kind`` holding ``tokens`` tokens whose keys are layer * 1000 + slot and
+    values the negatives, so every kept slot names where it came from."""
+    cache = {"slab": lambda: SlabCache(LAYERS, 32), "dynamic": DynamicCache,
+             "static": lambda: static_cache(LAYERS, 32)}[kind]()
+    slot = torch.arange(tokens, dtype=torch.float32)[None, None, :, None].expand(1, HEADS, tokens, DIM)
+    for layer in range(LAYERS):
+        cache.update(layer * 1000 + slot, -(layer * 1000 + slot), layer)
+    return cache
+
+
+@pytest.mark.parametrize("kind", ["slab", "dynamic", "static"])
+@pytest.mark.parametrize("rows", [[2, 5], [1, 3, 4], [1, 2], [4], []])
+def test_compaction_keeps_the_accepted_path(kind, rows):
+    """Block of 7 rows after 10 cached tokens: x_{n-1} (slot 10) stays, the path's rows move to
+    slots 11.. in depth order, the earlier slots are untouched, and the length is 11 + len(path).
+    Gathering ``start + r - 1`` instead of ``start + r``, or any other wrong kept row, fails here."""
+    start, block = 10, 7
+    cache = filled(kind, start + block)
+    compact_cache(cache, start, rows, start + block)
+    want = list(range(start + 1)) + [start + r for r in rows]
+    for layer in range(LAYERS):
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        kept = int(cache.get_seq_length(layer)) if kind != "static" else len(want)
+        assert kept == len(want)
+        assert keys[0, :, :kept, 0].tolist() == [[layer * 1000 + s for s in want]] * HEADS
+        assert values[0, :, :kept, 0].tolist() == [[-(layer * 1000 + s) for s in want]] * HEADS
+
+
+def test_slab_cache_grows_and_crops():
+    cache = SlabCache(LAYERS, 4)
+    for _ in range(2):  # 6 tokens into 4 slots: the first write past them grows every layer
+        for layer in range(LAYERS):
+            cache.update(torch.full((1, HEADS, 3, DIM), layer + 1.0), torch.zeros(1, HEADS, 3, DIM), layer)
+    assert cache.get_seq_length() == 6 and cache.slab.slots >= 6
+    assert all(torch.equal(cache.layers[i].keys, torch.full((1, HEADS, 6, DIM), i + 1.0)) for i in range(LAYERS))
+    cache.crop(-2)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [4] * LAYERS
+
+
+def test_lookup_branch_hangs_from_x_and_chains(tiny):
+    """A static step's lookup branch: its first token's parent is x_{n-1} (row 0), each next
+    token's the one before it, after the tree's nodes; its sources say lookup."""
+    model, _, spec = tiny
+    tree = [[0], [1], [0, 0]]
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 2, tree=tree, lookup_tokens=4))
+    drafts = Drafts(torch.tensor([[7, 8], [9, 10], [11, 12]]))
+    lay, tokens, sources = dec.static_block(20, drafts, [40, 41, 42])
+    assert lay.parents == (-1, 0, 0, 1, 0, 4, 5)  # x; (0), (1), (0,0); lookup 40 <- x, 41 <- 40, 42 <- 41
+    assert tokens.tolist() == [7, 8, 9, 40, 41, 42]
+    assert sources == (MASK, MASK, MASK, LOOKUP, LOOKUP, LOOKUP)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.7, 0.95])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_top_p_probabilities_sum_to_one_over_the_smallest_set(top_p, top_k):
+    """Each row sums to 1, and keeps exactly the most likely tokens up to the first whose
+    cumulative probability reaches ``top_p`` (among the top ``top_k``), computed here by hand."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    cfg = SamplingConfig(temperature=0.7, top_k=top_k, top_p=top_p)
+    probs = logits_to_probs(logits, cfg)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6), rtol=0, atol=1e-6)
+    for row, p in zip(logits, probs):
+        full = torch.softmax(row.double() / 0.7, -1)
+        order = full.argsort(descending=True).tolist()
+        if top_k:
+            order = order[:top_k]
+            full = torch.zeros_like(full).index_fill(0, torch.tensor(order), 1) * full
+            full = full / full.sum()
+        kept, mass = [], 0.0
+        for t in order:
+            kept.append(t)
+            mass += float(full[t])
+            if mass >= top_p:
+                break
+        assert sorted(p.nonzero().flatten().tolist()) == sorted(kept)
+        torch.testing.assert_close(p[kept].double(), full[kept] / full[kept].sum(), rtol=1e-5, atol=1e-7)
