@@ -19,7 +19,8 @@ for a in "$@"; do  # the user's --model, and whether they chose an adapter thems
 done
 base=$([ -d "$ADAPTER" ] && .venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model"])' "$ADAPTER/space_config.json" || true)
 [ -n "$model" ] && [ "$model" != "$base" ] && ADAPTER=none  # another model: the adapter does not fit it
-args=(--dataset humaneval --limit 5 --max-new-tokens 128 --out runs/eval/main)
+# --device auto: the GPU when there is one (space-eval records the device it chose)
+args=(--dataset humaneval --limit 5 --max-new-tokens 128 --device auto --out runs/eval/main)
 # the adapter decodes with its own tuned layout (space_config.json "decode"); --mask-num etc. override it
 [ -d "$ADAPTER" ] && args+=(--adapter "$ADAPTER")
 exec .venv/bin/python -m space.eval "${args[@]}" "$@"

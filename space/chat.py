@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number, console, set_threads
+from .cli import add_debug_flag, add_threads_flag, check_device, check_number, console, set_threads
 
 if TYPE_CHECKING:
     from .decoding import DecodeResult, SamplingConfig, SpaceDecoder
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default="fast", help="CPU kernels, fast or stock (space/cpu_kernels.py; "
                    "default: %(default)s)")
     add_threads_flag(p)
-    add_device_flag(p)
+    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N or mps; auto = cuda when "
+                   "a CUDA GPU is usable, else cpu (printed at start) (default: auto)")
     add_debug_flag(p)
     return p
 
@@ -79,6 +80,9 @@ def check_args(args) -> None:
     if args.kernels not in KERNEL_CHOICES:
         raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {args.kernels!r}")
     set_threads(args.threads)
+    from .models import resolve_device
+
+    args.device = resolve_device(args.device)
     check_device(args.device)
     tree = tree_flag(args.tree, args.mask_num or MAX_MASK_NUM)  # a non-UTF-8 tree file is a ValueError there
     if tree not in (None, "chain", "dynamic"):
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tok, decoder = load(args)
     chat = Chat(model, tok, decoder, sampling, args.max_new_tokens)
     interactive = sys.stdin.isatty()
-    print(f"space-chat: {decoder.config}, {'greedy' if sampling.greedy else 'sampling'}; {COMMANDS}",
+    print(f"space-chat: {decoder.config} on {args.device}, {'greedy' if sampling.greedy else 'sampling'}; {COMMANDS}",
           file=sys.stderr, flush=True)
     while (line := read_line(interactive)) is not None:
         text = line.strip()

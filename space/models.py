@@ -53,6 +53,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
+AUTO_DEVICE = "auto"
+
+
+def resolve_device(device: str) -> str:
+    """``--device``: ``"auto"`` (the default of space-eval, space-chat and run_eval.sh) is
+    ``"cuda"`` when torch can use a CUDA GPU here, else ``"cpu"``; any other string is returned
+    as given (``space.cli.check_device`` checks it)."""
+    if device != AUTO_DEVICE:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu",
                device_map: str | dict | None = None):
     """Load a causal LM and its tokenizer by alias or local path.

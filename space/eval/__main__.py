@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..cli import (HelpFormatter, add_debug_flag, add_device_flag, add_threads_flag, check_device, check_number,
+from ..cli import (HelpFormatter, add_debug_flag, add_threads_flag, check_device, check_number,
                    check_threads, console, set_threads)
 from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
 from .bench import METHODS
@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the same on every rank")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32 is fastest on CPU; "
                    "greedy SPACE equals AR exactly only in fp32, lower precision can flip near-ties)")
-    add_device_flag(p, "torch device: cpu, cuda, cuda:N or mps; under torchrun, 'cuda' means each rank's own "
-                    "GPU (LOCAL_RANK)")
+    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N or mps; auto = cuda when "
+                   "a CUDA GPU is usable, else cpu (the run records the choice); under torchrun, 'cuda' means each "
+                   "rank's own GPU (LOCAL_RANK) (default: auto)")
     p.add_argument("--device-map", default=None,
                    help=f"spread the model over devices with accelerate hooks: {'|'.join(DEVICE_MAP_STRATEGIES)} or a "
                         "JSON map {\"module\": device} (file or inline); overrides --device. Memory scale, not speed: "
@@ -110,7 +111,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
 
     from ..decoding.tree import tree_flag
     from ..loader import check_compile
-    from ..models import parse_device_map, parse_dtype
+    from ..models import parse_device_map, parse_dtype, resolve_device
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -136,6 +137,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError(f"--compile takes --kernels stock (torch.compile packs the linears itself), got "
                          f"--kernels {args.kernels}")
     parse_dtype(args.dtype)
+    args.device_requested, args.device = args.device, resolve_device(args.device)
     check_device(args.device)
     check_compile(args.compile or False, args.device, args.device_map)
     tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
@@ -296,7 +298,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                for key in ("row_budget", "draft_ranks", "step_cost", "adapter_cost")},
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
-            "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices), "device_map": args.device_map,
+            "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),
+            "device_flag": getattr(args, "device_requested", args.device), "device_map": args.device_map,
             "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
             "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
             "machine": machine(devices[0]),
