@@ -72,7 +72,9 @@ class MaskEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.base(input_ids)
         is_mask = (input_ids >= self.first_id) & (input_ids < self.first_id + self.num)
-        rows = self.mask_rows[(input_ids - self.first_id).clamp(0, self.num - 1)]
+        # an embedding lookup, not mask_rows[idx]: advanced indexing's backward adds up in a varying
+        # order on a multi-threaded CPU, so two identical runs trained apart by 1e-8 (issue 59)
+        rows = nn.functional.embedding((input_ids - self.first_id).clamp(0, self.num - 1), self.mask_rows)
         return torch.where(is_mask[..., None], rows.to(out.dtype), out)
 
 
