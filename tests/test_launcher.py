@@ -145,6 +145,23 @@ def test_torchrun_failure_is_one_line():
     assert not any(word in out.stderr for word in ("Traceback", "ChildFailedError", "failed (exitcode")), out.stderr
 
 
+def test_a_node_that_never_comes_is_one_line():
+    """The multi-node launch uses torchrun's static rendezvous, whose TCP store times out with a
+    DistStoreError (node 0 waiting) or DistNetworkError (another node), not a RendezvousError: one
+    line and exit 1 too, not a Python traceback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "space.train.torchrun", "--nnodes", "2", "--node_rank", "0",
+                          "--master_addr", "127.0.0.1", "--master_port", str(port), "--rdzv_conf", "timeout=2",
+                          "--nproc_per_node", "1", "-m", "json.tool", "/dev/null"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and lines[-1].startswith("run_sft_multi_node.sh: the nodes did not meet: Dist"), lines
+    assert "Traceback" not in out.stderr, out.stderr
+
 def test_launcher_nvidia_smi_without_driver(tmp_path):
     # the error message is one line on stdout: wc -l counted it as a GPU
     path = with_gpus(tmp_path, NO_DRIVER, rc=9)

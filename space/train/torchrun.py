@@ -5,13 +5,16 @@ The failing worker prints its own error first (``space-train: error: ...``); tor
 30-line traceback and report of the same failure. Here a worker's failure ends with
 ``run_sft_multi_node.sh: training failed: rank R exited N (its output is above)`` and this exit
 code N (128 + the signal for a killed worker), and a rendezvous that fails (a node that never
-came) with one line and exit 1. Every other error keeps torchrun's own output.
+came: ``RendezvousError`` under ``--standalone``, the TCP store's ``DistNetworkError`` /
+``DistStoreError`` under the multi-node launch's static rendezvous) with one line and exit 1.
+Every other error keeps torchrun's own output.
 """
 from __future__ import annotations
 
 import logging
 import sys
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.run import parse_args, run
@@ -41,7 +44,7 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: training failed: rank {rank} exited {failure.exitcode} (its output is above)",
               file=sys.stderr)
         return failure.exitcode
-    except RendezvousError as e:
+    except (RendezvousError, DistError) as e:  # DistError: the static rendezvous's TCP store timed out
         print(f"{PROG}: the nodes did not meet: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     return 0
