@@ -70,8 +70,8 @@ class SpaceTrainer(Trainer):
         step = sar_step(model, inputs, self.space, self.accelerator.unwrap_model(model),
                         backward=lambda loss: self.accelerator.backward(loss * scale),
                         no_sync=self.accelerator.no_sync, totals=num_items_in_batch)
-        self._loss_finite = self._loss_finite.to(step.loss.device) & torch.isfinite(step.loss.detach())
-        if model.training:  # an evaluation's batches are no part of the training log
+        if model.training:  # an evaluation's batches are no part of the training log, nor of the guard's step
+            self._loss_finite = self._loss_finite.to(step.loss.device) & torch.isfinite(step.loss.detach())
             self.metrics.add(step.stats, short_samples=inputs["num_short"], batches=1)
         loss = step.loss * scale
         return (loss, {"logits": step.logits}) if return_outputs else loss

@@ -273,6 +273,23 @@ def test_nonfinite_guard_counts_each_step_once(tmp_path, fp16):
             assert trainer.nonfinite_steps == step
 
 
+def test_an_evaluation_batch_is_no_part_of_the_guard(tmp_path):
+    """An evaluation runs between two training steps: its NaN loss must not be counted against the
+    next training step (which would then save no checkpoint, and could stop the run)."""
+    from transformers import TrainingArguments
+
+    from space.train.trainer import SpaceTrainer
+
+    model, batch = tiny_batch("full")
+    trainer = SpaceTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+                           space=SpaceSettings(mode="full", mask_num=3))
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "down_proj" in n).fill_(float("nan"))
+        assert not torch.isfinite(trainer.compute_loss(model.eval(), batch))
+    assert bool(trainer._loss_finite) and trainer.metrics.reduce() == {}
+    trainer.compute_loss(model.train(), batch)
+    assert not bool(trainer._loss_finite)
+
 def test_the_trainer_internals_space_relies_on_are_still_there():
     """SpaceTrainer overrides one private Trainer method (the guard's hook, the one place that
     gets each optimizer step's gradient norm before the step is logged and saved) and reads one
