@@ -22,7 +22,8 @@
 #     torch.cuda.device_count(). The count chosen is printed (one line, stderr).
 #   PYTHON [.venv/bin/python when present, else python3]
 #   SPACE_LAUNCH_DRY_RUN=1: print the command (one line) instead of running it, to see what would run.
-# A failed training ends with one line (the failing rank's own error is above it) and its exit code.
+# A failed training ends with one line (the failing rank's own error is above it) and its exit code; nodes
+# that never meet (a node that did not start) end with one line and exit 1.
 # Examples:
 #   bash run_sft_multi_node.sh configs/train/smollm2_frozen_base_cpu.yaml
 #   NPROC_PER_NODE=8 bash run_sft_multi_node.sh configs/train/llama2_7b_full_zero2.yaml
