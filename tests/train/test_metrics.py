@@ -102,3 +102,44 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, mode):
     trainer.compute_loss(model, collator(rows)).backward()
     for name, grad in got.items():
         torch.testing.assert_close(grad, model.get_parameter(name).grad, msg=name, atol=1e-6, rtol=1e-4)
+
+
+def test_two_ranks_share_the_step_mean(tmp_path, monkeypatch):
+    """Two ranks, each its own micro-batch of a different size: their losses, scaled for DDP's
+    average over ranks (times the ranks, divided by the step's count over both ranks), average to
+    the gradient of the one batch holding both. (A rank's own mean, or the missing factor, fails.)"""
+    from transformers import TrainingArguments
+
+    from space.adapter_layers import prepare_model
+    from space.data.collator import SpaceCollator
+    from space.models import tiny_random_llama
+    from space.train.steps import scored_rows
+    from space.train.trainer import SpaceTrainer
+
+    model, tok = tiny_random_llama(seed=0, initializer_range=0.2)
+    model, spec = prepare_model(model, tok, "full", K)
+    collator = SpaceCollator(spec.ids_for(K), K, tok.pad_token_id, spans_per_sample=3)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 250, (n,), generator=g).tolist(), "prompt_len": 4, "idx": i}
+            for i, n in enumerate((40, 12, 25))]
+    ranks = [collator(rows[:1]), collator(rows[1:])]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = SpaceTrainer(model=model, args=args, space=SpaceSettings(mode="full", mask_num=K))
+    both = scored_rows(ranks[0]) + scored_rows(ranks[1])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda counts: counts.copy_(both))
+    monkeypatch.setattr(type(trainer.accelerator.state), "num_processes", property(lambda self: 2), raising=False)
+    assert trainer.accelerator.num_processes == 2
+    grads = []
+    for batch in ranks:  # each rank's gradient, as DDP computes it before averaging
+        _, counts = trainer.get_batch_samples(iter([batch]), 1, torch.device("cpu"))
+        assert torch.equal(counts, both)
+        model.zero_grad()
+        trainer.compute_loss(model, batch, num_items_in_batch=counts).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    monkeypatch.undo()
+    model.zero_grad()
+    trainer.compute_loss(model, collator(rows)).backward()
+    for name in grads[0]:
+        torch.testing.assert_close((grads[0][name] + grads[1][name]) / 2, model.get_parameter(name).grad, msg=name,
+                                   atol=1e-6, rtol=1e-4)
