@@ -12,8 +12,8 @@ setting (``smoke changes KEY: OLD -> NEW (why)``):
    under ZeRO-3). The family is read from the model directory's ``config.json`` when it exists
    here, else from ``FAMILIES`` by the model's name. Its tokenizer is the real model's when that
    directory exists, else a byte-level one;
-2. **2 optimizer steps** (``max_steps 2``, a checkpoint at step 2, a log every step with
-   ``logging_nan_inf_filter`` off, so a NaN loss is logged as NaN) on at most a few dozen rows of
+2. **2 optimizer steps** (``max_steps 2``, a checkpoint at step 2, a log every step; a NaN loss
+   is logged as NaN, as in every SpaceTrainer run) on at most a few dozen rows of
    the config's data, samples cut to ``SMOKE_MAX_LENGTH`` tokens; a data file that is missing here
    is replaced by MBPP (and ``sources``, which filters that file's rows, is left out);
    ``init_adapter`` (made for the real model's shapes) is checked as an artifact, then left out;
@@ -223,15 +223,13 @@ def smoke_config(config: dict, stand_in: Path, out_dir: Path, cuda: bool) -> tup
     why = {"model_name_or_path": "a 2-layer stand-in of its architecture", "output_dir": "a scratch folder",
            "datasets": f"{', '.join(replaced)} not here", "max_steps": f"{SMOKE_STEPS} optimizer steps",
            "save_steps": "a checkpoint at the last step", "logging_steps": "a loss for every step",
-           "limit": "rows for every step on every process", "max_length": "short samples",
-           "use_cpu": "no GPU here", "logging_nan_inf_filter": "a NaN loss is logged as NaN, not hidden",
+           "limit": "rows for every step on every process", "max_length": "short samples", "use_cpu": "no GPU here",
            "init_adapter": "made for the real model's shapes", "sources": "it filters the rows of the data replaced"}
     changed = {"model_name_or_path": str(stand_in), "output_dir": str(out_dir), "max_steps": SMOKE_STEPS,
                "save_steps": SMOKE_STEPS, "logging_steps": 1,
                # rows for every step on every process, and some spare for rows that do not fit
                "limit": batch * procs * SMOKE_STEPS * 2 + 8,
-               "max_length": min(int(config.get("max_length", SMOKE_MAX_LENGTH)), SMOKE_MAX_LENGTH),
-               "logging_nan_inf_filter": False}
+               "max_length": min(int(config.get("max_length", SMOKE_MAX_LENGTH)), SMOKE_MAX_LENGTH)}
     if not cuda:
         changed["use_cpu"] = True
     if replaced:

@@ -56,10 +56,10 @@ def test_smoke_config_says_what_it_changes(tmp_path):
     smoke, lines, replaced = smoke_config(config, tmp_path / "stand-in", tmp_path / "run", cuda=False)
     assert replaced == ["runs/distill/not_here.jsonl"] and smoke["datasets"] == "mbpp"
     assert smoke["max_train_minutes"] == 30 and smoke["learning_rate"] == 1e-4
-    assert "sources" not in smoke and "init_adapter" not in smoke and smoke["logging_nan_inf_filter"] is False
+    assert "sources" not in smoke and "init_adapter" not in smoke
     keys = [line.split(":")[0] for line in lines]
     assert keys == [f"smoke changes {k}" for k in ("model_name_or_path", "output_dir", "max_steps", "save_steps",
-                                                   "limit", "max_length", "logging_nan_inf_filter", "use_cpu",
+                                                   "limit", "max_length", "use_cpu",
                                                    "datasets", "init_adapter", "sources")], lines
     assert "smoke changes max_steps: 900 -> 2 (2 optimizer steps)" in lines
     assert "smoke changes sources: stdlib,lima -> (left out) (it filters the rows of the data replaced)" in lines
