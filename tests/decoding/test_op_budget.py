@@ -48,22 +48,26 @@ def frozen_base_model(dtype: torch.dtype, layers: int = 30):
     return model, spec
 
 
-def counted(generate) -> OpCounter:
-    generate(None)  # warm-up: layouts and caches the decoder keeps are built once
+def counted(generate, warm_up: bool = True) -> OpCounter:
+    """Ops of ``generate(max_new_tokens, on_tokens)``: 12 tokens, after 6 to warm up a decoder
+    (the layouts it keeps are built once; AR keeps nothing)."""
+    if warm_up:
+        generate(6, None)
     with OpCounter() as ops:
-        generate(ops.mark)
+        generate(12, ops.mark)
     return ops
 
 
 @cache
 def step_ops(dtype: torch.dtype) -> dict[str, float]:
-    """Ops per greedy step, by method, 16 new tokens after ``PROMPT``."""
+    """Ops per greedy step, by method, after ``PROMPT``."""
     torch.set_num_threads(2)
     model, spec = frozen_base_model(dtype)
-    ops = {"AR": counted(lambda cb: ar_generate(model, PROMPT, 16, suppress_ids=spec.token_ids, on_tokens=cb))}
+    ops = {"AR": counted(lambda n, cb: ar_generate(model, PROMPT, n, suppress_ids=spec.token_ids, on_tokens=cb),
+                         warm_up=False)}
     for name, config in METHODS.items():
         decoder = SpaceDecoder(model, spec, config)
-        ops[name] = counted(lambda cb: decoder.generate(PROMPT, 16, on_tokens=cb))
+        ops[name] = counted(lambda n, cb: decoder.generate(PROMPT, n, on_tokens=cb))
     return {name: o.per_step() for name, o in ops.items()}
 
 
