@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -277,23 +276,23 @@ def check_deepspeed(deepspeed, mask_args) -> None:
     """Refuse, before training, DeepSpeed settings that would fail only later.
 
     Args:
-        deepspeed: ``TrainingArguments.deepspeed``: None, a JSON file's path, or its dict.
+        deepspeed: ``TrainingArguments.deepspeed``: None, a JSON file's path, its dict, or its
+            text as JSON or base64 (what transformers accepts).
 
     Raises:
         ValueError: mask_chunk_rows > 0 (each DeepSpeed backward also steps, so a batch cannot be
             back-propagated chunk by chunk), or ZeRO-3 without
             ``stage3_gather_16bit_weights_on_model_save: true`` (the final save gathers the
-            partitioned weights; without it, it fails after the whole training).
+            partitioned weights; without it, it fails after the whole training), or a config that
+            is neither (accelerate's message).
     """
     if not deepspeed:
         return
     if mask_args.mask_chunk_rows > 0:
         raise ValueError("mask_chunk_rows > 0 does not work with DeepSpeed (each backward also steps): set it to 0")
-    config = deepspeed
-    if not isinstance(config, dict):
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
-    zero = config.get("zero_optimization", {})
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig  # reads a path, a dict, JSON or base64 as HF does
+
+    zero = HfDeepSpeedConfig(deepspeed).config.get("zero_optimization", {})
     if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
         raise ValueError(f"{deepspeed if not isinstance(deepspeed, dict) else 'the DeepSpeed config'}: ZeRO-3 needs "
                          "zero_optimization.stage3_gather_16bit_weights_on_model_save true, else the artifact "

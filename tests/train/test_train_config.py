@@ -43,3 +43,18 @@ def test_the_shipped_deepspeed_configs_pass(tmp_path):
     for name in ("zero2", "zero3", "zero3_offload"):
         parse(tmp_path, "--deepspeed", f"configs/deepspeed/{name}.json")
     parse(tmp_path, "--deepspeed", zero3(tmp_path, True), "--dataloader_num_workers", "2")
+
+
+@pytest.mark.parametrize("form", ["json", "base64"])
+def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form):
+    """TrainingArguments.deepspeed may be the config's JSON text or its base64, not only a path."""
+    import base64
+
+    from types import SimpleNamespace
+
+    from space.config import check_deepspeed
+
+    text = json.dumps({"zero_optimization": {"stage": 3}})
+    given = text if form == "json" else base64.urlsafe_b64encode(text.encode()).decode()
+    with pytest.raises(ValueError, match="stage3_gather_16bit_weights_on_model_save"):
+        check_deepspeed(given, SimpleNamespace(mask_chunk_rows=0))
