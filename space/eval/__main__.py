@@ -221,7 +221,7 @@ def compile_progress(enabled: bool) -> Iterator[None]:
         tqdm.write(f"[space-eval] compiling graph {event.compile_id} (a new shape; may take minutes)")
 
     def end(event) -> None:
-        seconds = time.perf_counter() - started.pop(event.compile_id)
+        seconds = time.perf_counter() - started.pop(event.compile_id, time.perf_counter())
         tqdm.write(f"[space-eval] compiled graph {event.compile_id} in {seconds:.0f} s")
 
     callback_handler.register_start_callback(start)
