@@ -166,7 +166,7 @@ def upload(values, device: torch.device) -> torch.Tensor:
 
 def check_attention(model, caller: str = "SpaceDecoder") -> None:
     """Refuse attention implementations that ignore a 4-D mask: every SPACE step's layout is one,
-    and so is every SAR-SFT batch (``space.train.trainer.forward_mask``).
+    and so is every SAR-SFT batch (``space.train.steps.forward_mask``).
 
     Args:
         model: the model (or its config's owner) about to be decoded or trained.
