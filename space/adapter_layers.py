@@ -100,7 +100,9 @@ class GatedLoraLinear(nn.Module):
     one in-place ``addmm_`` of ``xA (B^T)`` on the contiguous mask rows, with B^T stored
     contiguous: 2 kernels where the unpacked update took 7 ops and 2 GEMMs of its own. The
     output is a view of the packed GEMM's (row stride out + r), which ``view`` / ``transpose``
-    in the modeling code accept.
+    in the modeling code accept. Its ``state_dict`` holds ``base.weight``, ``base.bias``,
+    ``lora_a`` and ``lora_b`` as before packing, and loads back into the packed tensors; a
+    dtype or device move (``.to``) keeps the base's weight a view of the packed tensor.
     """
 
     def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor):
@@ -114,8 +116,17 @@ class GatedLoraLinear(nn.Module):
         # buffers, out of the state dict: it holds base.weight, lora_a and lora_b, as before packing
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("packed_bias", bias, persistent=False)
-        self.register_buffer("lora_bt", lora_b.detach().T.contiguous(), persistent=False)  # (r, out)
+        self.register_buffer("lora_bt", lora_b.detach().to(base.weight).T.contiguous(), persistent=False)  # (r, out)
         self._register_state_dict_hook(_lora_state)
+        self._register_load_state_dict_pre_hook(_load_lora_state, with_module=True)
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply converts the base's weight and the packed buffer one by one: point the
+        # weight back at the packed rows, or W is held twice and the two copies can drift apart
+        super()._apply(fn, recurse)
+        if type(self.base) is nn.Linear:
+            self.base.weight = nn.Parameter(self.packed[: self.base.out_features], requires_grad=False)
+        return self
 
     @property
     def lora_a(self) -> torch.Tensor:
@@ -142,6 +153,17 @@ class GatedLoraLinear(nn.Module):
         else:
             y[:, s:] += xa[:, s:] @ self.lora_bt
         return y
+
+
+def _load_lora_state(module: GatedLoraLinear, state: dict, prefix: str, *_args) -> None:
+    """Load a :class:`GatedLoraLinear`'s ``lora_a`` and ``lora_b`` entries into its packed tensors
+    (views there, not parameters); an entry the state lacks leaves its tensor as it is. With the
+    CPU kernels (a ``PackedLinear`` base) the oneDNN copy is not repacked: load before packing."""
+    with torch.no_grad():
+        if prefix + "lora_a" in state:
+            module.packed[module.base.out_features:] = state.pop(prefix + "lora_a")
+        if prefix + "lora_b" in state:
+            module.lora_bt.copy_(state.pop(prefix + "lora_b").T)
 
 
 def _lora_state(module: GatedLoraLinear, state: dict, prefix: str, _metadata) -> dict:
@@ -206,7 +228,8 @@ def fuse_frozen_base(peft_model) -> nn.Module:
 
     Returns:
         the underlying HF model (``LlamaForCausalLM``-like), no longer wrapped by peft; its
-        outputs equal the gated peft model's (mask rows up to float rounding, real rows exactly).
+        outputs equal the gated peft model's up to float rounding (real rows, too: in a call with mask
+        rows they come out of the packed GEMM of W and A together).
 
     Raises:
         ValueError: the model has no MaskEmbedding (not a frozen-base model).

@@ -1,7 +1,7 @@
 """KV-cache plumbing shared by decoding, training and evaluation: the name under which a cache goes
 into a model's forward (on both sides of a transformers rename), cropping it, the full-attention
 cache plus per-layer attention windows that SPACE steps need on sliding-window models, and the
-one-tensor cache eager decoding uses (:func:`slab_cache`).
+one-tensor cache eager decoding uses (:class:`SlabCache`).
 
 transformers 5.24 renamed the forward input ``past_key_values`` to ``cache``; the old name still works
 there with a FutureWarning on every call and goes away in 5.40. We support transformers 5.x from 5.0
@@ -156,7 +156,8 @@ class SlabCache(Cache):
             write past them grows the slab (:meth:`Slab.grow`), a copy of it.
 
     Raises:
-        ValueError: slots < 1.
+        ValueError: slots < 1; at the first write, keys and values of different shapes (a model
+            whose value heads are not its key heads' size: decode it with a ``DynamicCache``).
     """
 
     def __init__(self, num_layers: int, slots: int):
@@ -170,11 +171,6 @@ class SlabCache(Cache):
         ``start..start+n``, in one gather and one copy."""
         t = self.slab.tensor
         t[..., start: start + index.numel(), :] = t.index_select(-2, index)
-
-
-def slab_cache(num_layers: int, slots: int) -> SlabCache:
-    """An empty :class:`SlabCache` of ``slots`` slots per layer."""
-    return SlabCache(num_layers, slots)
 
 
 def attention_windows(config) -> dict[str, int | None]:

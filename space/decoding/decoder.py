@@ -84,7 +84,7 @@ from transformers import Cache
 from ..masking import host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents, unpack_rows
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
-from .cache import SlabCache, attention_windows, cache_input, crop_cache, full_cache, slab_cache, static_cache
+from .cache import SlabCache, attention_windows, cache_input, crop_cache, full_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
@@ -456,7 +456,7 @@ class SpaceDecoder:
         size = ids.numel() + max_new_tokens + self.max_rows  # the most tokens a generation caches
         slots = size if self.static_cache else None
         cache = (static_cache(len(self.decoder.layers), size) if self.static_cache
-                 else slab_cache(len(self.decoder.layers), size) if self.one_device else full_cache())
+                 else SlabCache(len(self.decoder.layers), size) if self.one_device else full_cache())
         L = ids.numel() - 1  # tokens cached (x_0..x_{n-2}), counted on the host
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup or logits_processor is not None else None

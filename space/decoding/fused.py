@@ -13,18 +13,24 @@ layer's 7 linears become 4 GEMMs (AR) or 4 GEMMs and 4 ``addmm_`` (a SPACE step 
 DESIGN. The modeling file is not forked: the modules keep their names and the layer's forward is
 transformers' own. The price is state between the members' calls: the shared projection keeps
 the group's outputs from the first member's call until each member has taken its own (then it
-lets go of them). It recognizes its input by identity, so a member called with another tensor
-(another model's call order, a hook that replaces the input) recomputes the group on that tensor
-instead of returning another input's result: never wrong, at worst one more GEMM. A member's
+lets go of them). It recognizes its input by identity and by its version counter, per thread:
+a member called with another tensor (another model's call order, a hook that replaces the
+input), or with the same tensor edited in place since, recomputes the group on what it was given
+instead of returning another input's result (at worst one more GEMM); threads that share the
+model keep their own outputs. An inference tensor (``torch.inference_mode``, as the decoders
+run) has no version counter: there only identity is checked, and transformers' layers never
+edit a projection's input in place between its members' calls. A member's
 ``weight`` and ``bias`` are views of the fused tensors (HF utilities that read them still work);
 the fused model is for inference (``requires_grad`` off), and ``torch.compile`` is left the
 unfused trunk (``space.loader`` fuses only eager models: the kept outputs are module state).
 Its ``state_dict`` (``save_pretrained``) is the unfused one: each member's ``weight`` and ``bias``
-(a gated member's ``base.weight``, ``base.bias``, ``lora_a``, ``lora_b``) under its own name, so a
-saved fused model loads as the model it came from; loading a state dict into a fused model is
-not supported.
+(a gated member's ``base.weight``, ``base.bias``, ``lora_a``, ``lora_b``) under its own name, a
+member without a LoRA or a bias saved without one, so a saved fused model loads as the model it
+came from; loading a state dict into a fused model is not supported.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -46,12 +52,15 @@ class SharedProjection(nn.Module):
             a LoRA (A's stacked, B block-diagonal: members without one get zero blocks).
         splits: each member's out_features.
         ranks: each member's LoRA rank (0: none).
+        gated: whether each member was a ``GatedLoraLinear``; biased: whether it had a bias.
     """
 
     def __init__(self, members: list[nn.Module]):
         super().__init__()
         linears = [m.base if isinstance(m, GatedLoraLinear) else m for m in members]
         self.splits = [lin.out_features for lin in linears]
+        self.gated = [isinstance(m, GatedLoraLinear) for m in members]
+        self.biased = [lin.bias is not None for lin in linears]
         w = linears[0].weight
         with torch.no_grad():
             linear = nn.Linear(linears[0].in_features, sum(self.splits), bias=any(lin.bias is not None for lin in linears),
@@ -73,18 +82,25 @@ class SharedProjection(nn.Module):
                 self.fused = GatedLoraLinear(linear, a, b)
             else:
                 self.fused = linear.requires_grad_(False)
-        self._input: torch.Tensor | None = None
-        self._outputs: list[torch.Tensor | None] = []
+        # per thread: (input, its version when the GEMM ran, the members' outputs not yet taken)
+        self._kept = threading.local()
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Member ``index``'s output for input ``x`` (batch, seq, in) -> (batch, seq, out_index):
-        a view of the group's one GEMM, run when a member first asks for ``x``."""
-        if self._input is not x or self._outputs[index] is None:
-            self._input, self._outputs = x, list(self.fused(x).split(self.splits, dim=-1))
-        out, self._outputs[index] = self._outputs[index], None
-        if all(o is None for o in self._outputs):  # every member served: keep no activation alive
-            self._input = None
+        a view of the group's one GEMM, run when a member first asks for ``x`` as it is now."""
+        kept = getattr(self._kept, "value", None)
+        version = None if x.is_inference() else x._version  # inference tensors keep no version counter
+        if kept is None or kept[0] is not x or kept[1] != version or kept[2][index] is None:
+            kept = (x, version, list(self.fused(x).split(self.splits, dim=-1)))
+        outputs = kept[2]
+        out, outputs[index] = outputs[index], None
+        # every member served: keep no activation alive
+        self._kept.value = None if all(o is None for o in outputs) else kept
         return out
+
+    def holds_outputs(self) -> bool:
+        """Whether this thread's last group call left outputs not yet taken by their members."""
+        return getattr(self._kept, "value", None) is not None
 
     def lora_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A (r, in), B (out, r)) of member ``index`` (a gated fused linear; copies, r = 0 for a
@@ -131,13 +147,14 @@ def _unfused_state(names: tuple[str, ...]):
             for key in [k for k in state if k.startswith(f"{prefix}{name}.")]:
                 del state[key]
             member = getattr(module, name)
-            weight, bias = member.shared.weight_of(i)
-            base = f"{prefix}{name}.base." if isinstance(member.shared.fused, GatedLoraLinear) else f"{prefix}{name}."
+            shared = member.shared
+            weight, bias = shared.weight_of(i)
+            base = f"{prefix}{name}.base." if shared.gated[i] else f"{prefix}{name}."
             state[base + "weight"] = weight.detach().clone()
-            if bias is not None:
+            if shared.biased[i]:  # a zero bias stands in for a member without one only inside the GEMM
                 state[base + "bias"] = bias.detach().clone()
-            if isinstance(member.shared.fused, GatedLoraLinear):
-                a, b = member.shared.lora_of(i)
+            if shared.gated[i]:
+                a, b = shared.lora_of(i)
                 state[f"{prefix}{name}.lora_a"], state[f"{prefix}{name}.lora_b"] = a, b
         return state
     return hook

@@ -10,8 +10,9 @@ kernel, or one library call, on CUDA) and counts those that would launch a kerne
 * an op that returns a tensor with storage of its own (``mm``, ``cat``, ``to`` a new dtype);
 * a host read (``_local_scalar_dense``: ``item``, ``tolist``), a device-to-host copy on CUDA;
 * a non-blocking ``Tensor.to``: on the CPU it returns its input before any dispatch, on CUDA it
-  is the host-to-device copy of ``space.decoding.decoder.upload`` (seen by a ``TorchFunctionMode``
-  the counter enters with itself).
+  is the host-to-device copy of ``space.decoding.decoder.upload``, so a ``TorchFunctionMode`` the
+  counter enters with itself counts each one that dispatched nothing (a copying one is counted
+  once, by the dispatch mode, as ``_to_copy``; pinning the host buffer first launches nothing).
 
 Views (``slice``, ``transpose``, ``view``, a ``to`` that changes nothing) and allocations
 (``empty``) launch nothing and are not counted. Counts are deterministic for a given input and
@@ -32,8 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
+# allocations, and the host-side copy into pinned memory that precedes a CUDA upload
 NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
-             aten.new_empty.default, aten.new_empty_strided.default, aten.lift_fresh.default}
+             aten.new_empty.default, aten.new_empty_strided.default, aten.lift_fresh.default,
+             aten._pin_memory.default}
 
 
 def _storages(values) -> set[int]:
@@ -50,9 +53,12 @@ class _Uploads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.to and kwargs.get("non_blocking", False):
+        out = func(*args, **kwargs)
+        # a .to that returned its input dispatched nothing: count it here, once; a copying one
+        # (another device or dtype) reached the dispatch mode, which counted its copy already
+        if func is torch.Tensor.to and kwargs.get("non_blocking", False) and out is args[0]:
             self.counter.count("upload")
-        return func(*args, **kwargs)
+        return out
 
 
 class OpCounter(TorchDispatchMode):

@@ -1,18 +1,27 @@
 """The fused trunk (issue 58, ``space.decoding.fused``): one GEMM per q/k/v and gate/up group, the
 LoRA packed under it, computing what the unfused layers compute, saved as the unfused model."""
 import copy
+import threading
 
+import pytest
 import torch
 
 from space.adapter_layers import GatedLoraLinear, fuse_frozen_base, prepare_model
-from space.decoding.fused import ProjectionSlice, fuse_projections, fuse_trunk
+from space.decoding.fused import ProjectionSlice, SharedProjection, fuse_projections, fuse_trunk
 from space.masking import mask_rows
 from space.models import tiny_random_llama
 
 
-def gated_tiny():
+def gated_tiny(targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), bias=False):
     model, tok = tiny_random_llama(seed=0)
-    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    if bias:  # q/k/v with a bias on q only, as a group whose members differ
+        attn = model.model.layers[0].self_attn
+        q = attn.q_proj
+        attn.q_proj = torch.nn.Linear(q.in_features, q.out_features, bias=True)
+        with torch.no_grad():
+            attn.q_proj.weight.copy_(q.weight)
+            attn.q_proj.bias.normal_(generator=torch.Generator().manual_seed(1))
+    model, spec = prepare_model(model, tok, "frozen-base", 3, lora_targets=targets)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -20,8 +29,12 @@ def gated_tiny():
     return fuse_frozen_base(model), spec
 
 
-def test_fused_trunk_computes_the_unfused_layers_and_saves_as_them():
-    plain, spec = gated_tiny()
+@pytest.mark.parametrize("targets, bias", [
+    (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    (("q_proj", "v_proj", "up_proj"), True),  # groups of gated and plain members, one bias among them
+])
+def test_fused_trunk_computes_the_unfused_layers_and_saves_as_them(targets, bias):
+    plain, spec = gated_tiny(targets, bias)
     fused = copy.deepcopy(plain)
     record = fuse_trunk(fused)
     assert record == {"fused_groups": 4, "attention": "space_sdpa_gqa"}
@@ -36,6 +49,7 @@ def test_fused_trunk_computes_the_unfused_layers_and_saves_as_them():
     mine, theirs = fused.state_dict(), plain.state_dict()
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert not any(m.holds_outputs() for m in fused.modules() if isinstance(m, SharedProjection))  # none kept alive
 
 
 def test_a_member_called_on_another_input_recomputes():
@@ -54,4 +68,47 @@ def test_a_member_called_on_another_input_recomputes():
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     torch.testing.assert_close(same, torch.nn.functional.linear(xs[0], attn.k_proj.weight))
-    assert attn.q_proj.shared._input is not None  # q and v not yet served for xs[0]: kept
+    assert attn.q_proj.shared.holds_outputs()  # q and v not yet served for xs[0]: kept
+
+
+def test_an_input_edited_in_place_or_another_thread_recomputes():
+    """The kept outputs belong to the input as it was, in the thread that asked: after an
+    in-place edit, or from another thread in between, a member gets its columns of what it is
+    given now."""
+    model, _ = tiny_random_llama(seed=0)
+    attn = model.model.layers[0].self_attn
+    assert fuse_projections(model) == 4
+    x = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        attn.q_proj(x)
+        x.add_(1.0)
+        torch.testing.assert_close(attn.k_proj(x), torch.nn.functional.linear(x, attn.k_proj.weight))
+        gemms = []
+        attn.q_proj.shared.fused.register_forward_hook(lambda *_: gemms.append(threading.get_ident()))
+        attn.q_proj(x)  # this thread now holds k and v of x
+        y = x.clone() * 3
+        other = {}
+        thread = threading.Thread(target=lambda: other.update(q=attn.q_proj(y)))  # leaves its own k and v held
+        thread.start()
+        thread.join()
+        torch.testing.assert_close(other["q"], torch.nn.functional.linear(y, attn.q_proj.weight))
+        torch.testing.assert_close(attn.k_proj(x), torch.nn.functional.linear(x, attn.k_proj.weight))
+        assert len(gemms) == 2  # k came from this thread's kept GEMM: the other thread's did not replace it
+        torch.testing.assert_close(attn.v_proj(x), torch.nn.functional.linear(x, attn.v_proj.weight))
+
+
+def test_a_gated_linear_moves_and_reloads_as_one_packed_tensor():
+    """``.to`` keeps the base's weight a view of the packed tensor (W held once), and the state
+    dict it saves loads back into the packed tensors."""
+    model, _ = gated_tiny()
+    layer = model.model.layers[0].self_attn.q_proj
+    model.to(torch.float64)
+    assert layer.base.weight.data_ptr() == layer.packed.data_ptr() and layer.lora_bt.dtype == torch.float64
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        layer.packed.zero_()
+        layer.lora_bt.zero_()
+    model.load_state_dict(state)
+    torch.testing.assert_close(layer.lora_a, state["model.layers.0.self_attn.q_proj.lora_a"], rtol=0, atol=0)
+    torch.testing.assert_close(layer.lora_b, state["model.layers.0.self_attn.q_proj.lora_b"], rtol=0, atol=0)
+    torch.testing.assert_close(layer.base.weight, state["model.layers.0.self_attn.q_proj.base.weight"], rtol=0, atol=0)
