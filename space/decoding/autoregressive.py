@@ -7,7 +7,7 @@ from contextlib import nullcontext
 import torch
 from transformers import DynamicCache
 
-from .cache import cache_input, static_cache as preallocated
+from .cache import SlabCache, attention_windows, cache_input, static_cache as preallocated
 from .compiled import eager, is_compiled
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
@@ -32,9 +32,11 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         logits_processor: HF convention ``(input_ids (1, seq), scores (1, vocab)) -> scores``,
             applied to each step's logits with every token so far.
         static_cache: a preallocated KV cache of prompt + max_new_tokens slots
-            (``cache.static_cache``: one shape per step, for a compiled trunk); False: transformers'
-            growing ``DynamicCache``; None: static when the trunk is compiled
-            (``compiled.compile_trunk``), as ``SpaceDecoder`` decides.
+            (``cache.static_cache``: one shape per step, for a compiled trunk); False: a growing
+            one, ``cache.SlabCache`` as ``SpaceDecoder``'s on one device (a step writes its token
+            in place where ``DynamicCache`` concatenates the whole cache in every layer), else
+            (a device map, a sliding window) transformers' ``DynamicCache``; None: static when the
+            trunk is compiled (``compiled.compile_trunk``), as ``SpaceDecoder`` decides.
 
     Raises:
         ValueError: see ``check_prompt``.
@@ -44,9 +46,12 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
     gen = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
+    slots = ids.numel() + max_new_tokens
     if is_compiled(model) if static_cache is None else static_cache:
-        cache = preallocated(model.config.num_hidden_layers, ids.numel() + max_new_tokens)
-    else:
+        cache = preallocated(model.config.num_hidden_layers, slots)
+    elif len({p.device for p in model.parameters()}) == 1 and set(attention_windows(model.config).values()) == {None}:
+        cache = SlabCache(model.config.num_hidden_layers, slots)
+    else:  # a sliding window needs transformers' own sliding layers here (AR builds no mask of its own)
         cache = DynamicCache(config=model.config)
     step_in, seen = ids[None].to(device), None  # seen: every token so far, for logits_processor
     while True:
