@@ -296,7 +296,8 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
                                  adapter_cost=entry.get("adapter_cost") or 0.0)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: bad step_costs entry for {threads} threads, {kernels} kernels: {e}") from None
-    return priced, {"threads": threads, "kernels": kernels}
+    # the trunk it was measured on: an entry without one predates the fused trunk (issue 58)
+    return priced, {"threads": threads, "kernels": kernels, "trunk": entry.get("trunk", "unfused")}
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,

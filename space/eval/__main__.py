@@ -276,9 +276,10 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                             tree=tree_flag(args.tree, args.mask_num))
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "")
     decoder = SpaceDecoder(model, spec, decode)
-    from .tree_search import step_cost_mismatch
+    from .tree_search import step_cost_mismatch, trunk_of
 
-    mismatch = step_cost_mismatch(setup, threads, args.kernels, compiled) if decode.tree == "dynamic" else None
+    trunk = trunk_of(model)
+    mismatch = step_cost_mismatch(setup, threads, args.kernels, compiled, trunk) if decode.tree == "dynamic" else None
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
     context = model.config.max_position_embeddings
@@ -302,6 +303,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "device_flag": getattr(args, "device_requested", args.device), "device_map": args.device_map,
             "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
             "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
+            "trunk": getattr(model, "space_trunk", None),  # fused groups and attention (space.decoding.fused)
             "machine": machine(devices[0]),
             "torch": torch.__version__, "transformers": transformers.__version__, "commits": [git_commit()]}
     if shard:

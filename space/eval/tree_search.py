@@ -310,7 +310,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     if setup is not None and cfg["decode"].get("tree") == "dynamic" and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
         entry = {"threads": setup["threads"], "kernels": setup["kernels"], "step_cost": cfg["decode"]["step_cost"],
-                 "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
+                 "adapter_cost": cfg["decode"].get("adapter_cost", 0.0), **({"trunk": setup["trunk"]} if "trunk" in setup else {})}
         others = [e for e in stored_step_costs(cfg, path)
                   if (e["threads"], e["kernels"]) != (entry["threads"], entry["kernels"])]
         cfg["step_costs"] = sorted(others + [entry], key=lambda e: (e["kernels"], e["threads"]))
@@ -321,21 +321,30 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     os.replace(tmp, path)
 
 
-def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool | str = False) -> str | None:
-    """Why a stored step-cost curve may not price this run's rows: the threads, kernels or
-    compilation it was measured with differ from the run's (a curve at 1 thread prices rows wrong
-    at 2; space-tree measures eagerly, a ``--compile`` run attends over a preallocated cache with
-    other kernels). None when they agree or nothing was recorded."""
+def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool | str = False,
+                       trunk: str = "fused") -> str | None:
+    """Why a stored step-cost curve may not price this run's rows: the threads, kernels,
+    compilation or trunk it was measured with differ from the run's (a curve at 1 thread prices
+    rows wrong at 2; space-tree measures eagerly, a ``--compile`` run attends over a preallocated
+    cache with other kernels; a curve recorded without a trunk predates the fused trunk,
+    ``space.decoding.fused``, whose steps cost less). ``trunk``: the run's, ``"fused"`` or
+    ``"unfused"`` (:func:`trunk_of`). None when they agree or nothing was recorded."""
     if not setup:
         return None
-    recorded = {"compile": False, **setup}  # space-tree's curves are eager
+    recorded = {"compile": False, "trunk": "unfused", **setup}  # space-tree's curves are eager
     diff = [f"{key} {recorded[key]} (run: {now})"
-            for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled))
+            for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk))
             if key in recorded and recorded[key] != now]
     if not diff:
         return None
     return ("the adapter's step-cost curve was measured with " + ", ".join(diff) + ": the dynamic tree prices "
             "rows by it; re-measure with space-tree --write-adapter under this run's setup")
+
+
+def trunk_of(model) -> str:
+    """``"fused"`` when ``space.loader.load_space`` fused ``model``'s trunk (``model.space_trunk``),
+    else ``"unfused"`` (a compiled trunk, a model spread over devices, a model loaded otherwise)."""
+    return "fused" if getattr(model, "space_trunk", None) else "unfused"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
     current = DecodeConfig.of_model(model, spec.mask_num) if a.adapter else None
     points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
     curve = step_cost_curve(model, points, a.cache_len)
-    setup = {"threads": torch.get_num_threads(), "kernels": a.kernels}  # what the curve was measured with
+    setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "trunk": trunk_of(model)}  # what the curve was measured with
     results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, a.buckets)
     if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows
         raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")

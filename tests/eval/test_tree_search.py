@@ -103,7 +103,7 @@ def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
 
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base"}))
     before = adapter_sha256(tmp_path)
-    setup = {"threads": 1, "kernels": "fast"}
+    setup = {"threads": 1, "kernels": "fast", "trunk": "fused"}
     dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
     write_decode(tmp_path, dynamic, {1: 0.002, 8: 0.003}, setup=setup)
     cfg = json.loads((tmp_path / "space_config.json").read_text())
@@ -116,6 +116,9 @@ def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
     assert "threads 1 (run: 2)" in msg and "kernels" not in msg
     assert "kernels fast (run: stock)" in step_cost_mismatch(setup, 1, "stock")
     assert "compile False (run: True)" in step_cost_mismatch(setup, 1, "fast", compiled=True)  # eager curve
+    # a curve recorded before the fused trunk (no "trunk") prices a fused run's rows too high
+    assert "trunk unfused (run: fused)" in step_cost_mismatch({"threads": 1, "kernels": "fast"}, 1, "fast")
+    assert step_cost_mismatch({"threads": 1, "kernels": "fast"}, 1, "fast", trunk="unfused") is None
 
 
 def test_load_ranks_by_source(tmp_path):
@@ -215,7 +218,7 @@ def test_one_stored_curve_per_threads_and_kernels(tmp_path):
     assert static.step_cost == two.step_cost
     # --tree dynamic over the static stored layout: priced after the flag, with the setup it names
     priced, setup = priced_for_setup(static.override(tree="dynamic"), cfg, 1, "fast")
-    assert priced.step_cost == one.step_cost and setup == {"threads": 1, "kernels": "fast"}
+    assert priced.step_cost == one.step_cost and setup == {"threads": 1, "kernels": "fast", "trunk": "unfused"}
     unpriced, setup = priced_for_setup(static.override(tree="dynamic"), cfg, 1, "stock")
     assert unpriced.step_cost == two.step_cost and setup == {"threads": 2, "kernels": "fast"}  # warns in space-eval
     cfg["step_costs"][0]["step_cost"] = [[1, -1.0]]
@@ -239,12 +242,12 @@ def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
     shutil.copytree(SHIPPED, adapter)
     decode = json.loads((adapter / "space_config.json").read_text())["decode"]
     for threads, curve in ((1, {1: 0.05, 32: 0.15}), (2, {1: 0.04, 32: 0.09})):
-        write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup={"threads": threads, "kernels": "fast"})
+        write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup={"threads": threads, "kernels": "fast", "trunk": "fused"})
     eval_main(["--adapter", str(adapter), "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "8",
                "--methods", "space", "--threads", "1", "--out", str(tmp_path / "run")])
     meta = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert meta["step_cost"] == [[1, 50.0], [32, 150.0]] and meta["adapter_cost"] == 5.0
-    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast"}
+    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast", "trunk": "fused"}
     assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
 
 
