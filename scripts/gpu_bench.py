@@ -15,7 +15,10 @@
 
 ``step-cost`` and ``host-time`` take ``--compile [default|reduce-overhead]``: the same measurement
 again with the trunk compiled (``space.decoding.compiled.compile_trunk``; reduce-overhead adds CUDA
-graphs) over a preallocated cache, after the eager one, in the same process.
+graphs) over a preallocated cache, after the eager one, in the same process, on a second copy of
+the model (the eager trunk is fused as ``space.loader.load_space`` fuses it; a compiled one is
+not). ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
+and names the attention kernels that ran (issue 58, item 3: ``space.decoding.backends``).
 
 Each prints one line per measurement and writes ``--out`` (JSON). Usage::
 
@@ -32,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -42,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from space.adapter_layers import apply_lora  # noqa: E402
+from space.decoding.backends import choose_sdpa  # noqa: E402
+from space.decoding.fused import fuse_trunk  # noqa: E402
 from space.choices import COMPILE_MODES  # noqa: E402
 from space.models import tiny_tokenizer  # noqa: E402
 from space.tokens import add_mask_tokens  # noqa: E402
@@ -82,9 +88,11 @@ def _driver() -> str | None:
         return None
 
 
-def random_model(shape: str, dtype: torch.dtype, mask_num: int = 3, lora: bool = True):
+def random_model(shape: str, dtype: torch.dtype, mask_num: int = 3, lora: bool = True, fuse: bool = True):
     """A random-weight Llama of ``shape`` on the GPU with a mask token and (``lora``) a random
-    frozen-base LoRA of the shipped adapter's rank on every target linear. Returns (model, spec)."""
+    frozen-base LoRA of the shipped adapter's rank on every target linear, its trunk fused
+    (``fuse``; leave it off for a model to compile) and its attention backend chosen as
+    ``space.loader.load_space`` does. Returns (model, spec)."""
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, attn_implementation="sdpa")
     with torch.device(DEVICE):  # init on the GPU: a 7B init on the host takes minutes
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
@@ -97,22 +105,42 @@ def random_model(shape: str, dtype: torch.dtype, mask_num: int = 3, lora: bool =
                 updates[name] = (torch.randn(LORA_R, module.in_features, device=DEVICE, generator=gen) * 0.01,
                                  torch.randn(module.out_features, LORA_R, device=DEVICE, generator=gen) * 0.01)
         apply_lora(model, updates, "frozen-base", "random LoRA")
+    if fuse:  # what space.loader.load_space does to an eager model on one device
+        fuse_trunk(model)
+    choose_sdpa(DEVICE, dtype)
     return model, spec
 
 
-def cmd_step_cost(args) -> dict:
+def setups(args, dtype: torch.dtype):
+    """(setup name, model, spec, tokenizer or None) for the eager trunk, then (``--compile``) a
+    compiled one: separate models, one at a time, because the eager trunk is fused
+    (``space.decoding.fused``) and a compiled one must not be. The real SmolLM2 with
+    ``--adapter``, else a random ``--shape``."""
     from space.decoding.compiled import compile_trunk
+
+    for compile in [False] + ([args.compile] if args.compile else []):
+        if getattr(args, "adapter", None):
+            from space.loader import load_space
+
+            model, tok, spec = load_space(adapter=args.adapter, dtype=args.dtype, device=DEVICE, compile=compile)
+        else:
+            (model, spec), tok = random_model(args.shape, dtype, fuse=not compile), None
+            if compile:  # a compiled trunk runs over a preallocated cache, as the decoder then does
+                compile_trunk(model, mode=compile)
+        yield ("eager" if not compile else f"compiled {compile}"), model, spec, tok
+        del model
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def cmd_step_cost(args) -> dict:
     from space.eval.tree_search import step_cost_curve
 
     dtype = getattr(torch, args.dtype)
-    model, _ = random_model(args.shape, dtype)
     rows = [int(r) for r in args.rows.split(",")]
     out = {"shape": args.shape, "dtype": args.dtype, "attention": "sdpa", "lora_r": LORA_R, "compiled": args.compile,
            "repeats": args.repeats, "curves": {}}
-    setups = ["eager"] + ([f"compiled {args.compile}"] if args.compile else [])
-    for setup in setups:
-        if setup != "eager":  # a compiled trunk runs over a preallocated cache, as the decoder then does
-            compile_trunk(model, mode=args.compile)
+    for setup, model, _, _ in setups(args, dtype):
         for cache_len in (int(c) for c in args.caches.split(",")):
             t0 = time.perf_counter()
             curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats, static=setup != "eager")
@@ -125,8 +153,13 @@ def cmd_step_cost(args) -> dict:
     return out
 
 
-def gpu_busy_ms(fn) -> float:
-    """Sum of the GPU kernels' durations (ms) while ``fn()`` runs, read by torch.profiler (0 on a CPU)."""
+ATTENTION_KERNELS = ("fmha", "attention", "attn", "cudnn", "flash", "efficient")
+
+
+def gpu_busy_ms(fn, kernels: Counter | None = None) -> float:
+    """Sum of the GPU kernels' durations (ms) while ``fn()`` runs, read by torch.profiler (0 on a CPU).
+    ``kernels``: adds the attention kernels' names (:data:`ATTENTION_KERNELS`) and counts to it, to
+    see which SDPA backend ran."""
     from torch.profiler import ProfilerActivity, profile
 
     if DEVICE == "cpu":
@@ -139,45 +172,46 @@ def gpu_busy_ms(fn) -> float:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             total_us += e.time_range.elapsed_us()
+            if kernels is not None and any(k in e.name.lower() for k in ATTENTION_KERNELS):
+                kernels[e.name[:80]] += 1
     return total_us / 1e3
 
 
 def cmd_host_time(args) -> dict:
     from space.decoding import DecodeConfig, SpaceDecoder
-    from space.decoding.compiled import compile_trunk
 
     dtype = getattr(torch, args.dtype)
-    if args.adapter:
-        from space.data.prompts import chat_ids, code_prompt
-        from space.eval.tasks import load_tasks
-        from space.loader import load_space
-
-        model, tok, spec = load_space(adapter=args.adapter, dtype=args.dtype, device=DEVICE)
-        prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
-                   for t in load_tasks("humaneval", limit=args.prompts)]
-        layouts = {"ar": None, "shipped": SpaceDecoder(model, spec).config, "chain k3 4 groups": DecodeConfig(3, 4)}
-        what = f"SmolLM2 + {args.adapter}"
-    else:
-        model, spec = random_model(args.shape, dtype)
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 1000, (args.prompt_len,), generator=gen) for _ in range(args.prompts)]
-        layouts = {"ar": None, "chain k3 4 groups": DecodeConfig(3, 4),
-                   "static tree": DecodeConfig(2, 2, tree=((0,), (1,), (0, 0), (0, 1))),
-                   "dynamic + lookup 10": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10)}
-        what = f"random {args.shape}"
-    if args.layouts:
-        unknown = set(args.layouts.split(",")) - set(layouts)
-        if unknown:
-            raise SystemExit(f"--layouts: unknown {sorted(unknown)}; known: {sorted(layouts)}")
-        layouts = {name: layouts[name] for name in args.layouts.split(",")}
+    what = f"SmolLM2 + {args.adapter}" if args.adapter else f"random {args.shape}"
+    cudnn = {"on": [True], "off": [False], "both": [True, False], "load": [None]}[args.cudnn_sdp]
     out = {"model": what, "dtype": args.dtype, "new_tokens": args.new_tokens, "layouts": {}}
-    for setup in ["eager"] + ([f"compiled {args.compile}"] if args.compile else []):
-        if setup != "eager":  # AR and SPACE over the same compiled trunk, each with a preallocated cache
-            compile_trunk(model, mode=args.compile)
+    for setup, model, spec, tok in setups(args, dtype):
+        out["sdpa_at_load"] = {"cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled()}
+        if args.adapter:
+            from space.data.prompts import chat_ids, code_prompt
+            from space.eval.tasks import load_tasks
+
+            prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
+                       for t in load_tasks("humaneval", limit=args.prompts)]
+            layouts = {"ar": None, "shipped": SpaceDecoder(model, spec).config, "chain k3 4 groups": DecodeConfig(3, 4)}
+        else:
+            gen = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, 1000, (args.prompt_len,), generator=gen) for _ in range(args.prompts)]
+            layouts = {"ar": None, "chain k3 4 groups": DecodeConfig(3, 4),
+                       "static tree": DecodeConfig(2, 2, tree=((0,), (1,), (0, 0), (0, 1))),
+                       "dynamic + lookup 10": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10)}
+        if args.layouts:
+            unknown = set(args.layouts.split(",")) - set(layouts)
+            if unknown:
+                raise SystemExit(f"--layouts: unknown {sorted(unknown)}; known: {sorted(layouts)}")
+            layouts = {name: layouts[name] for name in args.layouts.split(",")}
         for name, cfg in layouts.items():
-            key = name if setup == "eager" else f"{name}, {setup}"
-            out["layouts"][key] = entry = host_time(model, spec, cfg, prompts, args.new_tokens)
-            print(f"host-time {what} {key}: {entry}", flush=True)
+            for on in cudnn:  # in turns per layout, so a drift of the machine touches both alike
+                if on is not None:
+                    torch.backends.cuda.enable_cudnn_sdp(on)
+                key = (name + ("" if setup == "eager" else f", {setup}")
+                       + ("" if on is None else f", cudnn sdp {'on' if on else 'off'}"))
+                out["layouts"][key] = entry = host_time(model, spec, cfg, prompts, args.new_tokens)
+                print(f"host-time {what} {key}: {entry}", flush=True)
     return out
 
 
@@ -197,20 +231,21 @@ def host_time(model, spec, cfg, prompts: list, new_tokens: int) -> dict:
     for p in prompts[:2]:  # warm: the second prompt meets shapes (e.g. cache sizes) the first did not
         run(p, new_tokens)
     warm_s = time.perf_counter() - t0
-    walls, steps, tokens, busy, rows = [], 0, 0, 0.0, []
+    walls, steps, tokens, busy, rows, kernels = [], 0, 0, 0.0, [], Counter()
     for p in prompts:
         res = run(p, new_tokens)
         walls += res.step_times[1:]  # step 0 holds the prefill
         steps, tokens, rows = steps + res.num_steps - 1, tokens + len(res.new_ids), rows + res.step_rows[1:]
         # the steps' kernels: a whole generation's less a prefill-only one's
-        busy += gpu_busy_ms(lambda: run(p, new_tokens)) - gpu_busy_ms(lambda: run(p, 1))
+        busy += gpu_busy_ms(lambda: run(p, new_tokens), kernels) - gpu_busy_ms(lambda: run(p, 1))
     mean_wall_ms, busy_ms = statistics.fmean(walls) * 1e3, busy / steps
     return {"median_step_ms": round(statistics.median(walls) * 1e3, 3), "mean_step_ms": round(mean_wall_ms, 3),
             "gpu_busy_ms_per_step": round(busy_ms, 3),
             "host_share": round(max(0.0, 1 - busy_ms / mean_wall_ms), 3),
             "tokens_per_step": round(tokens / (steps + len(prompts)), 3), "steps": steps,
             "mean_rows": round(statistics.fmean(rows), 2) if rows else 1,
-            "tokens_per_s": round(tokens / sum(walls), 1), "warm_s": round(warm_s, 1)}
+            "tokens_per_s": round(tokens / sum(walls), 1), "warm_s": round(warm_s, 1),
+            "attention_kernels": dict(kernels.most_common(4))}
 
 
 def cmd_train(args) -> dict:
@@ -285,6 +320,8 @@ def main(argv=None) -> dict:
     h.add_argument("--new-tokens", type=int, default=128)
     h.add_argument("--dtype", default="bfloat16")
     h.add_argument("--layouts", help="comma-separated names of the layouts to time (default: all)")
+    h.add_argument("--cudnn-sdp", choices=["load", "on", "off", "both"], default="load",
+                   help="cuDNN attention as chosen at load (space.decoding.backends), on, off, or both in turns")
     for sp in (s, h):
         sp.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES,
                         help="then the same with the trunk compiled (space.decoding.compiled.compile_trunk; "

@@ -23,6 +23,7 @@ from .choices import COMPILE_MODES
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
 from .decoding.config import DEFAULT_MASK_NUM
+from .decoding.backends import choose_sdpa
 from .decoding.fused import fuse_trunk
 from .models import SMOLLM2, dispatch, load_model, model_identity
 from .sampler_head import add_sampler_head, sampler_head
@@ -57,7 +58,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     issue 58: q/k/v and gate/up in one GEMM each, a frozen-base LoRA packed under them, GQA
     attention without ``repeat_kv`` on the CPU), which every method then runs, AR included; it
     computes what ``load_model``'s model computes up to float rounding (other GEMM shapes), and
-    ``model.space_trunk`` records it.
+    ``model.space_trunk`` records it. On CUDA in bf16 / fp16, cuDNN attention is turned off
+    (process-wide: ``space.decoding.backends``), recorded in ``model.space_sdpa``.
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``;
@@ -154,8 +156,10 @@ def _trunk(model, compile: bool | str, device_map) -> None:
     """The fused trunk (``space.decoding.fused.fuse_trunk``: q/k/v and gate/up in one GEMM each,
     GQA attention on the CPU) for an eager model on one device, recorded as ``model.space_trunk``
     (``None`` when left unfused: a compiled trunk, whose graphs fuse on their own and must not
-    hold module state, or a model spread over devices)."""
+    hold module state, or a model spread over devices); and the attention backend for its device
+    and dtype (``space.decoding.backends.choose_sdpa``), recorded as ``model.space_sdpa``."""
     model.space_trunk = None if compile or device_map is not None else fuse_trunk(model)
+    model.space_sdpa = choose_sdpa(model.device.type, model.dtype)
 
 
 def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:

@@ -304,6 +304,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
             "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
             "trunk": getattr(model, "space_trunk", None),  # fused groups and attention (space.decoding.fused)
+            "sdpa": getattr(model, "space_sdpa", None),  # the attention backend chosen at load (space.decoding.backends)
             "machine": machine(devices[0]),
             "torch": torch.__version__, "transformers": transformers.__version__, "commits": [git_commit()]}
     if shard:
