@@ -243,7 +243,6 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     from ..artifact import adapter_decode_config, git_commit, priced_for_setup
     from ..cpu_kernels import apply_kernels
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
-    from ..decoding.compiled import compile_trunk
     from ..decoding.tree import tree_flag
     from ..loader import load_space
     from ..models import SMOLLM2
@@ -256,15 +255,14 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         join(shard)
     device = shard.device(args.device) if shard else args.device
     try:
+        # a trunk to compile loads unfused (space.decoding.fused keeps module state a graph must not hold)
         model, tok, spec = load_space(args.model, args.adapter, args.mask_num or DEFAULT_MASK_NUM, args.dtype,
-                                      device, placement)
+                                      device, placement, compile=args.compile or False)
     except UnicodeDecodeError as e:  # a config file of the model or adapter holds other bytes
         raise ValueError(f"--model {args.model} / --adapter {args.adapter}: a config file is not UTF-8 text "
                          f"({e.reason} at byte {e.start})") from None
-    kernels = apply_kernels(model, args.kernels)
+    kernels = apply_kernels(model, args.kernels)  # --compile takes stock kernels: nothing to pack under the graph
     kernel_paths = kernels.pop("stock_rows", None)  # timed on this machine: recorded, not a resume key
-    if args.compile:
-        compile_trunk(model, mode=args.compile)
     compiled = args.compile == "default" or args.compile or False  # True: inductor's default, as older runs recorded
     # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a
     # dynamic tree priced by the curve the adapter stores for this run's threads and kernels

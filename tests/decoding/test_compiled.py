@@ -72,6 +72,7 @@ def test_space_eval_compile_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
     summary = eval_main([*args, "--compile"])
     assert summary["exact_match_rate"] == 1.0 and summary["meta"]["compile"] is True
     assert json.loads((tmp_path / "run_config.json").read_text())["compile"] is True
+    assert summary["meta"]["trunk"] is None  # compiled unfused: the fused trunk keeps state no graph may hold
     out = capsys.readouterr().out
     assert re.search(r"\[space-eval\] compiling graph \d+/\d+ \(a new shape; may take minutes\)", out), out
     assert re.search(r"\[space-eval\] compiled graph \d+/\d+ in \d+ s", out), out
