@@ -1,9 +1,17 @@
 """An opt-in compiled forward (issue 43): ``torch.compile`` of the model's trunk, shared by SPACE
 and the AR baseline, so a speedup stays the method's and not the compiler's.
 
-The trunk's ``forward`` is replaced on the instance by its compiled version (inductor on CPU and
-CUDA). Forward hooks stay outside the graph (the decoder's host-time hooks, device-map hooks),
-and so does the LM head, which the decoder runs on selected rows only.
+What is compiled (issue 58). In inductor's default mode, each decoder layer's forward: one
+compiled function serves every layer, which passes itself as an argument (dynamo inlines nn
+modules, so a layer's weights are graph inputs), and gets its own KV-cache entry instead of the
+whole cache (transformers' attention writes ``cache.update(..., self.layer_idx)``: the index in
+the graph made every layer a graph of its own). A graph is made per kind of call, not per layer:
+on SmolLM2 with the shipped adapter, AR, PLD and SPACE need 9, ready in about 2 minutes from a
+cold cache on 2 CPU cores, where compiling the trunk whole took about 5 minutes a graph (15
+minutes in all: ``results/compile_cpu``). The embeddings, rotary tables, mask and final norm run
+eagerly between the layers, and so do forward hooks and the LM head, which the decoder runs on
+selected rows only. With CUDA graphs (``mode="reduce-overhead"``) the trunk's forward is compiled
+whole instead, so that a step replays one graph, not one per layer.
 
 A compiled trunk wants shapes that repeat: ``SpaceDecoder`` and ``ar_generate`` then default to a
 preallocated KV cache (``cache.static_cache``), whose key length is fixed per generation, and
@@ -12,13 +20,12 @@ static layouts, whose trees are pruned near a rejection and whose lookup branche
 sizes that still vary (the bucket, the cache's slot count per prompt, the first mask row) are
 symbolic from the first compile (``dynamic=True``): one graph for the 1-row AR step and one for
 SPACE's blocks, where dynamo's default compiles each size's specialized graph first and a
-dynamic one at its second value (5 graphs instead of 2 on the tiny model, and a graph of
-SmolLM2 takes minutes on 2 CPU cores). The frozen-base adapter's first mask row
+dynamic one at its second value. The frozen-base adapter's first mask row
 (``space.masking.mask_rows``, a thread's global) enters the graph as an argument: read inside
 it, every value was a guard and a graph of its own (SmolLM2's dynamic tree was still compiling
-new graphs after 45 minutes). CUDA graphs (``mode="reduce-overhead"``) record one graph per
-concrete shape. Prompts run eagerly (:func:`eager`): their lengths would only add graphs, and a
-prefill runs once.
+new graphs after 45 minutes). CUDA graphs record one graph per concrete shape. Prompts run
+eagerly (:func:`eager` in the decoders; a layer whose cache entry holds nothing yet, as in
+transformers' ``generate``): their lengths would only add graphs, and a prefill runs once.
 
 Exactness: a compiled forward computes the same function with other kernels and fusions. SPACE's
 multi-row graphs and AR's one-row graph are different graphs, as SPACE's and AR's eager forwards
@@ -34,23 +41,27 @@ import torch
 from ..choices import COMPILE_MODES
 from ..cpu_kernels import PackedLinear
 from ..masking import mask_rows, mask_rows_start
+from .cache import CACHE_ARG
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 
 
 def compile_trunk(model, mode: str | None = None):
-    """Compile ``model``'s decoder trunk in place (``model.get_decoder().forward``), once; returns
-    ``model``. Compilation happens on the first calls (seconds on the tiny model, minutes per
-    graph at SmolLM2's size on 2 CPU cores), so time a compiled model after a
-    warm-up generation. ``mode``: ``torch.compile``'s, one of ``space.choices.COMPILE_MODES``
-    (None or ``"default"``: inductor's default; ``"reduce-overhead"`` adds CUDA graphs on a GPU,
-    one per shape, over the static cache's fixed tensors). A trunk is compiled once: a second call
-    with a known ``mode`` returns ``model`` as the first call compiled it.
+    """Compile ``model``'s decoder trunk in place, once; returns ``model``. Inductor's default
+    mode compiles the decoder layers' forward, one graph for every layer of a shape (seconds each
+    at SmolLM2's size on 2 CPU cores); ``"reduce-overhead"`` compiles the trunk's forward whole
+    (``model.get_decoder().forward``), so that a step replays one CUDA graph, not one per layer.
+    Compilation happens on the first calls, so time a compiled model after a warm-up generation.
+    ``mode``: ``torch.compile``'s, one of ``space.choices.COMPILE_MODES`` (None or ``"default"``:
+    inductor's default; ``"reduce-overhead"`` adds CUDA graphs on a GPU, one per shape, over the
+    static cache's fixed tensors). A trunk is compiled once: a second call with a known ``mode``
+    returns ``model`` as the first call compiled it.
 
     Raises:
-        ValueError: a model without ``get_decoder`` (not a HF causal LM), or with the fast CPU
-            kernels applied (``space.cpu_kernels``: inductor cannot lower oneDNN's prepacked
-            linears; it packs the stock ones itself), or an unknown ``mode``.
+        ValueError: a model without ``get_decoder`` (not a HF causal LM), or, in the default mode,
+            whose trunk has no ``layers`` ModuleList; the fast CPU kernels applied
+            (``space.cpu_kernels``: inductor cannot lower oneDNN's prepacked linears; it packs the
+            stock ones itself); an unknown ``mode``.
     """
     if mode not in (None, *COMPILE_MODES):
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {COMPILE_MODES}")
@@ -61,30 +72,78 @@ def compile_trunk(model, mode: str | None = None):
     if any(isinstance(m, PackedLinear) for m in trunk.modules()):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
-    if not is_compiled(base):
-        forward = trunk.forward
-
-        def with_mask_rows(start: int | None, *args, **kwargs):
-            with mask_rows(start):
-                return forward(*args, **kwargs)
-
-        # dynamic=True: the row count, the slot count and the first mask row are symbolic from the
-        # first graph, so a new prompt, bucket or tree reuses it instead of compiling a specialized
-        # graph and then a dynamic one
-        graph = torch.compile(with_mask_rows, mode=None if mode == "default" else mode, dynamic=True)
-
-        def compiled_forward(*args, **kwargs):
-            start = mask_rows_start()
-            with mask_rows(None):  # cleared around the graph: only its argument says where masks start
-                return graph(start, *args, **kwargs)
-
-        compiled_forward.graph = graph
-        trunk.forward = compiled_forward
-        # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
-        # transformers' generate (PLD, HF) all call it (another set of arguments each, static and
-        # dynamic variants); past the limit it would run eagerly without a word
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if is_compiled(base):
+        return model
+    if mode == "reduce-overhead":
+        trunk.forward = _compiled_call(torch.compile(_in_mask_rows, mode=mode, dynamic=True), trunk.forward)
+    elif not isinstance(getattr(trunk, "layers", None), torch.nn.ModuleList):
+        raise ValueError(f"compile_trunk compiles the decoder layers of a trunk's `layers` ModuleList; "
+                         f"{type(trunk).__name__} has none")
+    else:
+        # one compiled function for every layer, the layer an argument: dynamo inlines nn modules,
+        # so a layer's parameters are graph inputs and every layer of a shape reuses its graph
+        graph = torch.compile(_in_mask_rows, dynamic=True)
+        for index, layer in enumerate(trunk.layers):
+            layer.forward = _compiled_call(graph, type(layer).forward.__get__(layer), index)
+    # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
+    # transformers' generate (PLD, HF) all call it (another set of arguments each, static and
+    # dynamic variants); past the limit it would run eagerly without a word
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return model
+
+
+def _compiled_call(graph, forward, layer_index: int | None = None):
+    """A forward that runs ``forward`` through ``graph`` (``_in_mask_rows`` compiled), with the
+    first mask row (:func:`space.masking.mask_rows_start`) an argument: read inside the graph, each
+    value was a guard and a graph of its own. ``dynamic=True`` makes it symbolic from the first
+    graph, as the row and slot counts, so a new prompt, bucket or tree reuses the graph instead of
+    compiling a specialized one and then a dynamic one.
+
+    A decoder layer's forward (``layer_index`` given) gets its own entry of the KV cache
+    (:class:`_LayerCache`), and runs eagerly while that entry holds nothing yet: a prompt's
+    prefill (transformers' ``generate`` for PLD, whose prefill no ``eager()`` wraps), whose
+    graph would be one more to compile for a forward that runs once per prompt. (So does a layer
+    of a cache that offloads, whose ``update`` moves the layers between devices.)"""
+
+    def compiled_forward(*args, **kwargs):
+        if layer_index is not None and kwargs.get(CACHE_ARG) is not None:
+            entry = _cache_entry(kwargs[CACHE_ARG], layer_index)
+            if entry is None:
+                return forward(*args, **kwargs)
+            kwargs[CACHE_ARG] = _LayerCache(entry)
+        start = mask_rows_start()
+        with mask_rows(None):  # cleared around the graph: only its argument says where masks start
+            return graph(start, forward, *args, **kwargs)
+
+    compiled_forward.graph = graph
+    return compiled_forward
+
+
+def _in_mask_rows(start: int | None, forward, *args, **kwargs):
+    with mask_rows(start):
+        return forward(*args, **kwargs)
+
+
+def _cache_entry(cache, index: int):
+    """Layer ``index``'s entry of a transformers ``Cache`` once it holds tokens, else None (not
+    written yet, or a cache that offloads its layers)."""
+    layers = getattr(cache, "layers", ())
+    if index >= len(layers) or getattr(cache, "offloading", False) or not layers[index].is_initialized:
+        return None
+    return layers[index]
+
+
+class _LayerCache:
+    """A transformers ``Cache`` as one decoder layer's attention uses it: ``update`` writes the
+    layer's own entry, whatever layer index the modeling code passes. The index is what differs
+    between the layers' calls: read in the graph, it was a guard, and every layer compiled a graph
+    of its own."""
+
+    def __init__(self, entry):
+        self.entry = entry
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.entry.update(key_states, value_states, *args, **kwargs)
 
 
 def eager():
@@ -97,4 +156,5 @@ def is_compiled(model) -> bool:
     """Whether ``model``'s trunk was compiled by :func:`compile_trunk`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     trunk = base.get_decoder() if hasattr(base, "get_decoder") else base
-    return hasattr(getattr(trunk.forward, "graph", None), "_torchdynamo_orig_callable")
+    layers = getattr(trunk, "layers", None) or ()
+    return any(hasattr(getattr(m.forward, "graph", None), "_torchdynamo_orig_callable") for m in (trunk, *layers[:1]))
