@@ -196,9 +196,12 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     """
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
+    # a Python bool under torch.compile too (space.decoding.compiled): the comparison of two symbolic
+    # head counts is a SymBool, which SDPA refuses, and a branch on it is a guard
+    grouped = True if key.shape[1] != query.shape[1] else False
     out = nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
-        enable_gqa=key.shape[1] != query.shape[1])
+        enable_gqa=grouped)
     return out.transpose(1, 2).contiguous(), None
 
 
