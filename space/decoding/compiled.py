@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..choices import COMPILE_MODES
-from ..cpu_kernels import PackedLinear
+from ..cpu_kernels import SDPA_GQA, PackedLinear, register_attention
 from ..masking import mask_rows, mask_rows_start
 from .cache import CACHE_ARG
 
@@ -74,6 +74,11 @@ def compile_trunk(model, mode: str | None = None):
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
     if is_compiled(base):
         return model
+    if next(trunk.parameters()).device.type == "cpu" and base.config._attn_implementation == "sdpa":
+        # grouped-query attention without repeat_kv's copy of the cache in every layer, as the eager
+        # fused trunk attends (space.decoding.fused.fuse_trunk): AR's step 0.86x the time with it
+        register_attention()
+        base.set_attn_implementation(SDPA_GQA)
     if mode == "reduce-overhead":
         trunk.forward = _compiled_call(torch.compile(_in_mask_rows, mode=mode, dynamic=True), trunk.forward)
     elif not isinstance(getattr(trunk, "layers", None), torch.nn.ModuleList):
