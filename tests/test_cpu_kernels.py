@@ -35,6 +35,31 @@ def test_packed_linear_matches_f_linear_and_ignores_row_count(bias):
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
 
 
+def test_packed_linear_few_rows_with_extra_take_the_stock_path():
+    """``forward_extra`` at most ``stock_rows`` rows runs stock ``F.linear`` on ``[W; extra]``, as
+    ``forward`` runs it on W: a 2-row step with a mask row took oneDNN while one without took MKL,
+    and the adapter cost measured on SmolLM2 was that kernel gap (28 ms, not ~6). The stacked
+    weight is a view when extra's rows follow W's (``GatedLoraLinear``'s layout), not a copy."""
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(96, 80)
+    both = torch.cat([lin.weight.detach(), torch.randn(16, 96, generator=gen)])
+    lin.weight = nn.Parameter(both[:80], requires_grad=False)
+    bias = torch.cat([lin.bias.detach(), torch.zeros(16)])
+    packed = PackedLinear(lin, extra=both[80:], stock_rows=2)
+    assert packed.stacked.data_ptr() == both.data_ptr() and packed.stacked.shape == both.shape
+    separate = PackedLinear(lin, extra=both[80:].clone(), stock_rows=2)
+    assert torch.equal(separate.stacked, both) and separate.stacked.data_ptr() != both.data_ptr()
+    with torch.no_grad():
+        for rows in (1, 2):
+            x = torch.randn(1, rows, 96, generator=gen)
+            y, xa = packed.forward_extra(x)
+            stock = nn.functional.linear(x, both, bias)
+            assert torch.equal(y, stock[..., :80]) and torch.equal(xa, stock[..., 80:])
+        x = torch.randn(1, 5, 96, generator=gen)
+        y, xa = packed.forward_extra(x)  # above stock_rows: oneDNN, W and extra in one call
+        assert torch.allclose(y, lin(x), atol=1e-5) and torch.allclose(xa, x @ both[80:].T, atol=1e-5)
+
+
 def test_kernels_flag(tiny):
     model, _, _ = tiny
     stock, fast = copy.deepcopy(model), copy.deepcopy(model)
@@ -112,7 +137,8 @@ def test_packed_frozen_base_equals_unpacked():
 
 def test_stock_rows_take_f_linear_and_more_rows_take_onednn():
     """Issue 43: a PackedLinear calls MKL's stock path up to ``stock_rows`` rows (where it is
-    faster on some CPUs) and oneDNN above; each path gives exactly what it gives alone."""
+    faster on some CPUs) and oneDNN above, the LoRA path (``forward_extra``) too; each path gives
+    exactly what it gives alone."""
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(96, 80)
     extra = torch.randn(16, 96, generator=gen)
@@ -122,7 +148,9 @@ def test_stock_rows_take_f_linear_and_more_rows_take_onednn():
             x = torch.randn(1, rows, 96, generator=gen)
             want = lin(x) if rows <= 2 else always(x)
             assert torch.equal(mixed(x), want), rows
-            assert torch.equal(mixed.forward_extra(x)[0], always.forward_extra(x)[0])  # the LoRA path: oneDNN
+            stacked = nn.functional.linear(x, torch.cat([lin.weight, extra]), torch.cat([lin.bias, torch.zeros(16)]))
+            want_extra = stacked[..., :80] if rows <= 2 else always.forward_extra(x)[0]
+            assert torch.equal(mixed.forward_extra(x)[0], want_extra), rows
 
 
 def test_choose_stock_rows_is_recorded(tiny):

@@ -42,6 +42,7 @@ from ..choices import COMPILE_MODES
 from ..cpu_kernels import SDPA_GQA, PackedLinear, register_attention
 from ..masking import mask_rows, mask_rows_start
 from .cache import CACHE_ARG
+from .fused import SharedProjection
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 
@@ -61,7 +62,9 @@ def compile_trunk(model, mode: str | None = None):
         ValueError: a model without ``get_decoder`` (not a HF causal LM), or, in the default mode,
             whose trunk has no ``layers`` ModuleList; the fast CPU kernels applied
             (``space.cpu_kernels``: inductor cannot lower oneDNN's prepacked linears; it packs the
-            stock ones itself); an unknown ``mode``.
+            stock ones itself); the fused trunk (``space.decoding.fused``: its groups keep their
+            GEMM's outputs between member calls, module state no graph may hold; load with
+            ``load_space(compile=...)``, which leaves the trunk unfused); an unknown ``mode``.
     """
     if mode not in (None, *COMPILE_MODES):
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {COMPILE_MODES}")
@@ -72,6 +75,9 @@ def compile_trunk(model, mode: str | None = None):
     if any(isinstance(m, PackedLinear) for m in trunk.modules()):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
+    if any(isinstance(m, SharedProjection) for m in trunk.modules()):
+        raise ValueError("compile_trunk needs an unfused trunk: the fused trunk's groups keep their GEMM's outputs "
+                         "as module state; load with load_space(compile=...), which leaves the trunk unfused")
     if is_compiled(base):
         return model
     if next(trunk.parameters()).device.type == "cpu" and base.config._attn_implementation == "sdpa":

@@ -61,6 +61,18 @@ def test_compile_refuses_the_fast_cpu_kernels():
         load_space("tiny-random-llama", mask_num=3, kernels="fast", compile=True)
 
 
+def test_compile_refuses_the_fused_trunk():
+    """The fused trunk's groups keep their GEMM's outputs between member calls (module state): an
+    eager ``load_space`` fuses, and compiling that trunk must be refused, not traced."""
+    from space.loader import load_space
+
+    model, _, _ = load_space("tiny-random-llama", mask_num=3)
+    assert model.space_trunk["fused_groups"]
+    with pytest.raises(ValueError, match="unfused trunk"):
+        compile_trunk(model)
+    assert not is_compiled(model)
+
+
 def test_space_eval_compile_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
     """``space-eval --compile``: every method runs over the compiled trunk in few graphs, SPACE stays
     exact, the run records it and says when it compiles, and a rerun without it refuses to mix the
