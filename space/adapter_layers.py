@@ -157,8 +157,16 @@ class GatedLoraLinear(nn.Module):
 
 def _load_lora_state(module: GatedLoraLinear, state: dict, prefix: str, *_args) -> None:
     """Load a :class:`GatedLoraLinear`'s ``lora_a`` and ``lora_b`` entries into its packed tensors
-    (views there, not parameters); an entry the state lacks leaves its tensor as it is. With the
-    CPU kernels (a ``PackedLinear`` base) the oneDNN copy is not repacked: load before packing."""
+    (views there, not parameters); an entry the state lacks leaves its tensor as it is.
+
+    Raises:
+        ValueError: the CPU kernels packed the layer (a ``PackedLinear`` base holding A): their
+            oneDNN copy of W and A would keep the old weights while the few-row stock path read
+            the new ones. Load before ``space.cpu_kernels.apply_kernels``.
+    """
+    if getattr(module.base, "extra_out", 0):
+        raise ValueError(f"{prefix or 'this layer'}: load the LoRA state before the CPU kernels pack it "
+                         "(their oneDNN copy of W and A is not repacked); apply_kernels after loading")
     with torch.no_grad():
         if prefix + "lora_a" in state:
             module.packed[module.base.out_features:] = state.pop(prefix + "lora_a")

@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
         extra: optional (r, in) rows packed below W, e.g. a LoRA ``A``: one kernel call then gives
             ``x W^T`` and ``x extra^T`` together (:meth:`forward_extra`). oneDNN computes each output
             column on its own, so the W columns are bit-identical with or without the extra rows
-            (``tests/test_packed_linear.py`` checks it).
+            (``tests/test_cpu_kernels.py`` checks it).
 
         stock_rows: calls of at most this many rows take stock ``F.linear`` (MKL's matrix-vector
             or small-matrix path): :meth:`forward` on W alone, :meth:`forward_extra` on W and
@@ -69,7 +69,9 @@ class PackedLinear(nn.Module):
     The stacked ``[W; extra]`` that the stock path of :meth:`forward_extra` reads is a view when
     ``extra``'s rows follow W's in memory (``GatedLoraLinear`` keeps them so), else a copy. Without
     it a 2-row step with a mask row took oneDNN and one without took MKL: on SmolLM2 at 2 threads
-    the measured adapter cost (``space.eval.tree_search.adapter_cost``) was 28 ms instead of ~6.
+    the measured adapter cost (``space.eval.tree_search.adapter_cost``) was 28 ms instead of ~8. Only a
+    view is kept when ``stock_rows`` is 0 (nothing reads it then). ``stock_rows`` is timed on W alone
+    (:func:`choose_stock_rows`); the stacked GEMM is r rows taller, which moved no crossover here.
 
     Raises:
         ValueError: the linear is not fp32 on CPU, or this torch build lacks the oneDNN ops.
@@ -87,8 +89,8 @@ class PackedLinear(nn.Module):
         self.weight, self.bias = w, linear.bias
         self.extra_out = 0 if extra is None else extra.shape[0]
         with torch.no_grad():
-            full = w.detach() if extra is None else _stacked(w.detach(), extra.detach().to(w.dtype))
-            self.stacked = None if extra is None else full
+            full, is_view = (w.detach(), False) if extra is None else _stacked(w.detach(), extra.detach().to(w.dtype))
+            self.stacked = full if extra is not None and (is_view or stock_rows > 0) else None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(full)
             bias = None if linear.bias is None else linear.bias.detach()
             if bias is not None and self.extra_out:
@@ -114,14 +116,16 @@ class PackedLinear(nn.Module):
         return y[..., : self.out_features], y[..., self.out_features:]
 
 
-def _stacked(w: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-    """``[w; extra]`` (out + r, in): a view of their storage when extra's rows directly follow w's
-    (no second copy of W), else a new tensor."""
-    adjacent = (w.is_contiguous() and extra.is_contiguous() and w.untyped_storage().data_ptr() == extra.untyped_storage().data_ptr()
+def _stacked(w: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``([w; extra] (out + r, in), is_view)``: a view of their storage when extra's rows directly
+    follow w's (no second copy of W), else a new tensor."""
+    rows, cols = w.shape
+    adjacent = (extra.dim() == 2 and extra.shape[1] == cols and w.stride() == (cols, 1) and extra.stride() == (cols, 1)
+                and w.untyped_storage().data_ptr() == extra.untyped_storage().data_ptr()
                 and extra.data_ptr() == w.data_ptr() + w.numel() * w.element_size())
     if adjacent:
-        return w.as_strided((w.shape[0] + extra.shape[0], w.shape[1]), w.stride())
-    return torch.cat([w, extra])
+        return w.as_strided((rows + extra.shape[0], cols), (cols, 1)), True
+    return torch.cat([w, extra]), False
 
 
 def _median_us(fn, repeats: int) -> float:

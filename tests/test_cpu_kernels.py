@@ -38,7 +38,7 @@ def test_packed_linear_matches_f_linear_and_ignores_row_count(bias):
 def test_packed_linear_few_rows_with_extra_take_the_stock_path():
     """``forward_extra`` at most ``stock_rows`` rows runs stock ``F.linear`` on ``[W; extra]``, as
     ``forward`` runs it on W: a 2-row step with a mask row took oneDNN while one without took MKL,
-    and the adapter cost measured on SmolLM2 was that kernel gap (28 ms, not ~6). The stacked
+    and the adapter cost measured on SmolLM2 was that kernel gap (28 ms, not ~8). The stacked
     weight is a view when extra's rows follow W's (``GatedLoraLinear``'s layout), not a copy."""
     gen = torch.Generator().manual_seed(1)
     lin = nn.Linear(96, 80)
@@ -49,6 +49,14 @@ def test_packed_linear_few_rows_with_extra_take_the_stock_path():
     assert packed.stacked.data_ptr() == both.data_ptr() and packed.stacked.shape == both.shape
     separate = PackedLinear(lin, extra=both[80:].clone(), stock_rows=2)
     assert torch.equal(separate.stacked, both) and separate.stacked.data_ptr() != both.data_ptr()
+    assert PackedLinear(lin, extra=both[80:].clone()).stacked is None  # a copy nothing reads is not kept
+    onednn = packed._all
+
+    def only_above_stock_rows(x):
+        assert x.numel() > packed.stock_rows * packed.in_features, "a few-row call took oneDNN"
+        return onednn(x)
+
+    packed._all = only_above_stock_rows  # the routing, whether or not the two kernels round alike
     with torch.no_grad():
         for rows in (1, 2):
             x = torch.randn(1, rows, 96, generator=gen)
@@ -58,6 +66,23 @@ def test_packed_linear_few_rows_with_extra_take_the_stock_path():
         x = torch.randn(1, 5, 96, generator=gen)
         y, xa = packed.forward_extra(x)  # above stock_rows: oneDNN, W and extra in one call
         assert torch.allclose(y, lin(x), atol=1e-5) and torch.allclose(xa, x @ both[80:].T, atol=1e-5)
+
+
+def test_packed_gated_lora_shares_its_weights_and_refuses_a_later_load():
+    """``pack_linears`` on a ``GatedLoraLinear``: the stock path's ``[W; A]`` is the layer's own packed
+    tensor (W is not held twice), and loading a LoRA state afterwards is refused, since the oneDNN
+    copy would keep the old A while the few-row path read the new one."""
+    from space.adapter_layers import GatedLoraLinear
+    from space.cpu_kernels import pack_linears
+
+    gen = torch.Generator().manual_seed(2)
+    layer = nn.Sequential(GatedLoraLinear(nn.Linear(64, 48), torch.randn(8, 64, generator=gen), torch.randn(48, 8, generator=gen)))
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert pack_linears(layer)[0] == 1
+    gated = layer[0]
+    assert isinstance(gated.base, PackedLinear) and gated.base.stacked.data_ptr() == gated.packed.data_ptr()
+    with pytest.raises(ValueError, match="before the CPU kernels"):
+        layer.load_state_dict(state)
 
 
 def test_kernels_flag(tiny):

@@ -42,7 +42,6 @@ from ..choices import COMPILE_MODES
 from ..cpu_kernels import SDPA_GQA, PackedLinear, register_attention
 from ..masking import mask_rows, mask_rows_start
 from .cache import CACHE_ARG
-from .fused import SharedProjection
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 
@@ -72,12 +71,15 @@ def compile_trunk(model, mode: str | None = None):
     if not hasattr(base, "get_decoder"):
         raise ValueError(f"compile_trunk needs a HF causal LM with get_decoder(), got {type(base).__name__}")
     trunk = base.get_decoder()
+    from .fused import SharedProjection  # here, not at import: fused imports the adapter layers (peft)
+
+    if any(isinstance(m, SharedProjection) for m in trunk.modules()):
+        raise ValueError("compile_trunk needs an unfused trunk with the stock kernels: the fused trunk's groups keep "
+                         "their GEMM's outputs as module state; load with load_space(compile=...), which loads it "
+                         "unfused")
     if any(isinstance(m, PackedLinear) for m in trunk.modules()):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
                          "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
-    if any(isinstance(m, SharedProjection) for m in trunk.modules()):
-        raise ValueError("compile_trunk needs an unfused trunk: the fused trunk's groups keep their GEMM's outputs "
-                         "as module state; load with load_space(compile=...), which leaves the trunk unfused")
     if is_compiled(base):
         return model
     if next(trunk.parameters()).device.type == "cpu" and base.config._attn_implementation == "sdpa":
