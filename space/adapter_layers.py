@@ -90,7 +90,9 @@ class GatedLoraLinear(nn.Module):
     ``space.masking.mask_rows_start()`` on (the layout puts mask groups last); the update runs on
     those rows only, so real rows get the base linear's output and no LoRA term. Outside a
     ``mask_rows`` block (AR, HF ``generate``), or when the call holds no mask row, the layer is
-    the base alone and costs what the base costs. (With the CPU kernels' per-row-count paths, a
+    the base alone and costs what the base costs. Under a gate tensor instead of a start (a
+    captured decode step, ``space.decoding.graphs``; batch 1) every row's update is computed and
+    multiplied by its gate, 0 or 1. (With the CPU kernels' per-row-count paths, a
     few-row call may take MKL and a many-row call oneDNN: the same weights, equal to fp32
     rounding, ``space.cpu_kernels``.)
 
@@ -140,7 +142,8 @@ class GatedLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = mask_rows_start()
-        if s is None or s >= x.shape[-2]:  # no mask row (AR, HF generate, a block of real rows): the base alone
+        gate = s if isinstance(s, torch.Tensor) else None  # a captured step's (rows, 1) gate
+        if s is None or (gate is None and s >= x.shape[-2]):  # no mask row (AR, HF generate, real rows): the base alone
             return self.base(x)
         out = self.base.out_features
         if getattr(self.base, "extra_out", 0):  # the CPU kernels' oneDNN-packed W and A
@@ -148,7 +151,9 @@ class GatedLoraLinear(nn.Module):
         else:  # x W^T and x A^T in one GEMM
             both = nn.functional.linear(x, self.packed, self.packed_bias)
             y, xa = both[..., :out], both[..., out:]
-        if x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
+        if gate is not None:  # a decode step's every row times the gate: one graph for every first mask row
+            y[0].addmm_(xa[0] * gate, self.lora_bt)
+        elif x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
             y[0, s:].addmm_(xa[0, s:], self.lora_bt)
         else:
             y[:, s:] += xa[:, s:] @ self.lora_bt
@@ -214,6 +219,8 @@ def _gate_lora(model) -> None:
     ``mask_rows_start()`` get exactly zero, and outside a ``mask_rows`` block every row does."""
     def hook(module, args, out):
         s = mask_rows_start()
+        if isinstance(s, torch.Tensor):  # a captured decode step's gate (space.masking.mask_rows)
+            return out * s
         if s is None:
             return out * 0.0  # keeps the graph: the trainable weights still get (zero) gradients
         if s == 0:

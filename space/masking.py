@@ -443,7 +443,7 @@ _ROWS = threading.local()  # per thread: a plain attribute read, which torch.com
 
 
 @contextmanager
-def mask_rows(start: int | None) -> Iterator[None]:
+def mask_rows(start: int | torch.Tensor | None) -> Iterator[None]:
     """Declare that the model calls inside this block feed mask rows from row ``start`` on
     (None: no mask row, a plain forward, as outside any block).
 
@@ -457,10 +457,18 @@ def mask_rows(start: int | None) -> Iterator[None]:
     read it, never write it: no module keeps per-call state (STYLE.md item 13). A compiled trunk
     (``space.decoding.compiled``) takes it as an argument and re-enters the block inside its graph.
 
+    A captured step (``space.decoding.graphs``) passes a gate instead: a (rows, 1) tensor on the
+    device, in the activations' dtype, 1 on mask rows and 0 elsewhere, so that one CUDA graph
+    serves every first mask row (an integer would be frozen into it). The LoRA then runs on every
+    row and is multiplied by the gate: a real row gets an exact ``+ 0``.
+
     Raises:
-        ValueError: start < 0.
+        ValueError: an integer start < 0; a gate that is not (rows, 1).
     """
-    if start is not None and start < 0:
+    if isinstance(start, torch.Tensor):
+        if start.dim() != 2 or start.shape[1] != 1:
+            raise ValueError(f"a mask-row gate is a (rows, 1) tensor, got shape {tuple(start.shape)}")
+    elif start is not None and start < 0:
         raise ValueError(f"mask rows start at a row >= 0, got {start}")
     previous = getattr(_ROWS, "start", None)
     _ROWS.start = start
@@ -470,8 +478,9 @@ def mask_rows(start: int | None) -> Iterator[None]:
         _ROWS.start = previous
 
 
-def mask_rows_start() -> int | None:
-    """The first mask row of the current :func:`mask_rows` block, None outside one."""
+def mask_rows_start() -> int | torch.Tensor | None:
+    """The first mask row of the current :func:`mask_rows` block (or its gate tensor), None
+    outside one."""
     return getattr(_ROWS, "start", None)
 
 

@@ -190,6 +190,40 @@ def test_compiled_trunk_exact_on_cuda(on_gpu, mode):
         print(f"cuda compiled ({mode or 'default'}) {layout}: exact, {tokens / steps:.2f} tokens/step")
 
 
+def test_captured_steps_exact_on_cuda(on_gpu):
+    """Issue 58, item 4: SPACE over captured steps (one CUDA graph per row bucket,
+    ``space.decoding.graphs``) equals AR over the same graphs and eager AR in fp32, at high
+    acceptance (tree paths move inside the static cache); the graphs are one per bucket and kind,
+    captured once, and a second generation replays them."""
+    from space.decoding.graphs import StepGraphs
+
+    model, _, spec, lang = on_gpu
+    graphs = StepGraphs(model, slots=160, max_rows=32)
+    print(f"cuda captured: {len(graphs.sizes) + 1} graphs in {graphs.capture():.2f} s")
+    made = graphs.num_graphs
+    assert made == len(graphs.sizes) + 1
+    for layout in ("chain", "static tree", "lookup", "dynamic"):
+        dec = SpaceDecoder(model, spec, LAYOUTS[layout], graphs=graphs)
+        steps = tokens = 0
+        for i in range(3):
+            prompt = torch.tensor(lang.sample(6 + 5 * i))
+            truth = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids).new_ids
+            assert ar_generate(model, prompt, 40, suppress_ids=spec.token_ids, graphs=graphs).new_ids == truth
+            out = dec.generate(prompt, 40)
+            assert out.new_ids == truth, (layout, i)
+            steps, tokens = steps + out.num_steps, tokens + len(out.new_ids)
+        print(f"cuda captured {layout}: exact, {tokens / steps:.2f} tokens/step")
+    assert graphs.num_graphs == made  # every block was a bucket already captured
+
+
+def test_captured_frozen_base_gate_on_cuda():
+    """The frozen-base LoRA's gate inside a graph: replayed with other first mask rows, a captured
+    step gives what the eager step gives (mask rows with their update, real rows without)."""
+    from tests.decoding.test_graphs import test_the_gate_gives_mask_rows_their_lora_and_real_rows_none as on_cpu
+
+    on_cpu(fused=True, device="cuda")
+
+
 def test_shipped_adapter_exact_on_cuda():
     """The shipped adapter on the real SmolLM2, fp32 on the GPU: SPACE == AR on 2 HumanEval prompts."""
     from space.data.prompts import chat_ids, code_prompt

@@ -18,7 +18,7 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
                 stop_token_ids: Iterable[int] = (), suppress_ids: Iterable[int] = (),
                 on_tokens: Callable[[list[int]], None] | None = None,
                 logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                static_cache: bool | None = None) -> DecodeResult:
+                static_cache: bool | None = None, graphs=None) -> DecodeResult:
     """Greedy or sampled generation, one token per forward pass, LM head on 1 row.
 
     Args:
@@ -37,9 +37,12 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
             in place where ``DynamicCache`` concatenates the whole cache in every layer), else
             (a device map, a sliding window) transformers' ``DynamicCache``; None: static when the
             trunk is compiled (``compiled.compile_trunk``), as ``SpaceDecoder`` decides.
+        graphs: run each step's trunk through captured steps (``graphs.StepGraphs``: a CUDA
+            graph of one row on a GPU), over their static cache, the LM head after it, as
+            ``SpaceDecoder(graphs=...)`` does. None: the model's forward.
 
     Raises:
-        ValueError: see ``check_prompt``.
+        ValueError: see ``check_prompt``; a prompt and max_new_tokens that overflow ``graphs``'s cache.
     """
     ids = check_prompt(input_ids, max_new_tokens, model.config.max_position_embeddings)
     device = model.device
@@ -47,17 +50,25 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
     gen = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     slots = ids.numel() + max_new_tokens
-    if is_compiled(model) if static_cache is None else static_cache:
+    if graphs is not None:
+        graphs.check_fits(slots, 1)
+        graphs.reset()
+        cache, head = graphs.cache, model.get_output_embeddings()
+    elif is_compiled(model) if static_cache is None else static_cache:
         cache = preallocated(model.config.num_hidden_layers, slots)
     elif len({p.device for p in model.parameters()}) == 1 and set(attention_windows(model.config).values()) == {None}:
         cache = SlabCache(model.config.num_hidden_layers, slots)
     else:  # a sliding window needs transformers' own sliding layers here (AR builds no mask of its own)
         cache = DynamicCache(config=model.config)
-    step_in, seen = ids[None].to(device), None  # seen: every token so far, for logits_processor
+    step_in, seen, cached = ids[None].to(device), None, 0  # seen: every token so far, for logits_processor
     while True:
         t0 = clock(device)
-        with eager() if step_in.shape[1] > 1 else nullcontext():  # the prompt: as SpaceDecoder's prefill
-            logits = model(input_ids=step_in, **cache_input(cache), use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
+        if graphs is not None and step_in.shape[1] == 1:  # a captured step, then the head on its row
+            logits = head(graphs.step(step_in[0], None, None, cached, None))  # (1, vocab)
+        else:
+            with eager() if step_in.shape[1] > 1 else nullcontext():  # the prompt: as SpaceDecoder's prefill
+                logits = model(input_ids=step_in, **cache_input(cache), use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
+        cached += step_in.shape[1]  # tokens in the cache, counted on the host
         if suppress.numel():  # index_fill_, not logits[:, ids] = -inf: on CUDA that uploads the scalar (a sync)
             logits.index_fill_(1, suppress, float("-inf"))
         if logits_processor is not None:

@@ -354,19 +354,23 @@ class SpaceDecoder:
             pruned tree or a short lookup branch would otherwise make a new shape); None: when
             the trunk is compiled. The dynamic tree always pads to buckets. The same output
             either way; the records count the padding apart (``DecodeResult.step_padding``).
+        graphs: run each step's trunk forward through captured steps (``graphs.StepGraphs``, issue
+            58: one CUDA graph per row bucket on a GPU, the same buffers eagerly on the CPU), over
+            their static cache; implies ``static_cache`` and ``buckets``. None: the eager trunk.
 
     Raises:
         ValueError: k larger than the model's per-offset mask tokens (mask_diff), a tree rank at or
             above the vocabulary size, a model with attention layers other than full and
             sliding-window ones (``cache.attention_windows``), or a flash-attention model
-            (:func:`check_attention`: the step's 4-D mask needs ``sdpa`` or ``eager``).
+            (:func:`check_attention`: the step's 4-D mask needs ``sdpa`` or ``eager``); ``graphs``
+            whose buckets stop below this layout's rows.
 
     The step's additive mask takes the trunk's dtype (:func:`attention_dtype`, ``mask_dtype``), and
     the LM head's input is cast to the head's dtype, so an fp32 head on a bf16 trunk decodes.
     """
 
     def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None,
-                 static_cache: bool | None = None, buckets: bool | None = None):
+                 static_cache: bool | None = None, buckets: bool | None = None, graphs=None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_attention(base)
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
@@ -389,13 +393,17 @@ class SpaceDecoder:
         # R: drafts kept per mask
         self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
         self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
-        self.static_cache = is_compiled(base) if static_cache is None else static_cache
+        self.graphs = graphs  # a captured step's buffers and cache (space.decoding.graphs)
+        self.static_cache = graphs is not None or (is_compiled(base) if static_cache is None else static_cache)
         # an eager cache in one tensor (cache.SlabCache) needs every layer on one device (no device map)
         self.one_device = len({p.device for p in self.decoder.parameters()}) == 1
-        self.buckets = not self.dynamic and (is_compiled(base) if buckets is None else buckets)
+        self.buckets = not self.dynamic and (graphs is not None or (is_compiled(base) if buckets is None else buckets))
         self.max_rows = self.config.max_rows()
         if self.buckets:
             self.max_rows = bucket(self.max_rows, BUCKETS[-1])
+        if graphs is not None and self.max_rows > graphs.max_rows:
+            raise ValueError(f"this layout's steps reach {self.max_rows} rows; the captured steps go up to "
+                             f"{graphs.max_rows}: capture with max_rows >= {self.max_rows}")
         vocab = self.head.weight.shape[0]
         if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
@@ -454,9 +462,14 @@ class SpaceDecoder:
                              "the p/q rule, so it takes no planner: use greedy, a token tree or prompt lookup")
         planner = planner if planner is not None else self.planner()
         size = ids.numel() + max_new_tokens + self.max_rows  # the most tokens a generation caches
-        slots = size if self.static_cache else None
-        cache = (static_cache(len(self.decoder.layers), size) if self.static_cache
-                 else SlabCache(len(self.decoder.layers), size) if self.one_device else full_cache())
+        if self.graphs is not None:  # the captured steps' own cache, emptied
+            self.graphs.check_fits(ids.numel() + max_new_tokens, self.max_rows)
+            self.graphs.reset()
+            cache, slots = self.graphs.cache, self.graphs.slots
+        else:
+            slots = size if self.static_cache else None
+            cache = (static_cache(len(self.decoder.layers), size) if self.static_cache
+                     else SlabCache(len(self.decoder.layers), size) if self.one_device else full_cache())
         L = ids.numel() - 1  # tokens cached (x_0..x_{n-2}), counted on the host
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup or logits_processor is not None else None
@@ -585,7 +598,10 @@ class SpaceDecoder:
                              f"cache's {slots} slots (sized for {self.max_rows} rows per step)")
         block = torch.cat([last, tokens, lay.mask_ids])
         # 2. one forward; the LM head on the verification rows (on every row, when that wastes few)
-        hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows, slots), cache, n1)
+        if self.graphs is not None:  # a captured step: the layout's own tensors go into its buffers
+            hidden = self.graphs.step(block, lay.position_ids, lay.block_mask, L, n1)
+        else:
+            hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows, slots), cache, n1)
         logits, target = self._head_rows(hidden, lay)
         # 3. each verification row scored as AR would score it (a processor sees the row's context)
         host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None

@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the model's trunk for every method, with preallocated KV caches for SPACE and "
                         "AR (space/decoding/compiled.py, issue 43); the first generations of each shape compile. "
                         "reduce-overhead: with CUDA graphs, on a GPU (results/gpu_compiled)")
+    p.add_argument("--capture", action="store_true",
+                   help="replay each SPACE and AR step's trunk from CUDA graphs captured at load, one per row bucket, "
+                        "over one preallocated KV cache (space/decoding/graphs.py, issue 58); pays on a GPU, where an "
+                        "eager step is launch-bound. On a CPU the same buffers run eagerly (no gain). hf and pld stay "
+                        "transformers' eager generate")
+    p.add_argument("--capture-len", type=int, default=None, metavar="N",
+                   help="with --capture: KV-cache slots every step attends over; prompt + new tokens + a step's rows "
+                        "must fit (default: the model's context, at most 4096)")
     add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
@@ -104,8 +112,9 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
             unknown dtype, kernels or device (space.cli.check_device), a CUDA/MPS device this torch
             cannot use (in the device map too), a bad device map, a --tree or --device-map file that
             is not UTF-8, a device map shared by several torchrun processes of one node that have
-            GPUs, ``--compile reduce-overhead`` without a CUDA device (loader.check_compile), or
-            ``--out`` that is a file.
+            GPUs, ``--compile reduce-overhead`` without a CUDA device (loader.check_compile),
+            ``--capture`` with ``--compile`` or ``--device-map``, ``--capture-len`` < 1 or without
+            ``--capture``, or ``--out`` that is a file.
     """
     import torch  # lazy: --help stays fast
 
@@ -133,6 +142,12 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         args.kernels = "stock" if args.compile else "fast"
     if args.kernels not in KERNEL_CHOICES:
         raise ValueError(f"unknown --kernels {args.kernels!r}; choose one of {KERNEL_CHOICES}")
+    if args.capture and (args.compile or args.device_map is not None):
+        raise ValueError("--capture records the eager trunk on one device: drop --compile and --device-map")
+    if args.capture_len is not None:
+        if not args.capture:
+            raise ValueError("--capture-len sizes the captured steps' cache: it needs --capture")
+        check_number("--capture-len", args.capture_len, 1)
     if args.compile and args.kernels != "stock":  # inductor cannot lower oneDNN's prepacked linears
         raise ValueError(f"--compile takes --kernels stock (torch.compile packs the linears itself), got "
                          f"--kernels {args.kernels}")
@@ -273,7 +288,17 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
                             tree=tree_flag(args.tree, args.mask_num))
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "")
-    decoder = SpaceDecoder(model, spec, decode)
+    graphs = capture = None
+    if args.capture:  # one graph per row bucket (on a GPU), ready before the first question
+        from ..decoding.graphs import StepGraphs
+
+        slots = args.capture_len or min(model.config.max_position_embeddings, 4096)
+        graphs = StepGraphs(model, slots, SpaceDecoder(model, spec, decode, buckets=True).max_rows)
+        seconds = graphs.capture()
+        capture = {"slots": slots, "graphs": graphs.num_graphs, "ready_s": round(seconds, 2)}
+        print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets in "
+              f"{seconds:.1f} s")
+    decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
     from .tree_search import step_cost_mismatch, trunk_of
 
     trunk = trunk_of(model)
@@ -301,6 +326,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "device_flag": getattr(args, "device_requested", args.device), "device_map": args.device_map,
             "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
             "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
+            "capture": capture and capture["slots"], "capture_ready": capture,  # captured steps (issue 58)
             "trunk": getattr(model, "space_trunk", None),  # fused groups and attention (space.decoding.fused)
             "sdpa": getattr(model, "space_sdpa", None),  # the attention backend chosen at load (space.decoding.backends)
             "machine": machine(devices[0]),
@@ -310,7 +336,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                          "questions": [t.question_id for t in mine]}
     check_resume(out, meta, shard)
     samples = out / (shard.samples if shard else "samples.jsonl")
-    records = run_bench(Target(model, tok, spec, decoder), mine, methods, samples, args.max_new_tokens, sampling,
+    records = run_bench(Target(model, tok, spec, decoder, graphs), mine, methods, samples, args.max_new_tokens, sampling,
                         args.num_samples)
     if shard:
         wait_for_all(shard)

@@ -38,12 +38,14 @@ class Target:
         tokenizer: its tokenizer.
         mask: its MaskSpec.
         decoder: the SpaceDecoder (mask_num, num_groups).
+        graphs: the captured steps SPACE and AR run through (``space.decoding.graphs``), or None.
     """
 
     model: object
     tokenizer: object
     mask: MaskSpec
     decoder: SpaceDecoder
+    graphs: object = None
 
     @property
     def stop_ids(self) -> list[int]:
@@ -71,7 +73,8 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
     prompt = torch.tensor(ids)
     if method in ("space", "ar"):
         r = (target.decoder.generate(prompt, max_new_tokens, sampling, target.stop_ids) if method == "space"
-             else ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids))
+             else ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids,
+                              graphs=target.graphs))
         return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths,
                 "step_tokens": r.step_tokens if method == "space" else [], "candidates": r.step_candidates,
                 "rows": r.step_rows, "padding": r.step_padding, "host_ms": [round(x * 1e3, 3) for x in r.step_host],

@@ -1,0 +1,251 @@
+"""Captured decode steps (issue 58, item 4): the trunk's forward replayed from one CUDA graph per
+row bucket, over one preallocated KV cache, for SPACE and the AR baseline alike.
+
+On a GPU an eager step of a small model is launch-bound: SmolLM2's AR step keeps the GPU busy
+about 2 ms of 22 (issue 58). A CUDA graph records the step's kernels once and replays them with
+one launch. Captured from the eager trunk with ``torch.cuda.graph`` (gpt-fast's pattern), it needs
+no compiler, so every bucket is ready in seconds, where ``torch.compile``'s whole-trunk graph did
+not finish its first prompt in 300 s (``results/gpu_compiled``).
+
+What a graph fixes, and how a step fits it:
+
+* **Shapes.** One graph per row count: a step's block is padded to a bucket (``dynamic.bucket``,
+  the sizes up to the decoder's row budget), and the cache is one ``cache.static_cache`` of
+  ``slots`` slots that every step attends over whole (the 4-D mask hides the slots past the
+  block), kept from one generation to the next (:meth:`StepGraphs.reset` only sets its lengths
+  to 0; stale slots are always masked).
+* **Addresses.** The inputs are fixed buffers (:class:`_Inputs`): ids, position ids, the mask and
+  the mask-row gate, written in place before each replay; the output is the graph's own tensor,
+  read before the next replay. The cache's tensors are allocated before capture and never again;
+  its lengths (``StaticLayer.cumulative_length``) are device tensors the graph advances.
+* **The first mask row.** It changes from step to step, so the frozen-base LoRA reads it as a
+  (rows, 1) gate (``space.masking.mask_rows`` with a tensor; 1 on mask rows, 0 elsewhere) instead
+  of a Python integer a graph would freeze: the update is computed on every row and multiplied by
+  the gate, rejected and real rows masked rather than cropped. A real row gets ``+ 0``, exactly
+  its base output. AR (1 row, no mask) replays a graph without the gate: the base model alone.
+* **No host reads.** Nothing in the captured region reads a device value on the host
+  (``tests/decoding/test_graphs.py`` counts with ``tests/syncs.py``); the decoder's one copy per
+  step comes after the replay, as before.
+
+On the CPU there are no graphs: :class:`StepGraphs` runs the same buffers through the eager
+trunk, so the whole path but the replay itself is tested here; the replay is tested on a GPU
+(``tests/test_cuda.py``, ``scripts/gpu_check.sh``).
+
+Exactness: a graph replays the kernels the eager trunk launched at capture, so a captured step
+computes what an eager step over the same buffers computes. Greedy SPACE over the captured trunk
+equals greedy AR over it in fp32, as eagerly (each row's result does not depend on the other
+rows; a real row's LoRA term is an exact zero).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..masking import mask_rows
+from .cache import attention_windows, cache_input, static_cache
+from .dynamic import bucket
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """A bucket's fixed input buffers, written in place before each replay: ids (1, q), position
+    ids (1, q), the additive mask (1, 1, q, slots) in the trunk's dtype, the mask-row gate (q, 1)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    gate: torch.Tensor
+
+
+class StepGraphs:
+    """The trunk's decode step, one CUDA graph per row bucket and kind (gated: a block with mask
+    rows; plain: AR's row), over one static KV cache of ``slots`` slots.
+
+    Args:
+        model: a HF causal LM (a peft model is unwrapped), on one device, full attention on every
+            layer, ``sdpa`` or ``eager`` attention; the eager trunk as ``load_space`` gives it
+            (fused or not, never ``compile_trunk``'s).
+        slots: the cache's size in tokens: prompt + new tokens + a step's rows must fit
+            (:meth:`check_fits`).
+        max_rows: the most rows a step has (the decoder's ``max_rows``, padding included); the
+            buckets are ``dynamic.bucket``'s sizes up to it.
+
+    Raises:
+        ValueError: slots < 1 or above the model's context; max_rows < 1; a model spread over
+            devices or with sliding-window layers (a captured step's mask is one tensor of full
+            attention); a compiled trunk.
+    """
+
+    def __init__(self, model, slots: int, max_rows: int):
+        from .compiled import is_compiled  # compiled imports the CPU kernels; this module stays light
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        context = base.config.max_position_embeddings
+        if not 1 <= slots <= context:
+            raise ValueError(f"a captured step needs 1..{context} cache slots (the model's context), got {slots}")
+        if max_rows < 1:
+            raise ValueError(f"a captured step needs max_rows >= 1, got {max_rows}")
+        if len({p.device for p in base.parameters()}) != 1:
+            raise ValueError("captured steps need the model on one device (no device_map)")
+        if set(attention_windows(base.config).values()) != {None}:
+            raise ValueError("captured steps need full attention on every layer: this model has sliding-window "
+                             "layers (decode it eagerly)")
+        if is_compiled(base):
+            raise ValueError("captured steps record the eager trunk: load the model without compile")
+        from .decoder import attention_dtype
+
+        self.trunk = base.get_decoder()
+        self.slots, self.max_rows = slots, max_rows
+        self.sizes = tuple(sorted({bucket(r, max_rows) for r in range(1, max_rows + 1)}))
+        self.device = next(base.parameters()).device
+        self.dtype = attention_dtype(self.trunk)
+        self.use_graphs = self.device.type == "cuda"
+        cfg = base.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        with torch.no_grad():  # normal tensors, not inference ones: written in and out of inference mode
+            self.cache = static_cache(len(self.trunk.layers), slots)
+            # allocated now, once: a graph holds the addresses it was captured with
+            self.cache.early_initialization(1, kv_heads, head_dim, self.dtype, self.device)
+            self._inputs = {q: self._buffers(q) for q in self.sizes}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None  # one memory pool for every graph (they never run at once)
+        self.capture_s = 0.0  # seconds spent capturing so far
+
+    def _buffers(self, q: int) -> _Inputs:
+        dev = self.device
+        return _Inputs(ids=torch.zeros(1, q, dtype=torch.long, device=dev),
+                       positions=torch.zeros(1, q, dtype=torch.long, device=dev),
+                       mask=torch.zeros(1, 1, q, self.slots, dtype=self.dtype, device=dev),
+                       gate=torch.zeros(q, 1, dtype=self.dtype, device=dev))
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured so far (0 on the CPU, which has none)."""
+        return len(self._graphs)
+
+    def check_fits(self, tokens: int, rows: int) -> None:
+        """Refuse a generation that could outgrow the cache or the buckets.
+
+        Args:
+            tokens: prompt + new tokens; rows: the decoder's most rows per step.
+
+        Raises:
+            ValueError: ``tokens + rows`` over ``slots``, or ``rows`` over ``max_rows``.
+        """
+        if rows > self.max_rows:
+            raise ValueError(f"steps of up to {rows} rows need graphs captured for them; these go up to {self.max_rows}")
+        if tokens + rows > self.slots:
+            raise ValueError(f"a prompt and its new tokens ({tokens}) plus a step's {rows} rows overflow the captured "
+                             f"cache's {self.slots} slots: capture with more slots (space-eval --capture-len)")
+
+    def reset(self) -> None:
+        """An empty cache for the next generation (its lengths to 0; the slots stay, always masked)."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.zero_()
+
+    @torch.inference_mode()
+    def capture(self, gated: bool = True) -> float:
+        """Capture every bucket's graph now (on a GPU; on the CPU nothing to do): AR's plain 1-row
+        graph and, with ``gated``, every bucket's gated one. Leaves the cache empty. Returns the
+        seconds it took (also added to ``capture_s``)."""
+        t0 = time.perf_counter()
+        if self.use_graphs:
+            keys = [(1, False)] + ([(q, True) for q in self.sizes] if gated else [])
+            for q, g in keys:
+                buf = self._inputs[q]
+                buf.mask.zero_()  # warm-up rows see every slot: finite garbage, masked later
+                buf.positions.copy_(torch.arange(q, device=self.device)[None])
+                buf.gate.fill_(1.0)
+                self._graph(q, g)
+            for layer in self.cache.layers:  # what the warm-ups wrote is never read, but start clean
+                layer.keys.zero_()
+                layer.values.zero_()
+        self.reset()
+        seconds = time.perf_counter() - t0
+        self.capture_s += seconds
+        return seconds
+
+    def _run(self, q: int, gated: bool) -> torch.Tensor:
+        """The eager trunk on bucket ``q``'s buffers -> last hidden states (1, q, hidden): what a
+        graph records."""
+        buf = self._inputs[q]
+        with mask_rows(buf.gate if gated else None):
+            return self.trunk(input_ids=buf.ids, position_ids=buf.positions, attention_mask=buf.mask,
+                              **cache_input(self.cache), use_cache=True).last_hidden_state
+
+    def _graph(self, q: int, gated: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Bucket ``q``'s graph of kind ``gated``, captured at its first use: two warm-up runs on
+        a side stream (lazy allocations, library handles), then the capture. The warm-ups advance
+        the cache's lengths and write slots past them; the lengths are put back."""
+        key = (q, gated)
+        if key not in self._graphs:
+            t0 = time.perf_counter()
+            lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(q, gated)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._run(q, gated)
+            self._pool = graph.pool()
+            for layer, length in zip(self.cache.layers, lengths):  # capture runs nothing; the warm-ups did
+                layer.cumulative_length.copy_(length)
+            self._graphs[key] = (graph, out)
+            self.capture_s += time.perf_counter() - t0
+        return self._graphs[key]
+
+    def step(self, ids: torch.Tensor, position_ids: torch.Tensor | None, block_mask: torch.Tensor | None,
+             cache_len: int, mask_start: int | None) -> torch.Tensor:
+        """One decode step's trunk forward after ``cache_len`` cached tokens, written to the cache.
+
+        Args:
+            ids: (q,) the block's ids on the device, q one of ``sizes``.
+            position_ids: (q,) each row's position minus ``cache_len`` (a SPACE block's); None: one
+                row at position ``cache_len`` (AR).
+            block_mask: (1, 1, q, q) additive mask of the rows among themselves, in the trunk's
+                dtype; None with one row.
+            mask_start: the block's first mask row (``space.masking.mask_rows``); None: no mask row.
+
+        Returns:
+            (q, hidden) last hidden states: the graph's output tensor, overwritten by the next step.
+
+        Raises:
+            ValueError: q not a bucket size, or the block past the cache's slots.
+        """
+        q = ids.shape[0]
+        if q not in self._inputs:
+            raise ValueError(f"a captured step takes a bucket's rows {self.sizes}, got {q}")
+        if cache_len + q > self.slots:
+            raise ValueError(f"a block of {q} rows after {cache_len} cached tokens overflows the captured cache's "
+                             f"{self.slots} slots")
+        buf = self._inputs[q]
+        buf.ids[0].copy_(ids)
+        if position_ids is None:
+            buf.positions.fill_(cache_len)
+        else:
+            torch.add(position_ids, cache_len, out=buf.positions[0])
+        # the row sees the cache, the block as its mask says, and no slot past the block
+        buf.mask[..., :cache_len].zero_()
+        if block_mask is None:
+            buf.mask[..., cache_len: cache_len + q].zero_()
+        else:
+            buf.mask[..., cache_len: cache_len + q].copy_(block_mask)
+        buf.mask[..., cache_len + q:].fill_(torch.finfo(self.dtype).min)
+        # a block of several rows replays the gated graph (a gate of zeros when it holds no mask
+        # row: exactly the base's output), so one graph serves each bucket; AR's row the plain one
+        start = q if mask_start is None else min(mask_start, q)
+        gated = q > 1 or start < q
+        if gated:
+            buf.gate[:start].zero_()
+            buf.gate[start:].fill_(1.0)
+        if not self.use_graphs:
+            return self._run(q, gated)[0]
+        graph, out = self._graph(q, gated)
+        graph.replay()
+        return out[0]

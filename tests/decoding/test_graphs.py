@@ -1,0 +1,196 @@
+"""Captured steps (issue 58, item 4, ``space.decoding.graphs``): fixed buffers per row bucket over
+one static cache, a tensor gate for the frozen-base LoRA, no host read in the captured region.
+
+On the CPU the buffers run through the eager trunk (no CUDA graphs here), so these tests cover
+every part but the replay, which ``tests/test_cuda.py`` checks on a GPU."""
+import copy
+
+import pytest
+import torch
+
+from space.adapter_layers import GatedLoraLinear
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.cache import cache_input, full_cache
+from space.decoding.decoder import with_cache
+from space.decoding.fused import fuse_trunk
+from space.decoding.graphs import StepGraphs
+from space.masking import mask_rows, to_additive_4d
+from space.models import tiny_random_llama
+from tests.decoding.test_fused import gated_tiny
+from tests.syncs import SyncCounter
+
+LAYOUTS = {
+    "chain": DecodeConfig(4),
+    "static-tree": DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+    "tree+lookup": DecodeConfig(3, 2, tree=[[0], [1], [0, 0]], lookup_tokens=6),
+    "dynamic+lookup": DecodeConfig(4, tree="dynamic", lookup_tokens=8, row_budget=24),
+}
+
+
+@pytest.fixture(scope="module")
+def captured(trained):
+    model, _, spec, lang = trained
+    return model, spec, lang, StepGraphs(model, slots=200, max_rows=32)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_captured_steps_equal_ar_and_the_eager_steps(captured, name):
+    """One StepGraphs serves every generation (its cache is only reset): SPACE over it emits AR's
+    tokens, in the eager decoder's steps, on the trained drafter (paths of several tokens move
+    inside the cache), and AR over it emits AR's tokens too."""
+    model, spec, lang, graphs = captured
+    for n, new in [(12, 80), (1, 40), (30, 64)]:
+        prompt = torch.tensor(lang.sample(n))
+        truth = ar_generate(model, prompt, new, suppress_ids=spec.token_ids).new_ids
+        assert ar_generate(model, prompt, new, suppress_ids=spec.token_ids, graphs=graphs).new_ids == truth
+        eager = SpaceDecoder(model, spec, LAYOUTS[name]).generate(prompt, new)
+        out = SpaceDecoder(model, spec, LAYOUTS[name], graphs=graphs).generate(prompt, new)
+        assert out.new_ids == truth, (name, n)
+        assert out.accept_lengths == eager.accept_lengths  # the same steps, not only the same text
+        assert set(out.step_rows) <= set(graphs.sizes)  # every block is a bucket
+        assert max(out.accept_lengths) >= 2
+
+
+def _block(q: int):
+    """A block of ``q`` rows, each seeing the rows before it: (position ids (q,), additive mask
+    (1, 1, q, q))."""
+    return torch.arange(q), to_additive_4d(torch.ones(q, q).tril().bool()[None, None])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gated linears", "fused trunk"])
+def test_the_gate_gives_mask_rows_their_lora_and_real_rows_none(fused, device="cpu"):
+    """A captured step of a frozen-base adapter computes what the eager step computes: the mask
+    rows with their LoRA update (gated), the real rows exactly the base model's. The step with no
+    mask row gives every row without the update: the test sees the LoRA. The first mask row
+    changes between two replays of one graph (``device="cuda"``: ``tests/test_cuda.py``)."""
+    model, spec = gated_tiny()
+    model.to(device)
+    if fused:
+        fuse_trunk(model)
+    graphs = StepGraphs(model, slots=64, max_rows=8)
+    trunk = model.get_decoder()
+    prompt = torch.randint(11, 250, (1, 10), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(11, 250, (8,), generator=torch.Generator().manual_seed(2))
+    ids[3:] = spec.token_ids[0]
+    ids = ids.to(device)
+    pos, block = (t.to(device) for t in _block(8))
+
+    def eager(start):
+        cache = full_cache()
+        with torch.inference_mode():
+            trunk(input_ids=prompt, **cache_input(cache), use_cache=True)
+            with mask_rows(start):
+                return trunk(input_ids=ids[None], position_ids=(pos + 10)[None], attention_mask=with_cache(block, pos, 10, {"full_attention": None}),
+                             **cache_input(cache), use_cache=True).last_hidden_state[0]
+
+    def captured(start):
+        graphs.reset()
+        with torch.inference_mode():
+            trunk(input_ids=prompt, **cache_input(graphs.cache), use_cache=True)
+            return graphs.step(ids, pos, block, 10, start).clone()
+
+    gated, plain, later = captured(3), captured(None), captured(5)
+    torch.testing.assert_close(gated, eager(3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, eager(None), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(later, eager(5), rtol=1e-5, atol=1e-5)
+    assert torch.equal(gated[:3], plain[:3])  # real rows: + 0, exactly
+    assert (gated[3:] - plain[3:]).abs().max() > 1e-2  # mask rows: the LoRA is really there
+
+
+def test_a_gated_linear_under_a_gate_equals_the_start_it_stands_for():
+    lin = torch.nn.Linear(16, 12)
+    gated = GatedLoraLinear(lin, torch.randn(4, 16), torch.randn(12, 4))
+    x = torch.randn(1, 7, 16)
+    with mask_rows(5):
+        by_start = gated(x)
+    with mask_rows(torch.tensor([0.0] * 5 + [1.0] * 2)[:, None]):
+        by_gate = gated(x)
+    assert torch.equal(by_gate[0, :5], lin(x)[0, :5])
+    torch.testing.assert_close(by_gate, by_start)
+    with pytest.raises(ValueError, match=r"\(rows, 1\) tensor"):
+        with mask_rows(torch.ones(7)):
+            pass
+
+
+def test_nothing_in_the_captured_region_reads_the_device(captured):
+    """What a CUDA graph records must not read a device value on the host (a read would fail the
+    capture or freeze a value into it): the sync counter around each captured forward counts 0,
+    for AR's row and SPACE's blocks (a dynamic tree with lookup: every bucket kind of block)."""
+    model, spec, lang, graphs = captured
+    counts, real = [], graphs._run
+
+    def counted(q, gated):
+        with SyncCounter(model, holders=[graphs]) as syncs:
+            out = real(q, gated)
+        counts.append((q, gated, dict(syncs.kinds), list(syncs.where)[:3]))
+        return out
+
+    graphs._run = counted
+    try:
+        prompt = torch.tensor(lang.sample(20))
+        ar_generate(model, prompt, 20, suppress_ids=spec.token_ids, graphs=graphs)
+        SpaceDecoder(model, spec, LAYOUTS["dynamic+lookup"], graphs=graphs).generate(prompt, 40)
+    finally:
+        del graphs._run
+    assert {(q, g) for q, g, *_ in counts} >= {(1, False), (12, True)}
+    assert all(not kinds for *_, kinds, _ in counts), [c for c in counts if c[2]][:3]
+
+
+def test_captured_steps_refuse_what_they_cannot_hold(trained):
+    model, _, spec, lang = trained
+    context = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="cache slots"):
+        StepGraphs(model, slots=context + 1, max_rows=8)
+    with pytest.raises(ValueError, match="max_rows >= 1"):
+        StepGraphs(model, slots=64, max_rows=0)
+    sliding = copy.deepcopy(model)
+    sliding.config.sliding_window = 16
+    with pytest.raises(ValueError, match="sliding-window"):
+        StepGraphs(sliding, slots=64, max_rows=8)
+    graphs = StepGraphs(model, slots=64, max_rows=8)
+    assert graphs.sizes == (1, 2, 4, 6, 8) and graphs.num_graphs == 0  # the CPU captures nothing
+    with pytest.raises(ValueError, match="capture with max_rows >= 12"):
+        SpaceDecoder(model, spec, DecodeConfig(3, 2), graphs=graphs)  # 1 + 3 + 2 x 3 = 10 rows -> 12
+    dec = SpaceDecoder(model, spec, DecodeConfig(2, 2), graphs=graphs)  # 7 rows -> 8
+    with pytest.raises(ValueError, match="overflow the captured cache's 64 slots"):
+        dec.generate(torch.tensor(lang.sample(40)), 20)
+    with pytest.raises(ValueError, match="overflow the captured cache's 64 slots"):
+        ar_generate(model, torch.tensor(lang.sample(40)), 30, graphs=graphs)
+    with pytest.raises(ValueError, match=r"bucket's rows \(1, 2, 4, 6, 8\), got 3"):
+        graphs.step(torch.zeros(3, dtype=torch.long), None, None, 0, None)
+
+
+def test_the_cache_is_sized_from_the_config_before_any_forward():
+    """The cache is allocated before any forward (a graph keeps its addresses), from the config:
+    the key-value heads and a head size that is not hidden / heads, as the layers' keys have them."""
+    model, _ = tiny_random_llama(head_dim=8)
+    graphs = StepGraphs(model, slots=32, max_rows=4)
+    keys = graphs.cache.layers[0].keys
+    cfg = model.config
+    assert keys.shape == (1, cfg.num_key_value_heads, 32, 8)
+    with torch.inference_mode():
+        out = ar_generate(model, torch.tensor([5, 6, 7]), 10, graphs=graphs).new_ids
+    assert out == ar_generate(model, torch.tensor([5, 6, 7]), 10).new_ids
+
+
+def test_space_eval_capture_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
+    """``space-eval --capture``: SPACE and AR run over the captured steps (on the CPU, their
+    buffers eagerly), SPACE stays exact, the run records the cache size and how long capture took,
+    and a rerun without it refuses to mix the timings."""
+    import json
+
+    from space.eval.__main__ import main as eval_main
+
+    args = ["--model", "tiny-random-llama", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "12",
+            "--mask-num", "3", "--threads", "1", "--methods", "ar,space", "--out", str(tmp_path)]
+    summary = eval_main([*args, "--capture", "--capture-len", "600"])
+    assert summary["exact_match_rate"] == 1.0 and summary["meta"]["capture"] == 600
+    assert json.loads((tmp_path / "run_config.json").read_text())["capture_ready"]["graphs"] == 0  # no CUDA here
+    assert "[space-eval] captured 0 step graphs" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="'capture': \\(600, None\\)"):
+        eval_main(args)  # the same run eager: its timings would mix
+    for bad, message in [(["--capture", "--compile"], "drop --compile and --device-map"),
+                         (["--capture-len", "100"], "it needs --capture"),
+                         (["--capture", "--capture-len", "0"], "--capture-len must be >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            eval_main([*args[:-1], str(tmp_path / "other"), *bad])
