@@ -17,7 +17,9 @@
 again with the trunk compiled (``space.decoding.compiled.compile_trunk``; reduce-overhead adds CUDA
 graphs) over a preallocated cache, after the eager one, in the same process, on a second copy of
 the model (the eager trunk is fused as ``space.loader.load_space`` fuses it; a compiled one is
-not). ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
+not). ``step-cost --capture`` times the eager trunk's steps replayed from CUDA graphs too
+(``space.decoding.graphs.StepGraphs``, one graph per row bucket over a static cache, issue 58 item
+4; the rows must be bucket sizes), with the seconds it took to capture them all. ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
 and names the attention kernels that ran (issue 58, item 3: ``space.decoding.backends``).
 
 Each prints one line per measurement and writes ``--out`` (JSON). Usage::
@@ -141,6 +143,13 @@ def cmd_step_cost(args) -> dict:
     out = {"shape": args.shape, "dtype": args.dtype, "attention": "sdpa", "lora_r": LORA_R, "compiled": args.compile,
            "repeats": args.repeats, "curves": {}}
     for setup, model, _, _ in setups(args, dtype):
+        if args.capture and setup == "eager":
+            for cache_len in (int(c) for c in args.caches.split(",")):
+                curve, ready = captured_curve(model, rows, cache_len, args.repeats)
+                out["curves"][f"captured, {cache_len}"] = {str(q): round(s * 1e3, 4) for q, s in curve.items()}
+                out.setdefault("capture_s", {})[str(cache_len)] = round(ready, 2)
+                print(f"step-cost {args.shape} captured cache {cache_len} (ready in {ready:.1f} s): " +
+                      ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / curve[1]:.2f}x)" for q, s in curve.items()), flush=True)
         for cache_len in (int(c) for c in args.caches.split(",")):
             t0 = time.perf_counter()
             curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats, static=setup != "eager")
@@ -151,6 +160,41 @@ def cmd_step_cost(args) -> dict:
             print(f"step-cost {args.shape} {setup} cache {cache_len}: " +
                   ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / ar:.2f}x)" for q, s in curve.items()), flush=True)
     return out
+
+
+def captured_curve(model, rows: list[int], cache_len: int, repeats: int) -> tuple[dict[int, float], float]:
+    """Median seconds of a captured step of q rows (``StepGraphs.step``, the LM head on every row)
+    after ``cache_len`` cached tokens, the rows in turns as ``tree_search.time_steps`` times them:
+    q = 1 an AR step, else a causal block with every row but the first a mask row. Returns the
+    curve and the seconds :meth:`StepGraphs.capture` took for every bucket up to ``max(rows)``."""
+    from space.decoding.cache import cache_input, crop_cache
+    from space.decoding.graphs import StepGraphs
+    from space.masking import to_additive_4d
+
+    with torch.inference_mode():
+        graphs = StepGraphs(model, slots=cache_len + max(rows), max_rows=max(rows))
+        odd = [q for q in rows if q not in graphs.sizes]
+        if odd:
+            raise SystemExit(f"step-cost --capture: rows {odd} are not bucket sizes {graphs.sizes}")
+        ready = graphs.capture()
+        head, trunk = model.get_output_embeddings(), model.get_decoder()
+        ids = torch.randint(0, 1000, (cache_len + max(rows),), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        trunk(input_ids=ids[None, :cache_len], **cache_input(graphs.cache), use_cache=True)
+        blocks = {q: to_additive_4d(torch.ones(q, q, dtype=torch.bool).tril()[None, None], graphs.dtype).to(DEVICE)
+                  for q in rows}
+        times: dict[int, list[float]] = {q: [] for q in rows}
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for q in rows if round_ % 2 else rows[::-1]:
+                sync()
+                t0 = time.perf_counter()
+                hidden = graphs.step(ids[cache_len: cache_len + q], torch.arange(q, device=DEVICE),
+                                     blocks[q] if q > 1 else None, cache_len, 1 if q > 1 else None)
+                head(hidden)
+                sync()
+                if round_:
+                    times[q].append(time.perf_counter() - t0)
+                crop_cache(graphs.cache, cache_len, cache_len + q)
+    return {q: statistics.median(t) for q, t in times.items()}, ready
 
 
 ATTENTION_KERNELS = ("fmha", "attention", "attn", "cudnn", "flash", "efficient")
@@ -312,6 +356,8 @@ def main(argv=None) -> dict:
     s.add_argument("--caches", default="512,2048")
     s.add_argument("--repeats", type=int, default=20)
     s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--capture", action="store_true",
+                   help="also time the eager trunk's steps replayed from CUDA graphs (space.decoding.graphs)")
     h = sub.add_parser("host-time", help="host time against GPU busy time per decoding step")
     h.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
     h.add_argument("--adapter", help="the real SmolLM2 with this adapter instead of a random --shape")

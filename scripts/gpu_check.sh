@@ -22,7 +22,7 @@
 #   bash scripts/gpu_check.sh real1 ; bash scripts/gpu_check.sh real2 ; bash scripts/gpu_check.sh real3
 # Issue 58's check, two calls on one warm machine (about 6 + 6 minutes; `bash scripts/gpu_pack.sh` builds
 # .gpu/ and .gpu2/ and says how to keep the tree small): g58a carries .gpu/ and runs `pytest -m cuda`, the
-# 7B-shaped 16-row against 1-row step (fused trunk, bf16) and the 7B-shaped bf16 host time with cuDNN
+# 7B-shaped 16-row against 1-row step (fused trunk, bf16; eager and captured) and the 7B-shaped bf16 host time with cuDNN
 # attention on and off; g58b carries .gpu2/, joins the real model and times it in bf16 with cuDNN attention on
 # and off (AR, shipped layout), then space-eval on HumanEval 12: eager fp32 (AR, PLD, SPACE), and over captured
 # steps (--capture: one CUDA graph per row bucket, space/decoding/graphs.py) in fp32 and bf16 (AR, SPACE).
@@ -114,8 +114,8 @@ elif [ "$phase" = real3 ]; then  # after real2, on the same warm machine: CUDA g
 elif [ "$phase" = g58a ]; then
   stash_part
   stage pytest_cuda 180 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
-  stage step_cost_7b_fused 75 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
-    --repeats 10 --out "$stash/res/step_cost_7b_fused.json"
+  stage step_cost_7b_fused 110 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
+    --repeats 10 --capture --out "$stash/res/step_cost_7b_fused.json"
   stage host_time_7b_cudnn 120 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 48 \
     --layouts "ar,chain k3 4 groups" --cudnn-sdp both --out "$stash/res/host_time_7b_cudnn.json"
 elif [ "$phase" = g58b ]; then
