@@ -19,7 +19,7 @@ graphs) over a preallocated cache, after the eager one, in the same process, on 
 the model (the eager trunk is fused as ``space.loader.load_space`` fuses it; a compiled one is
 not). ``step-cost --capture`` times the eager trunk's steps replayed from CUDA graphs too
 (``space.decoding.graphs.StepGraphs``, one graph per row bucket over a static cache, issue 58 item
-4; the rows must be bucket sizes), with the seconds it took to capture them all. ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
+4), with the seconds it took to capture them all. ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
 and names the attention kernels that ran (issue 58, item 3: ``space.decoding.backends``).
 
 Each prints one line per measurement and writes ``--out`` (JSON). Usage::
@@ -166,16 +166,13 @@ def captured_curve(model, rows: list[int], cache_len: int, repeats: int) -> tupl
     """Median seconds of a captured step of q rows (``StepGraphs.step``, the LM head on every row)
     after ``cache_len`` cached tokens, the rows in turns as ``tree_search.time_steps`` times them:
     q = 1 an AR step, else a causal block with every row but the first a mask row. Returns the
-    curve and the seconds :meth:`StepGraphs.capture` took for every bucket up to ``max(rows)``."""
+    curve and the seconds :meth:`StepGraphs.capture` took for a graph per row count."""
     from space.decoding.cache import cache_input, crop_cache
     from space.decoding.graphs import StepGraphs
     from space.masking import to_additive_4d
 
     with torch.inference_mode():
-        graphs = StepGraphs(model, slots=cache_len + max(rows), max_rows=max(rows))
-        odd = [q for q in rows if q not in graphs.sizes]
-        if odd:
-            raise SystemExit(f"step-cost --capture: rows {odd} are not bucket sizes {graphs.sizes}")
+        graphs = StepGraphs(model, slots=cache_len + max(rows), sizes=rows)
         ready = graphs.capture()
         head, trunk = model.get_output_embeddings(), model.get_decoder()
         ids = torch.randint(0, 1000, (cache_len + max(rows),), generator=torch.Generator().manual_seed(0)).to(DEVICE)

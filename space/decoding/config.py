@@ -50,6 +50,8 @@ class DecodeConfig:
         mask_num: k, masks per group = most mask drafts verified per step (1..MAX_MASK_NUM).
         num_groups: mask groups attached per step, 1..k+1; None = k+1 (the paper's layout).
             Fewer groups make a step cheaper on a CPU; see :meth:`max_tokens_per_step` for the cap.
+            0 with ``lookup_tokens`` and a static layout: no mask group, prompt lookup alone (PLD
+            run by this decoder's step, the baseline a captured run compares with, issue 58).
         lookup_tokens: 0 = pure SPACE; else up to this many prompt-lookup candidates per step,
             verified as one more branch of the step's token tree (added to the mask drafts).
         lookup_ngram: longest n-gram matched by prompt lookup (>= 1).
@@ -96,8 +98,9 @@ class DecodeConfig:
         check_real("adapter_cost", self.adapter_cost, 0.0)
         if self.adapter_cost and self.step_cost is None:  # the default curve has no unit to measure it in
             raise ValueError("adapter_cost is in the step-cost curve's unit: give step_cost with it")
-        if self.num_groups is not None:
-            check_int("num_groups", self.num_groups, 1, self.mask_num + 1)  # G_0..G_k
+        if self.num_groups is not None:  # G_0..G_k; none only for prompt lookup alone
+            check_int("num_groups", self.num_groups, 0 if self.lookup_tokens and self.tree != "dynamic" else 1,
+                      self.mask_num + 1)
         check_int("lookup_tokens", self.lookup_tokens, 0)
         check_int("lookup_ngram", self.lookup_ngram, 1)
 
@@ -112,7 +115,8 @@ class DecodeConfig:
         groups' k masks each."""
         if self.tree == "dynamic":
             return self.row_budget
-        return 1 + (len(self.tree) if self.tree else self.mask_num) + self.lookup_tokens + self.groups * self.mask_num
+        drafts = (len(self.tree) if self.tree else self.mask_num) if self.groups else 0  # no group drafts nothing
+        return 1 + drafts + self.lookup_tokens + self.groups * self.mask_num
 
     def override(self, **values) -> DecodeConfig:
         """A copy with the given fields replaced; None values keep the current field.

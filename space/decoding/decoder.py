@@ -401,9 +401,10 @@ class SpaceDecoder:
         self.max_rows = self.config.max_rows()
         if self.buckets:
             self.max_rows = bucket(self.max_rows, BUCKETS[-1])
-        if graphs is not None and self.max_rows > graphs.max_rows:
-            raise ValueError(f"this layout's steps reach {self.max_rows} rows; the captured steps go up to "
-                             f"{graphs.max_rows}: capture with max_rows >= {self.max_rows}")
+        missing = sorted(set(self.row_sizes) - set(graphs.sizes)) if graphs is not None else []
+        if missing:
+            raise ValueError(f"this layout's steps have {missing} rows, which the captured steps (sizes "
+                             f"{graphs.sizes}) lack: capture with this decoder's row_sizes")
         vocab = self.head.weight.shape[0]
         if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
@@ -412,6 +413,13 @@ class SpaceDecoder:
         # block layouts by tree shape, least recently used first: a dynamic tree repeats many of
         # its shapes, and a kept layout needs no upload of its own (only its tokens go up)
         self._layouts: dict[tuple, StepLayout] = {}
+
+    @property
+    def row_sizes(self) -> tuple[int, ...]:
+        """The row counts this decoder's blocks can have, padding included, when they are padded
+        to buckets (a static layout with ``buckets``, the dynamic tree): what a captured step
+        needs a graph for (``graphs.StepGraphs``)."""
+        return tuple(sorted({bucket(r, self.max_rows) for r in range(1, self.max_rows + 1)}))
 
     def planner(self) -> StepPlanner:
         """A fresh planner for one generation, from this decoder's layout: the dynamic tree's

@@ -9,8 +9,8 @@ not finish its first prompt in 300 s (``results/gpu_compiled``).
 
 What a graph fixes, and how a step fits it:
 
-* **Shapes.** One graph per row count: a step's block is padded to a bucket (``dynamic.bucket``,
-  the sizes up to the decoder's row budget), and the cache is one ``cache.static_cache`` of
+* **Shapes.** One graph per row count: a step's block is padded to a bucket (``dynamic.bucket``;
+  ``SpaceDecoder.row_sizes`` lists a decoder's), and the cache is one ``cache.static_cache`` of
   ``slots`` slots that every step attends over whole (the 4-D mask hides the slots past the
   block), kept from one generation to the next (:meth:`StepGraphs.reset` only sets its lengths
   to 0; stale slots are always masked).
@@ -39,13 +39,13 @@ rows; a real row's LoRA term is an exact zero).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from ..masking import mask_rows
 from .cache import attention_windows, cache_input, static_cache
-from .dynamic import bucket
 
 
 @dataclass(frozen=True)
@@ -69,24 +69,30 @@ class StepGraphs:
             (fused or not, never ``compile_trunk``'s).
         slots: the cache's size in tokens: prompt + new tokens + a step's rows must fit
             (:meth:`check_fits`).
-        max_rows: the most rows a step has (the decoder's ``max_rows``, padding included); the
-            buckets are ``dynamic.bucket``'s sizes up to it.
+        sizes: the row counts a step may have, one graph each (``SpaceDecoder.row_sizes`` of
+            every decoder that will run through it; 1, AR's row, is always added).
 
     Raises:
-        ValueError: slots < 1 or above the model's context; max_rows < 1; a model spread over
-            devices or with sliding-window layers (a captured step's mask is one tensor of full
-            attention); a compiled trunk.
+        ValueError: slots below the largest size or above the model's context; a size < 1; a
+            model spread over devices, with sliding-window layers (a captured step's mask is one
+            tensor of full attention), with an attention that takes no 4-D mask, or with dynamic
+            RoPE (its length check reads the device); a compiled trunk.
     """
 
-    def __init__(self, model, slots: int, max_rows: int):
+    def __init__(self, model, slots: int, sizes: Iterable[int]):
         from .compiled import is_compiled  # compiled imports the CPU kernels; this module stays light
+        from .decoder import attention_dtype, check_attention
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        check_attention(base, "StepGraphs")
+        self.sizes = tuple(sorted({1, *sizes}))
+        self.max_rows = self.sizes[-1]
         context = base.config.max_position_embeddings
-        if not 1 <= slots <= context:
-            raise ValueError(f"a captured step needs 1..{context} cache slots (the model's context), got {slots}")
-        if max_rows < 1:
-            raise ValueError(f"a captured step needs max_rows >= 1, got {max_rows}")
+        if self.sizes[0] < 1:
+            raise ValueError(f"a captured step has at least 1 row, got sizes {self.sizes}")
+        if not self.max_rows <= slots <= context:
+            raise ValueError(f"a captured step needs {self.max_rows}..{context} cache slots (its most rows .. the "
+                             f"model's context), got {slots}")
         if len({p.device for p in base.parameters()}) != 1:
             raise ValueError("captured steps need the model on one device (no device_map)")
         if set(attention_windows(base.config).values()) != {None}:
@@ -94,18 +100,18 @@ class StepGraphs:
                              "layers (decode it eagerly)")
         if is_compiled(base):
             raise ValueError("captured steps record the eager trunk: load the model without compile")
-        from .decoder import attention_dtype
-
         self.trunk = base.get_decoder()
-        self.slots, self.max_rows = slots, max_rows
-        self.sizes = tuple(sorted({bucket(r, max_rows) for r in range(1, max_rows + 1)}))
+        if "dynamic" in str(getattr(getattr(self.trunk, "rotary_emb", None), "rope_type", "")):
+            raise ValueError("captured steps cannot hold dynamic RoPE scaling (it reads the sequence length on the "
+                             "host): decode this model eagerly")
+        self.slots = slots
         self.device = next(base.parameters()).device
         self.dtype = attention_dtype(self.trunk)
         self.use_graphs = self.device.type == "cuda"
         cfg = base.config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        with torch.no_grad():  # normal tensors, not inference ones: written in and out of inference mode
+        with torch.no_grad():  # built outside inference mode, normal tensors: writable in and out of it
             self.cache = static_cache(len(self.trunk.layers), slots)
             # allocated now, once: a graph holds the addresses it was captured with
             self.cache.early_initialization(1, kv_heads, head_dim, self.dtype, self.device)
@@ -149,11 +155,12 @@ class StepGraphs:
     @torch.inference_mode()
     def capture(self, gated: bool = True) -> float:
         """Capture every bucket's graph now (on a GPU; on the CPU nothing to do): AR's plain 1-row
-        graph and, with ``gated``, every bucket's gated one. Leaves the cache empty. Returns the
-        seconds it took (also added to ``capture_s``)."""
+        graph and, with ``gated``, the gated one of every size above 1 (a block's row 0 is always
+        a real row). Leaves the cache empty. Returns the seconds it took (``capture_s`` adds up
+        each graph's)."""
         t0 = time.perf_counter()
         if self.use_graphs:
-            keys = [(1, False)] + ([(q, True) for q in self.sizes] if gated else [])
+            keys = [(1, False)] + ([(q, True) for q in self.sizes if q > 1] if gated else [])
             for q, g in keys:
                 buf = self._inputs[q]
                 buf.mask.zero_()  # warm-up rows see every slot: finite garbage, masked later
@@ -164,9 +171,7 @@ class StepGraphs:
                 layer.keys.zero_()
                 layer.values.zero_()
         self.reset()
-        seconds = time.perf_counter() - t0
-        self.capture_s += seconds
-        return seconds
+        return time.perf_counter() - t0
 
     def _run(self, q: int, gated: bool) -> torch.Tensor:
         """The eager trunk on bucket ``q``'s buffers -> last hidden states (1, q, hidden): what a
@@ -178,24 +183,34 @@ class StepGraphs:
 
     def _graph(self, q: int, gated: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Bucket ``q``'s graph of kind ``gated``, captured at its first use: two warm-up runs on
-        a side stream (lazy allocations, library handles), then the capture. The warm-ups advance
-        the cache's lengths and write slots past them; the lengths are put back."""
+        a side stream (lazy allocations, library handles), then the capture. Each warm-up writes
+        the slots past the cache's length and advances it; the lengths are put back after each
+        (so a warm-up never writes past slot length + q, which ``step`` checked) and after the
+        capture, which records the advance without running it."""
         key = (q, gated)
         if key not in self._graphs:
             t0 = time.perf_counter()
             lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._run(q, gated)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._run(q, gated)
+
+            def put_back():
+                for layer, length in zip(self.cache.layers, lengths):
+                    layer.cumulative_length.copy_(length)
+
+            with torch.cuda.device(self.device), torch.inference_mode():  # no autograd in a graph
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._run(q, gated)
+                        put_back()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        out = self._run(q, gated)
+                finally:
+                    put_back()
             self._pool = graph.pool()
-            for layer, length in zip(self.cache.layers, lengths):  # capture runs nothing; the warm-ups did
-                layer.cumulative_length.copy_(length)
             self._graphs[key] = (graph, out)
             self.capture_s += time.perf_counter() - t0
         return self._graphs[key]
@@ -247,5 +262,6 @@ class StepGraphs:
         if not self.use_graphs:
             return self._run(q, gated)[0]
         graph, out = self._graph(q, gated)
-        graph.replay()
+        with torch.cuda.device(self.device):
+            graph.replay()
         return out[0]

@@ -261,7 +261,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     from ..decoding.tree import tree_flag
     from ..loader import load_space
     from ..models import SMOLLM2
-    from .bench import Target, run_bench
+    from .bench import PLD_NGRAM, PLD_TOKENS, Target, run_bench
 
     # one seed for every rank: sample i of a question is the same whichever rank draws it
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
@@ -288,17 +288,20 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
                             tree=tree_flag(args.tree, args.mask_num))
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "")
-    graphs = capture = None
+    graphs = capture = pld = None
     if args.capture:  # one graph per row bucket (on a GPU), ready before the first question
         from ..decoding.graphs import StepGraphs
 
         slots = args.capture_len or min(model.config.max_position_embeddings, 4096)
-        graphs = StepGraphs(model, slots, SpaceDecoder(model, spec, decode, buckets=True).max_rows)
+        pld = DecodeConfig(decode.mask_num, 0, lookup_tokens=PLD_TOKENS, lookup_ngram=PLD_NGRAM)
+        sizes = {q for c in (decode, pld) for q in SpaceDecoder(model, spec, c, buckets=True).row_sizes}
+        graphs = StepGraphs(model, slots, sizes)
         seconds = graphs.capture()
         capture = {"slots": slots, "graphs": graphs.num_graphs, "ready_s": round(seconds, 2)}
         print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets in "
               f"{seconds:.1f} s")
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
+    pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
     from .tree_search import step_cost_mismatch, trunk_of
 
     trunk = trunk_of(model)
@@ -336,7 +339,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                          "questions": [t.question_id for t in mine]}
     check_resume(out, meta, shard)
     samples = out / (shard.samples if shard else "samples.jsonl")
-    records = run_bench(Target(model, tok, spec, decoder, graphs), mine, methods, samples, args.max_new_tokens, sampling,
+    records = run_bench(Target(model, tok, spec, decoder, graphs, pld), mine, methods, samples, args.max_new_tokens, sampling,
                         args.num_samples)
     if shard:
         wait_for_all(shard)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # torch and the decoders load in the functions below: space-e
     from ..tokens import MaskSpec
 
 METHODS = ("ar", "hf", "pld", "space")
+PLD_TOKENS, PLD_NGRAM = 10, 2  # prompt lookup's candidates per step and longest n-gram (transformers' default)
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Target:
         mask: its MaskSpec.
         decoder: the SpaceDecoder (mask_num, num_groups).
         graphs: the captured steps SPACE and AR run through (``space.decoding.graphs``), or None.
+        pld: with ``graphs``, prompt lookup (PLD) over them: a SpaceDecoder with no mask group and
+            HF's PLD settings (``PLD_TOKENS``, ``PLD_NGRAM``), in place of transformers' eager assisted
+            generation, so every method runs captured; else None.
     """
 
     model: object
@@ -46,6 +50,7 @@ class Target:
     mask: MaskSpec
     decoder: SpaceDecoder
     graphs: object = None
+    pld: SpaceDecoder | None = None
 
     @property
     def stop_ids(self) -> list[int]:
@@ -71,18 +76,19 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
     from ..decoding.result import clock
 
     prompt = torch.tensor(ids)
-    if method in ("space", "ar"):
-        r = (target.decoder.generate(prompt, max_new_tokens, sampling, target.stop_ids) if method == "space"
+    if method in ("space", "ar") or method == "pld" and target.pld is not None:
+        decoder = target.pld if method == "pld" else target.decoder
+        r = (decoder.generate(prompt, max_new_tokens, sampling, target.stop_ids) if method != "ar"
              else ar_generate(target.model, prompt, max_new_tokens, sampling, target.stop_ids, target.mask.token_ids,
                               graphs=target.graphs))
         return {"ids": r.new_ids, "wall_time": r.wall_time, "steps": r.num_steps, "accept_lengths": r.accept_lengths,
-                "step_tokens": r.step_tokens if method == "space" else [], "candidates": r.step_candidates,
+                "step_tokens": r.step_tokens if method != "ar" else [], "candidates": r.step_candidates,
                 "rows": r.step_rows, "padding": r.step_padding, "host_ms": [round(x * 1e3, 3) for x in r.step_host],
                 "plan_ms": [round(x * 1e3, 3) for x in r.step_plan], "sources": r.step_sources,
                 "offered": [list(o) for o in r.step_offered]}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
                            eos_token_id=target.stop_ids, pad_token_id=target.tokenizer.pad_token_id,
-                           prompt_lookup_num_tokens=10 if method == "pld" else None,
+                           prompt_lookup_num_tokens=PLD_TOKENS if method == "pld" else None,
                            # the mask tokens are never output, as in AR and SPACE (issue 44)
                            suppress_tokens=list(target.mask.token_ids) or None,
                            **({} if sampling.greedy else {"temperature": sampling.temperature,

@@ -19,6 +19,7 @@ from space.models import tiny_random_llama
 from tests.decoding.test_fused import gated_tiny
 from tests.syncs import SyncCounter
 
+BUCKETS_32 = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32)  # dynamic.BUCKETS up to 32 rows
 LAYOUTS = {
     "chain": DecodeConfig(4),
     "static-tree": DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
@@ -30,7 +31,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def captured(trained):
     model, _, spec, lang = trained
-    return model, spec, lang, StepGraphs(model, slots=200, max_rows=32)
+    return model, spec, lang, StepGraphs(model, slots=200, sizes=BUCKETS_32)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -67,7 +68,7 @@ def test_the_gate_gives_mask_rows_their_lora_and_real_rows_none(fused, device="c
     model.to(device)
     if fused:
         fuse_trunk(model)
-    graphs = StepGraphs(model, slots=64, max_rows=8)
+    graphs = StepGraphs(model, slots=64, sizes=[8])
     trunk = model.get_decoder()
     prompt = torch.randint(11, 250, (1, 10), generator=torch.Generator().manual_seed(1)).to(device)
     ids = torch.randint(11, 250, (8,), generator=torch.Generator().manual_seed(2))
@@ -136,21 +137,50 @@ def test_nothing_in_the_captured_region_reads_the_device(captured):
     assert all(not kinds for *_, kinds, _ in counts), [c for c in counts if c[2]][:3]
 
 
+def test_prompt_lookup_alone_over_captured_steps_is_pld(captured):
+    """No mask group and a lookup branch (``num_groups=0``): prompt lookup decoding run by the
+    decoder's step, the PLD baseline of a captured run. It emits AR's tokens and verifies only
+    lookup candidates (every row is a real row: no mask), as transformers' PLD does."""
+    model, spec, lang, graphs = captured
+    pld = DecodeConfig(3, 0, lookup_tokens=10)
+    assert pld.max_rows() == 11  # x_{n-1} and 10 candidates: no draft, no mask
+    for n in (8, 40):
+        prompt = torch.tensor(lang.sample(n))
+        truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+        out = SpaceDecoder(model, spec, pld, graphs=graphs).generate(prompt, 60)
+        assert out.new_ids == truth
+        assert set("".join(out.step_sources)) <= {"l", " "} and max(out.accept_lengths) >= 2
+    with pytest.raises(ValueError, match=r"num_groups must lie in 1\.\.4, got 0"):
+        DecodeConfig(3, 0)  # no group and no lookup: nothing would be drafted
+    with pytest.raises(ValueError, match=r"num_groups must lie in 1\.\.4, got 0"):
+        DecodeConfig(3, 0, tree="dynamic", lookup_tokens=10)
+
+
 def test_captured_steps_refuse_what_they_cannot_hold(trained):
     model, _, spec, lang = trained
     context = model.config.max_position_embeddings
-    with pytest.raises(ValueError, match="cache slots"):
-        StepGraphs(model, slots=context + 1, max_rows=8)
-    with pytest.raises(ValueError, match="max_rows >= 1"):
-        StepGraphs(model, slots=64, max_rows=0)
+    with pytest.raises(ValueError, match=r"needs 8\.\.2048 cache slots"):
+        StepGraphs(model, slots=context + 1, sizes=[8])
+    with pytest.raises(ValueError, match=r"needs 8\.\.2048 cache slots"):
+        StepGraphs(model, slots=7, sizes=[8])  # a warm-up of 8 rows must fit the cache
+    with pytest.raises(ValueError, match="at least 1 row"):
+        StepGraphs(model, slots=64, sizes=[0, 4])
     sliding = copy.deepcopy(model)
     sliding.config.sliding_window = 16
     with pytest.raises(ValueError, match="sliding-window"):
-        StepGraphs(sliding, slots=64, max_rows=8)
-    graphs = StepGraphs(model, slots=64, max_rows=8)
+        StepGraphs(sliding, slots=64, sizes=[8])
+    flash = copy.deepcopy(model)
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="StepGraphs cannot run with attn_implementation='flash_attention_2'"):
+        StepGraphs(flash, slots=64, sizes=[8])
+    graphs = StepGraphs(model, slots=64, sizes=BUCKETS_32[:5])
     assert graphs.sizes == (1, 2, 4, 6, 8) and graphs.num_graphs == 0  # the CPU captures nothing
-    with pytest.raises(ValueError, match="capture with max_rows >= 12"):
+    with pytest.raises(ValueError, match=r"steps have \[12\] rows"):
         SpaceDecoder(model, spec, DecodeConfig(3, 2), graphs=graphs)  # 1 + 3 + 2 x 3 = 10 rows -> 12
+    budget = DecodeConfig(3, tree="dynamic", row_budget=10)  # the budget itself is a block size
+    assert SpaceDecoder(model, spec, budget).row_sizes == (1, 2, 4, 6, 8, 10)
+    with pytest.raises(ValueError, match=r"steps have \[10\] rows"):
+        SpaceDecoder(model, spec, budget, graphs=StepGraphs(model, slots=64, sizes=BUCKETS_32[:6]))
     dec = SpaceDecoder(model, spec, DecodeConfig(2, 2), graphs=graphs)  # 7 rows -> 8
     with pytest.raises(ValueError, match="overflow the captured cache's 64 slots"):
         dec.generate(torch.tensor(lang.sample(40)), 20)
@@ -164,7 +194,7 @@ def test_the_cache_is_sized_from_the_config_before_any_forward():
     """The cache is allocated before any forward (a graph keeps its addresses), from the config:
     the key-value heads and a head size that is not hidden / heads, as the layers' keys have them."""
     model, _ = tiny_random_llama(head_dim=8)
-    graphs = StepGraphs(model, slots=32, max_rows=4)
+    graphs = StepGraphs(model, slots=32, sizes=[1, 2, 4])
     keys = graphs.cache.layers[0].keys
     cfg = model.config
     assert keys.shape == (1, cfg.num_key_value_heads, 32, 8)
@@ -182,9 +212,13 @@ def test_space_eval_capture_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
     from space.eval.__main__ import main as eval_main
 
     args = ["--model", "tiny-random-llama", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "12",
-            "--mask-num", "3", "--threads", "1", "--methods", "ar,space", "--out", str(tmp_path)]
+            "--mask-num", "3", "--threads", "1", "--methods", "ar,pld,space", "--out", str(tmp_path)]
     summary = eval_main([*args, "--capture", "--capture-len", "600"])
     assert summary["exact_match_rate"] == 1.0 and summary["meta"]["capture"] == 600
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    tokens = {r["model_id"]: r["choices"][0]["token_ids"] for r in records}
+    assert tokens["pld"] == tokens["ar"] == tokens["space"]  # PLD too runs over the captured steps, exactly
+    assert next(r for r in records if r["model_id"] == "pld")["choices"][0]["accept_lengths"]  # by the decoder
     assert json.loads((tmp_path / "run_config.json").read_text())["capture_ready"]["graphs"] == 0  # no CUDA here
     assert "[space-eval] captured 0 step graphs" in capsys.readouterr().out
     with pytest.raises(ValueError, match="'capture': \\(600, None\\)"):
