@@ -498,7 +498,7 @@ class SpaceDecoder:
         # host time = a step minus the model (trunk, LM head, and the sampler head and its embedding)
         with model_time(self.decoder, self.head, *([self.sampler, self.embed] if self.sampler is not None else [])) as spent:
             while True:
-                t0, model0 = time.perf_counter(), spent[0]
+                t0, model0 = time.perf_counter(), spent[0] + self._graph_s()
                 block = planner.propose(drafts, found, L)
                 lay, plan_s = block.layout, time.perf_counter() - t0
                 q = drafts.q[: block.tokens.numel()] if pq else None
@@ -512,11 +512,16 @@ class SpaceDecoder:
                 sources = provenance(lay.parents, block.sources, host_tokens, path)
                 step_s = time.perf_counter() - t0
                 if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,
-                            padding=lay.rows - lay.used_rows, host=step_s - (spent[0] - model0), plan=plan_s,
+                            padding=lay.rows - lay.used_rows, host=step_s - (spent[0] + self._graph_s() - model0), plan=plan_s,
                             provenance=sources):
                     return res
                 drafts = nxt if nxt is not None else self._no_drafts(pq)
                 prefill_s = 0.0
+
+    def _graph_s(self) -> float:
+        """Seconds spent replaying captured steps so far (``graphs.StepGraphs.step_s``; 0 without
+        them): the trunk's share of a step there, where no forward hook sees the replay."""
+        return self.graphs.step_s if self.graphs is not None else 0.0
 
     def _no_drafts(self, pq: bool) -> Drafts:
         ids = torch.empty(0, self.draft_ranks, dtype=torch.long, device=self.device)

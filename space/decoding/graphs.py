@@ -4,8 +4,9 @@ row bucket, over one preallocated KV cache, for SPACE and the AR baseline alike.
 On a GPU an eager step of a small model is launch-bound: SmolLM2's AR step keeps the GPU busy
 about 2 ms of 22 (issue 58). A CUDA graph records the step's kernels once and replays them with
 one launch. Captured from the eager trunk with ``torch.cuda.graph`` (gpt-fast's pattern), it needs
-no compiler, so every bucket is ready in seconds, where ``torch.compile``'s whole-trunk graph did
-not finish its first prompt in 300 s (``results/gpu_compiled``).
+no compiler: a bucket costs three eager forwards (two warm-ups and the capture), where
+``torch.compile``'s whole-trunk graph did not finish its first prompt in 300 s on an H200
+(``results/gpu_compiled``). Not yet timed on a GPU.
 
 What a graph fixes, and how a step fits it:
 
@@ -119,6 +120,10 @@ class StepGraphs:
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # one memory pool for every graph (they never run at once)
         self.capture_s = 0.0  # seconds spent capturing so far
+        # host seconds inside step() replaying graphs: the model's share of a step, which forward
+        # hooks (result.model_time) time in an eager forward but never see in a replay; on the CPU
+        # the trunk runs eagerly and its hooks see it, so this stays 0
+        self.step_s = 0.0
 
     def _buffers(self, q: int) -> _Inputs:
         dev = self.device
@@ -233,6 +238,13 @@ class StepGraphs:
         Raises:
             ValueError: q not a bucket size, or the block past the cache's slots.
         """
+        t0 = time.perf_counter()
+        hidden = self._step(ids, position_ids, block_mask, cache_len, mask_start)
+        if self.use_graphs:
+            self.step_s += time.perf_counter() - t0
+        return hidden
+
+    def _step(self, ids, position_ids, block_mask, cache_len: int, mask_start: int | None) -> torch.Tensor:
         q = ids.shape[0]
         if q not in self._inputs:
             raise ValueError(f"a captured step takes a bucket's rows {self.sizes}, got {q}")

@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", action="store_true",
                    help="replay each SPACE and AR step's trunk from CUDA graphs captured at load, one per row bucket, "
                         "over one preallocated KV cache (space/decoding/graphs.py, issue 58); pays on a GPU, where an "
-                        "eager step is launch-bound. On a CPU the same buffers run eagerly (no gain). hf and pld stay "
-                        "transformers' eager generate")
+                        "eager step is launch-bound. On a CPU the same buffers run eagerly (no gain). pld then runs "
+                        "prompt lookup over the same steps (HF's settings, no mask group); hf stays transformers' "
+                        "eager generate")
     p.add_argument("--capture-len", type=int, default=None, metavar="N",
                    help="with --capture: KV-cache slots every step attends over; prompt + new tokens + a step's rows "
                         "must fit (default: the model's context, at most 4096)")
