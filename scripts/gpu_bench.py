@@ -164,34 +164,15 @@ def cmd_step_cost(args) -> dict:
 
 def captured_curve(model, rows: list[int], cache_len: int, repeats: int) -> tuple[dict[int, float], float]:
     """Median seconds of a captured step of q rows (``StepGraphs.step``, the LM head on every row)
-    after ``cache_len`` cached tokens, the rows in turns as ``tree_search.time_steps`` times them:
-    q = 1 an AR step, else a causal block with every row but the first a mask row. Returns the
-    curve and the seconds :meth:`StepGraphs.capture` took for a graph per row count."""
-    from space.decoding.cache import cache_input, crop_cache
+    after ``cache_len`` cached tokens (``tree_search.step_cost_curve`` over the graphs: q = 1 an AR
+    step, else a causal block with every row but the first a mask row). Returns the curve and the
+    seconds :meth:`StepGraphs.capture` took for a graph per row count."""
     from space.decoding.graphs import StepGraphs
-    from space.masking import to_additive_4d
+    from space.eval.tree_search import step_cost_curve
 
-    with torch.inference_mode():
-        graphs = StepGraphs(model, slots=cache_len + max(rows), sizes=rows)
-        ready = graphs.capture()
-        head, trunk = model.get_output_embeddings(), model.get_decoder()
-        ids = torch.randint(0, 1000, (cache_len + max(rows),), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-        trunk(input_ids=ids[None, :cache_len], **cache_input(graphs.cache), use_cache=True)
-        blocks = {q: to_additive_4d(torch.ones(q, q, dtype=torch.bool).tril()[None, None], graphs.dtype).to(DEVICE)
-                  for q in rows}
-        times: dict[int, list[float]] = {q: [] for q in rows}
-        for round_ in range(repeats + 1):  # round 0 warms up
-            for q in rows if round_ % 2 else rows[::-1]:
-                sync()
-                t0 = time.perf_counter()
-                hidden = graphs.step(ids[cache_len: cache_len + q], torch.arange(q, device=DEVICE),
-                                     blocks[q] if q > 1 else None, cache_len, 1 if q > 1 else None)
-                head(hidden)
-                sync()
-                if round_:
-                    times[q].append(time.perf_counter() - t0)
-                crop_cache(graphs.cache, cache_len, cache_len + q)
-    return {q: statistics.median(t) for q, t in times.items()}, ready
+    graphs = StepGraphs(model, slots=cache_len + max(rows), sizes=rows)
+    ready = graphs.capture()
+    return step_cost_curve(model, rows, cache_len, repeats, graphs=graphs), ready
 
 
 ATTENTION_KERNELS = ("fmha", "attention", "attn", "cudnn", "flash", "efficient")

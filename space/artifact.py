@@ -253,10 +253,17 @@ def sampler_width(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> int | N
     return width
 
 
+def setup_key(entry: dict) -> tuple[int, str, str, bool]:
+    """What tells two step-cost setups apart: (threads, kernels, device type, captured steps). An
+    entry written before issue 58 names no device or capture: it was measured eagerly on a CPU."""
+    return entry["threads"], entry["kernels"], entry.get("device", "cpu"), bool(entry.get("capture", False))
+
+
 def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> list[dict]:
     """The step-cost curves of an adapter's ``space_config.json`` (``"step_costs"``: one
-    ``{"threads", "kernels", "step_cost", "adapter_cost"}`` per setup, written by ``space-tree
-    --write-adapter --dynamic``; issue 44), [] when it has none.
+    ``{"threads", "kernels", "device", "capture", "step_cost", "adapter_cost"}`` per setup
+    (:func:`setup_key`), written by ``space-tree --write-adapter --dynamic``; issue 44), [] when
+    it has none.
 
     Raises:
         ValueError: ``step_costs`` is not such a list (``where`` names the file).
@@ -272,11 +279,13 @@ def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> lis
 
 
 def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str,
-                     where: os.PathLike | str = SPACE_CONFIG) -> tuple[DecodeConfig, dict | None]:
-    """A dynamic tree priced by the step-cost curve the adapter stores for ``threads`` CPU threads
-    and ``kernels`` (:func:`stored_step_costs`): a curve measured at 1 thread prices rows wrong at 2
-    (issue 44). Apply it after any layout flags, so ``--tree dynamic`` over a static stored layout
-    is priced too.
+                     where: os.PathLike | str = SPACE_CONFIG, device: str = "cpu",
+                     capture: bool = False) -> tuple[DecodeConfig, dict | None]:
+    """A dynamic tree priced by the step-cost curve the adapter stores for ``threads`` CPU threads,
+    ``kernels``, the ``device`` type and ``capture`` (captured steps, ``space.decoding.graphs``;
+    :func:`stored_step_costs`): a curve measured at 1 thread prices rows wrong at 2 (issue 44), and
+    a CPU's prices a GPU's launch-bound steps wrong (issue 58). Apply it after any layout flags, so
+    ``--tree dynamic`` over a static stored layout is priced too.
 
     Returns:
         (the layout, the setup its curve was measured with: this one when a stored curve applied,
@@ -288,23 +297,27 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     """
     if decode.tree != "dynamic":
         return decode, None
-    entry = next((e for e in stored_step_costs(cfg, where) if (e["threads"], e["kernels"]) == (threads, kernels)), None)
+    key = (threads, kernels, device, capture)
+    entry = next((e for e in stored_step_costs(cfg, where) if setup_key(e) == key), None)
     if entry is None:
         return decode, cfg.get("step_cost_setup")
     try:
         priced = decode.override(step_cost=tuple(map(tuple, entry["step_cost"])),
                                  adapter_cost=entry.get("adapter_cost") or 0.0)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: bad step_costs entry for {threads} threads, {kernels} kernels: {e}") from None
+        raise ValueError(f"{where}: bad step_costs entry for {threads} threads, {kernels} kernels, {device}"
+                         f"{', captured' if capture else ''}: {e}") from None
     # the trunk it was measured on: an entry without one predates the fused trunk (issue 58)
-    return priced, {"threads": threads, "kernels": kernels, "trunk": entry.get("trunk", "unfused")}
+    return priced, {"threads": threads, "kernels": kernels, "device": device, "capture": capture,
+                    "trunk": entry.get("trunk", "unfused")}
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
-                          kernels: str | None = None) -> DecodeConfig:
+                          kernels: str | None = None, device: str = "cpu") -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
     trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, a dynamic tree priced
-    by the curve stored for that setup (:func:`priced_for_setup`), else by the entry's own.
+    by the curve stored for that setup on the ``device`` type, eager steps
+    (:func:`priced_for_setup`), else by the entry's own.
 
     Raises:
         ValueError: a malformed ``decode`` or ``step_costs`` entry (``where`` names the file).
@@ -313,7 +326,7 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
         decode = DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{where}: bad decode settings: {e}") from None
-    return priced_for_setup(decode, cfg, threads, kernels, where)[0] if threads else decode
+    return priced_for_setup(decode, cfg, threads, kernels, where, device)[0] if threads else decode
 
 
 def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:

@@ -63,8 +63,9 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
 
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``;
-    a dynamic tree is priced by the step-cost curve the adapter stores for ``kernels`` and
-    ``torch.get_num_threads()`` at load (``space.artifact.priced_for_setup``), else by its own.
+    a dynamic tree is priced by the step-cost curve the adapter stores for ``kernels``,
+    ``torch.get_num_threads()`` at load and the device type (``space.artifact.priced_for_setup``),
+    else by its own.
 
     Returns:
         (model, tokenizer, MaskSpec): a plain HF model in every case. A lora adapter is merged
@@ -127,7 +128,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     if device_map is not None:  # the new modules (embedding, gated layers, sampler head) have no hooks yet
         dispatch(base, base.hf_device_map)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
-    base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels).to_dict()
+    on = next(base.parameters()).device.type  # a CPU's curve prices a GPU's steps wrong
+    base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels, on).to_dict()
     _trunk(base.eval(), compile, device_map)
     apply_kernels(base, kernels)
     return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec

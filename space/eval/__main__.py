@@ -288,7 +288,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     tuned = adapter_decode_config(adapter_cfg, where) if where else DecodeConfig.of_model(model, spec.mask_num)
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
                             tree=tree_flag(args.tree, args.mask_num))
-    decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "")
+    on = next(model.parameters()).device.type
+    decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture)
     graphs = capture = pld = None
     if args.capture:  # one graph per row bucket (on a GPU), ready before the first question
         from ..decoding.graphs import StepGraphs
@@ -306,7 +307,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     from .tree_search import step_cost_mismatch, trunk_of
 
     trunk = trunk_of(model)
-    mismatch = step_cost_mismatch(setup, threads, args.kernels, compiled, trunk) if decode.tree == "dynamic" else None
+    mismatch = (step_cost_mismatch(setup, threads, args.kernels, compiled, trunk, on, args.capture)
+                if decode.tree == "dynamic" else None)
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
     context = model.config.max_position_embeddings

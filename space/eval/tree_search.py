@@ -137,20 +137,23 @@ def check_ranks_source(meta: dict | None, path: Path, model: str | None, adapter
 
 
 def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int = 15,
-                    static: bool = False) -> dict[int, float]:
+                    static: bool = False, graphs=None) -> dict[int, float]:
     """Median seconds of one SPACE-like forward of q rows after ``cache_len`` cached tokens: an
     additive 4-D mask, the frozen-base LoRA on rows 1.. (``mask_rows(1)``: every row but the first
     treated as a mask row, an upper bound on a step's adapter work) and the LM head on every row.
     q = 1 is timed as an AR step (no mask rows). ``static``: after a preallocated cache of
     ``cache_len + max(rows)`` slots (``cache.static_cache``), as a compiled decoder runs its steps
-    (the mask then spans every slot). Returns {q: seconds} (:func:`time_steps`).
+    (the mask then spans every slot). ``graphs``: through these captured steps
+    (``space.decoding.graphs.StepGraphs``, with a size for each of ``rows`` and ``cache_len +
+    max(rows)`` slots), as ``space-eval --capture`` runs them. Returns {q: seconds}
+    (:func:`time_steps`).
     """
-    timed = time_steps(model, [(q, q > 1) for q in rows], cache_len, repeats, static)
+    timed = time_steps(model, [(q, q > 1) for q in rows], cache_len, repeats, static, graphs)
     return {q: timed[q, q > 1] for q in rows}
 
 
 def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repeats: int = 15,
-               static: bool = False) -> dict[tuple[int, bool], float]:
+               static: bool = False, graphs=None) -> dict[tuple[int, bool], float]:
     """Median seconds of one forward of each ``(rows, with mask rows)`` shape after ``cache_len``
     cached tokens, the LM head on every row. The shapes take turns, in alternating order, for
     ``repeats`` rounds after one warm-up round: a step's cost drifts by 10-20 % over seconds on a
@@ -158,6 +161,8 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     (the 1-row point of two runs differed by 15 %), while the decoder too changes shape every step.
 
     Which ids and which visibility the rows have does not change the cost, only their number.
+    ``graphs``: each forward is a captured step (``StepGraphs.step``) over its cache, the rows a
+    causal block (``static`` does not apply).
     """
     import torch
     from tqdm import tqdm
@@ -176,11 +181,18 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
         ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + most,), generator=gen).to(device)
         refuse_sliding_window(base.config, "the step-cost measurement")
         slots = cache_len + most if static else None
-        cache = static_cache(base.config.num_hidden_layers, slots) if static else DynamicCache(config=base.config)
+        if graphs is not None:
+            graphs.reset()
+            cache = graphs.cache
+        else:
+            cache = static_cache(base.config.num_hidden_layers, slots) if static else DynamicCache(config=base.config)
         with eager():  # the cached prefix, as a decoder's prefill (a compiled trunk would make a graph for it)
             decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
-        inputs = {}
+        inputs, blocks = {}, {}
         for q, _ in shapes:
+            if graphs is not None:  # (positions past the cache, the rows' own causal mask) for a captured step
+                causal = torch.ones(q, q, dtype=torch.bool).tril()[None, None]
+                blocks[q] = torch.arange(q, device=device), to_additive_4d(causal, graphs.dtype).to(device) if q > 1 else None
             causal = torch.ones(q, slots or cache_len + q, dtype=torch.bool).tril(cache_len)
             inputs[q] = dict(input_ids=ids[None, cache_len:cache_len + q],
                              position_ids=torch.arange(cache_len, cache_len + q, device=device)[None],
@@ -189,8 +201,12 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
         for round_ in tqdm(range(repeats + 1), desc="step cost", unit="round"):  # round 0 warms every shape up
             for q, masks in shapes if round_ % 2 else shapes[::-1]:
                 t0 = time.perf_counter()
-                with mask_rows(1 if masks else q):
-                    hidden = decoder(**inputs[q], **cache_input(cache), use_cache=True).last_hidden_state
+                if graphs is not None:  # the block's own mask and positions, as a decoder's step gives them
+                    hidden = graphs.step(inputs[q]["input_ids"][0], blocks[q][0], blocks[q][1], cache_len,
+                                         1 if masks else None)
+                else:
+                    with mask_rows(1 if masks else q):
+                        hidden = decoder(**inputs[q], **cache_input(cache), use_cache=True).last_hidden_state
                 head(hidden)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -295,25 +311,24 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     ``space-eval`` can warn when a run's setup differs (issue 44); else any old one is dropped.
 
     A dynamic layout's curve and adapter cost are also kept in ``"step_costs"``, one entry per
-    (threads, kernels), replacing only the entry of the same setup: a curve written at 2 threads
-    leaves the 1-thread one, and ``load_space`` / ``space-eval`` price rows by the entry of their
+    setup (threads, kernels, device type, captured steps: ``artifact.setup_key``), replacing only
+    the entry of the same setup: a curve written at 2 threads leaves the 1-thread one, and ``load_space`` / ``space-eval`` price rows by the entry of their
     own setup (``artifact.priced_for_setup``).
 
     Raises:
         ValueError: the file's ``step_costs`` is malformed (``artifact.stored_step_costs``).
     """
-    from ..artifact import SPACE_CONFIG, stored_step_costs
+    from ..artifact import SPACE_CONFIG, setup_key, stored_step_costs
 
     path = adapter / SPACE_CONFIG
     cfg = json.loads(path.read_text())
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
     if setup is not None and cfg["decode"].get("tree") == "dynamic" and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
-        entry = {"threads": setup["threads"], "kernels": setup["kernels"], "step_cost": cfg["decode"]["step_cost"],
-                 "adapter_cost": cfg["decode"].get("adapter_cost", 0.0), **({"trunk": setup["trunk"]} if "trunk" in setup else {})}
-        others = [e for e in stored_step_costs(cfg, path)
-                  if (e["threads"], e["kernels"]) != (entry["threads"], entry["kernels"])]
-        cfg["step_costs"] = sorted(others + [entry], key=lambda e: (e["kernels"], e["threads"]))
+        entry = {**{k: setup[k] for k in ("threads", "kernels", "device", "capture", "trunk") if k in setup},
+                 "step_cost": cfg["decode"]["step_cost"], "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
+        others = [e for e in stored_step_costs(cfg, path) if setup_key(e) != setup_key(entry)]
+        cfg["step_costs"] = sorted(others + [entry], key=lambda e: (*setup_key(e)[2:], e["kernels"], e["threads"]))
     else:
         cfg.pop("step_cost_setup", None)
     tmp = path.with_suffix(".json.tmp")
@@ -322,18 +337,22 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
 
 
 def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool | str = False,
-                       trunk: str = "fused") -> str | None:
+                       trunk: str = "fused", device: str = "cpu", capture: bool = False) -> str | None:
     """Why a stored step-cost curve may not price this run's rows: the threads, kernels,
-    compilation or trunk it was measured with differ from the run's (a curve at 1 thread prices
-    rows wrong at 2; space-tree measures eagerly, a ``--compile`` run attends over a preallocated
-    cache with other kernels; a curve recorded without a trunk predates the fused trunk,
-    ``space.decoding.fused``, whose steps cost less). ``trunk``: the run's, ``"fused"`` or
-    ``"unfused"`` (:func:`trunk_of`). None when they agree or nothing was recorded."""
+    compilation, trunk, device type or captured steps it was measured with differ from the run's
+    (a curve at 1 thread prices rows wrong at 2; space-tree measures eagerly, a ``--compile`` run
+    attends over a preallocated cache with other kernels; a curve recorded without a trunk
+    predates the fused trunk, ``space.decoding.fused``, whose steps cost less; a CPU's steps are
+    compute-bound where a GPU's are launch-bound, and a replayed graph's are not). ``trunk``: the
+    run's, ``"fused"`` or ``"unfused"`` (:func:`trunk_of`). None when they agree or nothing was
+    recorded."""
     if not setup:
         return None
-    recorded = {"compile": False, "trunk": "unfused", **setup}  # space-tree's curves are eager
+    # space-tree's curves are eager; one recorded before issue 58 was measured on a CPU
+    recorded = {"compile": False, "trunk": "unfused", "device": "cpu", "capture": False, **setup}
     diff = [f"{key} {recorded[key]} (run: {now})"
-            for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk))
+            for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk),
+                             ("device", device), ("capture", capture))
             if key in recorded and recorded[key] != now]
     if not diff:
         return None
@@ -361,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--buckets", action="store_true", help="price each step at its row bucket, as a --compile run "
                    "pads static layouts (space/decoding/compiled.py); the curve is still measured eagerly")
+    p.add_argument("--capture", action="store_true", help="measure the curve through captured steps (one CUDA graph "
+                   "per row count, space/decoding/graphs.py), as space-eval --capture runs them, and store it for that "
+                   "setup; the adapter cost is then 0 (every multi-row captured step runs the LoRA)")
     add_threads_flag(p)
     add_device_flag(p)
     p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json (default: %(default)s)")
@@ -418,8 +440,16 @@ def main(argv: list[str] | None = None) -> dict:
     apply_kernels(model, a.kernels)
     current = DecodeConfig.of_model(model, spec.mask_num) if a.adapter else None
     points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
-    curve = step_cost_curve(model, points, a.cache_len)
-    setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "trunk": trunk_of(model)}  # what the curve was measured with
+    graphs = None
+    if a.capture:
+        from ..decoding.graphs import StepGraphs
+
+        graphs = StepGraphs(model, a.cache_len + a.max_rows, points)
+        print(f"[space-tree] captured {graphs.num_graphs} step graphs in {graphs.capture():.1f} s")
+    curve = step_cost_curve(model, points, a.cache_len, graphs=graphs)
+    # what the curve was measured with (artifact.setup_key)
+    setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "device": next(model.parameters()).device.type,
+             "capture": a.capture, "trunk": trunk_of(model)}
     results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, a.buckets)
     if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows
         raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")
@@ -430,7 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
         dynamic = DecodeConfig(k, k + 1, lookup.lookup_tokens, lookup.lookup_ngram, tree="dynamic",
                                row_budget=a.max_rows, draft_ranks=4,
                                step_cost=tuple(map(tuple, step_cost_points(curve))),
-                               adapter_cost=adapter_cost(model, a.cache_len)).to_dict()
+                               adapter_cost=0.0 if a.capture else adapter_cost(model, a.cache_len)).to_dict()
     best, mine = results[0], next((r for r in results if r.get("current")), None)
     chain = next((r for r in results if r["decode"]["tree"] is None
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)

@@ -119,6 +119,33 @@ def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
     # a curve recorded before the fused trunk (no "trunk") prices a fused run's rows too high
     assert "trunk unfused (run: fused)" in step_cost_mismatch({"threads": 1, "kernels": "fast"}, 1, "fast")
     assert step_cost_mismatch({"threads": 1, "kernels": "fast"}, 1, "fast", trunk="unfused") is None
+    # issue 58: a CPU's curve (every curve recorded before it) prices a GPU's or a captured run's rows wrong
+    assert "device cpu (run: cuda)" in step_cost_mismatch(setup, 1, "fast", device="cuda")
+    assert "capture False (run: True)" in step_cost_mismatch(setup, 1, "fast", capture=True)
+    assert step_cost_mismatch({**setup, "device": "cuda", "capture": True}, 1, "fast", device="cuda", capture=True) is None
+
+
+def test_curves_are_stored_and_chosen_per_device_and_capture(tmp_path):
+    """Issue 58: a GPU's captured curve is stored beside the CPU's eager one for the same threads and
+    kernels (it replaced it before), and each run is priced by its own device's and capture's; an
+    entry written before (no device, no capture) is a CPU's eager one."""
+    from space.artifact import adapter_decode_config, priced_for_setup
+
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.5}, {1: 0.050, 16: 0.100}, setup={"threads": 8, "kernels": "fast"})
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.0}, {1: 0.004, 16: 0.005},
+                 setup={"threads": 8, "kernels": "fast", "device": "cuda", "capture": True})
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.2}, {1: 0.020, 16: 0.030},
+                 setup={"threads": 8, "kernels": "fast", "device": "cuda", "capture": False})
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert [(e.get("device"), e.get("capture")) for e in cfg["step_costs"]] == [(None, None), ("cuda", False), ("cuda", True)]
+    cpu = adapter_decode_config(cfg, threads=8, kernels="fast")
+    assert cpu.step_cost == ((1, 50.0), (16, 100.0)) and cpu.adapter_cost == 0.5
+    assert adapter_decode_config(cfg, threads=8, kernels="fast", device="cuda").step_cost == ((1, 20.0), (16, 30.0))
+    captured, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 8, "fast", device="cuda", capture=True)
+    assert captured.step_cost == ((1, 4.0), (16, 5.0)) and captured.adapter_cost == 0.0
+    assert setup["device"] == "cuda" and setup["capture"] is True
 
 
 def test_load_ranks_by_source(tmp_path):
@@ -218,7 +245,8 @@ def test_one_stored_curve_per_threads_and_kernels(tmp_path):
     assert static.step_cost == two.step_cost
     # --tree dynamic over the static stored layout: priced after the flag, with the setup it names
     priced, setup = priced_for_setup(static.override(tree="dynamic"), cfg, 1, "fast")
-    assert priced.step_cost == one.step_cost and setup == {"threads": 1, "kernels": "fast", "trunk": "unfused"}
+    assert priced.step_cost == one.step_cost
+    assert setup == {"threads": 1, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "unfused"}
     unpriced, setup = priced_for_setup(static.override(tree="dynamic"), cfg, 1, "stock")
     assert unpriced.step_cost == two.step_cost and setup == {"threads": 2, "kernels": "fast"}  # warns in space-eval
     cfg["step_costs"][0]["step_cost"] = [[1, -1.0]]
@@ -247,7 +275,7 @@ def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
                "--methods", "space", "--threads", "1", "--out", str(tmp_path / "run")])
     meta = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert meta["step_cost"] == [[1, 50.0], [32, 150.0]] and meta["adapter_cost"] == 5.0
-    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast", "trunk": "fused"}
+    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused"}
     assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
 
 
@@ -272,6 +300,13 @@ def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     assert after["adapter_cost"] >= 0  # 2 rows with a mask row minus without, measured (issue 44)
     assert DecodeConfig.from_dict(after).tree == "dynamic"
     assert "dynamic tree" in capsys.readouterr().out
+    # issue 58: the curve of captured steps (here their buffers, run eagerly) is stored beside the eager one
+    main([*args, "--dynamic", "--capture"])
+    entries = json.loads((adapter / "space_config.json").read_text())["step_costs"]
+    mine = [e for e in entries if e["threads"] == 1 and e["kernels"] == "fast"]
+    assert [(e["device"], e["capture"]) for e in mine] == [("cpu", False), ("cpu", True)]
+    assert mine[1]["adapter_cost"] == 0.0  # a captured multi-row step always runs the gated LoRA
+    assert "[space-tree] captured 0 step graphs" in capsys.readouterr().out
     report = main(args)
     assert report["current"] is None and report["dynamic"] is None
     after = json.loads((adapter / "space_config.json").read_text())["decode"]
