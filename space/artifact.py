@@ -271,10 +271,12 @@ def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> lis
     entries = cfg.get("step_costs", [])
     good = isinstance(entries, list) and all(
         isinstance(e, dict) and type(e.get("threads")) is int and e["threads"] >= 1
-        and isinstance(e.get("kernels"), str) and isinstance(e.get("step_cost"), list) for e in entries)
+        and isinstance(e.get("kernels"), str) and isinstance(e.get("step_cost"), list)
+        and isinstance(e.get("device", "cpu"), str) and type(e.get("capture", False)) is bool for e in entries)
     if not good:
         raise ValueError(f"{where}: bad step_costs: expected a list of {{\"threads\": n >= 1, \"kernels\": str, "
-                         f"\"step_cost\": [[rows, ms], ...], \"adapter_cost\": ms}}, got {entries!r:.200}")
+                         f"\"device\": str, \"capture\": bool, \"step_cost\": [[rows, ms], ...], "
+                         f"\"adapter_cost\": ms}}, got {entries!r:.200}")
     return entries
 
 
@@ -287,8 +289,13 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     a CPU's prices a GPU's launch-bound steps wrong (issue 58). Apply it after any layout flags, so
     ``--tree dynamic`` over a static stored layout is priced too.
 
+    Which curve: the one of this setup (off a CPU, whatever its threads: a GPU's steps barely
+    depend on the host's); else the one of the same kernels, device and capture at the nearest
+    thread count (the decode entry's own may be another device's, the last ``space-tree`` wrote);
+    else the decode entry's own.
+
     Returns:
-        (the layout, the setup its curve was measured with: this one when a stored curve applied,
+        (the layout, the setup its curve was measured with: the stored curve's when one applied,
         else the adapter's ``"step_cost_setup"`` or None). Layouts other than the dynamic tree
         price no rows by a curve and come back unchanged, with None.
 
@@ -297,18 +304,19 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     """
     if decode.tree != "dynamic":
         return decode, None
-    key = (threads, kernels, device, capture)
-    entry = next((e for e in stored_step_costs(cfg, where) if setup_key(e) == key), None)
+    alike = [e for e in stored_step_costs(cfg, where) if setup_key(e)[1:] == (kernels, device, capture)]
+    entry = next((e for e in alike if device != "cpu" or e["threads"] == threads),
+                 min(alike, key=lambda e: abs(e["threads"] - threads), default=None))
     if entry is None:
         return decode, cfg.get("step_cost_setup")
     try:
         priced = decode.override(step_cost=tuple(map(tuple, entry["step_cost"])),
                                  adapter_cost=entry.get("adapter_cost") or 0.0)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: bad step_costs entry for {threads} threads, {kernels} kernels, {device}"
+        raise ValueError(f"{where}: bad step_costs entry for {entry['threads']} threads, {kernels} kernels, {device}"
                          f"{', captured' if capture else ''}: {e}") from None
     # the trunk it was measured on: an entry without one predates the fused trunk (issue 58)
-    return priced, {"threads": threads, "kernels": kernels, "device": device, "capture": capture,
+    return priced, {"threads": entry["threads"], "kernels": kernels, "device": device, "capture": capture,
                     "trunk": entry.get("trunk", "unfused")}
 
 

@@ -203,7 +203,7 @@ def test_captured_steps_exact_on_cuda(on_gpu):
     graphs = StepGraphs(model, slots=160, sizes=sizes)
     print(f"cuda captured: {len(graphs.sizes)} graphs in {graphs.capture():.2f} s")
     made = graphs.num_graphs
-    assert made == len(graphs.sizes)  # AR's plain row and a gated graph per size above 1
+    assert made == 2 * len(graphs.sizes) - 1  # a plain graph per size, a gated one per size above 1
     for layout in ("chain", "static tree", "lookup", "dynamic"):
         dec = SpaceDecoder(model, spec, LAYOUTS[layout], graphs=graphs)
         steps = tokens = 0

@@ -51,7 +51,8 @@ class DecodeConfig:
         num_groups: mask groups attached per step, 1..k+1; None = k+1 (the paper's layout).
             Fewer groups make a step cheaper on a CPU; see :meth:`max_tokens_per_step` for the cap.
             0 with ``lookup_tokens`` and a static layout: no mask group, prompt lookup alone (PLD
-            run by this decoder's step, the baseline a captured run compares with, issue 58).
+            run by this decoder's step, the baseline a captured run compares with, issue 58); the
+            tree then has no drafts to verify.
         lookup_tokens: 0 = pure SPACE; else up to this many prompt-lookup candidates per step,
             verified as one more branch of the step's token tree (added to the mask drafts).
         lookup_ngram: longest n-gram matched by prompt lookup (>= 1).
@@ -99,8 +100,11 @@ class DecodeConfig:
         if self.adapter_cost and self.step_cost is None:  # the default curve has no unit to measure it in
             raise ValueError("adapter_cost is in the step-cost curve's unit: give step_cost with it")
         if self.num_groups is not None:  # G_0..G_k; none only for prompt lookup alone
-            check_int("num_groups", self.num_groups, 0 if self.lookup_tokens and self.tree != "dynamic" else 1,
-                      self.mask_num + 1)
+            lookup_alone = bool(self.lookup_tokens) and self.tree != "dynamic"
+            if self.num_groups == 0 and not lookup_alone:
+                raise ValueError("num_groups 0 (no mask group) is prompt lookup alone: it needs lookup_tokens > 0 "
+                                 "and a static layout")
+            check_int("num_groups", self.num_groups, 0 if lookup_alone else 1, self.mask_num + 1)
         check_int("lookup_tokens", self.lookup_tokens, 0)
         check_int("lookup_ngram", self.lookup_ngram, 1)
 
@@ -171,6 +175,8 @@ class DecodeConfig:
         k, g_max = self.mask_num, self.groups - 1
         if self.tree == "dynamic":
             return float(k + 1)
+        if not self.groups:  # prompt lookup alone: no mask draft
+            return 1.0
         depth = k if self.tree is None else chain_depth(self.tree)
         m, seen, emitted = 0, {}, []
         while m not in seen:  # a deterministic walk over the candidate count m: find its cycle

@@ -611,10 +611,13 @@ class SpaceDecoder:
                              f"cache's {slots} slots (sized for {self.max_rows} rows per step)")
         block = torch.cat([last, tokens, lay.mask_ids])
         # 2. one forward; the LM head on the verification rows (on every row, when that wastes few)
+        # the frozen-base LoRA acts from the first mask row; a block without a group (prompt lookup
+        # alone, the end of the context) has none: its padding rows are never read
+        start = n1 if lay.group_len else None
         if self.graphs is not None:  # a captured step: the layout's own tensors go into its buffers
-            hidden = self.graphs.step(block, lay.position_ids, lay.block_mask, L, n1)
+            hidden = self.graphs.step(block, lay.position_ids, lay.block_mask, L, start)
         else:
-            hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows, slots), cache, n1)
+            hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows, slots), cache, start)
         logits, target = self._head_rows(hidden, lay)
         # 3. each verification row scored as AR would score it (a processor sees the row's context)
         host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None

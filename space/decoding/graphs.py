@@ -23,7 +23,8 @@ What a graph fixes, and how a step fits it:
   (rows, 1) gate (``space.masking.mask_rows`` with a tensor; 1 on mask rows, 0 elsewhere) instead
   of a Python integer a graph would freeze: the update is computed on every row and multiplied by
   the gate, rejected and real rows masked rather than cropped. A real row gets ``+ 0``, exactly
-  its base output. AR (1 row, no mask) replays a graph without the gate: the base model alone.
+  its base output. A block without a mask row (AR's row, a prompt-lookup block) replays a plain
+  graph of its size instead, the base model alone, which costs what the eager base costs.
 * **No host reads.** Nothing in the captured region reads a device value on the host
   (``tests/decoding/test_graphs.py`` counts with ``tests/syncs.py``); the decoder's one copy per
   step comes after the replay, as before.
@@ -62,7 +63,7 @@ class _Inputs:
 
 class StepGraphs:
     """The trunk's decode step, one CUDA graph per row bucket and kind (gated: a block with mask
-    rows; plain: AR's row), over one static KV cache of ``slots`` slots.
+    rows; plain: a block without, AR's row among them), over one static KV cache of ``slots`` slots.
 
     Args:
         model: a HF causal LM (a peft model is unwrapped), on one device, full attention on every
@@ -158,14 +159,13 @@ class StepGraphs:
             layer.cumulative_length.zero_()
 
     @torch.inference_mode()
-    def capture(self, gated: bool = True) -> float:
-        """Capture every bucket's graph now (on a GPU; on the CPU nothing to do): AR's plain 1-row
-        graph and, with ``gated``, the gated one of every size above 1 (a block's row 0 is always
-        a real row). Leaves the cache empty. Returns the seconds it took (``capture_s`` adds up
-        each graph's)."""
+    def capture(self) -> float:
+        """Capture every graph now (on a GPU; on the CPU nothing to do): each size's plain graph
+        and, above 1 row, its gated one (a block's row 0 is always a real row). Leaves the cache
+        empty. Returns the seconds it took (``capture_s`` adds up each graph's)."""
         t0 = time.perf_counter()
         if self.use_graphs:
-            keys = [(1, False)] + ([(q, True) for q in self.sizes if q > 1] if gated else [])
+            keys = [(q, False) for q in self.sizes] + [(q, True) for q in self.sizes if q > 1]
             for q, g in keys:
                 buf = self._inputs[q]
                 buf.mask.zero_()  # warm-up rows see every slot: finite garbage, masked later
@@ -264,10 +264,10 @@ class StepGraphs:
         else:
             buf.mask[..., cache_len: cache_len + q].copy_(block_mask)
         buf.mask[..., cache_len + q:].fill_(torch.finfo(self.dtype).min)
-        # a block of several rows replays the gated graph (a gate of zeros when it holds no mask
-        # row: exactly the base's output), so one graph serves each bucket; AR's row the plain one
+        # a block with mask rows replays the gated graph, one for every first mask row; a block
+        # without (AR, prompt lookup alone) the plain one, which skips the LoRA as eagerly
         start = q if mask_start is None else min(mask_start, q)
-        gated = q > 1 or start < q
+        gated = start < q
         if gated:
             buf.gate[:start].zero_()
             buf.gate[start:].fill_(1.0)

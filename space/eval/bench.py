@@ -141,8 +141,15 @@ def context_overflow(target: Target, task: EvalTask, max_new_tokens: int) -> str
 
     The plain condition prompt + max_new_tokens > context, at the last turn, whose prompt holds
     every earlier turn and answer; each earlier answer is counted at its longest, max_new_tokens.
+    Over captured steps the context is the captured cache's slots less a step's most rows
+    (``StepGraphs.check_fits``).
     """
     context = target.model.config.max_position_embeddings
+    where = f"the model context {context}"
+    if target.graphs is not None:
+        context = min(context, target.graphs.slots - target.graphs.max_rows)
+        where = (f"the captured cache's {target.graphs.slots} slots less a step's {target.graphs.max_rows} rows "
+                 "(--capture-len)")
     messages = []
     for turn in task.turns[:-1]:
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
@@ -152,7 +159,7 @@ def context_overflow(target: Target, task: EvalTask, max_new_tokens: int) -> str
     if need <= context:
         return None
     answers = f"{n} x max_new_tokens ({max_new_tokens})" if n > 1 else f"max_new_tokens ({max_new_tokens})"
-    return f"prompt ({prompt} tokens) + {answers} = {need} exceeds the model context {context}"
+    return f"prompt ({prompt} tokens) + {answers} = {need} exceeds {where}"
 
 
 def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_file: Path, max_new_tokens: int,

@@ -216,11 +216,12 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
         return {shape: statistics.median(t) for shape, t in times.items()}
 
 
-def adapter_cost(model, cache_len: int = 300, repeats: int = 15) -> float:
+def adapter_cost(model, cache_len: int = 300, repeats: int = 15, graphs=None) -> float:
     """The adapter's fixed cost per step in ms (issue 44): a 2-row step with a mask row minus one
     without (never below 0), timed in turns (:func:`time_steps`), the part of the curve's 1 -> 2-row
-    jump that only blocks with mask groups pay (``DecodeConfig.adapter_cost``)."""
-    timed = time_steps(model, [(2, True), (2, False)], cache_len, repeats)
+    jump that only blocks with mask groups pay (``DecodeConfig.adapter_cost``). ``graphs``: through
+    these captured steps (the gated graph against the plain one)."""
+    timed = time_steps(model, [(2, True), (2, False)], cache_len, repeats, graphs=graphs)
     return round(max(timed[2, True] - timed[2, False], 0.0) * 1e3, 3)
 
 
@@ -233,7 +234,7 @@ def step_cost_points(curve: dict[int, float]) -> list[list]:
 def _key(decode: dict) -> tuple:
     """What makes two decode dicts the same layout (num_groups None is k+1; the dynamic tree's
     own settings and the step-cost curve are not part of a static layout)."""
-    groups = decode["num_groups"] or decode["mask_num"] + 1
+    groups = decode["num_groups"] if decode["num_groups"] is not None else decode["mask_num"] + 1
     tree = decode["tree"] if decode["tree"] in (None, "dynamic") else tuple(map(tuple, decode["tree"]))
     return decode["mask_num"], groups, tree, decode["lookup_tokens"], decode["lookup_ngram"]
 
@@ -350,10 +351,11 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
         return None
     # space-tree's curves are eager; one recorded before issue 58 was measured on a CPU
     recorded = {"compile": False, "trunk": "unfused", "device": "cpu", "capture": False, **setup}
+    off_cpu = device != "cpu" and recorded["device"] != "cpu"  # a GPU's steps barely depend on the host's threads
     diff = [f"{key} {recorded[key]} (run: {now})"
             for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk),
                              ("device", device), ("capture", capture))
-            if key in recorded and recorded[key] != now]
+            if key in recorded and recorded[key] != now and not (key == "threads" and off_cpu)]
     if not diff:
         return None
     return ("the adapter's step-cost curve was measured with " + ", ".join(diff) + ": the dynamic tree prices "
@@ -382,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "pads static layouts (space/decoding/compiled.py); the curve is still measured eagerly")
     p.add_argument("--capture", action="store_true", help="measure the curve through captured steps (one CUDA graph "
                    "per row count, space/decoding/graphs.py), as space-eval --capture runs them, and store it for that "
-                   "setup; the adapter cost is then 0 (every multi-row captured step runs the LoRA)")
+                   "setup")
     add_threads_flag(p)
     add_device_flag(p)
     p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json (default: %(default)s)")
@@ -450,7 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
     # what the curve was measured with (artifact.setup_key)
     setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "device": next(model.parameters()).device.type,
              "capture": a.capture, "trunk": trunk_of(model)}
-    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, a.buckets)
+    # captured steps pad every block to a bucket, as space-eval --capture runs them
+    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, a.buckets or a.capture)
     if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows
         raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")
     dynamic = None
@@ -460,12 +463,12 @@ def main(argv: list[str] | None = None) -> dict:
         dynamic = DecodeConfig(k, k + 1, lookup.lookup_tokens, lookup.lookup_ngram, tree="dynamic",
                                row_budget=a.max_rows, draft_ranks=4,
                                step_cost=tuple(map(tuple, step_cost_points(curve))),
-                               adapter_cost=0.0 if a.capture else adapter_cost(model, a.cache_len)).to_dict()
+                               adapter_cost=adapter_cost(model, a.cache_len, graphs=graphs)).to_dict()
     best, mine = results[0], next((r for r in results if r.get("current")), None)
     chain = next((r for r in results if r["decode"]["tree"] is None
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
     report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
-              "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": a.buckets,
+              "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": a.buckets or a.capture, "capture": a.capture,
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
               "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}
     a.out.mkdir(parents=True, exist_ok=True)

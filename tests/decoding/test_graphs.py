@@ -144,15 +144,23 @@ def test_prompt_lookup_alone_over_captured_steps_is_pld(captured):
     model, spec, lang, graphs = captured
     pld = DecodeConfig(3, 0, lookup_tokens=10)
     assert pld.max_rows() == 11  # x_{n-1} and 10 candidates: no draft, no mask
-    for n in (8, 40):
-        prompt = torch.tensor(lang.sample(n))
-        truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
-        out = SpaceDecoder(model, spec, pld, graphs=graphs).generate(prompt, 60)
-        assert out.new_ids == truth
-        assert set("".join(out.step_sources)) <= {"l", " "} and max(out.accept_lengths) >= 2
-    with pytest.raises(ValueError, match=r"num_groups must lie in 1\.\.4, got 0"):
+    kinds, real = [], graphs._run
+    graphs._run = lambda q, gated: kinds.append((q, gated)) or real(q, gated)
+    try:
+        for n in (8, 40):
+            prompt = torch.tensor(lang.sample(n))
+            truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+            out = SpaceDecoder(model, spec, pld, graphs=graphs).generate(prompt, 60)
+            assert out.new_ids == truth
+            assert set("".join(out.step_sources)) <= {"l", " "} and max(out.accept_lengths) >= 2
+    finally:
+        del graphs._run
+    # no mask row, no LoRA: every block replays a plain graph, as eager PLD runs the base alone
+    assert {g for _, g in kinds} == {False} and max(q for q, _ in kinds) == 12
+    assert pld.max_tokens_per_step() == 1.0  # no mask draft (lookup is not bounded by a layout)
+    with pytest.raises(ValueError, match="num_groups 0 .* needs lookup_tokens > 0 and a static layout"):
         DecodeConfig(3, 0)  # no group and no lookup: nothing would be drafted
-    with pytest.raises(ValueError, match=r"num_groups must lie in 1\.\.4, got 0"):
+    with pytest.raises(ValueError, match="num_groups 0 .* needs lookup_tokens > 0 and a static layout"):
         DecodeConfig(3, 0, tree="dynamic", lookup_tokens=10)
 
 
@@ -221,8 +229,15 @@ def test_space_eval_capture_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
     assert next(r for r in records if r["model_id"] == "pld")["choices"][0]["accept_lengths"]  # by the decoder
     assert json.loads((tmp_path / "run_config.json").read_text())["capture_ready"]["graphs"] == 0  # no CUDA here
     assert "[space-eval] captured 0 step graphs" in capsys.readouterr().out
+    assert "captured steps over 600 cache slots (AR, SPACE, and PLD by the SPACE decoder" in (
+        tmp_path / "summary.md").read_text()
     with pytest.raises(ValueError, match="'capture': \\(600, None\\)"):
         eval_main(args)  # the same run eager: its timings would mix
+    # a prompt that fits the model but not the captured cache is skipped with why, not a crash mid-run
+    eval_main([*args[:-1], str(tmp_path / "short"), "--capture", "--capture-len", "40"])
+    records = [json.loads(line) for line in (tmp_path / "short" / "samples.jsonl").read_text().splitlines()]
+    assert {r["model_id"] for r in records} == {"ar", "pld", "space"}
+    assert all("exceeds the captured cache's 40 slots less a step's" in r["skipped"] for r in records)
     for bad, message in [(["--capture", "--compile"], "drop --compile and --device-map"),
                          (["--capture-len", "100"], "it needs --capture"),
                          (["--capture", "--capture-len", "0"], "--capture-len must be >= 1")]:

@@ -254,7 +254,8 @@ def test_hf_and_pld_suppress_the_mask_tokens_as_ar_and_space_do(monkeypatch):
         return torch.cat([prompt, torch.tensor([[5, 6]])], dim=1)
 
     monkeypatch.setattr(model, "generate", fake_generate)
-    target = type("T", (), {"model": model, "tokenizer": tok, "mask": spec, "stop_ids": [tok.eos_token_id], "pld": None})()
+    target = type("T", (), {"model": model, "tokenizer": tok, "mask": spec, "stop_ids": [tok.eos_token_id], "pld": None,
+                             "graphs": None})()
     for method in ("hf", "pld"):
         out = generate(method, target, [1, 2, 3], 4, SamplingConfig())
         assert out["ids"] == [5, 6]
