@@ -146,6 +146,12 @@ def test_curves_are_stored_and_chosen_per_device_and_capture(tmp_path):
     captured, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 8, "fast", device="cuda", capture=True)
     assert captured.step_cost == ((1, 4.0), (16, 5.0)) and captured.adapter_cost == 0.0
     assert setup["device"] == "cuda" and setup["capture"] is True
+    # a GPU's curve serves any host threads; a CPU run at threads without a curve takes its device's
+    # nearest, not the decode entry's own (the last written: here the GPU's eager one)
+    assert adapter_decode_config(cfg, threads=16, kernels="fast", device="cuda").step_cost == ((1, 20.0), (16, 30.0))
+    assert cfg["decode"]["step_cost"] == [[1, 20.0], [16, 30.0]]
+    nearest, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 4, "fast")
+    assert nearest.step_cost == cpu.step_cost and setup["threads"] == 8  # space-eval warns: threads 8 (run: 4)
 
 
 def test_load_ranks_by_source(tmp_path):
