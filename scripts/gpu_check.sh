@@ -25,7 +25,8 @@
 # 7B-shaped 16-row against 1-row step (fused trunk, bf16; eager and captured) and the 7B-shaped bf16 host time with cuDNN
 # attention on and off; g58b carries .gpu2/, joins the real model and times it in bf16 with cuDNN attention on
 # and off (AR, shipped layout), then space-eval on HumanEval 12: eager fp32 (AR, PLD, SPACE), and over captured
-# steps (--capture: one CUDA graph per row bucket, space/decoding/graphs.py) in fp32 and bf16 (AR, SPACE).
+# steps (--capture: one CUDA graph per row bucket, space/decoding/graphs.py) in fp32 (AR, PLD, SPACE) and bf16
+# (AR, SPACE).
 #   bash scripts/gpu_check.sh g58a ; bash scripts/gpu_check.sh g58b
 set -u
 phase=${1:?phase1, phase2, compiled, real1, real2, real3, g58a or g58b}
@@ -124,7 +125,7 @@ elif [ "$phase" = g58b ]; then
     --new-tokens 96 --layouts ar,shipped --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval --limit 12)
   stage eval_humaneval_fp32 110 python3 -m space.eval "${common[@]}" --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
-  stage eval_humaneval_capture_fp32 100 python3 -m space.eval "${common[@]}" --methods ar,space --capture \
+  stage eval_humaneval_capture_fp32 120 python3 -m space.eval "${common[@]}" --methods ar,pld,space --capture \
     --capture-len 2048 --out "$stash/res/eval_humaneval_capture_fp32"
   stage eval_humaneval_capture_bf16 100 python3 -m space.eval "${common[@]}" --methods ar,space --capture \
     --capture-len 2048 --dtype bfloat16 --out "$stash/res/eval_humaneval_capture_bf16"
