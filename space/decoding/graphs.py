@@ -121,7 +121,6 @@ class StepGraphs:
             self._inputs = {q: self._buffers(q) for q in self.sizes}
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # one memory pool for every graph (they never run at once)
-        self.capture_s = 0.0  # seconds spent capturing so far
         # host seconds inside step() replaying graphs: the model's share of a step, which forward
         # hooks (result.model_time) time in an eager forward but never see in a replay; on the CPU
         # the trunk runs eagerly and its hooks see it, so this stays 0
@@ -163,7 +162,7 @@ class StepGraphs:
     def capture(self) -> float:
         """Capture every graph now (on a GPU; on the CPU nothing to do): each size's plain graph
         and, above 1 row, its gated one (a block's row 0 is always a real row). Leaves the cache
-        empty. Returns the seconds it took (``capture_s`` adds up each graph's)."""
+        empty. Returns the seconds it took."""
         t0 = time.perf_counter()
         if self.use_graphs:
             keys = [(q, False) for q in self.sizes] + [(q, True) for q in self.sizes if q > 1]
@@ -195,7 +194,6 @@ class StepGraphs:
         capture, which records the advance without running it."""
         key = (q, gated)
         if key not in self._graphs:
-            t0 = time.perf_counter()
             lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
 
             def put_back():
@@ -218,7 +216,6 @@ class StepGraphs:
                     put_back()
             self._pool = graph.pool()
             self._graphs[key] = (graph, out)
-            self.capture_s += time.perf_counter() - t0
         return self._graphs[key]
 
     def step(self, ids: torch.Tensor, position_ids: torch.Tensor | None, block_mask: torch.Tensor | None,

@@ -447,7 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
         from ..decoding.graphs import StepGraphs
 
         graphs = StepGraphs(model, a.cache_len + a.max_rows, points)
-        print(f"[space-tree] captured {graphs.num_graphs} step graphs in {graphs.capture():.1f} s")
+        seconds = graphs.capture()  # before the count is read: a GPU's graphs exist after it
+        print(f"[space-tree] captured {graphs.num_graphs} step graphs in {seconds:.1f} s")
     curve = step_cost_curve(model, points, a.cache_len, graphs=graphs)
     # what the curve was measured with (artifact.setup_key)
     setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "device": next(model.parameters()).device.type,
