@@ -2,7 +2,7 @@
 
 A benchmark that reports SPACE's speedup against AR is honest only if AR runs at its fastest
 kernels. This loads the model with the shipped adapter twice, stock and fast (whose linears pick
-MKL or oneDNN per row count on this machine, ``space.cpu_kernels.choose_stock_rows``), and
+MKL's stock or packed GEMM per row count on this machine, ``space.cpu_kernels.choose_stock_rows``), and
 decodes the same HumanEval prompts greedily with AR, alternating the two per prompt so that a
 busy spell of the machine hits both. It also times one SPACE step shape (``--rows``) with each.
 

@@ -93,7 +93,7 @@ class GatedLoraLinear(nn.Module):
     the base alone and costs what the base costs. Under a gate tensor instead of a start (a
     captured decode step, ``space.decoding.graphs``; batch 1) every row's update is computed and
     multiplied by its gate, 0 or 1. (With the CPU kernels' per-row-count paths, a
-    few-row call may take MKL and a many-row call oneDNN: the same weights, equal to fp32
+    few-row call may take MKL's stock path and a many-row call the packed GEMM: the same weights, equal to fp32
     rounding, ``space.cpu_kernels``.)
 
     DESIGN (issue 58: on a GPU an eager step costs about its kernel launches): A is packed under
@@ -146,7 +146,7 @@ class GatedLoraLinear(nn.Module):
         if s is None or (gate is None and s >= x.shape[-2]):  # no mask row (AR, HF generate, real rows): the base alone
             return self.base(x)
         out = self.base.out_features
-        if getattr(self.base, "extra_out", 0):  # the CPU kernels' oneDNN-packed W and A
+        if getattr(self.base, "extra_out", 0):  # the CPU kernels' packed W and A
             y, xa = self.base.forward_extra(x)
         else:  # x W^T and x A^T in one GEMM
             both = nn.functional.linear(x, self.packed, self.packed_bias)
@@ -166,12 +166,12 @@ def _load_lora_state(module: GatedLoraLinear, state: dict, prefix: str, *_args) 
 
     Raises:
         ValueError: the CPU kernels packed the layer (a ``PackedLinear`` base holding A): their
-            oneDNN copy of W and A would keep the old weights while the few-row stock path read
+            packed copy of W and A would keep the old weights while the few-row stock path read
             the new ones. Load before ``space.cpu_kernels.apply_kernels``.
     """
     if getattr(module.base, "extra_out", 0):
         raise ValueError(f"{prefix or 'this layer'}: load the LoRA state before the CPU kernels pack it "
-                         "(their oneDNN copy of W and A is not repacked); apply_kernels after loading")
+                         "(their packed copy of W and A is not repacked); apply_kernels after loading")
     with torch.no_grad():
         if prefix + "lora_a" in state:
             module.packed[module.base.out_features:] = state.pop(prefix + "lora_a")

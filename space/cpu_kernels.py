@@ -3,21 +3,25 @@
 Two swaps, both through public hooks of torch / transformers, both applied by :func:`optimize_for_cpu`
 to every method of a benchmark alike (so a measured speedup is the decoding method's, not a kernel's):
 
-1. **oneDNN-prepacked linears** (:class:`PackedLinear`). A SPACE step feeds 5-16 query rows through
+1. **Prepacked linears** (:class:`PackedLinear`). A SPACE step feeds 5-32 query rows through
    every linear, an AR step one. With stock ``F.linear``, MKL takes a matrix-vector path for one
-   row and a small matrix-matrix path for more, which costs 1.4-2x as much on a 2-core CPU.
-   oneDNN's inner product with weights reordered once into its blocked layout (the kernel
-   inductor uses for frozen CPU linears) makes the many-row call cheap. Which path is faster for
-   few rows depends on the CPU: on an AVX2 machine oneDNN also won at one row (~41 ms against
-   ~48 ms for SmolLM2's linears), on the AVX-512 machine of issue 43 MKL's matrix-vector path
-   won by ~20 %. So :func:`choose_stock_rows` times both paths per weight shape when the kernels
-   are applied, and each :class:`PackedLinear` calls stock ``F.linear`` up to the row count where
-   MKL is faster (``stock_rows``), oneDNN above it; the choice goes into the run record. Both
-   paths match ``F.linear`` to fp32 rounding (~1e-6); oneDNN's rows do not depend on how many
-   rows a call holds. So an AR row (MKL) and the same row in a SPACE block (oneDNN) can differ at
-   fp32 rounding, as they already do with the stock kernels (MKL's one-row and many-row paths):
-   greedy SPACE equals AR except at a near-tie that rounding flips, and the timed choice can
-   differ between runs (``stock_rows = 0``, oneDNN everywhere, makes every row call-independent).
+   row and a small matrix-matrix path for more, which costs 1.4-4x as much on a 2-core CPU. With
+   the weights packed once for the kernel, the many-row call costs little more than the one-row
+   call. The packed kernel is MKL's ``cblas_sgemm_compute`` (``torch.ops.mkl._mkl_linear``, the
+   kernel inductor uses for frozen CPU linears) where torch has MKL, else oneDNN's inner product
+   (``torch.ops.mkldnn._linear_pointwise``). On SmolLM2 at 2 threads MKL's packed GEMM took
+   0.75-0.85x oneDNN's time at 2-32 rows (issue 58; a 16-row step 89 ms against 104, 1 row 55).
+   Which path is faster for few rows depends on the CPU: on an AVX2 machine oneDNN also won at
+   one row (~41 ms against ~48 ms for SmolLM2's linears), on the AVX-512 machine of issue 43 MKL's
+   matrix-vector path won by ~20 %. So :func:`choose_stock_rows` times both paths per weight shape
+   when the kernels are applied, and each :class:`PackedLinear` calls stock ``F.linear`` up to the
+   row count where it is faster (``stock_rows``), the packed kernel above it; the choice goes into
+   the run record. Both paths match ``F.linear`` to fp32 rounding (~1e-6); the packed kernel's
+   rows do not depend on how many rows a call holds. So an AR row (stock) and the same row in a
+   SPACE block (packed) can differ at fp32 rounding, as they already do with the stock kernels
+   (MKL's one-row and many-row paths): greedy SPACE equals AR except at a near-tie that rounding
+   flips, and the timed choice can differ between runs (``stock_rows = 0``, the packed kernel
+   everywhere, makes every row call-independent).
 2. **GQA attention with a mask** (:data:`SDPA_GQA`). transformers' ``sdpa`` copies the key/value
    cache to every query head (``repeat_kv``) whenever a mask is given, which SPACE's 4-D mask always
    is: 60 cache copies per step for SmolLM2. Registered through ``AttentionInterface``, this
@@ -40,58 +44,88 @@ from .choices import KERNEL_CHOICES
 
 SDPA_GQA = "space_sdpa_gqa"
 PROBE_ROWS = (1, 2, 4, 8)  # row counts timed per weight shape; stock wins, if anywhere, at the low end
+PACKED_KERNELS = ("mkl", "onednn")
+# MKL packs a weight for a row count, and the packed buffer carries its own format (MKL's docs:
+# internally stored metadata): ``cblas_sgemm_compute`` takes any row count from it. torch's op
+# falls back to the stock linear unless told the call's own count as the pack's, so PackedLinear
+# passes it. Measured here: 2-40 rows from one pack equal the exact pack for each count bit for
+# bit (tests/test_cpu_kernels.py checks the call against F.linear and across counts). A pack for
+# few rows caps the blocking: packed for 16 rows, a 32-row call took 1.35x the time packed for 64
+# or more, while 1-32 row calls cost the same from packs for 64 to 512 rows (SmolLM2's shapes, 2
+# threads)
+MKL_PACK_ROWS = 128
+
+
+def has_kernel(kernel: str) -> bool:
+    """Whether this torch build has the packed kernel ``kernel`` (one of :data:`PACKED_KERNELS`)."""
+    if kernel == "mkl":
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return (kernel == "onednn" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def packed_kernel() -> str | None:
+    """The packed kernel PackedLinear takes by default: ``"mkl"`` where torch has MKL (x86
+    builds), else ``"onednn"`` (builds with mkldnn only, e.g. aarch64), else None."""
+    return next((k for k in PACKED_KERNELS if has_kernel(k)), None)
 
 
 def packing_available() -> bool:
-    """True when this torch build has the oneDNN prepacked-linear ops (CPU builds with mkldnn)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """True when this torch build has a prepacked-linear kernel (:func:`packed_kernel`)."""
+    return packed_kernel() is not None
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with W reordered once for oneDNN (fp32, CPU, inference).
+    """``y = x W^T + b`` with W packed once for a GEMM kernel (fp32, CPU, inference).
 
     Args:
         linear: the ``nn.Linear`` to replace, fp32 on CPU. Its ``weight`` stays referenced as
             ``self.weight`` (shared storage, e.g. a tied embedding), so code reading it still works.
         extra: optional (r, in) rows packed below W, e.g. a LoRA ``A``: one kernel call then gives
-            ``x W^T`` and ``x extra^T`` together (:meth:`forward_extra`). oneDNN computes each output
-            column on its own, so the W columns are bit-identical with or without the extra rows
-            (``tests/test_cpu_kernels.py`` checks it).
-
+            ``x W^T`` and ``x extra^T`` together (:meth:`forward_extra`). Both kernels compute each
+            output column on its own, so the W columns are bit-identical with or without the extra
+            rows (``tests/test_cpu_kernels.py`` checks it).
         stock_rows: calls of at most this many rows take stock ``F.linear`` (MKL's matrix-vector
             or small-matrix path): :meth:`forward` on W alone, :meth:`forward_extra` on W and
-            ``extra`` stacked; 0 = always oneDNN. Above it, :meth:`forward` computes ``extra``
-            with W in one call and drops it.
+            ``extra`` stacked; 0 = always the packed kernel. Above it, :meth:`forward` computes
+            ``extra`` with W in one call and drops it.
+        kernel: ``"mkl"`` or ``"onednn"`` (:data:`PACKED_KERNELS`); None: :func:`packed_kernel`,
+            MKL where torch has it.
 
     ``forward(x (..., in)) -> (..., out)``; ``forward_extra(x) -> ((..., out), (..., r))``.
 
-    The stacked ``[W; extra]`` that the stock path of :meth:`forward_extra` reads is a view when
-    ``extra``'s rows follow W's in memory (``GatedLoraLinear`` keeps them so), else a copy. Without
-    it a 2-row step with a mask row took oneDNN and one without took MKL: on SmolLM2 at 2 threads
-    the measured adapter cost (``space.eval.tree_search.adapter_cost``) was 28 ms instead of ~8. Only a
-    view is kept when ``stock_rows`` is 0 (nothing reads it then). ``stock_rows`` is timed on W alone
-    (:func:`choose_stock_rows`); the stacked GEMM is r rows taller, which moved no crossover here.
+    The stacked ``[W; extra]`` is a view when ``extra``'s rows follow W's in memory
+    (``GatedLoraLinear`` keeps them so), else a copy, kept only when something reads it: MKL's call
+    (which reads its shape) or the stock path of :meth:`forward_extra`. Without that path a 2-row
+    step with a mask row took the packed kernel and one without took MKL's stock path: on SmolLM2
+    at 2 threads the measured adapter cost (``space.eval.tree_search.adapter_cost``) was 28 ms
+    instead of ~8. ``stock_rows`` is timed on W alone (:func:`choose_stock_rows`); the stacked GEMM
+    is r rows taller, which moved no crossover here.
 
     Raises:
-        ValueError: the linear is not fp32 on CPU, or this torch build lacks the oneDNN ops.
+        ValueError: the linear is not fp32 on CPU, or this torch build lacks the kernel.
     """
 
-    def __init__(self, linear: nn.Linear, extra: torch.Tensor | None = None, stock_rows: int = 0):
+    def __init__(self, linear: nn.Linear, extra: torch.Tensor | None = None, stock_rows: int = 0,
+                 kernel: str | None = None):
         super().__init__()
         self.stock_rows = stock_rows
+        self.kernel = kernel or packed_kernel()
         w = linear.weight
         if w.device.type != "cpu" or w.dtype != torch.float32:
             raise ValueError(f"PackedLinear needs an fp32 CPU linear, got {w.dtype} on {w.device}")
-        if not packing_available():
-            raise ValueError("this torch build has no oneDNN prepacked linear (torch.ops.mkldnn)")
+        if not has_kernel(self.kernel):
+            raise ValueError(f"this torch build has no packed linear kernel {self.kernel!r} (choose from "
+                             f"{[k for k in PACKED_KERNELS if has_kernel(k)]})")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = w, linear.bias
         self.extra_out = 0 if extra is None else extra.shape[0]
         with torch.no_grad():
-            full, is_view = (w.detach(), False) if extra is None else _stacked(w.detach(), extra.detach().to(w.dtype))
-            self.stacked = full if extra is not None and (is_view or stock_rows > 0) else None
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(full)
+            full, is_view = (w.detach(), True) if extra is None else _stacked(w.detach(), extra.detach().to(w.dtype))
+            keep = self.kernel == "mkl" or (extra is not None and (is_view or stock_rows > 0))
+            self.stacked = full if keep else None
+            self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(full, MKL_PACK_ROWS) if self.kernel == "mkl"
+                           else torch.ops.mkldnn._reorder_linear_weight(full))
             bias = None if linear.bias is None else linear.bias.detach()
             if bias is not None and self.extra_out:
                 bias = torch.cat([bias, bias.new_zeros(self.extra_out)])
@@ -99,7 +133,14 @@ class PackedLinear(nn.Module):
 
     def _all(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.packed_bias, "none", [], "")
+        if self.kernel == "mkl":  # the call's row count as the pack's: MKL computes any count from one pack
+            one = rows.shape[0] == 1
+            if one:  # MKL takes a matrix-vector path for 1 row on some shapes, whose rounding differs: pad to 2
+                rows = torch.cat([rows, rows.new_zeros(1, self.in_features)])
+            y = torch.ops.mkl._mkl_linear(rows, self.packed, self.stacked, self.packed_bias, rows.shape[0])
+            y = y[:1] if one else y
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.packed_bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features + self.extra_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,24 +179,26 @@ def _median_us(fn, repeats: int) -> float:
 
 
 def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 15) -> tuple[int, dict]:
-    """Time stock ``F.linear`` against the oneDNN packed path on ``weight`` (out, in) for each row
-    count in ``rows`` (ascending), on this machine, now.
+    """Time stock ``F.linear`` against the packed kernel (:func:`packed_kernel`) on ``weight``
+    (out, in) for each row count in ``rows`` (ascending), on this machine, now.
 
     Returns:
         (stock_rows, timings): the largest probed row count up to which stock was faster at every
-        probed count (0 if it lost at one row), and ``{rows: [stock_us, onednn_us]}`` medians.
+        probed count (0 if it lost at one row), and ``{rows: [stock_us, packed_us]}`` medians.
     """
     w = weight.detach()
-    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(w, requires_grad=False)  # no copy of W besides the pack
+    packed = PackedLinear(linear)  # stock_rows 0: every call takes the packed kernel
     gen = torch.Generator().manual_seed(0)
     timings, stock_rows, stock_wins = {}, 0, True
     with torch.no_grad():
         for r in rows:
             x = torch.randn(r, w.shape[1], generator=gen)
             stock = _median_us(lambda: nn.functional.linear(x, w), repeats)
-            onednn = _median_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats)
-            timings[r] = [round(stock, 1), round(onednn, 1)]
-            stock_wins = stock_wins and stock < onednn
+            packed_us = _median_us(lambda: packed(x), repeats)
+            timings[r] = [round(stock, 1), round(packed_us, 1)]
+            stock_wins = stock_wins and stock < packed_us
             stock_rows = r if stock_wins else stock_rows
     return stock_rows, timings
 
@@ -169,11 +212,11 @@ def pack_linears(model: nn.Module, choose: bool = False) -> tuple[int, dict]:
     of a ~130 ms SPACE step on a 2-core CPU). Duck-typed, so this module imports nothing of ours.
 
     ``choose``: time the two paths once per weight shape (:func:`choose_stock_rows`) and give each
-    packed linear its shape's ``stock_rows``; else every call takes oneDNN.
+    packed linear its shape's ``stock_rows``; else every call takes the packed kernel.
 
     Returns:
         (how many linears were packed, ``{"out x in": {"stock_rows": n, "us": timings}}`` per
-        shape when ``choose``). 0 packed when the model is not fp32 on CPU or oneDNN is missing,
+        shape when ``choose``). 0 packed when the model is not fp32 on CPU or torch has no packed kernel,
         so callers can pack unconditionally and report the number.
     """
     if not packing_available():
@@ -240,11 +283,11 @@ def optimize_for_cpu(model: nn.Module) -> dict:
     """Apply both kernels to an fp32 CPU model in place (no-op on other devices / dtypes).
 
     The linears take MKL's stock path up to the row count where it is faster on this machine
-    (:func:`choose_stock_rows`, timed here, about a second), oneDNN's packed path above it.
+    (:func:`choose_stock_rows`, timed here, about a second), the packed kernel above it.
 
     Returns:
-        what was done, for run records: ``{"packed_linears": n, "attention": name,
-        "stock_rows": {"out x in": {"stock_rows": n, "us": {rows: [stock, onednn]}}}}``.
+        what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn",
+        "attention": name, "stock_rows": {"out x in": {"stock_rows": n, "us": {rows: [stock, packed]}}}}``.
     """
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
@@ -253,9 +296,8 @@ def optimize_for_cpu(model: nn.Module) -> dict:
     if model.config._attn_implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
-    return {"packed_linears": packed, "attention": model.config._attn_implementation, "stock_rows": choices}
-
-
+    return {"packed_linears": packed, "packed_kernel": packed_kernel(), "attention": model.config._attn_implementation,
+            "stock_rows": choices}
 
 
 def apply_kernels(model: nn.Module, choice: str) -> dict:

@@ -349,7 +349,7 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
     from .models import load_model
 
     model, tok = load_model(model_name)
-    optimize_for_cpu(model)  # oneDNN linears: about 25 % faster batched generation on these CPUs
+    optimize_for_cpu(model)  # packed linears: about 25 % faster batched generation on these CPUs
     return run.run(model, tok)
 
 

@@ -34,7 +34,7 @@ Near the end of the context, where plain ``generate`` warns and goes on past the
 ``max_position_embeddings``, SPACE warns and stops each row at the context.
 
 On CPU, load with ``load_space(..., kernels="fast")``: plain ``generate`` and SPACE then both use
-the faster of MKL and oneDNN per row count, SPACE's many-row steps cost little more than one-row
+the faster of MKL's stock and packed GEMM per row count, SPACE's many-row steps cost little more than one-row
 steps, and a dynamic tree is priced by the adapter's step-cost curve for those kernels.
 Flash attention takes no 4-D mask: models loaded with it are refused (use ``sdpa``).
 """

@@ -6,22 +6,27 @@ import torch
 from torch import nn
 
 from space.adapter_layers import fuse_frozen_base, prepare_model
-from space.cpu_kernels import (SDPA_GQA, PackedLinear, apply_kernels, optimize_for_cpu, packing_available,
-                               register_attention)
+from space.cpu_kernels import (PACKED_KERNELS, SDPA_GQA, PackedLinear, apply_kernels, has_kernel, optimize_for_cpu,
+                               packed_kernel, packing_available, register_attention)
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.masking import mask_rows, to_additive_4d
 from space.models import load_model
 from space.tokens import add_mask_tokens
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without a packed linear kernel")
+KERNELS = [k for k in PACKED_KERNELS if has_kernel(k)]  # MKL and oneDNN on x86 builds
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_and_ignores_row_count(bias):
+def test_packed_linear_matches_f_linear_and_ignores_row_count(bias, kernel):
+    """Each kernel's rows do not depend on how many rows share the call: 1 row (MKL's matrix-vector
+    path on this shape rounds otherwise: PackedLinear pads it to 2), 14, and 300 (a prefill, past
+    MKL's pack of 128 rows)."""
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(96, 80, bias=bias)
     extra = torch.randn(16, 96, generator=gen)
-    plain, with_extra = PackedLinear(lin), PackedLinear(lin, extra=extra)
+    plain, with_extra = PackedLinear(lin, kernel=kernel), PackedLinear(lin, extra=extra, kernel=kernel)
     x = torch.randn(2, 7, 96, generator=gen)
     with torch.no_grad():
         y = plain(x)
@@ -31,30 +36,45 @@ def test_packed_linear_matches_f_linear_and_ignores_row_count(bias):
         assert torch.equal(y2, y) and torch.equal(with_extra(x), y)  # the extra rows change no W column
         one_row = torch.cat([plain(x[i, j][None]) for i in range(2) for j in range(7)])
         assert torch.equal(one_row, y.reshape(-1, 80))  # a row's result does not depend on its call's size
+        prefill = torch.randn(1, 300, 96, generator=gen)
+        prefill[0, :14] = x.reshape(-1, 96)
+        assert torch.equal(plain(prefill)[0, :14], one_row)
     with pytest.raises(ValueError, match="fp32"):
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
 
 
-def test_packed_linear_few_rows_with_extra_take_the_stock_path():
+def test_packed_linear_refuses_a_kernel_it_lacks(monkeypatch):
+    import space.cpu_kernels as kernels
+
+    monkeypatch.setattr(kernels, "has_kernel", lambda kernel: kernel == "onednn")  # a build without MKL (aarch64)
+    assert kernels.packed_kernel() == "onednn" and PackedLinear(nn.Linear(8, 8)).kernel == "onednn"
+    with pytest.raises(ValueError, match="no packed linear kernel 'mkl'"):
+        PackedLinear(nn.Linear(8, 8), kernel="mkl")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_packed_linear_few_rows_with_extra_take_the_stock_path(kernel):
     """``forward_extra`` at most ``stock_rows`` rows runs stock ``F.linear`` on ``[W; extra]``, as
-    ``forward`` runs it on W: a 2-row step with a mask row took oneDNN while one without took MKL,
-    and the adapter cost measured on SmolLM2 was that kernel gap (28 ms, not ~8). The stacked
-    weight is a view when extra's rows follow W's (``GatedLoraLinear``'s layout), not a copy."""
+    ``forward`` runs it on W: a 2-row step with a mask row took the packed kernel (oneDNN then) while
+    one without took MKL's stock path, and the adapter cost measured on SmolLM2 was that kernel gap
+    (28 ms, not ~8). The stacked weight is a view when extra's rows follow W's (``GatedLoraLinear``'s
+    layout), not a copy."""
     gen = torch.Generator().manual_seed(1)
     lin = nn.Linear(96, 80)
     both = torch.cat([lin.weight.detach(), torch.randn(16, 96, generator=gen)])
     lin.weight = nn.Parameter(both[:80], requires_grad=False)
     bias = torch.cat([lin.bias.detach(), torch.zeros(16)])
-    packed = PackedLinear(lin, extra=both[80:], stock_rows=2)
+    packed = PackedLinear(lin, extra=both[80:], stock_rows=2, kernel=kernel)
     assert packed.stacked.data_ptr() == both.data_ptr() and packed.stacked.shape == both.shape
-    separate = PackedLinear(lin, extra=both[80:].clone(), stock_rows=2)
+    separate = PackedLinear(lin, extra=both[80:].clone(), stock_rows=2, kernel=kernel)
     assert torch.equal(separate.stacked, both) and separate.stacked.data_ptr() != both.data_ptr()
-    assert PackedLinear(lin, extra=both[80:].clone()).stacked is None  # a copy nothing reads is not kept
-    onednn = packed._all
+    lean = PackedLinear(lin, extra=both[80:].clone(), kernel=kernel)
+    assert (lean.stacked is None) == (kernel == "onednn")  # a copy is kept only for a reader: MKL's call reads it
+    packed_call = packed._all
 
     def only_above_stock_rows(x):
-        assert x.numel() > packed.stock_rows * packed.in_features, "a few-row call took oneDNN"
-        return onednn(x)
+        assert x.numel() > packed.stock_rows * packed.in_features, "a few-row call took the packed kernel"
+        return packed_call(x)
 
     packed._all = only_above_stock_rows  # the routing, whether or not the two kernels round alike
     with torch.no_grad():
@@ -64,13 +84,13 @@ def test_packed_linear_few_rows_with_extra_take_the_stock_path():
             stock = nn.functional.linear(x, both, bias)
             assert torch.equal(y, stock[..., :80]) and torch.equal(xa, stock[..., 80:])
         x = torch.randn(1, 5, 96, generator=gen)
-        y, xa = packed.forward_extra(x)  # above stock_rows: oneDNN, W and extra in one call
+        y, xa = packed.forward_extra(x)  # above stock_rows: the packed kernel, W and extra in one call
         assert torch.allclose(y, lin(x), atol=1e-5) and torch.allclose(xa, x @ both[80:].T, atol=1e-5)
 
 
 def test_packed_gated_lora_shares_its_weights_and_refuses_a_later_load():
     """``pack_linears`` on a ``GatedLoraLinear``: the stock path's ``[W; A]`` is the layer's own packed
-    tensor (W is not held twice), and loading a LoRA state afterwards is refused, since the oneDNN
+    tensor (W is not held twice), and loading a LoRA state afterwards is refused, since the packed
     copy would keep the old A while the few-row path read the new one."""
     from space.adapter_layers import GatedLoraLinear
     from space.cpu_kernels import pack_linears
@@ -91,7 +111,8 @@ def test_kernels_flag(tiny):
     assert apply_kernels(stock, "stock") == {"choice": "stock", "packed_linears": 0, "attention": "sdpa"}
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())  # stock leaves the model alone
     record = apply_kernels(fast, "fast")
-    assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15, "attention": SDPA_GQA}
+    assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15,
+                                                   "packed_kernel": packed_kernel(), "attention": SDPA_GQA}
     with pytest.raises(ValueError, match="kernels"):
         apply_kernels(stock, "turbo")
 
@@ -101,7 +122,8 @@ def test_greedy_exact_on_optimized_model(tiny, k):
     model, _, spec = tiny
     fast = copy.deepcopy(model)
     record = optimize_for_cpu(fast)
-    assert record.pop("stock_rows") and record == {"packed_linears": 15, "attention": SDPA_GQA}
+    assert record.pop("stock_rows") and record == {"packed_linears": 15, "packed_kernel": packed_kernel(),
+                                                   "attention": SDPA_GQA}
     gen = torch.Generator().manual_seed(k)
     for _ in range(3):
         prompt = torch.randint(11, 250, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
@@ -160,14 +182,15 @@ def test_packed_frozen_base_equals_unpacked():
             assert torch.equal(fused(input_ids=ids).logits, plain)
 
 
-def test_stock_rows_take_f_linear_and_more_rows_take_onednn():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_stock_rows_take_f_linear_and_more_rows_take_the_packed_kernel(kernel):
     """Issue 43: a PackedLinear calls MKL's stock path up to ``stock_rows`` rows (where it is
-    faster on some CPUs) and oneDNN above, the LoRA path (``forward_extra``) too; each path gives
-    exactly what it gives alone."""
+    faster on some CPUs) and the packed kernel above, the LoRA path (``forward_extra``) too; each
+    path gives exactly what it gives alone."""
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(96, 80)
     extra = torch.randn(16, 96, generator=gen)
-    always, mixed = PackedLinear(lin, extra=extra), PackedLinear(lin, extra=extra, stock_rows=2)
+    always, mixed = PackedLinear(lin, extra=extra, kernel=kernel), PackedLinear(lin, extra=extra, stock_rows=2, kernel=kernel)
     with torch.no_grad():
         for rows in (1, 2, 3, 7):
             x = torch.randn(1, rows, 96, generator=gen)

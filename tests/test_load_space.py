@@ -81,7 +81,7 @@ def test_plain_model_without_adapter_warns_of_untrained_masks(tmp_path):
         assert load_space(str(tmp_path / "sar"))[2].token_ids == spec.token_ids
 
 
-@pytest.mark.skipif(not packing_available(), reason="torch build without oneDNN")
+@pytest.mark.skipif(not packing_available(), reason="torch build without a packed linear kernel")
 def test_kernels_fast_packs_for_inference_and_generate_stays_exact(tmp_path):
     """kernels="fast" packs every linear (the gated LoRA layers too); plain greedy generate and
     SPACE on that model agree token for token; the default leaves the model as load_model gives it."""

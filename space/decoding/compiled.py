@@ -60,7 +60,7 @@ def compile_trunk(model, mode: str | None = None):
     Raises:
         ValueError: a model without ``get_decoder`` (not a HF causal LM), or, in the default mode,
             whose trunk has no ``layers`` ModuleList; the fast CPU kernels applied
-            (``space.cpu_kernels``: inductor cannot lower oneDNN's prepacked linears; it packs the
+            (``space.cpu_kernels``: inductor cannot lower their prepacked linears; it packs the
             stock ones itself); the fused trunk (``space.decoding.fused``: its groups keep their
             GEMM's outputs between member calls, module state no graph may hold; load with
             ``load_space(compile=...)``, which leaves the trunk unfused); an unknown ``mode``.
@@ -79,7 +79,7 @@ def compile_trunk(model, mode: str | None = None):
                          "unfused")
     if any(isinstance(m, PackedLinear) for m in trunk.modules()):
         raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
-                         "kernels' oneDNN-prepacked linears, and packs the stock ones itself")
+                         "kernels' prepacked linears, and packs the stock ones itself")
     if is_compiled(base):
         return model
     if next(trunk.parameters()).device.type == "cpu" and base.config._attn_implementation == "sdpa":

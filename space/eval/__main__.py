@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge the finished ranks of a sharded run in OUT into samples.jsonl, summary.* and plots "
                         "(other flags are not used)")
     p.add_argument("--kernels", default=None,
-                   help="fast (default): oneDNN-packed linears + GQA attention for every method on an fp32 CPU "
+                   help="fast (default): prepacked linears (MKL) + GQA attention for every method on an fp32 CPU "
                         "(space/cpu_kernels.py); stock: transformers' own kernels (the default with --compile, "
                         "which packs its own)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
@@ -149,7 +149,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         if not args.capture:
             raise ValueError("--capture-len sizes the captured steps' cache: it needs --capture")
         check_number("--capture-len", args.capture_len, 1)
-    if args.compile and args.kernels != "stock":  # inductor cannot lower oneDNN's prepacked linears
+    if args.compile and args.kernels != "stock":  # inductor cannot lower the prepacked linears
         raise ValueError(f"--compile takes --kernels stock (torch.compile packs the linears itself), got "
                          f"--kernels {args.kernels}")
     parse_dtype(args.dtype)

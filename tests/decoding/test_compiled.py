@@ -54,7 +54,7 @@ def test_an_eager_trunk_is_not_compiled(trained):
 
 
 def test_compile_refuses_the_fast_cpu_kernels():
-    """Inductor cannot lower oneDNN's prepacked linears (it packs the stock ones itself)."""
+    """Inductor cannot lower the fast kernels' prepacked linears (it packs the stock ones itself)."""
     from space.loader import load_space
 
     with pytest.raises(ValueError, match="stock kernels"):
