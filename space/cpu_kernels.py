@@ -5,23 +5,25 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
 
 1. **Prepacked linears** (:class:`PackedLinear`). A SPACE step feeds 5-32 query rows through
    every linear, an AR step one. With stock ``F.linear``, MKL takes a matrix-vector path for one
-   row and a small matrix-matrix path for more, which costs 1.4-4x as much on a 2-core CPU. With
-   the weights packed once for the kernel, the many-row call costs little more than the one-row
-   call. The packed kernel is MKL's ``cblas_sgemm_compute`` (``torch.ops.mkl._mkl_linear``, the
-   kernel inductor uses for frozen CPU linears) where torch has MKL, else oneDNN's inner product
-   (``torch.ops.mkldnn._linear_pointwise``). On SmolLM2 at 2 threads MKL's packed GEMM took
-   0.75-0.85x oneDNN's time at 2-32 rows (issue 58; a 16-row step 89 ms against 104, 1 row 55).
-   Which path is faster for few rows depends on the CPU: on an AVX2 machine oneDNN also won at
-   one row (~41 ms against ~48 ms for SmolLM2's linears), on the AVX-512 machine of issue 43 MKL's
-   matrix-vector path won by ~20 %. So :func:`choose_stock_rows` times both paths per weight shape
-   when the kernels are applied, and each :class:`PackedLinear` calls stock ``F.linear`` up to the
-   row count where it is faster (``stock_rows``), the packed kernel above it; the choice goes into
-   the run record. Both paths match ``F.linear`` to fp32 rounding (~1e-6); the packed kernel's
-   rows do not depend on how many rows a call holds. So an AR row (stock) and the same row in a
-   SPACE block (packed) can differ at fp32 rounding, as they already do with the stock kernels
-   (MKL's one-row and many-row paths): greedy SPACE equals AR except at a near-tie that rounding
-   flips, and the timed choice can differ between runs (``stock_rows = 0``, the packed kernel
-   everywhere, makes every row call-independent).
+   row and a small matrix-matrix path for more, which costs up to 4x as much on a 2-core CPU
+   (SmolLM2's linears: 142 ms at 16 rows against 37 at 1). With the weights packed once for the
+   kernel, the many-row call costs little more than the one-row call. The packed kernel is MKL's
+   ``cblas_sgemm_compute`` (``torch.ops.mkl._mkl_linear``, the kernel inductor uses for frozen
+   CPU linears) where torch has MKL, else oneDNN's inner product
+   (``torch.ops.mkldnn._linear_pointwise``). On SmolLM2's linears at 2 threads MKL's packed GEMM
+   took 0.75-0.88x oneDNN's time at 2-32 rows; the shipped adapter's step-cost curve went from
+   55.6 / 104.6 / 138.6 ms at 1 / 16 / 32 rows to 54.4 / 89.6 / 114.0 (issue 58). Which path is
+   faster for few rows depends on the CPU: on an AVX2 machine the packed kernel (oneDNN then)
+   also won at one row (~41 ms against ~48 ms for SmolLM2's linears), on the AVX-512 machine of
+   issue 43 MKL's matrix-vector path won by ~20 %. So :func:`choose_stock_rows` times both
+   paths per weight shape when the kernels are applied, and each :class:`PackedLinear` calls
+   stock ``F.linear`` up to the row count where it is faster (``stock_rows``), the packed kernel
+   above it; the choice goes into the run record. Both paths match ``F.linear`` to fp32 rounding
+   (~1e-6); the packed kernel's rows do not depend on how many rows a call holds. So an AR row
+   (stock) and the same row in a SPACE block (packed) can differ at fp32 rounding, as they
+   already do with the stock kernels (MKL's one-row and many-row paths): greedy SPACE equals AR
+   except at a near-tie that rounding flips, and the timed choice can differ between runs
+   (``stock_rows = 0``, the packed kernel everywhere, makes every row call-independent).
 2. **GQA attention with a mask** (:data:`SDPA_GQA`). transformers' ``sdpa`` copies the key/value
    cache to every query head (``repeat_kv``) whenever a mask is given, which SPACE's 4-D mask always
    is: 60 cache copies per step for SmolLM2. Registered through ``AttentionInterface``, this

@@ -190,7 +190,8 @@ def test_stock_rows_take_f_linear_and_more_rows_take_the_packed_kernel(kernel):
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(96, 80)
     extra = torch.randn(16, 96, generator=gen)
-    always, mixed = PackedLinear(lin, extra=extra, kernel=kernel), PackedLinear(lin, extra=extra, stock_rows=2, kernel=kernel)
+    always = PackedLinear(lin, extra=extra, kernel=kernel)
+    mixed = PackedLinear(lin, extra=extra, stock_rows=2, kernel=kernel)
     with torch.no_grad():
         for rows in (1, 2, 3, 7):
             x = torch.randn(1, rows, 96, generator=gen)
