@@ -96,9 +96,9 @@ class PackedLinear(nn.Module):
 
     ``forward(x (..., in)) -> (..., out)``; ``forward_extra(x) -> ((..., out), (..., r))``.
 
-    The stacked ``[W; extra]`` is a view when ``extra``'s rows follow W's in memory
-    (``GatedLoraLinear`` keeps them so), else a copy, kept only when something reads it: MKL's call
-    (which reads its shape) or the stock path of :meth:`forward_extra`. Without that path a 2-row
+    The stacked ``[W; extra]`` that the stock path of :meth:`forward_extra` reads is a view when
+    ``extra``'s rows follow W's in memory (``GatedLoraLinear`` keeps them so), else a copy; only a
+    view is kept when ``stock_rows`` is 0 (nothing reads it then). Without that path a 2-row
     step with a mask row took the packed kernel and one without took MKL's stock path: on SmolLM2
     at 2 threads the measured adapter cost (``space.eval.tree_search.adapter_cost``) was 28 ms
     instead of ~8. ``stock_rows`` is timed on W alone (:func:`choose_stock_rows`); the stacked GEMM
@@ -123,9 +123,12 @@ class PackedLinear(nn.Module):
         self.weight, self.bias = w, linear.bias
         self.extra_out = 0 if extra is None else extra.shape[0]
         with torch.no_grad():
-            full, is_view = (w.detach(), True) if extra is None else _stacked(w.detach(), extra.detach().to(w.dtype))
-            keep = self.kernel == "mkl" or (extra is not None and (is_view or stock_rows > 0))
-            self.stacked = full if keep else None
+            full, is_view = (w.detach(), False) if extra is None else _stacked(w.detach(), extra.detach().to(w.dtype))
+            self.stacked = full if extra is not None and (is_view or stock_rows > 0) else None
+            # torch's MKL op reads its original-weight argument for the shape alone, but for a fallback
+            # to the stock linear that the call's own row count never takes: a 0-stride stand-in,
+            # whose fallback would give the bias alone (tests/test_cpu_kernels.py compares with F.linear)
+            self.shape_only = full.new_zeros(()).expand(full.shape) if self.kernel == "mkl" else None
             self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(full, MKL_PACK_ROWS) if self.kernel == "mkl"
                            else torch.ops.mkldnn._reorder_linear_weight(full))
             bias = None if linear.bias is None else linear.bias.detach()
@@ -135,15 +138,14 @@ class PackedLinear(nn.Module):
 
     def _all(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        one = rows.shape[0] == 1
+        if one:  # both kernels take another path for 1 row on some shapes, whose rounding differs: pad to 2
+            rows = torch.cat([rows, rows.new_zeros(1, self.in_features)])
         if self.kernel == "mkl":  # the call's row count as the pack's: MKL computes any count from one pack
-            one = rows.shape[0] == 1
-            if one:  # MKL takes a matrix-vector path for 1 row on some shapes, whose rounding differs: pad to 2
-                rows = torch.cat([rows, rows.new_zeros(1, self.in_features)])
-            y = torch.ops.mkl._mkl_linear(rows, self.packed, self.stacked, self.packed_bias, rows.shape[0])
-            y = y[:1] if one else y
+            y = torch.ops.mkl._mkl_linear(rows, self.packed, self.shape_only, self.packed_bias, rows.shape[0])
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.packed_bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features + self.extra_out)
+        return (y[:1] if one else y).view(*x.shape[:-1], self.out_features + self.extra_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.stock_rows * self.in_features:
@@ -305,8 +307,9 @@ def optimize_for_cpu(model: nn.Module) -> dict:
 def apply_kernels(model: nn.Module, choice: str) -> dict:
     """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`,
     ``stock`` keeps transformers' own kernels. Returns the run-record entry
-    ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"stock_rows"`` (the
-    timed path per weight shape, :func:`optimize_for_cpu`) for ``fast`` on an fp32 CPU model.
+    ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"packed_kernel"`` and
+    ``"stock_rows"`` (the timed path per weight shape, :func:`optimize_for_cpu`) for ``fast`` on
+    an fp32 CPU model.
 
     Raises:
         ValueError: choice not in KERNEL_CHOICES.

@@ -60,8 +60,8 @@ def compile_trunk(model, mode: str | None = None):
     Raises:
         ValueError: a model without ``get_decoder`` (not a HF causal LM), or, in the default mode,
             whose trunk has no ``layers`` ModuleList; the fast CPU kernels applied
-            (``space.cpu_kernels``: inductor cannot lower their prepacked linears; it packs the
-            stock ones itself); the fused trunk (``space.decoding.fused``: its groups keep their
+            (``space.cpu_kernels``: their packed weights are opaque tensors, not compiled here;
+            inductor packs the stock linears itself); the fused trunk (``space.decoding.fused``: its groups keep their
             GEMM's outputs between member calls, module state no graph may hold; load with
             ``load_space(compile=...)``, which leaves the trunk unfused); an unknown ``mode``.
     """
@@ -78,8 +78,8 @@ def compile_trunk(model, mode: str | None = None):
                          "their GEMM's outputs as module state; load with load_space(compile=...), which loads it "
                          "unfused")
     if any(isinstance(m, PackedLinear) for m in trunk.modules()):
-        raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): inductor cannot lower the fast "
-                         "kernels' prepacked linears, and packs the stock ones itself")
+        raise ValueError("compile_trunk needs the stock kernels (kernels='stock'): the fast kernels' "
+                         "packed weights are opaque tensors, not compiled here; inductor packs the stock linears itself")
     if is_compiled(base):
         return model
     if next(trunk.parameters()).device.type == "cpu" and base.config._attn_implementation == "sdpa":

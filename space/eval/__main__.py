@@ -149,7 +149,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         if not args.capture:
             raise ValueError("--capture-len sizes the captured steps' cache: it needs --capture")
         check_number("--capture-len", args.capture_len, 1)
-    if args.compile and args.kernels != "stock":  # inductor cannot lower the prepacked linears
+    if args.compile and args.kernels != "stock":  # the packed weights are opaque tensors, not compiled
         raise ValueError(f"--compile takes --kernels stock (torch.compile packs the linears itself), got "
                          f"--kernels {args.kernels}")
     parse_dtype(args.dtype)
