@@ -174,12 +174,6 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped) if is_deepspeed_zero3_enabled() else None
     out = _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, len(dataset), state) \
         if trainer.is_world_process_zero() else None
-    if trainer.accelerator.num_processes > 1:
-        # Every rank waits for the save, then leaves the process group: a rank that exits with its gloo
-        # group alive can abort (SIGABRT) and leave its peers hanging in torchrun's exit barrier. A
-        # single process keeps its group, so later in-process runs (tests, notebooks) can reuse it.
-        trainer.accelerator.wait_for_everyone()
-        trainer.accelerator.end_training()
     return out
 
 
