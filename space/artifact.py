@@ -262,7 +262,8 @@ def setup_key(entry: dict) -> tuple[int, str, str, bool]:
 def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> list[dict]:
     """The step-cost curves of an adapter's ``space_config.json`` (``"step_costs"``: one
     ``{"threads", "kernels", "device", "capture", "step_cost", "adapter_cost"}`` per setup
-    (:func:`setup_key`), written by ``space-tree --write-adapter --dynamic``; issue 44), [] when
+    (:func:`setup_key`), plus ``"trunk"`` and the fast kernels' ``"packed_kernel"`` where recorded
+    (informational: not part of the setup key), written by ``space-tree --write-adapter --dynamic``; issue 44), [] when
     it has none.
 
     Raises:
@@ -272,10 +273,12 @@ def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> lis
     good = isinstance(entries, list) and all(
         isinstance(e, dict) and type(e.get("threads")) is int and e["threads"] >= 1
         and isinstance(e.get("kernels"), str) and isinstance(e.get("step_cost"), list)
-        and isinstance(e.get("device", "cpu"), str) and type(e.get("capture", False)) is bool for e in entries)
+        and isinstance(e.get("device", "cpu"), str) and type(e.get("capture", False)) is bool
+        and isinstance(e.get("packed_kernel", ""), str) for e in entries)
     if not good:
         raise ValueError(f"{where}: bad step_costs: expected a list of {{\"threads\": n >= 1, \"kernels\": str, "
-                         f"\"device\": str, \"capture\": bool, \"step_cost\": [[rows, ms], ...], "
+                         f"\"device\": str, \"capture\": bool, \"packed_kernel\": str (optional), "
+                         f"\"step_cost\": [[rows, ms], ...], "
                          f"\"adapter_cost\": ms}}, got {entries!r:.200}")
     return entries
 
@@ -315,9 +318,11 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: bad step_costs entry for {entry['threads']} threads, {kernels} kernels, {device}"
                          f"{', captured' if capture else ''}: {e}") from None
-    # the trunk it was measured on: an entry without one predates the fused trunk (issue 58)
+    # the trunk it was measured on: an entry without one predates the fused trunk (issue 58); the
+    # packed kernel, when the entry names one (issue 58: MKL's packed GEMM or oneDNN's)
     return priced, {"threads": entry["threads"], "kernels": kernels, "device": device, "capture": capture,
-                    "trunk": entry.get("trunk", "unfused")}
+                    "trunk": entry.get("trunk", "unfused"),
+                    **({"packed_kernel": entry["packed_kernel"]} if "packed_kernel" in entry else {})}
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,

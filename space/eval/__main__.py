@@ -307,7 +307,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     from .tree_search import step_cost_mismatch, trunk_of
 
     trunk = trunk_of(model)
-    mismatch = (step_cost_mismatch(setup, threads, args.kernels, compiled, trunk, on, args.capture)
+    mismatch = (step_cost_mismatch(setup, threads, args.kernels, compiled, trunk, on, args.capture,
+                                   kernels.get("packed_kernel"))
                 if decode.tree == "dynamic" else None)
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)

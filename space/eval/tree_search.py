@@ -326,7 +326,8 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
     if setup is not None and cfg["decode"].get("tree") == "dynamic" and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
-        entry = {**{k: setup[k] for k in ("threads", "kernels", "device", "capture", "trunk") if k in setup},
+        entry = {**{k: setup[k] for k in ("threads", "kernels", "device", "capture", "trunk", "packed_kernel")
+                    if k in setup},
                  "step_cost": cfg["decode"]["step_cost"], "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
         others = [e for e in stored_step_costs(cfg, path) if setup_key(e) != setup_key(entry)]
         cfg["step_costs"] = sorted(others + [entry], key=lambda e: (*setup_key(e)[2:], e["kernels"], e["threads"]))
@@ -338,15 +339,18 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
 
 
 def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool | str = False,
-                       trunk: str = "fused", device: str = "cpu", capture: bool = False) -> str | None:
+                       trunk: str = "fused", device: str = "cpu", capture: bool = False,
+                       packed_kernel: str | None = None) -> str | None:
     """Why a stored step-cost curve may not price this run's rows: the threads, kernels,
     compilation, trunk, device type or captured steps it was measured with differ from the run's
     (a curve at 1 thread prices rows wrong at 2; space-tree measures eagerly, a ``--compile`` run
     attends over a preallocated cache with other kernels; a curve recorded without a trunk
     predates the fused trunk, ``space.decoding.fused``, whose steps cost less; a CPU's steps are
     compute-bound where a GPU's are launch-bound, and a replayed graph's are not). ``trunk``: the
-    run's, ``"fused"`` or ``"unfused"`` (:func:`trunk_of`). None when they agree or nothing was
-    recorded."""
+    run's, ``"fused"`` or ``"unfused"`` (:func:`trunk_of`). ``packed_kernel``: the run's fast
+    CPU kernel (``cpu_kernels.packed_kernel``: a 16-row step costs 1.65x a 1-row one on MKL's,
+    1.88x on oneDNN's), compared when both it and the curve name one. None when they agree or
+    nothing was recorded."""
     if not setup:
         return None
     # space-tree's curves are eager; one recorded before issue 58 was measured on a CPU
@@ -354,8 +358,9 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
     off_cpu = device != "cpu" and recorded["device"] != "cpu"  # a GPU's steps barely depend on the host's threads
     diff = [f"{key} {recorded[key]} (run: {now})"
             for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk),
-                             ("device", device), ("capture", capture))
-            if key in recorded and recorded[key] != now and not (key == "threads" and off_cpu)]
+                             ("device", device), ("capture", capture), ("packed_kernel", packed_kernel))
+            if key in recorded and recorded[key] != now and not (key == "threads" and off_cpu)
+            and not (key == "packed_kernel" and now is None)]
     if not diff:
         return None
     return ("the adapter's step-cost curve was measured with " + ", ".join(diff) + ": the dynamic tree prices "
@@ -439,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.cache_len + a.max_rows > model.config.max_position_embeddings:
         raise ValueError(f"--cache-len + --max-rows = {a.cache_len + a.max_rows} exceeds the model's context "
                          f"of {model.config.max_position_embeddings}")
-    apply_kernels(model, a.kernels)
+    applied = apply_kernels(model, a.kernels)
     current = DecodeConfig.of_model(model, spec.mask_num) if a.adapter else None
     points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
     graphs = None
@@ -452,7 +457,8 @@ def main(argv: list[str] | None = None) -> dict:
     curve = step_cost_curve(model, points, a.cache_len, graphs=graphs)
     # what the curve was measured with (artifact.setup_key)
     setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "device": next(model.parameters()).device.type,
-             "capture": a.capture, "trunk": trunk_of(model)}
+             "capture": a.capture, "trunk": trunk_of(model),
+             **({"packed_kernel": applied["packed_kernel"]} if applied.get("packed_linears") else {})}
     # captured steps pad every block to a bucket, as space-eval --capture runs them
     results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, a.buckets or a.capture)
     if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows

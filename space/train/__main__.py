@@ -12,40 +12,45 @@ from ..cli import console
 def main(argv: list[str] | None = None) -> Path | None:
     """Parse and check the arguments, then train; returns the artifact directory (main process).
 
-    A process of a multi-process run (torchrun, ``WORLD_SIZE`` > 1) that trained and saved leaves
-    here: every rank waits for rank 0's save, leaves the process group, and exits 0 at once
-    (:func:`_leave_group_and_exit`).
+    A torchrun worker (``TORCHELASTIC_RUN_ID`` set, a process group initialized) that returns from
+    :func:`~space.train.run.run_sft` (trained and saved, or found the run already finished) leaves
+    through :func:`_leave_group_and_exit` and exits 0 there.
 
     Raises:
         ValueError, FileNotFoundError: a bad config, argument, dataset or checkpoint to resume.
     """
+    import torch.distributed as dist
+
     from ..config import parse_train_args  # here, not at the top: --help loads no model code
     from .run import run_sft
 
     out = run_sft(*parse_train_args(argv))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # the environment alone would also match a test run inside a job: the group says this process trained in it
+    if os.environ.get("TORCHELASTIC_RUN_ID") and dist.is_initialized():
         _leave_group_and_exit()
     return out
 
 
 def _leave_group_and_exit() -> None:
-    """Wait for every rank, destroy the process group, flush, and ``os._exit(0)``.
+    """Wait for every rank (rank 0 saves final/ before it gets here), destroy the process group,
+    flush, and ``os._exit(0)``.
 
     Why not a normal exit: the DeepSpeed engine and its optimizer sit in reference cycles that
     live until the interpreter finalizes. There gloo's worker threads can still drop tensors, which
     takes the GIL; a finalizing Python 3.11 ends such a thread inside a C++ destructor, and the rank
     aborts ("terminate called without an active exception", SIGABRT) after a run that saved
-    everything, so torchrun reports a failed run (seen once in a CPU smoke of ZeRO-2 under CI;
-    PyTorch pull request 179291 describes the same crash). Everything this process wrote is
-    already on disk (checkpoints and final/ are written atomically) and Trainer's ``on_train_end``
-    callbacks have run, so skipping finalization loses nothing. A single process keeps its group,
-    so later in-process runs (tests, notebooks) can reuse it.
+    everything, so torchrun reports a failed run. Destroying the group first (accelerate's
+    ``end_training``, before) did not prevent it: a fresh-clone CI saw it once in a ZeRO-2 CPU
+    smoke. PyTorch pull request 179291 (closed unmerged) describes the same crash. Every file this
+    process wrote is finished and closed by now, and Trainer's ``on_train_end`` callbacks (trackers,
+    progress bars) have run, so skipping finalization loses nothing. A run in one process outside
+    torchrun (tests, notebooks) keeps its group, so later in-process runs can reuse it. Error exits
+    still finalize normally.
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from space.cpu_kernels import packed_kernel
 from space.decoding.config import DecodeConfig
 from space.decoding.dynamic import StepCost
 from space.decoding.tree import replay
@@ -152,6 +153,31 @@ def test_curves_are_stored_and_chosen_per_device_and_capture(tmp_path):
     assert cfg["decode"]["step_cost"] == [[1, 20.0], [16, 30.0]]
     nearest, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 4, "fast")
     assert nearest.step_cost == cpu.step_cost and setup["threads"] == 8  # space-eval warns: threads 8 (run: 4)
+
+
+def test_curves_name_their_packed_kernel(tmp_path):
+    """Issue 58: a CPU curve measured on oneDNN's packed kernel (a 16-row step 1.88x a 1-row one)
+    prices rows wrong on MKL's (1.65x): the curve keeps the kernel it was measured with, the run
+    is priced with it in hand, and space-eval's check names the difference. A curve or a run that
+    names no kernel (stock kernels, a GPU, a curve written before) is not compared."""
+    from space.artifact import priced_for_setup, stored_step_costs
+    from space.eval.tree_search import step_cost_mismatch
+
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    setup = {"threads": 2, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused",
+             "packed_kernel": "onednn"}
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.050, 16: 0.094}, setup=setup)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert cfg["step_costs"][0]["packed_kernel"] == "onednn"
+    _, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast")
+    assert priced == setup
+    assert "packed_kernel onednn (run: mkl)" in step_cost_mismatch(priced, 2, "fast", packed_kernel="mkl")
+    assert step_cost_mismatch(priced, 2, "fast", packed_kernel="onednn") is None
+    assert step_cost_mismatch(priced, 2, "fast") is None  # the run names none
+    assert step_cost_mismatch({k: v for k, v in setup.items() if k != "packed_kernel"}, 2, "fast",
+                              packed_kernel="mkl") is None  # the curve names none
+    with pytest.raises(ValueError, match="packed_kernel"):
+        stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "packed_kernel": 1}]})
 
 
 def test_load_ranks_by_source(tmp_path):
@@ -312,6 +338,8 @@ def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     mine = [e for e in entries if e["threads"] == 1 and e["kernels"] == "fast"]
     assert [(e["device"], e["capture"]) for e in mine] == [("cpu", False), ("cpu", True)]
     assert mine[1]["adapter_cost"] >= 0  # the gated graph against the plain one
+    # each names the kernel its packed linears ran (None, no key: this torch has no packed kernel)
+    assert [e.get("packed_kernel") for e in mine] == [packed_kernel()] * 2
     assert "[space-tree] captured 0 step graphs" in capsys.readouterr().out
     report = main(args)
     assert report["current"] is None and report["dynamic"] is None
