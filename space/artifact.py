@@ -262,9 +262,9 @@ def setup_key(entry: dict) -> tuple[int, str, str, bool]:
 def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> list[dict]:
     """The step-cost curves of an adapter's ``space_config.json`` (``"step_costs"``: one
     ``{"threads", "kernels", "device", "capture", "step_cost", "adapter_cost"}`` per setup
-    (:func:`setup_key`), plus ``"trunk"`` and the fast kernels' ``"packed_kernel"`` where recorded
-    (informational: not part of the setup key), written by ``space-tree --write-adapter --dynamic``; issue 44), [] when
-    it has none.
+    (:func:`setup_key`), plus ``"trunk"`` and the fast kernels' ``"packed_kernel"`` where
+    recorded (informational: not part of the setup key); written by ``space-tree --write-adapter
+    --dynamic`` (issue 44). [] when it has none.
 
     Raises:
         ValueError: ``step_costs`` is not such a list (``where`` names the file).

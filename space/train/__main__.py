@@ -12,28 +12,25 @@ from ..cli import console
 def main(argv: list[str] | None = None) -> Path | None:
     """Parse and check the arguments, then train; returns the artifact directory (main process).
 
-    A torchrun worker (``TORCHELASTIC_RUN_ID`` set, a process group initialized) that returns from
-    :func:`~space.train.run.run_sft` (trained and saved, or found the run already finished) leaves
-    through :func:`_leave_group_and_exit` and exits 0 there.
+    A torchrun worker that returns from :func:`~space.train.run.run_sft` (trained and saved, or
+    found the run already finished) exits 0 in :func:`_exit_if_torchrun_worker` instead.
 
     Raises:
         ValueError, FileNotFoundError: a bad config, argument, dataset or checkpoint to resume.
     """
-    import torch.distributed as dist
-
     from ..config import parse_train_args  # here, not at the top: --help loads no model code
     from .run import run_sft
 
     out = run_sft(*parse_train_args(argv))
-    # the environment alone would also match a test run inside a job: the group says this process trained in it
-    if os.environ.get("TORCHELASTIC_RUN_ID") and dist.is_initialized():
-        _leave_group_and_exit()
+    _exit_if_torchrun_worker()
     return out
 
 
-def _leave_group_and_exit() -> None:
-    """Wait for every rank (rank 0 saves final/ before it gets here), destroy the process group,
-    flush, and ``os._exit(0)``.
+def _exit_if_torchrun_worker() -> None:
+    """In a torchrun worker (``TORCHELASTIC_RUN_ID`` set and a process group initialized: the
+    environment alone would also match a test run inside a job), wait for every rank (rank 0 saves
+    final/ before it gets here), destroy the process group, flush, and ``os._exit(0)``; elsewhere
+    return.
 
     Why not a normal exit: the DeepSpeed engine and its optimizer sit in reference cycles that
     live until the interpreter finalizes. There gloo's worker threads can still drop tensors, which
@@ -49,6 +46,8 @@ def _leave_group_and_exit() -> None:
     """
     import torch.distributed as dist
 
+    if not (os.environ.get("TORCHELASTIC_RUN_ID") and dist.is_initialized()):
+        return
     dist.barrier()
     dist.destroy_process_group()
     logging.shutdown()
