@@ -9,6 +9,8 @@
 * Ctrl-C prints one line (with how to resume, for a command that resumes) and exits 130;
 * SIGTERM unwinds like an exception (``finally`` blocks and context managers run, so child
   processes such as the code executor's are ended) and exits 143;
+* ``on_exit(code)``, if given, runs before the first three exit and may end the process itself
+  (``space-train``'s torchrun workers leave without the interpreter's finalization);
 * any other exception keeps its traceback (a bug, to be reported);
 * ``--debug`` anywhere on the command line shows the traceback of expected errors too.
 """
@@ -110,32 +112,36 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def console(prog: str, main: Callable[[list[str] | None], object],
-            resumes: bool = False) -> Callable[[list[str] | None], int]:
+def console(prog: str, main: Callable[[list[str] | None], object], resumes: bool = False,
+            on_exit: Callable[[int], None] | None = None) -> Callable[[list[str] | None], int]:
     """Wrap ``main`` for ``[project.scripts]``; the wrapper never returns, it exits 0, 2, 130
     (Ctrl-C), 143 (SIGTERM) or raises. ``resumes``: the command picks up where it stopped, and
-    Ctrl-C says so."""
+    Ctrl-C says so. ``on_exit(code)`` runs with the exit code 0, 2 or 130, after the message and
+    with the SIGTERM handler restored, just before ``sys.exit``; it may end the process itself."""
 
     def entry(argv: list[str] | None = None) -> int:
         args = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in args
         args = [a for a in args if a != "--debug"]
         previous = signal.signal(signal.SIGTERM, _terminate)
+        code = 0
         try:
             main(args)
         except EXPECTED_ERRORS as e:
             if debug:
                 traceback.print_exc()
             print(f"{prog}: error: {e}", file=sys.stderr)
-            sys.exit(2)
+            code = 2
         except KeyboardInterrupt:
             if debug:
                 traceback.print_exc()
             hint = "; run the same command again to resume" if resumes else ""
             print(f"{prog}: interrupted{hint}", file=sys.stderr)
-            sys.exit(130)
+            code = 130
         finally:
             signal.signal(signal.SIGTERM, previous)
-        sys.exit(0)
+        if on_exit is not None:
+            on_exit(code)
+        sys.exit(code)
 
     return entry

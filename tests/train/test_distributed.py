@@ -210,3 +210,39 @@ def test_time_budget_stops_every_rank_together():
     results = mp.Manager().dict()
     mp.spawn(_budget_rank, args=(29637, results), nprocs=2, join=True)
     assert dict(results) == {0: True, 1: True}
+
+
+WORKER = """
+import atexit, os, sys
+import torch.distributed as dist
+from space.cli import console
+from space.train.__main__ import leave_torchrun_worker
+atexit.register(lambda: print("finalized", flush=True))
+if os.environ.get("WORLD_SIZE"):
+    dist.init_process_group("gloo")
+def main(argv):
+    if sys.argv[1] == "error":
+        raise ValueError("diverged")
+console("space-train", main, on_exit=leave_torchrun_worker)([])
+"""
+
+
+@pytest.mark.parametrize("outcome, code", [("ok", 0), ("error", 2)])
+def test_torchrun_worker_leaves_without_finalizing(tmp_path, outcome, code):
+    """space-train's workers under torchrun (a group up, TORCHELASTIC_RUN_ID set) end through
+    os._exit, after a success and after an error alike: a finalizing interpreter aborted a rank
+    (SIGABRT) after a ZeRO-2 run that had saved everything. Outside torchrun the exit is normal."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = {"TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+             "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    base = {k: v for k, v in os.environ.items() if k not in (*group, "LOCAL_WORLD_SIZE")}
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    for env, finalized in ((group, False), ({}, True), ({"TORCHELASTIC_RUN_ID": "test"}, True)):
+        proc = subprocess.run([sys.executable, str(script), outcome], cwd=ROOT, env={**base, **env},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code, (env, proc.stderr[-2000:])
+        assert ("finalized" in proc.stdout) == finalized, (env, proc.stdout, proc.stderr[-2000:])
+        assert ("space-train: error: diverged" in proc.stderr) == (outcome == "error"), proc.stderr[-2000:]
