@@ -1,0 +1,98 @@
+"""Where a many-row step's time goes on this CPU (issue 58: a 16-row step <= 1.5x a 1-row step).
+
+Times the shipped adapter's 1-row and ``--rows``-row forwards as ``space-tree`` prices them
+(``space.eval.tree_search.time_steps``: ``--cache`` cached tokens, the LM head on every row, mask
+rows from row 1), with the fast kernels ``space-eval`` runs (``--kernels fast``), in four setups:
+
+* ``full``: as a decode step runs;
+* ``no LoRA update``: the same rows with no mask row (``mask_rows`` at the block's end), so the
+  frozen-base LoRA's ``addmm_`` of B on the mask rows is skipped (the packed GEMM still computes
+  ``x A^T``);
+* ``no attention``: an attention function that returns zeros (registered through transformers'
+  ``AttentionInterface``), so the step has no attention kernel; the KV cache is still written;
+* ``neither``.
+
+The last three compute wrong values: they exist only to price a part. The setups take turns,
+``--rounds`` times (a step's cost drifts by 10-20 % over minutes on a shared CPU), each turn timing
+every row count in alternating order (``time_steps``, 5 repeats after a warm-up); the medians of
+the turns' medians are reported, with each setup's ratio of the many-row to the 1-row step.
+``results/step_parts_cpu`` holds a run on this machine (its README says what it shows)::
+
+    python scripts/bench_step_parts.py --out results/step_parts_cpu/smollm2.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's space/, not an installed copy
+
+import torch  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
+
+from space.cpu_kernels import apply_kernels  # noqa: E402
+from space.eval.tree_search import time_steps  # noqa: E402
+from space.loader import load_space  # noqa: E402
+
+ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
+NO_ATTENTION = "space_bench_no_attention"
+SETUPS = ("full", "no LoRA update", "no attention", "neither")
+
+
+def no_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """An attention function that attends to nothing: (batch, q, heads, head_dim) zeros."""
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=16, help="the many-row step's rows (default 16)")
+    p.add_argument("--cache", type=int, default=300, help="cached tokens before the step (default 300)")
+    p.add_argument("--rounds", type=int, default=8, help="turns of the four setups (default 8)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", help="JSON file to write")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, _, _ = load_space(adapter=ADAPTER)
+    kernels = apply_kernels(model, "fast")
+    attention = model.config._attn_implementation
+    AttentionInterface.register(NO_ATTENTION, no_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NO_ATTENTION, sdpa_mask)
+    q = args.rows
+    turns = {s: {1: [], q: []} for s in SETUPS}
+    for _ in range(args.rounds):  # time_steps shows its own progress bar
+        for attend in (True, False):
+            model.set_attn_implementation(attention if attend else NO_ATTENTION)
+            timed = time_steps(model, [(1, False), (q, True), (q, False)], args.cache, repeats=5)
+            full, bare = ("full", "no LoRA update") if attend else ("no attention", "neither")
+            for setup in (full, bare):
+                turns[setup][1].append(timed[1, False])
+            turns[full][q].append(timed[q, True])
+            turns[bare][q].append(timed[q, False])
+    model.set_attn_implementation(attention)
+    ms = {s: {n: round(statistics.median(t) * 1e3, 2) for n, t in by_rows.items()} for s, by_rows in turns.items()}
+    record = {
+        "command": "python scripts/bench_step_parts.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout.strip(),
+        "torch": torch.__version__, "threads": args.threads, "rows": q, "cache": args.cache, "rounds": args.rounds,
+        "kernels": {k: v for k, v in kernels.items() if k != "stock_rows"},
+        "step_ms": {s: {str(n): v for n, v in by_rows.items()} for s, by_rows in ms.items()},
+        "ratio": {s: round(by_rows[q] / by_rows[1], 3) for s, by_rows in ms.items()},
+    }
+    for s in SETUPS:
+        print(f"{s:15s} 1 row {ms[s][1]:7.2f} ms, {q} rows {ms[s][q]:7.2f} ms, ratio {record['ratio'][s]:.3f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
