@@ -6,16 +6,19 @@ rows from row 1), with the fast kernels ``space-eval`` runs (``--kernels fast``)
 
 * ``full``: as a decode step runs;
 * ``no LoRA update``: the same rows with no mask row (``mask_rows`` at the block's end), so the
-  frozen-base LoRA's ``addmm_`` of B on the mask rows is skipped (the packed GEMM still computes
-  ``x A^T``);
+  frozen-base LoRA's ``addmm_`` of B on the mask rows is skipped; the packed GEMM still computes
+  ``x A^T`` as long as ``--rows`` is above every linear's ``stock_rows`` (its few-row path reads W
+  alone), which the script requires;
 * ``no attention``: an attention function that returns zeros (registered through transformers'
   ``AttentionInterface``), so the step has no attention kernel; the KV cache is still written;
 * ``neither``.
 
 The last three compute wrong values: they exist only to price a part. The setups take turns,
-``--rounds`` times (a step's cost drifts by 10-20 % over minutes on a shared CPU), each turn timing
+``--rounds`` times (a step's cost drifts by 10-20 % over seconds on a shared CPU), each turn timing
 every row count in alternating order (``time_steps``, 5 repeats after a warm-up); the medians of
-the turns' medians are reported, with each setup's ratio of the many-row to the 1-row step.
+the turns' medians are reported, with each setup's ratio of the many-row to the 1-row step. A
+1-row step has no mask row, so ``full`` and ``no LoRA update`` share one 1-row time, as do the two
+setups without attention.
 ``results/step_parts_cpu`` holds a run on this machine (its README says what it shows)::
 
     python scripts/bench_step_parts.py --out results/step_parts_cpu/smollm2.json
@@ -61,28 +64,34 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     model, _, _ = load_space(adapter=ADAPTER)
     kernels = apply_kernels(model, "fast")
+    stock = max((c["stock_rows"] for c in kernels.get("stock_rows", {}).values()), default=0)
+    q = args.rows
+    if q <= max(stock, 1):
+        p.error(f"--rows {q}: must be above 1 and above every linear's stock_rows ({stock} here), or the "
+                "'no LoRA update' setup would also skip x A^T")
     attention = model.config._attn_implementation
     AttentionInterface.register(NO_ATTENTION, no_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NO_ATTENTION, sdpa_mask)
-    q = args.rows
     turns = {s: {1: [], q: []} for s in SETUPS}
-    for _ in range(args.rounds):  # time_steps shows its own progress bar
-        for attend in (True, False):
-            model.set_attn_implementation(attention if attend else NO_ATTENTION)
-            timed = time_steps(model, [(1, False), (q, True), (q, False)], args.cache, repeats=5)
-            full, bare = ("full", "no LoRA update") if attend else ("no attention", "neither")
-            for setup in (full, bare):
-                turns[setup][1].append(timed[1, False])
-            turns[full][q].append(timed[q, True])
-            turns[bare][q].append(timed[q, False])
-    model.set_attn_implementation(attention)
+    try:
+        for _ in range(args.rounds):  # time_steps shows its own progress bar
+            for attend in (True, False):
+                model.set_attn_implementation(attention if attend else NO_ATTENTION)
+                timed = time_steps(model, [(1, False), (q, True), (q, False)], args.cache, repeats=5)
+                full, bare = ("full", "no LoRA update") if attend else ("no attention", "neither")
+                for setup in (full, bare):
+                    turns[setup][1].append(timed[1, False])
+                turns[full][q].append(timed[q, True])
+                turns[bare][q].append(timed[q, False])
+    finally:  # the model attends again, whatever stopped the loop
+        model.set_attn_implementation(attention)
     ms = {s: {n: round(statistics.median(t) * 1e3, 2) for n, t in by_rows.items()} for s, by_rows in turns.items()}
     record = {
         "command": "python scripts/bench_step_parts.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                  text=True).stdout.strip(),
         "torch": torch.__version__, "threads": args.threads, "rows": q, "cache": args.cache, "rounds": args.rounds,
-        "kernels": {k: v for k, v in kernels.items() if k != "stock_rows"},
+        "kernels": {k: v for k, v in kernels.items() if k != "stock_rows"}, "max_stock_rows": stock,
         "step_ms": {s: {str(n): v for n, v in by_rows.items()} for s, by_rows in ms.items()},
         "ratio": {s: round(by_rows[q] / by_rows[1], 3) for s, by_rows in ms.items()},
     }

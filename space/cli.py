@@ -9,7 +9,7 @@
 * Ctrl-C prints one line (with how to resume, for a command that resumes) and exits 130;
 * SIGTERM unwinds like an exception (``finally`` blocks and context managers run, so child
   processes such as the code executor's are ended) and exits 143;
-* ``on_exit(code)``, if given, runs before the first three exit and may end the process itself
+* ``on_exit(code)``, if given, runs just before the exits 0, 2 and 130 and may end the process itself
   (``space-train``'s torchrun workers leave without the interpreter's finalization);
 * any other exception keeps its traceback (a bug, to be reported);
 * ``--debug`` anywhere on the command line shows the traceback of expected errors too.

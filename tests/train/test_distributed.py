@@ -220,7 +220,13 @@ from space.train.__main__ import leave_torchrun_worker
 atexit.register(lambda: print("finalized", flush=True))
 if os.environ.get("WORLD_SIZE"):
     dist.init_process_group("gloo")
+    barrier = dist.barrier
+    def counted_barrier(*args, **kwargs):
+        print("barrier")
+        return barrier(*args, **kwargs)
+    dist.barrier = counted_barrier
 def main(argv):
+    print("trained")  # block-buffered into the pipe: it arrives only if the exit flushes
     if sys.argv[1] == "error":
         raise ValueError("diverged")
 console("space-train", main, on_exit=leave_torchrun_worker)([])
@@ -230,14 +236,17 @@ console("space-train", main, on_exit=leave_torchrun_worker)([])
 @pytest.mark.parametrize("outcome, code", [("ok", 0), ("error", 2)])
 def test_torchrun_worker_leaves_without_finalizing(tmp_path, outcome, code):
     """space-train's workers under torchrun (a group up, TORCHELASTIC_RUN_ID set) end through
-    os._exit, after a success and after an error alike: a finalizing interpreter aborted a rank
-    (SIGABRT) after a ZeRO-2 run that had saved everything. Outside torchrun the exit is normal."""
+    os._exit, after a success and after an error alike, their output flushed: a finalizing
+    interpreter aborted a rank (SIGABRT) after a ZeRO-2 run that had saved everything. Only a
+    success waits at a barrier (after an error the other ranks may never come). Outside torchrun
+    the exit is normal."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     group = {"TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
              "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    base = {k: v for k, v in os.environ.items() if k not in (*group, "LOCAL_WORLD_SIZE")}
+    base = {k: v for k, v in os.environ.items()
+            if k not in (*group, "LOCAL_WORLD_SIZE", "PYTHONUNBUFFERED") and not k.startswith("TORCHELASTIC_")}
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     for env, finalized in ((group, False), ({}, True), ({"TORCHELASTIC_RUN_ID": "test"}, True)):
@@ -245,4 +254,6 @@ def test_torchrun_worker_leaves_without_finalizing(tmp_path, outcome, code):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == code, (env, proc.stderr[-2000:])
         assert ("finalized" in proc.stdout) == finalized, (env, proc.stdout, proc.stderr[-2000:])
+        assert "trained" in proc.stdout, (env, proc.stdout)
+        assert ("barrier" in proc.stdout) == (env is group and outcome == "ok"), (env, proc.stdout)
         assert ("space-train: error: diverged" in proc.stderr) == (outcome == "error"), proc.stderr[-2000:]
