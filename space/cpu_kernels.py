@@ -1,6 +1,6 @@
 """CPU inference kernels that make a many-row SPACE step cost little more than a one-row AR step.
 
-Two swaps, both through public hooks of torch / transformers, both applied by :func:`optimize_for_cpu`
+Three swaps, all through public hooks of torch / transformers, all applied by :func:`optimize_for_cpu`
 to every method of a benchmark alike (so a measured speedup is the decoding method's, not a kernel's):
 
 1. **Prepacked linears** (:class:`PackedLinear`). A SPACE step feeds 5-32 query rows through
@@ -29,6 +29,10 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
    is: 60 cache copies per step for SmolLM2. Registered through ``AttentionInterface``, this
    implementation hands the grouped heads to ``torch.nn.functional.scaled_dot_product_attention``
    (``enable_gqa=True``) instead.
+3. **RMSNorm in one call** (:class:`NativeRMSNorm`). transformers' Llama-style ``RMSNorm`` runs
+   eight tensor ops from Python per call, 61 calls a step in SmolLM2;
+   ``torch.nn.functional.rms_norm`` runs the same ops in the same order inside ATen, so in fp32
+   its result is the same bit for bit. A norm is swapped only when a probe input gives that.
 
 Inference only: packed weights take no gradient.
 """
@@ -253,6 +257,44 @@ def pack_linears(model: nn.Module, choose: bool = False) -> tuple[int, dict]:
     return count, choices
 
 
+class NativeRMSNorm(nn.Module):
+    """``torch.nn.functional.rms_norm`` in place of a transformers Llama-style ``RMSNorm`` (Llama,
+    Mistral, Qwen2 and kin): ``x * rsqrt(mean(x^2, -1) + eps) * weight``, computed by ATen's
+    composite with the same ops in the same order as transformers' Python, so an fp32 input gives
+    the same bits (:func:`swap_rms_norms` checks it per norm). ``forward(x (..., hidden)) -> (...,
+    hidden)``. Its ``weight`` is the norm's own parameter (same state-dict key)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def swap_rms_norms(model: nn.Module) -> int:
+    """Replace each fp32 CPU RMSNorm of ``model`` (a module with a 1-D ``weight`` and a
+    ``variance_epsilon``) by a :class:`NativeRMSNorm`, in place, where the two give the same bits
+    on a probe input (a norm of another formula, e.g. Gemma's ``1 + weight``, stays). Returns how
+    many were swapped."""
+    gen = torch.Generator().manual_seed(0)
+    count = 0
+    for name, m in list(model.named_modules()):
+        weight = getattr(m, "weight", None)
+        if (not hasattr(m, "variance_epsilon") or isinstance(m, NativeRMSNorm) or not isinstance(weight, torch.Tensor)
+                or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype != torch.float32):
+            continue
+        native = NativeRMSNorm(m)
+        probe = torch.randn(3, weight.shape[0], generator=gen) * 3
+        with torch.no_grad():
+            if not torch.equal(m(probe), native(probe)):
+                continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, native)
+        count += 1
+    return count
+
+
 def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -284,14 +326,15 @@ def register_attention() -> None:
 
 
 def optimize_for_cpu(model: nn.Module) -> dict:
-    """Apply both kernels to an fp32 CPU model in place (no-op on other devices / dtypes).
+    """Apply the three swaps to an fp32 CPU model in place (no-op on other devices / dtypes).
 
     The linears take MKL's stock path up to the row count where it is faster on this machine
     (:func:`choose_stock_rows`, timed here, about a second), the packed kernel above it.
 
     Returns:
         what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn",
-        "attention": name, "stock_rows": {"out x in": {"stock_rows": n, "us": {rows: [stock, packed]}}}}``.
+        "attention": name, "rms_norms": swapped, "stock_rows": {"out x in": {"stock_rows": n, "us":
+        {rows: [stock, packed]}}}}``.
     """
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
@@ -301,7 +344,7 @@ def optimize_for_cpu(model: nn.Module) -> dict:
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
     return {"packed_linears": packed, "packed_kernel": packed_kernel(), "attention": model.config._attn_implementation,
-            "stock_rows": choices}
+            "rms_norms": swap_rms_norms(model), "stock_rows": choices}
 
 
 def apply_kernels(model: nn.Module, choice: str) -> dict:

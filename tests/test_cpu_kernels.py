@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from space.adapter_layers import fuse_frozen_base, prepare_model
-from space.cpu_kernels import (PACKED_KERNELS, SDPA_GQA, PackedLinear, apply_kernels, has_kernel, optimize_for_cpu,
-                               packed_kernel, packing_available, register_attention)
+from space.cpu_kernels import (PACKED_KERNELS, SDPA_GQA, NativeRMSNorm, PackedLinear, apply_kernels, has_kernel,
+                               optimize_for_cpu, packed_kernel, packing_available, register_attention, swap_rms_norms)
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.masking import mask_rows, to_additive_4d
 from space.models import load_model
@@ -112,8 +112,9 @@ def test_kernels_flag(tiny):
     assert apply_kernels(stock, "stock") == {"choice": "stock", "packed_linears": 0, "attention": "sdpa"}
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())  # stock leaves the model alone
     record = apply_kernels(fast, "fast")
-    assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15,
-                                                   "packed_kernel": packed_kernel(), "attention": SDPA_GQA}
+    norms = 2 * model.config.num_hidden_layers + 1
+    assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15, "packed_kernel": packed_kernel(),
+                                                   "attention": SDPA_GQA, "rms_norms": norms}
     with pytest.raises(ValueError, match="kernels"):
         apply_kernels(stock, "turbo")
 
@@ -124,7 +125,7 @@ def test_greedy_exact_on_optimized_model(tiny, k):
     fast = copy.deepcopy(model)
     record = optimize_for_cpu(fast)
     assert record.pop("stock_rows") and record == {"packed_linears": 15, "packed_kernel": packed_kernel(),
-                                                   "attention": SDPA_GQA}
+                                                   "attention": SDPA_GQA, "rms_norms": 2 * model.config.num_hidden_layers + 1}
     gen = torch.Generator().manual_seed(k)
     for _ in range(3):
         prompt = torch.randint(11, 250, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
@@ -135,6 +136,39 @@ def test_greedy_exact_on_optimized_model(tiny, k):
         for groups in (1, k + 1):
             out = SpaceDecoder(fast, spec, DecodeConfig(k, groups)).generate(prompt, max_new, stop_token_ids=[10])
             assert out.new_ids == ar.new_ids, (k, groups, prompt.tolist(), max_new)
+
+
+class OnePlusRMSNorm(nn.Module):
+    """Gemma's formula (``1 + weight``) under Llama's attribute names: not the function
+    torch's rms_norm computes."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.randn(hidden)), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
+
+
+def test_native_rms_norm_gives_transformers_bits():
+    """The swapped norm computes what transformers' LlamaRMSNorm computes, bit for bit in fp32, at
+    every scale and shape; a norm of another formula, or not fp32, is left alone."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(LlamaRMSNorm(576, eps=1e-5), OnePlusRMSNorm(576), LlamaRMSNorm(64).to(torch.bfloat16))
+    with torch.no_grad():
+        model[0].weight.normal_(generator=gen)
+    hf, weight = copy.deepcopy(model[0]), model[0].weight
+    assert swap_rms_norms(model) == 1
+    assert isinstance(model[0], NativeRMSNorm) and type(model[1]) is OnePlusRMSNorm and type(model[2]) is LlamaRMSNorm
+    assert model[0].weight is weight  # the norm's own parameter, not a copy
+    assert list(model[0].state_dict()) == ["weight"]
+    with torch.no_grad():
+        for shape, scale in [((1, 1, 576), 1.0), ((2, 7, 576), 1e-3), ((1, 300, 576), 1e3), ((16, 576), 40.0)]:
+            x = torch.randn(*shape, generator=gen) * scale
+            assert torch.equal(model[0](x), hf(x)), (shape, scale)
+    assert swap_rms_norms(model) == 0  # already swapped
 
 
 def test_gqa_attention_equals_sdpa_with_a_4d_mask(tiny):
