@@ -38,6 +38,7 @@ Inference only: packed weights take no gradient.
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 
@@ -259,10 +260,12 @@ def pack_linears(model: nn.Module, choose: bool = False) -> tuple[int, dict]:
 
 class NativeRMSNorm(nn.Module):
     """``torch.nn.functional.rms_norm`` in place of a transformers Llama-style ``RMSNorm`` (Llama,
-    Mistral, Qwen2 and kin): ``x * rsqrt(mean(x^2, -1) + eps) * weight``, computed by ATen's
-    composite with the same ops in the same order as transformers' Python, so an fp32 input gives
-    the same bits (:func:`swap_rms_norms` checks it per norm). ``forward(x (..., hidden)) -> (...,
-    hidden)``. Its ``weight`` is the norm's own parameter (same state-dict key)."""
+    Mistral, Qwen2/3, Phi3, Olmo2 and kin): ``x * rsqrt(mean(x^2, -1) + eps) * weight``. In fp32,
+    ATen's composite runs the same ops in the same order as transformers' Python, so it gives the
+    same bits (:func:`swap_rms_norms` checks it per norm); in bf16 / fp16 it would not (ATen
+    multiplies by the weight before casting down, transformers after), and it is only swapped in
+    for fp32. ``forward(x (..., hidden)) -> (..., hidden)``. Its ``weight`` is the norm's own
+    parameter (same state-dict key, ties kept)."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
@@ -271,24 +274,42 @@ class NativeRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _one_input(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes exactly one argument (a gated norm's also takes the gate)."""
+    try:
+        return len(inspect.signature(module.forward).parameters) == 1
+    except (TypeError, ValueError):
+        return False
+
 
 def swap_rms_norms(model: nn.Module) -> int:
-    """Replace each fp32 CPU RMSNorm of ``model`` (a module with a 1-D ``weight`` and a
-    ``variance_epsilon``) by a :class:`NativeRMSNorm`, in place, where the two give the same bits
-    on a probe input (a norm of another formula, e.g. Gemma's ``1 + weight``, stays). Returns how
-    many were swapped."""
+    """Replace each fp32 CPU RMSNorm of ``model`` by a :class:`NativeRMSNorm`, in place, where the
+    two give the same bits on a probe input. A candidate has a 1-D ``weight`` parameter, a
+    ``variance_epsilon`` and a forward of one argument, and no accelerate hook (a model placed by a
+    device map keeps its modules: a swapped one would lose its hook). The probe keeps a norm of
+    another formula (``1 + weight`` under Llama's names, a mean-subtracting or grouped norm), and
+    one whose call fails. Returns how many were swapped."""
     gen = torch.Generator().manual_seed(0)
     count = 0
     for name, m in list(model.named_modules()):
         weight = getattr(m, "weight", None)
-        if (not hasattr(m, "variance_epsilon") or isinstance(m, NativeRMSNorm) or not isinstance(weight, torch.Tensor)
-                or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype != torch.float32):
+        if (not hasattr(m, "variance_epsilon") or isinstance(m, NativeRMSNorm) or hasattr(m, "_hf_hook")
+                or not isinstance(weight, nn.Parameter) or weight.dim() != 1 or weight.device.type != "cpu"
+                or weight.dtype != torch.float32 or not _one_input(m)):
             continue
         native = NativeRMSNorm(m)
-        probe = torch.randn(3, weight.shape[0], generator=gen) * 3
-        with torch.no_grad():
-            if not torch.equal(m(probe), native(probe)):
-                continue
+        probe = torch.randn(3, weight.shape[0], generator=gen, dtype=torch.float32) * 3
+        try:
+            with torch.no_grad():
+                same = torch.equal(m(probe), native(probe))
+        except Exception:  # a norm that needs more than its input, or another shape: left alone
+            same = False
+        if not same:
+            continue
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, native)
         count += 1
@@ -350,9 +371,9 @@ def optimize_for_cpu(model: nn.Module) -> dict:
 def apply_kernels(model: nn.Module, choice: str) -> dict:
     """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`,
     ``stock`` keeps transformers' own kernels. Returns the run-record entry
-    ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"packed_kernel"`` and
-    ``"stock_rows"`` (the timed path per weight shape, :func:`optimize_for_cpu`) for ``fast`` on
-    an fp32 CPU model.
+    ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"packed_kernel"``,
+    ``"rms_norms"`` (norms swapped) and ``"stock_rows"`` (the timed path per weight shape,
+    :func:`optimize_for_cpu`) for ``fast`` on an fp32 CPU model.
 
     Raises:
         ValueError: choice not in KERNEL_CHOICES.

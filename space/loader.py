@@ -46,7 +46,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             again by the resolved map (``space.models.dispatch``), so the new modules (mask
             embedding, resized embeddings) get their hooks too.
         kernels: ``"fast"`` applies ``space.cpu_kernels.optimize_for_cpu`` to an fp32 CPU model
-            (prepacked linears, GQA attention; a no-op elsewhere): on a 2-core CPU plain
+            (prepacked linears, GQA attention, one-call RMSNorm; a no-op elsewhere): on a 2-core CPU plain
             ``generate`` runs about 2x faster, and SPACE's many-row steps gain more than that.
             ``"stock"`` (default) keeps PyTorch's own linears (on the fused trunk, below). Packed weights are for inference
             only: never train them.

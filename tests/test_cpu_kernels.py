@@ -113,8 +113,9 @@ def test_kernels_flag(tiny):
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())  # stock leaves the model alone
     record = apply_kernels(fast, "fast")
     norms = 2 * model.config.num_hidden_layers + 1
-    assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15, "packed_kernel": packed_kernel(),
-                                                   "attention": SDPA_GQA, "rms_norms": norms}
+    assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15,
+                                                   "packed_kernel": packed_kernel(), "attention": SDPA_GQA,
+                                                   "rms_norms": norms}
     with pytest.raises(ValueError, match="kernels"):
         apply_kernels(stock, "turbo")
 
@@ -125,7 +126,8 @@ def test_greedy_exact_on_optimized_model(tiny, k):
     fast = copy.deepcopy(model)
     record = optimize_for_cpu(fast)
     assert record.pop("stock_rows") and record == {"packed_linears": 15, "packed_kernel": packed_kernel(),
-                                                   "attention": SDPA_GQA, "rms_norms": 2 * model.config.num_hidden_layers + 1}
+                                                   "attention": SDPA_GQA,
+                                                   "rms_norms": 2 * model.config.num_hidden_layers + 1}
     gen = torch.Generator().manual_seed(k)
     for _ in range(3):
         prompt = torch.randint(11, 250, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
@@ -152,22 +154,35 @@ class OnePlusRMSNorm(nn.Module):
 
 def test_native_rms_norm_gives_transformers_bits():
     """The swapped norm computes what transformers' LlamaRMSNorm computes, bit for bit in fp32, at
-    every scale and shape; a norm of another formula, or not fp32, is left alone."""
+    every scale and shape (a Qwen3-style per-head norm's 4-D, non-contiguous input included); a
+    norm of another formula, a gated norm (forward(x, gate)), a norm under an accelerate hook, or
+    one not in fp32 is left alone."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
     gen = torch.Generator().manual_seed(0)
-    model = nn.Sequential(LlamaRMSNorm(576, eps=1e-5), OnePlusRMSNorm(576), LlamaRMSNorm(64).to(torch.bfloat16))
+    hooked = LlamaRMSNorm(576)
+    hooked._hf_hook = object()  # what accelerate's device-map placement sets
+    # MambaRMSNormGated with one group gives Llama's bits when called without a gate
+    model = nn.Sequential(LlamaRMSNorm(576, eps=1e-5), OnePlusRMSNorm(576), LlamaRMSNorm(64).to(torch.bfloat16),
+                          MambaRMSNormGated(576, group_size=576), Qwen3NextRMSNormGated(576), hooked,
+                          LlamaRMSNorm(64))
     with torch.no_grad():
         model[0].weight.normal_(generator=gen)
-    hf, weight = copy.deepcopy(model[0]), model[0].weight
-    assert swap_rms_norms(model) == 1
-    assert isinstance(model[0], NativeRMSNorm) and type(model[1]) is OnePlusRMSNorm and type(model[2]) is LlamaRMSNorm
+        model[6].weight.normal_(generator=gen)
+    hf, head_norm, weight = copy.deepcopy(model[0]), copy.deepcopy(model[6]), model[0].weight
+    assert swap_rms_norms(model) == 2
+    assert [type(m).__name__ for m in model] == ["NativeRMSNorm", "OnePlusRMSNorm", "LlamaRMSNorm", "MambaRMSNormGated",
+                                                 "Qwen3NextRMSNormGated", "LlamaRMSNorm", "NativeRMSNorm"]
     assert model[0].weight is weight  # the norm's own parameter, not a copy
     assert list(model[0].state_dict()) == ["weight"]
     with torch.no_grad():
         for shape, scale in [((1, 1, 576), 1.0), ((2, 7, 576), 1e-3), ((1, 300, 576), 1e3), ((16, 576), 40.0)]:
             x = torch.randn(*shape, generator=gen) * scale
             assert torch.equal(model[0](x), hf(x)), (shape, scale)
+        heads = torch.randn(1, 16, 9, 64, generator=gen).transpose(1, 2)  # (batch, heads, rows, head_dim), strided
+        assert torch.equal(model[6](heads), head_norm(heads))
     assert swap_rms_norms(model) == 0  # already swapped
 
 
