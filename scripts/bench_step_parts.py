@@ -41,6 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  
 
 from space.cpu_kernels import apply_kernels  # noqa: E402
 from space.eval.tree_search import time_steps  # noqa: E402
+from space.jsonl import write_text_atomic  # noqa: E402
 from space.loader import load_space  # noqa: E402
 
 ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
@@ -97,9 +98,9 @@ def main(argv=None) -> dict:
     }
     for s in SETUPS:
         print(f"{s:15s} 1 row {ms[s][1]:7.2f} ms, {q} rows {ms[s][q]:7.2f} ms, ratio {record['ratio'][s]:.3f}")
-    if args.out:
+    if args.out:  # made by the command, whole or not at all
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        write_text_atomic(Path(args.out), json.dumps(record, indent=1) + "\n")
     return record
 
 
