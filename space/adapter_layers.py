@@ -255,10 +255,9 @@ def fuse_frozen_base(peft_model) -> nn.Module:
     model = peft_model.get_base_model()
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
     for name, layer in layers:
-        parent, _, attr = name.rpartition(".")
         a = layer.lora_A["default"].weight.detach()
         b = layer.lora_B["default"].weight.detach() * layer.scaling["default"]
-        setattr(model.get_submodule(parent), attr, GatedLoraLinear(layer.get_base_layer(), a, b))
+        model.set_submodule(name, GatedLoraLinear(layer.get_base_layer(), a, b))
     return model.eval()
 
 
@@ -286,8 +285,7 @@ def apply_lora(model: nn.Module, updates: dict[str, tuple[torch.Tensor, torch.Te
             with torch.no_grad():
                 linear.weight += b @ a
         else:
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, GatedLoraLinear(linear, a, b))
+            model.set_submodule(name, GatedLoraLinear(linear, a, b))
 
 
 def _has_module(model: nn.Module, name: str) -> bool:

@@ -252,8 +252,7 @@ def pack_linears(model: nn.Module, choose: bool = False) -> tuple[int, dict]:
             count += 1
     for name, m in list(model.named_modules()):
         if packable(m):
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(m, stock_rows=stock_rows(m)))
+            model.set_submodule(name, PackedLinear(m, stock_rows=stock_rows(m)))
             count += 1
     return count, choices
 
@@ -310,8 +309,7 @@ def swap_rms_norms(model: nn.Module) -> int:
             same = False
         if not same:
             continue
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, native)
+        model.set_submodule(name, native)
         count += 1
     return count
 

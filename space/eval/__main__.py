@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(other flags are not used)")
     p.add_argument("--kernels", default=None,
                    help="fast (default): prepacked linears (MKL), GQA attention and one-call RMSNorm for every "
-                        "method on an fp32 CPU (space/cpu_kernels.py); stock: transformers' own kernels (the default with --compile, "
-                        "which packs its own)")
+                        "method on an fp32 CPU (space/cpu_kernels.py); stock: transformers' own kernels (the "
+                        "default with --compile, which packs its own)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                    help="torch.compile the model's trunk for every method, with preallocated KV caches for SPACE and "
                         "AR (space/decoding/compiled.py, issue 43); the first generations of each shape compile. "
