@@ -16,6 +16,7 @@ from space.decoding.fused import fuse_trunk
 from space.decoding.graphs import StepGraphs
 from space.masking import mask_rows, to_additive_4d
 from space.models import tiny_random_llama
+from tests.conftest import CycleLanguage
 from tests.decoding.test_fused import gated_tiny
 from tests.syncs import SyncCounter
 
@@ -127,13 +128,19 @@ def test_nothing_in_the_captured_region_reads_the_device(captured):
         return out
 
     graphs._run = counted
+    # prompts of its own: the shared sampler's state depends on which tests ran before, and which
+    # buckets a generation visits on the prompt and on the CPU's rounding (one prompt saw no
+    # 12-row gated block on an AVX2 AMD CPU, after the same tests as on an Intel one)
+    own = CycleLanguage(lang.tokens, seed=5)
     try:
-        prompt = torch.tensor(lang.sample(20))
-        ar_generate(model, prompt, 20, suppress_ids=spec.token_ids, graphs=graphs)
-        SpaceDecoder(model, spec, LAYOUTS["dynamic+lookup"], graphs=graphs).generate(prompt, 40)
+        for n in (20, 12, 30):
+            prompt = torch.tensor(own.sample(n))
+            ar_generate(model, prompt, 20, suppress_ids=spec.token_ids, graphs=graphs)
+            SpaceDecoder(model, spec, LAYOUTS["dynamic+lookup"], graphs=graphs).generate(prompt, 40)
     finally:
         del graphs._run
-    assert {(q, g) for q, g, *_ in counts} >= {(1, False), (12, True)}
+    kinds = {(q, g) for q, g, *_ in counts}
+    assert (1, False) in kinds and len({q for q, g in kinds if g and q > 1}) >= 2, kinds  # AR's row, gated blocks
     assert all(not kinds for *_, kinds, _ in counts), [c for c in counts if c[2]][:3]
 
 
