@@ -9,10 +9,11 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
    (SmolLM2's linears: 142 ms at 16 rows against 37 at 1). With the weights packed once for the
    kernel, the many-row call costs little more than the one-row call. The packed kernel is MKL's
    ``cblas_sgemm_compute`` (``torch.ops.mkl._mkl_linear``, the kernel inductor uses for frozen
-   CPU linears) where torch has MKL, else oneDNN's inner product
-   (``torch.ops.mkldnn._linear_pointwise``). On SmolLM2's linears at 2 threads MKL's packed GEMM
-   took 0.75-0.88x oneDNN's time at 2-32 rows; the shipped adapter's step-cost curve went from
-   55.6 / 104.6 / 138.6 ms at 1 / 16 / 32 rows to 54.4 / 89.6 / 114.0 (issue 58). Which path is
+   CPU linears) or oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``), whichever is
+   faster on this machine (:func:`choose_packed_kernel`, timed when the kernels are applied): on an
+   AVX-512 Intel CPU at 2 threads MKL's packed GEMM took 0.75-0.88x oneDNN's time at 2-32 rows
+   (the shipped adapter's step-cost curve went from 55.6 / 104.6 / 138.6 ms at 1 / 16 / 32 rows to
+   54.4 / 89.6 / 114.0, issue 58); on an AVX2 AMD EPYC oneDNN took about half MKL's. Which path is
    faster for few rows depends on the CPU: on an AVX2 machine the packed kernel (oneDNN then)
    also won at one row (~41 ms against ~48 ms for SmolLM2's linears), on the AVX-512 machine of
    issue 43 MKL's matrix-vector path won by ~20 %. So :func:`choose_stock_rows` times both
@@ -39,8 +40,10 @@ Inference only: packed weights take no gradient.
 from __future__ import annotations
 
 import inspect
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,6 +54,7 @@ from .choices import KERNEL_CHOICES
 
 SDPA_GQA = "space_sdpa_gqa"
 PROBE_ROWS = (1, 2, 4, 8)  # row counts timed per weight shape; stock wins, if anywhere, at the low end
+KERNEL_PROBE_ROWS = (4, 16)  # the packed kernels are compared where they run: a few-row and a SPACE-sized step
 PACKED_KERNELS = ("mkl", "onednn")
 # MKL packs a weight for a row count, and the packed buffer carries its own format (MKL's docs:
 # internally stored metadata): ``cblas_sgemm_compute`` takes any row count from it. torch's op
@@ -61,6 +65,26 @@ PACKED_KERNELS = ("mkl", "onednn")
 # or more, while 1-32 row calls cost the same from packs for 64 to 512 rows (SmolLM2's shapes, 2
 # threads)
 MKL_PACK_ROWS = 128
+# A packed call's rows are padded with zero rows to at least 2 and to a multiple of ROW_MULTIPLE, so
+# that each row's rounding does not depend on how many rows share the call. Both kernels take another
+# path for 1 row on some shapes (MKL at 96 inputs, oneDNN at 1536). On an AVX2 AMD EPYC, MKL also
+# rounds the rows past the last multiple of 4 otherwise in calls of 1-3, 5-7 and 9-11 rows (96-1536
+# inputs), and padded to a multiple of 4 every count from 1 to 301 matched; on the AVX-512 Intel CPU
+# of issue 58 any count from 2 matched. The padding copies the rows when the count is not a multiple.
+ROW_MULTIPLE = {"mkl": 4, "onednn": 1}
+
+
+def cpu_model() -> str:
+    """This machine's CPU model as Linux names it (``/proc/cpuinfo`` "model name", e.g. "AMD
+    EPYC"), else what ``platform.processor()`` says, else the architecture. Which packed kernel is
+    faster, and so every CPU timing, depends on it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def has_kernel(kernel: str) -> bool:
@@ -72,8 +96,9 @@ def has_kernel(kernel: str) -> bool:
 
 
 def packed_kernel() -> str | None:
-    """The packed kernel PackedLinear takes by default: ``"mkl"`` where torch has MKL (x86
-    builds), else ``"onednn"`` (builds with mkldnn only, e.g. aarch64), else None."""
+    """The packed kernel PackedLinear takes when given none: ``"mkl"`` where torch has MKL (x86
+    builds), else ``"onednn"`` (builds with mkldnn only, e.g. aarch64), else None. The fast kernels
+    do not use this default: they time both (:func:`choose_packed_kernel`)."""
     return next((k for k in PACKED_KERNELS if has_kernel(k)), None)
 
 
@@ -143,14 +168,15 @@ class PackedLinear(nn.Module):
 
     def _all(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        one = rows.shape[0] == 1
-        if one:  # both kernels take another path for 1 row on some shapes, whose rounding differs: pad to 2
-            rows = torch.cat([rows, rows.new_zeros(1, self.in_features)])
+        n = rows.shape[0]
+        padded = max(2, -(-n // ROW_MULTIPLE[self.kernel]) * ROW_MULTIPLE[self.kernel])
+        if padded > n:  # other counts take other paths, whose rounding differs (ROW_MULTIPLE)
+            rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])
         if self.kernel == "mkl":  # the call's row count as the pack's: MKL computes any count from one pack
             y = torch.ops.mkl._mkl_linear(rows, self.packed, self.shape_only, self.packed_bias, rows.shape[0])
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.packed_bias, "none", [], "")
-        return (y[:1] if one else y).view(*x.shape[:-1], self.out_features + self.extra_out)
+        return y[:n].view(*x.shape[:-1], self.out_features + self.extra_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.stock_rows * self.in_features:
@@ -187,18 +213,61 @@ def _median_us(fn, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 15) -> tuple[int, dict]:
-    """Time stock ``F.linear`` against the packed kernel (:func:`packed_kernel`) on ``weight``
-    (out, in) for each row count in ``rows`` (ascending), on this machine, now.
+def _probe_linear(weight: torch.Tensor, kernel: str | None = None) -> PackedLinear:
+    """A :class:`PackedLinear` over ``weight`` (out, in) alone, every call on the packed kernel."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)  # no copy of W besides the pack
+    return PackedLinear(linear, kernel=kernel)
+
+
+def choose_packed_kernel(weights: dict[str, tuple[torch.Tensor, int]], rows: tuple[int, ...] = KERNEL_PROBE_ROWS,
+                         repeats: int = 10) -> tuple[str | None, dict]:
+    """Time each packed kernel this torch build has (:data:`PACKED_KERNELS`) on a model's linears,
+    on this machine, now, and choose the one with the least total time.
+
+    Which kernel is faster depends on the CPU, not on the build: on the AVX-512 Intel machine of
+    issue 58 MKL's packed GEMM took 0.75-0.88x oneDNN's time at 2-32 rows, while on an AVX2 AMD EPYC
+    (2 threads) oneDNN took about half of MKL's time from 2 rows up, and the shipped adapter's
+    16-row step cost 157 ms with oneDNN against 227 with MKL (1-row steps 95 against 111).
+
+    Args:
+        weights: ``{"out x in": (a weight of that shape, how many linears of the model have it)}``.
+        rows: the row counts timed (a prompt-lookup step's and a SPACE step's, by default).
+
+    Returns:
+        (kernel, ``{"out x in": {kernel: [us per row count]}}``, medians): the kernel with the least
+        sum over shapes of count x the times; with one kernel in the build, that one and no timings;
+        with none, None.
+    """
+    kernels = [k for k in PACKED_KERNELS if has_kernel(k)]
+    if len(kernels) < 2:
+        return (kernels[0] if kernels else None), {}
+    gen = torch.Generator().manual_seed(0)
+    timings: dict[str, dict] = {}
+    total = dict.fromkeys(kernels, 0.0)
+    with torch.no_grad():
+        for key, (weight, count) in weights.items():
+            xs = [torch.randn(r, weight.shape[1], generator=gen) for r in rows]
+            timings[key] = {}
+            for kernel in kernels:
+                packed = _probe_linear(weight, kernel)
+                us = [round(_median_us(lambda: packed(x), repeats), 1) for x in xs]
+                timings[key][kernel] = us
+                total[kernel] += count * sum(us)
+    return min(kernels, key=total.__getitem__), timings
+
+
+def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 15,
+                      kernel: str | None = None) -> tuple[int, dict]:
+    """Time stock ``F.linear`` against the packed kernel ``kernel`` (None: :func:`packed_kernel`) on
+    ``weight`` (out, in) for each row count in ``rows`` (ascending), on this machine, now.
 
     Returns:
         (stock_rows, timings): the largest probed row count up to which stock was faster at every
         probed count (0 if it lost at one row), and ``{rows: [stock_us, packed_us]}`` medians.
     """
     w = weight.detach()
-    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(w, requires_grad=False)  # no copy of W besides the pack
-    packed = PackedLinear(linear)  # stock_rows 0: every call takes the packed kernel
+    packed = _probe_linear(w, kernel)  # stock_rows 0: every call takes the packed kernel
     gen = torch.Generator().manual_seed(0)
     timings, stock_rows, stock_wins = {}, 0, True
     with torch.no_grad():
@@ -212,49 +281,62 @@ def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, 
     return stock_rows, timings
 
 
-def pack_linears(model: nn.Module, choose: bool = False) -> tuple[int, dict]:
-    """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place.
+def pack_linears(model: nn.Module, choose: bool = False, kernel: str | None = None) -> tuple[int, str | None, dict]:
+    """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place. A
+    linear under an accelerate hook (a model placed by a device map) is left alone: the replacement
+    would drop the hook.
 
     A module with a ``base`` linear and a ``lora_a`` (r, in) weight (the frozen-base
     ``space.adapter_layers.GatedLoraLinear``) gets ``lora_a`` packed under W, so the gated update costs
     one small matmul instead of two linears (on SmolLM2, the 210 unfused LoRA updates took ~40 ms
     of a ~130 ms SPACE step on a 2-core CPU). Duck-typed, so this module imports nothing of ours.
 
-    ``choose``: time the two paths once per weight shape (:func:`choose_stock_rows`) and give each
-    packed linear its shape's ``stock_rows``; else every call takes the packed kernel.
+    ``choose``: time the packed kernels on the model's linear shapes and take the faster
+    (:func:`choose_packed_kernel`), then time stock against it once per weight shape
+    (:func:`choose_stock_rows`) and give each packed linear its shape's ``stock_rows``; else the
+    build's default kernel (:func:`packed_kernel`) and every call on it. ``kernel``: this packed
+    kernel (:data:`PACKED_KERNELS`) instead of the timed or default one.
 
     Returns:
-        (how many linears were packed, ``{"out x in": {"stock_rows": n, "us": timings}}`` per
-        shape when ``choose``). 0 packed when the model is not fp32 on CPU or torch has no packed kernel,
-        so callers can pack unconditionally and report the number.
+        (how many linears were packed, the packed kernel, ``{"out x in": {"stock_rows": n, "us":
+        timings, "kernel_us": {kernel: [us at KERNEL_PROBE_ROWS]}}}`` per shape when ``choose``).
+        0 packed (and kernel None) when the model has no fp32 CPU linear or torch has no packed
+        kernel, so callers can pack unconditionally and report the number.
     """
     if not packing_available():
-        return 0, {}
+        return 0, None, {}
 
-    def packable(m: nn.Module | None) -> bool:
-        return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    def packable(m: nn.Module | None) -> bool:  # a hooked one (device map, offload) keeps its hook: left alone
+        return (type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+                and not hasattr(m, "_hf_hook"))
 
+    gated = [m for m in model.modules() if isinstance(getattr(m, "lora_a", None), torch.Tensor)
+             and packable(getattr(m, "base", None))]
+    bases = {id(m.base) for m in gated}  # packed with their A below
+    plain = [(name, m) for name, m in model.named_modules() if packable(m) and id(m) not in bases]
+    linears = [m.base for m in gated] + [m for _, m in plain]
+    if not linears:
+        return 0, None, {}
+    shapes: dict[str, tuple[torch.Tensor, int]] = {}
+    for linear in linears:  # stock_rows and the kernel are timed on W alone (the stacked [W; A] is r rows taller)
+        key = "x".join(map(str, linear.weight.shape))
+        shapes[key] = (linear.weight, shapes.get(key, (None, 0))[1] + 1)
+    kernel, kernel_us = ((kernel, {}) if kernel else choose_packed_kernel(shapes) if choose
+                         else (packed_kernel(), {}))
     choices: dict[str, dict] = {}
+    if choose:
+        for key, (weight, _) in shapes.items():
+            n, timings = choose_stock_rows(weight, kernel=kernel)
+            choices[key] = {"stock_rows": n, "us": timings, **({"kernel_us": kernel_us[key]} if kernel_us else {})}
 
     def stock_rows(linear: nn.Linear) -> int:
-        if not choose:
-            return 0
-        key = "x".join(map(str, linear.weight.shape))
-        if key not in choices:
-            n, timings = choose_stock_rows(linear.weight)
-            choices[key] = {"stock_rows": n, "us": timings}
-        return choices[key]["stock_rows"]
+        return choices["x".join(map(str, linear.weight.shape))]["stock_rows"] if choose else 0
 
-    count = 0
-    for m in model.modules():
-        if isinstance(getattr(m, "lora_a", None), torch.Tensor) and packable(getattr(m, "base", None)):
-            m.base = PackedLinear(m.base, extra=m.lora_a, stock_rows=stock_rows(m.base))
-            count += 1
-    for name, m in list(model.named_modules()):
-        if packable(m):
-            model.set_submodule(name, PackedLinear(m, stock_rows=stock_rows(m)))
-            count += 1
-    return count, choices
+    for m in gated:
+        m.base = PackedLinear(m.base, extra=m.lora_a, stock_rows=stock_rows(m.base), kernel=kernel)
+    for name, m in plain:
+        model.set_submodule(name, PackedLinear(m, stock_rows=stock_rows(m), kernel=kernel))
+    return len(linears), kernel, choices
 
 
 class NativeRMSNorm(nn.Module):
@@ -344,25 +426,28 @@ def register_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)  # the masks sdpa itself would get
 
 
-def optimize_for_cpu(model: nn.Module) -> dict:
+def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
     """Apply the three swaps to an fp32 CPU model in place (no-op on other devices / dtypes).
 
-    The linears take MKL's stock path up to the row count where it is faster on this machine
-    (:func:`choose_stock_rows`, timed here, about a second), the packed kernel above it.
+    The packed kernel is ``kernel``, or by default the faster one on this machine
+    (:func:`choose_packed_kernel`), and the
+    linears take stock ``F.linear`` up to the row count where it is faster than that kernel
+    (:func:`choose_stock_rows`); both timed here, a few seconds for SmolLM2.
 
     Returns:
         what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn",
         "attention": name, "rms_norms": swapped, "stock_rows": {"out x in": {"stock_rows": n, "us":
-        {rows: [stock, packed]}}}}``.
+        {rows: [stock, packed]}, "kernel_us": {kernel: [us]}}}}`` (``"stock_rows"`` holds the
+        timings: a record keeps it apart from the settings).
     """
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
         return {"packed_linears": 0, "attention": model.config._attn_implementation}
-    packed, choices = pack_linears(model, choose=True)
+    packed, kernel, choices = pack_linears(model, choose=True, kernel=kernel)
     if model.config._attn_implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
-    return {"packed_linears": packed, "packed_kernel": packed_kernel(), "attention": model.config._attn_implementation,
+    return {"packed_linears": packed, "packed_kernel": kernel, "attention": model.config._attn_implementation,
             "rms_norms": swap_rms_norms(model), "stock_rows": choices}
 
 

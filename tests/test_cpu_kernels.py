@@ -21,10 +21,9 @@ KERNELS = [k for k in PACKED_KERNELS if has_kernel(k)]  # MKL and oneDNN on x86 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [96, 1536])
 def test_packed_linear_matches_f_linear_and_ignores_row_count(bias, kernel, width):
-    """Each kernel's rows do not depend on how many rows share the call: 1 row, 14, and 300 (a
-    prefill, past MKL's pack of 128 rows). A 1-row call takes another path in both kernels on some
-    shapes (MKL at 96 inputs, oneDNN at 1536, SmolLM2's down_proj), whose rounding differs:
-    PackedLinear pads it to 2 rows."""
+    """Each kernel's rows do not depend on how many rows share the call: 1-6 rows, 14, and 300 (a
+    prefill, past MKL's pack of 128 rows). Some counts take another path in both kernels on some
+    shapes and CPUs, whose rounding differs: PackedLinear pads them (``ROW_MULTIPLE``)."""
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(width, 80, bias=bias)
     extra = torch.randn(16, width, generator=gen)
@@ -38,6 +37,8 @@ def test_packed_linear_matches_f_linear_and_ignores_row_count(bias, kernel, widt
         assert torch.equal(y2, y) and torch.equal(with_extra(x), y)  # the extra rows change no W column
         one_row = torch.cat([plain(x[i, j][None]) for i in range(2) for j in range(7)])
         assert torch.equal(one_row, y.reshape(-1, 80))  # a row's result does not depend on its call's size
+        for n in (2, 3, 4, 5, 6):  # nor in calls of other sizes (MKL on an AVX2 AMD CPU: rows past a multiple of 4)
+            assert torch.equal(plain(x.reshape(-1, width)[:n]), y.reshape(-1, 80)[:n]), n
         prefill = torch.randn(1, 300, width, generator=gen)
         prefill[0, :14] = x.reshape(-1, width)
         assert torch.equal(plain(prefill)[0, :14], one_row)
@@ -106,6 +107,28 @@ def test_packed_gated_lora_shares_its_weights_and_refuses_a_later_load():
         layer.load_state_dict(state)
 
 
+def test_pack_linears_leaves_a_hooked_linear_with_its_hook():
+    """A linear under an accelerate hook (what a device map places) stays itself and keeps calling
+    its hook; a replacement would have dropped the hook. The unhooked one beside it is packed."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from space.cpu_kernels import pack_linears
+
+    calls = []
+
+    class Count(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(module)
+            return args, kwargs
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    hooked = add_hook_to_module(model[1], Count())
+    assert pack_linears(model)[0] == 1
+    assert isinstance(model[0], PackedLinear) and model[1] is hooked and type(hooked) is nn.Linear
+    model(torch.randn(5, 64))
+    assert calls == [hooked]
+
+
 def test_kernels_flag(tiny):
     model, _, _ = tiny
     stock, fast = copy.deepcopy(model), copy.deepcopy(model)
@@ -113,19 +136,25 @@ def test_kernels_flag(tiny):
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())  # stock leaves the model alone
     record = apply_kernels(fast, "fast")
     norms = 2 * model.config.num_hidden_layers + 1
+    chosen = record["packed_kernel"]  # timed on this machine: the build's kernels, or its one
+    assert chosen in PACKED_KERNELS and has_kernel(chosen)
+    assert {m.kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {chosen}
     assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15,
-                                                   "packed_kernel": packed_kernel(), "attention": SDPA_GQA,
+                                                   "packed_kernel": chosen, "attention": SDPA_GQA,
                                                    "rms_norms": norms}
     with pytest.raises(ValueError, match="kernels"):
         apply_kernels(stock, "turbo")
 
 
+@pytest.mark.parametrize("kernel", [k for k in PACKED_KERNELS if has_kernel(k)])
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
-def test_greedy_exact_on_optimized_model(tiny, k):
+def test_greedy_exact_on_optimized_model(tiny, k, kernel):
+    """Greedy SPACE on the fast kernels equals AR on them, with either packed kernel."""
     model, _, spec = tiny
     fast = copy.deepcopy(model)
-    record = optimize_for_cpu(fast)
-    assert record.pop("stock_rows") and record == {"packed_linears": 15, "packed_kernel": packed_kernel(),
+    record = optimize_for_cpu(fast, kernel=kernel)
+    assert {m.kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {kernel}
+    assert record.pop("stock_rows") and record == {"packed_linears": 15, "packed_kernel": kernel,
                                                    "attention": SDPA_GQA,
                                                    "rms_norms": 2 * model.config.num_hidden_layers + 1}
     gen = torch.Generator().manual_seed(k)
@@ -262,9 +291,35 @@ def test_choose_stock_rows_is_recorded(tiny):
     record = apply_kernels(fast, "fast")
     shapes = {"x".join(map(str, m.weight.shape)) for m in fast.modules() if isinstance(m, PackedLinear)}
     assert set(record["stock_rows"]) == shapes  # one timed choice per weight shape, in the run record
+    if all(has_kernel(k) for k in PACKED_KERNELS):  # and the kernels' times it chose the packed kernel by
+        assert all(set(e["kernel_us"]) == set(PACKED_KERNELS) for e in record["stock_rows"].values())
     for m in fast.modules():
         if isinstance(m, PackedLinear):
             assert m.stock_rows == record["stock_rows"]["x".join(map(str, m.weight.shape))]["stock_rows"]
+
+
+@pytest.mark.skipif(not all(has_kernel(k) for k in PACKED_KERNELS), reason="needs both packed kernels")
+def test_choose_packed_kernel_weighs_each_shape_by_its_count(monkeypatch):
+    """The kernel with the least total time over the model's linears wins, each shape counted as
+    often as the model has it: here MKL is faster on the one big shape, oneDNN on the shape the
+    model holds 30 of, so oneDNN wins by count (an unweighted sum would pick MKL). Times are
+    stubbed per (kernel, shape, rows); the real timing is covered by test_kernels_flag."""
+    import space.cpu_kernels as kernels
+
+    us = {("mkl", 128): 10.0, ("onednn", 128): 60.0, ("mkl", 32): 4.0, ("onednn", 32): 1.0}
+
+    def probe(weight, kernel=None):  # a "linear" whose call returns its stubbed time in us
+        return lambda x: us[kernel, weight.shape[0]] * x.shape[0]
+
+    monkeypatch.setattr(kernels, "_probe_linear", probe)
+    monkeypatch.setattr(kernels, "_median_us", lambda fn, repeats: fn())
+    shapes = {"128x64": (torch.zeros(128, 64), 1), "32x64": (torch.zeros(32, 64), 30)}
+    kernel, timings = kernels.choose_packed_kernel(shapes, rows=(4, 16))
+    assert timings == {"128x64": {"mkl": [40.0, 160.0], "onednn": [240.0, 960.0]},
+                       "32x64": {"mkl": [16.0, 64.0], "onednn": [4.0, 16.0]}}
+    assert kernel == "onednn"  # mkl 200 + 30 x 80 = 2600 us, onednn 1200 + 30 x 20 = 1800 (unweighted: 280, 1220)
+    shapes["32x64"] = (shapes["32x64"][0], 1)
+    assert kernels.choose_packed_kernel(shapes, rows=(4, 16))[0] == "mkl"  # one of each: mkl 280, onednn 1220
 
 
 def test_gated_lora_without_mask_rows_is_the_base_alone():
