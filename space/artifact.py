@@ -253,18 +253,21 @@ def sampler_width(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> int | N
     return width
 
 
-def setup_key(entry: dict) -> tuple[int, str, str, bool]:
-    """What tells two step-cost setups apart: (threads, kernels, device type, captured steps). An
-    entry written before issue 58 names no device or capture: it was measured eagerly on a CPU."""
-    return entry["threads"], entry["kernels"], entry.get("device", "cpu"), bool(entry.get("capture", False))
+def setup_key(entry: dict) -> tuple[int, str, str, bool, str]:
+    """What tells two step-cost setups apart: (threads, kernels, device type, captured steps, packed
+    kernel). An entry written before issue 58 names no device or capture: it was measured eagerly on
+    a CPU. The packed kernel ("" when none is named) is the fast kernels' timed choice, which
+    follows the CPU (MKL on an AVX-512 Intel CPU, oneDNN on an AVX2 AMD one): curves of two CPUs
+    are kept side by side."""
+    return (entry["threads"], entry["kernels"], entry.get("device", "cpu"), bool(entry.get("capture", False)),
+            entry.get("packed_kernel") or "")
 
 
 def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> list[dict]:
     """The step-cost curves of an adapter's ``space_config.json`` (``"step_costs"``: one
     ``{"threads", "kernels", "device", "capture", "step_cost", "adapter_cost"}`` per setup
-    (:func:`setup_key`), plus ``"trunk"`` and the fast kernels' ``"packed_kernel"`` where
-    recorded (informational: not part of the setup key); written by ``space-tree --write-adapter
-    --dynamic`` (issue 44). [] when it has none.
+    (:func:`setup_key`, with the fast kernels' ``"packed_kernel"`` where recorded), plus
+    ``"trunk"``; written by ``space-tree --write-adapter --dynamic`` (issue 44). [] when it has none.
 
     Raises:
         ValueError: ``step_costs`` is not such a list (``where`` names the file).
@@ -285,17 +288,18 @@ def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> lis
 
 def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str,
                      where: os.PathLike | str = SPACE_CONFIG, device: str = "cpu",
-                     capture: bool = False) -> tuple[DecodeConfig, dict | None]:
+                     capture: bool = False, packed_kernel: str | None = None) -> tuple[DecodeConfig, dict | None]:
     """A dynamic tree priced by the step-cost curve the adapter stores for ``threads`` CPU threads,
     ``kernels``, the ``device`` type and ``capture`` (captured steps, ``space.decoding.graphs``;
     :func:`stored_step_costs`): a curve measured at 1 thread prices rows wrong at 2 (issue 44), and
     a CPU's prices a GPU's launch-bound steps wrong (issue 58). Apply it after any layout flags, so
     ``--tree dynamic`` over a static stored layout is priced too.
 
-    Which curve: the one of this setup (off a CPU, whatever its threads: a GPU's steps barely
-    depend on the host's); else the one of the same kernels, device and capture at the nearest
-    thread count (the decode entry's own may be another device's, the last ``space-tree`` wrote);
-    else the decode entry's own.
+    Which curve: among those of the same kernels, device and capture, the ones of the run's
+    ``packed_kernel`` (the fast kernels' choice on this CPU) if any; of those, the one of this
+    thread count (off a CPU, whatever its threads: a GPU's steps barely depend on the host's), else
+    the nearest; with none of the same kernels, device and capture, the decode entry's own (which
+    may be another device's, the last ``space-tree`` wrote).
 
     Returns:
         (the layout, the setup its curve was measured with: the stored curve's when one applied,
@@ -307,7 +311,8 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     """
     if decode.tree != "dynamic":
         return decode, None
-    alike = [e for e in stored_step_costs(cfg, where) if setup_key(e)[1:] == (kernels, device, capture)]
+    alike = [e for e in stored_step_costs(cfg, where) if setup_key(e)[1:4] == (kernels, device, capture)]
+    alike = [e for e in alike if e.get("packed_kernel") == packed_kernel] or alike
     entry = next((e for e in alike if device != "cpu" or e["threads"] == threads),
                  min(alike, key=lambda e: abs(e["threads"] - threads), default=None))
     if entry is None:
@@ -326,10 +331,10 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
-                          kernels: str | None = None, device: str = "cpu") -> DecodeConfig:
+                          kernels: str | None = None, device: str = "cpu", packed_kernel: str | None = None) -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
     trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, a dynamic tree priced
-    by the curve stored for that setup on the ``device`` type, eager steps
+    by the curve stored for that setup on the ``device`` type and ``packed_kernel``, eager steps
     (:func:`priced_for_setup`), else by the entry's own.
 
     Raises:
@@ -339,7 +344,7 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
         decode = DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{where}: bad decode settings: {e}") from None
-    return priced_for_setup(decode, cfg, threads, kernels, where, device)[0] if threads else decode
+    return priced_for_setup(decode, cfg, threads, kernels, where, device, packed_kernel=packed_kernel)[0] if threads else decode
 
 
 def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:

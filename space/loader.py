@@ -64,8 +64,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
     returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``;
     a dynamic tree is priced by the step-cost curve the adapter stores for ``kernels``,
-    ``torch.get_num_threads()`` at load and the device type (``space.artifact.priced_for_setup``),
-    else by its own.
+    ``torch.get_num_threads()`` at load, the device type and the packed kernel the fast kernels
+    chose (``space.artifact.priced_for_setup``), else by its own.
 
     Returns:
         (model, tokenizer, MaskSpec): a plain HF model in every case. A lora adapter is merged
@@ -127,11 +127,12 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         load_sampler_head(add_sampler_head(base, head_width).eval().requires_grad_(False), adapter / SAMPLER_HEAD)
     if device_map is not None:  # the new modules (embedding, gated layers, sampler head) have no hooks yet
         dispatch(base, base.hf_device_map)
+    _trunk(base.eval(), compile, device_map)
+    applied = apply_kernels(base, kernels)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     on = next(base.parameters()).device.type  # a CPU's curve prices a GPU's steps wrong
-    base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels, on).to_dict()
-    _trunk(base.eval(), compile, device_map)
-    apply_kernels(base, kernels)
+    base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels, on,
+                                                     applied.get("packed_kernel")).to_dict()
     return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
 
 

@@ -182,10 +182,13 @@ def make_out(out: Path) -> Path:
 
 
 def machine(device: str) -> str:
-    """The machine record: CPU architecture and cores, plus the GPU's name on CUDA."""
+    """The machine record: CPU architecture, cores and model (the fast kernels' choice and every CPU
+    timing depend on it), plus the GPU's name on CUDA."""
     import torch
 
-    desc = f"{platform.machine()} {os.cpu_count()} cores"
+    from ..cpu_kernels import cpu_model
+
+    desc = f"{platform.machine()} {os.cpu_count()} cores, {cpu_model()}"
     if torch.device(device).type == "cuda":
         desc += f", {torch.cuda.get_device_name(torch.device(device))}"
     return desc
@@ -278,7 +281,9 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         raise ValueError(f"--model {args.model} / --adapter {args.adapter}: a config file is not UTF-8 text "
                          f"({e.reason} at byte {e.start})") from None
     kernels = apply_kernels(model, args.kernels)  # --compile takes stock kernels: nothing to pack under the graph
-    kernel_paths = kernels.pop("stock_rows", None)  # timed on this machine: recorded, not a resume key
+    # timed on this machine (the faster packed kernel, stock F.linear's rows per shape): recorded, not
+    # resume keys. Either only moves fp32 rounding, and a near-tie may time the other way on a resume.
+    packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)
     compiled = args.compile == "default" or args.compile or False  # True: inductor's default, as older runs recorded
     # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a
     # dynamic tree priced by the curve the adapter stores for this run's threads and kernels
@@ -289,7 +294,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
                             tree=tree_flag(args.tree, args.mask_num))
     on = next(model.parameters()).device.type
-    decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture)
+    decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
+                                     packed_kernel)
     graphs = capture = pld = None
     if args.capture:  # one graph per row bucket (on a GPU), ready before the first question
         from ..decoding.graphs import StepGraphs
@@ -308,7 +314,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
 
     trunk = trunk_of(model)
     mismatch = (step_cost_mismatch(setup, threads, args.kernels, compiled, trunk, on, args.capture,
-                                   kernels.get("packed_kernel"))
+                                   packed_kernel)
                 if decode.tree == "dynamic" else None)
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
@@ -331,7 +337,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),
             "device_flag": getattr(args, "device_requested", args.device), "device_map": args.device_map,
-            "ranks": 1, "threads": threads, "kernels": kernels, "kernel_paths": kernel_paths,
+            "ranks": 1, "threads": threads, "kernels": kernels, "packed_kernel": packed_kernel,
+            "kernel_paths": kernel_paths,
             "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
             "capture": capture and capture["slots"], "capture_ready": capture,  # captured steps (issue 58)
             "trunk": getattr(model, "space_trunk", None),  # fused groups and attention (space.decoding.fused)

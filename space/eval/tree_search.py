@@ -312,9 +312,10 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     ``space-eval`` can warn when a run's setup differs (issue 44); else any old one is dropped.
 
     A dynamic layout's curve and adapter cost are also kept in ``"step_costs"``, one entry per
-    setup (threads, kernels, device type, captured steps: ``artifact.setup_key``), replacing only
-    the entry of the same setup: a curve written at 2 threads leaves the 1-thread one, and ``load_space`` / ``space-eval`` price rows by the entry of their
-    own setup (``artifact.priced_for_setup``).
+    setup (threads, kernels, device type, captured steps, packed kernel: ``artifact.setup_key``),
+    replacing only the entry of the same setup: a curve written at 2 threads leaves the 1-thread
+    one, one measured on oneDNN leaves MKL's, and ``load_space`` / ``space-eval`` price rows by the
+    entry of their own setup (``artifact.priced_for_setup``).
 
     Raises:
         ValueError: the file's ``step_costs`` is malformed (``artifact.stored_step_costs``).
@@ -348,9 +349,9 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
     predates the fused trunk, ``space.decoding.fused``, whose steps cost less; a CPU's steps are
     compute-bound where a GPU's are launch-bound, and a replayed graph's are not). ``trunk``: the
     run's, ``"fused"`` or ``"unfused"`` (:func:`trunk_of`). ``packed_kernel``: the run's fast
-    CPU kernel (``cpu_kernels.packed_kernel``: a 16-row step costs 1.65x a 1-row one on MKL's,
-    1.88x on oneDNN's), compared when both it and the curve name one. None when they agree or
-    nothing was recorded."""
+    CPU kernel, timed on its CPU (``cpu_kernels.choose_packed_kernel``; on an AVX-512 Intel CPU a
+    16-row step cost 1.65x a 1-row one on MKL's, 1.88x on oneDNN's), compared when both it and the
+    curve name one. None when they agree or nothing was recorded."""
     if not setup:
         return None
     # space-tree's curves are eager; one recorded before issue 58 was measured on a CPU

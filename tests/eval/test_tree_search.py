@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from space.cpu_kernels import packed_kernel
+from space.cpu_kernels import PACKED_KERNELS, packed_kernel
 from space.decoding.config import DecodeConfig
 from space.decoding.dynamic import StepCost
 from space.decoding.tree import replay
@@ -178,6 +178,20 @@ def test_curves_name_their_packed_kernel(tmp_path):
                               packed_kernel="mkl") is None  # the curve names none
     with pytest.raises(ValueError, match="packed_kernel"):
         stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "packed_kernel": 1}]})
+    # the kernel follows the CPU: MKL's curve (another machine's) is kept beside oneDNN's, and each
+    # run is priced by its own kernel's curve, whichever was written last
+    mkl = {**setup, "packed_kernel": "mkl"}
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.040, 16: 0.066}, setup=mkl)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert sorted(e["packed_kernel"] for e in cfg["step_costs"]) == ["mkl", "onednn"]
+    for kernel, curve in (("onednn", ((1, 50.0), (16, 94.0))), ("mkl", ((1, 40.0), (16, 66.0)))):
+        layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast", packed_kernel=kernel)
+        assert layout.step_cost == curve and priced["packed_kernel"] == kernel
+    layout, _ = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast", packed_kernel="other")
+    assert layout.step_cost in (((1, 50.0), (16, 94.0)), ((1, 40.0), (16, 66.0)))  # none of its own: one of them
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.030, 16: 0.060}, setup=mkl)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert [e["step_cost"][0][1] for e in cfg["step_costs"]] == [30.0, 50.0]  # the same setup's curve replaced
 
 
 def test_load_ranks_by_source(tmp_path):
@@ -295,19 +309,24 @@ def test_one_stored_curve_per_threads_and_kernels(tmp_path):
 def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
     """space-eval on the shipped adapter with curves stored for 1 and 2 threads and the fast kernels:
     the run at 1 thread decodes with (and records) the 1-thread curve, and does not warn about a
-    mismatch (load_space itself loads with the stock kernels, so the eval must choose the curve)."""
+    mismatch (load_space itself loads with the stock kernels, so the eval must choose the curve).
+    The curves are stored for each packed kernel (the run times its own), over the shipped ones."""
     from space.eval.__main__ import main as eval_main
 
     adapter = tmp_path / "adapter"
     shutil.copytree(SHIPPED, adapter)
     decode = json.loads((adapter / "space_config.json").read_text())["decode"]
-    for threads, curve in ((1, {1: 0.05, 32: 0.15}), (2, {1: 0.04, 32: 0.09})):
-        write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup={"threads": threads, "kernels": "fast", "trunk": "fused"})
+    for kernel in PACKED_KERNELS if packed_kernel() else (None,):
+        for threads, curve in ((1, {1: 0.05, 32: 0.15}), (2, {1: 0.04, 32: 0.09})):
+            setup = {"threads": threads, "kernels": "fast", "trunk": "fused", **({"packed_kernel": kernel} if kernel else {})}
+            write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup=setup)
     eval_main(["--adapter", str(adapter), "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "8",
                "--methods", "space", "--threads", "1", "--out", str(tmp_path / "run")])
     meta = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert meta["step_cost"] == [[1, 50.0], [32, 150.0]] and meta["adapter_cost"] == 5.0
-    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused"}
+    kernel = meta["packed_kernel"]  # the run's timed choice, recorded beside the settings
+    assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused",
+                                       **({"packed_kernel": kernel} if kernel else {})}
     assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
 
 
@@ -334,12 +353,15 @@ def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     assert "dynamic tree" in capsys.readouterr().out
     # issue 58: the curve of captured steps (here their buffers, run eagerly) is stored beside the eager one
     main([*args, "--dynamic", "--capture"])
-    entries = json.loads((adapter / "space_config.json").read_text())["step_costs"]
-    mine = [e for e in entries if e["threads"] == 1 and e["kernels"] == "fast"]
+    cfg = json.loads((adapter / "space_config.json").read_text())
+    # each names the kernel its packed linears ran, timed on this CPU (None, no key: this torch has no
+    # packed kernel); the shipped curves of another CPU's kernel stay beside them
+    kernel = cfg["step_cost_setup"].get("packed_kernel")
+    assert kernel in (PACKED_KERNELS if packed_kernel() else (None,))
+    mine = [e for e in cfg["step_costs"] if e["threads"] == 1 and e["kernels"] == "fast"
+            and e.get("packed_kernel") == kernel]
     assert [(e["device"], e["capture"]) for e in mine] == [("cpu", False), ("cpu", True)]
     assert mine[1]["adapter_cost"] >= 0  # the gated graph against the plain one
-    # each names the kernel its packed linears ran (None, no key: this torch has no packed kernel)
-    assert [e.get("packed_kernel") for e in mine] == [packed_kernel()] * 2
     assert "[space-tree] captured 0 step graphs" in capsys.readouterr().out
     report = main(args)
     assert report["current"] is None and report["dynamic"] is None
