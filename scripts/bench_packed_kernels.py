@@ -80,7 +80,6 @@ def main(argv=None) -> dict:
         print(f"{k:7s} " + "  ".join(f"{q} rows {ms[k][q]:7.2f} ms" for q in rows))
     print(f"the fast kernels chose {chosen['packed_kernel']} here ({record['cpu']})")
     if args.out:  # made by the command, whole or not at all
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(args.out), json.dumps(record, indent=1) + "\n")
     return record
 

@@ -99,7 +99,6 @@ def main(argv=None) -> dict:
     for s in SETUPS:
         print(f"{s:15s} 1 row {ms[s][1]:7.2f} ms, {q} rows {ms[s][q]:7.2f} ms, ratio {record['ratio'][s]:.3f}")
     if args.out:  # made by the command, whole or not at all
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(args.out), json.dumps(record, indent=1) + "\n")
     return record
 

@@ -227,8 +227,9 @@ def choose_packed_kernel(weights: dict[str, tuple[torch.Tensor, int]], rows: tup
 
     Which kernel is faster depends on the CPU, not on the build: on the AVX-512 Intel machine of
     issue 58 MKL's packed GEMM took 0.75-0.88x oneDNN's time at 2-32 rows, while on an AVX2 AMD EPYC
-    (2 threads) oneDNN took about half of MKL's time from 2 rows up, and the shipped adapter's
-    16-row step cost 157 ms with oneDNN against 227 with MKL (1-row steps 95 against 111).
+    (2 threads) oneDNN's took about half of MKL's time on most shapes from 2 rows up, and the
+    shipped adapter's 16-row step cost 210 ms with oneDNN against 298 with MKL, its 1-row step the
+    same (``results/packed_kernels_cpu``).
 
     Args:
         weights: ``{"out x in": (a weight of that shape, how many linears of the model have it)}``.

@@ -52,7 +52,8 @@ def append_jsonl(path: Path, rows: list[dict]) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` as the whole file, atomically (a temporary file renamed over ``path``), so an
-    interrupted run leaves the old file or the new one, never half of one."""
+    interrupted run leaves the old file or the new one, never half of one. Creates the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
