@@ -436,7 +436,7 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
     (:func:`choose_stock_rows`); both timed here, a few seconds for SmolLM2.
 
     Returns:
-        what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn",
+        what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn" | None,
         "attention": name, "rms_norms": swapped, "stock_rows": {"out x in": {"stock_rows": n, "us":
         {rows: [stock, packed]}, "kernel_us": {kernel: [us]}}}}`` (``"stock_rows"`` holds the
         timings: a record keeps it apart from the settings).
@@ -452,9 +452,9 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
             "rms_norms": swap_rms_norms(model), "stock_rows": choices}
 
 
-def apply_kernels(model: nn.Module, choice: str) -> dict:
-    """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`,
-    ``stock`` keeps transformers' own kernels. Returns the run-record entry
+def apply_kernels(model: nn.Module, choice: str, kernel: str | None = None) -> dict:
+    """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`
+    (with the packed ``kernel``, None: timed), ``stock`` keeps transformers' own kernels. Returns the run-record entry
     ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"packed_kernel"``,
     ``"rms_norms"`` (norms swapped) and ``"stock_rows"`` (the timed path per weight shape,
     :func:`optimize_for_cpu`) for ``fast`` on an fp32 CPU model.
@@ -464,6 +464,6 @@ def apply_kernels(model: nn.Module, choice: str) -> dict:
     """
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
-    done = (optimize_for_cpu(model) if choice == "fast"
+    done = (optimize_for_cpu(model, kernel) if choice == "fast"
             else {"packed_linears": 0, "attention": model.config._attn_implementation})
     return {"choice": choice, **done}

@@ -46,6 +46,29 @@ def test_packed_linear_matches_f_linear_and_ignores_row_count(bias, kernel, widt
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
 
 
+@pytest.mark.skipif(not has_kernel("mkl"), reason="no MKL kernel in this build")
+def test_mkl_calls_are_padded_to_a_multiple_of_4_rows(monkeypatch):
+    """What MKL's kernel is handed: at least 2 rows and a multiple of 4 (``ROW_MULTIPLE``), the
+    padding zeros dropped from the result. On an Intel CPU the unpadded counts round alike, so
+    the row-count test above cannot see a lost padding there; this one can."""
+    from space.cpu_kernels import ROW_MULTIPLE
+
+    real, seen = torch.ops.mkl._mkl_linear, []
+
+    def spy(rows, *args):
+        seen.append(rows.shape[0])
+        return real(rows, *args)
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", spy)
+    lin = nn.Linear(32, 24)
+    packed = PackedLinear(lin, kernel="mkl")
+    x = torch.randn(13, 32)
+    with torch.no_grad():
+        for n in range(1, 14):
+            assert torch.allclose(packed(x[:n]), lin(x[:n]), atol=1e-5)
+    assert ROW_MULTIPLE["mkl"] == 4 and seen == [max(2, -(-n // 4) * 4) for n in range(1, 14)]
+
+
 def test_packed_linear_refuses_a_kernel_it_lacks(monkeypatch):
     import space.cpu_kernels as kernels
 

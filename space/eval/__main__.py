@@ -194,6 +194,17 @@ def machine(device: str) -> str:
     return desc
 
 
+def recorded_packed_kernel(out: Path, shard: Shard | None) -> str | None:
+    """The packed CPU kernel the samples in ``out`` were made with (their run record's
+    ``"packed_kernel"``), or None: no record, none named, or a damaged one (check_resume refuses it)."""
+    path = out / (shard.config if shard else "run_config.json")
+    try:
+        record = read_record(path) if path.is_file() else {}
+    except ValueError:
+        return None
+    return record.get("packed_kernel") if isinstance(record, dict) else None
+
+
 def placed_on(model) -> list[str]:
     """The devices a device-mapped model's modules run on, in map order ("cuda:0", "cpu")."""
     return list(dict.fromkeys(f"cuda:{d}" if isinstance(d, int) else str(d) for d in model.hf_device_map.values()))
@@ -280,9 +291,12 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     except UnicodeDecodeError as e:  # a config file of the model or adapter holds other bytes
         raise ValueError(f"--model {args.model} / --adapter {args.adapter}: a config file is not UTF-8 text "
                          f"({e.reason} at byte {e.start})") from None
-    kernels = apply_kernels(model, args.kernels)  # --compile takes stock kernels: nothing to pack under the graph
+    # --compile takes stock kernels: nothing to pack under the graph. A resumed run packs for the kernel
+    # its samples were made with: the timed choice could go the other way on a near-tie, and the kernel
+    # picks the step-cost curve (a resume key)
+    kernels = apply_kernels(model, args.kernels, kernel=recorded_packed_kernel(out, shard))
     # timed on this machine (the faster packed kernel, stock F.linear's rows per shape): recorded, not
-    # resume keys. Either only moves fp32 rounding, and a near-tie may time the other way on a resume.
+    # resume keys (the kernel is pinned above)
     packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)
     compiled = args.compile == "default" or args.compile or False  # True: inductor's default, as older runs recorded
     # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a

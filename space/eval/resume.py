@@ -242,6 +242,8 @@ def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
     meta["commits"] = list(dict.fromkeys(c for m in metas for c in m.get("commits", [])))
     for key in ("device", "machine"):
         meta[key] = "; ".join(dict.fromkeys(str(m.get(key)) for m in metas))
+    # each rank's packed CPU kernel, timed on its machine (None: none packed on any)
+    meta["packed_kernel"] = "; ".join(dict.fromkeys(m["packed_kernel"] for m in metas if m.get("packed_kernel"))) or None
     return records + _beyond_ranks(out, records, meta, keys), meta
 
 

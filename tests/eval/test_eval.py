@@ -72,6 +72,23 @@ def test_resume_skips_finished_samples(tmp_path):
     assert (tmp_path / "samples.jsonl").read_text().split("\n")[:-1] == lines
 
 
+def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
+    """The fast kernels' timed choice of packed kernel can go the other way on a resume (a near-tie),
+    and the kernel picks the step-cost curve, a resume key: a resumed run packs for the kernel its
+    samples were made with, a new run times its own (here the timing is stubbed)."""
+    import space.cpu_kernels as kernels
+
+    if not all(kernels.has_kernel(k) for k in kernels.PACKED_KERNELS):
+        pytest.skip("needs both packed kernels")
+    monkeypatch.setattr(kernels, "choose_packed_kernel", lambda shapes: ("mkl", {}))
+    run(tmp_path, "--methods", "ar,space", "--limit", "1")
+    monkeypatch.setattr(kernels, "choose_packed_kernel", lambda shapes: ("onednn", {}))
+    run(tmp_path, "--methods", "ar,space", "--limit", "2")
+    assert json.loads((tmp_path / "run_config.json").read_text())["packed_kernel"] == "mkl"
+    run(tmp_path / "new", "--methods", "ar,space", "--limit", "1")
+    assert json.loads((tmp_path / "new" / "run_config.json").read_text())["packed_kernel"] == "onednn"
+
+
 def test_mt_bench_two_turns(tmp_path):
     s = eval_main(["--model", "tiny-random-llama", "--dataset", "mt-bench", "--limit", "2", "--max-new-tokens", "6",
                    "--methods", "ar,space", "--threads", "1", "--out", str(tmp_path)])
