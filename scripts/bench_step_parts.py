@@ -5,6 +5,9 @@ Times the shipped adapter's 1-row and ``--rows``-row forwards as ``space-tree`` 
 rows from row 1), with the fast kernels ``space-eval`` runs (``--kernels fast``), in four setups:
 
 * ``full``: as a decode step runs;
+* ``one-call update``: as a decode step runs, but each fused group's LoRA update as one ``addmm_``
+  over its block-diagonal B (``blockwise`` off: what a GPU step runs), not one per nonzero block
+  (``space.cpu_kernels.blockwise_lora``);
 * ``no LoRA update``: the same rows with no mask row (``mask_rows`` at the block's end), so the
   frozen-base LoRA's ``addmm_`` of B on the mask rows is skipped; the packed GEMM still computes
   ``x A^T`` as long as ``--rows`` is above every linear's ``stock_rows`` (its few-row path reads W
@@ -18,7 +21,7 @@ The last three compute wrong values: they exist only to price a part. The setups
 every row count in alternating order (``time_steps``, 5 repeats after a warm-up); the medians of
 the turns' medians are reported, with each setup's ratio of the many-row to the 1-row step. A
 1-row step has no mask row, so ``full`` and ``no LoRA update`` share one 1-row time, as do the two
-setups without attention.
+setups without attention (``one-call update`` times its own, in the same turn).
 ``results/step_parts_cpu`` holds a run on this machine (its README says what it shows)::
 
     python scripts/bench_step_parts.py --out results/step_parts_cpu/smollm2.json
@@ -39,14 +42,14 @@ import torch  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
 
-from space.cpu_kernels import apply_kernels  # noqa: E402
+from space.cpu_kernels import apply_kernels, cpu_model  # noqa: E402
 from space.eval.tree_search import time_steps  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
 from space.loader import load_space  # noqa: E402
 
 ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
 NO_ATTENTION = "space_bench_no_attention"
-SETUPS = ("full", "no LoRA update", "no attention", "neither")
+SETUPS = ("full", "one-call update", "no LoRA update", "no attention", "neither")
 
 
 def no_attention(module, query, key, value, attention_mask, *args, **kwargs):
@@ -70,6 +73,10 @@ def main(argv=None) -> dict:
     if q <= max(stock, 1):
         p.error(f"--rows {q}: must be above 1 and above every linear's stock_rows ({stock} here), or the "
                 "'no LoRA update' setup would also skip x A^T")
+    blockwise = [m for m in model.modules() if getattr(m, "blockwise", False)]
+    if not blockwise:
+        p.error("no fused LoRA update runs block by block here (space.cpu_kernels.blockwise_lora): "
+                "the 'one-call update' setup would time the same step twice")
     attention = model.config._attn_implementation
     AttentionInterface.register(NO_ATTENTION, no_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NO_ATTENTION, sdpa_mask)
@@ -84,6 +91,16 @@ def main(argv=None) -> dict:
                     turns[setup][1].append(timed[1, False])
                 turns[full][q].append(timed[q, True])
                 turns[bare][q].append(timed[q, False])
+                if attend:
+                    for m in blockwise:
+                        m.blockwise = False
+                    try:
+                        timed = time_steps(model, [(1, False), (q, True)], args.cache, repeats=5)
+                    finally:
+                        for m in blockwise:
+                            m.blockwise = True
+                    turns["one-call update"][1].append(timed[1, False])
+                    turns["one-call update"][q].append(timed[q, True])
     finally:  # the model attends again, whatever stopped the loop
         model.set_attn_implementation(attention)
     ms = {s: {n: round(statistics.median(t) * 1e3, 2) for n, t in by_rows.items()} for s, by_rows in turns.items()}
@@ -92,12 +109,13 @@ def main(argv=None) -> dict:
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                  text=True).stdout.strip(),
         "torch": torch.__version__, "threads": args.threads, "rows": q, "cache": args.cache, "rounds": args.rounds,
+        "cpu": cpu_model(),
         "kernels": {k: v for k, v in kernels.items() if k != "stock_rows"}, "max_stock_rows": stock,
         "step_ms": {s: {str(n): v for n, v in by_rows.items()} for s, by_rows in ms.items()},
         "ratio": {s: round(by_rows[q] / by_rows[1], 3) for s, by_rows in ms.items()},
     }
     for s in SETUPS:
-        print(f"{s:15s} 1 row {ms[s][1]:7.2f} ms, {q} rows {ms[s][q]:7.2f} ms, ratio {record['ratio'][s]:.3f}")
+        print(f"{s:16s} 1 row {ms[s][1]:7.2f} ms, {q} rows {ms[s][q]:7.2f} ms, ratio {record['ratio'][s]:.3f}")
     if args.out:  # made by the command, whole or not at all
         write_text_atomic(Path(args.out), json.dumps(record, indent=1) + "\n")
     return record

@@ -85,6 +85,11 @@ class GatedLoraLinear(nn.Module):
         base: the frozen ``nn.Linear`` (in -> out), or a ``space.cpu_kernels.PackedLinear`` that
             packs ``lora_a`` under W (``extra_out`` > 0: one kernel call gives ``W x`` and ``A x``).
         lora_a: (r, in); lora_b: (out, r), already multiplied by the LoRA scaling.
+        blocks: B^T's nonzero blocks, ``(rank start, rank end, out start, out end)`` each, when B is
+            block-diagonal (a fused group's, ``space.decoding.fused``); None: B^T is one block.
+
+    ``blockwise`` (off at construction; ``space.cpu_kernels`` turns it on for a CPU model) makes a
+    decode step's update one ``addmm_`` per block of ``blocks``, never reading B's zero blocks.
 
     ``forward(x (batch, seq, in)) -> (batch, seq, out)``. Mask rows are rows
     ``space.masking.mask_rows_start()`` on (the layout puts mask groups last); the update runs on
@@ -107,9 +112,11 @@ class GatedLoraLinear(nn.Module):
     dtype or device move (``.to``) keeps the base's weight a view of the packed tensor.
     """
 
-    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor):
+    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 blocks: tuple[tuple[int, int, int, int], ...] | None = None):
         super().__init__()
         self.base = base
+        self.blocks, self.blockwise = blocks, False
         with torch.no_grad():
             packed = torch.cat([base.weight.detach(), lora_a.detach().to(base.weight)])
             if type(base) is nn.Linear:  # the base keeps its weight as the packed tensor's first rows
@@ -153,6 +160,9 @@ class GatedLoraLinear(nn.Module):
             y, xa = both[..., :out], both[..., out:]
         if gate is not None:  # a decode step's every row times the gate: one graph for every first mask row
             y[0].addmm_(xa[0] * gate, self.lora_bt)
+        elif self.blockwise and x.shape[0] == 1:  # a decode step, one in-place gemm per nonzero block of B
+            for r0, r1, c0, c1 in self.blocks:
+                y[0, s:, c0:c1].addmm_(xa[0, s:, r0:r1], self.lora_bt[r0:r1, c0:c1])
         elif x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
             y[0, s:].addmm_(xa[0, s:], self.lora_bt)
         else:

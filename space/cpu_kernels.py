@@ -1,6 +1,6 @@
 """CPU inference kernels that make a many-row SPACE step cost little more than a one-row AR step.
 
-Three swaps, all through public hooks of torch / transformers, all applied by :func:`optimize_for_cpu`
+Four changes, all through public hooks of torch / transformers, all applied by :func:`optimize_for_cpu`
 to every method of a benchmark alike (so a measured speedup is the decoding method's, not a kernel's):
 
 1. **Prepacked linears** (:class:`PackedLinear`). A SPACE step feeds 5-32 query rows through
@@ -34,6 +34,15 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
    eight tensor ops from Python per call, 61 calls a step in SmolLM2;
    ``torch.nn.functional.rms_norm`` runs the same ops in the same order inside ATen, so in fp32
    its result is the same bit for bit. A norm is swapped only when a probe input gives that.
+4. **A fused LoRA update block by block** (:func:`blockwise_lora`). A fused q/k/v or gate/up
+   linear's B is block-diagonal (``space.decoding.fused``): one ``addmm_`` over it, as a GPU step
+   wants (one launch), reads its zero blocks too, half to two thirds of the bytes. A CPU step
+   reads every B cold, after the GEMMs have streamed the weights through the caches, and there
+   the small update GEMMs cost about their memory reads: on the AVX2 AMD EPYC of issue 58
+   (2 threads) the shipped adapter's 120 updates took about 26 ms of a 16-row step as 4 calls a
+   layer and about 13 as 7 calls a layer, one per member's block (the whole step about 13 ms
+   less, 14 rounds in turns; ``results/step_parts_cpu``). Only the mask rows' drafts change, at
+   fp32 rounding; the real rows, which decide the output, have no LoRA term.
 
 Inference only: packed weights take no gradient.
 """
@@ -427,8 +436,19 @@ def register_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)  # the masks sdpa itself would get
 
 
+def blockwise_lora(model: nn.Module) -> int:
+    """Turn on ``blockwise`` in every module of ``model`` that has B^T ``blocks`` (a fused
+    ``space.adapter_layers.GatedLoraLinear``; duck-typed): its decode-step update then runs one
+    ``addmm_`` per nonzero block instead of one over the block-diagonal B (module docstring, item
+    4). Returns how many modules were switched."""
+    fused = [m for m in model.modules() if getattr(m, "blocks", None) and hasattr(m, "blockwise")]
+    for m in fused:
+        m.blockwise = True
+    return len(fused)
+
+
 def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
-    """Apply the three swaps to an fp32 CPU model in place (no-op on other devices / dtypes).
+    """Apply the four changes to an fp32 CPU model in place (no-op on other devices / dtypes).
 
     The packed kernel is ``kernel``, or by default the faster one on this machine
     (:func:`choose_packed_kernel`), and the
@@ -437,7 +457,7 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
 
     Returns:
         what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn" | None,
-        "attention": name, "rms_norms": swapped, "stock_rows": {"out x in": {"stock_rows": n, "us":
+        "attention": name, "rms_norms": swapped, "blockwise_lora": n, "stock_rows": {"out x in": {"stock_rows": n, "us":
         {rows: [stock, packed]}, "kernel_us": {kernel: [us]}}}}`` (``"stock_rows"`` holds the
         timings: a record keeps it apart from the settings).
     """
@@ -449,14 +469,14 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
     return {"packed_linears": packed, "packed_kernel": kernel, "attention": model.config._attn_implementation,
-            "rms_norms": swap_rms_norms(model), "stock_rows": choices}
+            "rms_norms": swap_rms_norms(model), "blockwise_lora": blockwise_lora(model), "stock_rows": choices}
 
 
 def apply_kernels(model: nn.Module, choice: str, kernel: str | None = None) -> dict:
     """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`
     (with the packed ``kernel``, None: timed), ``stock`` keeps transformers' own kernels. Returns the run-record entry
     ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"packed_kernel"``,
-    ``"rms_norms"`` (norms swapped) and ``"stock_rows"`` (the timed path per weight shape,
+    ``"rms_norms"`` (norms swapped), ``"blockwise_lora"`` (fused updates made blockwise) and ``"stock_rows"`` (the timed path per weight shape,
     :func:`optimize_for_cpu`) for ``fast`` on an fp32 CPU model.
 
     Raises:

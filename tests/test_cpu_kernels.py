@@ -164,7 +164,7 @@ def test_kernels_flag(tiny):
     assert {m.kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {chosen}
     assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15,
                                                    "packed_kernel": chosen, "attention": SDPA_GQA,
-                                                   "rms_norms": norms}
+                                                   "rms_norms": norms, "blockwise_lora": 0}
     with pytest.raises(ValueError, match="kernels"):
         apply_kernels(stock, "turbo")
 
@@ -179,7 +179,8 @@ def test_greedy_exact_on_optimized_model(tiny, k, kernel):
     assert {m.kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {kernel}
     assert record.pop("stock_rows") and record == {"packed_linears": 15, "packed_kernel": kernel,
                                                    "attention": SDPA_GQA,
-                                                   "rms_norms": 2 * model.config.num_hidden_layers + 1}
+                                                   "rms_norms": 2 * model.config.num_hidden_layers + 1,
+                                                   "blockwise_lora": 0}
     gen = torch.Generator().manual_seed(k)
     for _ in range(3):
         prompt = torch.randint(11, 250, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
@@ -365,3 +366,46 @@ def test_gated_lora_without_mask_rows_is_the_base_alone():
             y = gated(x)
         assert calls and torch.equal(y[:, :1], gated.base.forward_extra(x)[0][:, :1])
         assert torch.allclose(y[:, 1:], lin(x[:, 1:]) + x[:, 1:] @ a.T @ b.T, atol=1e-4)
+
+
+def test_blockwise_lora_update_reads_no_zero_block():
+    """A fused group's decode-step update block by block (``blockwise_lora``, the fast kernels'
+    item 4) gives the one-call update's rows and never reads B's zero blocks: with NaN written
+    into them the mask rows stay finite and equal to the one-call rows before the NaN (to fp32
+    rounding), where the one-call update turns every mask row into NaN. The fast kernels switch
+    every fused group (q/k/v and gate/up of each layer)."""
+    from space.adapter_layers import GatedLoraLinear
+    from space.cpu_kernels import blockwise_lora
+    from space.decoding.fused import fuse_trunk
+
+    def fused_model():  # a fused model keeps per-thread state: built twice, not deep-copied
+        model, tok = load_model("tiny-random-llama")
+        model, _ = prepare_model(model, tok, "frozen-base", 3)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5, generator=gen)
+        model = fuse_frozen_base(model)
+        fuse_trunk(model)
+        return model
+
+    model, fast = fused_model(), fused_model()
+    gen = torch.Generator().manual_seed(1)
+    groups = [m for m in model.modules() if isinstance(m, GatedLoraLinear) and m.blocks]
+    assert len(groups) == 2 * model.config.num_hidden_layers
+    for gated in groups:
+        x = torch.randn(1, 6, gated.base.in_features, generator=gen)
+        with torch.no_grad(), mask_rows(2):
+            want = gated(x).clone()
+            zeros = torch.ones_like(gated.lora_bt, dtype=torch.bool)
+            for r0, r1, c0, c1 in gated.blocks:
+                zeros[r0:r1, c0:c1] = False
+            assert zeros.any()  # a fused B has zero blocks
+            gated.lora_bt[zeros] = float("nan")
+            assert gated(x)[0, 2:].isnan().all(dim=-1).any()  # the one-call update reads them
+            assert blockwise_lora(gated) == 1 and gated.blockwise
+            got = gated(x)
+        assert torch.equal(got[0, :2], want[0, :2]) and torch.allclose(got, want, atol=1e-5)
+    assert optimize_for_cpu(fast)["blockwise_lora"] == 2 * model.config.num_hidden_layers
+    assert all(m.blockwise for m in fast.modules() if isinstance(m, GatedLoraLinear) and m.blocks)

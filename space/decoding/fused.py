@@ -75,11 +75,13 @@ class SharedProjection(nn.Module):
                 a = torch.cat([lr[0] for lr in loras if lr is not None])
                 b = w.new_zeros(sum(self.splits), sum(ranks))
                 row = col = 0
+                blocks = []  # B^T's nonzero blocks: (rank start, rank end, out start, out end)
                 for lr, out, r in zip(loras, self.splits, ranks):
                     if lr is not None:
                         b[row: row + out, col: col + r] = lr[1]
+                        blocks.append((col, col + r, row, row + out))
                     row, col = row + out, col + r
-                self.fused = GatedLoraLinear(linear, a, b)
+                self.fused = GatedLoraLinear(linear, a, b, blocks=tuple(blocks))
             else:
                 self.fused = linear.requires_grad_(False)
         # per thread: (input, its version when the GEMM ran, the members' outputs not yet taken)
