@@ -38,11 +38,11 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
    linear's B is block-diagonal (``space.decoding.fused``): one ``addmm_`` over it, as a GPU step
    wants (one launch), reads its zero blocks too, half to two thirds of the bytes. A CPU step
    reads every B cold, after the GEMMs have streamed the weights through the caches, and there
-   the small update GEMMs cost about their memory reads: on the AVX2 AMD EPYC of issue 58
-   (2 threads) the shipped adapter's 120 updates took about 26 ms of a 16-row step as 4 calls a
-   layer and about 13 as 7 calls a layer, one per member's block (the whole step about 13 ms
-   less, 14 rounds in turns; ``results/step_parts_cpu``). Only the mask rows' drafts change, at
-   fp32 rounding; the real rows, which decide the output, have no LoRA term.
+   the small update GEMMs cost about their cold reads: on the AVX2 AMD EPYC of issue 58 (2
+   threads) the shipped adapter's updates took 32.2 ms of a 16-row step as one call a group and
+   23.6 ms as one call per member's block (``results/step_parts_cpu``, 12 rounds in turns; end to
+   end on HumanEval about 0-2 % faster, as a decode step has fewer mask rows). Only the mask
+   rows' drafts change, at fp32 rounding; the real rows, which decide the output, have no LoRA term.
 
 Inference only: packed weights take no gradient.
 """
