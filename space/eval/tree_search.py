@@ -163,13 +163,14 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     Which ids and which visibility the rows have does not change the cost, only their number.
     The cache is the one the decoder would hold (``space.decoding.decoder``): eagerly a
     ``SlabCache``, whose step writes only its block (a ``DynamicCache`` concatenates the whole
-    cache in every layer, which the decoder never does); with ``static`` a static cache.
+    cache in every layer, which the decoder does only for a model spread over devices); with
+    ``static`` a static cache.
     ``graphs``: each forward is a captured step (``StepGraphs.step``) over its cache, the rows a
     causal block (``static`` does not apply).
     """
     import torch
     from tqdm import tqdm
-    from ..decoding.cache import SlabCache, cache_input, crop_cache, refuse_sliding_window, static_cache
+    from ..decoding.cache import SlabCache, cache_input, crop_cache, full_cache, refuse_sliding_window, static_cache
     from ..decoding.compiled import eager
     from ..masking import mask_rows, to_additive_4d
 
@@ -187,7 +188,9 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
             cache = graphs.cache
         else:
             layers = base.config.num_hidden_layers
-            cache = static_cache(layers, slots) if static else SlabCache(layers, cache_len + most)
+            one_device = len({p.device for p in decoder.parameters()}) == 1  # as SpaceDecoder chooses
+            cache = (static_cache(layers, slots) if static else SlabCache(layers, cache_len + most) if one_device
+                     else full_cache())
         with eager():  # the cached prefix, as a decoder's prefill (a compiled trunk would make a graph for it)
             decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
         inputs, blocks = {}, {}

@@ -369,3 +369,24 @@ def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     assert after["tree"] != "dynamic" and after == {**report["best"]["decode"], "step_cost": after["step_cost"]}
     assert (after["lookup_tokens"], after["row_budget"]) == (10, 12)  # kept from the dynamic layout
     assert "replaces the current dynamic tree" in capsys.readouterr().out
+
+
+def test_step_costs_are_timed_on_the_decoders_cache(tiny, monkeypatch):
+    """``time_steps`` prices a step on the cache the eager decoder holds, a ``SlabCache`` (one write
+    of the block per layer), not a ``DynamicCache``, whose every step concatenates the whole cache in
+    every layer and costs what no decode step pays."""
+    import space.decoding.cache as cache_module
+    from space.eval.tree_search import time_steps
+
+    made = []
+
+    class Counted(cache_module.SlabCache):
+        def update(self, *args, **kwargs):
+            made.append(self)
+            return super().update(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "SlabCache", Counted)
+    model, _, _ = tiny
+    timed = time_steps(model, [(1, False), (4, False)], cache_len=20, repeats=1)
+    assert set(timed) == {(1, False), (4, False)} and all(t > 0 for t in timed.values())
+    assert made and all(c is made[0] for c in made)  # every forward wrote the one slab cache
