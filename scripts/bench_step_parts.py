@@ -2,7 +2,7 @@
 
 Times the shipped adapter's 1-row and ``--rows``-row forwards as ``space-tree`` prices them
 (``space.eval.tree_search.time_steps``: ``--cache`` cached tokens, the LM head on every row, mask
-rows from row 1), with the fast kernels ``space-eval`` runs (``--kernels fast``), in four setups:
+rows from row 1), with the fast kernels ``space-eval`` runs (``--kernels fast``), in five setups:
 
 * ``full``: as a decode step runs;
 * ``one-call update``: as a decode step runs, but each fused group's LoRA update as one ``addmm_``
@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=16, help="the many-row step's rows (default 16)")
     p.add_argument("--cache", type=int, default=300, help="cached tokens before the step (default 300)")
-    p.add_argument("--rounds", type=int, default=8, help="turns of the four setups (default 8)")
+    p.add_argument("--rounds", type=int, default=8, help="turns of the five setups (default 8)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", help="JSON file to write")
     args = p.parse_args(argv)
@@ -81,26 +81,31 @@ def main(argv=None) -> dict:
     AttentionInterface.register(NO_ATTENTION, no_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NO_ATTENTION, sdpa_mask)
     turns = {s: {1: [], q: []} for s in SETUPS}
+    def one_call() -> None:  # the fused updates as one addmm_ each, as a GPU step runs them
+        for m in blockwise:
+            m.blockwise = False
+        try:
+            timed = time_steps(model, [(1, False), (q, True)], args.cache, repeats=5)
+        finally:
+            for m in blockwise:
+                m.blockwise = True
+        turns["one-call update"][1].append(timed[1, False])
+        turns["one-call update"][q].append(timed[q, True])
+
+    def blockwise_setups(attend: bool) -> None:
+        model.set_attn_implementation(attention if attend else NO_ATTENTION)
+        timed = time_steps(model, [(1, False), (q, True), (q, False)], args.cache, repeats=5)
+        full, bare = ("full", "no LoRA update") if attend else ("no attention", "neither")
+        for setup in (full, bare):
+            turns[setup][1].append(timed[1, False])
+        turns[full][q].append(timed[q, True])
+        turns[bare][q].append(timed[q, False])
+
     try:
-        for _ in range(args.rounds):  # time_steps shows its own progress bar
-            for attend in (True, False):
-                model.set_attn_implementation(attention if attend else NO_ATTENTION)
-                timed = time_steps(model, [(1, False), (q, True), (q, False)], args.cache, repeats=5)
-                full, bare = ("full", "no LoRA update") if attend else ("no attention", "neither")
-                for setup in (full, bare):
-                    turns[setup][1].append(timed[1, False])
-                turns[full][q].append(timed[q, True])
-                turns[bare][q].append(timed[q, False])
-                if attend:
-                    for m in blockwise:
-                        m.blockwise = False
-                    try:
-                        timed = time_steps(model, [(1, False), (q, True)], args.cache, repeats=5)
-                    finally:
-                        for m in blockwise:
-                            m.blockwise = True
-                    turns["one-call update"][1].append(timed[1, False])
-                    turns["one-call update"][q].append(timed[q, True])
+        for round_ in range(args.rounds):  # time_steps shows its own progress bar
+            runs = [lambda: blockwise_setups(True), one_call, lambda: blockwise_setups(False)]
+            for run in runs if round_ % 2 == 0 else runs[::-1]:  # alternating order: no setup always first
+                run()
     finally:  # the model attends again, whatever stopped the loop
         model.set_attn_implementation(attention)
     ms = {s: {n: round(statistics.median(t) * 1e3, 2) for n, t in by_rows.items()} for s, by_rows in turns.items()}

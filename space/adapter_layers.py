@@ -160,7 +160,7 @@ class GatedLoraLinear(nn.Module):
             y, xa = both[..., :out], both[..., out:]
         if gate is not None:  # a decode step's every row times the gate: one graph for every first mask row
             y[0].addmm_(xa[0] * gate, self.lora_bt)
-        elif self.blockwise and x.shape[0] == 1:  # a decode step, one in-place gemm per nonzero block of B
+        elif self.blockwise and self.blocks and x.shape[0] == 1:  # a decode step, one in-place gemm per nonzero block of B
             for r0, r1, c0, c1 in self.blocks:
                 y[0, s:, c0:c1].addmm_(xa[0, s:, r0:r1], self.lora_bt[r0:r1, c0:c1])
         elif x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows

@@ -7,8 +7,10 @@ group by :class:`ProjectionSlice` modules over one :class:`SharedProjection`, wh
 the members' concatenated (out_1 + out_2 + ..., in), and for a frozen-base adapter the members'
 LoRA A's packed under them and their B's block-diagonal in one
 ``space.adapter_layers.GatedLoraLinear``: the first member called runs the one GEMM (and on mask
-rows the one ``addmm_``) for all, and each member returns its columns, a view. On SmolLM2 a
-layer's 7 linears become 4 GEMMs (AR) or 4 GEMMs and 4 ``addmm_`` (a SPACE step with mask rows).
+rows the one ``addmm_``; on a CPU with the fast kernels one per member's block,
+``space.cpu_kernels.blockwise_lora``) for all, and each member returns its columns, a view. On
+SmolLM2 a layer's 7 linears become 4 GEMMs (AR) or 4 GEMMs and 4 ``addmm_`` (a SPACE step with mask
+rows; 7 ``addmm_`` blockwise).
 
 DESIGN. The modeling file is not forked: the modules keep their names and the layer's forward is
 transformers' own. The price is state between the members' calls: the shared projection keeps
