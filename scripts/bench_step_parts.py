@@ -81,6 +81,7 @@ def main(argv=None) -> dict:
     AttentionInterface.register(NO_ATTENTION, no_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NO_ATTENTION, sdpa_mask)
     turns = {s: {1: [], q: []} for s in SETUPS}
+
     def one_call() -> None:  # the fused updates as one addmm_ each, as a GPU step runs them
         for m in blockwise:
             m.blockwise = False

@@ -173,6 +173,15 @@ class SlabCache(Cache):
         t[..., start: start + index.numel(), :] = t.index_select(-2, index)
 
 
+def eager_cache(trunk: torch.nn.Module, slots: int) -> Cache:
+    """The cache an eager decode step runs on: a :class:`SlabCache` of ``slots`` when every
+    parameter of ``trunk`` (the decoder module, with its ``layers``) is on one device, else
+    :func:`full_cache` (a model spread over devices: the slab is one tensor)."""
+    if len({p.device for p in trunk.parameters()}) == 1:
+        return SlabCache(len(trunk.layers), slots)
+    return full_cache()
+
+
 def attention_windows(config) -> dict[str, int | None]:
     """The model's kinds of attention layer, ``{layer type: sliding window in tokens, or None}``.
 

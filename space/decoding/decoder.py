@@ -84,7 +84,7 @@ from transformers import Cache
 from ..masking import host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents, unpack_rows
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
-from .cache import SlabCache, attention_windows, cache_input, crop_cache, full_cache, static_cache
+from .cache import SlabCache, attention_windows, cache_input, crop_cache, eager_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
@@ -395,8 +395,6 @@ class SpaceDecoder:
         self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
         self.graphs = graphs  # a captured step's buffers and cache (space.decoding.graphs)
         self.static_cache = graphs is not None or (is_compiled(base) if static_cache is None else static_cache)
-        # an eager cache in one tensor (cache.SlabCache) needs every layer on one device (no device map)
-        self.one_device = len({p.device for p in self.decoder.parameters()}) == 1
         self.buckets = not self.dynamic and (graphs is not None or (is_compiled(base) if buckets is None else buckets))
         self.max_rows = self.config.max_rows()
         if self.buckets:
@@ -476,8 +474,7 @@ class SpaceDecoder:
             cache, slots = self.graphs.cache, self.graphs.slots
         else:
             slots = size if self.static_cache else None
-            cache = (static_cache(len(self.decoder.layers), size) if self.static_cache
-                     else SlabCache(len(self.decoder.layers), size) if self.one_device else full_cache())
+            cache = static_cache(len(self.decoder.layers), size) if self.static_cache else eager_cache(self.decoder, size)
         L = ids.numel() - 1  # tokens cached (x_0..x_{n-2}), counted on the host
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup or logits_processor is not None else None

@@ -161,16 +161,16 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     (the 1-row point of two runs differed by 15 %), while the decoder too changes shape every step.
 
     Which ids and which visibility the rows have does not change the cost, only their number.
-    The cache is the one the decoder would hold (``space.decoding.decoder``): eagerly a
-    ``SlabCache``, whose step writes only its block (a ``DynamicCache`` concatenates the whole
-    cache in every layer, which the decoder does only for a model spread over devices); with
-    ``static`` a static cache.
+    The cache is the one the decoder would hold (``space.decoding.cache.eager_cache``): a
+    ``SlabCache`` on one device, whose step writes only its block (a ``DynamicCache`` concatenates
+    the whole cache in every layer, which the decoder does only for a model spread over devices);
+    with ``static`` a static cache.
     ``graphs``: each forward is a captured step (``StepGraphs.step``) over its cache, the rows a
     causal block (``static`` does not apply).
     """
     import torch
     from tqdm import tqdm
-    from ..decoding.cache import SlabCache, cache_input, crop_cache, full_cache, refuse_sliding_window, static_cache
+    from ..decoding.cache import cache_input, crop_cache, eager_cache, refuse_sliding_window, static_cache
     from ..decoding.compiled import eager
     from ..masking import mask_rows, to_additive_4d
 
@@ -187,10 +187,8 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
             graphs.reset()
             cache = graphs.cache
         else:
-            layers = base.config.num_hidden_layers
-            one_device = len({p.device for p in decoder.parameters()}) == 1  # as SpaceDecoder chooses
-            cache = (static_cache(layers, slots) if static else SlabCache(layers, cache_len + most) if one_device
-                     else full_cache())
+            cache = (static_cache(base.config.num_hidden_layers, slots) if static
+                     else eager_cache(decoder, cache_len + most))
         with eager():  # the cached prefix, as a decoder's prefill (a compiled trunk would make a graph for it)
             decoder(input_ids=ids[None, :cache_len], **cache_input(cache), use_cache=True)
         inputs, blocks = {}, {}
