@@ -185,3 +185,24 @@ def test_anchored_group_is_the_group_shift_rule():
     for bad in [(2, 0, 0), (1, 3, 2), (1, 3, -1)]:
         with pytest.raises(ValueError, match="anchored_group"):
             anchored_group(*bad)
+
+
+def test_mask_rows_blocks_nest_and_restore():
+    """A nested ``mask_rows`` block restores the outer start on exit: the compiled trunk clears it
+    (``mask_rows(None)``) around each layer's graph and re-enters it inside, so a block that reset
+    to None would leave every later layer of the step without its mask rows (the frozen-base
+    LoRA off there, which a lossless check cannot see)."""
+    from space.masking import mask_rows, mask_rows_start
+
+    assert mask_rows_start() is None
+    with mask_rows(4):
+        with mask_rows(None):
+            with mask_rows(2):
+                assert mask_rows_start() == 2
+            assert mask_rows_start() is None
+        assert mask_rows_start() == 4
+        with pytest.raises(RuntimeError):
+            with mask_rows(1):
+                raise RuntimeError
+        assert mask_rows_start() == 4
+    assert mask_rows_start() is None

@@ -114,3 +114,19 @@ def test_acceptance_options_train_end_to_end(tmp_path):
                        (["--consistency_weight", "1", "--mode", "lora"], "consistency_weight needs")):
         with pytest.raises(ValueError, match=match):
             parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / "x"), *bad])
+
+
+def test_teacher_chain_weights_use_the_teachers_probability_of_the_true_token():
+    """With a teacher, the chain weight of mask j is the product of the teacher's probabilities of
+    the true tokens at offsets 0..j-1 (0 where the true token is not in its top K), not of its
+    top-1 probability: the two agree only for a one-hot teacher on the true token, the case above."""
+    logits = torch.randn(1, 3, 10, generator=torch.Generator().manual_seed(3))
+    labels, offsets = torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]])
+    ids = torch.tensor([[[5, 1], [2, 6], [7, 8]]])  # true token second, first, absent
+    probs = torch.tensor([[[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]]])
+    loss, stats = space_loss(logits, labels, offsets, 1.0, K, teacher=(ids, probs), chain_weight=1.0)
+    chain = torch.tensor([1.0, 0.3, 0.3 * 0.6])
+    assert float(stats["chain_weight_sum"]) == pytest.approx(float(chain.sum()), abs=1e-6)
+    logp = torch.log_softmax(logits[0], -1)
+    soft = -(probs[0] * logp.gather(-1, ids[0])).sum(-1)
+    assert torch.allclose(loss, (soft * chain).mean())

@@ -231,3 +231,48 @@ def test_bool_mask_runs_like_the_additive_one(tiny):
         got = model(**kw, attention_mask=batch["attention_mask"]).logits
         want = model(**kw, attention_mask=to_additive_4d(batch["attention_mask"])).logits
     assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["efficient", "truncate"])
+def test_mask_diff_rows_carry_their_offsets_id(layout):
+    """With one mask token per offset (``mask_diff``), mask j's input id is mask_ids[j] (the
+    truncate layout's dummy mask k repeats the last one). The reference batch builds its ids with
+    the same ``Layout.input_ids``, so it cannot catch a wrong id per offset; this reads them."""
+    k = 3
+    ids = MASK + torch.arange(k)
+    batch = SpaceCollator(ids, k, PAD, spans_per_sample=3, layout=layout, seed=2)(features([20, 14]))
+    rows = batch["mask_offset"] >= 0
+    offsets = batch["mask_offset"][rows]
+    assert rows.any() and int(offsets.max()) == k - (layout == "efficient")
+    assert torch.equal(batch["input_ids"][rows], ids[offsets.clamp(max=k - 1)])
+
+
+def test_spans_depend_on_the_sample_index():
+    """Spans are drawn from (seed, epoch, sample idx): two samples of the same length and prompt
+    but different idx get different spans (a seed without idx gives every such sample the same)."""
+    col = SpaceCollator(torch.tensor([MASK]), 2, PAD, spans_per_sample=2, seed=7)
+    same = [{"input_ids": list(range(100, 140)), "prompt_len": 3, "idx": i} for i in range(4)]
+    batch = col(same)
+    drawn = [spans_of(batch, b, 2) for b in range(4)]
+    assert len({tuple(s) for s in drawn}) > 1, drawn
+    assert col.draw_spans(40, 3, 2) == drawn[2]  # and the idx, not the place in the batch, decides
+    assert spans_of(col([same[2], same[0]]), 0, 2) == drawn[2]
+
+
+def test_every_anchor_is_used_when_spans_per_sample_covers_them():
+    """A sample with A eligible anchors (s in max(prompt, 1)..len-2) gets min(spans_per_sample, A)
+    groups: one anchor (len = prompt + 2) gives one group, not none."""
+    col = SpaceCollator(torch.tensor([MASK]), 2, PAD, spans_per_sample=4, seed=0)
+    for n, want in ((5, [3]), (6, [3, 4]), (7, [3, 4, 5]), (20, None)):
+        spans = col.draw_spans(n, 3, 0)
+        assert spans == want if want else len(spans) == 4
+    batch = col(features([5], prompt_len=3))
+    assert spans_of(batch, 0, 2) == [3] and batch["num_short"] == 0
+
+
+def test_num_short_counts_only_samples_too_short_for_a_span():
+    """``num_short`` (logged as short_samples) counts samples with no room for a span; one that
+    only lost the mask_prob draw is not short."""
+    long = features([30, 30, 4], prompt_len=3)  # the third has no anchor (4 - 2 < 3)
+    assert SpaceCollator(torch.tensor([MASK]), 3, PAD, mask_prob=0.0)(long)["num_short"] == 1
+    assert SpaceCollator(torch.tensor([MASK]), 3, PAD, mask_prob=1.0)(long)["num_short"] == 1
