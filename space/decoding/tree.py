@@ -255,7 +255,5 @@ def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: 
             accept_lengths.append(a)
             step_candidates.append(max(map(len, nodes), default=0))
             anchor, offset, avail = t + g, shift, mask_num - shift
-            t += a + 1
-            if anchor >= len(r):
-                anchor, avail = None, 0
+            t += a + 1  # anchor = t + g <= the new t - 1: an answer token with an anchor while t < n
     return ReplayResult(tokens, steps, rows, accept_lengths, step_candidates)

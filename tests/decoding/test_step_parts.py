@@ -26,11 +26,12 @@ def filled(kind: str, tokens: int):
 
 
 @pytest.mark.parametrize("kind", ["slab", "dynamic", "static"])
-@pytest.mark.parametrize("rows", [[2, 5], [1, 3, 4], [1, 2], [4], []])
+@pytest.mark.parametrize("rows", [[2, 5], [1, 3, 4], [1, 2], [4], [], [2, 3]])
 def test_compaction_keeps_the_accepted_path(kind, rows):
     """Block of 7 rows after 10 cached tokens: x_{n-1} (slot 10) stays, the path's rows move to
     slots 11.. in depth order, the earlier slots are untouched, and the length is 11 + len(path).
-    Gathering ``start + r - 1`` instead of ``start + r``, or any other wrong kept row, fails here."""
+    Gathering ``start + r - 1`` instead of ``start + r``, or any other wrong kept row, fails here;
+    [2, 3] (a runner-up and its child: contiguous, but one slot off) fails a chain test that is off by one."""
     start, block = 10, 7
     cache = filled(kind, start + block)
     compact_cache(cache, start, rows, start + block)
@@ -41,6 +42,22 @@ def test_compaction_keeps_the_accepted_path(kind, rows):
         assert kept == len(want)
         assert keys[0, :, :kept, 0].tolist() == [[layer * 1000 + s for s in want]] * HEADS
         assert values[0, :, :kept, 0].tolist() == [[-(layer * 1000 + s) for s in want]] * HEADS
+
+
+@pytest.mark.parametrize("rows", [[1, 2, 3], [1], []])
+def test_compaction_of_a_chain_path_only_crops(monkeypatch, rows):
+    """A chain's accepted path already sits right after x_{n-1}: compaction crops and moves nothing
+    (issue 58: a gather over every layer for nothing each step). The content is the same either way,
+    so only the missing gather tells."""
+    start, block = 10, 7
+    cache = filled("slab", start + block)
+
+    def no_gather(*args):
+        raise AssertionError("a chain path was gathered")
+
+    monkeypatch.setattr(cache, "gather", no_gather)
+    compact_cache(cache, start, rows, start + block)
+    assert cache.get_seq_length() == start + 1 + len(rows)
 
 
 def test_slab_cache_grows_and_crops():
@@ -91,3 +108,15 @@ def test_top_p_probabilities_sum_to_one_over_the_smallest_set(top_p, top_k):
                 break
         assert sorted(p.nonzero().flatten().tolist()) == sorted(kept)
         torch.testing.assert_close(p[kept].double(), full[kept] / full[kept].sum(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("logits,top_p,kept", [([0.0, 0.0, 0.0, 0.0], 0.5, 2), ([0.0, 0.0, -1e9, -1e9], 0.5, 1),
+                                               ([0.0] * 4, 0.75, 3), ([0.0] * 4, 0.7, 3)])
+def test_top_p_stops_at_the_token_that_reaches_it_exactly(logits, top_p, kept):
+    """Uniform probabilities are exact in fp32, so the cumulative mass meets ``top_p`` exactly at a
+    token: that token completes the set and the next one is dropped. Testing the mass before a
+    token with ``> top_p`` instead of ``>= top_p`` keeps one token too many, which random logits
+    (the test above) never show."""
+    probs = logits_to_probs(torch.tensor([logits]), SamplingConfig(temperature=1.0, top_p=top_p))[0]
+    assert int((probs > 0).sum()) == kept
+    torch.testing.assert_close(probs[:kept], torch.full((kept,), 1.0 / kept), rtol=0, atol=1e-7)

@@ -179,6 +179,34 @@ def test_tree_sampling_exact_with_siblings_and_duplicates(temperature, top_p):
         assert chi2_pvalue(dict(enumerate(second[row].tolist())), dict(enumerate(p[row].tolist())), m) > ALPHA
 
 
+def test_tree_sampling_with_three_siblings_and_grandchildren():
+    """x's children c1, c2, c3 (distinct tokens), and c2's children d1, d2. Two bugs the one-level
+    test above (two distinct siblings, no grandchildren) cannot see: c3 must be tried against the
+    mass left after rejecting both c1 and c2 (1 - 0.4 - 0.3), not only the last one (1 - 0.3); and
+    after c1 is rejected and c2 accepted, c2's children are tried against c2's own full row, not
+    with x's leftover mass carried down (which accepts d1 with 0.3 / 0.6 = 0.5 instead of 0.3)."""
+    gen = torch.Generator().manual_seed(0)
+    quarter = [0.25, 0.25, 0.25, 0.25]
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1],  # x: c1 = 0, c2 = 1, c3 = 2
+                      quarter,                # c1 (a leaf)
+                      [0.3, 0.3, 0.2, 0.2],  # c2: d1 = 0, d2 = 1
+                      quarter, quarter, quarter])  # c3, d1, d2 (leaves)
+    tokens, children = [0, 1, 2, 0, 1], [[1, 2, 3], [], [4, 5], [], [], []]
+    paths = {0: [], 1: [1], 2: [2], 3: [3], 4: [2, 4], 5: [2, 5]}
+    n, V = 20_000, 4
+    first, after_c2 = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        row, bonus = verify_tree_sampling(p, tokens, children, gen)
+        emitted = [tokens[r - 1] for r in paths[row]] + [int(bonus)]
+        first[emitted[0]] += 1
+        if paths[row][:1] == [2]:
+            after_c2[emitted[1]] += 1
+    assert chi2_pvalue(dict(enumerate(first.tolist())), dict(enumerate(p[0].tolist())), n) > ALPHA
+    m = int(after_c2.sum())
+    assert m > 3000
+    assert chi2_pvalue(dict(enumerate(after_c2.tolist())), dict(enumerate(p[2].tolist())), m) > ALPHA
+
+
 def test_grow_tree_from_a_table_by_hand():
     # offset 0: ranks 0/1/2 right 0.6/0.2/0.1; offset 1: 0.5/0.3. Path probabilities:
     # (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.18 (1,0)=.1 (2)=.1 (1,1)=.06 (2,0)=.05 (2,1)=.03
@@ -188,6 +216,54 @@ def test_grow_tree_from_a_table_by_hand():
     assert grow_tree(probs, 3, 1) == ((0,), (1,), (2,))
     measured = path_probs_from_ranks([torch.tensor([[0, 1], [0, 0], [1, -1], [0, 0]])])
     assert measured == {(0,): 0.75, (0, 1): 0.25, (0, 0): 0.5, (1,): 0.25}
+
+
+def test_grow_tree_breaks_ties_by_depth_then_ranks():
+    """Measured path probabilities tie often (they are counts over a few anchors): among equals the
+    shallower path comes first, then the lower ranks, as documented. A depth-first tie-break
+    ((0, 0) before (1,)), or one by the order paths were first seen, picks another tree."""
+    probs = path_probs_from_table([[0.5, 0.25], [0.5, 0.5]])  # (1,), (0, 0), (0, 1) all 0.25, exactly
+    assert grow_tree(probs, 2, 2) == ((0,), (1,))
+    assert grow_tree(probs, 3, 2) == ((0,), (1,), (0, 0))
+    seen = path_probs_from_ranks([torch.tensor([[1, -1], [0, -1]])])  # (1,) is counted first
+    assert seen == {(1,): 0.5, (0,): 0.5} and grow_tree(seen, 1, 1) == ((0,),)
+
+
+def test_path_probs_from_ranks_stop_below_max_rank():
+    """A rank >= max_rank (a draft the tree cannot hold) ends the path there: neither it nor a
+    deeper node through it is counted."""
+    ranks = [torch.tensor([[0, 2], [2, 0], [1, 1]])]
+    assert path_probs_from_ranks(ranks, max_rank=2) == {(0,): 1 / 3, (1,): 1 / 3, (1, 1): 1 / 3}
+
+
+def test_replay_after_a_runner_up_drafts_from_the_root_group():
+    """k = 2, groups on x_{n-1} and on the top-1 node (0,). Step 2 accepts the runner-up (1,): the
+    path left the top-1 chain at once, so the next drafts are G_0's, shifted by one (its mask 1,
+    anchor 1, whose rank is 0 here: accepted). Taking G_1 (anchored on the rejected top-1 node,
+    ranks 5 here) as if the path had stayed on the chain accepts nothing at step 3, a bug
+    test_replay_predicts_the_decoder lets through."""
+    r = torch.full((6, 2), 5)  # rank 5: not in the tree
+    r[0] = torch.tensor([1, 0])  # step 2: (1,) right, (0, 0) not
+    r[1] = torch.tensor([5, 0])  # G_0 anchored on answer token 1: its mask 1 drafts token 3 at rank 0
+    res = replay([r], 2, 2, [[0], [1], [0, 0]])
+    assert res.accept_lengths == [0, 1, 1, 0, 0] and res.step_candidates == [0, 2, 1, 1, 0]
+    assert res.tokens == 7 and res.rows == [3, 8, 7, 7, 3]
+
+
+def test_replay_emits_exactly_the_answer():
+    """Every draft right (rank 0; -1 past the answer, as the probe writes it): the replay emits
+    each answer token once, whatever the answer's length and the layout. A node allowed one
+    position too deep near the end accepts the answer's last token as a draft and counts a bonus
+    past the answer (7 tokens for a 6-token answer with k = 2)."""
+    for k, groups, tree in [(2, 3, None), (3, 2, [[0], [1], [0, 0], [0, 0, 0]])]:
+        for anchors in range(1, 12):
+            r = torch.zeros(anchors, k, dtype=torch.long)
+            for i in range(anchors):
+                for j in range(k):
+                    if i + j + 1 >= anchors + 1:
+                        r[i, j] = -1
+            res = replay([r], k, groups, tree)
+            assert res.tokens == anchors + 1 == sum(res.accept_lengths) + res.steps, (k, anchors)
 
 
 @pytest.mark.parametrize("k,groups,tree", [(3, 4, None), (3, 2, [[0], [1], [0, 0], [0, 1], [0, 0, 0]]),
