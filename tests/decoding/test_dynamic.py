@@ -766,3 +766,66 @@ def test_a_sampled_chain_takes_no_planner(tiny):
     with pytest.raises(ValueError, match="p/q rule"):
         dec.generate(torch.tensor([5, 6]), 4, sampling=SamplingConfig(1.0), planner=dec.planner())
     assert len(dec.generate(torch.tensor([5, 6]), 4, planner=dec.planner()).new_ids) == 4  # greedy takes one
+
+
+def test_choose_groups_net_value_by_hand():
+    """_choose_groups' prices on a tree small enough to work by hand (x_{n-1} and one node of
+    value 0.6; λ = 1, a row 0.1, the adapter 0.05; top-R rates 0.9, 0.5, top-1 rates 0.6, 0.3).
+    Catches a group priced without the adapter's fixed cost or without this step's row per mask,
+    a reach from offset s that reads the rates from offset 0 (alpha[j - s]), the top-1 and top-R
+    rates swapped between a sampler head and plain masks, and a group cut one mask short of
+    ``room`` (mask j of G_g sits at depth g + 1 + j)."""
+    from space.decoding.dynamic import _choose_groups
+
+    stats = fresh_stats(k=2)
+    stats.ranked = [[9.0, 10.0], [5.0, 10.0]]
+    stats.mask = [[6.0, 10.0], [3.0, 10.0]]
+    parents, depth, value = [-1, 0], [0, 1], [1.0, 0.6]
+    args = dict(stats=stats, lam=1.0, mask_num=2, room=100, row_cost=0.1, overhead=0.05)
+    # one group: paths end at x_{n-1} (0.4, offset 0) or at the node (0.6, offset 1);
+    # mask 0: 0.4 (0.9 - 0.1) - 0.1 = 0.22; mask 1: 0.4 (0.45 - 0.1) + 0.6 (0.5 - 0.1) - 0.1 = 0.28
+    groups, lens, net = _choose_groups(parents, depth, value, max_groups=1, **args)
+    assert (groups, lens) == ([0], [2]) and net == pytest.approx(0.22 + 0.28 - 0.05)
+    # two groups: G_0 takes the 0.4 (0.22, then 0.4 0.35 - 0.1 = 0.04), G_1 the 0.6 (0.38, then 0.11)
+    groups, lens, net = _choose_groups(parents, depth, value, max_groups=2, **args)
+    assert (groups, lens) == ([0, 1], [2, 2]) and net == pytest.approx(0.26 + 0.49 - 0.05)
+    # a sampler head: the top-1 rates; mask 0: 0.4 (0.6 - 0.1) - 0.1 = 0.1; mask 1: 0.4 (0.18 - 0.1)
+    # + 0.6 (0.3 - 0.1) - 0.1 = 0.052
+    groups, lens, net = _choose_groups(parents, depth, value, max_groups=1, chained=True, **args)
+    assert (groups, lens) == ([0], [2]) and net == pytest.approx(0.1 + 0.052 - 0.05)
+    # room 1: one mask fits after x_{n-1}, and it pays
+    groups, lens, net = _choose_groups(parents, depth, value, max_groups=1, **{**args, "room": 1})
+    assert (groups, lens) == ([0], [1]) and net == pytest.approx(0.22 - 0.05)
+
+
+def test_node_and_group_rows_are_priced_after_the_previous_steps_masks():
+    """A node row is priced at the block row it takes, counting the mask rows the previous step
+    had (``mask_rows_before``): on a curve whose rows are cheap up to 6 and then jump, node i
+    (row 1 + i + mask_rows_before) pays until that row reaches 6. Catches a price that ignores
+    the previous step's masks (then every plan below would keep the same nodes), and a group
+    whose rows are priced without them (it would look cheap behind one node)."""
+    curve = ((1, 1.0), (6, 1.05), (7, 2.0), (64, 4.0))
+    ids, probs = drafts([0.6, 0.2, 0.1], k=4)
+    kept = {}
+    for before in (0, 2, 4):
+        plan = plan_step(ids, probs, 0, [], AcceptanceStats(4, 0, StepCost(curve)), budget=32, mask_num=4,
+                         max_groups=2, room=100, mask_rows_before=before)
+        check_plan(plan, 32, 4, 2, 100)
+        assert plan.group_len == ()  # a group's rows sit past row 6: they cost the jump
+        kept[before] = len(plan.tokens)
+    assert kept == {0: 5, 2: 3, 4: 1}
+
+
+@pytest.mark.parametrize("budget", range(4, 11))
+def test_a_tight_budget_splits_its_rows_between_nodes_and_the_first_group(budget):
+    """Every row pays (λ ~ 0) and the budget is below 1 + nodes + k: the rows after x_{n-1} are
+    split, the first group holding the smaller half (``(budget - 1) // 2``), and the block uses
+    the whole budget. Catches a reserve of ``budget // 2`` (the group takes more than half) and
+    a group shortened when the block fits the budget exactly."""
+    stats = fresh_stats(4)
+    stats.tokens = 1e-6
+    ids, probs = drafts([0.9, 0.05, 0.03], k=4)
+    plan = plan_step(ids, probs, 0, [], stats, budget=budget, mask_num=4, max_groups=1, room=100, mask_rows_before=4)
+    check_plan(plan, budget, 4, 1, 100)
+    assert plan.group_len == ((budget - 1) // 2,) and len(plan.tokens) == budget - 1 - (budget - 1) // 2
+    assert plan.used_rows == plan.rows == budget

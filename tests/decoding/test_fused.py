@@ -112,3 +112,57 @@ def test_a_gated_linear_moves_and_reloads_as_one_packed_tensor():
     torch.testing.assert_close(layer.lora_a, state["model.layers.0.self_attn.q_proj.lora_a"], rtol=0, atol=0)
     torch.testing.assert_close(layer.lora_b, state["model.layers.0.self_attn.q_proj.lora_b"], rtol=0, atol=0)
     torch.testing.assert_close(layer.base.weight, state["model.layers.0.self_attn.q_proj.base.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch, blockwise", [(1, False), (1, True), (2, False)])
+def test_gated_linear_updates_exactly_the_rows_from_the_first_mask_row(batch, blockwise):
+    """``GatedLoraLinear`` on each of its paths (a decode step's one ``addmm_``, its block by block
+    update, a batch of 2): rows before ``mask_rows_start()`` are the base linear's, bit for bit,
+    and every row from it on is ``W x + B A x``. Catches an update that starts a row late or
+    early, or that reaches real rows, on any path (the batched one is not a decode step's, so
+    the decoding tests never run it)."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(16, 12)
+    a, b = torch.randn(4, 16, generator=gen), torch.randn(12, 4, generator=gen)
+    blocks = ((0, 2, 0, 5), (2, 4, 5, 12))  # B block-diagonal, as a fused group's
+    if blockwise:
+        b[:5, 2:] = 0
+        b[5:, :2] = 0
+    layer = GatedLoraLinear(base, a, b, blocks=blocks)
+    layer.blockwise = blockwise
+    x = torch.randn(batch, 6, 16, generator=gen)
+    with torch.no_grad():
+        plain = torch.nn.functional.linear(x, base.weight, base.bias)
+        for start in (0, 2, 5):
+            with mask_rows(start):
+                y = layer(x)
+            assert torch.equal(y[:, :start], plain[:, :start]), start
+            torch.testing.assert_close(y[:, start:], plain[:, start:] + x[:, start:] @ a.T @ b.T)
+
+
+def test_fused_members_with_biases_keep_their_own():
+    """A group whose every member has a bias (Qwen2's q/k/v): each member's ``bias`` and saved
+    state are its own slice of the fused bias, not the first member's, and its outputs are its
+    linear's. Catches a member's bias (and weight) read from the wrong columns of the fused tensor."""
+    model, _ = tiny_random_llama(seed=0)
+    attn = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attn, name)
+        new = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.normal_(generator=gen)
+        setattr(attn, name, new)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(1, 3, attn.q_proj.in_features, generator=gen)
+    with torch.no_grad():
+        outs = [getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")]
+        assert fuse_projections(model) == 4
+        for name, out in zip(("q_proj", "k_proj", "v_proj"), outs):
+            member = getattr(attn, name)
+            assert torch.equal(member.bias, want[f"model.layers.0.self_attn.{name}.bias"])
+            assert torch.equal(member.weight, want[f"model.layers.0.self_attn.{name}.weight"])
+            torch.testing.assert_close(member(x), out)
+    got = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
