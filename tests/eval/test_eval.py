@@ -291,3 +291,46 @@ def test_padding_is_given_only_when_every_step_records_it():
     assert s["methods"]["space"]["rows_per_step"] == 8.0 and s["methods"]["space"]["padding_per_step"] == 2.0
     assert "8.0 rows per step on average (2.0 of them padding)" in to_markdown(s)
     assert "padding_per_step" not in summarize([new, {**old, "question_id": "q1"}], meta)["methods"]["space"]
+
+
+def test_pass_at_k_when_failures_equal_k():
+    """n - c == k still has a k-subset of failures: pass@k < 1 (the shortcut to 1.0 is only for
+    n - c < k)."""
+    assert estimate_pass_at_k(3, 2, 1) == pytest.approx(2 / 3)
+    assert estimate_pass_at_k(4, 2, 2) == pytest.approx(5 / 6)  # 1 - 1 / C(4, 2)
+
+
+def test_fenced_reply_is_extracted_before_it_runs():
+    """A chat reply's fenced block is the code run, not the whole reply with its prose and fences."""
+    from space.eval.execute import extract_code
+
+    reply = "Here it is:\n```python\ndef f():\n    return 1\n```\nIt returns 1."
+    assert extract_code(reply) == "def f():\n    return 1\n"
+    assert extract_code("    return 1\n") == "    return 1\n"  # a bare body stays as it is
+
+
+def test_compiled_timeout_and_node_assertion_are_failures(tmp_path, monkeypatch):
+    """A compiled test that runs out of time is a failure ("timed out", never a pass); node's
+    console.assert exits 0 and only prints "Assertion failed": a failure too."""
+    task = load_tasks("humaneval-x:cpp", limit=1)[0]
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "g++").write_text("#!/bin/sh\nexec /bin/sleep 5\n")
+    (tmp_path / "g++").chmod(0o755)
+    assert check(task.problem, "cpp", task.problem["canonical_solution"], timeout=0.1) == \
+        {"passed": False, "result": "timed out"}
+    js = load_tasks("humaneval-x:js", limit=1)[0]
+    (tmp_path / "node").write_text("#!/bin/sh\necho 'Assertion failed' >&2\nexit 0\n")
+    (tmp_path / "node").chmod(0o755)
+    res = check(js.problem, "js", js.problem["canonical_solution"])
+    assert not res["passed"] and res["result"].startswith("failed: node exit 0")
+
+
+def test_java_needs_both_javac_and_java(tmp_path, monkeypatch):
+    """A language is runnable only when every tool of its toolchain is there: javac without java
+    is "n/a (no toolchain)", not a crash when java is called."""
+    task = load_tasks("humaneval-x:java", limit=1)[0]
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "javac").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "javac").chmod(0o755)
+    res = check(task.problem, "java", task.problem["canonical_solution"])
+    assert res == {"passed": False, "result": "n/a (no toolchain)"}

@@ -88,3 +88,54 @@ def test_one_run_holds_a_samples_file(tmp_path):
             pass
     with hold_samples(tmp_path / "samples.jsonl"):
         pass
+
+
+def test_a_failed_record_write_keeps_the_old_record(tmp_path, monkeypatch):
+    """run_config.json is written to a temporary file and renamed: a write that fails midway (a
+    full disk) leaves the previous record whole, where writing in place left it torn and every
+    later resume refused as "damaged"."""
+    from pathlib import Path
+
+    check_resume(tmp_path, meta())
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    before = (tmp_path / "run_config.json").read_text()
+    write_text = Path.write_text
+
+    def torn(self, data, *args, **kwargs):
+        write_text(self, data[:10], *args, **kwargs)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(OSError, match="No space left"):
+        check_resume(tmp_path, meta())
+    monkeypatch.undo()
+    assert (tmp_path / "run_config.json").read_text() == before
+    check_resume(tmp_path, meta())  # and the folder still resumes
+
+
+def test_a_rank_is_checked_against_the_merged_samples_too(tmp_path):
+    """A rank started in a folder whose merged samples.jsonl was made with other settings is refused
+    (its records would be merged in beside them), though it has no samples of its own yet."""
+    check_resume(tmp_path, meta())
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    rank = {**meta(), "max_new_tokens": 99, "shard": {"rank": 0, "world_size": 2, "questions": ["q"]}}
+    with pytest.raises(ValueError, match=r"other settings \(run_config.json\).*'max_new_tokens': \(12, 99\)"):
+        check_resume(tmp_path, rank, Shard(0, 2))
+
+
+def test_merge_refuses_extra_records_made_with_other_settings(tmp_path):
+    """samples.jsonl records that no rank wrote are kept by a merge only when run_config.json says
+    they were made with the ranks' settings; otherwise the merge stops (they were mixed in)."""
+    from space.eval.resume import MERGE_KEYS, merge
+
+    rank = {**meta(), "num_questions": 1, "shard": {"rank": 0, "world_size": 1, "questions": ["q1"]}}
+    (tmp_path / "run_config.rank0.json").write_text(json.dumps(rank))
+    (tmp_path / "samples.rank0.jsonl").write_text(
+        "".join(json.dumps({"question_id": "q1", "model_id": m}) + "\n" for m in ("ar", "space")))
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q2", "model_id": "ar"}\n')
+    (tmp_path / "run_config.json").write_text(json.dumps({**meta(), "num_questions": 2}))
+    records, _ = merge(tmp_path, MERGE_KEYS)
+    assert [(r["question_id"], r["model_id"]) for r in records] == [("q1", "ar"), ("q1", "space"), ("q2", "ar")]
+    (tmp_path / "run_config.json").write_text(json.dumps({**meta(), "num_questions": 2, "max_new_tokens": 99}))
+    with pytest.raises(ValueError, match=r"1 records the ranks did not write, made with other settings"):
+        merge(tmp_path, MERGE_KEYS)

@@ -1,0 +1,40 @@
+"""Per-generation statistics (space/decoding/result.py): what a step emitted after an EOS or
+max_new_tokens cut, steps, tokens/step and tokens/s, from hand-fed steps (no model runs)."""
+import pytest
+
+from space.decoding.result import DecodeResult, StopDecoding
+
+
+def test_space_steps_count_the_first_step_and_the_cut_tokens():
+    """MAT = new tokens / steps with the first step counted (it was left out: 3.00 for 2.00), and a
+    step cut by EOS records the tokens it emitted, EOS included (not the tokens it was given)."""
+    r = DecodeResult(prompt_len=3, max_new_tokens=10, stop_token_ids=frozenset({99}))
+    assert not r.emit([5], 0.5, accepted=0, candidates=0)  # first step: no candidate yet
+    assert not r.emit([6, 7, 8], 0.25, accepted=2, candidates=3)
+    assert r.emit([9, 99, 4], 0.25, accepted=2, candidates=3)  # EOS second: the 4 is dropped
+    assert r.new_ids == [5, 6, 7, 8, 9, 99] and r.step_tokens == [1, 3, 2] and r.stop_reason == "eos"
+    assert r.num_steps == 3 and r.tokens_per_step == pytest.approx(2.0)
+
+
+def test_ar_steps_and_tokens_per_s_include_the_prefill_step():
+    """AR steps carry no accept length but are steps all the same; tokens/s is over every step's
+    time, the first one's prefill included (without it AR read 2x faster here); max_new_tokens
+    cuts the last step."""
+    r = DecodeResult(prompt_len=3, max_new_tokens=3, stop_token_ids=frozenset())
+    assert not r.emit([5], 1.0)  # the prefill and the first token
+    assert not r.emit([6], 0.5)
+    assert r.emit([7, 8], 0.5)  # only one more fits
+    assert r.new_ids == [5, 6, 7] and r.step_tokens == [1, 1, 1] and r.stop_reason == "length"
+    assert r.num_steps == 3 and r.tokens_per_step == pytest.approx(1.0)
+    assert r.wall_time == pytest.approx(2.0) and r.tokens_per_s == pytest.approx(1.5)
+
+
+def test_stop_decoding_that_keeps_the_whole_step_still_stops():
+    """on_tokens raising StopDecoding(keep=len(tokens)) drops nothing but ends generation (a stop
+    string completed by a step's last token); the generation ran on when only a drop stopped it."""
+    def stop(tokens):
+        raise StopDecoding(len(tokens))
+
+    r = DecodeResult(prompt_len=3, max_new_tokens=10, stop_token_ids=frozenset(), on_tokens=stop)
+    assert r.emit([5, 6], 0.1, accepted=1, candidates=1)
+    assert r.new_ids == [5, 6] and r.step_tokens == [2] and r.stop_reason == "stop"

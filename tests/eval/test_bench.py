@@ -1,0 +1,70 @@
+"""What space/eval/bench.py records per generation and per question: forward passes counted for
+every method, a seed per sample, and the context check over every turn's answer."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import space.eval.bench as bench
+from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder
+from space.eval.bench import STEP_KEYS, context_overflow, generate, run_question
+from space.eval.tasks import EvalTask
+from space.models import tiny_random_llama
+from space.tokens import add_mask_tokens
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, tok = tiny_random_llama(seed=0)
+    spec = add_mask_tokens(model, tok, mask_num=3)
+    return SimpleNamespace(model=model, tokenizer=tok, mask=spec, stop_ids=[], graphs=None, pld=None,
+                           decoder=SpaceDecoder(model, spec, DecodeConfig(3)))
+
+
+def test_every_method_records_its_forward_passes(target, monkeypatch):
+    """tokens/step divides by the "steps" of a record: AR's are its steps (they were read from the
+    accept lengths, which AR has none of), SPACE's its steps, and HF's the forward passes its hook
+    counted, not one per new token."""
+    ar = generate("ar", target, [5, 6, 7], 6, SamplingConfig())
+    assert len(ar["ids"]) == 6 and ar["steps"] == 6
+    space = generate("space", target, [5, 6, 7], 6, SamplingConfig())
+    assert space["steps"] == len(space["step_tokens"]) >= 1 and sum(space["step_tokens"]) == len(space["ids"])
+
+    def three_forwards(prompt, attention_mask=None, generation_config=None):
+        for _ in range(3):
+            target.model(input_ids=prompt)
+        return torch.cat([prompt, torch.tensor([[5, 6, 7, 8]])], dim=1)
+
+    monkeypatch.setattr(target.model, "generate", three_forwards)
+    hf = generate("hf", target, [1, 2, 3], 4, SamplingConfig())
+    assert hf["ids"] == [5, 6, 7, 8] and hf["steps"] == 3
+
+
+def test_each_sample_of_a_question_has_its_own_seed(monkeypatch):
+    """pass@k over n samples needs n draws: sample i runs with seed + i, on every turn (n copies of
+    one draw made pass@n equal pass@1)."""
+    seeds = []
+
+    def fake_generate(method, target, ids, max_new_tokens, cfg):
+        seeds.append(cfg.seed)
+        return {"ids": [1], "wall_time": 0.1, "steps": 1, **{key: [] for key in STEP_KEYS}}
+
+    monkeypatch.setattr(bench, "generate", fake_generate)
+    monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [1, 2])
+    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "x"))
+    task = EvalTask("q", "writing", ["one", "two"])
+    record = run_question("space", target, task, 4, SamplingConfig(temperature=0.7, seed=5), num_samples=3)
+    assert seeds == [5, 5, 6, 6, 7, 7] and [c["index"] for c in record["choices"]] == [0, 1, 2]
+
+
+def test_context_check_counts_every_earlier_answer(monkeypatch):
+    """The last turn's prompt holds every earlier answer, each up to max_new_tokens: a two-turn
+    question needs prompt + 2 x max_new_tokens (counting one answer let it overflow mid-run)."""
+    monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [0] * (10 * len(messages)))
+    target = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100)),
+                             tokenizer=None, graphs=None)
+    two = EvalTask("q", "writing", ["one", "two"])
+    assert context_overflow(target, two, 40) == \
+        "prompt (30 tokens) + 2 x max_new_tokens (40) = 110 exceeds the model context 100"
+    assert context_overflow(target, two, 35) is None
+    assert context_overflow(target, EvalTask("q", "c", ["one"]), 90) is None  # 10 + 90

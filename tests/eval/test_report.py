@@ -1,0 +1,73 @@
+"""summary.json numbers from hand-made records (space/eval/report.py): each test pins one figure of
+the paper table that a plausible slip would silently change; no model runs."""
+import pytest
+
+from space.eval.report import summarize, to_markdown
+
+
+def rec(q, model, tokens, wall, steps=None, ids=None, **choice):
+    """One (question, method) record; ``tokens`` and ``wall`` per turn (lists) or for one turn."""
+    tokens = tokens if isinstance(tokens, list) else [tokens]
+    wall = wall if isinstance(wall, list) else [wall]
+    return {"question_id": q, "category": "c", "model_id": model,
+            "choices": [{"new_tokens": tokens, "wall_time": wall, "steps": steps or tokens,
+                         "accept_lengths": [[] for _ in tokens],
+                         "token_ids": ids or [[0] * n for n in tokens], **choice}]}
+
+
+def test_tokens_per_s_sums_the_wall_time_of_every_turn():
+    """A two-turn question (MT-Bench): tokens/s is all turns' tokens over all turns' wall time; a
+    sum over the first turn's time only doubled SPACE's speed here."""
+    records = [rec("q0", "ar", [10, 30], [2.0, 2.0]), rec("q0", "space", [10, 30], [1.0, 1.0])]
+    s = summarize(records, {"mask_num": 3})
+    assert s["methods"]["space"]["wall_time_s"] == 2.0
+    assert s["methods"]["space"]["tokens_per_s"] == 20.0 and s["methods"]["ar"]["tokens_per_s"] == 10.0
+    assert s["speedup"]["space_vs_ar"] == 2.0
+
+
+def test_speedup_vs_pld_is_over_pld_not_ar():
+    """Each speedup divides by its own baseline's tokens/s: SPACE vs PLD taken over AR's tokens/s
+    read 4.00 in the PLD column where SPACE is 2x PLD."""
+    records = [rec("q0", "ar", 10, 2.0), rec("q0", "pld", 10, 1.0), rec("q0", "space", 10, 0.5)]
+    s = summarize(records, {"mask_num": 3, "lookup_tokens": 10})
+    assert s["speedup"] == {"pld_vs_ar": 2.0, "space_vs_ar": 4.0, "ar_vs_pld": 0.5, "space_vs_pld": 2.0}
+    assert s["median_question_speedup"]["space_vs_pld"] == 2.0
+    assert "| space | 10 | 0.5 | 20.00 | 1.00 | 4.00 | - | 2.00 | - |" in to_markdown(s)
+
+
+def test_pass_at_1_and_pass_at_n_count_only_passed_samples():
+    """Two samples per question: a timed-out sample is a failure (never a pass), and pass@2 is the
+    unbiased pass@k with k = 2, not pass@1 again."""
+    def exec_(passed, result):
+        return {"passed": passed, "result": result}
+
+    def two(q, first, second):
+        r = rec(q, "space", 4, 1.0)
+        r["choices"] = [{**r["choices"][0], "index": i, "exec": e} for i, e in enumerate((first, second))]
+        return r
+
+    records = [two("q0", exec_(True, "passed"), exec_(False, "timed out")),
+               two("q1", exec_(False, "failed: AssertionError"), exec_(False, "timed out"))]
+    s = summarize(records, {"mask_num": 3})
+    assert s["pass_at_1"]["space"] == pytest.approx(0.25)  # q0: 1 of 2, q1: 0 of 2
+    assert s["pass_at_2"]["space"] == pytest.approx(0.5)  # q0: some sample passes, q1: none
+
+
+def test_exact_match_compares_every_turn_whole():
+    """Greedy exactness is over every turn's ids, the whole sequence: a second turn that differs,
+    or SPACE running past AR's last token, is not exact (each was counted exact by a slip)."""
+    ar = [rec("q0", "ar", [2, 2], [1.0, 1.0], ids=[[1, 2], [3, 4]]),
+          rec("q1", "ar", [2, 2], [1.0, 1.0], ids=[[1, 2], [3, 4]])]
+    space = [rec("q0", "space", [2, 2], [1.0, 1.0], ids=[[1, 2], [3, 5]]),  # second turn differs
+             rec("q1", "space", [2, 3], [1.0, 1.0], ids=[[1, 2], [3, 4, 6]])]  # one token past AR's
+    s = summarize(ar + space, {"mask_num": 3, "temperature": 0.0})
+    assert s["exact_match_rate"] == 0.5
+
+
+def test_host_share_is_over_the_records_that_time_the_host():
+    """A resumed run mixes records from before host times were stored: the host share is over the
+    wall time of the records that have them (it was halved by the older record's time)."""
+    new = rec("q0", "space", 10, 1.0, host_ms=[[100.0, 100.0]], plan_ms=[[10.0, 10.0]])
+    old = rec("q1", "space", 10, 1.0)
+    m = summarize([new, old], {"mask_num": 3})["methods"]["space"]
+    assert m["host_share"] == 0.2 and m["host_ms_per_step"] == 100.0 and m["plan_ms_per_step"] == 10.0
