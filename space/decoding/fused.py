@@ -115,10 +115,11 @@ class SharedProjection(nn.Module):
         return self.fused.lora_a[rows].detach().clone(), bt.T.detach().clone()
 
     def weight_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight (out, in), bias or None) of member ``index``: views of the fused tensors."""
+        """(weight (out, in), bias or None) of member ``index``: views of the fused tensors. A
+        member that had no bias gets None, not the zero slice that stands in for it in the GEMM."""
         linear = self.fused.base if isinstance(self.fused, GatedLoraLinear) else self.fused
         start = sum(self.splits[:index])
-        bias = None if linear.bias is None else linear.bias[start: start + self.splits[index]]
+        bias = linear.bias[start: start + self.splits[index]] if self.biased[index] else None
         return linear.weight[start: start + self.splits[index]], bias
 
 

@@ -166,3 +166,20 @@ def test_fused_members_with_biases_keep_their_own():
             torch.testing.assert_close(member(x), out)
     got = model.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_member_without_a_bias_reports_none_in_a_mixed_group():
+    """A group where only k has a bias: the fused GEMM holds a zero bias for q and v, but q's and
+    v's ``bias`` stay None (as their linears had), and k's is its own."""
+    model, _ = tiny_random_llama(seed=0)
+    attn = model.model.layers[0].self_attn
+    old = attn.k_proj
+    k = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        k.weight.copy_(old.weight)
+        k.bias.normal_(generator=torch.Generator().manual_seed(1))
+    attn.k_proj = k
+    want = k.bias.detach().clone()
+    fuse_projections(model)
+    assert attn.q_proj.bias is None and attn.v_proj.bias is None
+    assert torch.equal(attn.k_proj.bias, want)
