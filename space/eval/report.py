@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from ..decoding.config import DEFAULT_MASK_NUM, DecodeConfig
+from ..jsonl import write_text_atomic
 from .execute import estimate_pass_at_k
 
 
@@ -316,9 +317,7 @@ def _save(fig, path: Path) -> Path:
 def write_reports(records: list[dict], meta: dict, out_dir: Path) -> dict:
     """Write summary.json, summary.md and the plots into ``out_dir``; returns the summary."""
     s = summarize(records, meta)
-    tmp = out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(s, indent=2))
-    tmp.replace(out_dir / "summary.json")
-    (out_dir / "summary.md").write_text(to_markdown(s))
+    write_text_atomic(out_dir / "summary.json", json.dumps(s, indent=2))
+    write_text_atomic(out_dir / "summary.md", to_markdown(s))
     plot(s, out_dir)
     return s

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
+from ..jsonl import write_text_atomic
 from .probe import base_model_name
 from .resume import adapter_sha256
 
@@ -482,8 +483,7 @@ def main(argv: list[str] | None = None) -> dict:
               "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": a.buckets or a.capture, "capture": a.capture,
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
               "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "tree_search.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_text_atomic(a.out / "tree_search.json", json.dumps(report, indent=1) + "\n")
     print(f"[space-tree] step cost (ms) by rows: {report['step_cost_ms']}")
     for r in results[:8]:
         print(f"  est. {r['est_speedup']:.3f}x  {r['tokens_per_step']:.3f} tokens/step  {r['rows_per_step']:5.1f} rows  "

@@ -18,6 +18,7 @@ from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
 from ..data.sft import load_examples, tokenize
 from ..decoding.cache import refuse_sliding_window
+from ..jsonl import write_text_atomic
 from ..loader import warm_start
 from ..models import load_model
 from ..sampler_head import add_sampler_head
@@ -188,7 +189,7 @@ def refuse_a_bad_end(trainer) -> None:
     if not n:
         return
     if trainer.is_world_process_zero():
-        (Path(trainer.args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        write_text_atomic(Path(trainer.args.output_dir) / "log_history.json", json.dumps(trainer.state.log_history, indent=1))
     raise TrainingDiverged(
         f"training ended at step {trainer.state.global_step} with {n} NaN or inf step{'s' if n > 1 else ''} in a "
         f"row, so no final/ was written (its weights would be those of a bad step); the last checkpoint in "
@@ -208,7 +209,7 @@ def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, na
     out = save_artifact(Path(trainer.args.output_dir) / "final", trainer.accelerator.unwrap_model(trainer.model),
                         tok, spec, model_args.mode, meta, state_dict)
     run_dir = Path(trainer.args.output_dir)
-    (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    write_text_atomic(run_dir / "log_history.json", json.dumps(trainer.state.log_history, indent=1))
     if any("mask_loss" in h for h in trainer.state.log_history):  # a run shorter than logging_steps logs none
         plot_training_curves(trainer.state.log_history, run_dir / "training_curves.png")
     print(f"[space] saved {model_args.mode} artifact to {out}", flush=True)
