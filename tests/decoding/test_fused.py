@@ -170,7 +170,8 @@ def test_fused_members_with_biases_keep_their_own():
 
 def test_a_member_without_a_bias_reports_none_in_a_mixed_group():
     """A group where only k has a bias: the fused GEMM holds a zero bias for q and v, but q's and
-    v's ``bias`` stay None (as their linears had), and k's is its own."""
+    v's ``bias`` stay None (as their linears had), and k's is its own. ``weight_of`` returned the
+    zero slice for q and v."""
     model, _ = tiny_random_llama(seed=0)
     attn = model.model.layers[0].self_attn
     old = attn.k_proj
@@ -180,6 +181,6 @@ def test_a_member_without_a_bias_reports_none_in_a_mixed_group():
         k.bias.normal_(generator=torch.Generator().manual_seed(1))
     attn.k_proj = k
     want = k.bias.detach().clone()
-    fuse_projections(model)
+    assert fuse_projections(model) == 4  # q/k/v and gate/up of both layers: the mixed group is fused
     assert attn.q_proj.bias is None and attn.v_proj.bias is None
     assert torch.equal(attn.k_proj.bias, want)

@@ -51,7 +51,7 @@ def test_each_sample_of_a_question_has_its_own_seed(monkeypatch):
 
     monkeypatch.setattr(bench, "generate", fake_generate)
     monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [1, 2])
-    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "x"))
+    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kwargs: "x"))
     task = EvalTask("q", "writing", ["one", "two"])
     record = run_question("space", target, task, 4, SamplingConfig(temperature=0.7, seed=5), num_samples=3)
     assert seeds == [5, 5, 6, 6, 7, 7] and [c["index"] for c in record["choices"]] == [0, 1, 2]

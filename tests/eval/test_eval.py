@@ -301,20 +301,28 @@ def test_pass_at_k_when_failures_equal_k():
 
 
 def test_fenced_reply_is_extracted_before_it_runs():
-    """A chat reply's fenced block is the code run, not the whole reply with its prose and fences."""
+    """A chat reply's fenced block is the code run, not the whole reply with its prose and fences:
+    the canonical solution inside a chatty reply passes (run as it stands, the prose is a syntax
+    error), and a bare body stays as it is."""
     from space.eval.execute import extract_code
 
-    reply = "Here it is:\n```python\ndef f():\n    return 1\n```\nIt returns 1."
-    assert extract_code(reply) == "def f():\n    return 1\n"
-    assert extract_code("    return 1\n") == "    return 1\n"  # a bare body stays as it is
+    task = load_tasks("humaneval", limit=1)[0]
+    body = task.problem["canonical_solution"]
+    reply = f"Here it is:\n```python\n{body}```\nIt returns the answer."
+    assert extract_code(reply) == body and extract_code(body) == body
+    assert check(task.problem, "python", reply)["passed"]
 
 
 def test_compiled_timeout_and_node_assertion_are_failures(tmp_path, monkeypatch):
-    """A compiled test that runs out of time is a failure ("timed out", never a pass); node's
-    console.assert exits 0 and only prints "Assertion failed": a failure too."""
+    """A compiled language's test that runs out of time (here its compiler) is a failure ("timed
+    out", never a pass); node's console.assert exits 0 and only prints "Assertion failed": a
+    failure too."""
+    import shutil
+
     task = load_tasks("humaneval-x:cpp", limit=1)[0]
+    sleep = shutil.which("sleep")  # before PATH holds only the fakes
     monkeypatch.setenv("PATH", str(tmp_path))
-    (tmp_path / "g++").write_text("#!/bin/sh\nexec /bin/sleep 5\n")
+    (tmp_path / "g++").write_text(f"#!/bin/sh\nexec {sleep} 5\n")
     (tmp_path / "g++").chmod(0o755)
     assert check(task.problem, "cpp", task.problem["canonical_solution"], timeout=0.1) == \
         {"passed": False, "result": "timed out"}

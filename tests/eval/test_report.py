@@ -5,12 +5,12 @@ import pytest
 from space.eval.report import summarize, to_markdown
 
 
-def rec(q, model, tokens, wall, steps=None, ids=None, **choice):
+def rec(q, model, tokens, wall, ids=None, **choice):
     """One (question, method) record; ``tokens`` and ``wall`` per turn (lists) or for one turn."""
     tokens = tokens if isinstance(tokens, list) else [tokens]
     wall = wall if isinstance(wall, list) else [wall]
     return {"question_id": q, "category": "c", "model_id": model,
-            "choices": [{"new_tokens": tokens, "wall_time": wall, "steps": steps or tokens,
+            "choices": [{"new_tokens": tokens, "wall_time": wall, "steps": tokens,
                          "accept_lengths": [[] for _ in tokens],
                          "token_ids": ids or [[0] * n for n in tokens], **choice}]}
 

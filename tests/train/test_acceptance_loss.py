@@ -118,8 +118,7 @@ def test_acceptance_options_train_end_to_end(tmp_path):
 
 def test_teacher_chain_weights_use_the_teachers_probability_of_the_true_token():
     """With a teacher, the chain weight of mask j is the product of the teacher's probabilities of
-    the true tokens at offsets 0..j-1 (0 where the true token is not in its top K), not of its
-    top-1 probability: the two agree only for a one-hot teacher on the true token, the case above."""
+    the true tokens at offsets 0..j-1, not of its top-1 probability: the two agree only for a one-hot teacher on the true token, the case above."""
     logits = torch.randn(1, 3, 10, generator=torch.Generator().manual_seed(3))
     labels, offsets = torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]])
     ids = torch.tensor([[[5, 1], [2, 6], [7, 8]]])  # true token second, first, absent

@@ -265,7 +265,7 @@ def test_every_anchor_is_used_when_spans_per_sample_covers_them():
     col = SpaceCollator(torch.tensor([MASK]), 2, PAD, spans_per_sample=4, seed=0)
     for n, want in ((5, [3]), (6, [3, 4]), (7, [3, 4, 5]), (20, None)):
         spans = col.draw_spans(n, 3, 0)
-        assert spans == want if want else len(spans) == 4
+        assert (spans == want) if want else (len(spans) == 4)
     batch = col(features([5], prompt_len=3))
     assert spans_of(batch, 0, 2) == [3] and batch["num_short"] == 0
 
