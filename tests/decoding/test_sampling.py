@@ -121,6 +121,26 @@ def test_space_sampling_matches_ar_distribution(small_vocab_model, temperature, 
     assert chi2_pvalue(ar_counts, exact, n // 3) > ALPHA
 
 
+def test_space_tree_sampling_with_rejected_siblings_matches_ar_distribution(small_vocab_model):
+    """End to end, the two tree-walk bugs the cases above miss (their drafts are accepted at the
+    first sibling too often): a sibling tried against the mass left by the last rejected sibling
+    alone, and the mass left at a row carried down to an accepted sibling's children. At T = 3
+    the target is spread over the 4 tokens, so the first sibling is often rejected and a later
+    one accepted with its grandchildren; 4000 samples give p < 1e-7 on either bug (and
+    ``tests/decoding/test_tree.py`` pins both on fixed distributions)."""
+    model, spec = small_vocab_model
+    prompt, n, temperature = [1, 3, 0, 2], 4000, 3.0
+    exact = exact_distribution(model, prompt, SamplingConfig(temperature))
+    dec = SpaceDecoder(model, spec, DecodeConfig(2, 1, tree=[[0], [1], [2], [1, 0], [1, 1], [0, 0]]))
+    counts, accepts = {}, []
+    for seed in range(n):
+        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(temperature, seed=seed))
+        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
+        accepts += out.accept_lengths[1:]
+    assert min(accepts.count(a) for a in (0, 1, 2)) > n / 5  # rejections, siblings and grandchildren all ran
+    assert chi2_pvalue(counts, exact, n) > ALPHA
+
+
 def context_processor():
     """A real HF processor whose effect depends on every token before the scored position:
     no-repeat bigrams ban what followed the last token before, the repetition penalty damps what
