@@ -225,3 +225,16 @@ def test_launcher_help_shows_whole_header():
     assert out.stdout.splitlines() == header
     for word in ("--smoke", "CUDA_VISIBLE_DEVICES", "SPACE_LAUNCH_DRY_RUN", "NPROC_PER_NODE", "MIG"):
         assert word in out.stdout
+
+
+def test_a_killed_worker_is_a_failure(tmp_path):
+    """A worker killed by a signal (the kernel's OOM killer sends SIGKILL): one line naming the
+    signal and exit 128 + 9, never 0 (a launcher script would then take the run for a success)."""
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-m", "space.train.torchrun", "--standalone", "--nproc_per_node", "1",
+                          str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 137, out.stderr
+    want = "run_sft_multi_node.sh: training failed: rank 0 was killed by SIGKILL (its output is above)"
+    assert lines[-1] == want, lines

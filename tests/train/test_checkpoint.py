@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from space import artifact
+from space.artifact import SAMPLER_HEAD
 from space.adapter_layers import mask_embedding, prepare_model
 from space.models import tiny_random_llama
 from space.train import callbacks
@@ -58,3 +59,46 @@ def test_a_full_checkpoint_needs_no_mask_rows_file(tmp_path):
     """Full mode keeps its mask rows in the model weights HF saves."""
     (tmp_path / SETTINGS_FILE).write_text(json.dumps({**SETTINGS, "mode": "full"}))
     check_checkpoint(str(tmp_path), {**SETTINGS, "mode": "full"})
+
+
+@pytest.mark.parametrize("key, value", [("model", "other-model"), ("mask_num", 5), ("mode", "lora")])
+def test_a_checkpoint_of_other_settings_is_refused(tmp_path, key, value):
+    """Resuming a checkpoint of another base model, k or mode would train on from weights that do
+    not fit and save an artifact claiming the new settings. Catches a comparison that skips a key."""
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps(SETTINGS))
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    with pytest.raises(ValueError, match=f"other SPACE settings.*'{key}'"):
+        check_checkpoint(str(tmp_path), {**SETTINGS, key: value})
+
+
+def test_a_checkpoint_without_its_sampler_head_is_refused(tmp_path):
+    """A run with a sampler head must not resume from a checkpoint lacking the head's weights (it
+    would train on from a fresh head under trained LoRA weights and mask rows)."""
+    settings = {**SETTINGS, "sampler_head": True, "sampler_width": 24}
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps(settings))
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    with pytest.raises(ValueError, match=f"lacks {SAMPLER_HEAD}"):
+        check_checkpoint(str(tmp_path), settings)
+    (tmp_path / SAMPLER_HEAD).write_bytes(b"")
+    check_checkpoint(str(tmp_path), settings)
+
+
+def test_settings_are_written_atomically(tmp_path, monkeypatch):
+    """A save killed while space_settings.json is being written leaves no such file (a resume then
+    says the save was cut short), never a partial one under its real name. Catches a direct,
+    non-atomic write of the settings file."""
+    from pathlib import Path
+
+    real = Path.write_text
+
+    def killed_half_way(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path)
+    monkeypatch.undo()
+    assert not (tmp_path / "checkpoint-2" / SETTINGS_FILE).exists()
+    with pytest.raises(ValueError, match=f"no {SETTINGS_FILE}"):
+        check_checkpoint(str(tmp_path / "checkpoint-2"), SETTINGS)

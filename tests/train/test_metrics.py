@@ -143,3 +143,16 @@ def test_two_ranks_share_the_step_mean(tmp_path, monkeypatch):
     for name in grads[0]:
         torch.testing.assert_close((grads[0][name] + grads[1][name]) / 2, model.get_parameter(name).grad, msg=name,
                                    atol=1e-6, rtol=1e-4)
+
+
+def test_an_interval_without_mask_rows_logs_no_mask_ratios():
+    """A log interval whose samples were all too short for a span has no scored mask row: the mask
+    ratios are left out of the log (a 0/0 would crash the run at its log step). Catches a ratio
+    taken without checking its count."""
+    logits, labels, _ = batch(3)
+    sums = MetricSums()
+    _, stats = space_loss(logits, labels, torch.full((2, 12), -1), 1.0, K, chain_weight=0.5)
+    sums.add(stats, short_samples=2, batches=1)
+    got = sums.reduce()
+    assert got["ar_loss"] > 0 and got["short_samples"] == 2.0
+    assert not any(k.startswith("mask_") or k.startswith("chain_") for k in got), got

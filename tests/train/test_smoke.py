@@ -144,3 +144,44 @@ def test_failed_smoke_names_the_users_config_and_keeps_its_log(tmp_path):
     log = Path(err.partition("(log: ")[2].partition(")")[0])
     assert log.parent == ROOT / "runs" / "smoke" and "no_such_key" in log.read_text()
     log.unlink()
+
+
+def test_last_loss_refuses_a_missing_or_non_finite_loss(tmp_path):
+    """The smoke's first check: the loss logged at step 2. Catches a check that lets a NaN or inf
+    loss through (the smoke would then report a diverged config as passed)."""
+    from space.train.smoke import last_loss
+
+    with pytest.raises(ValueError, match="did not reach step 2"):
+        last_loss(tmp_path)
+    (tmp_path / "checkpoint-2").mkdir()
+    state = tmp_path / "checkpoint-2" / "trainer_state.json"
+    for loss in ("NaN", "Infinity"):
+        state.write_text(f'{{"log_history": [{{"loss": 1.5, "step": 1}}, {{"loss": {loss}, "step": 2}}]}}')
+        with pytest.raises(ValueError, match="the loss at step 2 is"):
+            last_loss(tmp_path)
+    state.write_text('{"log_history": [{"loss": 1.5, "step": 1}, {"loss": 1.25, "step": 2}]}')
+    assert last_loss(tmp_path) == 1.25
+
+
+def test_check_trained_refuses_a_full_artifact_without_the_models_tensors(tiny_artifact):
+    """Checked as full mode, the frozen-base artifact holds none of the stand-in's weight matrices:
+    nothing trained was found, which must fail, not pass as "0 of 0 did not change"."""
+    stand_in, artifact = tiny_artifact
+    with pytest.raises(ValueError, match=r"0 of 0 trained tensors .*none found"):
+        check_trained(artifact, stand_in, {"mode": "full", "mask_num": 3})
+
+
+def test_a_smoke_whose_space_output_differs_from_ar_fails(tmp_path, monkeypatch):
+    """Everything else passed, but greedy SPACE decoding differs from AR on the saved artifact: the
+    smoke must raise (non-zero exit), not print exact=NO and return."""
+    from space.train import smoke
+
+    monkeypatch.setattr(smoke, "launch", lambda args, env, log_path, timeout: (0, ""))
+    monkeypatch.setattr(smoke, "last_loss", lambda run_dir: 1.0)
+    monkeypatch.setattr(smoke, "check_trained", lambda artifact, stand_in, config: "checked")
+    monkeypatch.setattr(smoke, "size_of", lambda path: 0)
+    monkeypatch.setattr(smoke, "decode_check", lambda stand_in, artifact, mode: (False, 16))
+    with pytest.raises(ValueError, match="greedy SPACE output differs from AR"):
+        smoke.run_smoke("configs/train/tiny_smoke.yaml", work_dir=str(tmp_path / "work"))
+    monkeypatch.setattr(smoke, "decode_check", lambda stand_in, artifact, mode: (True, 16))
+    assert smoke.run_smoke("configs/train/tiny_smoke.yaml", work_dir=str(tmp_path / "work"))["exact"]

@@ -61,8 +61,10 @@ def interrupt_and_resume(whole: Path, resumed: Path, n: int) -> None:
     shutil.copytree(whole / f"checkpoint-{n}", resumed / f"checkpoint-{n}")
 
 
-@pytest.mark.parametrize("mode", ["full", "lora", "frozen-base"])
-def test_resume_after_n_steps_is_bit_exact(tmp_path, capsys, mode):
+@pytest.mark.parametrize("mode, extra", [("full", ()), ("lora", ()), ("frozen-base", ()),
+                                         ("frozen-base", ("--sampler_head", "true", "--sampler_width", "24"))],
+                         ids=["full", "lora", "frozen-base", "sampler-head"])
+def test_resume_after_n_steps_is_bit_exact(tmp_path, capsys, mode, extra):
     """Resume after 2 steps of a 4-step run == the same run uninterrupted, bit for bit: every tensor
     of the final artifact and every number logged per step. Without DeepSpeed nothing in between
     is allowed to differ (same seed, same process count, fp32 on CPU).
@@ -71,15 +73,20 @@ def test_resume_after_n_steps_is_bit_exact(tmp_path, capsys, mode):
     from the checkpoint's mask_embedding.safetensors. With that reload stubbed out the run starts
     steps 3-4 from fresh mask rows and this test fails (checked when it was written: the mask rows
     then end about 0.04 away; issue 59, finding 3). It would also fail on a lost optimizer or
-    scheduler state, the RNG state or the data loader's position."""
+    scheduler state, the RNG state or the data loader's position. With a sampler head, the resume
+    must also reload the head from the checkpoint's sampler_head.safetensors (else steps 3-4 train a
+    fresh head). And the resume must not train steps 1-2 again: a run restarted from scratch (the
+    checkpoint ignored) equals the whole one in full mode, so checkpoint-2 must stay as it was."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    args = [*RESUME_ARGS, "--mode", mode]
+    args = [*RESUME_ARGS, "--mode", mode, *extra]
     train_main([*args, "--output_dir", str(whole)])
     interrupt_and_resume(whole, resumed, 2)
+    saved_at_2 = {p.name: p.read_bytes() for p in (resumed / "checkpoint-2").iterdir() if p.is_file()}
     capsys.readouterr()
     train_main([*args, "--output_dir", str(resumed)])
     assert "resuming: 2 of 4 steps done" in capsys.readouterr().out
     assert not (resumed / "checkpoint-2" / "global_step2").exists()  # no DeepSpeed here
+    assert {p.name: p.read_bytes() for p in (resumed / "checkpoint-2").iterdir() if p.is_file()} == saved_at_2
 
     expected, got = final_tensors(whole), final_tensors(resumed)
     assert expected.keys() == got.keys()

@@ -1,0 +1,42 @@
+"""SpaceTrainer's callbacks (``space.train.callbacks``): the epoch seed and the time budget."""
+from types import SimpleNamespace
+
+from transformers import TrainerControl, TrainerState
+
+from space.data.collator import SpaceCollator
+from space.train import callbacks
+from space.train.callbacks import EpochSeedCallback, TimeBudgetCallback
+
+
+def test_the_collator_learns_each_epoch():
+    """Spans are drawn afresh every epoch (DESIGN §3.2) only if the collator is told the epoch.
+    Catches a callback that leaves it at 0 (every epoch would train the same spans)."""
+    import torch
+
+    collator = SpaceCollator(torch.tensor([300]), 2, 0, spans_per_sample=2, seed=7)
+    sample = [{"input_ids": list(range(10, 50)), "prompt_len": 5, "idx": i} for i in range(3)]
+    cb = EpochSeedCallback(collator)
+    seen = []
+    for epoch in (0.0, 1.0, 2.0):
+        cb.on_epoch_begin(None, TrainerState(epoch=epoch), TrainerControl())
+        seen.append((collator.epoch, collator(sample)["mask_offset"].tolist(), collator(sample)["labels"].tolist()))
+    assert [e for e, *_ in seen] == [0, 1, 2]
+    assert seen[0][1:] != seen[1][1:] and seen[1][1:] != seen[2][1:]  # fresh spans
+
+
+def test_the_time_budget_counts_from_the_first_step(monkeypatch):
+    """A 1-minute budget with 25-second steps stops after step 3 (75 s), and saves there. Catches
+    a clock restarted at every step (a budget no step alone exceeds would never stop the run)."""
+    now = [1000.0]
+    monkeypatch.setattr(callbacks.time, "monotonic", lambda: now[0])
+    cb, args = TimeBudgetCallback(minutes=1.0), SimpleNamespace(device="cpu")
+    stopped = []
+    for step in range(1, 6):
+        control = TrainerControl()
+        cb.on_step_begin(args, None, control)
+        now[0] += 25.0
+        cb.on_step_end(args, None, control)
+        if control.should_training_stop:
+            assert control.should_save
+            stopped.append(step)
+    assert stopped[:1] == [3]
