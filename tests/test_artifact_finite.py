@@ -65,3 +65,45 @@ def test_load_space_refuses_a_full_checkpoint_with_a_nan_weight(tmp_path):
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"model.safetensors:{key}"):
         load_space(model=str(out))
+
+
+def test_a_refused_save_keeps_the_previous_artifact_and_writes_readable_files(tmp_path):
+    """Catches save_artifact removing the old artifact before the new one passed its checks (a
+    diverged run's save then loses the good one), and skipping the chmod (mkdtemp's 0700 left the
+    artifact unreadable to other users)."""
+    model, tok, spec = _model("frozen-base")
+    out = save_artifact(tmp_path / "a", model, tok, spec, "frozen-base", {"base_model": TINY})
+    assert (out.stat().st_mode & 0o777, (out / MASK_EMBEDDING).stat().st_mode & 0o777) == (0o755, 0o644)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with torch.no_grad():
+        mask_embedding(model).mask_rows[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        save_artifact(out, model, tok, spec, "frozen-base", {"base_model": TINY})
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+@pytest.mark.parametrize("shape", [(2, 64), (1, 32)])
+def test_save_refuses_mask_rows_of_another_shape(tmp_path, shape):
+    """Catches check_artifact skipping the mask rows' count or width: a gathered state dict with
+    rows of another shape would be written as an artifact no model can load."""
+    model, tok, spec = _model("frozen-base")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    key = next(k for k in state if k.endswith(".mask_rows"))
+    state[key] = torch.ones(shape)
+    with pytest.raises(ValueError, match=rf"mask rows of shape \({shape[0]}, {shape[1]}\)"):
+        save_artifact(tmp_path / "a", model, tok, spec, "frozen-base", {"base_model": TINY}, state_dict=state)
+    assert not any(tmp_path.iterdir())
+
+
+def test_load_space_refuses_a_full_checkpoint_missing_a_layer_weight(tmp_path):
+    """Catches check_shapes ignoring a missing layer weight: from_pretrained would fill it with a
+    fresh random init and load a wrong model with only a log line."""
+    model, tok, spec = _model("full")
+    out = save_artifact(tmp_path / "full", model, tok, spec, "full", {"base_model": TINY})
+    weights = load_file(out / "model.safetensors")
+    key = next(k for k in weights if k.endswith("layers.1.mlp.down_proj.weight"))
+    del weights[key]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"missing {key}"):
+        load_space(model=str(out))

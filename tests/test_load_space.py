@@ -98,3 +98,129 @@ def test_kernels_fast_packs_for_inference_and_generate_stays_exact(tmp_path):
     assert not any(isinstance(m, PackedLinear) for m in stock.modules())
     with pytest.raises(ValueError, match="kernels must be one of"):
         load_space(adapter=adapter, kernels="turbo")
+
+
+# ---- damaged or mismatched artifact files: each refused with a clear ValueError (mutation audit 2) ----
+
+import json  # noqa: E402
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from space.artifact import read_lora  # noqa: E402
+from space.loader import warm_start  # noqa: E402
+
+
+def _edit_json(path, **changes):
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def _r0(a):
+    _edit_json(a / "adapter_config.json", r=0)
+
+
+def _dora(a):
+    _edit_json(a / "adapter_config.json", use_dora=True)
+
+
+def _other_rank(a):
+    _edit_json(a / "adapter_config.json", r=8)  # the weights are rank 16: another scaling, another model
+
+
+def _extra_key(a):
+    state = load_file(a / "adapter_model.safetensors")
+    state["base_model.model.lm_head.weight"] = torch.zeros(4, 4)
+    save_file(state, a / "adapter_model.safetensors")
+
+
+def _no_mask_ids(a):
+    cfg = json.loads((a / "space_config.json").read_text())
+    del cfg["mask_token_ids"]
+    (a / "space_config.json").write_text(json.dumps(cfg))
+
+
+def _json_list(a):
+    (a / "space_config.json").write_text("[1, 2]")
+
+
+def _scalar_mask_rows(a):
+    save_file({"mask_rows": torch.full((1, 1), 0.5)}, a / "mask_embedding.safetensors")
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (_r0, "r must be >= 1, got 0"),
+    (_dora, "only plain LoRA adapters load here"),
+    (_other_rank, "not rank 8"),
+    (_extra_key, "unexpected keys"),
+    (_no_mask_ids, "missing mask_token_ids"),
+    (_json_list, "not an object"),
+    (_scalar_mask_rows, r"mask rows of shape \(1, 1\)"),
+])
+def test_damaged_adapter_is_refused_naming_the_fault(tmp_path, damage, fragment):
+    """Catches a dropped check in read_lora (r >= 1, plain LoRA only, every A of rank r, no unpaired
+    key), read_space_config (every required key), read_json (an object) or copy_mask_rows (rows of
+    the model's shape: (1, 1) rows would broadcast into every mask row and load a wrong model silently)."""
+    adapter = _artifact(tmp_path / "a", "frozen-base")
+    damage(adapter)
+    with pytest.raises(ValueError, match=fragment):
+        load_space(adapter=adapter)
+
+
+def test_a_full_checkpoint_passed_as_adapter_says_so(tmp_path):
+    """Catches load_space reading a full checkpoint as an adapter (then a bare missing-file error)."""
+    model, tok = tiny_random_llama(seed=0)
+    peft_model, spec = prepare_model(model, tok, "full", mask_num=3)
+    out = save_artifact(tmp_path / "full", peft_model, tok, spec, "full", {"base_model": TINY})
+    with pytest.raises(ValueError, match="is a full checkpoint: pass it as the model"):
+        load_space(adapter=out)
+
+
+def test_rslora_scaling_is_alpha_over_sqrt_r(tmp_path):
+    """Catches read_lora ignoring use_rslora (B scaled by alpha / r instead of alpha / sqrt(r))."""
+    adapter = _artifact(tmp_path / "a", "frozen-base")
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    raw = load_file(adapter / "adapter_model.safetensors")
+    _edit_json(adapter / "adapter_config.json", use_rslora=True)
+    name, (_, b) = next(iter(read_lora(adapter).items()))
+    want = raw[f"base_model.model.{name}.lora_B.weight"] * (cfg["lora_alpha"] / cfg["r"] ** 0.5)
+    torch.testing.assert_close(b, want)
+
+
+def test_a_base_whose_mask_id_differs_is_refused(tmp_path):
+    """Catches load_space dropping the mask-id check: a base whose tokenizer has one more token gives
+    the mask another id, and the adapter's mask rows would sit on the wrong token."""
+    adapter = _artifact(tmp_path / "a", "frozen-base")
+    other, tok = tiny_random_llama(seed=0)
+    tok.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    other.save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
+    with pytest.warns(UserWarning, match="trained on base model"), pytest.raises(ValueError, match="differ from the adapter's"):
+        load_space(str(tmp_path / "other"), adapter)
+
+
+def test_the_recorded_base_named_by_another_path_loads_silently(tmp_path, monkeypatch):
+    """Catches model_identity comparing unresolved paths: the same directory named relatively and
+    absolutely warned of a wrong base model."""
+    base, tok = tiny_random_llama(seed=0)
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    peft_model, spec = prepare_model(*load_model(str(tmp_path / "base")), "frozen-base", mask_num=3)
+    adapter = save_artifact(tmp_path / "a", peft_model, tok, spec, "frozen-base", {"base_model": str(tmp_path / "base")})
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        load_space("base", adapter)
+        load_space("./sub/../base", adapter)
+
+
+def test_warm_start_refuses_an_adapter_missing_lora_layers(tmp_path):
+    """Catches warm_start ignoring LoRA layers the artifact lacks (other lora_targets): they would
+    silently start from zero."""
+    model, tok = tiny_random_llama(seed=0)
+    few, spec = prepare_model(model, tok, "frozen-base", mask_num=3, lora_targets=["q_proj"])
+    adapter = save_artifact(tmp_path / "a", few, tok, spec, "frozen-base", {"base_model": TINY})
+    many, spec2 = prepare_model(*tiny_random_llama(seed=0), "frozen-base", mask_num=3)
+    with pytest.raises(ValueError, match="LoRA layers differ.*missing"):
+        warm_start(many, adapter, "frozen-base", spec2)

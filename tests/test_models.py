@@ -67,3 +67,57 @@ def test_real_smollm2_loads_and_decodes_python():
     assert out.new_ids == ar.new_ids
     code = tok.decode(out.new_ids, skip_special_tokens=True)
     assert code.strip() and any(w in code for w in ("def", "return", "for", "```", "(")), code
+
+
+def test_mask_num_bounds_and_mask_diff_k():
+    """Catches an off-by-one at MAX_MASK_NUM (k = MAX must pass) and a dropped check that k fits the
+    per-offset mask tokens of a mask_diff model."""
+    check_mask_num(MAX_MASK_NUM)
+    spec = add_mask_tokens(*load_model("tiny-random-llama"), 4, mask_diff=True)
+    with pytest.raises(ValueError, match="per-offset mask tokens"):
+        spec.ids_for(5)
+
+
+def test_mask_rows_resized_and_set_to_the_mean_in_both_untied_matrices(tmp_path):
+    """Catches add_mask_tokens skipping the resize when the first mask id equals the vocabulary size
+    (off by one), leaving an untied LM head's mask row unset, and losing mask_diff on a reload."""
+    from space.models import tiny_random_llama
+
+    single, single_tok = tiny_random_llama(vocab_size=1)  # vocabulary = tokenizer: the mask id is one past it
+    rows = single.get_input_embeddings().weight.shape[0]
+    assert add_mask_tokens(single, single_tok, 2).token_ids == (rows,)
+    assert single.get_input_embeddings().weight.shape[0] == rows + 1
+    model, tok = tiny_random_llama(vocab_size=1, tie_word_embeddings=False)
+    rows = model.get_input_embeddings().weight.shape[0]
+    spec = add_mask_tokens(model, tok, 2, mask_diff=True)
+    assert spec.token_ids == (rows, rows + 1) and model.get_input_embeddings().weight.shape[0] == rows + 2
+    for mat in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        for i in spec.token_ids:
+            torch.testing.assert_close(mat[i], mat[:rows].mean(0))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert mask_spec(load_model(str(tmp_path))[0]) == spec
+
+
+def test_non_finite_embeddings_give_no_mask_rows():
+    """Catches add_mask_tokens dropping its finiteness check (a NaN embedding row made NaN mask rows)."""
+    model, tok = load_model("tiny-random-llama")
+    with torch.no_grad():
+        model.get_input_embeddings().weight[7, 3] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        add_mask_tokens(model, tok, 3)
+
+
+def test_dtype_names_and_tiny_model_leaves_the_callers_rng_alone():
+    """Catches a wrong dtype alias (fp16 loading bf16) and tiny_random_llama reseeding the caller's RNG."""
+    from space.models import parse_dtype, tiny_random_llama
+
+    assert [parse_dtype(n) for n in ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")] == [
+        torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float16, torch.float16]
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_dtype("int8")
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    tiny_random_llama(seed=0)
+    assert torch.equal(torch.rand(3), want)

@@ -191,3 +191,41 @@ def test_probe_ranks_with_head_by_hand(headed):
                 continue
             true = logits[j, ids[e + j + 1]]
             assert got[i, j] == int((logits[j] > true).sum()), (e, j)
+
+
+@pytest.mark.parametrize("entry", [{"width": 0}, {"width": -3}, {"width": True}, {"width": 2.5}, {}, 24])
+def test_a_bad_sampler_head_entry_is_refused(entry):
+    """An adapter's ``sampler_head`` entry must name a width >= 1: width 0 would build a head of the
+    model's width (``SamplerHead``'s default) whatever the saved weights are. Catches a bound
+    check that lets 0 through."""
+    from space.artifact import sampler_width
+
+    with pytest.raises(ValueError, match="bad sampler_head entry"):
+        sampler_width({"sampler_head": entry}, "adapter/space_config.json")
+    assert sampler_width({"sampler_head": {"width": 24}}) == 24 and sampler_width({}) is None
+
+
+def test_a_sampler_head_of_another_width_is_refused_naming_the_file(tmp_path):
+    """Weights saved from a head of width 24 loaded into one of width 32: a ValueError naming the
+    file and the width, not torch's bare size-mismatch RuntimeError (or a silent partial copy)."""
+    from space.artifact import load_sampler_head, save_sampler_head
+    from space.sampler_head import SamplerHead
+
+    path = tmp_path / "sampler_head.safetensors"
+    save_sampler_head(SamplerHead(16, 24), path)
+    with pytest.raises(ValueError, match=r"sampler_head\.safetensors.*width 32"):
+        load_sampler_head(SamplerHead(16, 32), path)
+    head = SamplerHead(16, 24)
+    load_sampler_head(head, path)  # the same width loads
+
+
+def test_the_head_takes_the_models_dtype_and_device():
+    """On a bf16 model the head is bf16 too: an fp32 head would feed fp32 hidden states to the
+    bf16 LM head (a dtype error, or a silent upcast of every draft)."""
+    from space.models import tiny_random_llama
+
+    model, _ = tiny_random_llama(seed=0)
+    model = model.to(torch.bfloat16)
+    head = add_sampler_head(model, 8)
+    assert {p.dtype for p in head.parameters()} == {torch.bfloat16}
+    assert sampler_head(model) is head
