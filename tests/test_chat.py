@@ -154,3 +154,16 @@ def test_ctrl_c_stops_the_reply_not_the_chat(tmp_path):
         assert rc_file.read_text().strip() == "0"
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+
+
+def test_a_turn_that_does_not_fit_is_dropped_from_the_history(capsys):
+    """Catches keeping the refused user message: the next turn would carry it (and fail again).
+    Also --top-p above 1 is refused."""
+    model, tok, spec = load_space("tiny-random-llama", None, 3)
+    chat = Chat(model, tok, SpaceDecoder(model, spec), SamplingConfig(), 5000, out=io.StringIO())
+    with pytest.raises(ValueError):
+        chat.reply("hello")
+    assert chat.messages == []
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--top-p", "1.5"])
+    assert exit_info.value.code == 2 and "--top-p must lie in (0, 1]" in capsys.readouterr().err

@@ -31,3 +31,13 @@ def test_training_holds_the_dev_set_out():
     examples = load_examples("mbpp") + load_examples("lima")
     kept, dropped = drop_dev_set(examples, None)
     assert dropped == 130 and len(kept) == len(examples) - 130
+
+
+def test_prompt_key_covers_every_message():
+    """Catches a key of the last message only: two follow-ups with the same text after other
+    conversations would be deduplicated into one."""
+    from space.data.dev_set import prompt_key
+
+    a = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "More?"}]
+    b = [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "More?"}]
+    assert prompt_key(a) != prompt_key(b) and prompt_key(a) == prompt_key([dict(m) for m in a])

@@ -100,3 +100,18 @@ def test_distill_magpie_source_end_to_end(tmp_path, monkeypatch):
     assert again["new_rows_this_run"] == 0 and again["rows"] == manifest["rows"]
     with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
         distill_mod.distill(out, "tiny-random-llama", {"magpie": 3}, batch_size=2, max_new_tokens=7, magpie=settings)
+
+
+def test_leak_checks_at_their_bounds():
+    """A 13-word run of a long evaluation prompt, a 6-word evaluation prompt inside a longer
+    request, and a near copy with no 13-word run in common (MinHash) are each a leak. Catches
+    an off-by-one in either n-gram bound and a dropped MinHash leak check."""
+    long_eval = " ".join(f"w{i}" for i in range(60))
+    f = PromptFilter([long_eval, "sort the numbers in descending order"])
+    assert f.verdict(" ".join(f"w{i}" for i in range(20, 33))) == "leak"  # exactly 13 words of it
+    assert f.verdict("Please help me out today: sort the numbers in descending order, and then print "
+                     "every one of them on its own separate line for my report") == "leak"
+    near = [f"w{i}" for i in range(60)]
+    near[12], near[25], near[38], near[51] = "x", "y", "z", "v"  # longest shared run: 12 words
+    assert f.verdict(" ".join(near)) == "leak"
+    assert f.counts == {"leak": 3}

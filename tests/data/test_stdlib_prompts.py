@@ -40,3 +40,16 @@ def test_distill_sources_include_stdlib(prompts):
     got = collect_prompts({"stdlib": 5, "mbpp": 3})
     assert [p["source"] for p in got] == ["stdlib"] * 5 + ["mbpp"] * 3
     assert got[0]["id"] == f"stdlib/{prompts[0].name}" and got[0]["prompt"][0]["content"] == prompts[0].prompt
+
+
+def test_a_docstring_holding_a_task_text_is_dropped(tmp_path, monkeypatch):
+    """Catches dropping the task-text check: a function under another name whose docstring
+    states an MBPP task must not become a prompt (the real stdlib has none, so plant one)."""
+    from space.data import stdlib_prompts as mod
+
+    _, texts = eval_entry_points()
+    body = '    """{}\n\n    More words so that the docstring is long enough to keep."""\n    return 1\n'
+    (tmp_path / "planted.py").write_text("def leaky(x):\n" + body.format(texts[0]) +
+                                         "def clean(x):\n" + body.format("Return the value unchanged, always."))
+    monkeypatch.setattr(mod, "stdlib_root", lambda: tmp_path)
+    assert [p.name for p in mod.stdlib_prompts.__wrapped__()] == ["planted.clean"]

@@ -148,3 +148,36 @@ def test_the_lora_acts_from_the_first_mask_row(tiny, config):
         assert start == next((i for i, t in enumerate(ids) if t in masks), None), (ids, start)
         assert start is not None or config.tree == "dynamic"  # a chain step always has G_0
     assert any(start is not None for _, start in seen[1:])
+
+
+def test_slab_cache_edges():
+    """Catches a growth check one slot late (a write that ends one past the slab fails), a crop
+    past the start that leaves a negative length, a positive crop count taken silently, and a
+    zero-slot slab accepted."""
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        SlabCache(LAYERS, 0)
+    cache = SlabCache(LAYERS, 4)
+    for n in (4, 1):  # exactly full, then one past: that write grows the slab
+        for layer in range(LAYERS):
+            cache.update(torch.ones(1, HEADS, n, DIM), torch.ones(1, HEADS, n, DIM), layer)
+    assert cache.get_seq_length() == 5 and cache.slab.slots >= 5
+    with pytest.raises(ValueError, match="negative count"):
+        cache.layers[0].crop(2)
+    cache.crop(-9)
+    assert [layer.get_seq_length() for layer in cache.layers] == [0] * LAYERS
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [0] * LAYERS
+
+
+def test_slab_cache_forward_equals_the_dynamic_cache(tiny):
+    """A model run on a SlabCache (prefill, then a 3-token block) gives the logits of a
+    DynamicCache. Catches wrong mask sizes or views reported to the attention."""
+    from space.decoding.cache import cache_input
+
+    model = tiny[0]
+    ids = torch.arange(20, 32)[None]
+    logits = []
+    for cache in (SlabCache(model.config.num_hidden_layers, 8), DynamicCache()):
+        with torch.inference_mode():
+            model(input_ids=ids[:, :9], **cache_input(cache), use_cache=True)
+            logits.append(model(input_ids=ids[:, 9:], **cache_input(cache), use_cache=True).logits)
+    torch.testing.assert_close(logits[0], logits[1])

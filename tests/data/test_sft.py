@@ -1,0 +1,108 @@
+"""Instruction rows -> examples -> token ids (space.data.sft): each format's fields, malformed rows
+refused with the row named, and the tokenized sample's prompt/response split the collator trains on."""
+import json
+
+import pytest
+
+from space.data.prompts import chat_ids
+from space.data.sft import load_examples, to_example, tokenize
+from space.models import tiny_tokenizer
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_alpaca_input_and_history_go_into_the_context():
+    """Catches dropping the Alpaca ``input`` field (the task's data) from the question."""
+    ex = to_example({"instruction": "Sum these.", "input": "1 2 3", "output": "6",
+                     "history": [["hi", "hello"]]})
+    assert ex.context == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                          {"role": "user", "content": "Sum these.\n\n1 2 3"}]
+    assert ex.response == "6"
+    assert to_example({"instruction": "Q", "input": "", "output": "A"}).context == [{"role": "user", "content": "Q"}]
+
+
+def test_sharegpt_response_is_the_last_assistant_turn():
+    """Catches taking the first assistant turn (or any other) as the response of a multi-turn chat:
+    the earlier turns are context, the last assistant turn the target."""
+    ex = to_example({"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                                       {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"},
+                                       {"from": "human", "value": "trailing question, unanswered"}]})
+    assert ex.response == "a2"
+    assert ex.context == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+                          {"role": "user", "content": "q2"}]
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"instruction": "q", "output": "a", "history": [["q0", "a0", "extra"]]}, "'history' must be a list of"),
+    ({"instruction": "q", "output": "a", "history": [["q0"]]}, "'history' must be a list of"),
+    ({"prompt": "q", "response": "  \n\t"}, "empty or non-string response"),
+    ({"prompt": "q", "response": 3}, "empty or non-string response"),
+    ({"prompt": [], "response": "a"}, "missing or non-string prompt"),
+    ({"conversations": [{"from": "gpt", "value": "an answer to nothing"}]}, "missing or non-string prompt"),
+    ({"conversations": [{"from": "human", "value": "q"}]}, "no assistant turn"),
+])
+def test_malformed_rows_are_refused_naming_the_row(tmp_path, row, message):
+    """Catches a dropped check: a history turn that is not a [question, answer] pair, a blank
+    response (nothing to train on), or a response with no prompt before it, each loaded silently."""
+    path = _jsonl(tmp_path / "rows.jsonl", [{"prompt": "fine", "response": "ok"}, row])
+    with pytest.raises(ValueError, match=rf"rows.jsonl: row 1: .*{message}"):
+        load_examples(path)
+
+
+def test_a_json_file_must_hold_a_list(tmp_path):
+    """Catches accepting a .json object (its keys would be read as rows)."""
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"prompt": "q", "response": "a"}))
+    with pytest.raises(ValueError, match="rows.json: expected a JSON list of rows"):
+        load_examples(str(path))
+
+
+def test_a_malformed_row_is_named_by_its_line_after_the_source_filter(tmp_path):
+    """Catches numbering rows after the ``sources`` filter: the error must name the row's place in
+    the file (row 3), not its place among the kept rows (row 1)."""
+    rows = [{"source": "lima", "prompt": "q", "response": "a"}, {"source": "mbpp", "prompt": "q", "response": "a"},
+            {"source": "mbpp", "prompt": "q2", "response": "b"}, {"source": "lima", "prompt": "q3", "response": ""}]
+    with pytest.raises(ValueError, match=r"rows.jsonl: row 3: empty"):
+        load_examples(_jsonl(tmp_path / "rows.jsonl", rows), sources=["lima"])
+
+
+def test_tokenize_splits_prompt_and_response_as_the_chat_template():
+    """Catches a wrong ``prompt_len`` (the collator trains on the tokens after it: a short one
+    trains on the prompt), input ids that are not the template's rendering of the whole chat, a wrong
+    ``idx`` (it seeds the sample's spans) and an off-by-one in the truncation or in the drop of
+    samples whose prompt fills ``max_length``."""
+    tok = tiny_tokenizer()
+    examples = [to_example({"prompt": "Hi", "response": "Hello there"}),
+                to_example({"prompt": "x" * 200, "response": "long prompt"}),
+                to_example({"prompt": "Why?", "response": "Because."})]
+    data = tokenize(examples, tok, max_length=64)
+    assert [row["idx"] for row in data] == [0, 2]  # the 200-byte prompt alone fills 64 tokens: dropped
+    for row, ex in zip(data, [examples[0], examples[2]]):
+        prompt = chat_ids(tok, ex.context)
+        full = chat_ids(tok, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
+        assert row["prompt_len"] == len(prompt) and row["input_ids"] == full
+        assert tok.decode(row["input_ids"][row["prompt_len"]:]) == f"{ex.response}<|im_end|>\n"
+    prompt_len = data[0]["prompt_len"]
+    cut = tokenize(examples[:1], tok, max_length=prompt_len + 3)[0]  # cut inside the response
+    assert cut["input_ids"] == data[0]["input_ids"][: prompt_len + 3] and cut["prompt_len"] == prompt_len
+    assert len(tokenize(examples[:1], tok, max_length=prompt_len + 2)) == 1  # room for 2 tokens: kept
+    assert len(tokenize(examples[:1], tok, max_length=prompt_len + 1)) == 0  # room for 1: dropped
+
+
+def test_tokenize_falls_back_when_the_template_rerenders_the_prompt():
+    """A template that renders the prompt differently once an answer follows it (here: a system
+    line only with the generation prompt): the sample is the prompt as generation sees it, the
+    response and EOS. Catches inverting the prefix check (or dropping the fallback)."""
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% if add_generation_prompt %}sys\n{% endif %}{% for m in messages %}"
+                         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    ex = to_example({"prompt": "Hi", "response": "Hello"})
+    [row] = tokenize([ex], tok, max_length=64)
+    prompt = chat_ids(tok, ex.context)
+    assert tok.decode(prompt) == "sys\nuser: Hi\nassistant: "
+    assert row["prompt_len"] == len(prompt)
+    assert row["input_ids"] == prompt + tok("Hello", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

@@ -1,0 +1,92 @@
+"""space.distill on a stub model that answers fixed texts: greedy batches cut at EOS, what is
+skipped, single-turn prompts only, and a plain .jsonl output that resumes after a torn append
+without losing or repeating a row."""
+import json
+
+import pytest
+import torch
+
+from space.data.prompts import chat_ids
+from space.distill import Distiller, MagpieSettings, collect_prompts, greedy_batches
+from space.models import tiny_tokenizer
+
+
+class StubModel:
+    """``generate`` answers each left-padded prompt with ``answers[user text]`` (+ EOS unless the
+    text is in ``unfinished``), padded on the right like HF's batched output."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tok, answers, unfinished=()):
+        self.tok, self.answers, self.unfinished = tok, answers, set(unfinished)
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        tok, rows = self.tok, []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            assert mask[-1] == 1, "prompts must be padded on the left"
+            prompt = tok.decode([i for i, m in zip(ids, mask) if m])
+            user = next(u for u in self.answers if f"user\n{u}<|im_end|>" in prompt)
+            new = tok(self.answers[user], add_special_tokens=False)["input_ids"]
+            rows.append(ids + new + ([] if user in self.unfinished else [tok.eos_token_id]))
+        width = max(map(len, rows))
+        return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+
+
+def test_greedy_batches_cut_at_eos_shortest_first():
+    """Catches keeping the EOS (or anything after it) in an answer, a wrong ``finished`` flag, and
+    the tokenizer's padding side left changed."""
+    tok = tiny_tokenizer()
+    model = StubModel(tok, {"a longer question": "one", "q": "two", "mid q": "three"}, unfinished={"mid q"})
+    prompts = [{"text": t, "ids": chat_ids(tok, [{"role": "user", "content": t}])} for t in model.answers]
+    side = tok.padding_side
+    batches = list(greedy_batches(model, tok, prompts, batch_size=2))
+    assert [[p["text"] for p, _, _ in b] for b in batches] == [["q", "mid q"], ["a longer question"]]
+    got = {p["text"]: (tok.decode(ids), done) for b in batches for p, ids, done in b}
+    assert got == {"q": ("two", True), "mid q": ("three", False), "a longer question": ("one", True)}
+    assert tok.padding_side == side
+
+
+def test_collect_prompts_takes_single_turn_prompts_once(tmp_path):
+    """Catches taking multi-turn rows (their context holds human answers, not the model's own)
+    and a limit that takes one prompt too many or counts skipped rows."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"instruction": "q0", "output": "a", "history": [["earlier", "human answer"]]},
+            {"prompt": "q1", "response": "a"}, {"prompt": "q1", "response": "dup"}, {"prompt": "q2", "response": "a"},
+            {"prompt": "q3", "response": "a"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = collect_prompts({str(path): None}, exclude_dev=False)
+    assert [p["id"].rsplit("/", 1)[1] for p in got] == ["1", "3", "4"]
+    assert all(len(p["prompt"]) == 1 for p in got)
+    assert [p["prompt"][0]["content"] for p in collect_prompts({str(path): 2}, exclude_dev=False)] == ["q1", "q2"]
+
+
+def test_distill_jsonl_skips_and_resumes_after_a_torn_append(tmp_path):
+    """Prompts over --max-prompt-tokens and blank answers are skipped (a prompt exactly at the
+    limit is kept); an interrupted run (torn last line) resumes with the missing rows only; a
+    resume with another model is refused. Catches resuming with a reader that fails on the torn
+    line, an output rewritten with only the new rows, an off-by-one in the prompt limit, blank
+    answers kept, and the model missing from the resume check."""
+    tok = tiny_tokenizer()
+    answers = {"Hiya": "Hello", "Hiya!": "too long", "Why?": "Because.", "Blk?": " \n ", "How?": "Like so."}
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": q, "response": "-"}) + "\n" for q in answers))
+    limit = len(chat_ids(tok, [{"role": "user", "content": "Hiya"}]))  # bytes: "Hiya!" is one token longer
+    out = tmp_path / "set.jsonl"
+
+    def run(model_name="stub"):
+        return Distiller(out, model_name, {str(source): None}, 2, 16, limit, None, MagpieSettings()).run(
+            StubModel(tok, answers), tok)
+
+    first = run()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["prompt"][0]["content"]: r["response"] for r in rows} == {"Hiya": "Hello", "Why?": "Because.", "How?": "Like so."}
+    assert all(r["finished"] and r["new_tokens"] == len(tok(r["response"])["input_ids"]) for r in rows)
+    assert first["skipped_this_run"] == {"prompt over --max-prompt-tokens": 1, "empty answer": 1}
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][:10])  # killed during the second append: one row whole, one torn
+    again = run()
+    assert again["new_rows_this_run"] == 2 and again["rows"] == 3
+    resumed = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(resumed, key=lambda r: r["id"]) == sorted(rows, key=lambda r: r["id"])
+    with pytest.raises(ValueError, match="other settings.*model"):
+        run("another-model")

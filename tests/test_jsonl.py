@@ -1,0 +1,61 @@
+"""space.jsonl: appends keep what was written before, whole-file writes are atomic and
+reproducible, and a damaged file is a ValueError naming it (the resume machinery's ground)."""
+import gzip
+
+import pytest
+
+from space.jsonl import append_jsonl, read_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
+
+
+def test_appends_keep_the_rows_already_written(tmp_path):
+    """Catches an append that truncates the file (opened "w"): a resumed run would lose every
+    record of the runs before it."""
+    path = tmp_path / "sub" / "rows.jsonl"
+    append_jsonl(path, [{"a": 1}, {"a": 2}])
+    append_jsonl(path, [{"a": 3}])
+    assert read_jsonl_resumable(path) == [{"a": 1}, {"a": 2}, {"a": 3}]
+    assert read_jsonl(path) == [{"a": 1}, {"a": 2}, {"a": 3}]
+
+
+def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
+    """The resume sequence: reread drops the torn last line, the next append lands whole."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2')
+    assert read_jsonl_resumable(path) == [{"a": 1}]
+    append_jsonl(path, [{"a": 2}])
+    assert read_jsonl_resumable(path) == [{"a": 1}, {"a": 2}]
+
+
+@pytest.mark.parametrize("name", ["out.json", "rows.jsonl"])
+def test_a_failed_write_leaves_the_old_file(tmp_path, name):
+    """Catches writing ``path`` in place instead of a temporary file renamed over it: a write
+    that fails part way (here: text that cannot be encoded) must leave the old file whole."""
+    path = tmp_path / name
+    write_text_atomic(path, '{"old": 1}\n')
+    with pytest.raises(UnicodeEncodeError):
+        if name.endswith(".jsonl"):
+            write_jsonl(path, [{"new": "\ud800"}])
+        else:
+            write_text_atomic(path, '{"new": "\ud800"}\n')
+    assert path.read_text() == '{"old": 1}\n'
+
+
+def test_gz_output_is_byte_for_byte_reproducible(tmp_path):
+    """Catches a gzip header with the write time in it: a committed .jsonl.gz would change on
+    every rewrite of the same rows."""
+    path = tmp_path / "rows.jsonl.gz"
+    write_jsonl(path, [{"a": "é"}])
+    raw = path.read_bytes()
+    assert raw[4:8] == b"\0\0\0\0"  # MTIME field of the gzip header (RFC 1952)
+    assert read_jsonl(path) == [{"a": "é"}]
+    assert not path.with_name(path.name + ".tmp").exists()
+
+
+@pytest.mark.parametrize("data", [b"not gzip at all\n", gzip.compress(b'{"a": 1}\n')[:-6]],
+                         ids=["not-gzip", "truncated"])
+def test_a_damaged_gz_file_is_a_value_error(tmp_path, data):
+    """Catches letting gzip's own OSError/EOFError through: a damaged .gz is bad input, named."""
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="rows.jsonl.gz: damaged file"):
+        read_jsonl(path)
