@@ -13,7 +13,7 @@ from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_genera
 from space.decoding.dynamic import LOOKUP, MASK, BUCKETS, AcceptanceStats, StepCost, bucket, calibrated, plan_step
 from space.masking import build_layout, tree_ancestors
 from tests.conftest import TRAINED_K, assert_cache_matches_fresh
-from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
+from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, sampled, small_vocab_model  # noqa: F401
 from tests.oracle import oracle_generate
 
 # ---------------------------------------------------------------------------------------------
@@ -162,12 +162,9 @@ def test_dynamic_sampling_matches_ar_distribution(small_vocab_model, temperature
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1000
     dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree="dynamic"))
-    counts, accepts, rows = {}, [], []
-    for seed in range(n):
-        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(temperature, top_p=top_p, seed=seed))
-        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
-        accepts += out.accept_lengths[1:]
-        rows += out.step_rows
+    counts, outs = sampled(dec, prompt, n, temperature=temperature, top_p=top_p)
+    accepts = [a for out in outs for a in out.accept_lengths[1:]]
+    rows = [r for out in outs for r in out.step_rows]
     assert max(accepts) >= 2 and max(rows) > 4  # trees with several nodes were verified and accepted
     assert chi2_pvalue(counts, exact, n) > ALPHA
 

@@ -12,7 +12,7 @@ from space.eval.probe import anchor_ranks
 from space.masking import previous_ids, to_additive_4d, train_layout
 from space.sampler_head import add_sampler_head, sampler_head
 from tests.conftest import TRAINED_K
-from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, small_vocab_model  # noqa: F401
+from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, sampled, small_vocab_model  # noqa: F401
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 
@@ -138,12 +138,8 @@ def test_sampling_with_head_matches_ar_distribution(small_headed, temperature, t
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1000
     dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree=tree))
-    counts, accepts = {}, []
-    for seed in range(n):
-        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(temperature, top_p=top_p, seed=seed))
-        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
-        accepts += out.accept_lengths[1:]
-    assert max(accepts) >= 2
+    counts, outs = sampled(dec, prompt, n, temperature=temperature, top_p=top_p)
+    assert max(a for out in outs for a in out.accept_lengths[1:]) >= 2
     assert chi2_pvalue(counts, exact, n) > ALPHA
 
 
@@ -159,12 +155,9 @@ def test_sampled_chain_with_head_one_group_shifts(small_vocab_model):
     exact = exact_distribution(model, prompt, SamplingConfig(1.0), length=length)
     dec = SpaceDecoder(model, spec, DecodeConfig(k, 1))
     assert dec.sampler is not None
-    counts, shifted = {}, 0
-    for seed in range(n):
-        out = dec.generate(torch.tensor(prompt), length, sampling=SamplingConfig(1.0, seed=seed))
-        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
-        # a step verifying 0 < m < k candidates drew them from offsets k - m.. of the one group
-        shifted += sum(0 < m < k for m in out.step_candidates)
+    counts, outs = sampled(dec, prompt, n, length, temperature=1.0)
+    # a step verifying 0 < m < k candidates drew them from offsets k - m.. of the one group
+    shifted = sum(0 < m < k for out in outs for m in out.step_candidates)
     assert shifted >= n // 4, shifted
     assert chi2_pvalue(counts, exact, n) > ALPHA
 

@@ -1,5 +1,6 @@
 """Exact speculative sampling preserves the target distribution (chi-square, fixed seeds)."""
 import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -79,6 +80,14 @@ def small_vocab_model():
     return model, spec
 
 
+def sampled(dec, prompt, n, length=3, processor=None, **sampling):
+    """``n`` SPACE generations of ``length`` tokens after ``prompt``, seeds 0..n-1 of
+    ``SamplingConfig(**sampling)``: (how often each emitted sequence came out, the results)."""
+    outs = [dec.generate(torch.tensor(prompt), length, sampling=SamplingConfig(**sampling, seed=seed),
+                         logits_processor=processor) for seed in range(n)]
+    return Counter(tuple(out.new_ids) for out in outs), outs
+
+
 def exact_distribution(model, prompt, cfg, length=3, processor=None):
     """P(t1..t_length | prompt) under AR sampling with ``cfg``, by enumeration (one batched forward
     of every continuation). ``processor`` (HF convention, (rows, seq) ids and (rows, vocab) scores)
@@ -132,11 +141,8 @@ def test_space_tree_sampling_with_rejected_siblings_matches_ar_distribution(smal
     prompt, n, temperature = [1, 3, 0, 2], 4000, 3.0
     exact = exact_distribution(model, prompt, SamplingConfig(temperature))
     dec = SpaceDecoder(model, spec, DecodeConfig(2, 1, tree=[[0], [1], [2], [1, 0], [1, 1], [0, 0]]))
-    counts, accepts = {}, []
-    for seed in range(n):
-        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(temperature, seed=seed))
-        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
-        accepts += out.accept_lengths[1:]
+    counts, outs = sampled(dec, prompt, n, temperature=temperature)
+    accepts = [a for out in outs for a in out.accept_lengths[1:]]
     assert min(accepts.count(a) for a in (0, 1, 2)) > n / 5  # rejections, siblings and grandchildren all ran
     assert chi2_pvalue(counts, exact, n) > ALPHA
 
@@ -166,12 +172,8 @@ def test_space_sampling_with_processor_or_top_k_matches_ar_distribution(small_vo
     assert sum(abs(exact[s] - plain[s]) for s in exact) / 2 > 0.1  # the setting matters here
     n = 1200
     dec = SpaceDecoder(model, spec, DecodeConfig(3, tree=tree))
-    counts, accepts = {}, []
-    for seed in range(n):
-        out = dec.generate(torch.tensor(prompt), 3, sampling=SamplingConfig(1.0, top_k=top_k, seed=seed),
-                           logits_processor=proc)
-        counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
-        accepts += out.accept_lengths[1:]
+    counts, outs = sampled(dec, prompt, n, processor=proc, temperature=1.0, top_k=top_k)
+    accepts = [a for out in outs for a in out.accept_lengths[1:]]
     assert max(accepts) >= 1 and (tree or (0 in accepts and max(accepts) >= 2))
     assert chi2_pvalue(counts, exact, n) > ALPHA
 
