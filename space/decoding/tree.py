@@ -108,20 +108,6 @@ def chain_depth(tree: Tree) -> int:
 
 # ---- construction -------------------------------------------------------------------------------
 
-def path_probs_from_table(table: Sequence[Sequence[float]]) -> dict[tuple[int, ...], float]:
-    """P(path right) = prod_d table[d][path[d]], ranks assumed independent across offsets.
-
-    Args:
-        table: (k, R) P(the true token at offset j has rank r in mask j's drafts).
-    """
-    probs: dict[tuple[int, ...], float] = {}
-    frontier = {(): 1.0}
-    for row in table:
-        frontier = {p + (r,): v * pr for p, v in frontier.items() for r, pr in enumerate(row)}
-        probs.update(frontier)
-    return probs
-
-
 def path_probs_from_ranks(ranks: Iterable[torch.Tensor], max_rank: int = 8) -> dict[tuple[int, ...], float]:
     """Measured P(path right): the share of anchors whose true tokens have exactly the path's ranks.
 

@@ -5,7 +5,7 @@ import torch
 
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 from space.decoding.sampling import logits_to_probs
-from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, path_probs_from_table, replay
+from space.decoding.tree import check_tree, grow_tree, parse_tree, path_probs_from_ranks, replay
 from space.decoding.verify import verify_tree_greedy, verify_tree_sampling
 from space.eval.probe import anchor_ranks
 from space.layout_cli import main as layout_main
@@ -205,6 +205,16 @@ def test_tree_sampling_with_three_siblings_and_grandchildren():
     m = int(after_c2.sum())
     assert m > 3000
     assert chi2_pvalue(dict(enumerate(after_c2.tolist())), dict(enumerate(p[2].tolist())), m) > ALPHA
+
+
+def path_probs_from_table(table):
+    """P(path right) = prod_d table[d][path[d]] for a (k, R) table of rank probabilities per offset
+    (ranks independent across offsets): hand-checkable inputs for grow_tree."""
+    probs, frontier = {}, {(): 1.0}
+    for row in table:
+        frontier = {p + (r,): v * pr for p, v in frontier.items() for r, pr in enumerate(row)}
+        probs.update(frontier)
+    return probs
 
 
 def test_grow_tree_from_a_table_by_hand():
