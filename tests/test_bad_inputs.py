@@ -122,6 +122,8 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-layout", ["--mode", "train", "--spans", "9"], 2, "group context lengths must lie in 1..6"),
     ("space-layout", ["--tree", "dynamic", "--draft-probs", "[[0.5,0.6]]"], 2,
      "--draft-probs: each mask's probabilities must be its top drafts in decreasing order"),
+    ("space-layout", ["--tree", "dynamic", "--draft-probs", "[[0.7,0.6]]"], 2,  # decreasing, but sums to 1.3
+     "drafts in decreasing order, summing to at most 1, got '[[0.7,0.6]]'"),
     ("space-layout", ["--tree", "dynamic", "-k", "2", "--draft-probs", "[[0.5],[0.4],[0.3]]"], 2,
      "--draft-probs must be a JSON list of 1..k = 1..2 masks"),
     ("space-layout", ["--tree", "dynamic", "--draft-probs", "0.5,"], 2, "--draft-probs: not JSON"),

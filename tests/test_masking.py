@@ -157,6 +157,15 @@ def test_space_layout_dynamic_example(capsys):
     assert main(["--tree", "chain", "-k", "2", "--num-groups", "2"]) == DRAWING
 
 
+def test_space_layout_tree_groups_stop_at_its_top1_chain():
+    """A tree's mask groups sit on x and its top-1 chain only: [[0],[1]] with k = 3 has a chain
+    of one node, so 2 groups by default, not k+1 = 4 (which failed: group rows past the tree)."""
+    from space.layout_cli import main
+
+    text = main(["--tree", "[[0],[1]]", "-k", "3"])
+    assert "G1m2" in text and "G2m0" not in text and "c2" in text
+
+
 def test_render_labels_padding_and_groups_of_different_lengths():
     lay = build_layout(2, 2, [1, 2], [1, 2], parents=[-1, 0], pad_to=7)
     names = [line.split()[3] for line in render(lay).splitlines()[1:]]

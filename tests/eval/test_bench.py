@@ -7,7 +7,7 @@ import torch
 
 import space.eval.bench as bench
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder
-from space.eval.bench import STEP_KEYS, context_overflow, generate, run_question
+from space.eval.bench import STEP_KEYS, Target, context_overflow, generate, run_question
 from space.eval.tasks import EvalTask
 from space.models import tiny_random_llama
 from space.tokens import add_mask_tokens
@@ -68,3 +68,26 @@ def test_context_check_counts_every_earlier_answer(monkeypatch):
         "prompt (30 tokens) + 2 x max_new_tokens (40) = 110 exceeds the model context 100"
     assert context_overflow(target, two, 35) is None
     assert context_overflow(target, EvalTask("q", "c", ["one"]), 90) is None  # 10 + 90
+
+
+def test_context_over_captured_steps_leaves_room_for_a_steps_rows(monkeypatch):
+    """Over captured steps the context is the cache's slots less a step's most rows: a question
+    that fits the slots but not that is skipped with why (checked against the slots alone, it ran
+    and overflowed the captured cache mid-answer)."""
+    monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [0] * (10 * len(messages)))
+    target = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1000)),
+                             tokenizer=None, graphs=SimpleNamespace(slots=120, max_rows=20))
+    one = EvalTask("q", "c", ["one"])
+    assert context_overflow(target, one, 95) == ("prompt (10 tokens) + max_new_tokens (95) = 105 exceeds the captured "
+                                                 "cache's 120 slots less a step's 20 rows (--capture-len)")
+    assert context_overflow(target, one, 90) is None
+
+
+def test_stop_ids_are_every_eos_of_the_model_and_tokenizer():
+    """A generation config may list several EOS ids (an end-of-turn token beside the tokenizer's
+    EOS): AR and SPACE stop at each, as HF generate does (taking one let them run past a reply's end)."""
+    def stops(eos, tok_eos=2):
+        model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
+        return Target(model, SimpleNamespace(eos_token_id=tok_eos), None, None).stop_ids
+
+    assert stops([7, 2]) == [2, 7] and stops(9) == [2, 9] and stops(None) == [2] and stops(None, None) == []

@@ -72,6 +72,17 @@ def test_resume_skips_finished_samples(tmp_path):
     assert (tmp_path / "samples.jsonl").read_text().split("\n")[:-1] == lines
 
 
+def test_a_rerun_with_a_smaller_limit_reports_only_its_questions(tmp_path):
+    """The folder keeps the samples of an earlier, longer run (--limit is no resume key): the
+    summary of --limit 1 is over that one question, not over every record in the file."""
+    args = ["--model", "tiny-random-llama", "--dataset", "humaneval", "--max-new-tokens", "4", "--mask-num", "2",
+            "--methods", "ar", "--threads", "1", "--out", str(tmp_path)]
+    assert eval_main([*args, "--limit", "2"])["methods"]["ar"]["samples"] == 2
+    summary = eval_main([*args, "--limit", "1"])
+    assert summary["methods"]["ar"]["samples"] == 1 and summary["meta"]["num_questions"] == 1
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 2  # the records stay
+
+
 def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
     """The fast kernels' timed choice of packed kernel can go the other way on a resume (a near-tie),
     and the kernel picks the step-cost curve, a resume key: a resumed run packs for the kernel its

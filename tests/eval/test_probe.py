@@ -25,7 +25,8 @@ K = 3
 def hand_ranks(model, ids, e, k, mask_id, suppress):
     """Plain causal forward of x_0..x_{e-1} + k masks (mask j at position e+j sees x_<e and masks
     0..j: exactly the layout of a group anchored at e). Returns (k, 2) rank bounds: the rank of
-    x_{e+j+1} with a 1e-5 tolerance for near-ties, or (-1, -1) past the end."""
+    x_{e+j+1} with a 1e-5 tolerance for near-ties, or (-1, -1) past the end. The upper bound
+    leaves out the true token itself (counted, it let a rank one too high, ``>=`` for ``>``, pass)."""
     inp = torch.cat([ids[:e], torch.full((k,), mask_id)])[None]
     with torch.no_grad():
         logits = model(input_ids=inp).logits[0, e:e + k].float()
@@ -36,7 +37,7 @@ def hand_ranks(model, ids, e, k, mask_id, suppress):
             out.append((-1, -1))
             continue
         true = logits[j, ids[e + j + 1]]
-        out.append((int((logits[j] > true + 1e-5).sum()), int((logits[j] > true - 1e-5).sum())))
+        out.append((int((logits[j] > true + 1e-5).sum()), int((logits[j] > true - 1e-5).sum()) - 1))
     return out
 
 
@@ -132,6 +133,8 @@ def test_tree_rank_past_the_vocabulary_fails_before_loading(tmp_path):
     with pytest.raises(ValueError, match="rank 400 is not below the vocabulary size 320"):
         check_tree_vocab(((0,), (400,)), "tiny-random-llama", None)
     check_tree_vocab(((0,), (319,)), "tiny-random-llama", None)
+    with pytest.raises(ValueError, match="rank 320 is not below"):  # ranks run 0..319: 320 is past the end
+        check_tree_vocab(((0,), (320,)), "tiny-random-llama", None)
 
 
 def test_bounds_are_rounded():
@@ -139,3 +142,47 @@ def test_bounds_are_rounded():
     ranks = torch.tensor([[0, 0]] * 1 + [[0, 1]] * 2 + [[1, 0]] * 7)
     s = summarize(ranks, [[0], [0, 0]])
     assert s["chain_all_top1"] == [0.3, 0.1] and repr(s["chain_bound"]) == "1.4" and repr(s["tree_bound"]) == "1.4"
+
+
+def test_deep_tree_nodes_are_over_the_anchors_that_have_their_offset():
+    """A node at depth d is a share of the anchors with a token at offset d, like the chain's
+    offset d (over every anchor, the last offset's node read 0.5 here and the tree bound of the
+    chain written as a tree fell below the chain bound)."""
+    ranks = torch.tensor([[0, 0, 0], [0, 0, 0], [0, 0, -1], [0, -1, -1]])
+    s = summarize(ranks, [[0], [0, 0], [0, 0, 0]])
+    assert s["positions_per_offset"] == [4, 3, 2] and s["chain_all_top1"] == [1.0, 1.0, 1.0]
+    assert s["tree_nodes"] == [1.0, 1.0, 1.0] and s["tree_bound"] == s["chain_bound"] == 4.0
+
+
+def test_cached_answers_keep_the_eos_and_refuse_another_targets_file(tmp_path, monkeypatch):
+    """A finished greedy answer ends with its EOS (the drafts of the token that ends a reply count,
+    as in decoding), an unfinished one does not; a rerun generates only what is missing; and a
+    file of another target or max_new_tokens is refused (its answers are not this model's)."""
+    from types import SimpleNamespace
+
+    import space.data.prompts
+    import space.distill
+    from space.eval.probe import cached_answers
+
+    asked = []
+
+    def greedy_batches(model, tok, todo, batch_size, max_new_tokens, suppress_ids, desc=""):
+        asked.append([p["key"] for p in todo])
+        if todo:
+            yield [(p, [5, 6], p["key"] == "a") for p in todo]
+
+    monkeypatch.setattr(space.distill, "greedy_batches", greedy_batches)
+    monkeypatch.setattr(space.data.prompts, "chat_ids", lambda tok, messages: [1, 2, 3])
+    tok = SimpleNamespace(eos_token_id=2)
+    prompts = [{"id": i, "key": key, "source": "mbpp", "prompt": [{"role": "user", "content": key}]}
+               for i, key in enumerate("ab")]
+    path = tmp_path / "answers.jsonl"
+    have = cached_answers(None, tok, prompts, path, "tiny", 8, 4, ())
+    assert have["a"]["answer_ids"] == [5, 6, 2] and have["a"]["finished"]
+    assert have["b"]["answer_ids"] == [5, 6] and not have["b"]["finished"]
+    assert have["a"]["prompt_ids"] == [1, 2, 3]
+    again = cached_answers(None, tok, prompts, path, "tiny", 8, 4, ())
+    assert asked == [["a", "b"], []] and again == have
+    for target, max_new_tokens in (("other", 8), ("tiny", 16)):
+        with pytest.raises(ValueError, match="holds answers of \\[\\('tiny', 8\\)\\]"):
+            cached_answers(None, tok, prompts, path, target, max_new_tokens, 4, ())

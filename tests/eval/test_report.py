@@ -71,3 +71,24 @@ def test_host_share_is_over_the_records_that_time_the_host():
     old = rec("q1", "space", 10, 1.0)
     m = summarize([new, old], {"mask_num": 3})["methods"]["space"]
     assert m["host_share"] == 0.2 and m["host_ms_per_step"] == 100.0 and m["plan_ms_per_step"] == 10.0
+
+
+def test_exactness_only_for_greedy_runs():
+    """Sampled SPACE and AR draw different tokens by design: a sampled run reports no exactness
+    (a rate near 0 % there read as a broken decoder)."""
+    records = [rec("q0", "ar", 2, 1.0, ids=[[1, 2]]), rec("q0", "space", 2, 1.0, ids=[[1, 3]])]
+    assert summarize(records, {"mask_num": 3, "temperature": 0.0})["exact_match_rate"] == 0.0
+    assert "exact_match_rate" not in summarize(records, {"mask_num": 3, "temperature": 0.7})
+
+
+def test_pass_at_1_is_n_a_only_when_no_sample_ran_its_tests():
+    """Every result "n/a" (no toolchain) reports "n/a"; a run where some samples did run their
+    tests (a resume on a machine with the toolchain) reports their pass rate, not "n/a"."""
+    def one(q, result):
+        r = rec(q, "space", 4, 1.0)
+        r["choices"][0]["exec"] = {"passed": result == "passed", "result": result}
+        return r
+
+    na = "n/a (no toolchain)"
+    assert summarize([one("q0", na), one("q1", na)], {"mask_num": 3})["pass_at_1"]["space"] == na
+    assert summarize([one("q0", na), one("q1", "passed")], {"mask_num": 3})["pass_at_1"]["space"] == 0.5

@@ -16,6 +16,7 @@ from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import CACHE_ARG, cache_input
 from space.eval.__main__ import cli as eval_cli
 from space.eval.__main__ import main as eval_main
+from space.eval.shard import Shard, current_shard, parse_shard
 from space.loader import load_space
 from space.models import parse_device_map, tiny_random_llama
 from tests.oracle import oracle_generate
@@ -232,3 +233,20 @@ def test_merge_keeps_questions_a_plain_run_added(tmp_path):
     summary = eval_main(["--merge", str(tmp_path)])
     assert token_ids(rows(tmp_path / "samples.jsonl")) == token_ids(plain)
     assert summary["meta"]["num_questions"] == 4 and summary["methods"]["space"]["samples"] == 4
+
+
+def test_shard_ranks_and_devices(monkeypatch):
+    """--shard i/n needs i < n (rank n of n ran rank 0's questions a second time); under torchrun a
+    bare ``cuda`` is this node's GPU LOCAL_RANK (every rank on GPU 0 before), nothing else changes."""
+    assert parse_shard("1/3") == Shard(1, 3) and Shard(1, 3).select(list(range(7))) == [1, 4]
+    with pytest.raises(ValueError, match="rank 2 is not in 0..1"):
+        parse_shard("2/2")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    launched = Shard(3, 4, launched=True)
+    assert launched.device("cuda") == "cuda:3" and launched.device("cuda:1") == "cuda:1" and launched.device("cpu") == "cpu"
+    assert Shard(3, 4).device("cuda") == "cuda"  # --shard: the scheduler chose the GPU (CUDA_VISIBLE_DEVICES)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert current_shard(None) == launched
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert current_shard(None) is None

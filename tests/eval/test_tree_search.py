@@ -390,3 +390,73 @@ def test_step_costs_are_timed_on_the_decoders_cache(tiny, monkeypatch):
     timed = time_steps(model, [(1, False), (4, False)], cache_len=20, repeats=1)
     assert set(timed) == {(1, False), (4, False)} and all(t > 0 for t in timed.values())
     assert made and all(c is made[0] for c in made)  # every forward wrote the one slab cache
+
+
+def test_search_tries_every_group_count_up_to_the_row_limit():
+    """Every k gets 1..k+1 groups (k+1, the default, was left out by a range one short), and a
+    layout of exactly --max-rows rows is tried (the limit is inclusive)."""
+    ranks = [torch.zeros(20, 2, dtype=torch.long) for _ in range(4)]
+    chains = {_key(r["decode"])[:2] for r in search(ranks, {1: 1.0, 64: 2.0}, 2, 64) if r["decode"]["tree"] is None}
+    assert chains == {(1, 1), (1, 2), (2, 1), (2, 2), (2, 3)}
+    found = search(ranks, {1: 1.0, 64: 2.0}, 2, 9)
+    assert DecodeConfig(2, 3).max_rows() == 9 and (2, 3, None) in {_key(r["decode"])[:3] for r in found}
+    assert max(DecodeConfig.from_dict(r["decode"]).max_rows() for r in found) == 9
+
+
+def test_search_estimates_on_the_samples_it_did_not_grow_trees_on():
+    """Trees are grown on the even samples and every layout replayed on the odd ones: here every
+    draft of the odd samples is wrong, so each chain emits one token a step (replayed on all the
+    samples, the perfect even ones made it look better than it is)."""
+    right, wrong = torch.zeros(20, 2, dtype=torch.long), torch.full((20, 2), 60, dtype=torch.long)
+    found = search([right, wrong, right, wrong], {1: 1.0, 64: 2.0}, 2, 64)
+    chains = [r for r in found if r["decode"]["tree"] is None]
+    assert len(chains) == 5 and all(r["tokens_per_step"] == 1.0 for r in chains)
+
+
+def test_step_cost_points_are_never_zero():
+    """A stored cost must be > 0 (DecodeConfig refuses 0): a step under 0.5 us rounds up to 0.001 ms."""
+    assert step_cost_points({4: 0.0031234, 1: 2e-7}) == [[1, 0.001], [4, 3.123]]
+    assert DecodeConfig(3, tree="dynamic", step_cost=step_cost_points({1: 2e-7, 4: 0.003})).step_cost[0] == (1, 0.001)
+
+
+def test_a_gpu_curve_is_not_refused_for_the_hosts_threads():
+    """A GPU's steps barely depend on the host's threads: a GPU curve prices a GPU run at any
+    thread count, while a CPU curve at other threads is named."""
+    from space.eval.tree_search import step_cost_mismatch
+
+    gpu = {"threads": 8, "kernels": "fast", "device": "cuda", "capture": True, "trunk": "fused"}
+    assert step_cost_mismatch(gpu, 2, "fast", device="cuda", capture=True) is None
+    assert "threads 8 (run: 2)" in step_cost_mismatch({**gpu, "device": "cpu", "capture": False}, 2, "fast")
+
+
+def test_ranks_of_another_base_model_are_refused(tmp_path, capsys):
+    """No adapter on either side, the ranks of another base model: not this model's drafts.
+    A file without a meta line (an older space-probe) passes with a warning."""
+    from space.eval.tree_search import check_ranks_source
+
+    path = tmp_path / "ranks.jsonl"
+    meta = {"model": "smollm2-135m-instruct", "adapter": None, "adapter_sha256": None}
+    with pytest.raises(ValueError, match="ranks of base model 'smollm2-135m-instruct', not of 'tiny-random-llama'"):
+        check_ranks_source(meta, path, "tiny-random-llama", None)
+    check_ranks_source({**meta, "model": "tiny-random-llama"}, path, "tiny-random-llama", None)
+    check_ranks_source(None, path, "tiny-random-llama", None)
+    assert "does not record which adapter produced it" in capsys.readouterr().err
+
+
+def test_write_decode_leaves_the_config_whole_when_the_write_fails(tmp_path, monkeypatch):
+    """space_config.json is replaced atomically: a write cut short (disk full, Ctrl-C) leaves the
+    old file, not a torn one that no longer loads the adapter."""
+    config = tmp_path / "space_config.json"
+    config.write_text(json.dumps({"mode": "frozen-base", "decode": {"mask_num": 1}}))
+    before = config.read_text()
+
+    def torn(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(OSError, match="No space left"):
+        write_decode(tmp_path, DecodeConfig(3, 2).to_dict(), {1: 0.002})
+    monkeypatch.undo()
+    assert config.read_text() == before

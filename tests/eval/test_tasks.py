@@ -1,0 +1,35 @@
+"""Task loading (space/eval/tasks.py): question files with ``prompt`` rows, their defaults, and
+HumanEval-X files that are missing or damaged; no model runs."""
+import json
+
+import pytest
+
+from space.eval.tasks import EvalTask, load_tasks
+
+
+def test_question_file_takes_prompt_rows_and_numbers_them_by_line(tmp_path):
+    """A .jsonl of ``prompt`` rows (not only MT-Bench ``turns``) is one turn each; a row without an
+    id is named by its 0-based line, without a category "default" (ids name samples on resume: they
+    must not move); an empty turn is refused with its line."""
+    path = tmp_path / "questions.jsonl"
+    rows = [{"prompt": "hi"}, {"question_id": 7, "category": "math", "turns": ["a", "b"]}, {"prompt": "bye"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_tasks(str(path)) == [EvalTask("0", "default", ["hi"]), EvalTask("7", "math", ["a", "b"]),
+                                     EvalTask("2", "default", ["bye"])]
+    assert load_tasks(str(path), limit=1) == [EvalTask("0", "default", ["hi"])]
+    path.write_text('{"prompt": "hi"}\n{"turns": ["a", ""]}\n')
+    with pytest.raises(ValueError, match="line 2: needs 'turns'"):
+        load_tasks(str(path))
+
+
+def test_humaneval_x_bad_language_missing_and_damaged_files(tmp_path):
+    """Each is its own error, the file named: an unknown language, a missing file (not reported as
+    damaged), a file that is not gzip (not gzip's OSError)."""
+    with pytest.raises(ValueError, match="unknown HumanEval-X language 'cobol'"):
+        load_tasks("humaneval-x:cobol", tmp_path)
+    with pytest.raises(FileNotFoundError, match="HumanEval-X file not found: .*humaneval_cpp.jsonl.gz"):
+        load_tasks("humaneval-x:cpp", tmp_path)
+    (tmp_path / "humaneval-x").mkdir()
+    (tmp_path / "humaneval-x" / "humaneval_cpp.jsonl.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match="humaneval_cpp.jsonl.gz: damaged file"):
+        load_tasks("humaneval-x:cpp", tmp_path)
