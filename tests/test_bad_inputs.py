@@ -546,6 +546,13 @@ DECODING_CONFIG_CASES = [
     (DecodeConfig, {"lookup_tokens": -1}, "lookup_tokens must be >= 0, got -1"),
     (DecodeConfig, {"lookup_ngram": NAN}, "lookup_ngram must be an integer, got nan"),
     (DecodeConfig, {"lookup_ngram": 0}, "lookup_ngram must be >= 1, got 0"),
+    (DecodeConfig, {"num_groups": True}, "num_groups must be an integer, got True"),  # a bool is no count
+    (DecodeConfig, {"mask_num": 3, "num_groups": 0, "tree": "dynamic", "lookup_tokens": 4},
+     "num_groups 0 (no mask group) is prompt lookup alone: it needs lookup_tokens > 0 and a static layout"),
+    (DecodeConfig, {"tree": "dynamic", "step_cost": ((1, 1.0), (2, 2.0)), "adapter_cost": NAN},
+     "adapter_cost must be a finite number, got nan"),
+    (DecodeConfig, {"tree": "dynamic", "step_cost": ((1, 1.0), (2, 2.0)), "adapter_cost": -1.0},
+     "adapter_cost must be >= 0.0, got -1.0"),
     (SamplingConfig, {"temperature": NAN}, "temperature must be a finite number, got nan"),
     (SamplingConfig, {"temperature": INF}, "temperature must be a finite number, got inf"),
     (SamplingConfig, {"temperature": -0.5}, "temperature must be >= 0, got -0.5"),

@@ -170,6 +170,25 @@ def test_context_end_shrinks_the_step(tiny, k, groups):
     assert out.new_ids == truth and max(positions) == context - 1  # the last steps ran right at the end
 
 
+def test_context_end_step_uses_every_position_left(tiny):
+    """Near the context end a static step keeps as many candidates and masks as still fit (groups
+    of equal length), not fewer: with room for depth 2, the chain of 2 drafts and two groups of one
+    mask each (a step that gave up a group or a mask there drafted nothing for the next step, the
+    output unchanged); at the last position, x_{n-1} alone. No row reaches the context."""
+    from space.decoding.decoder import Drafts
+
+    model, _, spec = tiny
+    dec = SpaceDecoder(model, spec, DecodeConfig(3))
+    context = dec.context
+    drafts = Drafts(torch.tensor([[21], [22], [23]]))
+    for room, parents, group_len, deepest in [(100, (-1, 0, 1, 2), (3, 3, 3, 3), 6), (3, (-1, 0, 1, 2), (1, 1, 1), 3),
+                                              (2, (-1, 0, 1), (1, 1), 2), (1, (-1, 0), (1,), 1), (0, (-1,), (), 0)]:
+        L = context - 1 - room  # x_{n-1} sits at position L
+        lay, tokens, sources = dec.static_block(L, drafts, [])
+        assert (lay.parents, lay.group_len) == (parents, group_len), room
+        assert tokens.tolist() == [21, 22, 23][: len(parents) - 1] and sources == (1,) * (len(parents) - 1)
+        assert int(lay.position_ids.max()) == deepest and lay.rows == lay.used_rows
+
 def test_bad_input(tiny):
     model, _, spec = tiny
     dec = SpaceDecoder(model, spec, DecodeConfig(3))

@@ -38,3 +38,27 @@ def test_stop_decoding_that_keeps_the_whole_step_still_stops():
     r = DecodeResult(prompt_len=3, max_new_tokens=10, stop_token_ids=frozenset(), on_tokens=stop)
     assert r.emit([5, 6], 0.1, accepted=1, candidates=1)
     assert r.new_ids == [5, 6] and r.step_tokens == [2] and r.stop_reason == "stop"
+
+
+def test_a_stop_token_on_the_last_allowed_token_is_an_eos_stop():
+    """A step whose stop token is also the max_new_tokens-th token stopped on EOS: stop_reason
+    "eos", not "length" (the length check overwrote the reason found in the same step)."""
+    r = DecodeResult(prompt_len=3, max_new_tokens=4, stop_token_ids=frozenset({99}))
+    assert not r.emit([5, 6], 0.1, accepted=1, candidates=1)
+    assert r.emit([7, 99, 8], 0.1, accepted=2, candidates=2)
+    assert r.new_ids == [5, 6, 7, 99] and r.stop_reason == "eos"
+    r = DecodeResult(prompt_len=3, max_new_tokens=2, stop_token_ids=frozenset({99}))
+    assert r.emit([5, 6, 99], 0.1) and r.new_ids == [5, 6] and r.stop_reason == "length"  # cut before the EOS
+
+
+def test_check_prompt_refuses_no_new_token_and_accepts_a_full_context():
+    """max_new_tokens must be >= 1 (0 generated nothing and reported a "length" stop), and a
+    prompt + max_new_tokens of exactly the context fits."""
+    from space.decoding.result import check_prompt
+
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {bad}"):
+            check_prompt([1, 2, 3], bad, 16)
+    assert check_prompt([[1, 2, 3]], 13, 16).tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"= 17 exceeds the model context 16"):
+        check_prompt([1, 2, 3], 14, 16)

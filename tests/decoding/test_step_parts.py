@@ -181,3 +181,56 @@ def test_slab_cache_forward_equals_the_dynamic_cache(tiny):
             model(input_ids=ids[:, :9], **cache_input(cache), use_cache=True)
             logits.append(model(input_ids=ids[:, 9:], **cache_input(cache), use_cache=True).logits)
     torch.testing.assert_close(logits[0], logits[1])
+
+
+def test_provenance_of_a_path_offered_by_the_masks_and_the_lookup_branch():
+    """A static tree with a lookup branch can offer one token path twice, as a mask node and as a
+    lookup node: its accepted tokens come from both (``b``), whichever branch was accepted. A bug
+    that kept only the last branch's source wrote ``l`` (or ``m``) for them. Also pins which
+    deepest candidate is the masks' and which the lookup's."""
+    from space.decoding.decoder import provenance
+
+    parents = (-1, 0, 1, 0, 3)  # rows 1-2: the mask chain, rows 3-4: the lookup branch
+    sources = (MASK, MASK, LOOKUP, LOOKUP)
+    assert provenance(parents, sources, [5, 6, 5, 6], [1, 2]) == ("bb", 2, 2)
+    assert provenance(parents, sources, [5, 6, 5, 6], [3, 4]) == ("bb", 2, 2)
+    assert provenance(parents, sources, [5, 6, 5, 7], [3, 4]) == ("bl", 2, 2)  # the branches part at depth 2
+    assert provenance(parents, sources, [5, 6, 5, 7], [1, 2]) == ("bm", 2, 2)
+    assert provenance((-1, 0, 1, 0), (MASK, MASK, LOOKUP), [5, 6, 8], [3]) == ("l", 2, 1)
+    assert provenance((-1, 0), (MASK | LOOKUP,), [5], []) == ("", 1, 1)
+
+
+def test_step_times_count_the_prefill_once_and_host_time_leaves_the_model_out(tiny, monkeypatch):
+    """On a fake clock (no real timing): each trunk forward takes 1 s, the prefill 100 s. The
+    first step's time holds the prefill and no later one does (a prefill time never reset after
+    the first step was added to every step), and a step's host time leaves its forward out (a
+    host time equal to the step's time counted the model as host work)."""
+    import types
+
+    import space.decoding.decoder as decoder_mod
+    import space.decoding.result as result_mod
+
+    model, _, spec = tiny
+    now = [0.0]
+
+    def tick():  # every reading of the clock moves it 1 ms on
+        now[0] += 1e-3
+        return now[0]
+
+    clock = types.SimpleNamespace(perf_counter=tick)
+    monkeypatch.setattr(decoder_mod, "time", clock)
+    monkeypatch.setattr(result_mod, "time", clock)  # model_time's forward hooks
+
+    def forward_takes_time(module, args, kwargs, out):  # runs inside model_time's hooks (registered first)
+        now[0] += 100.0 if kwargs.get("position_ids") is None else 1.0
+
+    hook = model.get_decoder().register_forward_hook(forward_takes_time, with_kwargs=True)
+    try:
+        out = SpaceDecoder(model, spec, DecodeConfig(3)).generate(torch.arange(11, 30), 12)
+    finally:
+        hook.remove()
+    assert out.num_steps >= 3
+    assert 101 <= out.step_times[0] < 101.5  # the prefill and the first step's forward
+    assert all(1 <= t < 1.5 for t in out.step_times[1:]), out.step_times
+    assert len(out.step_host) == out.num_steps and all(0 <= h < 0.5 for h in out.step_host), out.step_host
+    assert all(0 <= p <= h for p, h in zip(out.step_plan, out.step_host))
