@@ -409,3 +409,108 @@ def test_blockwise_lora_update_reads_no_zero_block():
         assert torch.equal(got[0, :2], want[0, :2]) and torch.allclose(got, want, atol=1e-5)
     assert optimize_for_cpu(fast)["blockwise_lora"] == 2 * model.config.num_hidden_layers
     assert all(m.blockwise for m in fast.modules() if isinstance(m, GatedLoraLinear) and m.blocks)
+
+
+def test_stacked_weight_is_a_copy_when_extra_is_not_right_after_w():
+    """``[W; extra]`` is a view only when extra's rows directly follow W's: an ``extra`` in the same
+    storage but further on (a gap of rows) must be copied, or the few-row stock path of
+    ``forward_extra`` reads the rows between W and extra as the LoRA A."""
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(32, 24, bias=False)
+    storage = torch.randn(24 + 4 + 8, 32, generator=gen)
+    lin.weight = nn.Parameter(storage[:24], requires_grad=False)
+    extra = storage[28:]  # 4 rows of something else between W and extra
+    packed = PackedLinear(lin, extra=extra, stock_rows=2)
+    assert torch.equal(packed.stacked, torch.cat([storage[:24], extra]))
+    x = torch.randn(1, 2, 32, generator=gen)
+    with torch.no_grad():
+        y, xa = packed.forward_extra(x)  # 2 rows: the stock path over the stacked weight
+    assert torch.equal(y, nn.functional.linear(x, storage[:24])) and torch.allclose(xa, x @ extra.T, atol=1e-5)
+
+
+def test_choose_stock_rows_stops_at_the_first_count_where_stock_loses(monkeypatch):
+    """stock_rows is the largest probed count up to which stock won at every probed count: stock
+    winning again at a larger count (timing noise, another MKL path) must not route the counts in
+    between, where it lost, to stock. Times are stubbed (stock, packed per row count, in order)."""
+    import space.cpu_kernels as kernels
+
+    times = iter([1.0, 2.0,  # 1 row: stock wins
+                  5.0, 3.0,  # 2 rows: stock loses
+                  1.0, 2.0,  # 4 rows: stock wins again
+                  9.0, 4.0])  # 8 rows: stock loses
+    monkeypatch.setattr(kernels, "_median_us", lambda fn, repeats: next(times))
+    n, timings = kernels.choose_stock_rows(torch.zeros(16, 8), rows=(1, 2, 4, 8))
+    assert n == 1 and timings == {1: [1.0, 2.0], 2: [5.0, 3.0], 4: [1.0, 2.0], 8: [9.0, 4.0]}
+
+
+def test_pack_linears_counts_each_shape_for_the_kernel_choice(monkeypatch):
+    """The kernel choice weighs each weight shape by how many linears have it
+    (``choose_packed_kernel``), so ``pack_linears`` must hand it the count, not 1 per shape."""
+    import space.cpu_kernels as kernels
+
+    seen = {}
+
+    def choose(shapes):
+        seen.update({key: count for key, (_, count) in shapes.items()})
+        return kernels.packed_kernel(), {}
+
+    monkeypatch.setattr(kernels, "choose_packed_kernel", choose)
+    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel=None: (0, {}))
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(32, 64))
+    assert kernels.pack_linears(model, choose=True)[0] == 4
+    assert seen == {"64x64": 2, "32x64": 1, "64x32": 1}
+
+
+def test_gqa_attention_one_row_after_a_cache_equals_sdpa(tiny):
+    """A one-row step over a filled cache (AR, HF generate) with no mask: the row attends to every
+    cached key. SDPA's ``is_causal`` aligns its triangle top-left, so with it set one query row
+    would see the first key only: it must be set only for blocks of several rows."""
+    from transformers import DynamicCache
+
+    from space.decoding.cache import cache_input
+
+    model, _, _ = tiny
+    fast = copy.deepcopy(model)
+    register_attention()
+    fast.set_attn_implementation(SDPA_GQA)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        logits = []
+        for m in (model, fast):
+            cache = DynamicCache(config=m.config)
+            m(input_ids=ids, **cache_input(cache), use_cache=True)
+            logits.append(m(input_ids=torch.tensor([[11]]), **cache_input(cache), use_cache=True).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+
+
+def test_gqa_attention_keeps_a_padding_mask(tiny):
+    """A left-padded batch's 2-D attention mask reaches the attention as sdpa's own 4-D mask: the
+    attention's name is registered with transformers' mask functions too (unregistered,
+    transformers builds no mask for it and the padded row attends to its padding)."""
+    model, _, _ = tiny
+    fast = copy.deepcopy(model)
+    register_attention()
+    fast.set_attn_implementation(SDPA_GQA)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 7, 8, 9]])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        got, want = fast(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(got[:, 3:], want[:, 3:], atol=1e-5)
+
+
+def test_optimize_for_cpu_leaves_other_dtypes_and_eager_attention_alone(tiny, monkeypatch):
+    """A bf16 model is left as it is (its attention included: "no-op on other devices / dtypes"),
+    and an fp32 model loaded with eager attention keeps it (eager may be chosen for what SDPA lacks,
+    e.g. a logit soft-cap); only ``sdpa`` is replaced by the GQA attention."""
+    import space.cpu_kernels as kernels
+
+    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel=None: (0, {}))  # no timing here
+    model, _, _ = tiny
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert optimize_for_cpu(half) == {"packed_linears": 0, "attention": "sdpa"}
+    assert half.config._attn_implementation == "sdpa"
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    record = optimize_for_cpu(eager, kernel=packed_kernel())
+    assert record["packed_linears"] == 15 and record["attention"] == "eager"
+    assert eager.config._attn_implementation == "eager"

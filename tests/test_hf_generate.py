@@ -398,3 +398,46 @@ def test_right_padding_is_refused(trained):
     with pytest.raises(ValueError, match="row 1 of attention_mask is not left padding"):
         model.generate(ids, attention_mask=mask.flip(1), custom_generate=space_generate, max_new_tokens=4,
                        pad_token_id=tok.pad_token_id)
+
+
+def test_attention_mask_with_holes_is_refused(tiny):
+    """A row whose attention mask has a hole (not one run of ones up to the last column) is
+    refused like right padding: decoding only its ones would join tokens that were apart."""
+    model, tok, _ = tiny
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 6, 0, 8, 9]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 0, 1, 1]])
+    with pytest.raises(ValueError, match="row 1 of attention_mask is not left padding"):
+        model.generate(ids, attention_mask=mask, custom_generate=space_generate, max_new_tokens=4,
+                       pad_token_id=tok.pad_token_id)
+
+
+def test_rows_of_different_lengths_need_a_pad_id():
+    """Without a pad id, rows that finished at different lengths cannot be padded: refused, not
+    padded with token 0."""
+    from types import SimpleNamespace
+
+    from space.hf import _pad_outputs
+
+    ids = torch.tensor([[5, 6], [7, 8]])
+    results = [SimpleNamespace(new_ids=[1, 2, 3]), SimpleNamespace(new_ids=[4])]
+    with pytest.raises(ValueError, match="no pad_token_id"):
+        _pad_outputs(ids, results, None)
+    assert _pad_outputs(ids, results, torch.tensor(9)).tolist() == [[5, 6, 1, 2, 3], [7, 8, 4, 9, 9]]
+
+
+def test_stop_strings_in_a_generation_config(tiny):
+    """``space.hf.generate`` takes stop strings from a GenerationConfig too (the tokenizer goes
+    with them, which transformers does not hand a callable ``custom_generate``), stops where plain
+    generate stops, and leaves the caller's config as it was."""
+    from space.hf import generate
+
+    model, tok, _ = tiny
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    full = _hf(model, ids, max_new_tokens=24)
+    new = full[0, ids.shape[1]:].tolist()
+    stop = tok.decode(new[:1])  # the untrained model repeats one ASCII character ('!'..'~' are ids 0..93)
+    cfg = GenerationConfig(max_new_tokens=24, do_sample=False, stop_strings=[stop])
+    ref = _hf(model, ids, generation_config=cfg, tokenizer=tok)
+    assert new[0] <= 93 and ref.shape[1] == ids.shape[1] + 1
+    out = generate(model, ids, attention_mask=torch.ones_like(ids), generation_config=cfg, tokenizer=tok, mask_num=3)
+    assert torch.equal(out, ref) and cfg.stop_strings == [stop]

@@ -250,3 +250,25 @@ def test_space_eval_capture_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
                          (["--capture", "--capture-len", "0"], "--capture-len must be >= 1")]:
         with pytest.raises(ValueError, match=message):
             eval_main([*args[:-1], str(tmp_path / "other"), *bad])
+
+
+def test_bucket_sizes_and_cache_bounds_at_their_edges():
+    """AR's 1-row bucket is always added (AR over graphs built for SPACE's blocks only); a cache of
+    exactly the largest bucket's slots is allowed; a generation or a step that fills the slots
+    exactly fits and one token more is refused with ValueError, not a shape error further in."""
+    model, _ = tiny_random_llama()
+    assert StepGraphs(model, slots=8, sizes=[8]).sizes == (1, 8)
+    graphs = StepGraphs(model, slots=16, sizes=[4])
+    assert graphs.sizes == (1, 4) and graphs.max_rows == 4
+    graphs.check_fits(12, 4)  # 12 + 4 = 16 slots: fits
+    with pytest.raises(ValueError, match="overflow the captured cache's 16 slots"):
+        graphs.check_fits(13, 4)
+    with pytest.raises(ValueError, match="steps of up to 5 rows"):
+        graphs.check_fits(1, 5)
+    with torch.inference_mode():
+        out = ar_generate(model, torch.tensor([5, 6, 7]), 12, graphs=graphs).new_ids  # 3 + 12 + its row: 16 slots
+        assert out == ar_generate(model, torch.tensor([5, 6, 7]), 12).new_ids
+        graphs.reset()
+        assert graphs.step(torch.zeros(4, dtype=torch.long), *_block(4), 12, None).shape == (4, 64)
+        with pytest.raises(ValueError, match="a block of 4 rows after 13 cached tokens overflows"):
+            graphs.step(torch.zeros(4, dtype=torch.long), *_block(4), 13, None)

@@ -112,3 +112,19 @@ def test_counter_counts_kernels_not_views():
     with OpCounter() as ops:
         x.to(torch.float64, non_blocking=True)  # a copy that dispatches: counted once, as the copy
     assert ops.total == 1 and ops.by_op["_to_copy"] == 1, ops.by_op
+
+
+def test_counter_counts_host_reads_and_averages_whole_steps():
+    """A host read (``item``: a device-to-host copy on CUDA) is counted though it returns no
+    tensor; ``per_step`` is the ops between the first and the last mark over the steps between
+    them (the first step, the prompt's, left out), and needs two marks."""
+    x = torch.randn(4, 8)
+    with OpCounter() as ops:
+        x.sum().item()
+    assert ops.total == 2 and ops.by_op["_local_scalar_dense"] == 1, ops.by_op
+    ops = OpCounter()
+    ops.mark()
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        ops.per_step()
+    ops.marks = [10, 16, 20, 31]  # after the prompt's step: 3 steps of 6, 4 and 11 ops
+    assert ops.per_step() == 7.0
