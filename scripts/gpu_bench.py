@@ -260,6 +260,9 @@ def host_time(model, spec, cfg, prompts: list, new_tokens: int) -> dict:
         steps, tokens, rows = steps + res.num_steps - 1, tokens + len(res.new_ids), rows + res.step_rows[1:]
         # the steps' kernels: a whole generation's less a prefill-only one's
         busy += gpu_busy_ms(lambda: run(p, new_tokens), kernels) - gpu_busy_ms(lambda: run(p, 1))
+    if not steps:
+        raise ValueError(f"no step after the prefill in {len(prompts)} generations of {new_tokens} tokens: "
+                         "raise --new-tokens")
     mean_wall_ms, busy_ms = statistics.fmean(walls) * 1e3, busy / steps
     return {"median_step_ms": round(statistics.median(walls) * 1e3, 3), "mean_step_ms": round(mean_wall_ms, 3),
             "gpu_busy_ms_per_step": round(busy_ms, 3),

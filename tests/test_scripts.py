@@ -1,0 +1,420 @@
+"""Smoke tests of the benchmark scripts (scripts/*.py) on the CPU at tiny sizes: each runs in this
+process through its own ``main`` and writes what its docs promise, so an API change in ``space``
+that breaks a script fails here, not on a rented GPU.
+
+``scripts/gpu_check.sh`` is read for its ``gpu_bench.py`` and ``bench_compile.py`` command lines:
+every one must parse (on a machine without CUDA, ``gpu_bench.py`` stops right after parsing with
+its one "needs a CUDA GPU" error), and those of the issue 58 phases (g58a, g58b) and real2 run
+here as they are, only shrunk (``--shape tiny``, fewer rows of cache, prompts and tokens,
+``--device cpu``). Only the fields and that the numbers are finite are checked, never a timing.
+Not covered here: the CUDA-only parts (graph replay, the profiler's kernel times, peak memory,
+cuDNN attention itself: only the profiler attributes gpu_bench reads are checked), ``gpu_bench.py
+--compile`` (about 45 s of inductor per run on this CPU, even at the tiny shape; ``bench_compile.py``
+compiles the tiny trunk once instead) and ``bench_host.py`` (it trains its drafter for about 20 s).
+``reproduce_table1.py`` and ``sweep_recipes.py`` have their own tests (test_cli.py, test_sweep.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "adapters" / "smollm2-135m-space"
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a fresh module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_as_main(name: str, argv: list[str], monkeypatch) -> None:
+    """scripts/<name>.py run as ``__main__`` with ``argv`` (for the scripts whose main() reads sys.argv)."""
+    path = ROOT / "scripts" / f"{name}.py"
+    monkeypatch.setattr(sys, "argv", [str(path), *map(str, argv)])
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def finite_numbers(obj) -> list[float]:
+    """Every int or float inside ``obj`` (bools left out), asserting each is finite."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return []
+    if isinstance(obj, (int, float)):
+        assert math.isfinite(obj), obj
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj
+    return [x for v in values for x in finite_numbers(v)]
+
+
+def positive_curve(curve: dict, rows: list[int]) -> None:
+    assert [str(q) for q in curve] == [str(q) for q in rows]
+    assert all(v > 0 for v in finite_numbers(curve))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_sdpa_flags():
+    """One thread (2 shared cores), and the process-wide SDPA switches as they were (gpu_bench's
+    --cudnn-sdp and choose_sdpa set them)."""
+    threads = torch.get_num_threads()
+    flags = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
+             for name in ("flash", "mem_efficient", "math", "cudnn")}
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    for name, on in flags.items():
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tmp_path_factory):
+    """A frozen-base adapter of tiny-random-llama (random LoRA) carrying the shipped adapter's
+    tuned layout (dynamic tree + lookup, its step-cost curves): what the shipped adapter makes the
+    scripts do, on a model that decodes in milliseconds."""
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.models import tiny_random_llama
+
+    model, tok = tiny_random_llama(seed=0)
+    peft_model, spec = prepare_model(model, tok, "frozen-base", mask_num=3)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(1)
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.05)
+    shipped = json.loads((SHIPPED / "space_config.json").read_text())
+    assert shipped["mask_num"] == 3
+    path = save_artifact(tmp_path_factory.mktemp("adapter") / "tiny", peft_model, tok, spec, "frozen-base",
+                         {"base_model": "tiny-random-llama"})
+    config = json.loads((path / "space_config.json").read_text())
+    config.update({k: shipped[k] for k in ("decode", "step_cost_setup", "step_costs") if k in shipped})
+    (path / "space_config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+# ---- scripts/gpu_check.sh's command lines ----
+
+def gpu_check_commands(script: str) -> list[tuple[str, list[str]]]:
+    """(phase, argv) of every ``python3 scripts/<script>.py`` line in gpu_check.sh, continuation
+    lines joined, bash arrays (``"${bench[@]}"``) expanded, quotes as bash reads them."""
+    text = GPU_CHECK.read_text().replace("\\\n", " ")
+    arrays = {m[1]: m[2] for m in re.finditer(r"^(\w+)=\((.*)\)\s*$", text, re.M)}
+    out, phase = [], None
+    for line in text.splitlines():
+        if m := re.search(r'\[ "\$phase" = (\w+) \]', line):
+            phase = m[1]
+        if re.match(r"\w+=\(", line):  # an array's definition, used below
+            continue
+        for name, body in arrays.items():
+            line = line.replace(f'"${{{name}[@]}}"', body)
+        if m := re.search(rf"python3 scripts/{script}\.py (.*)", line):
+            out.append((phase, shlex.split(m[1])))
+    assert out, f"no {script}.py command in gpu_check.sh"
+    return out
+
+
+def with_flags(argv: list[str], **flags) -> list[str]:
+    """``argv`` with each --flag's value replaced (flag_name -> value; None drops the flag and its
+    value, True adds a bare flag) and missing ones appended."""
+    argv = list(argv)
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in argv:
+            i = argv.index(flag)
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            del argv[i:i + 1 + has_value]
+        if value is True:
+            argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def local_paths(argv: list[str], tmp_path: Path, adapter: Path = SHIPPED) -> list[str]:
+    """gpu_check.sh's $ADAPTER and $stash/... paths made local (outputs under tmp_path)."""
+    return [str(adapter) if a == "$ADAPTER" else str(tmp_path / Path(a).name) if a.startswith("$stash") else a
+            for a in argv]
+
+
+GPU_BENCH = gpu_check_commands("gpu_bench")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the parse on a machine without CUDA")
+@pytest.mark.parametrize("phase, argv", GPU_BENCH, ids=[f"{p}-{a[0]}-{i}" for i, (p, a) in enumerate(GPU_BENCH)])
+def test_gpu_check_gpu_bench_lines_parse(phase, argv, tmp_path, capsys):
+    """Every flag gpu_check.sh gives gpu_bench.py exists: the parse gets as far as the CUDA check."""
+    with pytest.raises(SystemExit) as exc:
+        load_script("gpu_bench").main(local_paths(argv, tmp_path))
+    assert exc.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def g58(subcommand: str) -> list[tuple[str, list[str]]]:
+    found = [(p, a) for p, a in GPU_BENCH if p in ("g58a", "g58b") and a[0] == subcommand]
+    assert found, f"gpu_check.sh's g58 phases run no gpu_bench.py {subcommand}"
+    return found
+
+
+@pytest.mark.parametrize("phase, argv", g58("step-cost"))
+def test_gpu_bench_step_cost_as_g58a_runs_it(phase, argv, tmp_path):
+    """g58a's step-cost (rows, --capture) at the tiny shape: the eager and the captured curve per
+    cache (on the CPU StepGraphs runs its buffers through the eager trunk) and capture seconds."""
+    argv = with_flags(local_paths(argv, tmp_path), shape="tiny", caches=16, repeats=1, device="cpu")
+    out = load_script("gpu_bench").main(argv)
+    rows = [int(r) for r in argv[argv.index("--rows") + 1].split(",")] if "--rows" in argv else None
+    written = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
+    assert written == json.loads(json.dumps(out))
+    assert written["machine"]["device"] == "cpu" and written["shape"] == "tiny"
+    keys = ["16"] + (["captured, 16"] if "--capture" in argv else [])
+    assert sorted(written["curves"]) == sorted(keys)
+    for key in keys:
+        positive_curve(written["curves"][key], rows or [int(q) for q in written["curves"][key]])
+    assert list(written["seconds"]) == ["16"]
+    if "--capture" in argv:
+        assert list(written["capture_s"]) == ["16"] and written["capture_s"]["16"] >= 0
+
+
+def check_host_time(written: dict, argv: list[str]) -> None:
+    layouts = argv[argv.index("--layouts") + 1].split(",") if "--layouts" in argv else None
+    cudnn = argv[argv.index("--cudnn-sdp") + 1] if "--cudnn-sdp" in argv else "load"
+    suffixes = {"both": [", cudnn sdp on", ", cudnn sdp off"], "on": [", cudnn sdp on"],
+                "off": [", cudnn sdp off"], "load": [""]}[cudnn]
+    if layouts:
+        assert list(written["layouts"]) == [name + s for name in layouts for s in suffixes]
+    assert "cudnn_sdp" in written["sdpa_at_load"]
+    for key, entry in written["layouts"].items():
+        assert set(entry) == {"median_step_ms", "mean_step_ms", "gpu_busy_ms_per_step", "host_share",
+                              "tokens_per_step", "steps", "mean_rows", "tokens_per_s", "warm_s",
+                              "attention_kernels"}, key
+        finite_numbers(entry)
+        assert entry["median_step_ms"] > 0 and entry["mean_step_ms"] > 0 and entry["tokens_per_s"] > 0, key
+        assert entry["steps"] > 0 and entry["tokens_per_step"] >= 1 and entry["mean_rows"] >= 1, key
+        assert entry["gpu_busy_ms_per_step"] == 0 and entry["host_share"] == 1  # no GPU here
+    if layouts and "ar" in layouts:
+        assert all(written["layouts"]["ar" + s]["mean_rows"] == 1 for s in suffixes)
+
+
+@pytest.mark.parametrize("phase, argv", [  # the real SmolLM2's: slow, as every test that loads it
+    pytest.param(p, a, marks=[pytest.mark.slow] if "--adapter" in a else [], id=p) for p, a in g58("host-time")])
+def test_gpu_bench_host_time_as_g58_runs_it(phase, argv, tmp_path):
+    """g58a's host-time (7B shape -> tiny; layouts, --cudnn-sdp both) and g58b's (the real SmolLM2
+    with the shipped adapter, bf16, its shipped layout), with 2 prompts x 4 new tokens."""
+    argv = with_flags(local_paths(argv, tmp_path), prompts=2, new_tokens=4, device="cpu")
+    if "--adapter" in argv:  # g58b: the real model (bf16 is slow on this CPU: one prompt is timed twice)
+        argv = with_flags(argv, prompts=1, new_tokens=3)
+    else:
+        argv = with_flags(argv, shape="tiny", prompt_len=8)
+    load_script("gpu_bench").main(argv)
+    written = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
+    assert written["machine"]["device"] == "cpu"
+    assert written["new_tokens"] == int(argv[argv.index("--new-tokens") + 1])
+    check_host_time(written, argv)
+
+
+TRAIN = [(p, a) for p, a in GPU_BENCH if a[0] == "train"]
+
+
+@pytest.mark.parametrize("phase, argv", TRAIN, ids=[a[a.index("--mode") + 1] for _, a in TRAIN])
+def test_gpu_bench_train_tiny(phase, argv, tmp_path):
+    """phase1's train lines (frozen-base, full) at the tiny shape: losses finite, throughput positive."""
+    argv = with_flags(local_paths(argv, tmp_path), shape="tiny", batch=1, seq_len=64, steps=3, mask_num=3, spans=2,
+                      device="cpu")
+    load_script("gpu_bench").main(argv)
+    written = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
+    assert written["mode"] == argv[argv.index("--mode") + 1] and written["peak_memory_gib"] is None
+    assert len(written["losses"]) == 3 and all(x > 0 for x in finite_numbers(written["losses"]))
+    assert written["median_step_s"] > 0 and written["real_tokens_per_s"] > 0 and written["params"] > 0
+
+
+def test_gpu_bench_profiler_api_it_reads_on_cuda():
+    """gpu_busy_ms reads the profiler's events (device_type, time_range.elapsed_us(), name) only
+    on a GPU: the same attributes exist on a CPU profile, so a torch upgrade that renames them
+    shows here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    assert hasattr(torch.autograd.DeviceType, "CUDA")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8) @ torch.ones(8)
+    events = list(prof.events())
+    assert events
+    for e in events:
+        assert isinstance(e.name, str) and e.device_type == torch.autograd.DeviceType.CPU
+        assert e.time_range.elapsed_us() >= 0
+    for name in ("max_memory_allocated", "reset_peak_memory_stats", "synchronize", "get_device_name", "empty_cache"):
+        assert callable(getattr(torch.cuda, name)), name
+    assert callable(torch.backends.cuda.cudnn_sdp_enabled) and callable(torch.backends.cuda.enable_cudnn_sdp)
+
+
+# ---- bench_compile.py (gpu_check.sh real2 / real3) and bench_ops.py ----
+
+BENCH_COMPILE = gpu_check_commands("bench_compile")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the parse on a machine without CUDA")
+@pytest.mark.parametrize("phase, argv", BENCH_COMPILE, ids=[p for p, _ in BENCH_COMPILE])
+def test_gpu_check_bench_compile_lines_parse(phase, argv, tiny_adapter, tmp_path):
+    """Every bench_compile.py line of gpu_check.sh parses and passes the script's own checks: it
+    stops only where it first puts the model on CUDA."""
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        load_script("bench_compile").main(local_paths(argv, tmp_path, tiny_adapter))
+
+
+def test_bench_compile_as_real2_runs_it(tiny_adapter, tmp_path):
+    """real2's bench_compile line (eager against compiled, AR, PLD and SPACE) on the tiny adapter:
+    compile.json's speeds, exactness and compile warm-up, and compile.md."""
+    real2 = [a for p, a in gpu_check_commands("bench_compile") if p == "real2"]
+    assert real2
+    argv = with_flags(local_paths(real2[0], tmp_path, tiny_adapter), device="cpu", threads=1, prompts=1,
+                      max_new_tokens=4)
+    load_script("bench_compile").main(argv)
+    out = Path(argv[argv.index("--out") + 1])
+    written = json.loads((out / "compile.json").read_text())
+    setups = argv[argv.index("--setups") + 1].split(",")
+    methods = argv[argv.index("--methods") + 1].split(",")
+    assert sorted(written["tokens_per_s_median"]) == sorted(f"{s}/{m}" for s in setups for m in methods)
+    assert all(v > 0 for v in finite_numbers(written["tokens_per_s_median"]))
+    assert written["space_equals_ar"] == {s: True for s in setups}
+    assert set(written["compiled_over_eager"]) == set(methods) and set(written["space_vs_pld"]) == set(setups)
+    assert written["compile_warmup_s"] > 0 and written["graphs"]["warm_up"] >= 1
+    assert written["step_cost_ms"] == {}  # --rows ""
+    assert written["layout"]["tree"] == "dynamic"  # the adapter's tuned layout
+    assert "| compiled |" in (out / "compile.md").read_text()
+
+
+def test_bench_compile_eager_static_with_curve(tiny_adapter, tmp_path):
+    """The eager setups (growing and preallocated cache) with a step-cost curve and the chain layout."""
+    out = tmp_path / "static"
+    written = load_script("bench_compile").main(
+        ["--adapter", str(tiny_adapter), "--threads", "1", "--prompts", "1", "--max-new-tokens", "4", "--rows", "1,2",
+         "--setups", "eager,eager-static", "--methods", "ar,space", "--layout", "chain", "--out", str(out)])
+    assert json.loads((out / "compile.json").read_text()) == json.loads(json.dumps(written))
+    assert written["space_equals_ar"] == {"eager": True, "eager-static": True}
+    assert set(written["static_over_dynamic_cache_eager"]) == {"ar", "space"}
+    for setup in ("eager", "eager-static"):
+        positive_curve(written["step_cost_ms"][setup], [1, 2])
+    assert written["compile_warmup_s"] is None and written["layout"]["mask_num"] == 3
+
+
+def test_bench_ops_cuda_attention_both_dtypes(tiny_adapter, tmp_path, monkeypatch):
+    """bench_ops (its adapter fixed to the shipped one; the tiny one here) with transformers' SDPA
+    (CUDA's path) in fp32 and bf16: ops per step for AR and the three layouts, their ratios."""
+    ops = load_script("bench_ops")
+    monkeypatch.setattr(ops, "ADAPTER", tiny_adapter)
+    out = tmp_path / "ops.json"
+    ops.main(["--prompts", "1", "--max-new-tokens", "4", "--dtype", "float32", "bfloat16", "--attention", "sdpa",
+              "--threads", "1", "--out", str(out)])
+    written = json.loads(out.read_text())
+    names = ["AR", "chain", "static tree", "dynamic tree (shipped)"]
+    assert list(written["ops_per_step"]) == names and list(written["bf16_over_fp32"]) == names
+    for name in names:
+        assert set(written["ops_per_step"][name]) == {"float32", "bfloat16"}
+        assert all(v > 0 for v in finite_numbers(written["ops_per_step"][name]))
+        assert all(v > 0 for v in finite_numbers(written["steps"][name]))
+    assert written["over_ar"]["AR"] == {"float32": 1.0, "bfloat16": 1.0}
+    assert written["attention"] == "sdpa" and set(written["trunk"]) == {"float32", "bfloat16"}
+
+
+# ---- the CPU benchmarks ----
+
+def test_bench_kernels(tiny_adapter, tmp_path):
+    out = tmp_path / "kernels.json"
+    load_script("bench_kernels").main(["--adapter", str(tiny_adapter), "--prompts", "1", "--max-new-tokens", "4",
+                                       "--threads", "1", "--out", str(out)])
+    written = json.loads(out.read_text())
+    for key in ("ar_tokens_per_s", "space_tokens_per_s"):
+        assert set(written[key]) == {"stock", "fast"} and all(v > 0 for v in finite_numbers(written[key]))
+    assert written["ar_same_tokens"] is True and written["ar_fast_over_stock"] > 0
+
+
+@pytest.mark.parametrize("script, argv, keys", [
+    ("bench_step_parts", ["--rows", "16", "--cache", "8", "--rounds", "1"], ("step_ms", "ratio", "kernels")),
+    ("bench_packed_kernels", ["--rows", "1,4", "--cache", "8", "--rounds", "1"], ("step_ms", "chosen", "vs_mkl")),
+])
+def test_step_timing_scripts_on_the_tiny_adapter(script, argv, keys, tiny_adapter, tmp_path, monkeypatch):
+    """bench_step_parts and bench_packed_kernels (their adapter fixed to the shipped one; the tiny
+    one here, whose fast kernels pack as SmolLM2's do)."""
+    module = load_script(script)
+    monkeypatch.setattr(module, "ADAPTER", tiny_adapter)
+    out = tmp_path / f"{script}.json"
+    result = module.main([*argv, "--threads", "1", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(result))
+    for key in keys:
+        assert written[key], key
+    assert all(v > 0 for v in finite_numbers(written["step_ms"]))
+
+
+def test_bench_collator(tmp_path):
+    out = tmp_path / "collator.json"
+    load_script("bench_collator").main(["--batch", "2", "--length", "64", "--repeats", "1", "--threads", "1",
+                                        "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["current_ms"] > 0 and written["rows"] > 0 and written["mask_bytes"] > 0
+
+
+def test_bench_decode_tiny(tmp_path, monkeypatch):
+    out = tmp_path / "decode.json"
+    run_as_main("bench_decode", ["--model", "tiny-random-llama", "--cache", "8", "--repeats", "1", "--gen-tokens", "2",
+                                 "--kernels", "stock", "--out", out], monkeypatch)
+    written = json.loads(out.read_text())
+    assert all(v > 0 for v in finite_numbers(written["latency_vs_query_tokens_ms"]))
+    assert written["space_step_ms"] and all(r["needed_rows_ms"] > 0 for r in written["space_step_ms"])
+    assert set(written["tokens_per_s"]) == {"ar_loop", "hf_generate", "space_untrained_k5"}
+
+
+def test_bench_train_tiny(tmp_path, monkeypatch):
+    out = tmp_path / "train.json"
+    run_as_main("bench_train", ["--model", "tiny-random-llama", "--seq", "256", "--batch", "1", "--mask-num", "2",
+                                "--spans", "2", "--repeats", "1", "--out", out], monkeypatch)
+    written = json.loads(out.read_text())
+    for mode in ("frozen-base", "full"):
+        assert written[mode]["step_s"] > 0 and written[mode]["tokens_per_s"] > 0
+    assert written["frozen_base_vs_full"] > 0
+
+
+def test_tune_layout_tiny(tiny_adapter, tmp_path, monkeypatch):
+    out = tmp_path / "tune.json"
+    run_as_main("tune_layout", ["--model", "tiny-random-llama", "--adapter", tiny_adapter, "--prompts", "1",
+                                "--max-new-tokens", "4", "--mask-nums", "2", "--lookup-tokens", "0,10",
+                                "--kernels", "stock", "--out", out], monkeypatch)
+    written = json.loads(out.read_text())
+    assert written["ar_tokens_per_s"] > 0 and written["ranking"]
+    assert all(r["tokens_per_s"] > 0 and "decode" in r for r in written["ranking"])
+
+
+# ---- the scripts over committed results (read only) ----
+
+def test_compare_planners_on_committed_runs(monkeypatch, capsys):
+    runs = sorted((ROOT / "results" / "planner_issue44").glob("*mt-bench5"))
+    assert runs
+    run_as_main("compare_planners", [*runs, "--adapter", SHIPPED], monkeypatch)
+    printed = capsys.readouterr().out
+    assert printed.count("tokens/step") >= len(runs) and "tokens per AR-step of modelled cost" in printed
+
+
+def test_compare_drafters_on_committed_ranks(tmp_path):
+    ranks = [ROOT / "results" / "sweep" / arm / "ranks.jsonl" for arm in ("k3", "mode_lora")]
+    out = tmp_path / "drafters.json"
+    load_script("compare_drafters").main([*map(str, ranks), "--sources", "all", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written and all(v >= 0 for v in finite_numbers(written))
+    assert json.dumps(written).count('"tokens_per_step"') >= 2
+
+
+def test_plot_mask_accuracy(tmp_path, capsys):
+    png = tmp_path / "acc.png"
+    load_script("plot_mask_accuracy").main([str(ROOT / "results/sweep/token_targets/log_history.json"), str(png),
+                                            "--tokens-per-epoch", "1000"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "final accuracy j=0" in capsys.readouterr().out
