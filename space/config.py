@@ -196,7 +196,9 @@ def parse_train_args(argv: list[str] | None = None):
             raise ValueError(f"{known.config}: unknown config keys {unknown}")
         parser.set_defaults(**values)
     wants_help = any(a in ("-h", "--help") for a in rest)
-    if not wants_help and "output_dir" not in values and not any(a.startswith("--output_dir") for a in rest):
+    # the parser takes both spellings, with the value after a space or an "="
+    given = any(a.split("=")[0] in ("--output_dir", "--output-dir") for a in rest)
+    if not wants_help and "output_dir" not in values and not given:
         raise ValueError("missing config key: output_dir (set it in the YAML or pass --output_dir)")
     args = tuple(parser.parse_args_into_dataclasses(rest)[:4])
     check_train_args(*args)

@@ -115,6 +115,8 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-train", ["--config", "{tmp}/missing.yaml"], 2, "No such file"),
     ("space-train", [*TRAIN, "--output_dir", "{tmp}/a_file"], 2, "a_file is a file"),
     ("space-train", [*TRAIN, "--no_such_flag", "1"], 2, "not used by the HfArgumentParser"),
+    # --debug is taken off before the HfArgumentParser sees it (it would refuse it as an unused argument)
+    ("space-train", [*TRAIN, "--mask_num", "0", "--debug"], 2, "mask_num (k) must be an integer >= 1, got 0"),
     # space-layout
     ("space-layout", ["--num-candidates", "5", "-k", "2"], 2, "--num-candidates must lie in 0..k = 0..2, got 5"),
     ("space-layout", ["--mode", "truncate", "-k", "0"], 2, "--mask-num (k) must be >= 1, got 0"),
@@ -163,6 +165,23 @@ def test_console_scripts_are_wrapped():
     with pytest.raises(SystemExit) as exit_info:
         layout_cli(["-k", "2"])
     assert exit_info.value.code == 0
+
+
+def test_console_restores_the_sigterm_handler():
+    """The wrapper's SIGTERM handler (SystemExit(143)) is for the command's run only: a Python caller
+    of an entry point gets its own handler back afterwards."""
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(SystemExit):
+            layout_cli(["-k", "2"])
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_space_eval_exits_0(tmp_path):

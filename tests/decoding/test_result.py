@@ -62,3 +62,20 @@ def test_check_prompt_refuses_no_new_token_and_accepts_a_full_context():
     assert check_prompt([[1, 2, 3]], 13, 16).tolist() == [1, 2, 3]
     with pytest.raises(ValueError, match=r"= 17 exceeds the model context 16"):
         check_prompt([1, 2, 3], 14, 16)
+
+
+def test_ar_step_times_are_per_step_not_cumulative(tiny, monkeypatch):
+    """ar_generate times each step from its own start (a clock read once before the loop made
+    step_times cumulative, so tokens/s fell with length). A fake clock that ticks 1 s per read
+    gives exactly 1 s per step."""
+    import itertools
+
+    import torch
+
+    import space.decoding.autoregressive as ar_mod
+
+    model, _, spec = tiny
+    ticks = itertools.count()
+    monkeypatch.setattr(ar_mod, "clock", lambda device: float(next(ticks)))
+    out = ar_mod.ar_generate(model, torch.arange(11, 20), 5, suppress_ids=spec.token_ids)
+    assert len(out.new_ids) == 5 and out.step_times == [1.0] * 5

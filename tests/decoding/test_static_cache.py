@@ -137,3 +137,33 @@ def test_oracle_planner_with_static_cache(trained):
         assert out.new_ids == truth
         if corrupt_at < 3:
             assert max(out.accept_lengths[1:]) == corrupt_at
+
+
+def test_ar_generate_honours_static_cache_true(tiny, monkeypatch):
+    """ar_generate(static_cache=True) on an eager model preallocates prompt + max_new_tokens slots
+    (the flag was silently ignored when only ``is_compiled`` chose the cache), with the same tokens."""
+    import space.decoding.autoregressive as ar_mod
+
+    model, _, spec = tiny
+    made = []
+
+    def spy(layers, slots):
+        made.append((layers, slots))
+        return static_cache(layers, slots)
+
+    monkeypatch.setattr(ar_mod, "preallocated", spy)
+    prompt = torch.arange(11, 20)
+    truth = ar_generate(model, prompt, 6, suppress_ids=spec.token_ids).new_ids
+    assert made == []  # the default on an eager model: the growing cache
+    assert ar_generate(model, prompt, 6, suppress_ids=spec.token_ids, static_cache=True).new_ids == truth
+    assert made == [(model.config.num_hidden_layers, 9 + 6)]
+
+
+def test_ar_generate_never_emits_a_suppressed_id(tiny):
+    """suppress_ids (the mask tokens) are never emitted: suppressing the greedy first token changes it
+    (a dropped suppression left the AR baseline free to emit mask tokens)."""
+    model, _, _ = tiny
+    prompt = torch.arange(11, 20)
+    free = ar_generate(model, prompt, 4).new_ids
+    out = ar_generate(model, prompt, 4, suppress_ids=[free[0]]).new_ids
+    assert free[0] not in out and len(out) == 4

@@ -58,3 +58,34 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
     given = text if form == "json" else base64.urlsafe_b64encode(text.encode()).decode()
     with pytest.raises(ValueError, match="stage3_gather_16bit_weights_on_model_save"):
         check_deepspeed(given, SimpleNamespace(mask_chunk_rows=0))
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--spans_per_sample", "0"], "spans_per_sample must be >= 1, got 0"),
+    (["--max_length", "1"], "max_length must be >= 2, got 1"),
+    (["--weight_decay", "-0.1"], "weight_decay must be >= 0"),
+    (["--max_grad_norm", "-1"], "max_grad_norm must be >= 0"),
+    (["--max_nonfinite_steps", "-1"], "max_nonfinite_steps must be >= 0, got -1"),
+])
+def test_out_of_range_values_are_refused_while_parsing(tmp_path, flags, match):
+    """Each range check of check_train_args / SpaceSettings fires on its own (a dropped one let the
+    value through to the model load or the trainer)."""
+    with pytest.raises(ValueError, match=match):
+        parse(tmp_path, *flags)
+
+
+def test_output_dir_given_as_key_equals_value_or_with_an_empty_yaml(tmp_path):
+    """--output_dir=PATH and --output-dir PATH count as passing output_dir, and an empty YAML is no keys (all defaults),
+    not a config that is not a mapping."""
+    from space.config import parse_train_args
+
+    no_output = tmp_path / "no_output.yaml"
+    no_output.write_text("mask_num: 2\n")
+    *_, train = parse_train_args(["--config", str(no_output), f"--output_dir={tmp_path / 'a'}"])
+    assert train.output_dir == str(tmp_path / "a")
+    *_, train = parse_train_args(["--config", str(no_output), "--output-dir", str(tmp_path / "c")])  # the dash form
+    assert train.output_dir == str(tmp_path / "c")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    model, _, mask, train = parse_train_args(["--config", str(empty), "--output_dir", str(tmp_path / "b")])
+    assert train.output_dir == str(tmp_path / "b") and mask.mask_num >= 1 and model.mode == "frozen-base"
