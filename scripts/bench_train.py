@@ -55,6 +55,9 @@ def main() -> None:
         model, spec = prepare_model(model, tok, mode, a.mask_num)
         data = tokenize(load_examples("lima", limit=200), tok, a.seq)
         long = [row for row in data if len(row["input_ids"]) == a.seq][: a.batch]
+        if len(long) < a.batch:  # tokenize drops a row whose prompt leaves no response token in --seq
+            raise SystemExit(f"only {len(long)} of the first 200 LIMA rows fill --seq {a.seq} with a response "
+                             f"token in it; --batch {a.batch} needs {a.batch}: raise --seq or lower --batch")
         col = SpaceCollator(spec.ids_for(a.mask_num), a.mask_num, tok.pad_token_id, spans_per_sample=a.spans)
         batch = col(long)
         secs = time_steps(model, batch, SpaceSettings(mode=mode, mask_num=a.mask_num), a.repeats)

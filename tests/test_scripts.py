@@ -381,6 +381,9 @@ def test_bench_train_tiny(tmp_path, monkeypatch):
     for mode in ("frozen-base", "full"):
         assert written[mode]["step_s"] > 0 and written[mode]["tokens_per_s"] > 0
     assert written["frozen_base_vs_full"] > 0
+    with pytest.raises(SystemExit, match="only 0 of the first 200 LIMA rows fill --seq 32"):  # not max() of nothing
+        run_as_main("bench_train", ["--model", "tiny-random-llama", "--seq", "32", "--batch", "1", "--mask-num", "2",
+                                    "--out", tmp_path / "short.json"], monkeypatch)
 
 
 def test_tune_layout_tiny(tiny_adapter, tmp_path, monkeypatch):
