@@ -156,7 +156,7 @@ def test_compiled_frozen_base_reads_the_mask_rows_in_the_graph(monkeypatch):
     assert len(starts - {None}) >= 4 and counters["stats"]["unique_graphs"] - graphs <= 3, (starts, counters["stats"])
 
 
-def test_a_second_compile_keeps_the_first_and_raises_the_graph_limit(monkeypatch):
+def test_a_second_compile_keeps_the_first_and_raises_the_graph_limit():
     """Cheap, nothing compiled yet (compilation happens at the first call): a second
     ``compile_trunk`` returns the model as the first left it (a new compiled function would compile
     every graph again, and in ``reduce-overhead`` wrap the compiled trunk in another), and the
@@ -165,12 +165,13 @@ def test_a_second_compile_keeps_the_first_and_raises_the_graph_limit(monkeypatch
     from space.decoding.compiled import RECOMPILE_LIMIT
     from space.models import tiny_random_llama
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, whatever ran before
-    for mode in (None, "reduce-overhead"):
-        model, _ = tiny_random_llama()
-        model = compile_trunk(model, mode=mode)
-        trunk = model.get_decoder()
-        forwards = [trunk.forward, *(layer.forward for layer in trunk.layers)]
-        assert compile_trunk(model, mode=mode) is model and is_compiled(model)
-        assert [trunk.forward, *(layer.forward for layer in trunk.layers)] == forwards, mode
-    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+    # dynamo's default, whatever ran before; patch() restores it (monkeypatch's undo deletes the key)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        for mode in (None, "reduce-overhead"):
+            model, _ = tiny_random_llama()
+            model = compile_trunk(model, mode=mode)
+            trunk = model.get_decoder()
+            forwards = [trunk.forward, *(layer.forward for layer in trunk.layers)]
+            assert compile_trunk(model, mode=mode) is model and is_compiled(model)
+            assert [trunk.forward, *(layer.forward for layer in trunk.layers)] == forwards, mode
+        assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
