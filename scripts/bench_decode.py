@@ -43,14 +43,18 @@ def median_ms(fn, repeats: int) -> float:
     return round(1000 * statistics.median(times), 2)
 
 
+def random_ids(model, n: int) -> torch.Tensor:
+    """(n,) token ids below 1000 and below the model's vocabulary (tiny models have fewer ids)."""
+    return torch.randint(0, min(1000, model.config.vocab_size), (n,))
+
+
 def step_fn(model, prefix: torch.Tensor, lay, mask_id: int, head_rows: torch.Tensor | None):
     """One forward of ``lay`` after a cache holding ``prefix``; LM head on ``head_rows`` (None: all)."""
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         model.model(input_ids=prefix[None], **cache_input(cache), use_cache=True)
     L = cache.get_seq_length()
-    ids = lay.input_ids(torch.randint(0, min(1000, model.config.vocab_size), (lay.num_real,)),
-                        torch.tensor([mask_id]))[None]
+    ids = lay.input_ids(random_ids(model, lay.num_real), torch.tensor([mask_id]))[None]
     pos, mask = lay.position_ids[None], to_additive_4d(lay.allowed)
 
     def run():
@@ -75,7 +79,7 @@ def main() -> None:
     spec = add_mask_tokens(model, tok, 8)
     kernels = apply_kernels(model, a.kernels)
     mid = spec.token_ids[0]
-    prefix = torch.randint(0, min(1000, model.config.vocab_size), (a.cache,))  # tiny models have fewer ids
+    prefix = random_ids(model, a.cache)
     res = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
            "transformers": transformers.__version__, "model": a.model, "cache": a.cache,
            "kernels": kernels}
