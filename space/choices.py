@@ -14,5 +14,6 @@ DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 # --kernels: "fast" = space.cpu_kernels.optimize_for_cpu, "stock" = transformers' own kernels
 KERNEL_CHOICES = ("fast", "stock")
 # --compile: torch.compile's mode for space.decoding.compiled.compile_trunk ("default": inductor's own;
-# "reduce-overhead": with CUDA graphs, which pay on a GPU)
-COMPILE_MODES = ("default", "reduce-overhead")
+# "reduce-overhead": with CUDA graphs, which pay on a GPU; "frozen": the weights folded into the graph
+# for inductor's C++ GEMM, on a CPU)
+COMPILE_MODES = ("default", "reduce-overhead", "frozen")

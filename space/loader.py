@@ -141,10 +141,15 @@ def check_compile(compile: bool | str, device: str = "cpu", device_map: str | di
 
     Raises:
         ValueError: not a bool or one of ``COMPILE_MODES``; ``"reduce-overhead"`` (CUDA graphs)
-            on a machine without a usable CUDA GPU, or on a CPU or MPS ``device``.
+            on a machine without a usable CUDA GPU, or on a CPU or MPS ``device``; ``"frozen"``
+            off the CPU or with a ``device_map``.
     """
     if compile not in (False, True, *COMPILE_MODES):
         raise ValueError(f"compile must be a bool or one of {COMPILE_MODES}, got {compile!r}")
+    if compile == "frozen" and (device_map is not None or str(device).split(":")[0] != "cpu"):
+        raise ValueError(f"compile mode frozen packs the weights for inductor's C++ GEMM and runs on one CPU, got "
+                         f"device {device!r}" + (f" and device_map {device_map!r}" if device_map is not None else "")
+                         + "; on a GPU, space-eval --capture replays CUDA graphs")
     if compile != "reduce-overhead":
         return
     if not torch.cuda.is_available():

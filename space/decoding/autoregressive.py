@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from .cache import SlabCache, attention_windows, cache_input, static_cache as preallocated
 from .compiled import eager, is_compiled
+from .decoder import with_cache
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
 
@@ -50,12 +51,17 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
     gen = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     slots = ids.numel() + max_new_tokens
+    static = False  # the preallocated cache's steps pass their own mask (below)
     if graphs is not None:
         graphs.check_fits(slots, 1)
         graphs.reset()
         cache, head = graphs.cache, model.get_output_embeddings()
     elif is_compiled(model) if static_cache is None else static_cache:
         cache = preallocated(model.config.num_hidden_layers, slots)
+        # each step's 4-D mask and position, as SpaceDecoder passes them: transformers' own mask
+        # reads the slot count as a Python int, so a compiled step held it fixed, a graph per prompt length
+        static, windows = True, attention_windows(model.config)
+        one_row, row_pos = torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device), torch.zeros(1, dtype=torch.long, device=device)
     elif len({p.device for p in model.parameters()}) == 1 and set(attention_windows(model.config).values()) == {None}:
         cache = SlabCache(model.config.num_hidden_layers, slots)
     else:  # a sliding window needs transformers' own sliding layers here (AR builds no mask of its own)
@@ -66,8 +72,12 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         if graphs is not None and step_in.shape[1] == 1:  # a captured step, then the head on its row
             logits = head(graphs.step(step_in[0], None, None, cached, None))  # (1, vocab)
         else:
+            step = ({"position_ids": torch.full((1, 1), cached, device=device),
+                     "attention_mask": with_cache(one_row, row_pos, cached, windows, slots)}
+                    if static and step_in.shape[1] == 1 else {})
             with eager() if step_in.shape[1] > 1 else nullcontext():  # the prompt: as SpaceDecoder's prefill
-                logits = model(input_ids=step_in, **cache_input(cache), use_cache=True, logits_to_keep=1).logits[0]  # (1, vocab)
+                logits = model(input_ids=step_in, **step, **cache_input(cache), use_cache=True,
+                               logits_to_keep=1).logits[0]  # (1, vocab)
         cached += step_in.shape[1]  # tokens in the cache, counted on the host
         if suppress.numel():  # index_fill_, not logits[:, ids] = -inf: on CUDA that uploads the scalar (a sync)
             logits.index_fill_(1, suppress, float("-inf"))

@@ -27,6 +27,18 @@ new graphs after 45 minutes). CUDA graphs record one graph per concrete shape. P
 eagerly (:func:`eager` in the decoders; a layer whose cache entry holds nothing yet, as in
 transformers' ``generate``): their lengths would only add graphs, and a prefill runs once.
 
+The frozen mode (``mode="frozen"``, on a CPU; issue 58). A 1-row step reads every weight once,
+and the eager GEMVs read them at about half the memory's bandwidth. With inductor's ``freezing``
+the weights are constants of the graph, which inductor packs for its own C++ GEMM micro-kernels
+(autotuned against MKL's per shape, :data:`FROZEN`): on SmolLM2 at 2 threads an AR step took
+about 24 ms against about 50 ms eager on the fast kernels. The trunk is compiled whole, and the
+LM head too. Freezing holds the weights, so the mode takes sizes from inputs only: the slot
+count from the step's own 4-D mask (``ar_generate`` passes one over a static cache, as the
+decoder does), the rows past 1 and the slots marked dynamic, the first mask row as a (rows, 1)
+gate (:func:`_frozen_call`). That is one graph for AR's step on every prompt, one for SPACE's
+blocks, one for PLD's; a graph takes minutes to build, SPACE's (with the LoRA's updates) the
+longest (``results/compile_cpu``).
+
 Exactness: a compiled forward computes the same function with other kernels and fusions. SPACE's
 multi-row graphs and AR's one-row graph are different graphs, as SPACE's and AR's eager forwards
 run different kernels: greedy SPACE equals greedy AR of the same compiled model in fp32 for the
@@ -37,6 +49,7 @@ rounding, like two kernels.
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import StaticLayer
 
 from ..choices import COMPILE_MODES
 from ..cpu_kernels import SDPA_GQA, PackedLinear, register_attention
@@ -44,6 +57,11 @@ from ..masking import mask_rows, mask_rows_start
 from .cache import CACHE_ARG
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
+# inductor's settings in the frozen mode (issue 58): the weights folded into the graph as constants,
+# which inductor packs for its C++ GEMM micro-kernels, autotuned against MKL's per shape; linears
+# that read one input (q/k/v, gate/up) concatenated into one GEMM, as the eager fused trunk does
+FROZEN = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+          "cpp.enable_concat_linear": True, "max_autotune_report_choices_stats": False}
 
 
 def compile_trunk(model, mode: str | None = None):
@@ -54,7 +72,8 @@ def compile_trunk(model, mode: str | None = None):
     Compilation happens on the first calls, so time a compiled model after a warm-up generation.
     ``mode``: ``torch.compile``'s, one of ``space.choices.COMPILE_MODES`` (None or ``"default"``:
     inductor's default; ``"reduce-overhead"`` adds CUDA graphs on a GPU, one per shape, over the
-    static cache's fixed tensors). A trunk is compiled once: a second call with a known ``mode``
+    static cache's fixed tensors; ``"frozen"``: the trunk whole and the LM head with the weights
+    folded in, on a CPU, see the module's docstring). A trunk is compiled once: a second call with a known ``mode``
     returns ``model`` as the first call compiled it.
 
     Raises:
@@ -89,6 +108,14 @@ def compile_trunk(model, mode: str | None = None):
         base.set_attn_implementation(SDPA_GQA)
     if mode == "reduce-overhead":
         trunk.forward = _compiled_call(torch.compile(_in_mask_rows, mode=mode, dynamic=True), trunk.forward)
+    elif mode == "frozen":
+        # the trunk whole, its sizes symbolic from the first graph (rows past 1, slots) and the
+        # first mask row a gate: a graph per kind of call, never per prompt; and the LM head, the
+        # step's largest GEMM (SmolLM2: 49152 x 576)
+        dtype = next(trunk.parameters()).dtype
+        trunk.forward = _frozen_call(torch.compile(_in_mask_rows), trunk.forward, dtype)
+        head = base.get_output_embeddings()
+        head.forward = _frozen_call(torch.compile(head.forward, dynamic=True), head.forward)
     elif not isinstance(getattr(trunk, "layers", None), torch.nn.ModuleList):
         raise ValueError(f"compile_trunk compiles the decoder layers of a trunk's `layers` ModuleList; "
                          f"{type(trunk).__name__} has none")
@@ -130,6 +157,97 @@ def _compiled_call(graph, forward, layer_index: int | None = None):
 
     compiled_forward.graph = graph
     return compiled_forward
+
+
+def _frozen_call(graph, forward, dtype: torch.dtype | None = None):
+    """A forward that runs ``forward`` through ``graph`` under :data:`FROZEN`'s inductor settings,
+    patched around each call (a graph compiles inside its first call; nothing is set for the
+    rest of the process). For the trunk (``dtype`` given, the gate's): ``graph`` is
+    ``_in_mask_rows`` compiled, and
+
+    * the first mask row enters as a (rows, 1) gate in ``dtype`` (``space.masking.mask_rows``,
+      as a captured step's): the frozen-base LoRA's update is computed on every row and
+      multiplied by it, so no first-row value or branch on it is in the graph;
+    * the sizes that vary (rows past 1, the cache's slots) are symbolic from the first graph
+      (:func:`_mark_sizes`): a graph per kind of call (AR's 1-row step, SPACE's blocks, PLD's
+      blocks over transformers' dynamic cache), never one per prompt or bucket;
+    * the cache's tensors are plain inputs (:func:`_unmark`);
+    * a call whose cache holds nothing yet (a prefill: transformers' ``generate`` for PLD, which
+      no ``eager()`` wraps) or that has no cache runs eagerly, as in the default mode."""
+    from torch._inductor import config  # here, not at import: inductor loads only to compile
+
+    def frozen_forward(*args, **kwargs):
+        if dtype is None:
+            with config.patch(FROZEN):
+                return graph(*args, **kwargs)
+        cache = kwargs.get(CACHE_ARG)
+        if _cache_entry(cache, 0) is None:
+            return forward(*args, **kwargs)
+        _unmark(cache)
+        _contiguous(cache)
+        rows = _mark_sizes(kwargs)
+        start = mask_rows_start()
+        if start is None and rows > 1 and isinstance(cache.layers[0], StaticLayer):
+            # a block over a static cache without a mask row is SPACE's (AR's step has one row, PLD
+            # runs over transformers' dynamic cache): SPACE's graph with an all-zero gate, an exact
+            # + 0 on every row, not a graph of its own (minutes to build)
+            start = rows
+        if isinstance(start, int):
+            gate = (torch.arange(rows, device=cache.layers[0].keys.device) >= start).to(dtype)[:, None]
+            if rows > 1:
+                torch._dynamo.maybe_mark_dynamic(gate, 0)
+            start = gate
+        with mask_rows(None), config.patch(FROZEN):
+            return graph(start, forward, *args, **kwargs)
+
+    frozen_forward.graph = graph
+    return frozen_forward
+
+
+def _mark_sizes(kwargs: dict) -> int:
+    """Mark a trunk call's varying sizes dynamic (``torch._dynamo.maybe_mark_dynamic``): the rows
+    of the ids, positions and 4-D mask when above 1 (AR's single row keeps a graph of its own,
+    where the C++ GEMM is a GEMV), the mask's and cache's slots. Returns the rows."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs["inputs_embeds"]
+    rows = ids.shape[1]
+    if rows > 1:
+        for t in (ids, kwargs.get("position_ids")):
+            if t is not None:
+                mark(t, 1)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        if rows > 1:
+            mark(mask, 2)
+        mark(mask, 3)
+    for layer in kwargs[CACHE_ARG].layers:
+        for t in (layer.keys, layer.values):
+            mark(t, 2)
+    return rows
+
+
+def _contiguous(cache) -> None:
+    """Make a dynamic cache's cropped layers contiguous (transformers crops a ``DynamicLayer`` to
+    a view, and its next update concatenates): a graph holds its inputs' strides, so PLD's step
+    after a rejection compiled a graph of its own."""
+    for layer in cache.layers:
+        if not isinstance(layer, StaticLayer) and not layer.keys.is_contiguous():
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
+def _unmark(cache) -> None:
+    """Clear the static-address marks transformers' ``StaticLayer`` puts on a static cache's
+    tensors (``torch._dynamo.mark_static_address``, for CUDA graphs). Freezing folds a marked input
+    into the graph as it folds a weight: a frozen graph then kept writing into the first
+    generation's cache and left a second cache object untouched, without an error (a toy;
+    ``results/compile_cpu``). Unmarked, they are inputs of every call."""
+    for layer in cache.layers:
+        for name in ("keys", "values", "cumulative_length"):  # a DynamicLayer (PLD's) has no length
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                vars(tensor).pop("_dynamo_static_input_type", None)
 
 
 def _in_mask_rows(start: int | None, forward, *args, **kwargs):

@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                    help="torch.compile the model's trunk for every method, with preallocated KV caches for SPACE and "
                         "AR (space/decoding/compiled.py, issue 43); the first generations of each shape compile. "
-                        "reduce-overhead: with CUDA graphs, on a GPU (results/gpu_compiled)")
+                        "reduce-overhead: with CUDA graphs, on a GPU (results/gpu_compiled). frozen: on a CPU, the "
+                        "weights folded into the graph for inductor's C++ GEMM, the fastest AR step there; its graphs "
+                        "take minutes (results/compile_cpu)")
     p.add_argument("--capture", action="store_true",
                    help="replay each SPACE and AR step's trunk from CUDA graphs captured at load, one per row bucket, "
                         "over one preallocated KV cache (space/decoding/graphs.py, issue 58); pays on a GPU, where an "
@@ -113,7 +115,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
             unknown dtype, kernels or device (space.cli.check_device), a CUDA/MPS device this torch
             cannot use (in the device map too), a bad device map, a --tree or --device-map file that
             is not UTF-8, a device map shared by several torchrun processes of one node that have
-            GPUs, ``--compile reduce-overhead`` without a CUDA device (loader.check_compile),
+            GPUs, ``--compile reduce-overhead`` without a CUDA device or ``--compile frozen``
+            off the CPU (loader.check_compile),
             ``--capture`` with ``--compile`` or ``--device-map``, ``--capture-len`` < 1 or without
             ``--capture``, or ``--out`` that is a file.
     """

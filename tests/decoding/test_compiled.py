@@ -175,3 +175,54 @@ def test_a_second_compile_keeps_the_first_and_raises_the_graph_limit():
             assert compile_trunk(model, mode=mode) is model and is_compiled(model)
             assert [trunk.forward, *(layer.forward for layer in trunk.layers)] == forwards, mode
         assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+
+
+def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
+    """``compile_trunk(mode="frozen")`` (issue 58): the weights folded into the graph for
+    inductor's C++ GEMM, the trunk whole and the LM head. On a frozen-base adapter with a strong
+    LoRA and decisive logits, AR over the frozen trunk equals AR over the eager model on two
+    prompts of different lengths, each its own static cache (transformers marks a static cache's
+    tensors as static addresses, and freezing folded them into the graph: the second cache was
+    then never written or read); SPACE's chain and dynamic tree equal that AR; and the graphs stay
+    few: the slot count and the block's rows are symbolic and the first mask row enters as a gate,
+    so AR's step is one graph for both prompts and SPACE's blocks with mask rows one more."""
+    from torch._dynamo.utils import counters
+
+    from space.adapter_layers import fuse_frozen_base, prepare_model
+    from space.models import tiny_random_llama
+
+    torch._dynamo.reset()
+    model, tok = tiny_random_llama(num_hidden_layers=3)
+    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:  # larger than the 0.02 init: logits far apart, so a wrong cache shows in the tokens
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "lora_B" in name else 0.15))
+    eager = fuse_frozen_base(model).eval()
+    frozen = compile_trunk(copy.deepcopy(eager), mode="frozen")
+    assert is_compiled(frozen)
+    prompts = [torch.randint(11, 250, (n,), generator=gen) for n in (14, 23)]
+    graphs = counters["stats"]["unique_graphs"]
+    truths = []
+    for prompt in prompts:
+        truth = ar_generate(frozen, prompt, 24, suppress_ids=spec.token_ids).new_ids
+        assert truth == ar_generate(eager, prompt, 24, static_cache=True, suppress_ids=spec.token_ids).new_ids
+        truths.append(truth)
+    assert counters["stats"]["unique_graphs"] - graphs <= 2, counters["stats"]  # AR's step and its head row
+    graphs = counters["stats"]["unique_graphs"]
+    for config in [DecodeConfig(3, 2), DecodeConfig(3, tree="dynamic", lookup_tokens=6)]:
+        for prompt, truth in zip(prompts, truths):
+            assert SpaceDecoder(frozen, spec, config).generate(prompt, 24).new_ids == truth, config
+    # SPACE's blocks with mask rows, blocks without (a lookup branch alone), the head on many rows
+    assert counters["stats"]["unique_graphs"] - graphs <= 3, counters["stats"]
+
+
+def test_frozen_compile_is_refused_off_the_cpu():
+    from space.loader import check_compile
+
+    with pytest.raises(ValueError, match="frozen packs the weights for inductor's C\\+\\+ GEMM"):
+        check_compile("frozen", "cuda")
+    with pytest.raises(ValueError, match="device_map"):
+        check_compile("frozen", "cpu", "auto")
+    check_compile("frozen", "cpu")

@@ -91,3 +91,24 @@ def test_stop_ids_are_every_eos_of_the_model_and_tokenizer():
         return Target(model, SimpleNamespace(eos_token_id=tok_eos), None, None).stop_ids
 
     assert stops([7, 2]) == [2, 7] and stops(9) == [2, 9] and stops(None) == [2] and stops(None, None) == []
+
+
+def test_a_question_during_which_a_graph_compiled_is_timed_again(monkeypatch):
+    """``--compile``: a graph built inside a timed question (a shape the warm-up missed, such as
+    prompt lookup's 1-row step: a minute on a CPU) would count its build as decoding time; the
+    question runs again, warm, and that record is kept. Without a build it runs once."""
+    from torch._dynamo.utils import counters
+
+    calls = []
+
+    def fake_run(method, *args):
+        calls.append(method)
+        if len(calls) == 1:
+            counters["stats"]["unique_graphs"] += 1  # a graph built during the first run
+        return {"model_id": method, "run": len(calls)}
+
+    monkeypatch.setattr(bench, "run_question", fake_run)
+    task = EvalTask("q0", "code", ["def f():"])
+    assert bench.warm_question("pld", None, task, 8, SamplingConfig(), 1) == {"model_id": "pld", "run": 2}
+    assert bench.warm_question("space", None, task, 8, SamplingConfig(), 1) == {"model_id": "space", "run": 3}
+    assert calls == ["pld", "pld", "space"]
