@@ -159,15 +159,15 @@ class GatedLoraLinear(nn.Module):
             both = nn.functional.linear(x, self.packed, self.packed_bias)
             y, xa = both[..., :out], both[..., out:]
         if gate is not None and torch.compiler.is_compiling():
+            # compile mode frozen: out of place (inductor's frozen C++ GEMM failed to lower an
+            # addmm_ into a slice of the packed GEMM's output)
             y = y + (xa * gate) @ self.lora_bt
         elif gate is not None:  # a decode step's every row times the gate: one graph for every first mask row
             y[0].addmm_(xa[0] * gate, self.lora_bt)
         elif self.blockwise and self.blocks and x.shape[0] == 1:  # a decode step, one in-place gemm per nonzero block of B
             for r0, r1, c0, c1 in self.blocks:
                 y[0, s:, c0:c1].addmm_(xa[0, s:, r0:r1], self.lora_bt[r0:r1, c0:c1])
-        elif x.shape[0] == 1 and not torch.compiler.is_compiling():
-            # a decode step: the update as one in-place gemm on the mask rows (in a graph the form
-            # below: inductor's frozen C++ GEMM fails to lower an addmm_ on a row slice)
+        elif x.shape[0] == 1:  # a decode step: the update as one in-place gemm on the mask rows
             y[0, s:].addmm_(xa[0, s:], self.lora_bt)
         else:
             y[:, s:] += xa[:, s:] @ self.lora_bt

@@ -61,7 +61,8 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         # each step's 4-D mask and position, as SpaceDecoder passes them: transformers' own mask
         # reads the slot count as a Python int, so a compiled step held it fixed, a graph per prompt length
         static, windows = True, attention_windows(model.config)
-        one_row, row_pos = torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device), torch.zeros(1, dtype=torch.long, device=device)
+        one_row = torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device)
+        row_pos = torch.zeros(1, dtype=torch.long, device=device)
     elif len({p.device for p in model.parameters()}) == 1 and set(attention_windows(model.config).values()) == {None}:
         cache = SlabCache(model.config.num_hidden_layers, slots)
     else:  # a sliding window needs transformers' own sliding layers here (AR builds no mask of its own)

@@ -49,7 +49,7 @@ rounding, like two kernels.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..choices import COMPILE_MODES
 from ..cpu_kernels import SDPA_GQA, PackedLinear, register_attention
@@ -115,7 +115,7 @@ def compile_trunk(model, mode: str | None = None):
         dtype = next(trunk.parameters()).dtype
         trunk.forward = _frozen_call(torch.compile(_in_mask_rows), trunk.forward, dtype)
         head = base.get_output_embeddings()
-        head.forward = _frozen_call(torch.compile(head.forward, dynamic=True), head.forward)
+        head.forward = _frozen_call(torch.compile(head.forward, dynamic=True))
     elif not isinstance(getattr(trunk, "layers", None), torch.nn.ModuleList):
         raise ValueError(f"compile_trunk compiles the decoder layers of a trunk's `layers` ModuleList; "
                          f"{type(trunk).__name__} has none")
@@ -159,7 +159,7 @@ def _compiled_call(graph, forward, layer_index: int | None = None):
     return compiled_forward
 
 
-def _frozen_call(graph, forward, dtype: torch.dtype | None = None):
+def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
     """A forward that runs ``forward`` through ``graph`` under :data:`FROZEN`'s inductor settings,
     patched around each call (a graph compiles inside its first call; nothing is set for the
     rest of the process). For the trunk (``dtype`` given, the gate's): ``graph`` is
@@ -173,7 +173,9 @@ def _frozen_call(graph, forward, dtype: torch.dtype | None = None):
       blocks over transformers' dynamic cache), never one per prompt or bucket;
     * the cache's tensors are plain inputs (:func:`_unmark`);
     * a call whose cache holds nothing yet (a prefill: transformers' ``generate`` for PLD, which
-      no ``eager()`` wraps) or that has no cache runs eagerly, as in the default mode."""
+      no ``eager()`` wraps) or that has no cache runs eagerly, as in the default mode, and so does
+      one over a :class:`space.decoding.cache.SlabCache` (``static_cache=False``), whose length is
+      a host integer: a graph per step."""
     from torch._inductor import config  # here, not at import: inductor loads only to compile
 
     def frozen_forward(*args, **kwargs):
@@ -181,7 +183,7 @@ def _frozen_call(graph, forward, dtype: torch.dtype | None = None):
             with config.patch(FROZEN):
                 return graph(*args, **kwargs)
         cache = kwargs.get(CACHE_ARG)
-        if _cache_entry(cache, 0) is None:
+        if _cache_entry(cache, 0) is None or not isinstance(cache.layers[0], (StaticLayer, DynamicLayer)):
             return forward(*args, **kwargs)
         _unmark(cache)
         _contiguous(cache)
@@ -207,7 +209,8 @@ def _frozen_call(graph, forward, dtype: torch.dtype | None = None):
 def _mark_sizes(kwargs: dict) -> int:
     """Mark a trunk call's varying sizes dynamic (``torch._dynamo.maybe_mark_dynamic``): the rows
     of the ids, positions and 4-D mask when above 1 (AR's single row keeps a graph of its own,
-    where the C++ GEMM is a GEMV), the mask's and cache's slots. Returns the rows."""
+    where the C++ GEMM is a GEMV), the mask's and cache's slots (a 4-D mask, one per layer kind
+    on a hybrid model, or transformers generate's 2-D one). Returns the rows."""
     mark = torch._dynamo.maybe_mark_dynamic
     ids = kwargs.get("input_ids")
     if ids is None:
@@ -218,13 +221,17 @@ def _mark_sizes(kwargs: dict) -> int:
             if t is not None:
                 mark(t, 1)
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        if rows > 1:
-            mark(mask, 2)
-        mark(mask, 3)
+    for m in mask.values() if isinstance(mask, dict) else (mask,):  # {layer kind: mask} on hybrid models
+        if isinstance(m, torch.Tensor) and m.dim() == 4:
+            if rows > 1:
+                mark(m, 2)
+            mark(m, 3)
+        elif isinstance(m, torch.Tensor) and m.dim() == 2:  # transformers generate's (batch, keys)
+            mark(m, 1)
     for layer in kwargs[CACHE_ARG].layers:
-        for t in (layer.keys, layer.values):
-            mark(t, 2)
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                mark(t, 2)
     return rows
 
 
@@ -233,7 +240,7 @@ def _contiguous(cache) -> None:
     a view, and its next update concatenates): a graph holds its inputs' strides, so PLD's step
     after a rejection compiled a graph of its own."""
     for layer in cache.layers:
-        if not isinstance(layer, StaticLayer) and not layer.keys.is_contiguous():
+        if isinstance(layer, DynamicLayer) and not layer.keys.is_contiguous():
             layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
 
 
