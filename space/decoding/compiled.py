@@ -62,6 +62,13 @@ RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 # that read one input (q/k/v, gate/up) concatenated into one GEMM, as the eager fused trunk does
 FROZEN = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
           "cpp.enable_concat_linear": True, "max_autotune_report_choices_stats": False}
+# the row count a frozen block graph is autotuned for (``hint_override``, :func:`_mark_rows`); its
+# rows stay symbolic. Tuned at the first block's size (often 2-6 rows), inductor chose its C++ GEMM
+# for the linears, whose blocking for few rows ran 16 rows in 61-100 ms against oneDNN's 36-41 (a
+# toy of SmolLM2's linears); tuned at 16 it keeps oneDNN's packed GEMM for the weights and makes
+# the LoRA's small B products its own loops: 4 external GEMMs a layer (results/compile_cpu).
+# SPACE's blocks hold 12-16 rows, PLD's up to 11
+BLOCK_HINT = 16
 
 
 def compile_trunk(model, mode: str | None = None):
@@ -169,8 +176,9 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
       as a captured step's): the frozen-base LoRA's update is computed on every row and
       multiplied by it, so no first-row value or branch on it is in the graph;
     * the sizes that vary (rows past 1, the cache's slots) are symbolic from the first graph
-      (:func:`_mark_sizes`): a graph per kind of call (AR's 1-row step, SPACE's blocks, PLD's
-      blocks over transformers' dynamic cache), never one per prompt or bucket;
+      (:func:`_mark_sizes`), a block's rows autotuned as :data:`BLOCK_HINT`: a graph per kind of
+      call (AR's 1-row step, SPACE's blocks, PLD's blocks over transformers' dynamic cache),
+      never one per prompt or bucket;
     * the cache's tensors are plain inputs (:func:`_unmark`);
     * a call whose cache holds nothing yet (a prefill: transformers' ``generate`` for PLD, which
       no ``eager()`` wraps) or that has no cache runs eagerly, as in the default mode, and so does
@@ -179,7 +187,9 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
     from torch._inductor import config  # here, not at import: inductor loads only to compile
 
     def frozen_forward(*args, **kwargs):
-        if dtype is None:
+        if dtype is None:  # the LM head: (batch, rows, hidden)
+            if args[0].shape[-2] > 1:
+                _mark_rows(args[0], args[0].dim() - 2)
             with config.patch(FROZEN):
                 return graph(*args, **kwargs)
         cache = kwargs.get(CACHE_ARG)
@@ -197,7 +207,7 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
         if isinstance(start, int):
             gate = (torch.arange(rows, device=cache.layers[0].keys.device) >= start).to(dtype)[:, None]
             if rows > 1:
-                torch._dynamo.maybe_mark_dynamic(gate, 0)
+                _mark_rows(gate, 0)
             start = gate
         with mask_rows(None), config.patch(FROZEN):
             return graph(start, forward, *args, **kwargs)
@@ -208,8 +218,8 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
 
 def _mark_sizes(kwargs: dict) -> int:
     """Mark a trunk call's varying sizes dynamic (``torch._dynamo.maybe_mark_dynamic``): the rows
-    of the ids, positions and 4-D mask when above 1 (AR's single row keeps a graph of its own,
-    where the C++ GEMM is a GEMV), the mask's and cache's slots (a 4-D mask, one per layer kind
+    of the ids, positions and 4-D mask when above 1 (:func:`_mark_rows`; AR's single row keeps a
+    graph of its own, where the C++ GEMM is a GEMV), the mask's and cache's slots (a 4-D mask, one per layer kind
     on a hybrid model, or transformers generate's 2-D one). Returns the rows."""
     mark = torch._dynamo.maybe_mark_dynamic
     ids = kwargs.get("input_ids")
@@ -219,12 +229,12 @@ def _mark_sizes(kwargs: dict) -> int:
     if rows > 1:
         for t in (ids, kwargs.get("position_ids")):
             if t is not None:
-                mark(t, 1)
+                _mark_rows(t, 1)
     mask = kwargs.get("attention_mask")
     for m in mask.values() if isinstance(mask, dict) else (mask,):  # {layer kind: mask} on hybrid models
         if isinstance(m, torch.Tensor) and m.dim() == 4:
             if rows > 1:
-                mark(m, 2)
+                _mark_rows(m, 2)
             mark(m, 3)
         elif isinstance(m, torch.Tensor) and m.dim() == 2:  # transformers generate's (batch, keys)
             mark(m, 1)
@@ -233,6 +243,12 @@ def _mark_sizes(kwargs: dict) -> int:
             if isinstance(t, torch.Tensor):
                 mark(t, 2)
     return rows
+
+
+def _mark_rows(tensor: torch.Tensor, dim: int) -> None:
+    """Mark a block's row dimension dynamic, autotuned as :data:`BLOCK_HINT` rows whatever the
+    first block's size (``torch._dynamo.mark_dynamic``'s ``hint_override``)."""
+    torch._dynamo.mark_dynamic(tensor, dim, hint_override=BLOCK_HINT)
 
 
 def _contiguous(cache) -> None:

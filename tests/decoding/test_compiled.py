@@ -238,6 +238,28 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
     torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-4, atol=1e-4)
 
 
+def test_frozen_blocks_are_autotuned_at_the_block_hint():
+    """A frozen block's row count is symbolic and autotuned as ``BLOCK_HINT`` rows
+    (``hint_override``), not at the first block's size: tuned for the 2-6 rows of a first block,
+    inductor's C++ GEMM made SmolLM2's 16-row forward slower than eager (``results/compile_cpu``).
+    The ids', positions', 4-D mask's and gate's rows carry the hint; a 1-row step marks no rows
+    (AR keeps its own graph); the slots stay dynamic without one."""
+    from space.decoding.cache import CACHE_ARG, static_cache
+    from space.decoding.compiled import BLOCK_HINT, _mark_rows, _mark_sizes
+
+    assert BLOCK_HINT == 16  # SPACE's blocks hold 12-16 rows (the shipped layout), PLD's up to 11
+    for rows in (5, 1):
+        kwargs = {"input_ids": torch.zeros(1, rows, dtype=torch.long), "position_ids": torch.arange(rows)[None],
+                  "attention_mask": torch.zeros(1, 1, rows, 40), CACHE_ARG: static_cache(2, 40)}
+        assert _mark_sizes(kwargs) == rows
+        hints = [getattr(kwargs[k], "_dynamo_hint_overrides", {}) for k in ("input_ids", "position_ids", "attention_mask")]
+        assert hints == ([{1: BLOCK_HINT}, {1: BLOCK_HINT}, {2: BLOCK_HINT}] if rows > 1 else [{}, {}, {}])
+        assert 3 in kwargs["attention_mask"]._dynamo_weak_dynamic_indices  # the slots: dynamic, no hint
+    gate = torch.ones(5, 1)
+    _mark_rows(gate, 0)
+    assert gate._dynamo_hint_overrides == {0: BLOCK_HINT} and 0 in gate._dynamo_dynamic_indices
+
+
 def test_frozen_compile_is_refused_off_the_cpu():
     from space.loader import check_compile
 
