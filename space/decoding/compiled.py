@@ -197,6 +197,10 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
             return forward(*args, **kwargs)
         _unmark(cache)
         _contiguous(cache)
+        # the arguments that are set, in one order: AR's step (through the causal LM, which passes
+        # inputs_embeds=None) and SPACE's 1-row block without a mask group (the decoder's own call)
+        # are then one graph, not two of a minute each
+        kwargs = {k: kwargs[k] for k in sorted(kwargs) if kwargs[k] is not None}
         rows = _mark_sizes(kwargs)
         start = mask_rows_start()
         if start is None and rows > 1 and isinstance(cache.layers[0], StaticLayer):

@@ -217,7 +217,8 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
     # SPACE's blocks and the head on their verification rows
     assert counters["stats"]["unique_graphs"] - graphs <= 2, counters["stats"]
     # a block without a mask row over a static cache (a lookup branch alone) takes SPACE's graph
-    # with an all-zero gate: the base's output, and no graph of its own (minutes on a real model)
+    # with an all-zero gate, and a 1-row one AR's: the base's output, and no graph of its own
+    # (minutes on a real model)
     from space.decoding.cache import attention_windows, cache_input, static_cache
     from space.decoding.decoder import with_cache
     from space.masking import mask_rows
@@ -235,7 +236,15 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
                                       **cache_input(cache), use_cache=True)
             hidden.append(out.last_hidden_state)
             assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]
-    torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-4, atol=1e-4)
+            # a 1-row block without a mask group, as the decoder calls the trunk (not through the
+            # causal LM, which adds inputs_embeds=None): AR's step graph, not one more
+            mask = with_cache(torch.zeros(1, 1, 1, 1), torch.arange(1), 18, attention_windows(eager.config), 40)
+            out = model.get_decoder()(input_ids=prompts[1][18:19].clone()[None], position_ids=torch.tensor([[18]]),
+                                      attention_mask=mask, **cache_input(cache), use_cache=True)
+            hidden.append(out.last_hidden_state)
+            assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]
+    torch.testing.assert_close(hidden[0], hidden[2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden[1], hidden[3], rtol=1e-4, atol=1e-4)
 
 
 def test_frozen_blocks_are_autotuned_at_the_block_hint():
