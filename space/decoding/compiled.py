@@ -38,8 +38,9 @@ decoder does), the rows past 1 and the slots marked dynamic, the first mask row 
 gate (:func:`_frozen_call`). That is one graph for AR's step on every prompt, one for SPACE's
 blocks, one for PLD's; a graph takes minutes to build, SPACE's (with the LoRA's updates) the
 longest (``results/compile_cpu``). Dynamo keeps no guards on the trunk's modules (each compiled
-trunk has a code object of its own, so its graphs are its own): a change to the model after its
-first call is not seen, as freezing already holds the weights.
+trunk has a code object of its own, so its graphs are its own): any change to the model after its
+first call (weights, dtype, attributes, submodules, hooks inside the trunk) is ignored, not
+recompiled; compile a fresh copy instead.
 
 Exactness: a compiled forward computes the same function with other kernels and fusions. SPACE's
 multi-row graphs and AR's one-row graph are different graphs, as SPACE's and AR's eager forwards
@@ -218,10 +219,9 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
             # + 0 on every row, not a graph of its own (minutes to build)
             start = rows
         if isinstance(start, int):
-            gate = (torch.arange(rows, device=cache.layers[0].keys.device) >= start).to(dtype)[:, None]
-            if rows > 1:
-                _mark_rows(gate, 0)
-            start = gate
+            start = (torch.arange(rows, device=cache.layers[0].keys.device) >= start).to(dtype)[:, None]
+        if isinstance(start, torch.Tensor) and rows > 1:  # a gate, ours or a caller's (rows, 1)
+            _mark_rows(start, 0)
         with mask_rows(None), config.patch(FROZEN):
             return graph(start, forward, *args, **kwargs)
 
@@ -230,26 +230,33 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
 
 
 def _mark_sizes(kwargs: dict) -> int:
-    """Mark a trunk call's varying sizes dynamic (``torch._dynamo.maybe_mark_dynamic``): the rows
-    of the ids, positions and 4-D mask when above 1 (:func:`_mark_rows`; AR's single row keeps a
-    graph of its own, where the C++ GEMM is a GEMV), the mask's and cache's slots (a 4-D mask, one per layer kind
-    on a hybrid model, or transformers generate's 2-D one). Returns the rows."""
+    """Mark a trunk call's varying sizes dynamic: the rows of the ids, positions (and
+    ``cache_position``, which transformers before 5.x's rename passed) and 4-D mask when above 1
+    (:func:`_mark_rows`, every input of the rows' size: a strict mark refuses an unmarked one;
+    AR's single row keeps a graph of its own, where the C++ GEMM is a GEMV), the mask's and
+    cache's slots (``torch._dynamo.maybe_mark_dynamic``; a 4-D mask, one per layer kind on a
+    hybrid model, or transformers generate's 2-D one). Returns the rows."""
     mark = torch._dynamo.maybe_mark_dynamic
     ids = kwargs.get("input_ids")
     if ids is None:
         ids = kwargs["inputs_embeds"]
     rows = ids.shape[1]
     if rows > 1:
-        for t in (ids, kwargs.get("position_ids")):
+        for t, dim in ((ids, 1), (kwargs.get("position_ids"), 1), (kwargs.get("cache_position"), 0)):
             if t is not None:
-                _mark_rows(t, 1)
+                _mark_rows(t, dim)
     mask = kwargs.get("attention_mask")
     for m in mask.values() if isinstance(mask, dict) else (mask,):  # {layer kind: mask} on hybrid models
         if isinstance(m, torch.Tensor) and m.dim() == 4:
             if rows > 1:
                 _mark_rows(m, 2)
             mark(m, 3)
-        elif isinstance(m, torch.Tensor) and m.dim() == 2:  # transformers generate's (batch, keys)
+        elif isinstance(m, torch.Tensor) and m.dim() == 2 and rows > 1:  # transformers generate's (batch, past + rows)
+            # traced at the past + the rows' hint: the hint is the value dynamo traces with, and
+            # transformers compares the mask's length with the cache's plus the rows (a padded
+            # mask's check failed on the real length)
+            torch._dynamo.mark_dynamic(m, 1, hint_override=m.shape[1] - rows + BLOCK_HINT)
+        elif isinstance(m, torch.Tensor) and m.dim() == 2:
             mark(m, 1)
     for layer in kwargs[CACHE_ARG].layers:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -260,7 +267,9 @@ def _mark_sizes(kwargs: dict) -> int:
 
 def _mark_rows(tensor: torch.Tensor, dim: int) -> None:
     """Mark a block's row dimension dynamic, autotuned as :data:`BLOCK_HINT` rows whatever the
-    first block's size (``torch._dynamo.mark_dynamic``'s ``hint_override``)."""
+    first block's size (``torch._dynamo.mark_dynamic``'s ``hint_override``). The hint is also the
+    value dynamo traces the rows with (torch 2.13), so every input sized by the rows is marked
+    alike (:func:`_mark_sizes`)."""
     torch._dynamo.mark_dynamic(tensor, dim, hint_override=BLOCK_HINT)
 
 
