@@ -139,7 +139,7 @@ def compile_trunk(model, mode: str | None = None):
     else:
         # one compiled function for every layer, the layer an argument: dynamo inlines nn modules,
         # so a layer's parameters are graph inputs and every layer of a shape reuses its graph
-        graph = torch.compile(_own_code(_in_mask_rows), dynamic=True)
+        graph = torch.compile(_in_mask_rows, dynamic=True)
         for index, layer in enumerate(trunk.layers):
             layer.forward = _compiled_call(graph, type(layer).forward.__get__(layer), index)
     # dynamo's default of 8 graphs per function is below what one model meets when SPACE, AR and
