@@ -132,7 +132,7 @@ def compile_trunk(model, mode: str | None = None):
                               options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         trunk.forward = _frozen_call(graph, trunk.forward, dtype)
         head = base.get_output_embeddings()
-        head.forward = _frozen_call(torch.compile(head.forward, dynamic=True))
+        head.forward = _frozen_head(torch.compile(head.forward, dynamic=True))
     elif not isinstance(getattr(trunk, "layers", None), torch.nn.ModuleList):
         raise ValueError(f"compile_trunk compiles the decoder layers of a trunk's `layers` ModuleList; "
                          f"{type(trunk).__name__} has none")
@@ -176,11 +176,26 @@ def _compiled_call(graph, forward, layer_index: int | None = None):
     return compiled_forward
 
 
-def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
-    """A forward that runs ``forward`` through ``graph`` under :data:`FROZEN`'s inductor settings,
-    patched around each call (a graph compiles inside its first call; nothing is set for the
-    rest of the process). For the trunk (``dtype`` given, the gate's): ``graph`` is
-    ``_in_mask_rows`` compiled, and
+def _frozen_head(graph):
+    """The LM head's forward through ``graph`` (its forward compiled) under :data:`FROZEN`'s
+    inductor settings, patched around each call; a block's rows (batch, rows, hidden) autotuned
+    as :data:`BLOCK_HINT`."""
+    from torch._inductor import config  # here, not at import: inductor loads only to compile
+
+    def frozen_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[-2] > 1:
+            _mark_rows(hidden, hidden.dim() - 2)
+        with config.patch(FROZEN):
+            return graph(hidden)
+
+    frozen_forward.graph = graph
+    return frozen_forward
+
+
+def _frozen_call(graph, forward, dtype: torch.dtype):
+    """The trunk's ``forward`` through ``graph`` (``_in_mask_rows`` compiled) under
+    :data:`FROZEN`'s inductor settings, patched around each call (a graph compiles inside its
+    first call; nothing is set for the rest of the process), and
 
     * the first mask row enters as a (rows, 1) gate in ``dtype`` (``space.masking.mask_rows``,
       as a captured step's): the frozen-base LoRA's update is computed on every row and
@@ -189,7 +204,7 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
       (:func:`_mark_sizes`), a block's rows autotuned as :data:`BLOCK_HINT`: a graph per kind of
       call (AR's 1-row step, SPACE's blocks, PLD's blocks over transformers' dynamic cache),
       never one per prompt or bucket;
-    * the cache's tensors are plain inputs (:func:`_unmark`);
+    * the cache's tensors are plain, contiguous inputs with dynamic slots (:func:`_cache_inputs`);
     * a call whose cache holds nothing yet (a prefill: transformers' ``generate`` for PLD, which
       no ``eager()`` wraps) or that has no cache runs eagerly, as in the default mode, and so does
       one over a :class:`space.decoding.cache.SlabCache` (``static_cache=False``), whose length is
@@ -197,16 +212,10 @@ def _frozen_call(graph, forward=None, dtype: torch.dtype | None = None):
     from torch._inductor import config  # here, not at import: inductor loads only to compile
 
     def frozen_forward(*args, **kwargs):
-        if dtype is None:  # the LM head: (batch, rows, hidden)
-            if args[0].shape[-2] > 1:
-                _mark_rows(args[0], args[0].dim() - 2)
-            with config.patch(FROZEN):
-                return graph(*args, **kwargs)
         cache = kwargs.get(CACHE_ARG)
         if _cache_entry(cache, 0) is None or not isinstance(cache.layers[0], (StaticLayer, DynamicLayer)):
             return forward(*args, **kwargs)
-        _unmark(cache)
-        _contiguous(cache)
+        _cache_inputs(cache)
         # the arguments that are set, in one order: AR's step (through the causal LM, which passes
         # inputs_embeds=None) and SPACE's 1-row block without a mask group (the decoder's own call)
         # are then one graph, not two of a minute each
@@ -233,9 +242,9 @@ def _mark_sizes(kwargs: dict) -> int:
     """Mark a trunk call's varying sizes dynamic: the rows of the ids, positions (and
     ``cache_position``, which transformers before 5.x's rename passed) and 4-D mask when above 1
     (:func:`_mark_rows`, every input of the rows' size: a strict mark refuses an unmarked one;
-    AR's single row keeps a graph of its own, where the C++ GEMM is a GEMV), the mask's and
-    cache's slots (``torch._dynamo.maybe_mark_dynamic``; a 4-D mask, one per layer kind on a
-    hybrid model, or transformers generate's 2-D one). Returns the rows."""
+    AR's single row keeps a graph of its own, where the C++ GEMM is a GEMV), the mask's slots
+    (``torch._dynamo.maybe_mark_dynamic``; a 4-D mask, one per layer kind on a hybrid model, or
+    transformers generate's 2-D one; the cache's: :func:`_cache_inputs`). Returns the rows."""
     mark = torch._dynamo.maybe_mark_dynamic
     ids = kwargs.get("input_ids")
     if ids is None:
@@ -258,10 +267,6 @@ def _mark_sizes(kwargs: dict) -> int:
             torch._dynamo.mark_dynamic(m, 1, hint_override=m.shape[1] - rows + BLOCK_HINT)
         elif isinstance(m, torch.Tensor) and m.dim() == 2:
             mark(m, 1)
-    for layer in kwargs[CACHE_ARG].layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                mark(t, 2)
     return rows
 
 
@@ -273,26 +278,28 @@ def _mark_rows(tensor: torch.Tensor, dim: int) -> None:
     torch._dynamo.mark_dynamic(tensor, dim, hint_override=BLOCK_HINT)
 
 
-def _contiguous(cache) -> None:
-    """Make a dynamic cache's cropped layers contiguous (transformers crops a ``DynamicLayer`` to
-    a view, and its next update concatenates): a graph holds its inputs' strides, so PLD's step
-    after a rejection compiled a graph of its own."""
-    for layer in cache.layers:
-        if isinstance(layer, DynamicLayer) and not layer.keys.is_contiguous():
-            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+def _cache_inputs(cache) -> None:
+    """Make a cache's tensors plain graph inputs, in one pass over its layers:
 
-
-def _unmark(cache) -> None:
-    """Clear the static-address marks transformers' ``StaticLayer`` puts on a static cache's
-    tensors (``torch._dynamo.mark_static_address``, for CUDA graphs). Freezing folds a marked input
-    into the graph as it folds a weight: a frozen graph then kept writing into the first
-    generation's cache and left a second cache object untouched, without an error (a toy;
-    ``results/compile_cpu``). Unmarked, they are inputs of every call."""
+    * clear the static-address marks transformers' ``StaticLayer`` puts on them
+      (``torch._dynamo.mark_static_address``, for CUDA graphs). Freezing folds a marked input into
+      the graph as it folds a weight: a frozen graph then kept writing into the first
+      generation's cache and left a second cache object untouched, without an error (a toy;
+      ``results/compile_cpu``);
+    * make a dynamic cache's cropped layers contiguous (transformers crops a ``DynamicLayer`` to
+      a view, and its next update concatenates): a graph holds its inputs' strides, so PLD's step
+      after a rejection compiled a graph of its own;
+    * mark the keys' and values' slots dynamic (``torch._dynamo.maybe_mark_dynamic``)."""
     for layer in cache.layers:
         for name in ("keys", "values", "cumulative_length"):  # a DynamicLayer (PLD's) has no length
             tensor = getattr(layer, name, None)
             if isinstance(tensor, torch.Tensor):
                 vars(tensor).pop("_dynamo_static_input_type", None)
+        if isinstance(layer, DynamicLayer) and not layer.keys.is_contiguous():
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(tensor, 2)
 
 
 def _own_code(fn):
