@@ -3,7 +3,7 @@
 Layout (lora / frozen-base): ``adapter_model.safetensors`` + ``adapter_config.json`` (peft's
 names, read here without peft), ``mask_embedding.safetensors`` (the k or 1 mask rows),
 ``space_config.json`` (base model, mode, mask ids, mask_num, training data, commit; the tuned
-``"decode"`` layout and its step-cost curves, ``"step_costs"``, one per threads and kernels), and
+``"decode"`` layout and its step-cost curves, ``"step_costs"``, one per setup), and
 with the optional sampler head (issue 34, ``space.sampler_head``) ``sampler_head.safetensors`` plus
 its width under ``"sampler_head"``. A ``full`` artifact is a HF checkpoint with ``space_config.json``.
 """
@@ -253,19 +253,27 @@ def sampler_width(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> int | N
     return width
 
 
-def setup_key(entry: dict) -> tuple[int, str, str, bool, str]:
-    """What tells two step-cost setups apart: (threads, kernels, device type, captured steps, packed
-    kernel). An entry written before issue 58 names no device or capture: it was measured eagerly on
-    a CPU. The packed kernel ("" when none is named) is the fast kernels' timed choice, which
-    follows the CPU (MKL on an AVX-512 Intel CPU, oneDNN on an AVX2 AMD one): curves of two CPUs
-    are kept side by side."""
+def compile_setup(compile: bool | str | None) -> bool | str:
+    """A ``--compile`` setting as runs and step-cost curves record it: False (eager), True
+    (inductor's default mode, as runs before the modes recorded it) or the mode's name."""
+    return True if compile in (True, "default") else (compile or False)
+
+
+def setup_key(entry: dict) -> tuple[int, str, str, bool, bool | str, str]:
+    """What tells two step-cost setups apart: (threads, kernels, device type, captured steps,
+    compile mode, packed kernel). An entry written before issue 58 names no device, capture or
+    compile: it was measured eagerly on a CPU. A compiled trunk's steps cost otherwise (a frozen
+    trunk on a 2-core Zen 4: 20 ms at 1 row, 36 ms at 16, adapter cost 0,
+    ``results/tree_search/zen4_frozen_threads2``). The packed kernel ("" when none is named) is the fast kernels' timed
+    choice, which follows the CPU (MKL on an AVX-512 Intel CPU, oneDNN on an AVX2 AMD one): curves
+    of two CPUs are kept side by side."""
     return (entry["threads"], entry["kernels"], entry.get("device", "cpu"), bool(entry.get("capture", False)),
-            entry.get("packed_kernel") or "")
+            compile_setup(entry.get("compile", False)), entry.get("packed_kernel") or "")
 
 
 def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> list[dict]:
     """The step-cost curves of an adapter's ``space_config.json`` (``"step_costs"``: one
-    ``{"threads", "kernels", "device", "capture", "step_cost", "adapter_cost"}`` per setup
+    ``{"threads", "kernels", "device", "capture", "compile", "step_cost", "adapter_cost"}`` per setup
     (:func:`setup_key`, with the fast kernels' ``"packed_kernel"`` where recorded), plus
     ``"trunk"``; written by ``space-tree --write-adapter --dynamic`` (issue 44). [] when it has none.
 
@@ -277,10 +285,12 @@ def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> lis
         isinstance(e, dict) and type(e.get("threads")) is int and e["threads"] >= 1
         and isinstance(e.get("kernels"), str) and isinstance(e.get("step_cost"), list)
         and isinstance(e.get("device", "cpu"), str) and type(e.get("capture", False)) is bool
-        and isinstance(e.get("packed_kernel", ""), str) for e in entries)
+        and isinstance(e.get("compile", False), (bool, str)) and isinstance(e.get("packed_kernel", ""), str)
+        for e in entries)
     if not good:
         raise ValueError(f"{where}: bad step_costs: expected a list of {{\"threads\": n >= 1, \"kernels\": str, "
-                         f"\"device\": str, \"capture\": bool, \"packed_kernel\": str (optional), "
+                         f"\"device\": str, \"capture\": bool, \"compile\": bool or mode (optional), "
+                         f"\"packed_kernel\": str (optional), "
                          f"\"step_cost\": [[rows, ms], ...], "
                          f"\"adapter_cost\": ms}}, got {entries!r:.200}")
     return entries
@@ -288,17 +298,19 @@ def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> lis
 
 def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str,
                      where: os.PathLike | str = SPACE_CONFIG, device: str = "cpu",
-                     capture: bool = False, packed_kernel: str | None = None) -> tuple[DecodeConfig, dict | None]:
+                     capture: bool = False, packed_kernel: str | None = None,
+                     compile: bool | str = False) -> tuple[DecodeConfig, dict | None]:
     """A dynamic tree priced by the step-cost curve the adapter stores for ``threads`` CPU threads,
-    ``kernels``, the ``device`` type and ``capture`` (captured steps, ``space.decoding.graphs``;
-    :func:`stored_step_costs`): a curve measured at 1 thread prices rows wrong at 2 (issue 44), and
-    a CPU's prices a GPU's launch-bound steps wrong (issue 58). Apply it after any layout flags, so
-    ``--tree dynamic`` over a static stored layout is priced too.
+    ``kernels``, the ``device`` type, ``capture`` (captured steps, ``space.decoding.graphs``) and
+    ``compile`` (the trunk's compile mode, :func:`compile_setup`; :func:`stored_step_costs`): a
+    curve measured at 1 thread prices rows wrong at 2 (issue 44), a CPU's prices a GPU's
+    launch-bound steps wrong, and an eager trunk's a compiled one's (issue 58). Apply it after any
+    layout flags, so ``--tree dynamic`` over a static stored layout is priced too.
 
-    Which curve: among those of the same kernels, device and capture, the ones of the run's
+    Which curve: among those of the same kernels, device, capture and compile mode, the ones of the run's
     ``packed_kernel`` (the fast kernels' choice on this CPU) if any; of those, the one of this
     thread count (off a CPU, whatever its threads: a GPU's steps barely depend on the host's), else
-    the nearest; with none of the same kernels, device and capture, the decode entry's own (which
+    the nearest; with none of the same kernels, device, capture and compile mode, the decode entry's own (which
     may be another device's, the last ``space-tree`` wrote).
 
     Returns:
@@ -311,7 +323,8 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     """
     if decode.tree != "dynamic":
         return decode, None
-    alike = [e for e in stored_step_costs(cfg, where) if setup_key(e)[1:4] == (kernels, device, capture)]
+    compile = compile_setup(compile)
+    alike = [e for e in stored_step_costs(cfg, where) if setup_key(e)[1:5] == (kernels, device, capture, compile)]
     alike = [e for e in alike if e.get("packed_kernel") == packed_kernel] or alike
     entry = next((e for e in alike if device != "cpu" or e["threads"] == threads),
                  min(alike, key=lambda e: abs(e["threads"] - threads), default=None))
@@ -322,20 +335,21 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
                                  adapter_cost=entry.get("adapter_cost") or 0.0)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: bad step_costs entry for {entry['threads']} threads, {kernels} kernels, {device}"
-                         f"{', captured' if capture else ''}: {e}") from None
+                         f"{', captured' if capture else ''}{f', compile {compile}' if compile else ''}: {e}") from None
     # the trunk it was measured on: an entry without one predates the fused trunk (issue 58); the
     # packed kernel, when the entry names one (issue 58: MKL's packed GEMM or oneDNN's)
     return priced, {"threads": entry["threads"], "kernels": kernels, "device": device, "capture": capture,
-                    "trunk": entry.get("trunk", "unfused"),
+                    "trunk": entry.get("trunk", "unfused"), **({"compile": compile} if compile else {}),
                     **({"packed_kernel": entry["packed_kernel"]} if "packed_kernel" in entry else {})}
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
-                          kernels: str | None = None, device: str = "cpu", packed_kernel: str | None = None) -> DecodeConfig:
+                          kernels: str | None = None, device: str = "cpu", packed_kernel: str | None = None,
+                          compile: bool | str = False) -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
     trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, a dynamic tree priced
-    by the curve stored for that setup on the ``device`` type and ``packed_kernel``, eager steps
-    (:func:`priced_for_setup`), else by the entry's own.
+    by the curve stored for that setup on the ``device`` type, ``packed_kernel`` and ``compile``
+    mode, steps not captured (:func:`priced_for_setup`), else by the entry's own.
 
     Raises:
         ValueError: a malformed ``decode`` or ``step_costs`` entry (``where`` names the file).
@@ -344,7 +358,9 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
         decode = DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{where}: bad decode settings: {e}") from None
-    return priced_for_setup(decode, cfg, threads, kernels, where, device, packed_kernel=packed_kernel)[0] if threads else decode
+    if not threads:
+        return decode
+    return priced_for_setup(decode, cfg, threads, kernels, where, device, packed_kernel=packed_kernel, compile=compile)[0]
 
 
 def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:

@@ -273,7 +273,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     import torch
     import transformers
 
-    from ..artifact import adapter_decode_config, git_commit, priced_for_setup
+    from ..artifact import adapter_decode_config, compile_setup, git_commit, priced_for_setup
     from ..cpu_kernels import apply_kernels
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
     from ..decoding.tree import tree_flag
@@ -301,9 +301,9 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     # timed on this machine (the faster packed kernel, stock F.linear's rows per shape): recorded, not
     # resume keys (the kernel is pinned above)
     packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)
-    compiled = args.compile == "default" or args.compile or False  # True: inductor's default, as older runs recorded
+    compiled = compile_setup(args.compile)  # True: inductor's default, as older runs recorded
     # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a
-    # dynamic tree priced by the curve the adapter stores for this run's threads and kernels
+    # dynamic tree priced by the curve the adapter stores for this run's setup (threads, kernels, compile mode, ...)
     threads = torch.get_num_threads()
     where = Path(args.adapter) / "space_config.json" if args.adapter else None
     adapter_cfg = read_record(where) if where else {}
@@ -312,7 +312,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                             tree=tree_flag(args.tree, args.mask_num))
     on = next(model.parameters()).device.type
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
-                                     packed_kernel)
+                                     packed_kernel, compiled)
     graphs = capture = pld = None
     if args.capture:  # one graph per row bucket (on a GPU), ready before the first question
         from ..decoding.graphs import StepGraphs

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..choices import COMPILE_MODES
 from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
 from ..jsonl import write_text_atomic
 from .probe import base_model_name
@@ -220,12 +221,14 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
         return {shape: statistics.median(t) for shape, t in times.items()}
 
 
-def adapter_cost(model, cache_len: int = 300, repeats: int = 15, graphs=None) -> float:
+def adapter_cost(model, cache_len: int = 300, repeats: int = 15, graphs=None, static: bool = False) -> float:
     """The adapter's fixed cost per step in ms (issue 44): a 2-row step with a mask row minus one
     without (never below 0), timed in turns (:func:`time_steps`), the part of the curve's 1 -> 2-row
     jump that only blocks with mask groups pay (``DecodeConfig.adapter_cost``). ``graphs``: through
-    these captured steps (the gated graph against the plain one)."""
-    timed = time_steps(model, [(2, True), (2, False)], cache_len, repeats, graphs=graphs)
+    these captured steps (the gated graph against the plain one). ``static``: after a static cache,
+    as a compiled trunk runs (under ``compile="frozen"`` both are the gated graph, the gate zero
+    without mask rows: about 0)."""
+    timed = time_steps(model, [(2, True), (2, False)], cache_len, repeats, static, graphs)
     return round(max(timed[2, True] - timed[2, False], 0.0) * 1e3, 3)
 
 
@@ -316,9 +319,10 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     ``space-eval`` can warn when a run's setup differs (issue 44); else any old one is dropped.
 
     A dynamic layout's curve and adapter cost are also kept in ``"step_costs"``, one entry per
-    setup (threads, kernels, device type, captured steps, packed kernel: ``artifact.setup_key``),
-    replacing only the entry of the same setup: a curve written at 2 threads leaves the 1-thread
-    one, one measured on oneDNN leaves MKL's, and ``load_space`` / ``space-eval`` price rows by the
+    setup (threads, kernels, device type, captured steps, compile mode, packed kernel:
+    ``artifact.setup_key``), replacing only the entry of the same setup: a curve written at 2
+    threads leaves the 1-thread one, one measured on oneDNN leaves MKL's, a compiled trunk's the
+    eager one's, and ``load_space`` / ``space-eval`` price rows by the
     entry of their own setup (``artifact.priced_for_setup``).
 
     Raises:
@@ -331,11 +335,13 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
     if setup is not None and cfg["decode"].get("tree") == "dynamic" and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
-        entry = {**{k: setup[k] for k in ("threads", "kernels", "device", "capture", "trunk", "packed_kernel")
+        entry = {**{k: setup[k] for k in ("threads", "kernels", "device", "capture", "compile", "trunk", "packed_kernel")
                     if k in setup},
                  "step_cost": cfg["decode"]["step_cost"], "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
         others = [e for e in stored_step_costs(cfg, path) if setup_key(e) != setup_key(entry)]
-        cfg["step_costs"] = sorted(others + [entry], key=lambda e: (*setup_key(e)[2:], e["kernels"], e["threads"]))
+        # compile is a bool or a mode's name: compared as text
+        cfg["step_costs"] = sorted(others + [entry],
+                                   key=lambda e: (*map(str, setup_key(e)[2:]), e["kernels"], e["threads"]))
     else:
         cfg.pop("step_cost_setup", None)
     tmp = path.with_suffix(".json.tmp")
@@ -388,10 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=64, help="largest block (rows per step) tried (default: %(default)s)")
     p.add_argument("--cache-len", type=int, default=300,
                    help="cached tokens behind the timed block (default: %(default)s)")
-    p.add_argument("--kernels", default="fast", help="CPU kernels, fast or stock, as space-eval --kernels "
-                   "(default: %(default)s)")
+    p.add_argument("--kernels", default=None, help="CPU kernels, fast or stock, as space-eval --kernels "
+                   "(default: fast, stock with --compile)")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                   help="measure the curve on the compiled trunk over a static cache, as space-eval --compile runs "
+                        "(space/decoding/compiled.py; its graphs build first, minutes), price steps at their row "
+                        "bucket, and store the curve for that setup (frozen: on a CPU, with --kernels stock)")
     p.add_argument("--buckets", action="store_true", help="price each step at its row bucket, as a --compile run "
-                   "pads static layouts (space/decoding/compiled.py); the curve is still measured eagerly")
+                   "pads static layouts (space/decoding/compiled.py), with an eager curve")
     p.add_argument("--capture", action="store_true", help="measure the curve through captured steps (one CUDA graph "
                    "per row count, space/decoding/graphs.py), as space-eval --capture runs them, and store it for that "
                    "setup")
@@ -416,8 +426,9 @@ def main(argv: list[str] | None = None) -> dict:
     Raises:
         FileNotFoundError: no ranks file or adapter.
         ValueError: bad sizes, --threads or --device, a malformed ranks file, ranks another adapter
-            or base model produced, --write-adapter without --adapter, or no static layout within
-            --max-rows. Ranks of fewer offsets than --max-mask-num asks for are no error (the search
+            or base model produced, --write-adapter without --adapter, --compile with --capture or
+            --kernels fast, or a mode the device cannot run (``loader.check_compile``), or no static
+            layout within --max-rows. Ranks of fewer offsets than --max-mask-num asks for are no error (the search
             stops at the ranks' k).
     """
     a = build_parser().parse_args(argv)
@@ -430,9 +441,16 @@ def main(argv: list[str] | None = None) -> dict:
     set_threads(a.threads)
     check_device(a.device)
     from ..choices import KERNEL_CHOICES
+    from ..loader import check_compile
 
+    if a.kernels is None:
+        a.kernels = "stock" if a.compile else "fast"
     if a.kernels not in KERNEL_CHOICES:
         raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {a.kernels!r}")
+    if a.compile and (a.capture or a.kernels != "stock"):  # as space-eval refuses them
+        raise ValueError("--compile measures the compiled trunk with the stock kernels: drop --capture and "
+                         "--kernels fast")
+    check_compile(a.compile or False, a.device)
     meta, _ = read_ranks_file(a.ranks)
     check_ranks_source(meta, a.ranks, a.model, a.adapter)
     ranks = load_ranks(a.ranks)
@@ -440,12 +458,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"{a.ranks} holds no samples")
     import torch
 
-    from ..artifact import SPACE_CONFIG
+    from ..artifact import SPACE_CONFIG, compile_setup
     from ..cpu_kernels import apply_kernels
     from ..decoding.config import DecodeConfig
     from ..loader import load_space
 
-    model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, device=a.device)
+    model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, device=a.device, compile=a.compile or False)
     if a.cache_len + a.max_rows > model.config.max_position_embeddings:
         raise ValueError(f"--cache-len + --max-rows = {a.cache_len + a.max_rows} exceeds the model's context "
                          f"of {model.config.max_position_embeddings}")
@@ -459,13 +477,18 @@ def main(argv: list[str] | None = None) -> dict:
         graphs = StepGraphs(model, a.cache_len + a.max_rows, points)
         seconds = graphs.capture()  # before the count is read: a GPU's graphs exist after it
         print(f"[space-tree] captured {graphs.num_graphs} step graphs in {seconds:.1f} s")
-    curve = step_cost_curve(model, points, a.cache_len, graphs=graphs)
+    # a compiled trunk steps over a static cache (space.decoding.compiled): its graphs build in the
+    # curve's warm-up round
+    static = bool(a.compile)
+    curve = step_cost_curve(model, points, a.cache_len, static=static, graphs=graphs)
     # what the curve was measured with (artifact.setup_key)
     setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "device": next(model.parameters()).device.type,
-             "capture": a.capture, "trunk": trunk_of(model),
+             "capture": a.capture, **({"compile": compile_setup(a.compile)} if a.compile else {}),
+             "trunk": trunk_of(model),
              **({"packed_kernel": applied["packed_kernel"]} if applied.get("packed_linears") else {})}
     # captured steps pad every block to a bucket, as space-eval --capture runs them
-    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, a.buckets or a.capture)
+    buckets = a.buckets or a.capture or static
+    results = search(ranks, curve, min(a.max_mask_num, spec.mask_num), a.max_rows, current, buckets)
     if not results:  # the smallest static layout, x + 1 candidate + a group of 1 mask, is 3 rows
         raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")
     dynamic = None
@@ -475,12 +498,13 @@ def main(argv: list[str] | None = None) -> dict:
         dynamic = DecodeConfig(k, k + 1, lookup.lookup_tokens, lookup.lookup_ngram, tree="dynamic",
                                row_budget=a.max_rows, draft_ranks=4,
                                step_cost=tuple(map(tuple, step_cost_points(curve))),
-                               adapter_cost=adapter_cost(model, a.cache_len, graphs=graphs)).to_dict()
+                               adapter_cost=adapter_cost(model, a.cache_len, graphs=graphs, static=static)).to_dict()
     best, mine = results[0], next((r for r in results if r.get("current")), None)
     chain = next((r for r in results if r["decode"]["tree"] is None
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
     report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
-              "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": a.buckets or a.capture, "capture": a.capture,
+              "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": buckets, "capture": a.capture,
+              "compile": compile_setup(a.compile),
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
               "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}
     write_text_atomic(a.out / "tree_search.json", json.dumps(report, indent=1) + "\n")

@@ -79,6 +79,34 @@ def test_cli_on_probe_ranks_and_bad_input(tmp_path, capsys):
         assert info.value.code == 2 and msg in capsys.readouterr().err
 
 
+def test_cli_compile_measures_the_compiled_trunk_over_a_static_cache(tmp_path, monkeypatch, capsys):
+    """Issue 58: space-tree --compile frozen times the steps on the frozen trunk over a static cache,
+    as space-eval --compile runs them (without it the curve was an eager one priced for a compiled
+    run), prices static layouts at their buckets and records the mode; with --capture or the fast
+    kernels it is refused, as space-eval refuses them."""
+    import space.eval.tree_search as tree_search
+    from space.decoding.compiled import is_compiled
+
+    probe.main(["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "12", "-k", "2",
+                "--out", str(tmp_path / "probe")])
+    args = ["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--max-mask-num", "2",
+            "--max-rows", "4", "--cache-len", "8", "--threads", "1", "--out", str(tmp_path / "tree")]
+    timed = []
+    real = tree_search.time_steps
+
+    def spy(model, shapes, cache_len=300, repeats=15, static=False, graphs=None):
+        timed.append((is_compiled(model), static))
+        return real(model, shapes, cache_len, 2, static, graphs)
+
+    monkeypatch.setattr(tree_search, "time_steps", spy)
+    out = main([*args, "--compile", "frozen", "--dynamic"])
+    assert timed == [(True, True), (True, True)]  # the curve, then the adapter cost
+    assert out["compile"] == "frozen" and out["buckets"] is True and set(out["step_cost_ms"]) == {1, 2, 4}
+    for extra, msg in ((["--capture"], "drop --capture"), (["--kernels", "fast"], "--kernels fast")):
+        with pytest.raises(ValueError, match=msg):
+            main([*args, "--compile", "frozen", *extra])
+
+
 def test_write_decode_keeps_other_keys(tmp_path):
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "decode": {"mask_num": 1}}))
     write_decode(tmp_path, {"mask_num": 3, "num_groups": 2, "tree": [[0], [1]]})
@@ -153,6 +181,50 @@ def test_curves_are_stored_and_chosen_per_device_and_capture(tmp_path):
     assert cfg["decode"]["step_cost"] == [[1, 20.0], [16, 30.0]]
     nearest, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 4, "fast")
     assert nearest.step_cost == cpu.step_cost and setup["threads"] == 8  # space-eval warns: threads 8 (run: 4)
+
+
+def test_curves_are_stored_and_chosen_per_compile_mode(tmp_path):
+    """Issue 58: under --compile frozen a 1-row step costs relatively less than eagerly, so a frozen
+    trunk's curve is stored beside the eager one of the same threads and kernels, each run is
+    priced by its own mode's (load_space too), and a mode without a curve of its own falls back to
+    the decode entry's, which space-eval's check names."""
+    from space.artifact import adapter_decode_config, compile_setup, priced_for_setup, stored_step_costs
+    from space.eval.tree_search import step_cost_mismatch
+
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
+    eager = {"threads": 2, "kernels": "stock", "device": "cpu", "capture": False, "trunk": "unfused"}
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 5.0}, {1: 0.050, 16: 0.080}, setup=eager)
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.0}, {1: 0.024, 16: 0.041},
+                 setup={**eager, "compile": "frozen"})
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert [e.get("compile") for e in cfg["step_costs"]] == [None, "frozen"]  # two entries, eager first
+    frozen, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", compile="frozen")
+    assert frozen.step_cost == ((1, 24.0), (16, 41.0)) and frozen.adapter_cost == 0.0
+    assert setup["compile"] == "frozen" and step_cost_mismatch(setup, 2, "stock", "frozen", "unfused") is None
+    plain, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock")
+    assert plain.step_cost == ((1, 50.0), (16, 80.0)) and "compile" not in setup
+    assert "compile False (run: frozen)" in step_cost_mismatch(setup, 2, "stock", "frozen", "unfused")
+    assert adapter_decode_config(cfg, threads=2, kernels="stock", compile="frozen").step_cost == frozen.step_cost
+    # inductor's default mode has no curve here: the decode entry's own (the last written), named by the check
+    stored = DecodeConfig.from_dict(cfg["decode"])
+    other, setup = priced_for_setup(stored, cfg, 2, "stock", compile=compile_setup("default"))
+    assert other.step_cost == frozen.step_cost and "compile frozen (run: True)" in step_cost_mismatch(
+        setup, 2, "stock", True, "unfused")
+    assert compile_setup("default") is True and compile_setup(None) is False and compile_setup("frozen") == "frozen"
+    with pytest.raises(ValueError, match="compile"):
+        stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "compile": 1}]})
+    # load_space prices its tuned layout by its compile mode's curve (nothing compiles before a call)
+    adapter = tmp_path / "adapter"
+    shutil.copytree(SHIPPED, adapter)
+    decode = json.loads((adapter / "space_config.json").read_text())["decode"]
+    write_decode(adapter, decode, {1: 0.024, 32: 0.050}, setup={**eager, "threads": torch.get_num_threads(),
+                                                                "compile": "frozen"})
+    write_decode(adapter, decode, {1: 0.050, 32: 0.090}, setup={**eager, "threads": torch.get_num_threads()})
+    from space.loader import load_space
+
+    model, _, _ = load_space(adapter=str(adapter), compile="frozen")
+    assert model.config.space_decode["step_cost"] == [[1, 24.0], [32, 50.0]]
 
 
 def test_curves_name_their_packed_kernel(tmp_path):
