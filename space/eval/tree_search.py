@@ -354,8 +354,8 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
                        packed_kernel: str | None = None) -> str | None:
     """Why a stored step-cost curve may not price this run's rows: the threads, kernels,
     compilation, trunk, device type or captured steps it was measured with differ from the run's
-    (a curve at 1 thread prices rows wrong at 2; space-tree measures eagerly, a ``--compile`` run
-    attends over a preallocated cache with other kernels; a curve recorded without a trunk
+    (a curve at 1 thread prices rows wrong at 2; space-tree measures eagerly unless given ``--compile``,
+    and a ``--compile`` run attends over a preallocated cache with other kernels; a curve recorded without a trunk
     predates the fused trunk, ``space.decoding.fused``, whose steps cost less; a CPU's steps are
     compute-bound where a GPU's are launch-bound, and a replayed graph's are not). ``trunk``: the
     run's, ``"fused"`` or ``"unfused"`` (:func:`trunk_of`). ``packed_kernel``: the run's fast
@@ -364,8 +364,11 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
     curve name one. None when they agree or nothing was recorded."""
     if not setup:
         return None
-    # space-tree's curves are eager; one recorded before issue 58 was measured on a CPU
+    from ..artifact import compile_setup
+
+    # a curve recorded without a compile mode is eager; one recorded before issue 58 was measured on a CPU
     recorded = {"compile": False, "trunk": "unfused", "device": "cpu", "capture": False, **setup}
+    recorded["compile"], compiled = compile_setup(recorded["compile"]), compile_setup(compiled)  # "default" is True
     off_cpu = device != "cpu" and recorded["device"] != "cpu"  # a GPU's steps barely depend on the host's threads
     diff = [f"{key} {recorded[key]} (run: {now})"
             for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk),
@@ -504,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
     report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
               "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": buckets, "capture": a.capture,
-              "compile": compile_setup(a.compile),
+              "compile": compile_setup(a.compile), "step_cost_setup": setup,
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
               "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}
     write_text_atomic(a.out / "tree_search.json", json.dumps(report, indent=1) + "\n")

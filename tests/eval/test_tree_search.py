@@ -102,6 +102,8 @@ def test_cli_compile_measures_the_compiled_trunk_over_a_static_cache(tmp_path, m
     out = main([*args, "--compile", "frozen", "--dynamic"])
     assert timed == [(True, True), (True, True)]  # the curve, then the adapter cost
     assert out["compile"] == "frozen" and out["buckets"] is True and set(out["step_cost_ms"]) == {1, 2, 4}
+    # the setup --write-adapter stores the curve under (write_decode): the mode in it, else an eager stock curve
+    assert out["step_cost_setup"]["compile"] == "frozen" and out["step_cost_setup"]["kernels"] == "stock"
     for extra, msg in ((["--capture"], "drop --capture"), (["--kernels", "fast"], "--kernels fast")):
         with pytest.raises(ValueError, match=msg):
             main([*args, "--compile", "frozen", *extra])
@@ -211,6 +213,8 @@ def test_curves_are_stored_and_chosen_per_compile_mode(tmp_path):
     other, setup = priced_for_setup(stored, cfg, 2, "stock", compile=compile_setup("default"))
     assert other.step_cost == frozen.step_cost and "compile frozen (run: True)" in step_cost_mismatch(
         setup, 2, "stock", True, "unfused")
+    # "default" and True name one mode: no warning between them
+    assert step_cost_mismatch({**eager, "compile": "default"}, 2, "stock", True, "unfused") is None
     assert compile_setup("default") is True and compile_setup(None) is False and compile_setup("frozen") == "frozen"
     with pytest.raises(ValueError, match="compile"):
         stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "compile": 1}]})
