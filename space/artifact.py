@@ -264,9 +264,9 @@ def setup_key(entry: dict) -> tuple[int, str, str, bool, bool | str, str]:
     compile mode, packed kernel). An entry written before issue 58 names no device, capture or
     compile: it was measured eagerly on a CPU. A compiled trunk's steps cost otherwise (a frozen
     trunk on a 2-core Zen 4: 20 ms at 1 row, 36 ms at 16, adapter cost 0,
-    ``results/tree_search/zen4_frozen_threads2``). The packed kernel ("" when none is named) is the fast kernels' timed
-    choice, which follows the CPU (MKL on an AVX-512 Intel CPU, oneDNN on an AVX2 AMD one): curves
-    of two CPUs are kept side by side."""
+    ``results/tree_search/zen4_frozen_threads2``). The packed kernel ("" when none is named) is
+    the fast kernels' timed choice, which follows the CPU (MKL on an AVX-512 Intel CPU, oneDNN on
+    an AVX2 AMD one): curves of two CPUs are kept side by side."""
     return (entry["threads"], entry["kernels"], entry.get("device", "cpu"), bool(entry.get("capture", False)),
             compile_setup(entry.get("compile", False)), entry.get("packed_kernel") or "")
 

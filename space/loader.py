@@ -16,7 +16,7 @@ import torch
 from peft import set_peft_model_state_dict
 
 from .adapter_layers import MaskEmbedding, apply_lora, mask_embedding
-from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config, compile_setup,
+from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config,
                        check_artifact, check_finite, copy_mask_rows, load_mask_rows, load_sampler_head, read_lora,
                        read_space_config, read_tensors, sampler_width)
 from .choices import COMPILE_MODES
@@ -134,7 +134,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     on = next(base.parameters()).device.type  # a CPU's curve prices a GPU's steps wrong
     base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels, on,
-                                                     applied.get("packed_kernel"), compile_setup(compile)).to_dict()
+                                                     applied.get("packed_kernel"), compile).to_dict()
     return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
 
 

@@ -482,11 +482,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[space-tree] captured {graphs.num_graphs} step graphs in {seconds:.1f} s")
     # a compiled trunk steps over a static cache (space.decoding.compiled): its graphs build in the
     # curve's warm-up round
-    static = bool(a.compile)
+    static, mode = bool(a.compile), compile_setup(a.compile)
     curve = step_cost_curve(model, points, a.cache_len, static=static, graphs=graphs)
     # what the curve was measured with (artifact.setup_key)
     setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "device": next(model.parameters()).device.type,
-             "capture": a.capture, **({"compile": compile_setup(a.compile)} if a.compile else {}),
+             "capture": a.capture, **({"compile": mode} if mode else {}),
              "trunk": trunk_of(model),
              **({"packed_kernel": applied["packed_kernel"]} if applied.get("packed_linears") else {})}
     # captured steps pad every block to a bucket, as space-eval --capture runs them
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
     report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
               "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": buckets, "capture": a.capture,
-              "compile": compile_setup(a.compile), "step_cost_setup": setup,
+              "compile": mode, "step_cost_setup": setup,
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
               "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}
     write_text_atomic(a.out / "tree_search.json", json.dumps(report, indent=1) + "\n")
