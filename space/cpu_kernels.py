@@ -413,11 +413,16 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
 
     Args:
         query: (batch, heads, q, head_dim); key, value: (batch, kv_heads, kv, head_dim).
-        attention_mask: None, or additive / boolean (batch, 1, q, kv) (SPACE's 4-D layout mask).
+        attention_mask: None, or additive / boolean (batch, 1, q, kv') (SPACE's 4-D layout mask),
+            kv' <= kv: the keys past kv' are not read (a static cache's empty slots).
 
     Returns:
         ((batch, q, heads, head_dim) attention output, None): what ``sdpa`` returns.
     """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # a mask narrower than the cache spans the keys that hold tokens (a step over a static
+        # cache, :func:`attends_mask_width`): the empty slots past it would only cost attention time
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
     # a Python bool under torch.compile too (space.decoding.compiled): the comparison of two symbolic
@@ -427,6 +432,14 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=grouped)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attends_mask_width(model: nn.Module) -> bool:
+    """Whether ``model``'s attention reads the keys only up to its 4-D mask's width
+    (:data:`SDPA_GQA`), so that a step over a static cache may pass a mask over the cached tokens
+    and its block alone (``space.decoding.decoder.with_cache``), not over every slot. transformers'
+    own attention functions read every slot of the cache: a narrower mask fails there."""
+    return getattr(model.config, "_attn_implementation", None) == SDPA_GQA
 
 
 def register_attention() -> None:

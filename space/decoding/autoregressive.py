@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from .cache import SlabCache, attention_windows, cache_input, static_cache as preallocated
 from .compiled import eager, is_compiled
-from .decoder import with_cache
+from .decoder import mask_slots, with_cache
 from .result import DecodeResult, check_prompt, clock
 from .sampling import SamplingConfig, logits_to_probs, sample
 
@@ -74,7 +74,7 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
             logits = head(graphs.step(step_in[0], None, None, cached, None))  # (1, vocab)
         else:
             step = ({"position_ids": torch.full((1, 1), cached, device=device),
-                     "attention_mask": with_cache(one_row, row_pos, cached, windows, slots)}
+                     "attention_mask": with_cache(one_row, row_pos, cached, windows, mask_slots(model, slots))}
                     if static and step_in.shape[1] == 1 else {})
             with eager() if step_in.shape[1] > 1 else nullcontext():  # the prompt: as SpaceDecoder's prefill
                 logits = model(input_ids=step_in, **step, **cache_input(cache), use_cache=True,

@@ -50,9 +50,12 @@ def static_cache(num_layers: int, max_len: int) -> Cache:
     of ``max_len`` slots, slot i holding position i, full attention on every layer like
     :func:`full_cache`. Its tensors are allocated at the first write and never again: a step
     writes its block at the cache's length, a crop only lowers the length (on the device, no
-    sync), and compaction moves entries inside the same tensors. The model attends over all
-    ``max_len`` slots, so a step's 4-D mask must hide the slots past the block (the decoder's
-    ``with_cache(..., slots=max_len)``); shapes then repeat, which a compiled forward needs.
+    sync), and compaction moves entries inside the same tensors. transformers' attention reads
+    all ``max_len`` slots, so a step's 4-D mask must hide the slots past the block (the decoder's
+    ``with_cache(..., slots=max_len)``); shapes then repeat, which a compiled forward needs. An
+    attention that reads only the mask's width (``space.cpu_kernels.SDPA_GQA``) takes a mask over
+    the cached tokens and the block alone (``decoder.mask_slots``), a size a compiled trunk keeps
+    symbolic.
 
     Raises:
         ValueError: max_len < 1.

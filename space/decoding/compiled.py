@@ -34,7 +34,7 @@ the weights are constants of the graph, which inductor packs for its own C++ GEM
 about 24 ms against about 50 ms eager on the fast kernels. The trunk is compiled whole, and the
 LM head too. Freezing holds the weights, so the mode takes sizes from inputs only: the slot
 count from the step's own 4-D mask (``ar_generate`` passes one over a static cache, as the
-decoder does), the rows past 1 and the slots marked dynamic, the first mask row as a (rows, 1)
+decoder does: over the slots that hold tokens, ``decoder.mask_slots``), the rows past 1 and the slots marked dynamic, the first mask row as a (rows, 1)
 gate (:func:`_frozen_call`). That is one graph for AR's step on every prompt, one for SPACE's
 blocks, one for PLD's; a graph takes minutes to build, SPACE's (with the LoRA's updates) the
 longest (``results/compile_cpu``). Dynamo keeps no guards on the trunk's modules (each compiled

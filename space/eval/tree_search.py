@@ -166,7 +166,8 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     The cache is the one the decoder would hold (``space.decoding.cache.eager_cache``): a
     ``SlabCache`` on one device, whose step writes only its block (a ``DynamicCache`` concatenates
     the whole cache in every layer, which the decoder does only for a model spread over devices);
-    with ``static`` a static cache.
+    with ``static`` a static cache, every step (1 row too) with the 4-D mask a decoder passes
+    over it (``space.decoding.decoder.mask_slots``).
     ``graphs``: each forward is a captured step (``StepGraphs.step``) over its cache, the rows a
     causal block (``static`` does not apply).
     """
@@ -174,6 +175,7 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     from tqdm import tqdm
     from ..decoding.cache import cache_input, crop_cache, eager_cache, refuse_sliding_window, static_cache
     from ..decoding.compiled import eager
+    from ..decoding.decoder import mask_slots
     from ..masking import mask_rows, to_additive_4d
 
     most = max(q for q, _ in shapes)
@@ -198,10 +200,10 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
             if graphs is not None:  # (positions past the cache, the rows' own causal mask) for a captured step
                 causal = torch.ones(q, q, dtype=torch.bool).tril()[None, None]
                 blocks[q] = torch.arange(q, device=device), to_additive_4d(causal, graphs.dtype).to(device) if q > 1 else None
-            causal = torch.ones(q, slots or cache_len + q, dtype=torch.bool).tril(cache_len)
+            causal = torch.ones(q, mask_slots(decoder, slots) or cache_len + q, dtype=torch.bool).tril(cache_len)
             inputs[q] = dict(input_ids=ids[None, cache_len:cache_len + q],
                              position_ids=torch.arange(cache_len, cache_len + q, device=device)[None],
-                             attention_mask=to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 else None)
+                             attention_mask=to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 or static else None)
         times = {shape: [] for shape in shapes}
         for round_ in tqdm(range(repeats + 1), desc="step cost", unit="round"):  # round 0 warms every shape up
             for q, masks in shapes if round_ % 2 else shapes[::-1]:

@@ -220,7 +220,7 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
     # with an all-zero gate, and a 1-row one AR's: the base's output, and no graph of its own
     # (minutes on a real model)
     from space.decoding.cache import attention_windows, cache_input, static_cache
-    from space.decoding.decoder import with_cache
+    from space.decoding.decoder import mask_slots, with_cache
     from space.masking import mask_rows
 
     hidden = []
@@ -228,7 +228,7 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
         with torch.inference_mode(), mask_rows(None):  # the tensors as a decoder makes them (a graph guards on it)
             cache = static_cache(3, 40)
             block = torch.triu(torch.full((1, 1, 4, 4), torch.finfo(torch.float32).min), 1)
-            mask = with_cache(block, torch.arange(4), 14, attention_windows(eager.config), 40)
+            mask = with_cache(block, torch.arange(4), 14, attention_windows(eager.config), mask_slots(model, 40))
             model(input_ids=prompts[1][None, :14], **cache_input(cache), use_cache=True)  # the prompt: eager
             graphs = counters["stats"]["unique_graphs"]
             ids, positions = prompts[1][14:18].clone()[None], torch.arange(14, 18)[None]
@@ -238,7 +238,8 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
             assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]
             # a 1-row block without a mask group, as the decoder calls the trunk (not through the
             # causal LM, which adds inputs_embeds=None): AR's step graph, not one more
-            mask = with_cache(torch.zeros(1, 1, 1, 1), torch.arange(1), 18, attention_windows(eager.config), 40)
+            mask = with_cache(torch.zeros(1, 1, 1, 1), torch.arange(1), 18, attention_windows(eager.config),
+                              mask_slots(model, 40))
             out = model.get_decoder()(input_ids=prompts[1][18:19].clone()[None], position_ids=torch.tensor([[18]]),
                                       attention_mask=mask, **cache_input(cache), use_cache=True)
             hidden.append(out.last_hidden_state)

@@ -167,3 +167,48 @@ def test_ar_generate_never_emits_a_suppressed_id(tiny):
     free = ar_generate(model, prompt, 4).new_ids
     out = ar_generate(model, prompt, 4, suppress_ids=[free[0]]).new_ids
     assert free[0] not in out and len(out) == 4
+
+
+@pytest.mark.parametrize("name", ["chain-2-groups", "dynamic+lookup"])
+def test_steps_attend_only_over_the_slots_that_hold_tokens(trained, monkeypatch, name):
+    """Issue 58: over a static cache, a trunk whose attention reads the keys up to the mask's width
+    (``space.cpu_kernels.SDPA_GQA``, what the fused and compiled CPU trunks run) gets a step mask
+    over the cached tokens and the block alone, and attends over those keys only, not over the
+    empty slots past them; SPACE and AR stay AR's tokens. Stock ``sdpa`` reads every slot, so its
+    mask spans them all."""
+    import copy
+
+    from space.cpu_kernels import SDPA_GQA, register_attention
+
+    model, _, spec, lang = trained
+    gqa = copy.deepcopy(model)
+    register_attention()
+    gqa.set_attn_implementation(SDPA_GQA)
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        seen.append((query.shape[-2], key.shape[-2], None if attn_mask is None else attn_mask.shape[-1]))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prompt = torch.tensor(lang.sample(12))
+    truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+    for m, narrow in [(gqa, True), (model, False)]:
+        dec = SpaceDecoder(m, spec, LAYOUTS[name], static_cache=True)
+        slots = 12 + 60 + dec.max_rows
+        seen.clear()
+        out = dec.generate(prompt, 60)
+        assert out.new_ids == truth and max(out.accept_lengths) >= 2
+        layers = m.config.num_hidden_layers
+        steps = seen[layers:]  # after the prefill's forward (transformers' own mask over the cache)
+        assert len(steps) == len(out.accept_lengths) * layers
+        if narrow:  # each step's keys: the cached tokens and the block, well short of the cache
+            assert all(keys == width < slots for _, keys, width in steps), steps[:3]
+            assert min(keys for _, keys, _ in steps) < slots / 2
+        else:
+            assert all(keys == width == slots for _, keys, width in steps), steps[:3]
+        seen.clear()
+        assert ar_generate(m, prompt, 60, suppress_ids=spec.token_ids, static_cache=True).new_ids == truth
+        assert all(keys == width for _, keys, width in seen[layers:]), seen[layers:][:4]
+        widths = [width for _, _, width in seen[layers:]]  # AR's 59 one-row steps after the prompt
+        assert widths == ([13 + i for i in range(59) for _ in range(layers)] if narrow else [12 + 60] * 59 * layers)
