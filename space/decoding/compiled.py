@@ -34,11 +34,12 @@ the weights are constants of the graph, which inductor packs for its own C++ GEM
 about 24 ms against about 50 ms eager on the fast kernels. The trunk is compiled whole, and the
 LM head too. Freezing holds the weights, so the mode takes sizes from inputs only: the slot
 count from the step's own 4-D mask (``ar_generate`` passes one over a static cache, as the
-decoder does: over the slots that hold tokens, ``decoder.mask_slots``), the rows past 1 and the slots marked dynamic, the first mask row as a (rows, 1)
-gate (:func:`_frozen_call`). That is one graph for AR's step on every prompt, one for SPACE's
-blocks, one for PLD's; a graph takes minutes to build, SPACE's (with the LoRA's updates) the
-longest (``results/compile_cpu``), of which inductor's jinja templates, kept per source while a
-frozen call runs (:func:`_templates_kept`), no longer take 12 %. Dynamo keeps no guards on the trunk's modules (each compiled
+decoder does: over the slots that hold tokens, ``decoder.mask_slots``), the rows past 1 and the
+slots marked dynamic, the first mask row as a (rows, 1) gate (:func:`_frozen_call`). That is one
+graph for AR's step on every prompt, one for SPACE's blocks, one for PLD's; a graph takes minutes
+to build, SPACE's (with the LoRA's updates) the longest (``results/compile_cpu``; inductor's jinja
+templates, compiled once per source while a frozen call runs, :func:`_templates_kept`, cut its
+build by about 12 %). Dynamo keeps no guards on the trunk's modules (each compiled
 trunk has a code object of its own, so its graphs are its own): any change to the model after its
 first call (weights, dtype, attributes, submodules, hooks inside the trunk) is ignored, not
 recompiled; compile a fresh copy instead.
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 
 import torch
@@ -241,34 +243,40 @@ def _frozen_call(graph, forward, dtype: torch.dtype):
     return frozen_forward
 
 
-@functools.cache
-def _template_compilers() -> tuple[type, staticmethod] | None:
-    """(inductor's ``KernelTemplate``, its jinja compiler ``_template_from_string`` kept per
-    source), or None where this torch has no such method (:func:`_templates_kept`)."""
-    from torch._inductor.codegen.common import KernelTemplate  # here, not at import: inductor loads only to compile
+_TEMPLATES = {"depth": 0, "plain": None}  # the frozen calls inside _templates_kept, and the method they replaced
+_TEMPLATES_LOCK = threading.Lock()
 
-    compile_source = getattr(KernelTemplate, "_template_from_string", None)
-    return None if compile_source is None else (KernelTemplate, staticmethod(functools.lru_cache(maxsize=None)(compile_source)))
+
+@functools.cache
+def _kept_compiler(compile_source) -> staticmethod:
+    """``compile_source`` (inductor's jinja compiler) keeping what it compiled, per source."""
+    return staticmethod(functools.lru_cache(maxsize=None)(compile_source))
 
 
 @contextlib.contextmanager
 def _templates_kept():
     """Inside: inductor compiles each jinja source of its C++ GEMM templates once, not at every
     GEMM it tries or emits. A frozen build of SmolLM2's graphs compiled 32 sources 8,394 times,
-    about 40 s of profile; with them kept, SPACE's block graph built in 171-176 s against
-    196-197 s, alternating (``results/compile_cpu``). A compiled template holds no state between renders.
-    The plain method is back on exit; a no-op on a torch without it."""
-    compilers = _template_compilers()
-    if compilers is None:
-        yield
-        return
-    owner, kept = compilers
-    plain = owner.__dict__["_template_from_string"]
-    owner._template_from_string = kept
+    about 41 s of a 225 s profile; with them kept, SPACE's block graph built in 171-176 s against
+    196-197 s, alternating (``results/compile_cpu``). A compiled template holds no state between
+    renders. The outermost entry, of any thread, swaps in the keeping compiler of whatever method
+    ``KernelTemplate`` has then, and the last exit puts that method back; a no-op on a torch whose
+    ``KernelTemplate`` defines no ``_template_from_string``."""
+    from torch._inductor.codegen.common import KernelTemplate  # here, not at import: inductor loads only to compile
+
+    with _TEMPLATES_LOCK:
+        if _TEMPLATES["depth"] == 0:
+            plain = _TEMPLATES["plain"] = KernelTemplate.__dict__.get("_template_from_string")
+            if isinstance(plain, staticmethod):
+                KernelTemplate._template_from_string = _kept_compiler(plain.__func__)
+        _TEMPLATES["depth"] += 1
     try:
         yield
     finally:
-        owner._template_from_string = plain
+        with _TEMPLATES_LOCK:
+            _TEMPLATES["depth"] -= 1
+            if _TEMPLATES["depth"] == 0 and isinstance(_TEMPLATES["plain"], staticmethod):
+                KernelTemplate._template_from_string = _TEMPLATES["plain"]
 
 
 def _mark_sizes(kwargs: dict) -> int:

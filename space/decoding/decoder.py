@@ -43,8 +43,9 @@ default under a compiled trunk, ``space.decoding.compiled``) one preallocated pe
 (``cache.static_cache``, issue 43): the decoder counts its length on the host, writes each block
 at that length, moves the accepted path inside the same tensors and crops by lowering the length,
 so the cache is never reallocated and a step's shapes repeat. The step's mask then spans every slot,
-or, when the trunk's attention reads the keys only up to the mask's width (the fused and compiled
-CPU trunks' ``space.cpu_kernels.SDPA_GQA``), the cached tokens and the block alone
+or, when the trunk's attention reads the keys only up to the mask's width
+(``space.cpu_kernels.SDPA_GQA``, on a CPU: a compiled trunk, the fast kernels, the fused trunk of
+a GQA model), the cached tokens and the block alone
 (:func:`mask_slots`): the slots past them are empty and cost attention time only.
 
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position

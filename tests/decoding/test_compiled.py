@@ -335,30 +335,37 @@ def test_frozen_builds_compile_each_template_source_once(monkeypatch):
     """Inductor compiled the jinja source of its C++ GEMM template anew for every GEMM it tried or
     emitted (8,394 compiles of 32 sources in a frozen build of SmolLM2, about 12 % of SPACE's
     block graph build): a frozen trunk's and head's calls keep each compiled source
-    (``compiled._templates_kept``), and inductor's own method is back after the calls."""
+    (``compiled._templates_kept``), and the method inductor had is back after the calls."""
     from torch._inductor.codegen.common import KernelTemplate
 
     import space.decoding.compiled as compiled_mod
     from space.adapter_layers import fuse_frozen_base, prepare_model
     from space.models import tiny_random_llama
 
-    plain, sources = KernelTemplate._template_from_string, []
+    plain, sources, entered = KernelTemplate._template_from_string, [], []
 
     def counted(source):
         if KernelTemplate.__dict__["_template_from_string"].__func__ is not counted:  # inside a frozen call
             sources.append(source)
         return plain(source)
 
+    kept = compiled_mod._templates_kept
+
+    def entering():
+        entered.append(1)
+        return kept()
+
     monkeypatch.setattr(KernelTemplate, "_template_from_string", staticmethod(counted))
-    compiled_mod._template_compilers.cache_clear()  # keep the counted method's compiles
-    try:
-        model, tok = tiny_random_llama(num_hidden_layers=2)
-        model, spec = prepare_model(model, tok, "frozen-base", 3)
-        frozen = compile_trunk(fuse_frozen_base(model).eval(), mode="frozen")
-        prompt = torch.arange(11, 25)
-        truth = ar_generate(frozen, prompt, 8, suppress_ids=spec.token_ids).new_ids
-        assert SpaceDecoder(frozen, spec, DecodeConfig(3, 2)).generate(prompt, 8).new_ids == truth
-    finally:
-        compiled_mod._template_compilers.cache_clear()  # later builds keep inductor's own method's compiles
+    monkeypatch.setattr(compiled_mod, "_templates_kept", entering)
+    model, tok = tiny_random_llama(num_hidden_layers=2)
+    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    frozen = compile_trunk(fuse_frozen_base(model).eval(), mode="frozen")
+    prompt = torch.arange(11, 25)
+    truth = ar_generate(frozen, prompt, 8, suppress_ids=spec.token_ids).new_ids
+    assert SpaceDecoder(frozen, spec, DecodeConfig(3, 2)).generate(prompt, 8).new_ids == truth
     assert len(sources) > 1 and len(sources) == len(set(sources)), (len(sources), len(set(sources)))
     assert KernelTemplate.__dict__["_template_from_string"].__func__ is counted
+    before = len(entered)
+    with torch.inference_mode():
+        frozen.get_output_embeddings()(torch.zeros(1, 3, model.config.hidden_size))  # the head alone
+    assert len(entered) == before + 1

@@ -172,10 +172,11 @@ def test_ar_generate_never_emits_a_suppressed_id(tiny):
 @pytest.mark.parametrize("name", ["chain-2-groups", "dynamic+lookup"])
 def test_steps_attend_only_over_the_slots_that_hold_tokens(trained, monkeypatch, name):
     """Issue 58: over a static cache, a trunk whose attention reads the keys up to the mask's width
-    (``space.cpu_kernels.SDPA_GQA``, what the fused and compiled CPU trunks run) gets a step mask
-    over the cached tokens and the block alone, and attends over those keys only, not over the
-    empty slots past them; SPACE and AR stay AR's tokens. Stock ``sdpa`` reads every slot, so its
-    mask spans them all."""
+    (``space.cpu_kernels.SDPA_GQA``: on a CPU, a compiled trunk, the fast kernels, the fused trunk of
+    a GQA model) gets a step mask over the cached tokens and the block alone (each step's width is
+    the cached count plus its rows), and attends over those keys only, not over the empty slots
+    past them; SPACE and AR stay AR's tokens. Stock ``sdpa`` reads every slot, so its mask spans
+    them all."""
     import copy
 
     from space.cpu_kernels import SDPA_GQA, register_attention
@@ -203,6 +204,8 @@ def test_steps_attend_only_over_the_slots_that_hold_tokens(trained, monkeypatch,
         steps = seen[layers:]  # after the prefill's forward (transformers' own mask over the cache)
         assert len(steps) == len(out.accept_lengths) * layers
         if narrow:  # each step's keys: the cached tokens and the block, well short of the cache
+            cached = [11 + sum(1 + a for a in out.accept_lengths[:i]) for i in range(len(out.accept_lengths))]
+            assert [width for _, _, width in steps[::layers]] == [c + r for c, r in zip(cached, out.step_rows)]
             assert all(keys == width < slots for _, keys, width in steps), steps[:3]
             assert min(keys for _, keys, _ in steps) < slots / 2
         else:

@@ -468,6 +468,35 @@ def test_step_costs_are_timed_on_the_decoders_cache(tiny, monkeypatch):
     assert made and all(c is made[0] for c in made)  # every forward wrote the one slab cache
 
 
+def test_static_step_costs_pass_the_decoders_mask(tiny, monkeypatch):
+    """Over a static cache, ``time_steps`` times each step with the 4-D mask a decoder passes there
+    (``decoder.mask_slots``): on an attention that reads the mask's width (``SDPA_GQA``), the
+    cached tokens and the rows only, 1 row too, as ``ar_generate``'s step; on stock ``sdpa``,
+    every slot of the cache."""
+    import copy
+
+    from space.cpu_kernels import SDPA_GQA, register_attention
+    from space.eval.tree_search import time_steps
+
+    model, _, _ = tiny
+    gqa = copy.deepcopy(model)
+    register_attention()
+    gqa.set_attn_implementation(SDPA_GQA)
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        seen.append((query.shape[-2], key.shape[-2], None if attn_mask is None else attn_mask.shape[-1]))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    for m, narrow in [(gqa, True), (model, False)]:
+        seen.clear()
+        time_steps(m, [(1, False), (4, True)], cache_len=20, repeats=1, static=True)
+        steps = seen[m.config.num_hidden_layers:]  # past the 20-row prefill
+        assert {w for _, _, w in steps} == ({21, 24} if narrow else {24})  # 1 and 4 rows after 20 cached
+        assert all(keys == width for _, keys, width in steps)
+
+
 def test_search_tries_every_group_count_up_to_the_row_limit():
     """Every k gets 1..k+1 groups (k+1, the default, was left out by a range one short), and a
     layout of exactly --max-rows rows is tried (the limit is inclusive)."""
