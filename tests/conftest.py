@@ -88,3 +88,29 @@ def assert_cache_matches_fresh(model, cache, ids: torch.Tensor) -> None:
         assert mine.keys.shape == ref.keys.shape
         torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(mine.values, ref.values, rtol=1e-4, atol=1e-5)
+
+
+def sdpa_gqa_copy(model):
+    """A copy of ``model`` whose attention is ``space.cpu_kernels.SDPA_GQA`` (reads the keys up to
+    the mask's width), as the fused, fast-kernel and compiled CPU trunks run it."""
+    import copy
+
+    from space.cpu_kernels import SDPA_GQA, register_attention
+
+    gqa = copy.deepcopy(model)
+    register_attention()
+    gqa.set_attn_implementation(SDPA_GQA)
+    return gqa
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Every SDPA call from here on, as (query rows, key length, mask width or None)."""
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        seen.append((query.shape[-2], key.shape[-2], None if attn_mask is None else attn_mask.shape[-1]))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen

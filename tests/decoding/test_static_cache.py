@@ -7,6 +7,7 @@ import torch
 
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import crop_cache, static_cache
+from tests.conftest import sdpa_gqa_copy
 from tests.decoding.test_architectures import tiny_model
 from tests.oracle import oracle_generate
 
@@ -170,28 +171,15 @@ def test_ar_generate_never_emits_a_suppressed_id(tiny):
 
 
 @pytest.mark.parametrize("name", ["chain-2-groups", "dynamic+lookup"])
-def test_steps_attend_only_over_the_slots_that_hold_tokens(trained, monkeypatch, name):
+def test_steps_attend_only_over_the_slots_that_hold_tokens(trained, sdpa_calls, name):
     """Issue 58: over a static cache, a trunk whose attention reads the keys up to the mask's width
     (``space.cpu_kernels.SDPA_GQA``: on a CPU, a compiled trunk, the fast kernels, the fused trunk of
     a GQA model) gets a step mask over the cached tokens and the block alone (each step's width is
     the cached count plus its rows), and attends over those keys only, not over the empty slots
     past them; SPACE and AR stay AR's tokens. Stock ``sdpa`` reads every slot, so its mask spans
     them all."""
-    import copy
-
-    from space.cpu_kernels import SDPA_GQA, register_attention
-
     model, _, spec, lang = trained
-    gqa = copy.deepcopy(model)
-    register_attention()
-    gqa.set_attn_implementation(SDPA_GQA)
-    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
-
-    def spy(query, key, value, attn_mask=None, **kwargs):
-        seen.append((query.shape[-2], key.shape[-2], None if attn_mask is None else attn_mask.shape[-1]))
-        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    gqa, seen = sdpa_gqa_copy(model), sdpa_calls
     prompt = torch.tensor(lang.sample(12))
     truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
     for m, narrow in [(gqa, True), (model, False)]:

@@ -468,27 +468,16 @@ def test_step_costs_are_timed_on_the_decoders_cache(tiny, monkeypatch):
     assert made and all(c is made[0] for c in made)  # every forward wrote the one slab cache
 
 
-def test_static_step_costs_pass_the_decoders_mask(tiny, monkeypatch):
+def test_static_step_costs_pass_the_decoders_mask(tiny, sdpa_calls):
     """Over a static cache, ``time_steps`` times each step with the 4-D mask a decoder passes there
     (``decoder.mask_slots``): on an attention that reads the mask's width (``SDPA_GQA``), the
     cached tokens and the rows only, 1 row too, as ``ar_generate``'s step; on stock ``sdpa``,
     every slot of the cache."""
-    import copy
-
-    from space.cpu_kernels import SDPA_GQA, register_attention
     from space.eval.tree_search import time_steps
+    from tests.conftest import sdpa_gqa_copy
 
     model, _, _ = tiny
-    gqa = copy.deepcopy(model)
-    register_attention()
-    gqa.set_attn_implementation(SDPA_GQA)
-    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
-
-    def spy(query, key, value, attn_mask=None, **kwargs):
-        seen.append((query.shape[-2], key.shape[-2], None if attn_mask is None else attn_mask.shape[-1]))
-        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    gqa, seen = sdpa_gqa_copy(model), sdpa_calls
     for m, narrow in [(gqa, True), (model, False)]:
         seen.clear()
         time_steps(m, [(1, False), (4, True)], cache_len=20, repeats=1, static=True)
