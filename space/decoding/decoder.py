@@ -45,8 +45,8 @@ at that length, moves the accepted path inside the same tensors and crops by low
 so the cache is never reallocated and a step's shapes repeat. The step's mask then spans every slot,
 or, when the trunk's attention reads the keys only up to the mask's width
 (``space.cpu_kernels.SDPA_GQA``, on a CPU: a compiled trunk, the fast kernels, the fused trunk of
-a GQA model), the cached tokens and the block alone
-(:func:`mask_slots`): the slots past them are empty and cost attention time only.
+a GQA model), the cached tokens and the block alone (:func:`mask_slots`): the slots past them are
+empty and cost attention time only.
 
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
 >= the model's context (fewer candidates, shorter mask groups, at the very end no group).
@@ -629,8 +629,8 @@ class SpaceDecoder:
         if self.graphs is not None:  # a captured step: the layout's own tensors go into its buffers
             hidden = self.graphs.step(block, lay.position_ids, lay.block_mask, L, start)
         else:
-            hidden = self._forward(block, lay.position_ids + L, lay.attention_mask(L, self.windows, mask_slots(self.decoder, slots)),
-                                  cache, start)
+            mask = lay.attention_mask(L, self.windows, mask_slots(self.decoder, slots))
+            hidden = self._forward(block, lay.position_ids + L, mask, cache, start)
         logits, target = self._head_rows(hidden, lay)
         # 3. each verification row scored as AR would score it (a processor sees the row's context)
         host_tokens = tokens.tolist() if processor is not None or (q is None and not sampling.greedy) else None
