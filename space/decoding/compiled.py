@@ -37,9 +37,9 @@ count from the step's own 4-D mask (``ar_generate`` passes one over a static cac
 decoder does: over the slots that hold tokens, ``decoder.mask_slots``), the rows past 1 and the
 slots marked dynamic, the first mask row as a (rows, 1) gate (:func:`_frozen_call`). That is one
 graph for AR's step on every prompt, one for SPACE's blocks, one for PLD's; a graph takes minutes
-to build, SPACE's (with the LoRA's updates) the longest (``results/compile_cpu``; inductor's jinja
-templates, compiled once per source while a frozen call runs, :func:`_templates_kept`, cut its
-build by about 12 %). Dynamo keeps no guards on the trunk's modules (each compiled
+to build, SPACE's (with the LoRA's updates) the longest (``results/compile_cpu``; two shortcuts
+in inductor while a frozen call runs, :func:`_build_shortcuts`, cut its build by about a fifth
+from a cold cache). Dynamo keeps no guards on the trunk's modules (each compiled
 trunk has a code object of its own, so its graphs are its own): any change to the model after its
 first call (weights, dtype, attributes, submodules, hooks inside the trunk) is ignored, not
 recompiled; compile a fresh copy instead.
@@ -190,7 +190,7 @@ def _frozen_head(graph):
     def frozen_forward(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[-2] > 1:
             _mark_rows(hidden, hidden.dim() - 2)
-        with config.patch(FROZEN), _templates_kept():
+        with config.patch(FROZEN), _build_shortcuts():
             return graph(hidden)
 
     frozen_forward.graph = graph
@@ -236,15 +236,15 @@ def _frozen_call(graph, forward, dtype: torch.dtype):
             start = (torch.arange(rows, device=cache.layers[0].keys.device) >= start).to(dtype)[:, None]
         if isinstance(start, torch.Tensor) and rows > 1:  # a gate, ours or a caller's (rows, 1)
             _mark_rows(start, 0)
-        with mask_rows(None), config.patch(FROZEN), _templates_kept():
+        with mask_rows(None), config.patch(FROZEN), _build_shortcuts():
             return graph(start, forward, *args, **kwargs)
 
     frozen_forward.graph = graph
     return frozen_forward
 
 
-_TEMPLATES = {"depth": 0, "plain": None}  # the frozen calls inside _templates_kept, and the method they replaced
-_TEMPLATES_LOCK = threading.Lock()
+_SHORTCUTS = {"depth": 0, "template": None, "header": None}  # frozen calls inside, and inductor's methods they replaced
+_SHORTCUTS_LOCK = threading.Lock()
 
 
 @functools.cache
@@ -253,30 +253,54 @@ def _kept_compiler(compile_source) -> staticmethod:
     return staticmethod(functools.lru_cache(maxsize=None)(compile_source))
 
 
-@contextlib.contextmanager
-def _templates_kept():
-    """Inside: inductor compiles each jinja source of its C++ GEMM templates once, not at every
-    GEMM it tries or emits. A frozen build of SmolLM2's graphs compiled 32 sources 8,394 times,
-    about 41 s of a 225 s profile; with them kept, SPACE's block graph built in 171-176 s against
-    196-197 s, alternating (``results/compile_cpu``). A compiled template holds no state between
-    renders. The outermost entry, of any thread, swaps in the keeping compiler of whatever method
-    ``KernelTemplate`` has then, and the last exit puts that method back; a no-op on a torch whose
-    ``KernelTemplate`` defines no ``_template_from_string``."""
-    from torch._inductor.codegen.common import KernelTemplate  # here, not at import: inductor loads only to compile
+def _prefix_header(cls, device: str) -> str | None:
+    """The header inductor precompiles for its own CPU kernels' modules (``cpp_prefix.h``), given
+    to its plain C++ code cache too (:func:`_build_shortcuts`)."""
+    from torch._inductor.codecache import _get_cpp_prefix_header
 
-    with _TEMPLATES_LOCK:
-        if _TEMPLATES["depth"] == 0:
-            plain = _TEMPLATES["plain"] = KernelTemplate.__dict__.get("_template_from_string")
-            if isinstance(plain, staticmethod):
-                KernelTemplate._template_from_string = _kept_compiler(plain.__func__)
-        _TEMPLATES["depth"] += 1
+    return _get_cpp_prefix_header(device)
+
+
+@contextlib.contextmanager
+def _build_shortcuts():
+    """Inside, two of inductor's costs in a frozen build are cut, its output unchanged:
+
+    * each jinja source of its C++ GEMM templates is compiled once, not at every GEMM it tries
+      or emits. A frozen build of SmolLM2's graphs compiled 32 sources 8,394 times, about 41 s
+      of a 225 s profile; with them kept, SPACE's block graph built in 171-176 s against 196-197
+      s, alternating. A compiled template holds no state between renders;
+    * the C++ choice that autotuning times for a GEMM is compiled with inductor's prefix header
+      precompiled, as its kernels' modules are: its plain code cache (``CppCodeCache``, which
+      the benchmarks load through) precompiled none, and each such compile took 5.4-6.0 s on this
+      2-core CPU against 2.8-3.1 s. Cold, SPACE's block graph has about 11 of them: it built in
+      241 s against 268 s (``results/compile_cpu``). A warm autotuning cache times nothing.
+
+    The outermost entry, of any thread, swaps in what it finds on inductor's classes, and the last
+    exit puts that back; a method a torch does not define (``KernelTemplate``'s
+    ``_template_from_string``, ``CppCodeCache``'s ``_get_uncompiled_header``) is left alone."""
+    # here, not at import: inductor loads only to compile
+    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor.codegen.common import KernelTemplate
+
+    with _SHORTCUTS_LOCK:
+        if _SHORTCUTS["depth"] == 0:
+            template = _SHORTCUTS["template"] = KernelTemplate.__dict__.get("_template_from_string")
+            if isinstance(template, staticmethod):
+                KernelTemplate._template_from_string = _kept_compiler(template.__func__)
+            header = _SHORTCUTS["header"] = CppCodeCache.__dict__.get("_get_uncompiled_header")
+            if isinstance(header, classmethod):
+                CppCodeCache._get_uncompiled_header = classmethod(_prefix_header)
+        _SHORTCUTS["depth"] += 1
     try:
         yield
     finally:
-        with _TEMPLATES_LOCK:
-            _TEMPLATES["depth"] -= 1
-            if _TEMPLATES["depth"] == 0 and isinstance(_TEMPLATES["plain"], staticmethod):
-                KernelTemplate._template_from_string = _TEMPLATES["plain"]
+        with _SHORTCUTS_LOCK:
+            _SHORTCUTS["depth"] -= 1
+            if _SHORTCUTS["depth"] == 0:
+                if isinstance(_SHORTCUTS["template"], staticmethod):
+                    KernelTemplate._template_from_string = _SHORTCUTS["template"]
+                if isinstance(_SHORTCUTS["header"], classmethod):
+                    CppCodeCache._get_uncompiled_header = _SHORTCUTS["header"]
 
 
 def _mark_sizes(kwargs: dict) -> int:

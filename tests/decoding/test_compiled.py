@@ -331,11 +331,19 @@ def test_frozen_compile_is_refused_off_the_cpu():
     check_compile("frozen", "cpu")
 
 
-def test_frozen_builds_compile_each_template_source_once(monkeypatch):
-    """Inductor compiled the jinja source of its C++ GEMM template anew for every GEMM it tried or
-    emitted (8,394 compiles of 32 sources in a frozen build of SmolLM2, about 12 % of SPACE's
-    block graph build): a frozen trunk's and head's calls keep each compiled source
-    (``compiled._templates_kept``), and the method inductor had is back after the calls."""
+def test_frozen_builds_take_both_shortcuts_and_put_inductor_back(monkeypatch):
+    """Two of inductor's costs in a frozen build (``compiled._build_shortcuts``), cut inside a
+    frozen trunk's and head's calls, with inductor's own methods back after them:
+
+    * it compiled the jinja source of its C++ GEMM template anew for every GEMM it tried or
+      emitted (8,394 compiles of 32 sources in a frozen build of SmolLM2, about 12 % of SPACE's
+      block graph build): each source is compiled once;
+    * the C++ choice autotuning times for a GEMM went through its plain C++ code cache, which
+      precompiled no header (about 2x the g++ time of each): each gets ``cpp_prefix.h``
+      precompiled, as inductor's kernels do. The local autotuning cache is off, so that the
+      choices are timed (compiled) whatever an earlier build left on this machine."""
+    from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
     from torch._inductor.codegen.common import KernelTemplate
 
     import space.decoding.compiled as compiled_mod
@@ -349,14 +357,23 @@ def test_frozen_builds_compile_each_template_source_once(monkeypatch):
             sources.append(source)
         return plain(source)
 
-    kept = compiled_mod._templates_kept
+    plain_load, headers = codecache.CppCodeCache.load_async.__func__, []
+
+    def load_async(cls, *args, **kwargs):
+        if cls is codecache.CppCodeCache:  # a benchmark's (or a kernel's without Python bindings)
+            headers.append(cls._get_uncompiled_header("cpu"))
+        return plain_load(cls, *args, **kwargs)
+
+    kept = compiled_mod._build_shortcuts
 
     def entering():
         entered.append(1)
         return kept()
 
     monkeypatch.setattr(KernelTemplate, "_template_from_string", staticmethod(counted))
-    monkeypatch.setattr(compiled_mod, "_templates_kept", entering)
+    monkeypatch.setattr(codecache.CppCodeCache, "load_async", classmethod(load_async))
+    monkeypatch.setattr(compiled_mod, "_build_shortcuts", entering)
+    monkeypatch.setattr(inductor_config, "autotune_local_cache", False)
     model, tok = tiny_random_llama(num_hidden_layers=2)
     model, spec = prepare_model(model, tok, "frozen-base", 3)
     frozen = compile_trunk(fuse_frozen_base(model).eval(), mode="frozen")
@@ -365,6 +382,8 @@ def test_frozen_builds_compile_each_template_source_once(monkeypatch):
     assert SpaceDecoder(frozen, spec, DecodeConfig(3, 2)).generate(prompt, 8).new_ids == truth
     assert len(sources) > 1 and len(sources) == len(set(sources)), (len(sources), len(set(sources)))
     assert KernelTemplate.__dict__["_template_from_string"].__func__ is counted
+    assert headers and set(headers) == {codecache._get_cpp_prefix_header("cpu")}, headers
+    assert codecache.CppCodeCache._get_uncompiled_header("cpu") is None
     before = len(entered)
     with torch.inference_mode():
         frozen.get_output_embeddings()(torch.zeros(1, 3, model.config.hidden_size))  # the head alone
