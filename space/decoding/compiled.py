@@ -38,8 +38,8 @@ decoder does: over the slots that hold tokens, ``decoder.mask_slots``), the rows
 slots marked dynamic, the first mask row as a (rows, 1) gate (:func:`_frozen_call`). That is one
 graph for AR's step on every prompt, one for SPACE's blocks, one for PLD's; a graph takes minutes
 to build, SPACE's (with the LoRA's updates) the longest (``results/compile_cpu``; two shortcuts
-in inductor while a frozen call runs, :func:`_build_shortcuts`, cut its build by about a fifth
-from a cold cache). Dynamo keeps no guards on the trunk's modules (each compiled
+in inductor while a frozen call runs, :func:`_build_shortcuts`, cut about 25 s from its build and
+26-27 s more from a cold cache's). Dynamo keeps no guards on the trunk's modules (each compiled
 trunk has a code object of its own, so its graphs are its own): any change to the model after its
 first call (weights, dtype, attributes, submodules, hooks inside the trunk) is ignored, not
 recompiled; compile a fresh copy instead.
@@ -272,12 +272,15 @@ def _build_shortcuts():
     * the C++ choice that autotuning times for a GEMM is compiled with inductor's prefix header
       precompiled, as its kernels' modules are: its plain code cache (``CppCodeCache``, which
       the benchmarks load through) precompiled none, and each such compile took 5.4-6.0 s on this
-      2-core CPU against 2.8-3.1 s. Cold, SPACE's block graph has about 11 of them: it built in
-      241 s against 268 s (``results/compile_cpu``). A warm autotuning cache times nothing.
+      2-core CPU against 2.8-3.1 s. Cold, SPACE's block graph has 11 of them: it built in 241 and
+      188 s against 268 and 214 s, two pairs (``results/compile_cpu``). A warm autotuning cache
+      times nothing.
 
     The outermost entry, of any thread, swaps in what it finds on inductor's classes, and the last
     exit puts that back; a method a torch does not define (``KernelTemplate``'s
-    ``_template_from_string``, ``CppCodeCache``'s ``_get_uncompiled_header``) is left alone."""
+    ``_template_from_string``, ``CppCodeCache``'s ``_get_uncompiled_header``), or a header method
+    that already names a header, is left alone. The swap is the process's: while a frozen call
+    runs, another thread's plain C++ compile gets the header too (only its compile time changes)."""
     # here, not at import: inductor loads only to compile
     from torch._inductor.codecache import CppCodeCache
     from torch._inductor.codegen.common import KernelTemplate
@@ -287,8 +290,11 @@ def _build_shortcuts():
             template = _SHORTCUTS["template"] = KernelTemplate.__dict__.get("_template_from_string")
             if isinstance(template, staticmethod):
                 KernelTemplate._template_from_string = _kept_compiler(template.__func__)
-            header = _SHORTCUTS["header"] = CppCodeCache.__dict__.get("_get_uncompiled_header")
-            if isinstance(header, classmethod):
+            header = CppCodeCache.__dict__.get("_get_uncompiled_header")
+            # swapped only where inductor precompiles nothing for the plain cache (torch 2.13)
+            header = _SHORTCUTS["header"] = (header if isinstance(header, classmethod)
+                                             and header.__func__(CppCodeCache, "cpu") is None else None)
+            if header is not None:
                 CppCodeCache._get_uncompiled_header = classmethod(_prefix_header)
         _SHORTCUTS["depth"] += 1
     try:
@@ -299,7 +305,7 @@ def _build_shortcuts():
             if _SHORTCUTS["depth"] == 0:
                 if isinstance(_SHORTCUTS["template"], staticmethod):
                     KernelTemplate._template_from_string = _SHORTCUTS["template"]
-                if isinstance(_SHORTCUTS["header"], classmethod):
+                if _SHORTCUTS["header"] is not None:
                     CppCodeCache._get_uncompiled_header = _SHORTCUTS["header"]
 
 

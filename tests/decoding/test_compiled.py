@@ -357,12 +357,24 @@ def test_frozen_builds_take_both_shortcuts_and_put_inductor_back(monkeypatch):
             sources.append(source)
         return plain(source)
 
-    plain_load, headers = codecache.CppCodeCache.load_async.__func__, []
+    plain_load, plain_precompile = codecache.CppCodeCache.load_async.__func__, codecache._precompile_header
+    headers, precompiled, inside = [], [], []
 
     def load_async(cls, *args, **kwargs):
-        if cls is codecache.CppCodeCache:  # a benchmark's (or a kernel's without Python bindings)
+        is_plain = cls is codecache.CppCodeCache  # a benchmark's (or a kernel's without Python bindings)
+        if is_plain:
             headers.append(cls._get_uncompiled_header("cpu"))
-        return plain_load(cls, *args, **kwargs)
+            inside.append(1)
+        try:
+            return plain_load(cls, *args, **kwargs)
+        finally:
+            if is_plain:
+                inside.pop()
+
+    def precompile(header, *args, **kwargs):
+        if inside:
+            precompiled.append(header)
+        return plain_precompile(header, *args, **kwargs)
 
     kept = compiled_mod._build_shortcuts
 
@@ -372,6 +384,8 @@ def test_frozen_builds_take_both_shortcuts_and_put_inductor_back(monkeypatch):
 
     monkeypatch.setattr(KernelTemplate, "_template_from_string", staticmethod(counted))
     monkeypatch.setattr(codecache.CppCodeCache, "load_async", classmethod(load_async))
+    monkeypatch.setattr(codecache.CppCodeCache, "cache", {})  # what earlier tests loaded would skip the header
+    monkeypatch.setattr(codecache, "_precompile_header", precompile)
     monkeypatch.setattr(compiled_mod, "_build_shortcuts", entering)
     monkeypatch.setattr(inductor_config, "autotune_local_cache", False)
     model, tok = tiny_random_llama(num_hidden_layers=2)
@@ -382,7 +396,8 @@ def test_frozen_builds_take_both_shortcuts_and_put_inductor_back(monkeypatch):
     assert SpaceDecoder(frozen, spec, DecodeConfig(3, 2)).generate(prompt, 8).new_ids == truth
     assert len(sources) > 1 and len(sources) == len(set(sources)), (len(sources), len(set(sources)))
     assert KernelTemplate.__dict__["_template_from_string"].__func__ is counted
-    assert headers and set(headers) == {codecache._get_cpp_prefix_header("cpu")}, headers
+    prefix = codecache._get_cpp_prefix_header("cpu")
+    assert headers and set(headers) == {prefix} and set(precompiled) == {prefix}, (headers, precompiled)
     assert codecache.CppCodeCache._get_uncompiled_header("cpu") is None
     before = len(entered)
     with torch.inference_mode():
