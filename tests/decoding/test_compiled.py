@@ -387,13 +387,14 @@ def test_frozen_builds_take_both_shortcuts_and_put_inductor_back(monkeypatch):
     monkeypatch.setattr(codecache.CppCodeCache, "cache", {})  # what earlier tests loaded would skip the header
     monkeypatch.setattr(codecache, "_precompile_header", precompile)
     monkeypatch.setattr(compiled_mod, "_build_shortcuts", entering)
-    monkeypatch.setattr(inductor_config, "autotune_local_cache", False)
     model, tok = tiny_random_llama(num_hidden_layers=2)
     model, spec = prepare_model(model, tok, "frozen-base", 3)
     frozen = compile_trunk(fuse_frozen_base(model).eval(), mode="frozen")
     prompt = torch.arange(11, 25)
-    truth = ar_generate(frozen, prompt, 8, suppress_ids=spec.token_ids).new_ids
-    assert SpaceDecoder(frozen, spec, DecodeConfig(3, 2)).generate(prompt, 8).new_ids == truth
+    # inductor's own patch: pytest's monkeypatch would undo it by deleting the entry (not in __dict__)
+    with inductor_config.patch(autotune_local_cache=False):
+        truth = ar_generate(frozen, prompt, 8, suppress_ids=spec.token_ids).new_ids
+        assert SpaceDecoder(frozen, spec, DecodeConfig(3, 2)).generate(prompt, 8).new_ids == truth
     assert len(sources) > 1 and len(sources) == len(set(sources)), (len(sources), len(set(sources)))
     assert KernelTemplate.__dict__["_template_from_string"].__func__ is counted
     prefix = codecache._get_cpp_prefix_header("cpu")
