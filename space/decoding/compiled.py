@@ -243,7 +243,7 @@ def _frozen_call(graph, forward, dtype: torch.dtype):
     return frozen_forward
 
 
-_SHORTCUTS = {"depth": 0, "template": None, "header": None}  # frozen calls inside, and inductor's methods they replaced
+_SHORTCUTS = {"depth": 0, "template": None, "header": None}  # frozen calls inside, and inductor's methods swapped out
 _SHORTCUTS_LOCK = threading.Lock()
 
 
@@ -287,8 +287,10 @@ def _build_shortcuts():
 
     with _SHORTCUTS_LOCK:
         if _SHORTCUTS["depth"] == 0:
-            template = _SHORTCUTS["template"] = KernelTemplate.__dict__.get("_template_from_string")
-            if isinstance(template, staticmethod):
+            template = KernelTemplate.__dict__.get("_template_from_string")
+            # each kept only where swapped: the last exit puts back what it keeps
+            template = _SHORTCUTS["template"] = template if isinstance(template, staticmethod) else None
+            if template is not None:
                 KernelTemplate._template_from_string = _kept_compiler(template.__func__)
             header = CppCodeCache.__dict__.get("_get_uncompiled_header")
             # swapped only where inductor precompiles nothing for the plain cache (torch 2.13)
@@ -303,7 +305,7 @@ def _build_shortcuts():
         with _SHORTCUTS_LOCK:
             _SHORTCUTS["depth"] -= 1
             if _SHORTCUTS["depth"] == 0:
-                if isinstance(_SHORTCUTS["template"], staticmethod):
+                if _SHORTCUTS["template"] is not None:
                     KernelTemplate._template_from_string = _SHORTCUTS["template"]
                 if _SHORTCUTS["header"] is not None:
                     CppCodeCache._get_uncompiled_header = _SHORTCUTS["header"]
