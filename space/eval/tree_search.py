@@ -144,7 +144,7 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
     additive 4-D mask, the frozen-base LoRA on rows 1.. (``mask_rows(1)``: every row but the first
     treated as a mask row, an upper bound on a step's adapter work) and the LM head on every row.
     q = 1 is timed as an AR step (no mask rows). ``static``: after a preallocated cache of
-    ``cache_len + max(rows)`` slots (``cache.static_cache``), as a compiled decoder runs its steps
+    ``cache_len + max(rows) + 1`` slots (``cache.static_cache``), as a compiled decoder runs its steps
     (the mask then spans every slot). ``graphs``: through these captured steps
     (``space.decoding.graphs.StepGraphs``, with a size for each of ``rows`` and ``cache_len +
     max(rows)`` slots), as ``space-eval --capture`` runs them. Returns {q: seconds}
@@ -167,7 +167,9 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     ``SlabCache`` on one device, whose step writes only its block (a ``DynamicCache`` concatenates
     the whole cache in every layer, which the decoder does only for a model spread over devices);
     with ``static`` a static cache, every step (1 row too) with the 4-D mask a decoder passes
-    over it (``space.decoding.decoder.mask_slots``).
+    over it (``space.decoding.decoder.mask_slots``). The trunk and the head get their inputs as the
+    decoders pass them (a fresh block of ids; the head on a block's (rows, hidden), on AR's
+    (1, 1, hidden)), so a compiled trunk times the graphs a decoding run built, and builds none.
     ``graphs``: each forward is a captured step (``StepGraphs.step``) over its cache, the rows a
     causal block (``static`` does not apply).
     """
@@ -186,7 +188,9 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + most,), generator=gen).to(device)
         refuse_sliding_window(base.config, "the step-cost measurement")
-        slots = cache_len + most if static else None
+        # a slot past the widest block, as a decoder's cache always has: a compiled graph traced with
+        # the mask as wide as the cache holds that equality (dynamo's duck sizing), a graph of its own
+        slots = cache_len + most + 1 if static else None
         if graphs is not None:
             graphs.reset()
             cache = graphs.cache
@@ -201,7 +205,9 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
                 causal = torch.ones(q, q, dtype=torch.bool).tril()[None, None]
                 blocks[q] = torch.arange(q, device=device), to_additive_4d(causal, graphs.dtype).to(device) if q > 1 else None
             causal = torch.ones(q, mask_slots(decoder, slots) or cache_len + q, dtype=torch.bool).tril(cache_len)
-            inputs[q] = dict(input_ids=ids[None, cache_len:cache_len + q],
+            # the ids a fresh tensor, as a decoder's block is: a compiled graph guards on the ids'
+            # strides, and a view into the longer ``ids`` built a graph of its own (minutes, frozen)
+            inputs[q] = dict(input_ids=ids[cache_len:cache_len + q].clone()[None],
                              position_ids=torch.arange(cache_len, cache_len + q, device=device)[None],
                              attention_mask=to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 or static else None)
         times = {shape: [] for shape in shapes}
@@ -212,8 +218,11 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
                     hidden = graphs.step(inputs[q]["input_ids"][0], blocks[q][0], blocks[q][1], cache_len,
                                          1 if masks else None)
                 else:
-                    with mask_rows(1 if masks else q):
+                    with mask_rows(1 if masks else None):  # None: no mask row, as AR and a lookup block call it
                         hidden = decoder(**inputs[q], **cache_input(cache), use_cache=True).last_hidden_state
+                    # the head on the rows as each method calls it: AR's causal LM on (1, 1, hidden),
+                    # a SPACE block's on (rows, hidden) (a compiled head guards on the rank)
+                    hidden = hidden if q == 1 and not masks else hidden[0]
                 head(hidden)
                 if device.type == "cuda":
                     torch.cuda.synchronize()

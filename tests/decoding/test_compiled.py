@@ -11,6 +11,7 @@ import torch
 
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.compiled import compile_trunk, is_compiled
+from space.eval.tree_search import time_steps
 from tests.conftest import CycleLanguage
 
 # these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning
@@ -216,6 +217,13 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
             assert SpaceDecoder(frozen, spec, config).generate(prompt, 24).new_ids == truth, config
     # SPACE's blocks and the head on their verification rows
     assert counters["stats"]["unique_graphs"] - graphs <= 2, counters["stats"]
+    # the step-cost curve of a frozen trunk (space-tree --compile frozen) times these same graphs.
+    # Each of these made graphs of its own (minutes each on SmolLM2), timing graphs no decoder runs:
+    # its ids a view into a longer tensor, its 1-row step a gate where AR has none, its widest mask
+    # as wide as its cache, its head on a block's rows as (1, rows, hidden)
+    graphs = counters["stats"]["unique_graphs"]
+    time_steps(frozen, [(1, False), (4, True)], cache_len=20, repeats=1, static=True)
+    assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]
     # a block without a mask row over a static cache (a lookup branch alone) takes SPACE's graph
     # with an all-zero gate, and a 1-row one AR's: the base's output, and no graph of its own
     # (minutes on a real model)

@@ -482,7 +482,8 @@ def test_static_step_costs_pass_the_decoders_mask(tiny, sdpa_calls):
         seen.clear()
         time_steps(m, [(1, False), (4, True)], cache_len=20, repeats=1, static=True)
         steps = seen[m.config.num_hidden_layers:]  # past the 20-row prefill
-        assert {w for _, _, w in steps} == ({21, 24} if narrow else {24})  # 1 and 4 rows after 20 cached
+        # 1 and 4 rows after 20 cached, in a cache of 25 slots (one past the widest block)
+        assert {w for _, _, w in steps} == ({21, 24} if narrow else {25})
         assert all(keys == width for _, keys, width in steps)
 
 
