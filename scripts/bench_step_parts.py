@@ -8,7 +8,7 @@ rows from row 1), with the fast kernels ``space-eval`` runs (``--kernels fast``)
 * ``one-call update``: as a decode step runs, but each fused group's LoRA update as one ``addmm_``
   over its block-diagonal B (``blockwise`` off: what a GPU step runs), not one per nonzero block
   (``space.cpu_kernels.blockwise_lora``);
-* ``no LoRA update``: the same rows with no mask row (``mask_rows`` at the block's end), so the
+* ``no LoRA update``: the same rows with no mask row (``mask_rows(None)``), so the
   frozen-base LoRA's ``addmm_`` of B on the mask rows is skipped; the packed GEMM still computes
   ``x A^T`` as long as ``--rows`` is above every linear's ``stock_rows`` (its few-row path reads W
   alone), which the script requires;

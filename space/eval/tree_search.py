@@ -145,7 +145,8 @@ def step_cost_curve(model, rows: list[int], cache_len: int = 300, repeats: int =
     treated as a mask row, an upper bound on a step's adapter work) and the LM head on every row.
     q = 1 is timed as an AR step (no mask rows). ``static``: after a preallocated cache of
     ``cache_len + max(rows) + 1`` slots (``cache.static_cache``), as a compiled decoder runs its steps
-    (the mask then spans every slot). ``graphs``: through these captured steps
+    (the mask spans every slot on stock attention; the cached tokens and the block where the attention
+    reads only the mask's width, ``decoder.mask_slots``). ``graphs``: through these captured steps
     (``space.decoding.graphs.StepGraphs``, with a size for each of ``rows`` and ``cache_len +
     max(rows)`` slots), as ``space-eval --capture`` runs them. Returns {q: seconds}
     (:func:`time_steps`).
@@ -169,7 +170,7 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     with ``static`` a static cache, every step (1 row too) with the 4-D mask a decoder passes
     over it (``space.decoding.decoder.mask_slots``). The trunk and the head get their inputs as the
     decoders pass them (a fresh block of ids; the head on a block's (rows, hidden), on AR's
-    (1, 1, hidden)), so a compiled trunk times the graphs a decoding run built, and builds none.
+    (1, 1, hidden)), so a compiled trunk times the graphs a decoding run builds, and builds none of its own.
     ``graphs``: each forward is a captured step (``StepGraphs.step``) over its cache, the rows a
     causal block (``static`` does not apply).
     """
@@ -188,8 +189,9 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + most,), generator=gen).to(device)
         refuse_sliding_window(base.config, "the step-cost measurement")
-        # a slot past the widest block, as a decoder's cache always has: a compiled graph traced with
-        # the mask as wide as the cache holds that equality (dynamo's duck sizing), a graph of its own
+        # a slot past the widest block, as a decoder's cache always has: where the attention reads only
+        # the mask's width, a compiled graph traced with the mask as wide as the cache holds that
+        # equality (dynamo's duck sizing), a graph of its own (stock attention's mask spans every slot)
         slots = cache_len + most + 1 if static else None
         if graphs is not None:
             graphs.reset()
