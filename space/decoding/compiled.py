@@ -129,7 +129,12 @@ def compile_trunk(model, mode: str | None = None):
         # the trunk whole, its sizes symbolic from the first graph (rows past 1, slots) and the
         # first mask row a gate: a graph per kind of call, never per prompt; and the LM head, the
         # step's largest GEMM (SmolLM2: 49152 x 576)
-        dtype = next(trunk.parameters()).dtype
+        from .decoder import attention_dtype  # here, not at import: the decoder imports this module
+
+        # the gate's dtype is the layers' (a bf16 trunk's); not the first parameter's, which is the
+        # mask embedding's fp32 rows (space.adapter_layers.MaskEmbedding): an fp32 gate turned the
+        # LoRA's outputs, and so the queries, fp32 over bf16 keys, and SDPA refused the graph
+        dtype = attention_dtype(trunk)
         # no guards on the modules, whose weights the graph holds as constants anyway: a step's
         # guards took 1.1 ms of a 20 ms AR step, 0.26 ms without them. The graphs are this model's
         # alone (dynamo keeps them on the code object; another model's call would find them)

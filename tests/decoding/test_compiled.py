@@ -329,6 +329,33 @@ def test_frozen_block_rows_are_marked_with_the_block_hint():
     assert gate._dynamo_hint_overrides == {0: BLOCK_HINT} and 0 in gate._dynamo_dynamic_indices
 
 
+def test_frozen_bf16_trunk_gates_in_the_layers_dtype():
+    """A bf16 frozen-base model keeps its mask embedding's rows in fp32
+    (``space.adapter_layers.MaskEmbedding``), and they are the trunk's first parameter. The frozen
+    call's gate took that dtype: the LoRA's outputs, and so the queries, became fp32 over the bf16
+    cache's keys, and the first SPACE block failed to compile (SDPA: "Expected query, key, and
+    value to have the same dtype"; ``space-eval --dtype bfloat16 --compile frozen``). The gate now
+    has the layers' dtype: SPACE's chain and dynamic tree decode over the frozen bf16 trunk and,
+    on this decisive model, equal AR over it."""
+    from space.adapter_layers import fuse_frozen_base, prepare_model
+    from space.models import tiny_random_llama
+
+    torch._dynamo.reset()
+    model, tok = tiny_random_llama(num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:  # decisive logits: bf16's rounding does not move an argmax
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    model, spec = prepare_model(model.to(torch.bfloat16), tok, "frozen-base", 3)
+    frozen = compile_trunk(fuse_frozen_base(model).eval(), mode="frozen")
+    assert next(frozen.get_decoder().parameters()).dtype == torch.float32  # the mask rows, first
+    prompt = torch.randint(11, 250, (15,), generator=gen)
+    truth = ar_generate(frozen, prompt, 16, suppress_ids=spec.token_ids).new_ids
+    for config in [DecodeConfig(3, 2), DecodeConfig(3, tree="dynamic", lookup_tokens=6)]:
+        assert SpaceDecoder(frozen, spec, config).generate(prompt, 16).new_ids == truth, config
+
+
 def test_frozen_compile_is_refused_off_the_cpu():
     from space.loader import check_compile
 
