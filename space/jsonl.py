@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 
-def read_jsonl_resumable(path: Path) -> list[dict]:
+def read_jsonl_resumable(path: Path, repair: bool = True) -> list[dict]:
     """Complete rows of ``path`` ([] when missing); rewrites the file without a torn last line.
 
-    Only the last line may be torn (an interrupted append); it is dropped, and the file rewritten
-    without it, so the next append starts on a fresh line.
+    Only the last line may be torn (an interrupted append); it is dropped, and with ``repair`` the
+    file rewritten without it, atomically (:func:`write_text_atomic`: a run stopped during the
+    rewrite leaves every complete row), so the next append starts on a fresh line. ``repair=False``
+    reads a file that another process may be appending to, and leaves it as it is.
 
     Raises:
         ValueError: a line other than the last is not valid JSON (file and line named): the file
@@ -37,8 +40,8 @@ def read_jsonl_resumable(path: Path) -> list[dict]:
                 raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}); fix or delete the file") from None
             # else: the torn last line of an interrupted write, dropped
     good = "".join(line + "\n" for line in good)
-    if good != text:
-        path.write_text(good, encoding="utf-8")
+    if repair and good != text:
+        write_text_atomic(path, good)
     return rows
 
 
@@ -53,9 +56,19 @@ def append_jsonl(path: Path, rows: list[dict]) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` as the whole file, atomically (a temporary file renamed over ``path``), so an
     interrupted run leaves the old file or the new one, never half of one. Creates the folder."""
+    _replace(path, text.encode("utf-8"))
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """``data`` as the whole of ``path``: written to a temporary file beside it, synced to the disk
+    (or a power cut after the rename could leave an empty file under the new name), then renamed
+    over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
 
 
@@ -63,12 +76,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     """Write ``rows`` as the whole file, atomically (:func:`write_text_atomic`); gzip-compressed
     when ``path`` ends in ``.gz`` (no timestamp in the header, so equal rows give equal bytes)."""
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    if path.suffix != ".gz":
-        write_text_atomic(path, text)
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
-    tmp.replace(path)
+    data = text.encode("utf-8")
+    _replace(path, gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -114,3 +114,37 @@ def sdpa_calls(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     return seen
+
+
+@pytest.fixture
+def torn_writes(monkeypatch):
+    """Every file opened for writing through ``pathlib`` (``Path.open``, ``write_text``,
+    ``write_bytes``) takes the first half of its first write, then fails as a full disk or a kill
+    would: what was written in place is torn, a temporary file renamed over the target is not."""
+    import io
+
+    real_open = io.open
+
+    class Torn:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError("No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def torn_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Torn(f) if any(c in mode for c in "wa") else f
+
+    monkeypatch.setattr(io, "open", torn_open)  # pathlib opens through io.open

@@ -26,6 +26,20 @@ def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
     assert read_jsonl_resumable(path) == [{"a": 1}, {"a": 2}]
 
 
+def test_a_repair_stopped_part_way_keeps_every_complete_row(tmp_path, torn_writes):
+    """Catches rewriting the file in place to drop a torn last line: a resume stopped during that
+    rewrite (a kill, a full disk) left the samples file half written, every record after the
+    half lost."""
+    path = tmp_path / "rows.jsonl"
+    with open(path, "w") as f:  # builtins.open: not torn
+        f.write('{"a": 1}\n{"a": 2}\n{"a": 3')
+    with pytest.raises(OSError, match="No space left"):
+        read_jsonl_resumable(path)
+    with open(path) as f:
+        assert f.read() == '{"a": 1}\n{"a": 2}\n{"a": 3'
+    assert read_jsonl_resumable(path, repair=False) == [{"a": 1}, {"a": 2}]
+
+
 @pytest.mark.parametrize("name", ["out.json", "rows.jsonl"])
 def test_a_failed_write_leaves_the_old_file(tmp_path, name):
     """Catches writing ``path`` in place instead of a temporary file renamed over it: a write

@@ -17,10 +17,10 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from ..jsonl import read_jsonl_resumable, write_jsonl
+from ..jsonl import read_jsonl_resumable, write_jsonl, write_text_atomic
 from .shard import Shard
 
 # settings that shape every sample's tokens: a folder's samples are only resumed under the same
@@ -126,9 +126,7 @@ def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
         commits = _recorded_commits(out, meta, shard.samples, (shard.config,))
     meta["commits"] = commits + [c for c in meta["commits"] if c not in commits]
     name = shard.config if shard is not None else "run_config.json"
-    tmp = out / f"{name}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    tmp.replace(out / name)
+    write_text_atomic(out / name, json.dumps(meta, indent=2))
     _drop_duplicates(out / (shard.samples if shard is not None else "samples.jsonl"))
 
 
@@ -179,13 +177,16 @@ def merge_run(out: Path) -> dict:
 
     Raises:
         FileNotFoundError: no sharded run in ``out``.
-        ValueError: a rank that has not run or not finished, ranks with different settings, or
-            records in samples.jsonl made with settings other than the ranks'.
+        ValueError: a rank that has not run or not finished, ranks with different settings,
+            records in samples.jsonl made with settings other than the ranks', or another run
+            writing samples.jsonl (:func:`hold_samples`).
     """
-    records, meta = merge(out, MERGE_KEYS)
-    write_jsonl(out / "samples.jsonl", records)
-    (out / "run_config.json.tmp").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    (out / "run_config.json.tmp").replace(out / "run_config.json")
+    # held: a plain run appending to samples.jsonl between the merge's read and its rewrite would
+    # lose its records (no folder: merge raises that there is no run to merge)
+    with hold_samples(out / "samples.jsonl") if out.is_dir() else nullcontext():
+        records, meta = merge(out, MERGE_KEYS)
+        write_jsonl(out / "samples.jsonl", records)
+        write_text_atomic(out / "run_config.json", json.dumps(meta, indent=2))
     return report(records, meta, out)
 
 
@@ -230,7 +231,11 @@ def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
     for rank, meta in enumerate(metas):
         questions = meta["shard"]["questions"]
         position.update({q: j * n + rank for j, q in enumerate(questions)})
-        rows = {(r["question_id"], r["model_id"]): r for r in read_jsonl_resumable(out / Shard(rank, n).samples)}
+        # read only: the rank may still be appending to its file (a torn last line is its to repair).
+        # The first record of a (question, method), as a resume keeps (_drop_duplicates)
+        rows = {}
+        for r in read_jsonl_resumable(out / Shard(rank, n).samples, repair=False):
+            rows.setdefault((r["question_id"], r["model_id"]), r)
         missing = [(q, m) for q in questions for m in methods if (q, m) not in rows]
         if missing:
             raise ValueError(f"rank {rank} of {n} has not finished: {len(missing)} of {len(questions) * len(methods)} "

@@ -90,22 +90,14 @@ def test_one_run_holds_a_samples_file(tmp_path):
         pass
 
 
-def test_a_failed_record_write_keeps_the_old_record(tmp_path, monkeypatch):
+def test_a_failed_record_write_keeps_the_old_record(tmp_path, monkeypatch, request):
     """run_config.json is written to a temporary file and renamed: a write that fails midway (a
     full disk) leaves the previous record whole, where writing in place left it torn and every
     later resume refused as "damaged"."""
-    from pathlib import Path
-
     check_resume(tmp_path, meta())
     (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
     before = (tmp_path / "run_config.json").read_text()
-    write_text = Path.write_text
-
-    def torn(self, data, *args, **kwargs):
-        write_text(self, data[:10], *args, **kwargs)
-        raise OSError("No space left on device")
-
-    monkeypatch.setattr(Path, "write_text", torn)
+    request.getfixturevalue("torn_writes")
     with pytest.raises(OSError, match="No space left"):
         check_resume(tmp_path, meta())
     monkeypatch.undo()
@@ -139,3 +131,24 @@ def test_merge_refuses_extra_records_made_with_other_settings(tmp_path):
     (tmp_path / "run_config.json").write_text(json.dumps({**meta(), "num_questions": 2, "max_new_tokens": 99}))
     with pytest.raises(ValueError, match=r"1 records the ranks did not write, made with other settings"):
         merge(tmp_path, MERGE_KEYS)
+
+
+def test_merge_keeps_the_first_record_of_a_pair_and_holds_the_samples(tmp_path):
+    """A rank file that holds a (question, method) twice is merged as a resume reads it: the first
+    record kept (the merge kept the last). The merge holds samples.jsonl while it rewrites it: a
+    plain run appending there meanwhile would lose its records, so a merge beside one is refused.
+    A torn last line of a rank file (a rank still writing) is read past, not rewritten."""
+    from space.eval.resume import MERGE_KEYS, hold_samples, merge, merge_run
+
+    rank = {**meta(), "num_questions": 1, "shard": {"rank": 0, "world_size": 1, "questions": ["q1"]}}
+    (tmp_path / "run_config.rank0.json").write_text(json.dumps(rank))
+    rows = [{"question_id": "q1", "model_id": m, "n": i} for i, m in enumerate(("ar", "space", "ar"))]
+    torn = "".join(json.dumps(r) + "\n" for r in rows) + '{"question_id": "q1", "mod'
+    (tmp_path / "samples.rank0.jsonl").write_text(torn)
+    with hold_samples(tmp_path / "samples.jsonl"):
+        with pytest.raises(ValueError, match="samples.jsonl is being written by another run"):
+            merge_run(tmp_path)
+    assert not (tmp_path / "samples.jsonl").exists()
+    merged, _ = merge(tmp_path, MERGE_KEYS)
+    assert [(r["model_id"], r["n"]) for r in merged] == [("ar", 0), ("space", 1)]
+    assert (tmp_path / "samples.rank0.jsonl").read_text() == torn
