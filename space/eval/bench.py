@@ -99,6 +99,12 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
     prompt = prompt[None].to(device)
     forwards = []  # HF's target forward passes, counted, not assumed
     hook = target.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    # transformers fills every field a passed config leaves unset from the model's own generation
+    # config (a Qwen2.5-Instruct's repetition_penalty 1.05, say), which AR and SPACE never read: for
+    # the call, the model's config keeps its token ids only, so hf and pld decode what AR decodes
+    saved = target.model.generation_config
+    target.model.generation_config = GenerationConfig(
+        **{key: getattr(saved, key, None) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
     try:
         t0 = clock(device)
         with torch.inference_mode():
@@ -106,6 +112,7 @@ def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, s
         wall = clock(device) - t0
     finally:
         hook.remove()
+        target.model.generation_config = saved
     new = out[0, len(ids):].tolist()
     return {"ids": new, "wall_time": wall, "steps": len(forwards), **{key: [] for key in STEP_KEYS}}
 

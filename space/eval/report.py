@@ -3,8 +3,10 @@
 Definitions (DESIGN §6): tokens/s = new tokens / wall time summed over all turns; speedup = a
 method's tokens/s over the baseline's on the same prompts (also reported as the median of the
 per-question ratios, which one slow outlier cannot move); tokens/step (MAT) = new tokens / target
-forward passes, first step and bonus token counted, for every method (HF's forward passes are
-counted by a hook, not assumed); acceptance of offset j = share of the SPACE steps that had a
+forward passes that emit tokens, first step and bonus token counted, for every method (HF's
+forward passes are counted by a hook, not assumed; AR's and HF's prefill emits the first token,
+while SPACE's prefill of the prompt's first n-1 tokens emits none and is not counted: about one
+forward a turn, 1 % of a 256-token answer at 2.9 tokens/step, in SPACE's favour); acceptance of offset j = share of the SPACE steps that had a
 candidate at offset j (m > j) that accepted it (a > j), with the share over all steps beside it,
 labelled; the histogram counts the tokens each step actually emitted (EOS and max_new_tokens cut
 the last step); exactness = share of turns whose greedy SPACE ids equal the AR ids: 100 % is

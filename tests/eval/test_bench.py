@@ -40,6 +40,25 @@ def test_every_method_records_its_forward_passes(target, monkeypatch):
     assert hf["ids"] == [5, 6, 7, 8] and hf["steps"] == 3
 
 
+@pytest.mark.parametrize("method", ["hf", "pld"])
+def test_hf_baselines_ignore_the_models_generation_config(method):
+    """transformers fills what a passed generation config leaves unset from the model's own, which
+    AR and SPACE never read: a model shipping a repetition penalty or a no-repeat n-gram size
+    (Qwen2.5-Instruct ships repetition_penalty 1.05) gave hf and pld other tokens than AR's. Greedy
+    hf and pld equal AR under such a config, and the model keeps its config."""
+    model, tok = tiny_random_llama(seed=1)
+    spec = add_mask_tokens(model, tok, mask_num=3)
+    model.eval()
+    target = SimpleNamespace(model=model, tokenizer=tok, mask=spec, stop_ids=[], graphs=None, pld=None,
+                             decoder=SpaceDecoder(model, spec, DecodeConfig(3)))
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    ar = generate("ar", target, prompt, 24, SamplingConfig())["ids"]
+    assert len(set(ar)) < len(ar)  # AR repeats a token: a penalty on repeats would change it
+    model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 3.0, 2
+    assert generate(method, target, prompt, 24, SamplingConfig())["ids"] == ar
+    assert model.generation_config.repetition_penalty == 3.0
+
+
 def test_each_sample_of_a_question_has_its_own_seed(monkeypatch):
     """pass@k over n samples needs n draws: sample i runs with seed + i, on every turn (n copies of
     one draw made pass@n equal pass@1)."""
