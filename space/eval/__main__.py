@@ -27,7 +27,7 @@ from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOI
 from .bench import METHODS
 from .resume import adapter_sha256, check_resume, hold_samples, merge_run, read_record, report
 from .shard import Shard, current_shard, join, wait_for_all
-from .tasks import DATASETS, load_tasks
+from .tasks import DATASETS, load_tasks, trained_questions
 
 # torch, transformers and the model code are imported inside the functions that need them, so
 # that --help answers without loading them
@@ -342,7 +342,14 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     base = args.model or (read_record(Path(args.adapter) / "space_config.json")["base_model"]
                           if args.adapter else SMOLLM2)
     devices = placed_on(model) if placement is not None else [device]
+    trained = trained_questions(tasks, args.adapter, args.data_root)
+    if trained:
+        warnings.warn(f"{len(trained)} of {len(tasks)} questions of --dataset {args.dataset} were in the adapter's "
+                      f"training data (MBPP {', '.join(trained[:4])}, ...): its drafts learned their answers, so "
+                      "tokens/step and speedups on them overstate held-out drafting; --dataset mbpp-dev holds the "
+                      "100 MBPP questions kept out of training", stacklevel=2)
     meta = {"model": base, "adapter": args.adapter, "adapter_sha256": adapter_sha256(args.adapter),
+            "trained_questions": len(trained),  # questions the adapter was trained on (MBPP's, trained_questions)
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
             "lookup_ngram": decode.lookup_ngram, "tree": decode.to_dict()["tree"],

@@ -1,5 +1,9 @@
 """Evaluation prompt sets: HumanEval, HumanEval-X, MBPP, MT-Bench and any question JSONL.
 
+MBPP's prompts are training data of a self-distilled drafter (``space.distill``), all but the 100
+of the dev set (``space.data.dev_set``): ``mbpp-dev`` holds those, and :func:`trained_questions`
+says which questions of a run an adapter was trained on.
+
 Every task is a list of user turns (MT-Bench has two; the second is asked after the method's own
 first answer) and, for code, what the executor needs to run its tests.
 """
@@ -14,7 +18,7 @@ from pathlib import Path
 from ..data.prompts import code_prompt, mbpp_prompt
 
 LANGUAGES = ("python", "cpp", "java", "js", "go", "rust")
-DATASETS = ("humaneval", *(f"humaneval-x:{lang}" for lang in LANGUAGES), "mbpp", "mt-bench")
+DATASETS = ("humaneval", *(f"humaneval-x:{lang}" for lang in LANGUAGES), "mbpp", "mbpp-dev", "mt-bench")
 
 
 @dataclass
@@ -69,9 +73,15 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
                 tasks = [_code_task(json.loads(line), lang) for line in f if line.strip()]
         except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: damaged file ({e})") from None
-    elif name == "mbpp":
+    elif name in ("mbpp", "mbpp-dev"):
+        rows = read_rows(root / "mbpp" / "mbpp.jsonl")
+        if name == "mbpp-dev":  # the 100 that self-distillation leaves out
+            from ..data.dev_set import load_dev_set
+
+            held_out = set(load_dev_set()["mbpp_task_ids"])
+            rows = [r for r in rows if r["task_id"] in held_out]
         tasks = [EvalTask(str(r["task_id"]), "python", [mbpp_prompt(r["text"], r["code"], r["test_list"])], "mbpp", r)
-                 for r in read_rows(root / "mbpp" / "mbpp.jsonl")]
+                 for r in rows]
     elif name == "mt-bench" or name.endswith(".jsonl"):
         path = source = root / "mt-bench" / "question.jsonl" if name == "mt-bench" else Path(name)
         tasks = [_question_task(row, path, i) for i, row in enumerate(read_rows(path))]
@@ -85,6 +95,37 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
     if dup is not None:
         raise ValueError(f"{source}: question_id {dup!r} appears {seen[dup]} times; ids must be unique")
     return tasks[:limit]
+
+
+def trained_questions(tasks: list[EvalTask], adapter, root=None) -> list[str]:
+    """The ids of ``tasks`` whose prompt an adapter was trained on: MBPP questions whose row is in
+    the self-distilled files its ``space_config.json`` lists (``training_data``; rows with ids
+    ``mbpp/<row of mbpp.jsonl>``, as ``space.data.dev_set`` numbers them). Files not found (the
+    repo's ``data/distill`` outside a checkout) are not read, and say nothing; the other datasets
+    are never training data (``space.data.dev_set``). ``root``: the data folder, as load_tasks'.
+
+    Raises:
+        ValueError: a training file that is damaged (``space.jsonl.read_jsonl``).
+    """
+    from ..data.sft import REGISTRY, data_root, read_rows
+    from ..jsonl import read_jsonl
+
+    mbpp = {t.question_id for t in tasks if t.language == "mbpp"}  # MBPP's tests: language "mbpp"
+    config = Path(adapter) / "space_config.json" if adapter else None
+    if not mbpp or config is None or not config.is_file():
+        return []
+    repo = Path(__file__).resolve().parents[2]
+    rows = set()
+    for name in json.loads(config.read_text(encoding="utf-8")).get("training_data") or []:
+        path = next((p for p in (Path(name), repo / name) if p.is_file()), None)
+        if path is not None:
+            rows.update(str(r.get("id", "")).removeprefix("mbpp/") for r in read_jsonl(path)
+                        if str(r.get("id", "")).startswith("mbpp/"))
+    if not rows:
+        return []
+    ids = [str(r["task_id"]) for r in read_rows(data_root(root) / REGISTRY["mbpp"])]
+    trained = {ids[int(i)] for i in rows if i.isdigit() and int(i) < len(ids)}
+    return [t.question_id for t in tasks if t.question_id in mbpp & trained]
 
 
 def _code_task(problem: dict, lang: str) -> EvalTask:

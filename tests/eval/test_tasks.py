@@ -33,3 +33,34 @@ def test_humaneval_x_bad_language_missing_and_damaged_files(tmp_path):
     (tmp_path / "humaneval-x" / "humaneval_cpp.jsonl.gz").write_bytes(b"not gzip at all")
     with pytest.raises(ValueError, match="humaneval_cpp.jsonl.gz: damaged file"):
         load_tasks("humaneval-x:cpp", tmp_path)
+
+
+def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path):
+    """MBPP's prompts are the shipped drafter's training data, all but the dev set's 100: an MBPP
+    run on the shipped adapter measured drafts on answers it learned (38 of the first 40).
+    ``mbpp-dev`` holds the 100 kept out, and ``trained_questions`` names the questions of a run
+    that an adapter's self-distilled files hold (their rows ``mbpp/<row of mbpp.jsonl>``), in the
+    run's order; a missing file, another dataset or no adapter name none."""
+    import gzip
+
+    from space.data.dev_set import load_dev_set
+    from space.eval.tasks import trained_questions
+
+    dev = load_tasks("mbpp-dev")
+    assert sorted(int(t.question_id) for t in dev) == sorted(load_dev_set()["mbpp_task_ids"])
+    shipped = "adapters/smollm2-135m-space"
+    assert trained_questions(dev, shipped) == []
+    mbpp = load_tasks("mbpp")
+    assert len(trained_questions(mbpp, shipped)) == 872  # the 872 MBPP samples of the adapter card
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    rows = [{"id": "mbpp/5"}, {"id": "lima/1"}, {"id": "mbpp/0"}]
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    (adapter / "space_config.json").write_text(json.dumps(
+        {"training_data": [str(tmp_path / "train.jsonl.gz"), str(tmp_path / "gone.jsonl.gz")]}))
+    first = mbpp[:10]
+    assert trained_questions(first, adapter) == [first[0].question_id, first[5].question_id]
+    assert trained_questions(load_tasks("humaneval", limit=5), adapter) == []
+    assert trained_questions(first, None) == [] and trained_questions(first, tmp_path) == []
