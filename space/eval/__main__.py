@@ -342,7 +342,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     base = args.model or (read_record(Path(args.adapter) / "space_config.json")["base_model"]
                           if args.adapter else SMOLLM2)
     devices = placed_on(model) if placement is not None else [device]
-    trained = trained_questions(tasks, args.adapter, args.data_root)
+    trained = trained_questions(tasks, args.adapter)
     if trained:
         warnings.warn(f"{len(trained)} of {len(tasks)} questions of --dataset {args.dataset} were in the adapter's "
                       f"training data (MBPP {', '.join(trained[:4])}, ...): its drafts learned their answers, so "
@@ -379,7 +379,11 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     if shard:
         wait_for_all(shard)
         if shard.launched and shard.rank == 0:
-            return merge_run(out)
+            try:
+                return merge_run(out)
+            except ValueError as e:  # e.g. a plain run writing samples.jsonl: the ranks' files stay, whole
+                raise ValueError(f"{e}; the ranks' own files are kept: merge them later with "
+                                 f"space-eval --merge {out}") from None
         then = "rank 0 merges" if shard.launched else f"once every rank has run: space-eval --merge {out}"
         print(f"[space-eval] rank {shard.rank} of {shard.world_size} wrote {out}/{shard.samples}; {then}")
         return None

@@ -79,7 +79,7 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
             from ..data.dev_set import load_dev_set
 
             held_out = set(load_dev_set()["mbpp_task_ids"])
-            rows = [r for r in rows if r["task_id"] in held_out]
+            rows = [r for r in rows if int(r["task_id"]) in held_out]
         tasks = [EvalTask(str(r["task_id"]), "python", [mbpp_prompt(r["text"], r["code"], r["test_list"])], "mbpp", r)
                  for r in rows]
     elif name == "mt-bench" or name.endswith(".jsonl"):
@@ -97,35 +97,38 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
     return tasks[:limit]
 
 
-def trained_questions(tasks: list[EvalTask], adapter, root=None) -> list[str]:
-    """The ids of ``tasks`` whose prompt an adapter was trained on: MBPP questions whose row is in
-    the self-distilled files its ``space_config.json`` lists (``training_data``; rows with ids
-    ``mbpp/<row of mbpp.jsonl>``, as ``space.data.dev_set`` numbers them). Files not found (the
-    repo's ``data/distill`` outside a checkout) are not read, and say nothing; the other datasets
-    are never training data (``space.data.dev_set``). ``root``: the data folder, as load_tasks'.
-
-    Raises:
-        ValueError: a training file that is damaged (``space.jsonl.read_jsonl``).
+def trained_questions(tasks: list[EvalTask], adapter) -> list[str]:
+    """The ids of ``tasks`` whose prompt an adapter was trained on, in their order: MBPP questions
+    whose prompt (``space.data.dev_set.prompt_key`` of its messages, as training and
+    ``space-distill`` key them) is among the examples of its training data, read as training read
+    them (``space_config.json``'s ``train_config.data``: datasets, data root, limit and sources;
+    the dev set dropped). The other datasets are never training data (``space.data.dev_set``).
+    A training file that is not there (the repo's ``data/distill`` outside a checkout) or cannot
+    be read is skipped with a warning: the check advises and never stops a run.
     """
-    from ..data.sft import REGISTRY, data_root, read_rows
-    from ..jsonl import read_jsonl
+    import warnings
 
-    mbpp = {t.question_id for t in tasks if t.language == "mbpp"}  # MBPP's tests: language "mbpp"
+    from ..data.dev_set import dev_keys, prompt_key
+    from ..data.sft import load_examples, to_example
+
+    mbpp = [t for t in tasks if t.language == "mbpp"]  # MBPP's tests: language "mbpp"
     config = Path(adapter) / "space_config.json" if adapter else None
     if not mbpp or config is None or not config.is_file():
         return []
-    repo = Path(__file__).resolve().parents[2]
-    rows = set()
-    for name in json.loads(config.read_text(encoding="utf-8")).get("training_data") or []:
-        path = next((p for p in (Path(name), repo / name) if p.is_file()), None)
-        if path is not None:
-            rows.update(str(r.get("id", "")).removeprefix("mbpp/") for r in read_jsonl(path)
-                        if str(r.get("id", "")).startswith("mbpp/"))
-    if not rows:
-        return []
-    ids = [str(r["task_id"]) for r in read_rows(data_root(root) / REGISTRY["mbpp"])]
-    trained = {ids[int(i)] for i in rows if i.isdigit() and int(i) < len(ids)}
-    return [t.question_id for t in tasks if t.question_id in mbpp & trained]
+    data = (json.loads(config.read_text(encoding="utf-8")).get("train_config") or {}).get("data") or {}
+    sources = [s.strip() for s in (data.get("sources") or "").split(",") if s.strip()] or None
+    repo = Path(__file__).resolve().parents[2]  # a config's relative paths: from the checkout it was trained in
+    keys = set()
+    for name in [n.strip() for n in (data.get("datasets") or "").split(",") if n.strip()]:
+        if not Path(name).is_file() and (repo / name).is_file():
+            name = str(repo / name)
+        try:
+            keys.update(prompt_key(ex.context) for ex in load_examples(name, data.get("data_root"), data.get("limit"),
+                                                                      sources))
+        except (OSError, ValueError) as e:
+            warnings.warn(f"{config}: training data {name} not checked against the questions ({e})", stacklevel=2)
+    keys -= dev_keys(data.get("data_root"))  # training drops the dev set (space.train.run.drop_dev_set)
+    return [t.question_id for t in mbpp if prompt_key(to_example(t.problem).context) in keys]
 
 
 def _code_task(problem: dict, lang: str) -> EvalTask:

@@ -39,11 +39,13 @@ def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path
     """MBPP's prompts are the shipped drafter's training data, all but the dev set's 100: an MBPP
     run on the shipped adapter measured drafts on answers it learned (38 of the first 40).
     ``mbpp-dev`` holds the 100 kept out, and ``trained_questions`` names the questions of a run
-    that an adapter's self-distilled files hold (their rows ``mbpp/<row of mbpp.jsonl>``), in the
-    run's order; a missing file, another dataset or no adapter name none."""
+    whose prompt is in an adapter's training data, read as training read it (its config's
+    datasets, limit and sources; the dev set dropped), in the run's order; a file that cannot be
+    read is skipped with a warning; another dataset or no adapter names none."""
     import gzip
 
     from space.data.dev_set import load_dev_set
+    from space.data.sft import to_example
     from space.eval.tasks import trained_questions
 
     dev = load_tasks("mbpp-dev")
@@ -51,16 +53,30 @@ def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path
     shipped = "adapters/smollm2-135m-space"
     assert trained_questions(dev, shipped) == []
     mbpp = load_tasks("mbpp")
-    assert len(trained_questions(mbpp, shipped)) == 872  # the 872 MBPP samples of the adapter card
+    assert len(trained_questions(mbpp, shipped)) == 873  # the card's 872 MBPP samples, one prompt asked twice
 
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    rows = [{"id": "mbpp/5"}, {"id": "lima/1"}, {"id": "mbpp/0"}]
+    def row(task, source):  # a self-distilled row (space-distill's format) of a question's prompt
+        return {"prompt": to_example(task.problem).context, "response": "x", "source": source}
+
+    first, dev_task = mbpp[:10], dev[0]
+    rows = [row(first[5], "mbpp"), row(first[2], "lima"), row(first[0], "mbpp"), row(dev_task, "mbpp")]
     with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
-    (adapter / "space_config.json").write_text(json.dumps(
-        {"training_data": [str(tmp_path / "train.jsonl.gz"), str(tmp_path / "gone.jsonl.gz")]}))
-    first = mbpp[:10]
-    assert trained_questions(first, adapter) == [first[0].question_id, first[5].question_id]
+    (tmp_path / "bad.json").write_text("{}")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+
+    def config(**data):
+        (adapter / "space_config.json").write_text(json.dumps({"train_config": {"data": data}}))
+
+    config(datasets=f"{tmp_path / 'train.jsonl.gz'},{tmp_path / 'gone.jsonl'}")
+    with pytest.warns(UserWarning, match="gone.jsonl not checked"):
+        assert trained_questions(first + [dev_task], adapter) == [first[0].question_id, first[2].question_id,
+                                                                  first[5].question_id]  # the dev set dropped
+    config(datasets=str(tmp_path / "train.jsonl.gz"), sources="mbpp", limit=1)  # training read one row
+    assert trained_questions(first, adapter) == [first[5].question_id]
+    config(datasets=str(tmp_path / "bad.json"))
+    with pytest.warns(UserWarning, match="bad.json not checked"):
+        assert trained_questions(first, adapter) == []
     assert trained_questions(load_tasks("humaneval", limit=5), adapter) == []
     assert trained_questions(first, None) == [] and trained_questions(first, tmp_path) == []
