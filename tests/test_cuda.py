@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
-from space.decoding.decoder import attention_dtype
+from space.decoding.cache import attention_dtype
 from space.eval.__main__ import main as eval_main
 from tests.conftest import TRAINED_K as K
 

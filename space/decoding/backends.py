@@ -11,7 +11,7 @@ in one run and names the attention kernels that ran.
 
 The switch is PyTorch's and process-wide (``torch.backends.cuda.enable_cudnn_sdp``): there is no
 per-model one. The decoders' 4-D masks are additive in the attention's dtype
-(``space.decoding.decoder.attention_dtype``): an fp32 mask with bf16 queries is what cuDNN
+(``space.decoding.cache.attention_dtype``): an fp32 mask with bf16 queries is what cuDNN
 misreads.
 """
 from __future__ import annotations

@@ -219,3 +219,18 @@ def refuse_sliding_window(config, what: str, length: int | None = None) -> None:
         raise ValueError(f"{what} does not apply a sliding window (this model slides over {min(windows)} tokens"
                          + (f", sequences here reach {length}" if length is not None else "")
                          + "); SPACE decoding and space-eval do")
+
+
+def attention_dtype(decoder) -> torch.dtype:
+    """The dtype attention computes in, which the step's additive 4-D mask must have (SDPA takes a
+    float mask only in the query's dtype): that of the first floating-point parameter of the first
+    decoder layer's attention, else of the input embedding. Not the LM head's, which is often kept
+    in fp32 under a bf16 / fp16 trunk."""
+    layers = getattr(decoder, "layers", None)
+    first = layers[0] if layers is not None and len(layers) else None
+    attn = getattr(first, "self_attn", first)
+    for module in (attn, decoder.get_input_embeddings()):
+        for p in module.parameters() if module is not None else ():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.get_default_dtype()

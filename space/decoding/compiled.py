@@ -64,7 +64,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 from ..choices import COMPILE_MODES
 from ..cpu_kernels import SDPA_GQA, PackedLinear, register_attention
 from ..masking import mask_rows, mask_rows_start
-from .cache import CACHE_ARG
+from .cache import CACHE_ARG, attention_dtype
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
 # inductor's settings in the frozen mode (issue 58): the weights folded into the graph as constants,
@@ -129,8 +129,6 @@ def compile_trunk(model, mode: str | None = None):
         # the trunk whole, its sizes symbolic from the first graph (rows past 1, slots) and the
         # first mask row a gate: a graph per kind of call, never per prompt; and the LM head, the
         # step's largest GEMM (SmolLM2: 49152 x 576)
-        from .decoder import attention_dtype  # here, not at import: the decoder imports this module
-
         # the gate's dtype is the layers' (a bf16 trunk's); not the first parameter's, which is the
         # mask embedding's fp32 rows (space.adapter_layers.MaskEmbedding): an fp32 gate turned the
         # LoRA's outputs, and so the queries, fp32 over bf16 keys, and SDPA refused the graph

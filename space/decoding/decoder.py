@@ -89,7 +89,7 @@ from ..cpu_kernels import attends_mask_width
 from ..masking import host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents, unpack_rows
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
-from .cache import SlabCache, attention_windows, cache_input, crop_cache, eager_cache, static_cache
+from .cache import SlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
@@ -185,21 +185,6 @@ def check_attention(model, caller: str = "SpaceDecoder") -> None:
         raise ValueError(f"{caller} cannot run with attn_implementation={impl!r}: flash attention takes no "
                          "4-D attention mask, which every SPACE step and SAR-SFT batch needs; load the model with "
                          "attn_implementation='sdpa' or 'eager' (or call model.set_attn_implementation('sdpa'))")
-
-
-def attention_dtype(decoder) -> torch.dtype:
-    """The dtype attention computes in, which the step's additive 4-D mask must have (SDPA takes a
-    float mask only in the query's dtype): that of the first floating-point parameter of the first
-    decoder layer's attention, else of the input embedding. Not the LM head's, which is often kept
-    in fp32 under a bf16 / fp16 trunk."""
-    layers = getattr(decoder, "layers", None)
-    first = layers[0] if layers is not None and len(layers) else None
-    attn = getattr(first, "self_attn", first)
-    for module in (attn, decoder.get_input_embeddings()):
-        for p in module.parameters() if module is not None else ():
-            if p.is_floating_point():
-                return p.dtype
-    return torch.get_default_dtype()
 
 
 def mask_slots(trunk: torch.nn.Module, slots: int | None) -> int | None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masking import mask_rows
-from .cache import attention_windows, cache_input, static_cache
+from .cache import attention_dtype, attention_windows, cache_input, static_cache
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class StepGraphs:
 
     def __init__(self, model, slots: int, sizes: Iterable[int]):
         from .compiled import is_compiled  # compiled imports the CPU kernels; this module stays light
-        from .decoder import attention_dtype, check_attention
+        from .decoder import check_attention
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_attention(base, "StepGraphs")
