@@ -1,6 +1,7 @@
 """space.jsonl: appends keep what was written before, whole-file writes are atomic and
 reproducible, and a damaged file is a ValueError naming it (the resume machinery's ground)."""
 import gzip
+import os
 
 import pytest
 
@@ -73,3 +74,46 @@ def test_a_damaged_gz_file_is_a_value_error(tmp_path, data):
     path.write_bytes(data)
     with pytest.raises(ValueError, match="rows.jsonl.gz: damaged file"):
         read_jsonl(path)
+
+
+def test_a_whole_file_is_read_without_a_write(tmp_path, torn_writes):
+    """Catches rewriting the file on every read, not only to drop a torn last line: a resume or a
+    merge would rewrite every samples file it reads (here any write fails, as on a full disk)."""
+    path = tmp_path / "rows.jsonl"
+    with open(path, "w") as f:  # builtins.open: not torn
+        f.write('{"a": 1}\n{"a": 2}\n')
+    assert read_jsonl_resumable(path) == [{"a": 1}, {"a": 2}]
+
+
+@pytest.mark.parametrize("name", ["out.json", "rows.jsonl.gz"])
+def test_a_whole_file_write_is_on_disk_before_its_rename(tmp_path, monkeypatch, name):
+    """Catches a write renamed over ``path`` before its bytes are synced (no ``os.fsync``, an fsync
+    before the buffer is flushed, or one after the rename): a power cut could leave an empty file
+    under the new name. At the sync the temporary file holds every byte and ``path`` the old text."""
+    import space.jsonl
+
+    path, real_fsync, synced = tmp_path / name, space.jsonl.os.fsync, []
+
+    def fsync(fd):
+        synced.append((os.fstat(fd).st_size, read_jsonl(path)))
+        real_fsync(fd)
+
+    write_jsonl(path, [{"old": 1}])
+    monkeypatch.setattr(space.jsonl.os, "fsync", fsync)
+    if name.endswith(".gz"):
+        write_jsonl(path, [{"new": 2}])
+        size = len(gzip.compress(b'{"new": 2}\n', mtime=0))
+    else:
+        write_text_atomic(path, '{"new": 2}\n')
+        size = len(b'{"new": 2}\n')
+    assert synced == [(size, [{"old": 1}])]
+    assert read_jsonl(path) == [{"new": 2}]
+
+
+def test_whole_file_writes_create_the_folder(tmp_path):
+    """Catches dropping the ``mkdir`` of :func:`write_text_atomic` / :func:`write_jsonl`: a first
+    write into a new output folder failed with FileNotFoundError."""
+    write_text_atomic(tmp_path / "a" / "b" / "out.json", "{}")
+    write_jsonl(tmp_path / "c" / "rows.jsonl.gz", [{"a": 1}])
+    assert (tmp_path / "a" / "b" / "out.json").read_text() == "{}"
+    assert read_jsonl(tmp_path / "c" / "rows.jsonl.gz") == [{"a": 1}]

@@ -117,6 +117,14 @@ def _checked(context: list[dict], response) -> Example:
     return Example(context, response)
 
 
+def data_lists(datasets: str | None, sources: str | None = None) -> tuple[list[str], list[str] | None]:
+    """A training config's comma lists (``DataArgs.datasets`` and ``DataArgs.sources``) as training
+    reads them: the dataset names, stripped, without empty entries, and the ``sources`` filter of
+    :func:`load_examples` (None when not given: every row kept)."""
+    names = [n.strip() for n in (datasets or "").split(",") if n.strip()]
+    return names, [s.strip() for s in sources.split(",") if s.strip()] if sources else None
+
+
 def load_examples(name: str, root: str | os.PathLike | None = None, limit: int | None = None,
                   sources: list[str] | None = None) -> list[Example]:
     """Examples of a registered dataset name or a .json/.jsonl path.

@@ -104,22 +104,23 @@ def trained_questions(tasks: list[EvalTask], adapter) -> list[str]:
     them (``space_config.json``'s ``train_config.data``: datasets, data root, limit and sources;
     the dev set dropped). The other datasets are never training data (``space.data.dev_set``).
     A training file that is not there (the repo's ``data/distill`` outside a checkout) or cannot
-    be read is skipped with a warning: the check advises and never stops a run.
+    be read is skipped with a warning, and so is the dev set when the config's data root is not
+    there (its questions then count as trained): the check advises and never stops a run.
     """
     import warnings
 
     from ..data.dev_set import dev_keys, prompt_key
-    from ..data.sft import load_examples, to_example
+    from ..data.sft import data_lists, load_examples, to_example
 
     mbpp = [t for t in tasks if t.language == "mbpp"]  # MBPP's tests: language "mbpp"
     config = Path(adapter) / "space_config.json" if adapter else None
     if not mbpp or config is None or not config.is_file():
         return []
     data = (json.loads(config.read_text(encoding="utf-8")).get("train_config") or {}).get("data") or {}
-    sources = [s.strip() for s in (data.get("sources") or "").split(",") if s.strip()] or None
+    names, sources = data_lists(data.get("datasets"), data.get("sources"))  # as training splits them
     repo = Path(__file__).resolve().parents[2]  # a config's relative paths: from the checkout it was trained in
     keys = set()
-    for name in [n.strip() for n in (data.get("datasets") or "").split(",") if n.strip()]:
+    for name in names:
         if not Path(name).is_file() and (repo / name).is_file():
             name = str(repo / name)
         try:
@@ -127,7 +128,10 @@ def trained_questions(tasks: list[EvalTask], adapter) -> list[str]:
                                                                       sources))
         except (OSError, ValueError) as e:
             warnings.warn(f"{config}: training data {name} not checked against the questions ({e})", stacklevel=2)
-    keys -= dev_keys(data.get("data_root"))  # training drops the dev set (space.train.run.drop_dev_set)
+    try:
+        keys -= dev_keys(data.get("data_root"))  # training drops the dev set (space.train.run.drop_dev_set)
+    except (OSError, ValueError, IndexError) as e:  # a data root not on this machine: advise, never stop
+        warnings.warn(f"{config}: dev set not read, not dropped from the training data ({e})", stacklevel=2)
     return [t.question_id for t in mbpp if prompt_key(to_example(t.problem).context) in keys]
 
 

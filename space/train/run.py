@@ -16,7 +16,7 @@ from ..artifact import MASK_EMBEDDING, SAMPLER_HEAD, load_mask_rows, load_sample
 from ..config import SpaceSettings, check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
-from ..data.sft import load_examples, tokenize
+from ..data.sft import data_lists, load_examples, tokenize
 from ..decoding.cache import refuse_sliding_window
 from ..jsonl import write_text_atomic
 from ..loader import warm_start
@@ -112,8 +112,7 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         state = json.loads((Path(last) / "trainer_state.json").read_text())
         # the total: max_steps when given, else as the checkpoint's run counted the epochs
         done, total = state["global_step"], train_args.max_steps if train_args.max_steps > 0 else state["max_steps"]
-    names = [n.strip() for n in data_args.datasets.split(",") if n.strip()]
-    sources = [s.strip() for s in data_args.sources.split(",") if s.strip()] if data_args.sources else None
+    names, sources = data_lists(data_args.datasets, data_args.sources)
     examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit, sources)]
     examples, held_out = drop_dev_set(examples, data_args.data_root)
     if model_args.init_adapter:  # like the data, it may come from an earlier stage: check it before loading

@@ -203,10 +203,10 @@ def build_stand_in(model: str, out: Path) -> str:
 def smoke_datasets(config: dict) -> tuple[str, list[str]]:
     """The config's datasets that exist here (registered names and files), the others replaced by
     MBPP; returns (comma list, names replaced)."""
-    from ..data.sft import REGISTRY
+    from ..data.sft import REGISTRY, data_lists
 
     kept, replaced = [], []
-    for name in (n.strip() for n in str(config.get("datasets", "mbpp")).split(",") if n.strip()):
+    for name in data_lists(str(config.get("datasets", "mbpp")))[0]:
         ok = name in REGISTRY or (ROOT / name).is_file() or Path(name).is_file()
         (kept if ok else replaced).append(name)
     if replaced and "mbpp" not in kept:

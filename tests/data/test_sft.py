@@ -5,7 +5,7 @@ import json
 import pytest
 
 from space.data.prompts import chat_ids
-from space.data.sft import load_examples, to_example, tokenize
+from space.data.sft import data_lists, load_examples, to_example, tokenize
 from space.models import tiny_tokenizer
 
 
@@ -67,6 +67,15 @@ def test_a_malformed_row_is_named_by_its_line_after_the_source_filter(tmp_path):
             {"source": "mbpp", "prompt": "q2", "response": "b"}, {"source": "lima", "prompt": "q3", "response": ""}]
     with pytest.raises(ValueError, match=r"rows.jsonl: row 3: empty"):
         load_examples(_jsonl(tmp_path / "rows.jsonl", rows), sources=["lima"])
+
+
+def test_a_training_config_s_lists_split_as_training_reads_them():
+    """Catches the splitter that space-train and space-eval's ``trained_questions`` share keeping
+    blank or padded entries (a dataset named " lima"), or turning no ``sources`` into an empty
+    filter (which keeps no row)."""
+    assert data_lists(" mbpp , lima,,") == (["mbpp", "lima"], None)
+    assert data_lists("a.jsonl", " stdlib , ,lima ") == (["a.jsonl"], ["stdlib", "lima"])
+    assert data_lists(None, "") == ([], None)
 
 
 def test_tokenize_splits_prompt_and_response_as_the_chat_template():

@@ -353,3 +353,30 @@ def test_java_needs_both_javac_and_java(tmp_path, monkeypatch):
     (tmp_path / "javac").chmod(0o755)
     res = check(task.problem, "java", task.problem["canonical_solution"])
     assert res == {"passed": False, "result": "n/a (no toolchain)"}
+
+
+def test_a_run_on_questions_the_adapter_trained_on_says_so(tmp_path):
+    """Catches space-eval not warning that the adapter was trained on questions of the run, or not
+    recording how many in run_config.json (``trained_questions``): tokens/step on a drafter's own
+    training prompts overstate held-out drafting. Here the adapter's training data (its
+    space_config.json's ``train_config``) holds the second of the two MBPP questions asked."""
+    import gzip
+
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.data.sft import to_example
+    from space.models import tiny_random_llama
+
+    mbpp = load_tasks("mbpp", limit=2)
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"prompt": to_example(mbpp[1].problem).context, "response": "x"}) + "\n")
+    model, tok = tiny_random_llama()
+    model, spec = prepare_model(model, tok, "frozen-base", 3)
+    adapter = save_artifact(tmp_path / "adapter", model, tok, spec, "frozen-base", {
+        "base_model": "tiny-random-llama", "train_config": {"data": {"datasets": str(tmp_path / "train.jsonl.gz")}}})
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning, match=rf"1 of 2 questions of --dataset mbpp were in the adapter's training data "
+                                         rf"\(MBPP {mbpp[1].question_id}, \.\.\.\)"):
+        eval_main(["--model", "tiny-random-llama", "--adapter", str(adapter), "--dataset", "mbpp", "--limit", "2",
+                   "--max-new-tokens", "4", "--mask-num", "3", "--methods", "ar", "--threads", "1", "--out", str(out)])
+    assert json.loads((out / "run_config.json").read_text())["trained_questions"] == 1

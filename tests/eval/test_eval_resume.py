@@ -152,3 +152,75 @@ def test_merge_keeps_the_first_record_of_a_pair_and_holds_the_samples(tmp_path):
     merged, _ = merge(tmp_path, MERGE_KEYS)
     assert [(r["model_id"], r["n"]) for r in merged] == [("ar", 0), ("space", 1)]
     assert (tmp_path / "samples.rank0.jsonl").read_text() == torn
+
+
+def sharded_folder(out) -> None:
+    """A finished one-rank run in ``out`` (q1 by ar and space) beside a samples.jsonl with a q2
+    record a plain run added after an earlier merge, and that run's run_config.json."""
+    rank = {**meta(), "num_questions": 1, "shard": {"rank": 0, "world_size": 1, "questions": ["q1"]}}
+    (out / "run_config.rank0.json").write_text(json.dumps(rank))
+    (out / "samples.rank0.jsonl").write_text(
+        "".join(json.dumps({"question_id": "q1", "model_id": m}) + "\n" for m in ("ar", "space")))
+    (out / "samples.jsonl").write_text('{"question_id": "q2", "model_id": "ar"}\n')
+    (out / "run_config.json").write_text(json.dumps({**meta(), "num_questions": 2}))
+
+
+def test_merge_holds_the_samples_from_its_read_to_its_writes(tmp_path, monkeypatch):
+    """Catches a merge that takes its hold on samples.jsonl only after reading it, or lets it go
+    before writing the merged file and record: a plain run appending there in between lost its
+    records. Every read and write of the merge finds samples.jsonl held."""
+    import space.eval.resume as resume
+
+    sharded_folder(tmp_path)
+    samples, seen = tmp_path / "samples.jsonl", []
+
+    def held() -> bool:
+        try:
+            with resume.hold_samples(samples):
+                return False
+        except ValueError:
+            return True
+
+    def spy(name, real):
+        def call(path, *args, **kwargs):
+            if path.name in ("samples.jsonl", "run_config.json"):
+                seen.append((name, path.name, held()))
+            return real(path, *args, **kwargs)
+        monkeypatch.setattr(resume, name, call)
+
+    for name in ("read_jsonl_resumable", "write_jsonl", "write_text_atomic"):
+        spy(name, getattr(resume, name))
+    monkeypatch.setattr(resume, "report", lambda records, meta, out: meta)  # no plots: the files are the point
+    resume.merge_run(tmp_path)
+    assert seen == [("read_jsonl_resumable", "samples.jsonl", True), ("write_jsonl", "samples.jsonl", True),
+                    ("write_text_atomic", "run_config.json", True)]
+    assert [json.loads(line)["question_id"] for line in samples.read_text().splitlines()] == ["q1", "q1", "q2"]
+
+
+def test_a_merge_stopped_while_writing_its_record_keeps_the_old_one(tmp_path, monkeypatch):
+    """Catches merge_run writing run_config.json in place: a merge stopped part way through it (a
+    full disk, a kill) left the record torn, and every later resume or merge of the folder refused
+    it as damaged. Here only writes to run_config.json* fail, after half a line."""
+    import io
+    from pathlib import Path
+
+    import space.eval.resume as resume
+
+    sharded_folder(tmp_path)
+    before, real_open = (tmp_path / "run_config.json").read_text(), io.open
+
+    def torn_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if any(c in mode for c in "wa") and Path(file).name.startswith("run_config.json"):
+            f.write(b'{"tor' if "b" in mode else '{"tor')
+            f.close()
+            raise OSError("No space left on device")
+        return f
+
+    monkeypatch.setattr(resume, "report", lambda records, meta, out: meta)
+    monkeypatch.setattr(io, "open", torn_open)  # pathlib opens through io.open
+    with pytest.raises(OSError, match="No space left"):
+        resume.merge_run(tmp_path)
+    monkeypatch.setattr(io, "open", real_open)
+    assert (tmp_path / "run_config.json").read_text() == before
+    assert resume.merge_run(tmp_path)["num_questions"] == 2  # and the folder merges again

@@ -250,3 +250,24 @@ def test_shard_ranks_and_devices(monkeypatch):
     assert current_shard(None) == launched
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert current_shard(None) is None
+
+
+def test_rank_0_s_refused_merge_says_how_to_merge_later(tmp_path, monkeypatch):
+    """Catches rank 0 of a launched run letting the merge's refusal through bare (here a plain run
+    holds samples.jsonl): the message must say that the ranks' files are kept and that
+    ``space-eval --merge OUT`` merges them later. No process group: its join and barrier are skipped."""
+    import re
+
+    from space.eval import __main__ as eval_module
+    from space.eval.resume import hold_samples
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(eval_module, "join", lambda shard: None)
+    monkeypatch.setattr(eval_module, "wait_for_all", lambda shard: None)
+    hint = (r"being written by another run .*; the ranks' own files are kept: merge them later with "
+            rf"space-eval --merge {re.escape(str(tmp_path))}$")
+    with hold_samples(tmp_path / "samples.jsonl"):
+        with pytest.raises(ValueError, match=hint):
+            eval_main([*ARGS, "--limit", "2", "--methods", "ar", "--out", str(tmp_path)])
+    assert [r["question_id"] for r in rows(tmp_path / "samples.rank0.jsonl")] == ["HumanEval/0"]

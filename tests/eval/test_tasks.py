@@ -1,6 +1,7 @@
 """Task loading (space/eval/tasks.py): question files with ``prompt`` rows, their defaults, and
 HumanEval-X files that are missing or damaged; no model runs."""
 import json
+import warnings
 
 import pytest
 
@@ -75,8 +76,73 @@ def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path
                                                                   first[5].question_id]  # the dev set dropped
     config(datasets=str(tmp_path / "train.jsonl.gz"), sources="mbpp", limit=1)  # training read one row
     assert trained_questions(first, adapter) == [first[5].question_id]
+    config(datasets=f" {tmp_path / 'train.jsonl.gz'} ,", sources="lima")  # the lists as training splits them
+    assert trained_questions(first, adapter) == [first[2].question_id]
     config(datasets=str(tmp_path / "bad.json"))
     with pytest.warns(UserWarning, match="bad.json not checked"):
         assert trained_questions(first, adapter) == []
-    assert trained_questions(load_tasks("humaneval", limit=5), adapter) == []
+    with warnings.catch_warnings():  # no MBPP question: the training data is not read, nor warned about
+        warnings.simplefilter("error")
+        assert trained_questions(load_tasks("humaneval", limit=5), adapter) == []
     assert trained_questions(first, None) == [] and trained_questions(first, tmp_path) == []
+    for recorded in ({"base_model": "m"}, {"train_config": {}}):  # an adapter saved without its training data
+        (adapter / "space_config.json").write_text(json.dumps(recorded))
+        assert trained_questions(first, adapter) == []
+
+
+def test_trained_questions_finds_the_repo_s_training_files_from_any_folder(tmp_path, monkeypatch):
+    """Catches resolving a config's repo-relative training files (``data/distill/...``) from the
+    working folder only: space-eval started outside the checkout found none of the shipped
+    adapter's training data and reported no MBPP question as trained."""
+    from pathlib import Path
+
+    from space.eval.tasks import trained_questions
+
+    shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
+    mbpp = load_tasks("mbpp", limit=40)
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(trained_questions(mbpp, shipped)) == 38  # the first 40 but two dev-set questions
+
+
+def test_mbpp_dev_reads_task_ids_as_numbers(tmp_path):
+    """Catches comparing an MBPP file's ``task_id`` with the dev set's integer ids as it is: a file
+    that writes the ids as strings gave an empty ``mbpp-dev``."""
+    from space.data.sft import data_root, read_rows
+
+    rows = {r["task_id"]: r for r in read_rows(data_root() / "mbpp" / "mbpp.jsonl")}
+    (tmp_path / "mbpp").mkdir()
+    (tmp_path / "mbpp" / "mbpp.jsonl").write_text(  # 15 is in the dev set, 16 is not
+        "".join(json.dumps({**rows[i], "task_id": str(i)}) + "\n" for i in (15, 16)))
+    assert [t.question_id for t in load_tasks("mbpp-dev", tmp_path)] == ["15"]
+
+
+def test_trained_questions_reads_the_training_data_root(tmp_path):
+    """Catches reading a registered dataset (``mbpp``) or the dev set from the default data root
+    instead of the config's ``data_root``, which training read: here it holds MBPP's first three
+    rows and a revised row 15 (a dev-set id, dropped). A data root that is not on this machine
+    skips the dev set with a warning instead of stopping the run (the check only advises)."""
+    import gzip
+
+    from space.data.sft import data_root, read_rows, to_example
+    from space.eval.tasks import trained_questions
+
+    root, adapter = tmp_path / "data", tmp_path / "adapter"
+    (root / "mbpp").mkdir(parents=True)
+    adapter.mkdir()
+    (root / "lima").symlink_to(data_root() / "lima")
+    rows = read_rows(data_root() / "mbpp" / "mbpp.jsonl")
+    revised = {**rows[14], "text": rows[14]["text"] + " (revised)"}
+    assert revised["task_id"] == 15
+    (root / "mbpp" / "mbpp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3] + [revised]))
+    tasks = load_tasks("mbpp", root) + load_tasks("mbpp", limit=5)[3:]  # 1, 2, 3, 15 (revised), then 4, 5
+    (adapter / "space_config.json").write_text(json.dumps({"train_config": {"data": {
+        "datasets": "mbpp", "data_root": str(root)}}}))
+    assert trained_questions(tasks, adapter) == ["1", "2", "3"]
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"prompt": to_example(tasks[1].problem).context, "response": "x"}) + "\n")
+    (adapter / "space_config.json").write_text(json.dumps({"train_config": {"data": {
+        "datasets": str(tmp_path / "train.jsonl.gz"), "data_root": str(tmp_path / "elsewhere")}}}))
+    with pytest.warns(UserWarning, match="dev set not read"):
+        assert trained_questions(tasks, adapter) == ["2"]
