@@ -384,6 +384,10 @@ def test_bench_train_tiny(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="only 0 of the first 200 LIMA rows fill --seq 32"):  # not max() of nothing
         run_as_main("bench_train", ["--model", "tiny-random-llama", "--seq", "32", "--batch", "1", "--mask-num", "2",
                                     "--out", tmp_path / "short.json"], monkeypatch)
+    # some rows fill --seq, fewer than --batch: refused too (timed on fewer rows, tokens/s counted --batch rows)
+    with pytest.raises(SystemExit, match=r"only [1-9]\d* of the first 200 LIMA rows fill --seq 256 .* --batch 1000"):
+        run_as_main("bench_train", ["--model", "tiny-random-llama", "--seq", "256", "--batch", "1000",
+                                    "--mask-num", "2", "--out", tmp_path / "few.json"], monkeypatch)
 
 
 def test_tune_layout_tiny(tiny_adapter, tmp_path, monkeypatch):

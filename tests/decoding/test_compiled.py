@@ -357,6 +357,9 @@ def test_frozen_bf16_trunk_gates_in_the_layers_dtype():
 
 
 def test_frozen_compile_is_refused_off_the_cpu():
+    """``compile="frozen"`` runs on one CPU: refused on a GPU and with a device map, taken on
+    ``cpu`` and on ``cpu:0`` (a device string --device accepts; the check compares the device's
+    type, not the whole string, which refused it)."""
     from space.loader import check_compile
 
     with pytest.raises(ValueError, match="frozen packs the weights for inductor's C\\+\\+ GEMM"):
@@ -364,6 +367,9 @@ def test_frozen_compile_is_refused_off_the_cpu():
     with pytest.raises(ValueError, match="device_map"):
         check_compile("frozen", "cpu", "auto")
     check_compile("frozen", "cpu")
+    check_compile("frozen", "cpu:0")
+    with pytest.raises(ValueError, match="frozen packs the weights"):
+        check_compile("frozen", "cuda:0")
 
 
 def test_frozen_builds_take_both_shortcuts_and_put_inductor_back(monkeypatch):

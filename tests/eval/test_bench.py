@@ -131,3 +131,46 @@ def test_a_question_during_which_a_graph_compiled_is_timed_again(monkeypatch):
     assert bench.warm_question("pld", None, task, 8, SamplingConfig(), 1) == {"model_id": "pld", "run": 2}
     assert bench.warm_question("space", None, task, 8, SamplingConfig(), 1) == {"model_id": "space", "run": 3}
     assert calls == ["pld", "pld", "space"]
+
+
+def test_a_question_that_keeps_compiling_runs_at_most_warm_tries_times(monkeypatch):
+    """A question during whose every run a graph is built (shapes that keep changing) is not rerun
+    without end: ``WARM_TRIES`` runs at most, the last one's record kept."""
+    from torch._dynamo.utils import counters
+
+    calls = []
+
+    def fake_run(method, *args):
+        calls.append(method)
+        counters["stats"]["unique_graphs"] += 1  # a graph built during every run
+        return {"model_id": method, "run": len(calls)}
+
+    monkeypatch.setattr(bench, "run_question", fake_run)
+    task = EvalTask("q0", "code", ["def f():"])
+    assert bench.warm_question("space", None, task, 8, SamplingConfig(), 1) == {"model_id": "space", "run": 3}
+    assert len(calls) == bench.WARM_TRIES == 3
+
+
+def test_run_bench_times_each_question_warm(monkeypatch, tmp_path):
+    """``run_bench`` records a question through ``warm_question``: a graph built during a timed
+    question (``--compile``) gets the question run again and that warm record written, not the one
+    that timed the build."""
+    from torch._dynamo.utils import counters
+
+    calls = []
+
+    def fake_run(method, target, task, *args):
+        calls.append((task.question_id, method))
+        if len(calls) == 1:
+            counters["stats"]["unique_graphs"] += 1  # the first timed run builds a graph
+        return {"question_id": task.question_id, "model_id": method, "run": len(calls)}
+
+    monkeypatch.setattr(bench, "run_question", fake_run)
+    monkeypatch.setattr(bench, "generate", lambda *args: {})  # the untimed warm-up
+    monkeypatch.setattr(bench, "context_overflow", lambda *args: None)
+    monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [1, 2])
+    tasks = [EvalTask("q0", "code", ["one"]), EvalTask("q1", "code", ["two"])]
+    rows = bench.run_bench(SimpleNamespace(tokenizer=None), tasks, ["pld"], tmp_path / "samples.jsonl", 4,
+                           SamplingConfig())
+    assert [(r["question_id"], r["run"]) for r in rows] == [("q0", 2), ("q1", 3)]
+    assert calls == [("q0", "pld"), ("q0", "pld"), ("q1", "pld")]

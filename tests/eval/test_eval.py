@@ -1,6 +1,7 @@
 """space-eval end to end on tiny-random-llama, the executors, resume and bad input."""
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +99,42 @@ def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "run_config.json").read_text())["packed_kernel"] == "mkl"
     run(tmp_path / "new", "--methods", "ar,space", "--limit", "1")
     assert json.loads((tmp_path / "new" / "run_config.json").read_text())["packed_kernel"] == "onednn"
+
+
+def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp_path, monkeypatch):
+    """MBPP's first questions are the shipped drafter's training data (``tasks.trained_questions``):
+    a run on them warns that tokens/step and speedups overstate held-out drafting, naming them, and
+    records how many in run_config.json (a rank of a sharded run: of the whole run's questions);
+    on ``mbpp-dev`` (held out) it records 0 and does not warn. Catches the check not asked of this
+    run's adapter or asked of a rank's share only, its warning inverted or dropped, and the count
+    left out of the record. The questions are not run (run_bench stops)."""
+    import warnings
+
+    import space.eval.bench as bench
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(bench, "run_bench", stop)
+    shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
+    args = ["--adapter", str(shipped), "--limit", "2", "--max-new-tokens", "4", "--methods", "ar",
+            "--threads", "1"]
+    with pytest.warns(UserWarning, match=r"2 of 2 questions of --dataset mbpp were in the adapter's training data "
+                                         r"\(MBPP 1, 2, \.\.\.\)"), pytest.raises(Stop):
+        eval_main([*args, "--dataset", "mbpp", "--out", str(tmp_path / "mbpp")])
+    assert json.loads((tmp_path / "mbpp" / "run_config.json").read_text())["trained_questions"] == 2
+    # a rank counts the run's questions, not its own share (the merged run's record is one rank's)
+    with pytest.warns(UserWarning, match="2 of 2 questions"), pytest.raises(Stop):
+        eval_main([*args, "--dataset", "mbpp", "--shard", "0/2", "--out", str(tmp_path / "ranks")])
+    assert json.loads((tmp_path / "ranks" / "run_config.rank0.json").read_text())["trained_questions"] == 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*in the adapter's training data")
+        with pytest.raises(Stop):
+            eval_main([*args, "--dataset", "mbpp-dev", "--out", str(tmp_path / "dev")])
+    assert json.loads((tmp_path / "dev" / "run_config.json").read_text())["trained_questions"] == 0
 
 
 def test_mt_bench_two_turns(tmp_path):
@@ -354,29 +391,3 @@ def test_java_needs_both_javac_and_java(tmp_path, monkeypatch):
     res = check(task.problem, "java", task.problem["canonical_solution"])
     assert res == {"passed": False, "result": "n/a (no toolchain)"}
 
-
-def test_a_run_on_questions_the_adapter_trained_on_says_so(tmp_path):
-    """Catches space-eval not warning that the adapter was trained on questions of the run, or not
-    recording how many in run_config.json (``trained_questions``): tokens/step on a drafter's own
-    training prompts overstate held-out drafting. Here the adapter's training data (its
-    space_config.json's ``train_config``) holds the second of the two MBPP questions asked."""
-    import gzip
-
-    from space.adapter_layers import prepare_model
-    from space.artifact import save_artifact
-    from space.data.sft import to_example
-    from space.models import tiny_random_llama
-
-    mbpp = load_tasks("mbpp", limit=2)
-    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"prompt": to_example(mbpp[1].problem).context, "response": "x"}) + "\n")
-    model, tok = tiny_random_llama()
-    model, spec = prepare_model(model, tok, "frozen-base", 3)
-    adapter = save_artifact(tmp_path / "adapter", model, tok, spec, "frozen-base", {
-        "base_model": "tiny-random-llama", "train_config": {"data": {"datasets": str(tmp_path / "train.jsonl.gz")}}})
-    out = tmp_path / "out"
-    with pytest.warns(UserWarning, match=rf"1 of 2 questions of --dataset mbpp were in the adapter's training data "
-                                         rf"\(MBPP {mbpp[1].question_id}, \.\.\.\)"):
-        eval_main(["--model", "tiny-random-llama", "--adapter", str(adapter), "--dataset", "mbpp", "--limit", "2",
-                   "--max-new-tokens", "4", "--mask-num", "3", "--methods", "ar", "--threads", "1", "--out", str(out)])
-    assert json.loads((out / "run_config.json").read_text())["trained_questions"] == 1

@@ -2,6 +2,7 @@
 result, per-rank resume, --device-map through accelerate hooks, and bad input."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

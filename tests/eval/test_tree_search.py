@@ -99,8 +99,17 @@ def test_cli_compile_measures_the_compiled_trunk_over_a_static_cache(tmp_path, m
         return real(model, shapes, cache_len, 2, static, graphs)
 
     monkeypatch.setattr(tree_search, "time_steps", spy)
+    searched = []
+    real_search = tree_search.search
+
+    def search_spy(ranks, curve, max_mask_num, max_rows, current=None, buckets=False):
+        searched.append(buckets)
+        return real_search(ranks, curve, max_mask_num, max_rows, current, buckets)
+
+    monkeypatch.setattr(tree_search, "search", search_spy)
     out = main([*args, "--compile", "frozen", "--dynamic"])
     assert timed == [(True, True), (True, True)]  # the curve, then the adapter cost
+    assert searched == [True]  # the layouts priced at their buckets, as the report says
     assert out["compile"] == "frozen" and out["buckets"] is True and set(out["step_cost_ms"]) == {1, 2, 4}
     # the setup --write-adapter stores the curve under (write_decode): the mode in it, else an eager stock curve
     assert out["step_cost_setup"]["compile"] == "frozen" and out["step_cost_setup"]["kernels"] == "stock"
@@ -229,6 +238,40 @@ def test_curves_are_stored_and_chosen_per_compile_mode(tmp_path):
 
     model, _, _ = load_space(adapter=str(adapter), compile="frozen")
     assert model.config.space_decode["step_cost"] == [[1, 24.0], [32, 50.0]]
+
+
+def test_default_compile_mode_is_one_setup_however_named(tmp_path):
+    """``--compile`` alone is inductor's default mode, named "default" (the flag's value, which
+    ``load_space(compile=...)`` receives as given) or True (``space-tree`` stores it so, as runs did
+    before the modes were recorded): one setup. A curve stored under either name prices a run
+    given the other and comes back as True, a later curve of that mode replaces it instead of
+    standing beside it, the check names no difference, and a malformed curve of the mode is named
+    with it. Catches the run's mode or a stored entry's compared unnormalized: the run then fell
+    back to the decode entry's curve (here the eager one, written last)."""
+    from space.artifact import priced_for_setup
+    from space.eval.tree_search import step_cost_mismatch
+
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
+    eager = {"threads": 2, "kernels": "stock", "device": "cpu", "capture": False, "trunk": "unfused"}
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.0}, {1: 0.030, 16: 0.045},
+                 setup={**eager, "compile": "default"})
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 5.0}, {1: 0.050, 16: 0.080}, setup=eager)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert cfg["decode"]["step_cost"] == [[1, 50.0], [16, 80.0]]  # the eager curve, written last
+    for run in (True, "default"):
+        layout, setup = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", compile=run)
+        assert layout.step_cost == ((1, 30.0), (16, 45.0)) and setup["compile"] is True, run
+        assert step_cost_mismatch(setup, 2, "stock", run, "unfused") is None
+    assert step_cost_mismatch({**eager, "compile": True}, 2, "stock", "default", "unfused") is None
+    write_decode(tmp_path, {**dynamic, "adapter_cost": 0.0}, {1: 0.020, 16: 0.035}, setup={**eager, "compile": True})
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert len(cfg["step_costs"]) == 2  # the eager curve and the default mode's, replaced
+    layout, _ = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", compile="default")
+    assert layout.step_cost == ((1, 20.0), (16, 35.0))
+    cfg["step_costs"][1]["step_cost"] = [[1, -1.0]]  # the compiled entry (sorted after the eager one)
+    with pytest.raises(ValueError, match="bad step_costs entry for 2 threads, stock kernels, cpu, compile True:"):
+        priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", "x", compile="default")
 
 
 def test_curves_name_their_packed_kernel(tmp_path):
@@ -403,6 +446,39 @@ def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
     kernel = meta["packed_kernel"]  # the run's timed choice, recorded beside the settings
     assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused",
                                        **({"packed_kernel": kernel} if kernel else {})}
+    assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
+
+
+def test_eval_compile_prices_rows_by_its_modes_curve_and_records_it(tmp_path, monkeypatch, recwarn):
+    """space-eval --compile (the flag alone: inductor's default mode, "default") decodes with the
+    curve stored for that mode (space-tree --compile stores it under True), not the eager curve
+    of the same threads and kernels, and records the mode as True, as runs recorded it before the
+    modes (a resume key). Catches the run's compile mode left out of the curve's choice, and
+    "default" recorded as given. The questions are not run (run_bench stops): nothing compiles."""
+    import space.eval.bench as bench
+    from space.eval.__main__ import main as eval_main
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(SHIPPED, adapter)
+    decode = json.loads((adapter / "space_config.json").read_text())["decode"]
+    assert decode["tree"] == "dynamic"
+    eager = {"threads": 1, "kernels": "stock", "device": "cpu", "capture": False, "trunk": "unfused"}
+    write_decode(adapter, {**decode, "adapter_cost": 0.0}, {1: 0.03, 32: 0.06}, setup={**eager, "compile": True})
+    write_decode(adapter, {**decode, "adapter_cost": 5.0}, {1: 0.05, 32: 0.15}, setup=eager)  # written last
+    monkeypatch.setattr(bench, "run_bench", stop)
+    with pytest.raises(Stop):
+        eval_main(["--adapter", str(adapter), "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "8",
+                   "--methods", "space", "--threads", "1", "--compile", "--out", str(tmp_path / "run")])
+    meta = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert meta["compile"] is True
+    assert meta["step_cost"] == [[1, 30.0], [32, 60.0]] and meta["adapter_cost"] == 0.0
+    assert meta["step_cost_setup"] == {**eager, "compile": True}
     assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
 
 
