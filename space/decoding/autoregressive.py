@@ -7,7 +7,7 @@ from contextlib import nullcontext
 import torch
 from transformers import DynamicCache
 
-from .cache import SlabCache, attention_windows, cache_input, static_cache as preallocated
+from .cache import SlabCache, attention_dtype, attention_windows, cache_input, static_cache as preallocated
 from .compiled import eager, is_compiled
 from .decoder import mask_slots, with_cache
 from .result import DecodeResult, check_prompt, clock
@@ -61,7 +61,9 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         # each step's 4-D mask and position, as SpaceDecoder passes them: transformers' own mask
         # reads the slot count as a Python int, so a compiled step held it fixed, a graph per prompt length
         static, windows = True, attention_windows(model.config)
-        one_row = torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device)
+        # in the trunk's dtype, as SpaceDecoder's mask (not model.dtype: a bf16 frozen-base model's
+        # first parameter is its fp32 mask rows)
+        one_row = torch.zeros(1, 1, 1, 1, dtype=attention_dtype(model.get_decoder()), device=device)
         row_pos = torch.zeros(1, dtype=torch.long, device=device)
     elif len({p.device for p in model.parameters()}) == 1 and set(attention_windows(model.config).values()) == {None}:
         cache = SlabCache(model.config.num_hidden_layers, slots)

@@ -252,8 +252,17 @@ def test_frozen_trunk_is_exact_on_every_prompt_in_few_graphs():
                                       attention_mask=mask, **cache_input(cache), use_cache=True)
             hidden.append(out.last_hidden_state)
             assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]
-    torch.testing.assert_close(hidden[0], hidden[2], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(hidden[1], hidden[3], rtol=1e-4, atol=1e-4)
+            # a block whose mask rows start at its third row, in SPACE's graph: the LoRA's update on
+            # those rows (and none on the real rows) is the eager model's. SPACE's tokens are AR's
+            # whatever the mask rows compute, so only this comparison sees a wrong gate or update
+            mask = with_cache(block, torch.arange(4), 19, attention_windows(eager.config), mask_slots(model, 40))
+            with mask_rows(2):
+                out = model.get_decoder()(input_ids=prompts[1][19:23].clone()[None], position_ids=torch.arange(19, 23)[None],
+                                          attention_mask=mask, **cache_input(cache), use_cache=True)
+            hidden.append(out.last_hidden_state)
+            assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]
+    for frozen_hidden, eager_hidden in zip(hidden[:3], hidden[3:]):
+        torch.testing.assert_close(frozen_hidden, eager_hidden, rtol=1e-4, atol=1e-4)
 
 
 def test_two_frozen_models_keep_their_own_graphs():
@@ -327,6 +336,14 @@ def test_frozen_block_rows_are_marked_with_the_block_hint():
     gate = torch.ones(5, 1)
     _mark_rows(gate, 0)
     assert gate._dynamo_hint_overrides == {0: BLOCK_HINT} and 0 in gate._dynamo_dynamic_indices
+    # transformers generate's 2-D mask (PLD, 20 tokens cached): a block's mask length is hinted at
+    # the past plus the rows' hint (the padding check compares it with the hinted rows); a 1-row
+    # step's length is dynamic without one (else PLD's 1-row step recompiled as the mask grew)
+    for rows, hint in ((5, {1: 20 + BLOCK_HINT}), (1, {})):
+        mask = torch.ones(1, 20 + rows, dtype=torch.long)
+        assert _mark_sizes({"input_ids": torch.zeros(1, rows, dtype=torch.long), "attention_mask": mask}) == rows
+        assert getattr(mask, "_dynamo_hint_overrides", {}) == hint
+        assert 1 in (mask._dynamo_dynamic_indices if rows > 1 else mask._dynamo_weak_dynamic_indices)
 
 
 def test_frozen_bf16_trunk_gates_in_the_layers_dtype():
@@ -445,3 +462,149 @@ def test_frozen_builds_take_both_shortcuts_and_put_inductor_back(monkeypatch):
     with torch.inference_mode():
         frozen.get_output_embeddings()(torch.zeros(1, 3, model.config.hidden_size))  # the head alone
     assert len(entered) == before + 1
+
+
+def _filled(cache, layers: int = 2, tokens: int = 5):
+    """``cache`` with ``tokens`` written in each of its ``layers`` (what a prefill leaves)."""
+    kv = torch.randn(1, 2, tokens, 8, generator=torch.Generator().manual_seed(0))
+    for i in range(layers):
+        cache.update(kv, kv.clone(), i)
+    return cache
+
+
+def test_frozen_call_hands_its_graph_the_gate_and_one_set_of_arguments():
+    """Pins what the frozen trunk's call (``compiled._frozen_call``) hands its graph, with a
+    stand-in graph (nothing compiles here; the frozen tests above take minutes):
+
+    * a call without a cache, over a cache that holds nothing yet (a prefill) or over a
+      ``SlabCache`` (a host length: a graph per step) runs the eager forward, never the graph;
+    * AR's 1-row step goes in without a gate (a gate made it SPACE's graph, the LoRA computed and
+      multiplied by 0 on every AR step), without the arguments that are None (the causal LM's
+      ``inputs_embeds=None``: else AR's step and SPACE's 1-row block are two graphs);
+    * a block over a static cache gets a (rows, 1) gate in the given dtype, 1 from the first mask
+      row on (a gate one row late left the first mask row without its LoRA: a worse draft, and
+      SPACE stays lossless, so no decoding test sees it), all 0 without a mask row (one row early
+      gave the last real row of a lookup-only block the LoRA), its rows marked with the block hint;
+    * the graph runs under ``FROZEN``'s inductor settings (without them inductor packs no weight),
+      put back after the call, and with ``mask_rows`` cleared: only the graph's argument says where
+      masks start (a start read inside the graph is a guard, a graph per start);
+    * a block over transformers' dynamic cache (PLD's) gets no gate."""
+    from torch._inductor import config as inductor_config
+    from transformers import DynamicCache
+
+    from space.decoding.cache import CACHE_ARG, SlabCache, static_cache
+    from space.decoding.compiled import BLOCK_HINT, FROZEN, _frozen_call
+    from space.masking import mask_rows, mask_rows_start
+
+    calls, eager_calls = [], []
+
+    def graph(start, forward, *args, **kwargs):
+        calls.append({"start": start, "keys": list(kwargs), "inside": mask_rows_start(),
+                      "settings": {k: inductor_config.get_config_copy()[k] for k in FROZEN}})
+        return "graph"
+
+    call = _frozen_call(graph, lambda *a, **k: eager_calls.append(k) or "eager", torch.bfloat16)
+
+    def step(rows: int, cache, **extra):
+        return {"input_ids": torch.zeros(1, rows, dtype=torch.long), "position_ids": torch.arange(5, 5 + rows)[None],
+                "attention_mask": torch.zeros(1, 1, rows, 5 + rows), CACHE_ARG: cache, "use_cache": True, **extra}
+
+    before = {k: inductor_config.get_config_copy()[k] for k in FROZEN}
+    assert before != FROZEN  # the settings hold inside a frozen call only
+    for cache in (None, static_cache(2, 40), _filled(SlabCache(2, 40))):
+        with mask_rows(3):
+            assert call(**step(4, cache)) == "eager"
+    assert not calls and len(eager_calls) == 3
+    # AR's step through the causal LM: every argument named, inputs_embeds None
+    with mask_rows(None):
+        assert call(**step(1, _filled(static_cache(2, 40)), inputs_embeds=None)) == "graph"
+    assert calls[-1]["start"] is None and calls[-1]["inside"] is None
+    assert sorted(calls[-1]["keys"]) == sorted(["input_ids", "position_ids", "attention_mask", CACHE_ARG, "use_cache"])
+    assert calls[-1]["settings"] == FROZEN
+    assert {k: inductor_config.get_config_copy()[k] for k in FROZEN} == before
+    for start, want in ((None, [0, 0, 0, 0]), (2, [0, 0, 1, 1]), (0, [1, 1, 1, 1])):
+        with mask_rows(start):
+            call(**step(4, _filled(static_cache(2, 40))))
+        gate = calls[-1]["start"]
+        assert gate.dtype == torch.bfloat16 and gate.shape == (4, 1) and gate[:, 0].tolist() == want, (start, gate)
+        assert gate._dynamo_hint_overrides == {0: BLOCK_HINT} and calls[-1]["inside"] is None
+    with mask_rows(None):  # PLD's block over transformers' dynamic cache
+        call(**step(4, _filled(DynamicCache())))
+    assert calls[-1]["start"] is None
+
+
+def test_frozen_head_marks_a_blocks_rows_and_patches_inductor():
+    """The frozen LM head's call (``compiled._frozen_head``), with a stand-in graph: it runs under
+    ``FROZEN``'s inductor settings (the head is the step's largest GEMM: without them its weight is
+    not packed), put back after; a block's rows carry the block hint, a single row none (AR's
+    head row keeps a graph of its own)."""
+    from torch._inductor import config as inductor_config
+
+    from space.decoding.compiled import BLOCK_HINT, FROZEN, _frozen_head
+
+    seen = []
+
+    def graph(hidden):
+        seen.append(({k: inductor_config.get_config_copy()[k] for k in FROZEN},
+                     dict(getattr(hidden, "_dynamo_hint_overrides", {}))))
+        return hidden
+
+    head = _frozen_head(graph)
+    before = {k: inductor_config.get_config_copy()[k] for k in FROZEN}
+    head(torch.zeros(1, 3, 8))
+    head(torch.zeros(1, 1, 8))
+    assert seen == [(FROZEN, {1: BLOCK_HINT}), (FROZEN, {})]
+    assert {k: inductor_config.get_config_copy()[k] for k in FROZEN} == before
+
+
+def test_nested_build_shortcuts_keep_the_swap_until_the_last_exit():
+    """``compiled._build_shortcuts`` is entered once per frozen call, and calls may nest or overlap
+    (threads): the first entry swaps inductor's two methods, an inner entry swaps nothing more
+    (swapping again saved the swapped methods as the originals, and inductor never got its own
+    back), and only the last exit puts them back (an inner exit that restored them left the outer
+    call's build without its shortcuts)."""
+    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor.codegen.common import KernelTemplate
+
+    from space.decoding.compiled import _build_shortcuts
+
+    def methods():
+        return KernelTemplate.__dict__.get("_template_from_string"), CppCodeCache.__dict__.get("_get_uncompiled_header")
+
+    plain = methods()
+    with _build_shortcuts():
+        swapped = methods()
+        assert swapped[0] is not plain[0] and swapped[1] is not plain[1]  # this torch has both to swap
+        with _build_shortcuts():
+            assert methods() == swapped
+        assert methods() == swapped
+    assert methods() == plain
+
+
+def test_frozen_cache_inputs_are_plain_contiguous_and_dynamic():
+    """``compiled._cache_inputs``: transformers marks a static cache's keys, values and length as
+    static addresses (for CUDA graphs), which freezing folds into the graph as it folds a weight (a
+    second generation's cache was then never written); every mark is cleared. A dynamic cache's
+    cropped layer (a view, not contiguous) is made contiguous with the same entries (a graph holds
+    its inputs' strides: PLD's step after a rejection compiled one more), and the keys' and values'
+    slots are marked dynamic (else a graph per cache size)."""
+    from transformers import DynamicCache
+
+    from space.decoding.cache import static_cache
+    from space.decoding.compiled import _cache_inputs
+
+    cache = _filled(static_cache(2, 40))
+    tensors = [getattr(layer, name) for layer in cache.layers for name in ("keys", "values", "cumulative_length")]
+    assert all(hasattr(t, "_dynamo_static_input_type") for t in tensors)  # transformers' marks
+    _cache_inputs(cache)
+    assert not any(hasattr(t, "_dynamo_static_input_type") for t in tensors)
+    assert all(2 in t._dynamo_weak_dynamic_indices for layer in cache.layers for t in (layer.keys, layer.values))
+    dynamic = _filled(DynamicCache())
+    dynamic.crop(-2)  # drop the last 2 tokens: a view of the first 3
+    cropped = [(layer.keys.clone(), layer.values.clone()) for layer in dynamic.layers]
+    assert not dynamic.layers[0].keys.is_contiguous()
+    _cache_inputs(dynamic)
+    for layer, (keys, values) in zip(dynamic.layers, cropped):
+        assert layer.keys.is_contiguous() and layer.values.is_contiguous()
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert 2 in layer.keys._dynamo_weak_dynamic_indices

@@ -120,3 +120,30 @@ def test_flash_attention_is_refused(tiny, impl):
     flash.config._attn_implementation = impl
     with pytest.raises(ValueError, match=rf"SpaceDecoder .*attn_implementation='{impl}': flash .*'sdpa' or 'eager'"):
         SpaceDecoder(flash, spec, DecodeConfig(4))
+
+
+def test_static_steps_of_a_bf16_frozen_base_model_mask_in_the_trunks_dtype():
+    """A bf16 frozen-base model keeps its mask embedding's rows in fp32
+    (``space.adapter_layers.MaskEmbedding``), and they are its first parameter: ``model.dtype`` is
+    fp32 while attention computes in bf16 (``cache.attention_dtype``, which reads the first layer's
+    attention, not the first parameter). Over a static cache both ``ar_generate`` (its 1-row
+    steps' own 4-D mask) and ``SpaceDecoder`` pass masks in bf16, the queries' dtype: an fp32 mask
+    under bf16 queries is what cuDNN misreads (``space.decoding.backends``)."""
+    from space.adapter_layers import fuse_frozen_base, prepare_model
+    from space.decoding.cache import attention_dtype
+
+    model, tok = tiny_random_llama(seed=0, num_hidden_layers=2)
+    model, spec = prepare_model(model.to(torch.bfloat16), tok, "frozen-base", 3)
+    model = fuse_frozen_base(model).eval()
+    assert model.dtype == torch.float32 and attention_dtype(model.get_decoder()) == torch.bfloat16
+    masks, finite, handles = record_masks(model)
+    prompt = torch.arange(11, 20)
+    try:
+        ar_generate(model, prompt, 6, suppress_ids=spec.token_ids, static_cache=True)
+        assert masks and {m.dtype for m in masks} == {torch.bfloat16}, {m.dtype for m in masks}
+        masks.clear()
+        SpaceDecoder(model, spec, DecodeConfig(3, 2), static_cache=True).generate(prompt, 6)
+        assert masks and {m.dtype for m in masks} == {torch.bfloat16}, {m.dtype for m in masks}
+    finally:
+        for h in handles:
+            h.remove()

@@ -114,6 +114,30 @@ def test_a_gated_linear_under_a_gate_equals_the_start_it_stands_for():
             pass
 
 
+def test_a_gated_linear_in_a_compiled_graph_equals_the_start_it_stands_for():
+    """Under ``torch.compile`` a gated linear adds its gated update out of place (the frozen
+    trunk's gate, ``space.decoding.compiled``: inductor's frozen C++ GEMM failed to lower the
+    in-place ``addmm_``). Traced whole (dynamo's eager backend: the traced graph, no inductor), it
+    computes what the eager start computes: real rows the base's exactly, mask rows the base's
+    plus their LoRA (a dropped gate or a flipped sign there only worsens SPACE's drafts, which
+    lossless decoding hides)."""
+    lin = torch.nn.Linear(16, 12)
+    gated = GatedLoraLinear(lin, torch.randn(4, 16), torch.randn(12, 4))
+    x = torch.randn(1, 7, 16)
+
+    def step(x, gate):
+        with mask_rows(gate):
+            return gated(x)
+
+    with torch.no_grad():
+        with mask_rows(5):
+            by_start = gated(x)
+        by_graph = torch.compile(step, backend="eager", fullgraph=True)(x, torch.tensor([0.0] * 5 + [1.0] * 2)[:, None])
+    assert torch.equal(by_graph[0, :5], lin(x)[0, :5])
+    torch.testing.assert_close(by_graph, by_start)
+    assert (by_start[0, 5:] - lin(x)[0, 5:]).abs().max() > 1e-2  # the LoRA is really there
+
+
 def test_nothing_in_the_captured_region_reads_the_device(captured):
     """What a CUDA graph records must not read a device value on the host (a read would fail the
     capture or freeze a value into it): the sync counter around each captured forward counts 0,

@@ -7,7 +7,7 @@ import torch
 
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import crop_cache, static_cache
-from tests.conftest import sdpa_gqa_copy
+from tests.conftest import CycleLanguage, sdpa_gqa_copy
 from tests.decoding.test_architectures import tiny_model
 from tests.oracle import oracle_generate
 
@@ -61,29 +61,36 @@ def test_row_buckets_pad_static_layouts_and_change_nothing_else(trained, name):
 
 def test_static_cache_holds_what_a_fresh_forward_gives_and_never_reallocates(trained):
     """After every step the first L slots equal a fresh forward of the tokens kept, through a tree
-    whose accepted paths move (rank-1 siblings); the layers' tensors keep their storage."""
+    whose accepted paths move (rank-1 siblings); the layers' tensors keep their storage. The
+    prompts come from a language of the test's own (the session's shared one gives each test
+    other prompts as tests are added before it), until a rank-1 path has been accepted."""
     model, _, spec, lang = trained
-    dec = SpaceDecoder(model, spec, DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [1, 1]]), static_cache=True)
-    prompt = torch.tensor(lang.sample(15))
-    truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
-    original, seen, storage = dec._step, [], []
+    lang = CycleLanguage(lang.tokens, seed=3)
+    seen = []
+    for _ in range(8):
+        dec = SpaceDecoder(model, spec, DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [1, 1]]), static_cache=True)
+        prompt = torch.tensor(lang.sample(15))
+        truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+        original, storage = dec._step, []
 
-    def checked(cache, L, slots, *args):
-        out = original(cache, L, slots, *args)
-        kept = L + 1 + len(out[3])
-        ids = torch.cat([prompt, torch.tensor(truth)])[:kept]
-        fresh = model.get_decoder()(input_ids=ids[None], use_cache=True).past_key_values
-        for mine, ref in zip(cache.layers, fresh.layers):
-            assert mine.keys.shape[-2] == slots and int(mine.cumulative_length) == kept
-            torch.testing.assert_close(mine.keys[..., :kept, :], ref.keys, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(mine.values[..., :kept, :], ref.values, rtol=1e-4, atol=1e-5)
-        storage.append(tuple(layer.keys.data_ptr() for layer in cache.layers))
-        seen.append([r - 1 for r in out[3]])
-        return out
+        def checked(cache, L, slots, *args, original=original, prompt=prompt, truth=truth, storage=storage):
+            out = original(cache, L, slots, *args)
+            kept = L + 1 + len(out[3])
+            ids = torch.cat([prompt, torch.tensor(truth)])[:kept]
+            fresh = model.get_decoder()(input_ids=ids[None], use_cache=True).past_key_values
+            for mine, ref in zip(cache.layers, fresh.layers):
+                assert mine.keys.shape[-2] == slots and int(mine.cumulative_length) == kept
+                torch.testing.assert_close(mine.keys[..., :kept, :], ref.keys, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(mine.values[..., :kept, :], ref.values, rtol=1e-4, atol=1e-5)
+            storage.append(tuple(layer.keys.data_ptr() for layer in cache.layers))
+            seen.append([r - 1 for r in out[3]])
+            return out
 
-    dec._step = checked
-    assert dec.generate(prompt, 60).new_ids == truth
-    assert len(set(storage)) == 1  # allocated at the prefill, written in place ever after
+        dec._step = checked
+        assert dec.generate(prompt, 60).new_ids == truth
+        assert len(set(storage)) == 1  # allocated at the prefill, written in place ever after
+        if any(path and path[0] == 1 for path in seen):
+            break
     assert any(path and path[0] == 1 for path in seen)  # a rank-1 path was accepted: entries moved
 
 
@@ -203,3 +210,31 @@ def test_steps_attend_only_over_the_slots_that_hold_tokens(trained, sdpa_calls, 
         assert all(keys == width for _, keys, width in seen[layers:]), seen[layers:][:4]
         widths = [width for _, _, width in seen[layers:]]  # AR's 59 one-row steps after the prompt
         assert widths == ([13 + i for i in range(59) for _ in range(layers)] if narrow else [12 + 60] * 59 * layers)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2-sliding-upper-layer", "mistral-sliding"])
+def test_ar_static_steps_score_as_over_the_growing_cache(arch):
+    """``ar_generate`` over a static cache gives each 1-row step its own position and 4-D mask
+    (over every slot with stock ``sdpa``, over the cached tokens with ``SDPA_GQA``; on a
+    sliding-window model with the window applied in it, prompts crossing the 16-token window): every
+    step's logits are those over the growing cache. Compared as logits, not tokens: a step placed
+    one position late kept the trained drafter's tokens (its cyclic language barely reads
+    positions) and every other test's."""
+    model, spec = tiny_model(arch)
+    prompt = torch.randint(11, 250, (40,), generator=torch.Generator().manual_seed(1))
+
+    def scores(m, static):
+        seen = []
+
+        def keep(ids, logits):
+            seen.append(logits.clone())
+            return logits
+
+        out = ar_generate(m, prompt, 24, suppress_ids=spec.token_ids, logits_processor=keep, static_cache=static)
+        return out.new_ids, torch.cat(seen)
+
+    truth, want = scores(model, False)
+    for m in (model, sdpa_gqa_copy(model)):
+        new_ids, got = scores(m, True)
+        assert new_ids == truth
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
