@@ -61,10 +61,11 @@ TRAINED_K = 4
 
 
 @pytest.fixture(scope="session")
-def trained():
+def trained_drafter():
     """(model, tokenizer, MaskSpec, CycleLanguage): a tiny Llama (ordinary init) whose k=4 mask
     drafts are usually right on its language (~4.4 tokens/step with k+1 groups), trained in
-    about 10 s. Exactness tests on it compare SPACE with AR at high acceptance, not AR with AR."""
+    about 10 s, once per session. Tests take :func:`trained`; a module's fixture takes this one
+    and a language of its own (``fresh_language``)."""
     torch.set_num_threads(2)
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -73,6 +74,21 @@ def trained():
         cycle = (11 + torch.randperm(200, generator=torch.Generator().manual_seed(0))[:40]).tolist()
         train_drafter(model, spec, CycleLanguage(cycle, seed=0), TRAINED_K, steps=200)
     return model, tok, spec, CycleLanguage(cycle, seed=1)
+
+
+def fresh_language(language: CycleLanguage) -> CycleLanguage:
+    """``language``'s cycle with its generator at the start: the same prompts whatever ran before."""
+    return CycleLanguage(language.tokens, seed=1)
+
+
+@pytest.fixture
+def trained(trained_drafter):
+    """:func:`trained_drafter` with a language of the test's own, its generator at the start.
+    Exactness tests on it compare SPACE with AR at high acceptance, not AR with AR. Shared, the
+    language's generator gave each test other prompts whenever a test was added before it, and
+    a test's precondition (a rank-1 path accepted, a tokens/step floor) could fail."""
+    model, tok, spec, language = trained_drafter
+    return model, tok, spec, fresh_language(language)
 
 
 def assert_cache_matches_fresh(model, cache, ids: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import torch
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import attention_dtype
 from space.eval.__main__ import main as eval_main
-from tests.conftest import TRAINED_K as K
+from tests.conftest import TRAINED_K as K, fresh_language
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,8 +41,9 @@ def no_tf32():
 
 
 @pytest.fixture(scope="module")
-def on_gpu(trained):
-    model, tok, spec, lang = trained
+def on_gpu(trained_drafter):
+    model, tok, spec, lang = trained_drafter
+    lang = fresh_language(lang)
     return copy.deepcopy(model).cuda(), tok, spec, lang
 
 

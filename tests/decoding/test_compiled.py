@@ -12,7 +12,7 @@ import torch
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.compiled import compile_trunk, is_compiled
 from space.eval.tree_search import time_steps
-from tests.conftest import CycleLanguage
+from tests.conftest import CycleLanguage, fresh_language
 
 # these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning
 # (space.loader.load_space) is expected here; tests/test_load_space.py checks it with pytest.warns
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:tiny-random-llama has no SPACE m
 
 
 @pytest.fixture(scope="module")
-def compiled(trained):
-    model, tok, spec, lang = trained
+def compiled(trained_drafter):
+    model, tok, spec, lang = trained_drafter
+    lang = fresh_language(lang)
     return compile_trunk(copy.deepcopy(model)), spec, lang
 
 

@@ -16,7 +16,7 @@ from space.decoding.fused import fuse_trunk
 from space.decoding.graphs import StepGraphs
 from space.masking import mask_rows, to_additive_4d
 from space.models import tiny_random_llama
-from tests.conftest import CycleLanguage
+from tests.conftest import CycleLanguage, fresh_language
 from tests.decoding.test_fused import gated_tiny
 from tests.syncs import SyncCounter
 
@@ -30,8 +30,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def captured(trained):
-    model, _, spec, lang = trained
+def captured(trained_drafter):
+    model, _, spec, lang = trained_drafter
+    lang = fresh_language(lang)
     return model, spec, lang, StepGraphs(model, slots=200, sizes=BUCKETS_32)
 
 

@@ -11,20 +11,19 @@ from space.data.collator import SpaceCollator
 from space.eval.probe import anchor_ranks
 from space.masking import previous_ids, to_additive_4d, train_layout
 from space.sampler_head import add_sampler_head, sampler_head
-from tests.conftest import TRAINED_K
+from tests.conftest import TRAINED_K, fresh_language
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, sampled, small_vocab_model  # noqa: F401
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 
 
 @pytest.fixture(scope="module")
-def headed(trained):
+def headed(trained_drafter):
     """The trained tiny drafter plus a sampler head trained (alone, teacher-forced on the true
     previous token) on the same language: after a jump in the cycle the masks anchored before it
     are wrong, the head given the token before the target is not."""
-    model, tok, spec, language = trained
-    # copies: sampling advances the language's generator, which the other tests of `trained` share
-    model, language = copy.deepcopy(model).requires_grad_(False), copy.deepcopy(language)
+    model, tok, spec, language = trained_drafter
+    model, language = copy.deepcopy(model).requires_grad_(False), fresh_language(language)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         head = add_sampler_head(model, 64)

@@ -61,9 +61,8 @@ def test_row_buckets_pad_static_layouts_and_change_nothing_else(trained, name):
 
 def test_static_cache_holds_what_a_fresh_forward_gives_and_never_reallocates(trained):
     """After every step the first L slots equal a fresh forward of the tokens kept, through a tree
-    whose accepted paths move (rank-1 siblings); the layers' tensors keep their storage. The
-    prompts come from a language of the test's own (the session's shared one gives each test
-    other prompts as tests are added before it), until a rank-1 path has been accepted."""
+    whose accepted paths move (rank-1 siblings); the layers' tensors keep their storage. Prompts
+    are drawn until a rank-1 path has been accepted."""
     model, _, spec, lang = trained
     lang = CycleLanguage(lang.tokens, seed=3)
     seen = []
