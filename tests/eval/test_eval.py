@@ -390,4 +390,3 @@ def test_java_needs_both_javac_and_java(tmp_path, monkeypatch):
     (tmp_path / "javac").chmod(0o755)
     res = check(task.problem, "java", task.problem["canonical_solution"])
     assert res == {"passed": False, "result": "n/a (no toolchain)"}
-

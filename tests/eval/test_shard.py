@@ -257,8 +257,6 @@ def test_rank_0_s_refused_merge_says_how_to_merge_later(tmp_path, monkeypatch):
     """Catches rank 0 of a launched run letting the merge's refusal through bare (here a plain run
     holds samples.jsonl): the message must say that the ranks' files are kept and that
     ``space-eval --merge OUT`` merges them later. No process group: its join and barrier are skipped."""
-    import re
-
     from space.eval import __main__ as eval_module
     from space.eval.resume import hold_samples
 

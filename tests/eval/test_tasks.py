@@ -2,6 +2,7 @@
 HumanEval-X files that are missing or damaged; no model runs."""
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_humaneval_x_bad_language_missing_and_damaged_files(tmp_path):
         load_tasks("humaneval-x:cpp", tmp_path)
 
 
-def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path):
+def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path, monkeypatch):
     """MBPP's prompts are the shipped drafter's training data, all but the dev set's 100: an MBPP
     run on the shipped adapter measured drafts on answers it learned (38 of the first 40).
     ``mbpp-dev`` holds the 100 kept out, and ``trained_questions`` names the questions of a run
@@ -51,9 +52,12 @@ def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path
 
     dev = load_tasks("mbpp-dev")
     assert sorted(int(t.question_id) for t in dev) == sorted(load_dev_set()["mbpp_task_ids"])
-    shipped = "adapters/smollm2-135m-space"
-    assert trained_questions(dev, shipped) == []
+    shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
     mbpp = load_tasks("mbpp")
+    # from outside the checkout: the config's repo-relative training files (data/distill/...) are
+    # found from the repo, not the working folder (else no question counted as trained)
+    monkeypatch.chdir(tmp_path)
+    assert trained_questions(dev, shipped) == []
     assert len(trained_questions(mbpp, shipped)) == 873  # the card's 872 MBPP samples, one prompt asked twice
 
     def row(task, source):  # a self-distilled row (space-distill's format) of a question's prompt
@@ -88,22 +92,6 @@ def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path
     for recorded in ({"base_model": "m"}, {"train_config": {}}):  # an adapter saved without its training data
         (adapter / "space_config.json").write_text(json.dumps(recorded))
         assert trained_questions(first, adapter) == []
-
-
-def test_trained_questions_finds_the_repo_s_training_files_from_any_folder(tmp_path, monkeypatch):
-    """Catches resolving a config's repo-relative training files (``data/distill/...``) from the
-    working folder only: space-eval started outside the checkout found none of the shipped
-    adapter's training data and reported no MBPP question as trained."""
-    from pathlib import Path
-
-    from space.eval.tasks import trained_questions
-
-    shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
-    mbpp = load_tasks("mbpp", limit=40)
-    monkeypatch.chdir(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert len(trained_questions(mbpp, shipped)) == 38  # the first 40 but two dev-set questions
 
 
 def test_mbpp_dev_reads_task_ids_as_numbers(tmp_path):
