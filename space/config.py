@@ -17,6 +17,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .choices import SMOLLM2
 from .cli import DEBUG_HELP, HelpFormatter, check_number
+from .data.sft import data_lists
 from .decoding.config import DEFAULT_MASK_NUM
 
 
@@ -237,9 +238,10 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             consistency or sampler head without frozen-base + efficient, a sampler head with
             ddp_find_unused_parameters true, init_adapter with mode full, an output_dir that is a
             file, dataloader_persistent_workers with workers, or DeepSpeed settings
-            :func:`check_deepspeed` refuses.
+            :func:`check_deepspeed` refuses, or a ``sources`` list naming no source.
     """
     SpaceSettings.from_args(model_args, mask_args, train_args)
+    data_lists(data_args.datasets, data_args.sources)
     for name, value, minimum in (("spans_per_sample", mask_args.spans_per_sample, 1),
                                  ("limit", data_args.limit, 1), ("max_length", data_args.max_length, 2),
                                  ("lora_r", model_args.lora_r, 1),

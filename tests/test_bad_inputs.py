@@ -103,6 +103,7 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-train", [*TRAIN, "--mode", "banana"], 2, "unknown mode 'banana'"),
     ("space-train", [*TRAIN, "--layout", "banana"], 2, "unknown layout 'banana'"),
     ("space-train", [*TRAIN, "--limit", "0"], 2, "limit must be >= 1"),
+    ("space-train", [*TRAIN, "--sources", " , "], 2, "sources=' , ' names no source"),
     ("space-train", [*TRAIN, "--span_density", "1.5"], 2, "span_density must lie in [0, 1], got 1.5"),
     ("space-train", [*TRAIN, "--mask_target", "banana"], 2, "unknown mask_target 'banana'"),
     ("space-train", [*TRAIN, "--mask_target", "teacher", "--mode", "full"], 2, "mask_target teacher needs mode frozen-base"),

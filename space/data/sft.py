@@ -120,9 +120,19 @@ def _checked(context: list[dict], response) -> Example:
 def data_lists(datasets: str | None, sources: str | None = None) -> tuple[list[str], list[str] | None]:
     """A training config's comma lists (``DataArgs.datasets`` and ``DataArgs.sources``) as training
     reads them: the dataset names, stripped, without empty entries, and the ``sources`` filter of
-    :func:`load_examples` (None when not given: every row kept)."""
+    :func:`load_examples` (None when not given: every row kept).
+
+    Raises:
+        ValueError: ``sources`` given but naming no source (e.g. ``", "``): an empty filter would keep
+            no row, so say so at parse time rather than after the data is read.
+    """
     names = [n.strip() for n in (datasets or "").split(",") if n.strip()]
-    return names, [s.strip() for s in sources.split(",") if s.strip()] if sources else None
+    if not sources:
+        return names, None
+    kept = [s.strip() for s in sources.split(",") if s.strip()]
+    if not kept:
+        raise ValueError(f"sources={sources!r} names no source; leave it unset to keep every row")
+    return names, kept
 
 
 def load_examples(name: str, root: str | os.PathLike | None = None, limit: int | None = None,

@@ -76,6 +76,8 @@ def test_a_training_config_s_lists_split_as_training_reads_them():
     assert data_lists(" mbpp , lima,,") == (["mbpp", "lima"], None)
     assert data_lists("a.jsonl", " stdlib , ,lima ") == (["a.jsonl"], ["stdlib", "lima"])
     assert data_lists(None, "") == ([], None)
+    with pytest.raises(ValueError, match="names no source"):
+        data_lists("a.jsonl", " , ")  # given, but blank: an empty filter would keep no row
 
 
 def test_tokenize_splits_prompt_and_response_as_the_chat_template():
