@@ -296,7 +296,7 @@ def _build_shortcuts():
             if template is not None:
                 KernelTemplate._template_from_string = _kept_compiler(template.__func__)
             header = CppCodeCache.__dict__.get("_get_uncompiled_header")
-            # swapped only where inductor precompiles nothing for the plain cache (torch 2.13)
+            # swapped only where inductor precompiles nothing for the plain cache (torch 2.11 and 2.13)
             header = _SHORTCUTS["header"] = (header if isinstance(header, classmethod)
                                              and header.__func__(CppCodeCache, "cpu") is None else None)
             if header is not None:
