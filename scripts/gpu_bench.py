@@ -308,7 +308,7 @@ def cmd_train(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         targs = TrainingArguments(output_dir=tmp, bf16=DEVICE != "cpu", use_cpu=DEVICE == "cpu", per_device_train_batch_size=args.batch, max_steps=args.steps,
                                   learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to="none",
-                                  remove_unused_columns=False, gradient_checkpointing=args.checkpointing,
+                                  remove_unused_columns=False, activation_checkpointing=args.checkpointing,
                                   dataloader_num_workers=0)
         trainer = SpaceTrainer(model=model, args=targs, train_dataset=rows, data_collator=collator,
                                space=SpaceSettings(mode=args.mode, mask_num=args.mask_num, suppress_ids=spec.token_ids),
@@ -319,7 +319,7 @@ def cmd_train(args) -> dict:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     step_s = statistics.median(clock.times[2:])  # the first steps warm the kernels
     out = {"shape": args.shape, "mode": args.mode, "mask_num": args.mask_num, "batch": args.batch, "seq_len": args.seq_len,
-           "spans_per_sample": args.spans, "gradient_checkpointing": args.checkpointing,
+           "spans_per_sample": args.spans, "activation_checkpointing": args.checkpointing,
            "params": sum(p.numel() for p in model.parameters()), "median_step_s": round(step_s, 4),
            "real_tokens_per_s": round(args.batch * args.seq_len / step_s, 1),
            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE != "cpu" else None,

@@ -225,14 +225,17 @@ def test_gpu_bench_host_time_as_g58_runs_it(phase, argv, tmp_path):
 TRAIN = [(p, a) for p, a in GPU_BENCH if a[0] == "train"]
 
 
+@pytest.mark.parametrize("checkpointing", [None, True], ids=["", "checkpointing"])
 @pytest.mark.parametrize("phase, argv", TRAIN, ids=[a[a.index("--mode") + 1] for _, a in TRAIN])
-def test_gpu_bench_train_tiny(phase, argv, tmp_path):
-    """phase1's train lines (frozen-base, full) at the tiny shape: losses finite, throughput positive."""
+def test_gpu_bench_train_tiny(phase, argv, checkpointing, tmp_path):
+    """phase1's train lines (frozen-base, full) at the tiny shape, with and without activation
+    checkpointing (recorded): losses finite, throughput positive."""
     argv = with_flags(local_paths(argv, tmp_path), shape="tiny", batch=1, seq_len=64, steps=3, mask_num=3, spans=2,
-                      device="cpu")
+                      device="cpu", checkpointing=checkpointing)
     load_script("gpu_bench").main(argv)
     written = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
     assert written["mode"] == argv[argv.index("--mode") + 1] and written["peak_memory_gib"] is None
+    assert written["activation_checkpointing"] is bool(checkpointing)
     assert len(written["losses"]) == 3 and all(x > 0 for x in finite_numbers(written["losses"]))
     assert written["median_step_s"] > 0 and written["real_tokens_per_s"] > 0 and written["params"] > 0
 
