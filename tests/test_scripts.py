@@ -225,7 +225,8 @@ def test_gpu_bench_host_time_as_g58_runs_it(phase, argv, tmp_path):
 TRAIN = [(p, a) for p, a in GPU_BENCH if a[0] == "train"]
 
 
-@pytest.mark.parametrize("checkpointing", [None, True], ids=["", "checkpointing"])
+@pytest.mark.filterwarnings("error:`gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("checkpointing", [None, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("phase, argv", TRAIN, ids=[a[a.index("--mode") + 1] for _, a in TRAIN])
 def test_gpu_bench_train_tiny(phase, argv, checkpointing, tmp_path):
     """phase1's train lines (frozen-base, full) at the tiny shape, with and without activation

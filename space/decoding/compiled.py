@@ -67,15 +67,24 @@ from ..masking import mask_rows, mask_rows_start
 from .cache import CACHE_ARG, attention_dtype
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)
-# inductor's settings in the frozen mode (issue 58): the weights folded into the graph as constants,
-# which inductor packs for its C++ GEMM micro-kernels, autotuned against MKL's per shape; linears
-# that read one input (q/k/v, gate/up) concatenated into one GEMM, as the eager fused trunk does
-FROZEN = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-          "cpp.enable_concat_linear": True, "max_autotune_report_choices_stats": False,
-          # the C++ code generation of torch 2.11 and 2.12 puts the bound check of the padding mask's
-          # index (PLD's graphs: transformers' mask over a DynamicCache) before the index is defined, a
-          # compile error. Off there only; 2.13 compiles it (tests/decoding/test_compiled.py, run on all three)
-          **({"assert_indirect_indexing": False} if torch.__version__ < "2.13" else {})}
+
+
+def frozen_settings(version: str = torch.__version__) -> dict:
+    """Inductor's settings in the frozen mode (issue 58) for a torch ``version`` ("2.12.1+cu130"):
+    the weights folded into the graph as constants, which inductor packs for its C++ GEMM
+    micro-kernels, autotuned against MKL's per shape; the linears that read one input (q/k/v,
+    gate/up) concatenated into one GEMM, as the eager fused trunk does."""
+    settings = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                "cpp.enable_concat_linear": True, "max_autotune_report_choices_stats": False}
+    if torch.torch_version.TorchVersion(version) < "2.13":
+        # the C++ code generation of torch 2.11 and 2.12 puts the bound check of the padding mask's
+        # index (PLD's graphs: transformers' mask over a DynamicCache) before the index is defined, a
+        # compile error. Off there only; 2.13 compiles it (tests/decoding/test_compiled.py, run on all three)
+        settings["assert_indirect_indexing"] = False
+    return settings
+
+
+FROZEN = frozen_settings()  # this torch's
 # the row count a frozen block graph is autotuned for (``hint_override``, :func:`_mark_rows`); its
 # rows stay symbolic. Tuned at the first block's size (often 2-6 rows), inductor chose its C++ GEMM
 # for the linears, whose blocking for few rows ran 16 rows in 61-100 ms against oneDNN's 36-41 (a
@@ -300,7 +309,7 @@ def _build_shortcuts():
             if template is not None:
                 KernelTemplate._template_from_string = _kept_compiler(template.__func__)
             header = CppCodeCache.__dict__.get("_get_uncompiled_header")
-            # swapped only where inductor precompiles nothing for the plain cache (torch 2.11 and 2.13)
+            # swapped only where inductor precompiles nothing for the plain cache (torch 2.11 to 2.13)
             header = _SHORTCUTS["header"] = (header if isinstance(header, classmethod)
                                              and header.__func__(CppCodeCache, "cpu") is None else None)
             if header is not None:

@@ -291,6 +291,19 @@ def test_two_frozen_models_keep_their_own_graphs():
     assert truths[0] != truths[1]
 
 
+@pytest.mark.parametrize("version, checks", [("2.11.0+cu130", False), ("2.12.1+cu130", False), ("2.13.0+cpu", True),
+                                             ("2.14.1", True)])
+def test_frozen_settings_keep_bound_checks_from_torch_2_13(version, checks):
+    """Catches the bound checks of indirect indices left on under torch 2.11 / 2.12, whose C++ code
+    generation then fails to compile PLD's frozen graphs (the test below, run on those versions),
+    or turned off on a torch that compiles them."""
+    from space.decoding.compiled import frozen_settings
+
+    settings = frozen_settings(version)
+    assert settings.get("assert_indirect_indexing", True) is checks
+    assert settings["freezing"] and settings["max_autotune"]
+
+
 def test_frozen_prompt_lookup_with_a_padded_mask_equals_eager():
     """HF's prompt lookup (transformers ``generate``, its dynamic cache and 2-D mask) over the
     frozen trunk equals it over the eager model, with a mask that pads the prompt's first token

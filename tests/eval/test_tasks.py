@@ -134,3 +134,8 @@ def test_trained_questions_reads_the_training_data_root(tmp_path):
         "datasets": str(tmp_path / "train.jsonl.gz"), "data_root": str(tmp_path / "elsewhere")}}}))
     with pytest.warns(UserWarning, match="dev set not read"):
         assert trained_questions(tasks, adapter) == ["2"]
+    # a hand-edited sources list naming nothing (training refuses one): a warning, not an error
+    (adapter / "space_config.json").write_text(json.dumps({"train_config": {"data": {
+        "datasets": "mbpp", "data_root": str(root), "sources": " , "}}}))
+    with pytest.warns(UserWarning, match="names no source"):
+        assert trained_questions(tasks, adapter) == []
