@@ -211,8 +211,11 @@ def test_native_rms_norm_gives_transformers_bits():
     norm of another formula, a gated norm (forward(x, gate)), a norm under an accelerate hook, or
     one not in fp32 is left alone."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    # transformers 5.25 renamed it Mamba2RMSNormGated
+    MambaRMSNormGated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
     gen = torch.Generator().manual_seed(0)
     hooked = LlamaRMSNorm(576)
@@ -226,8 +229,9 @@ def test_native_rms_norm_gives_transformers_bits():
         model[6].weight.normal_(generator=gen)
     hf, head_norm, weight = copy.deepcopy(model[0]), copy.deepcopy(model[6]), model[0].weight
     assert swap_rms_norms(model) == 2
-    assert [type(m).__name__ for m in model] == ["NativeRMSNorm", "OnePlusRMSNorm", "LlamaRMSNorm", "MambaRMSNormGated",
-                                                 "Qwen3NextRMSNormGated", "LlamaRMSNorm", "NativeRMSNorm"]
+    assert [type(m).__name__ for m in model] == ["NativeRMSNorm", "OnePlusRMSNorm", "LlamaRMSNorm",
+                                                 MambaRMSNormGated.__name__, "Qwen3NextRMSNormGated", "LlamaRMSNorm",
+                                                 "NativeRMSNorm"]
     assert model[0].weight is weight  # the norm's own parameter, not a copy
     assert list(model[0].state_dict()) == ["weight"]
     with torch.no_grad():
