@@ -136,9 +136,31 @@ def warm_question(method: str, target: Target, task: EvalTask, max_new_tokens: i
     return record
 
 
+class ContextOverflow(ValueError):
+    """A later turn's prompt, built from the earlier answers' text, leaves no room for
+    max_new_tokens: :func:`run_bench` records the (question, method) as skipped with this message."""
+
+
+def _context(target: Target) -> tuple[int, str]:
+    """(tokens a prompt and its answer may hold, the limit's name for a message): the model
+    context, or over captured steps the captured cache's slots less a step's most rows
+    (``StepGraphs.check_fits``)."""
+    context = target.model.config.max_position_embeddings
+    if target.graphs is None:
+        return context, f"the model context {context}"
+    return (min(context, target.graphs.slots - target.graphs.max_rows),
+            f"the captured cache's {target.graphs.slots} slots less a step's {target.graphs.max_rows} rows "
+            "(--capture-len)")
+
+
 def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: int, sampling: SamplingConfig,
                  num_samples: int) -> dict:
-    """All turns of one question, ``num_samples`` times, as a Spec-Bench style record."""
+    """All turns of one question, ``num_samples`` times, as a Spec-Bench style record.
+
+    Raises:
+        ContextOverflow: a later turn's prompt (the earlier answers' text tokenized again) + max_new_tokens
+            exceeds the context (:func:`_context`).
+    """
     from ..decoding import SamplingConfig
 
     choices = []
@@ -146,9 +168,14 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
         cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + index)
         messages, choice = [], {"index": index, "turns": [], "new_tokens": [], "wall_time": [], "steps": [],
                                 **{key: [] for key in STEP_KEYS}, "token_ids": []}
-        for turn in task.turns:
+        for number, turn in enumerate(task.turns, 1):
             messages.append({"role": "user", "content": turn})
-            out = generate(method, target, chat_ids(target.tokenizer, messages), max_new_tokens, cfg)
+            ids = chat_ids(target.tokenizer, messages)
+            if number > 1 and len(ids) + max_new_tokens > _context(target)[0]:
+                raise ContextOverflow(f"turn {number}'s prompt ({len(ids)} tokens, the earlier answers tokenized "
+                                      f"again) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
+                                      f"exceeds {_context(target)[1]}")
+            out = generate(method, target, ids, max_new_tokens, cfg)
             text = target.tokenizer.decode(out["ids"], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": text})
             choice["turns"].append(text)
@@ -163,19 +190,15 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
 
 
 def context_overflow(target: Target, task: EvalTask, max_new_tokens: int) -> str | None:
-    """Why ``task`` cannot run within the model context, or None when it fits.
+    """Why ``task`` cannot run within the model context (:func:`_context`), or None when it fits.
 
     The plain condition prompt + max_new_tokens > context, at the last turn, whose prompt holds
-    every earlier turn and answer; each earlier answer is counted at its longest, max_new_tokens.
-    Over captured steps the context is the captured cache's slots less a step's most rows
-    (``StepGraphs.check_fits``).
+    every earlier turn and answer; each earlier answer is counted at max_new_tokens. That is an
+    estimate: an answer's text tokenized again can take more tokens than were generated (80 of
+    3,770 stored SmolLM2 answers, up to 9 more), so :func:`run_question` checks each turn's real
+    prompt too (:class:`ContextOverflow`).
     """
-    context = target.model.config.max_position_embeddings
-    where = f"the model context {context}"
-    if target.graphs is not None:
-        context = min(context, target.graphs.slots - target.graphs.max_rows)
-        where = (f"the captured cache's {target.graphs.slots} slots less a step's {target.graphs.max_rows} rows "
-                 "(--capture-len)")
+    context, where = _context(target)
     messages = []
     for turn in task.turns[:-1]:
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
@@ -206,9 +229,16 @@ def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_fil
             generate(m, target, ids, min(8, max_new_tokens), sampling)
     for task in tqdm(todo, desc="evaluating", unit="question"):
         why = skip[task.question_id]
-        new = [{"question_id": task.question_id, "category": task.category, "model_id": m, "skipped": why}
-               if why else warm_question(m, target, task, max_new_tokens, sampling, num_samples)
-               for m in methods if (task.question_id, m) not in done]
+        new = []
+        for m in (m for m in methods if (task.question_id, m) not in done):
+            reason = why
+            if reason is None:
+                try:
+                    new.append(warm_question(m, target, task, max_new_tokens, sampling, num_samples))
+                    continue
+                except ContextOverflow as e:  # skipped, not a stop: a resume would stop at it again
+                    reason = str(e)
+            new.append({"question_id": task.question_id, "category": task.category, "model_id": m, "skipped": reason})
         append_jsonl(out_file, new)
         rows += new
     return rows

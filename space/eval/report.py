@@ -119,7 +119,9 @@ def summarize(records: list[dict], meta: dict) -> dict:
     method's numbers; ``summary["skipped"]`` says how many and why: ``{"count", "questions": {id: reason}}``.
     """
     skipped = {r["question_id"]: r["skipped"] for r in records if "skipped" in r}
-    records = [r for r in records if "skipped" not in r]
+    # a question skipped for one method only (a later turn that outgrew the context on its answers:
+    # bench.run_question) leaves the others' records too, or the methods' numbers cover other questions
+    records = [r for r in records if r["question_id"] not in skipped]
     by_method = defaultdict(list)
     for r in records:
         by_method[r["model_id"]].append(r)

@@ -70,7 +70,8 @@ def test_each_sample_of_a_question_has_its_own_seed(monkeypatch):
 
     monkeypatch.setattr(bench, "generate", fake_generate)
     monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [1, 2])
-    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kwargs: "x"))
+    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kwargs: "x"), graphs=None,
+                             model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100)))
     task = EvalTask("q", "writing", ["one", "two"])
     record = run_question("space", target, task, 4, SamplingConfig(temperature=0.7, seed=5), num_samples=3)
     assert seeds == [5, 5, 6, 6, 7, 7] and [c["index"] for c in record["choices"]] == [0, 1, 2]
@@ -87,6 +88,37 @@ def test_context_check_counts_every_earlier_answer(monkeypatch):
         "prompt (30 tokens) + 2 x max_new_tokens (40) = 110 exceeds the model context 100"
     assert context_overflow(target, two, 35) is None
     assert context_overflow(target, EvalTask("q", "c", ["one"]), 90) is None  # 10 + 90
+
+
+def test_a_later_turn_that_outgrows_the_estimate_is_skipped_not_a_stop(monkeypatch, tmp_path):
+    """An answer's text tokenized again can take more tokens than were generated (80 of 3,770
+    stored SmolLM2 answers, up to 9 more), so a second turn can overflow the context though the
+    estimate let the question in. The decoders then refused the prompt, the run stopped, and a
+    resume stopped at the same question again. Now that (question, method) is recorded as skipped
+    with why, and the run goes on."""
+    from space.decoding.result import check_prompt
+
+    context, max_new = 100, 30
+    # a user turn is 10 tokens; an answer's text tokenizes to one token per character
+    monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [0] * sum(
+        10 if m["role"] == "user" else len(m["content"]) for m in messages))
+
+    def decoder(method, target, ids, max_new_tokens, cfg):  # refuses an overflowing prompt, as every method does
+        check_prompt(ids, max_new_tokens, context)
+        return {"ids": [1] * max_new_tokens, "wall_time": 0.1, "steps": 1, **{key: [] for key in STEP_KEYS}}
+
+    monkeypatch.setattr(bench, "generate", decoder)
+    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kwargs: "x" * (len(ids) + 35)),
+                             graphs=None, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context)))
+    two, one = EvalTask("q0", "writing", ["a", "b"]), EvalTask("q1", "writing", ["c"])
+    assert context_overflow(target, two, max_new) is None  # 20 + 2 x 30: let in
+    rows = bench.run_bench(target, [two, one], ["ar", "space"], tmp_path / "samples.jsonl", max_new, SamplingConfig())
+    why = ("turn 2's prompt (85 tokens, the earlier answers tokenized again) + max_new_tokens (30) = 115 exceeds "
+           "the model context 100")
+    assert [(r["question_id"], r["model_id"], r.get("skipped")) for r in rows] == [
+        ("q0", "ar", why), ("q0", "space", why), ("q1", "ar", None), ("q1", "space", None)]
+    assert bench.run_bench(target, [two, one], ["ar", "space"], tmp_path / "samples.jsonl", max_new,
+                           SamplingConfig()) == rows  # a resume finds every record done
 
 
 def test_context_over_captured_steps_leaves_room_for_a_steps_rows(monkeypatch):

@@ -25,6 +25,17 @@ def test_tokens_per_s_sums_the_wall_time_of_every_turn():
     assert s["speedup"]["space_vs_ar"] == 2.0
 
 
+def test_a_question_skipped_for_one_method_counts_in_no_methods_numbers():
+    """A later turn can overflow the context on one method's answers and not another's
+    (``bench.run_question``): the question then leaves every method's numbers, or SPACE's
+    speedup would compare other questions' times (AR's slow q1 against SPACE's q0 alone)."""
+    records = [rec("q0", "ar", 10, 1.0), rec("q0", "space", 10, 0.5), rec("q1", "ar", 10, 5.0),
+               {"question_id": "q1", "category": "c", "model_id": "space", "skipped": "turn 2's prompt ..."}]
+    s = summarize(records, {"mask_num": 3})
+    assert s["methods"]["ar"]["tokens_per_s"] == 10.0 and s["speedup"]["space_vs_ar"] == 2.0
+    assert s["skipped"] == {"count": 1, "questions": {"q1": "turn 2's prompt ..."}}
+
+
 def test_speedup_vs_pld_is_over_pld_not_ar():
     """Each speedup divides by its own baseline's tokens/s: SPACE vs PLD taken over AR's tokens/s
     read 4.00 in the PLD column where SPACE is 2x PLD."""
