@@ -16,10 +16,13 @@ from space.jsonl import read_jsonl
 
 
 def describe(folder: Path, cost: StepCost) -> str:
-    space = [r for r in read_jsonl(folder / "samples.jsonl") if r.get("model_id") == "space"]
+    summary = json.loads((folder / "summary.json").read_text())
+    # the questions the summary counts: none skipped, for any method (space.eval.report.summarize)
+    skipped = summary.get("skipped", {}).get("questions", {})
+    space = [r for r in read_jsonl(folder / "samples.jsonl")
+             if r.get("model_id") == "space" and "skipped" not in r and r["question_id"] not in skipped]
     if not space:
         return f"{folder}: no SPACE samples"
-    summary = json.loads((folder / "summary.json").read_text())
     turns = [(A, M, R, T) for r in space for c in r["choices"]
              for A, M, R, T in zip(c["accept_lengths"], c["candidates"], c["rows"], c["step_tokens"])]
     rows = [q for _, _, R, _ in turns for q in R]

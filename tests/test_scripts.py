@@ -415,6 +415,34 @@ def test_compare_planners_on_committed_runs(monkeypatch, capsys):
     assert printed.count("tokens/step") >= len(runs) and "tokens per AR-step of modelled cost" in printed
 
 
+def test_compare_planners_counts_the_questions_the_summary_counts(tmp_path, monkeypatch):
+    """A space-eval run can hold skipped records, and a question skipped for one method leaves every
+    method's numbers (``space.eval.report.summarize``). The script read every SPACE record's choices
+    (a KeyError on a skipped one) and counted questions the summary's PLD figures beside it did not."""
+    from space.decoding.dynamic import StepCost
+    from space.jsonl import read_jsonl
+
+    run = ROOT / "results" / "planner_issue44" / "new_mt-bench5"
+    script = load_script("compare_planners")
+    decode = json.loads((ROOT / SHIPPED / "space_config.json").read_text())["decode"]
+    cost = StepCost(tuple(map(tuple, decode["step_cost"])), decode.get("adapter_cost", 0.0))
+    rows = read_jsonl(run / "samples.jsonl")
+    first = next(r["question_id"] for r in rows if r["model_id"] == "space")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["skipped"] = {"count": 2, "questions": {first: "pld: turn 2's prompt ...", "late": "turn 2 ..."}}
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "summary.json").write_text(json.dumps(summary))
+    late = {"question_id": "late", "category": "c", "model_id": "space", "skipped": "turn 2 ..."}
+    (copy / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, late]))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "summary.json").write_text(json.dumps(summary))
+    (kept / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["question_id"] != first))
+    assert script.describe(copy, cost).split(": ", 1)[1] == script.describe(kept, cost).split(": ", 1)[1]
+    assert script.describe(copy, cost) != script.describe(run, cost).replace(str(run), str(copy))
+
+
 def test_compare_drafters_on_committed_ranks(tmp_path):
     ranks = [ROOT / "results" / "sweep" / arm / "ranks.jsonl" for arm in ("k3", "mode_lora")]
     out = tmp_path / "drafters.json"

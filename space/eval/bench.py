@@ -6,8 +6,11 @@ Methods: ``ar`` (our cached loop), ``hf`` (HF ``generate``), ``pld`` (HF prompt 
 interleaved per prompt so that machine drift hits all of them alike, after one untimed warm-up each.
 One JSONL line per (question, method), written when the question is done, so an interrupted run
 resumes where it stopped. A question whose prompt and answers cannot fit the model context is
-skipped for every method alike (so all methods are compared on the same questions), with a record
-that says why: ``{"question_id", "category", "model_id", "skipped": reason}``.
+skipped for every method alike, with a record that says why: ``{"question_id", "category",
+"model_id", "skipped": reason}``. That check counts each earlier answer at max_new_tokens; a turn
+whose real prompt still overflows (an answer's text tokenized again can be longer) is skipped for
+that method alone, and ``space.eval.report.summarize`` then drops the question from every method's
+numbers, so all methods are compared on the same questions.
 """
 from __future__ import annotations
 
@@ -137,7 +140,7 @@ def warm_question(method: str, target: Target, task: EvalTask, max_new_tokens: i
 
 
 class ContextOverflow(ValueError):
-    """A later turn's prompt, built from the earlier answers' text, leaves no room for
+    """A turn's prompt (a later turn's holds the earlier answers' text) leaves no room for
     max_new_tokens: :func:`run_bench` records the (question, method) as skipped with this message."""
 
 
@@ -158,11 +161,12 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
     """All turns of one question, ``num_samples`` times, as a Spec-Bench style record.
 
     Raises:
-        ContextOverflow: a later turn's prompt (the earlier answers' text tokenized again) + max_new_tokens
-            exceeds the context (:func:`_context`).
+        ContextOverflow: a turn's prompt (a later turn's holds the earlier answers' text, tokenized
+            again) + max_new_tokens exceeds the context (:func:`_context`).
     """
     from ..decoding import SamplingConfig
 
+    context, where = _context(target)
     choices = []
     for index in range(num_samples):
         cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + index)
@@ -171,10 +175,10 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
         for number, turn in enumerate(task.turns, 1):
             messages.append({"role": "user", "content": turn})
             ids = chat_ids(target.tokenizer, messages)
-            if number > 1 and len(ids) + max_new_tokens > _context(target)[0]:
+            if len(ids) + max_new_tokens > context:
                 raise ContextOverflow(f"turn {number}'s prompt ({len(ids)} tokens, the earlier answers tokenized "
                                       f"again) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
-                                      f"exceeds {_context(target)[1]}")
+                                      f"exceeds {where}")
             out = generate(method, target, ids, max_new_tokens, cfg)
             text = target.tokenizer.decode(out["ids"], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": text})
@@ -195,7 +199,7 @@ def context_overflow(target: Target, task: EvalTask, max_new_tokens: int) -> str
     The plain condition prompt + max_new_tokens > context, at the last turn, whose prompt holds
     every earlier turn and answer; each earlier answer is counted at max_new_tokens. That is an
     estimate: an answer's text tokenized again can take more tokens than were generated (80 of
-    3,770 stored SmolLM2 answers, up to 9 more), so :func:`run_question` checks each turn's real
+    3,750 SmolLM2 answers stored under results/, up to 9 more), so :func:`run_question` checks each turn's real
     prompt too (:class:`ContextOverflow`).
     """
     context, where = _context(target)
@@ -230,15 +234,18 @@ def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_fil
     for task in tqdm(todo, desc="evaluating", unit="question"):
         why = skip[task.question_id]
         new = []
-        for m in (m for m in methods if (task.question_id, m) not in done):
-            reason = why
-            if reason is None:
-                try:
-                    new.append(warm_question(m, target, task, max_new_tokens, sampling, num_samples))
-                    continue
-                except ContextOverflow as e:  # skipped, not a stop: a resume would stop at it again
-                    reason = str(e)
-            new.append({"question_id": task.question_id, "category": task.category, "model_id": m, "skipped": reason})
+        for m in methods:
+            if (task.question_id, m) in done:
+                continue
+            skipped = {"question_id": task.question_id, "category": task.category, "model_id": m}
+            if why:
+                new.append({**skipped, "skipped": why})
+                continue
+            try:
+                new.append(warm_question(m, target, task, max_new_tokens, sampling, num_samples))
+            except ContextOverflow as e:  # skipped, not a stop: a resume would stop at it again
+                tqdm.write(f"[space-eval] {task.question_id}: {m} skipped, {e}")
+                new.append({**skipped, "skipped": f"{m}: {e}"})
         append_jsonl(out_file, new)
         rows += new
     return rows

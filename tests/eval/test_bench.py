@@ -90,35 +90,70 @@ def test_context_check_counts_every_earlier_answer(monkeypatch):
     assert context_overflow(target, EvalTask("q", "c", ["one"]), 90) is None  # 10 + 90
 
 
-def test_a_later_turn_that_outgrows_the_estimate_is_skipped_not_a_stop(monkeypatch, tmp_path):
-    """An answer's text tokenized again can take more tokens than were generated (80 of 3,770
-    stored SmolLM2 answers, up to 9 more), so a second turn can overflow the context though the
-    estimate let the question in. The decoders then refused the prompt, the run stopped, and a
-    resume stopped at the same question again. Now that (question, method) is recorded as skipped
-    with why, and the run goes on."""
+def _overflow_target(monkeypatch, answer_chars, context=100, graphs=None):
+    """A fake target whose user turns are 10 tokens and whose answers' text tokenizes to
+    ``answer_chars(method, seed, generated)`` tokens; ``generate`` refuses an overflowing prompt, as
+    the decoders do (``check_prompt``). Returns the target and the (method, seed) of every call."""
     from space.decoding.result import check_prompt
 
-    context, max_new = 100, 30
-    # a user turn is 10 tokens; an answer's text tokenizes to one token per character
+    calls = []
     monkeypatch.setattr(bench, "chat_ids", lambda tok, messages: [0] * sum(
         10 if m["role"] == "user" else len(m["content"]) for m in messages))
 
-    def decoder(method, target, ids, max_new_tokens, cfg):  # refuses an overflowing prompt, as every method does
+    def decoder(method, target, ids, max_new_tokens, cfg):
         check_prompt(ids, max_new_tokens, context)
-        return {"ids": [1] * max_new_tokens, "wall_time": 0.1, "steps": 1, **{key: [] for key in STEP_KEYS}}
+        calls.append((method, cfg.seed))
+        return {"ids": [method, cfg.seed, max_new_tokens], "wall_time": 0.1, "steps": 1,
+                **{key: [] for key in STEP_KEYS}}
 
     monkeypatch.setattr(bench, "generate", decoder)
-    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kwargs: "x" * (len(ids) + 35)),
-                             graphs=None, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context)))
+    decode = lambda ids, **kwargs: "x" * answer_chars(*ids)  # noqa: E731
+    target = SimpleNamespace(tokenizer=SimpleNamespace(decode=decode), graphs=graphs,
+                             model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context)))
+    return target, calls
+
+
+def test_a_later_turn_that_outgrows_the_estimate_is_skipped_not_a_stop(monkeypatch, tmp_path):
+    """An answer's text tokenized again can take more tokens than were generated (80 of 3,750
+    SmolLM2 answers stored under results/, up to 9 more), so a second turn can overflow the context
+    though the estimate let the question in. The decoders then refused the prompt, the run stopped,
+    and a resume stopped at the same question again. Now that (question, method) is recorded as
+    skipped with why (SPACE's answer here, not AR's), and the run goes on."""
+    # 30 generated tokens; SPACE's answer text takes 65 tokens again, AR's 30
+    target, _ = _overflow_target(monkeypatch, lambda method, seed, n: 65 if method == "space" else n)
     two, one = EvalTask("q0", "writing", ["a", "b"]), EvalTask("q1", "writing", ["c"])
-    assert context_overflow(target, two, max_new) is None  # 20 + 2 x 30: let in
-    rows = bench.run_bench(target, [two, one], ["ar", "space"], tmp_path / "samples.jsonl", max_new, SamplingConfig())
-    why = ("turn 2's prompt (85 tokens, the earlier answers tokenized again) + max_new_tokens (30) = 115 exceeds "
-           "the model context 100")
+    assert context_overflow(target, two, 30) is None  # 20 + 2 x 30: let in
+    rows = bench.run_bench(target, [two, one], ["ar", "space"], tmp_path / "samples.jsonl", 30, SamplingConfig())
+    why = ("space: turn 2's prompt (85 tokens, the earlier answers tokenized again) + max_new_tokens (30) = 115 "
+           "exceeds the model context 100")
     assert [(r["question_id"], r["model_id"], r.get("skipped")) for r in rows] == [
-        ("q0", "ar", why), ("q0", "space", why), ("q1", "ar", None), ("q1", "space", None)]
-    assert bench.run_bench(target, [two, one], ["ar", "space"], tmp_path / "samples.jsonl", max_new,
+        ("q0", "ar", None), ("q0", "space", why), ("q1", "ar", None), ("q1", "space", None)]
+    assert len(rows[0]["choices"][0]["turns"]) == 2  # AR's second turn ran: 10 + 30 + 10 + 30 = 80
+    assert bench.run_bench(target, [two, one], ["ar", "space"], tmp_path / "samples.jsonl", 30,
                            SamplingConfig()) == rows  # a resume finds every record done
+
+
+def test_a_sample_that_overflows_skips_its_whole_record(monkeypatch):
+    """With several samples, one whose second turn overflows after another sample ran whole raises,
+    so run_bench writes one skip record and no partial choices; a prompt that fills the context
+    exactly (prompt + max_new_tokens == context) runs."""
+    # seed 0's answer is 50 tokens again: 10 + 50 + 10 + 30 = 100, exactly the context; seed 1's 51
+    target, calls = _overflow_target(monkeypatch, lambda method, seed, n: 50 + seed)
+    two = EvalTask("q0", "writing", ["a", "b"])
+    with pytest.raises(bench.ContextOverflow, match="turn 2's prompt \\(71 tokens"):
+        run_question("space", target, two, 30, SamplingConfig(temperature=0.7, seed=0), num_samples=2)
+    assert calls == [("space", 0), ("space", 0), ("space", 1)]
+
+
+def test_a_later_turn_is_checked_against_the_captured_cache(monkeypatch):
+    """Over captured steps a turn's prompt must leave a step's rows in the captured cache's slots,
+    as the estimate's check does, not the model context alone."""
+    graphs = SimpleNamespace(slots=120, max_rows=30)  # room: 90 < the model context 1000
+    target, _ = _overflow_target(monkeypatch, lambda method, seed, n: 50, context=1000, graphs=graphs)
+    two = EvalTask("q0", "writing", ["a", "b"])
+    assert context_overflow(target, two, 30) is None  # 20 + 2 x 30 = 80
+    with pytest.raises(bench.ContextOverflow, match="= 100 exceeds the captured cache's 120 slots less a step's 30"):
+        run_question("ar", target, two, 30, SamplingConfig(), num_samples=1)
 
 
 def test_context_over_captured_steps_leaves_room_for_a_steps_rows(monkeypatch):
