@@ -199,8 +199,8 @@ def context_overflow(target: Target, task: EvalTask, max_new_tokens: int) -> str
     The plain condition prompt + max_new_tokens > context, at the last turn, whose prompt holds
     every earlier turn and answer; each earlier answer is counted at max_new_tokens. That is an
     estimate: an answer's text tokenized again can take more tokens than were generated (80 of
-    3,750 SmolLM2 answers stored under results/, up to 9 more), so :func:`run_question` checks each turn's real
-    prompt too (:class:`ContextOverflow`).
+    3,750 SmolLM2 answers stored under results/, up to 9 more), so :func:`run_question` checks
+    each turn's real prompt too (:class:`ContextOverflow`).
     """
     context, where = _context(target)
     messages = []
@@ -237,15 +237,15 @@ def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_fil
         for m in methods:
             if (task.question_id, m) in done:
                 continue
-            skipped = {"question_id": task.question_id, "category": task.category, "model_id": m}
+            head = {"question_id": task.question_id, "category": task.category, "model_id": m}
             if why:
-                new.append({**skipped, "skipped": why})
+                new.append({**head, "skipped": why})
                 continue
             try:
                 new.append(warm_question(m, target, task, max_new_tokens, sampling, num_samples))
             except ContextOverflow as e:  # skipped, not a stop: a resume would stop at it again
                 tqdm.write(f"[space-eval] {task.question_id}: {m} skipped, {e}")
-                new.append({**skipped, "skipped": f"{m}: {e}"})
+                new.append({**head, "skipped": f"{m}: {e}"})
         append_jsonl(out_file, new)
         rows += new
     return rows
