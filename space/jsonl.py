@@ -20,28 +20,31 @@ def read_jsonl_resumable(path: Path, repair: bool = True) -> list[dict]:
     reads a file that another process may be appending to, and leaves it as it is.
 
     Raises:
-        ValueError: a line other than the last is not valid JSON (file and line named): the file
-            was damaged some other way, and dropping that line would lose a record.
+        ValueError: a line other than the last is not valid JSON or not UTF-8 (file and line
+            named): the file was damaged some other way, and dropping that line would lose a record.
     """
     if not path.is_file():
         return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
+    raw = path.read_bytes()
+    # split the bytes, not decoded text: an append cut inside a multi-byte character tears only
+    # the last line, which must then be dropped, not make the whole file undecodable
+    lines = raw.split(b"\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows, good = [], []
     for i, line in enumerate(lines):
-        if not line.strip():  # blank lines, and the "" after the final newline
+        if not line.strip():  # blank lines, and the b"" after the final newline
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append(json.loads(line.decode("utf-8")))
             good.append(line)
-        except json.JSONDecodeError as e:
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             if i < last:
-                raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}); fix or delete the file") from None
+                why = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8: {e.reason}"
+                raise ValueError(f"{path}: line {i + 1} is not valid JSON ({why}); fix or delete the file") from None
             # else: the torn last line of an interrupted write, dropped
-    good = "".join(line + "\n" for line in good)
-    if repair and good != text:
-        write_text_atomic(path, good)
+    good = b"".join(line + b"\n" for line in good)
+    if repair and good != raw:
+        _replace(path, good)
     return rows
 
 

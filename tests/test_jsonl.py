@@ -27,6 +27,19 @@ def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
     assert read_jsonl_resumable(path) == [{"a": 1}, {"a": 2}]
 
 
+def test_an_append_torn_inside_a_multibyte_character_is_dropped(tmp_path):
+    """Catches decoding the whole file before splitting it: an append cut inside a character of
+    two or more bytes (a kill, a full disk) made every resume fail on a UnicodeDecodeError."""
+    path = tmp_path / "rows.jsonl"
+    whole = '{"a": "é"}\n{"a": "日本"}\n'.encode()
+    path.write_bytes(whole[:-4])  # the second row cut inside 本's three bytes
+    assert read_jsonl_resumable(path) == [{"a": "é"}]
+    assert path.read_bytes() == '{"a": "é"}\n'.encode()
+    path.write_bytes(b'{"a": "\xe6"}\n' + whole)  # a line before the last that is not UTF-8: damage
+    with pytest.raises(ValueError, match="line 1 is not valid JSON .not UTF-8"):
+        read_jsonl_resumable(path)
+
+
 def test_a_repair_stopped_part_way_keeps_every_complete_row(tmp_path, torn_writes):
     """Catches rewriting the file in place to drop a torn last line: a resume stopped during that
     rewrite (a kill, a full disk) left the samples file half written, every record after the
