@@ -48,6 +48,7 @@ class SpaceTrainer(Trainer):
         self.nonfinite_steps = 0  # consecutive optimizer steps with a non-finite loss or gradient norm, so far
         self._loss_finite = torch.ones((), dtype=torch.bool)  # this step's micro-batches so far
         self._checked_step = -1  # the global step the guard last counted
+        self._checked_ok = True  # whether that step was finite
         if self.args.activation_checkpointing:  # after train() enables it: the callback runs then
             self.add_callback(CheckpointInMaskRowsCallback())
 
@@ -92,8 +93,11 @@ class SpaceTrainer(Trainer):
 
         Once per optimizer step: at an epoch's end HF calls the hook again with the same step and
         gradient norm, which must neither count the step twice nor (its loss flag already reset)
-        clear the count."""
+        clear the count; a bad step's checkpoint stays unsaved then too (``save_strategy: epoch``
+        asks for one between the two calls)."""
         if self.state.global_step == self._checked_step:
+            if not self._checked_ok:
+                self.control.should_save = False
             return
         self._checked_step = self.state.global_step
         ok = self._loss_finite.clone()
@@ -104,7 +108,8 @@ class SpaceTrainer(Trainer):
             bad = (~ok).to(torch.float).reshape(1).to(self.args.device)
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # one bad rank stops all
             ok = bad.item() == 0
-        if bool(ok):
+        self._checked_ok = bool(ok)
+        if self._checked_ok:
             self.nonfinite_steps = 0
             return
         self.nonfinite_steps += 1

@@ -36,6 +36,24 @@ def test_a_finite_step_ends_a_run_of_nonfinite_ones(tmp_path):
     assert trainer.nonfinite_steps == 1
 
 
+def test_a_nonfinite_step_that_ends_an_epoch_saves_no_checkpoint(tmp_path):
+    """Under ``save_strategy: epoch`` HF asks for a checkpoint between the step's call of the hook
+    and the epoch end's second call. Catches a guard that returns early on the second call without
+    refusing it: the NaN weights were saved, and a resume started from them."""
+    trainer = guard(tmp_path)
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    trainer._loss_finite = torch.tensor(False)
+    end_step(trainer, 1, float("nan"))  # the step's own call
+    trainer.control.should_save = True  # on_epoch_end, save_strategy "epoch"
+    end_step(trainer, 1, float("nan"))  # the epoch end's call
+    assert trainer.nonfinite_steps == 1 and not list(tmp_path.glob("checkpoint-*"))
+    trainer._loss_finite = torch.tensor(True)
+    end_step(trainer, 2, 1.0)
+    trainer.control.should_save = True  # a good step at an epoch's end is saved
+    end_step(trainer, 2, 1.0)
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"]
+
+
 def test_under_fp16_only_the_loss_counts(tmp_path):
     """Under fp16 an overflowing gradient norm is the loss scaler's business (it skips the step and
     lowers the scale): a step with a finite loss must not count. Catches a guard that reads the
