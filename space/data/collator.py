@@ -33,7 +33,8 @@ class SpaceCollator:
             ceil(span_density * A) groups instead of ``spans_per_sample``; 1.0 anchors a group at
             every answer position. 0 (default): off.
 
-    Returns (``__call__``), with B samples, T real and M mask columns:
+    Returns (``__call__``), with B samples, T real and M mask columns (M >= 1: a padding column when
+    no sample drew a group, so the frozen-base mask pass always has a row):
         input_ids, position_ids, labels, mask_offset: (B, T+M) long; labels are per-row targets
         (already aligned, no shift), mask_offset is j on mask rows and -1 elsewhere;
         attention_mask: (B, 1, T+M, T+M) bool, True where a row may attend (each sample's layout
@@ -95,7 +96,9 @@ class SpaceCollator:
                 real_ids, mask_ids = ids, self.mask_ids
             parts.append((lay, lay.input_ids(real_ids, mask_ids), tgt))
         T = max(p[0].num_real for p in parts)
-        M = max(p[0].num_rows - p[0].num_real for p in parts)
+        # at least one mask column, padding when no sample drew a group (mask_prob < 1, short
+        # samples): a frozen-base step's loss is its mask pass's, which needs a row to run
+        M = max(1, max(p[0].num_rows - p[0].num_real for p in parts))
         B, Q = len(parts), T + M
         input_ids = torch.full((B, Q), self.pad_id, dtype=torch.long)
         labels = torch.full((B, Q), IGNORE_INDEX, dtype=torch.long)

@@ -99,7 +99,8 @@ def test_bad_collator_arguments():
 
 def reference_batch(col: SpaceCollator, features: list[dict]) -> dict:
     """The collator's batch the slow, obvious way: each sample's layout from the general builder
-    (``build_layout``), its rows placed one by one, padding rows seeing only themselves."""
+    (``build_layout``), its rows placed one by one, padding rows seeing only themselves; one
+    padding mask column when no sample drew a group."""
     k, rows = col.mask_num, []
     for f in features:
         ids = torch.as_tensor(f["input_ids"], dtype=torch.long)
@@ -115,7 +116,7 @@ def reference_batch(col: SpaceCollator, features: list[dict]) -> dict:
             tgt, block = targets(lay, ids, first_target=p), lay.input_ids(ids, mask_ids)
         rows.append((lay, block, tgt))
     T = max(lay.num_real for lay, _, _ in rows)
-    Q = T + max(lay.num_rows - lay.num_real for lay, _, _ in rows)
+    Q = T + max(1, max(lay.num_rows - lay.num_real for lay, _, _ in rows))  # a padding mask column at least
     out = {"input_ids": torch.full((len(rows), Q), col.pad_id), "labels": torch.full((len(rows), Q), IGNORE_INDEX),
            "position_ids": torch.zeros(len(rows), Q, dtype=torch.long),
            "mask_offset": torch.full((len(rows), Q), -1),

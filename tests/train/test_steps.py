@@ -1,11 +1,13 @@
 """The SAR-SFT step's pieces (``space.train.steps``)."""
+import pytest
 import torch
 
 from space.adapter_layers import prepare_model
+from space.config import SpaceSettings
 from space.data.collator import SpaceCollator
 from space.masking import to_additive_4d
 from space.models import tiny_random_llama
-from space.train.steps import forward_mask
+from space.train.steps import forward_mask, sar_step
 
 
 def test_eager_mask_under_autocast_is_in_the_compute_dtype():
@@ -20,3 +22,21 @@ def test_eager_mask_under_autocast_is_in_the_compute_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mask = forward_mask(allowed, model)
     assert torch.equal(mask, to_additive_4d(allowed, torch.bfloat16))
+
+
+@pytest.mark.parametrize("mode", ["frozen-base", "lora", "full"])
+@pytest.mark.parametrize("chunk_rows", [0, 6])
+def test_a_batch_where_no_sample_drew_a_mask_group_trains(mode, chunk_rows):
+    """``mask_prob`` < 1 (the paper's recipe: 0.5) or samples too short for a span can leave a
+    batch without a mask group. Catches a collator that then gives no mask column: the
+    frozen-base step's mask pass ran on zero rows and crashed inside attention. The step's loss
+    is finite and every trainable weight gets a gradient (DDP waits for each)."""
+    model, tok = tiny_random_llama(seed=0)
+    model, spec = prepare_model(model, tok, mode, 3)
+    collator = SpaceCollator(spec.ids_for(3), 3, tok.pad_token_id, mask_prob=0.0)
+    batch = collator([{"input_ids": list(range(10, 30)), "prompt_len": 4, "idx": 0},
+                      {"input_ids": list(range(10, 16)), "prompt_len": 5, "idx": 1}])
+    step = sar_step(model.train(), batch, SpaceSettings(mode=mode, mask_num=3, mask_chunk_rows=chunk_rows))
+    step.loss.backward()
+    assert torch.isfinite(step.loss) and float(step.stats["mask_rows"]) == 0
+    assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
