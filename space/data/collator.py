@@ -68,7 +68,9 @@ class SpaceCollator:
     def draw_spans(self, length: int, prompt_len: int, idx: int) -> list[int]:
         """Span starts s for one sample: s in [max(prompt_len, 1), length-2], so mask 0's target
         x_{s+1} is a response token; [] when the sample is too short or loses the mask_prob draw."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + idx)
+        # mod 2**64, the generator's seed range: unchanged below it, and a seed past about 1.8e7 (a
+        # date such as 20240101) no longer overflows at the first batch
+        gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + idx) % 2**64)
         lo, hi = max(prompt_len, 1), length - 2
         if hi < lo or torch.rand(1, generator=gen).item() >= self.mask_prob:
             return []

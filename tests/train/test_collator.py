@@ -260,6 +260,15 @@ def test_spans_depend_on_the_sample_index():
     assert spans_of(col([same[2], same[0]]), 0, 2) == drawn[2]
 
 
+def test_a_large_seed_draws_spans():
+    """HF accepts any seed numpy takes (below 2**32); the mixed span seed must stay in the
+    generator's range. Catches a seed of 20240101 (a date) overflowing at the first batch, after
+    the model had loaded."""
+    for seed in (20240101, 2**32 - 1):
+        col = SpaceCollator(torch.tensor([MASK]), 2, PAD, spans_per_sample=2, seed=seed)
+        assert len(col.draw_spans(40, 3, 5)) == 2
+
+
 def test_every_anchor_is_used_when_spans_per_sample_covers_them():
     """A sample with A eligible anchors (s in max(prompt, 1)..len-2) gets min(spans_per_sample, A)
     groups: one anchor (len = prompt + 2) gives one group, not none."""
