@@ -36,7 +36,9 @@ SAMPLER_HEAD = "sampler_head.safetensors"
 def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, mode: str, meta: dict,
                   state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the trained SPACE model atomically (temporary directory, then rename), after checking
-    what was written (:func:`check_artifact`).
+    what was written (:func:`check_artifact`). An artifact already at ``out_dir`` is renamed aside
+    first and deleted after: a run stopped between the two renames leaves it whole in
+    ``.old-<name>-*/`` beside ``out_dir``, the new one in ``.tmp-<name>-*/``.
 
     Args:
         meta: extra provenance for space_config.json (base model, training data, steps, ...).
@@ -73,9 +75,14 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
         raise
     for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
         path.chmod(0o755 if path.is_dir() else 0o644)
-    if out.exists():
-        shutil.rmtree(out)
+    old = None
+    if out.exists():  # moved aside, deleted only once the new one is in place: a run stopped
+        # between the two renames leaves the old artifact whole, as .old-<name>-*/ beside it
+        old = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
+        os.replace(out, old)  # over the empty folder mkdtemp made
     os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
     return out
 
 

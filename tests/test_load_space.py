@@ -1,5 +1,6 @@
 """load_space: adapters read without peft, their recorded base model checked, CPU kernels on request."""
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +225,31 @@ def test_warm_start_refuses_an_adapter_missing_lora_layers(tmp_path):
     many, spec2 = prepare_model(*tiny_random_llama(seed=0), "frozen-base", mask_num=3)
     with pytest.raises(ValueError, match="LoRA layers differ.*missing"):
         warm_start(many, adapter, "frozen-base", spec2)
+
+
+def test_an_artifact_replaced_by_a_run_stopped_part_way_is_kept(tmp_path, monkeypatch):
+    """Saving over an existing artifact: a run stopped after the old one left its place and before
+    the new one took it (a kill, Ctrl-C) keeps the old one whole beside it. Catches deleting the old
+    artifact first: the only trained model was gone, the new one left in a hidden .tmp folder."""
+    import os
+
+    import space.artifact
+
+    out = _artifact(tmp_path / "final", "frozen-base")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.replace
+
+    def stopped(src, dst):
+        if "tmp" in Path(src).name:  # the new artifact's rename into place
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(space.artifact.os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        _artifact(out, "frozen-base")
+    monkeypatch.undo()
+    (old,) = tmp_path.glob(".old-final-*")
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    _artifact(out, "frozen-base")  # a later save still lands, and leaves no old copy of its own
+    assert {p.name for p in out.iterdir()} == set(before)
+    assert len(list(tmp_path.glob(".old-final-*"))) == 1
