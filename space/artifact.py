@@ -202,6 +202,25 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: not a valid safetensors file ({e})") from None
 
 
+def check_lora_shape(folder: Path, r: int, alpha: float, targets, use_rslora: bool, what: str) -> None:
+    """Refuse LoRA weights in ``folder`` (an artifact or a peft checkpoint, by its
+    adapter_config.json) made with another rank, alpha, rsLoRA setting or target list than the run
+    about to continue from them: another alpha scales every trained update silently.
+
+    Raises:
+        ValueError: a setting differs (``what`` names the folder; both values given), or
+            adapter_config.json is damaged.
+        FileNotFoundError: no adapter_config.json.
+    """
+    cfg = read_json(folder / LORA_CONFIG)
+    saved = {"lora_r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "use_rslora": bool(cfg.get("use_rslora")),
+             "lora_targets": sorted(cfg.get("target_modules") or [])}
+    now = {"lora_r": r, "lora_alpha": alpha, "use_rslora": bool(use_rslora), "lora_targets": sorted(targets)}
+    diff = {k: (saved[k], v) for k, v in now.items() if saved[k] != v}
+    if diff:
+        raise ValueError(f"{what} holds LoRA weights made with other settings; (saved, now): {diff}")
+
+
 def read_lora(adapter: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The LoRA updates of a lora / frozen-base artifact (peft's files, read without peft:
     ``PeftModel`` costs a wrapper and a deprecation warning per load for weights we fuse anyway).

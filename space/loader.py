@@ -17,8 +17,8 @@ from peft import set_peft_model_state_dict
 
 from .adapter_layers import MaskEmbedding, apply_lora, mask_embedding
 from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config,
-                       check_artifact, check_finite, copy_mask_rows, load_mask_rows, load_sampler_head, read_lora,
-                       read_space_config, read_tensors, sampler_width)
+                       check_artifact, check_finite, check_lora_shape, copy_mask_rows, load_mask_rows,
+                       load_sampler_head, read_lora, read_space_config, read_tensors, sampler_width)
 from .choices import COMPILE_MODES
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
@@ -181,8 +181,8 @@ def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> 
 
     Raises:
         FileNotFoundError / ValueError: not an artifact (:func:`read_space_config`); a full
-            checkpoint, another mode, k or mask_diff, a NaN or inf weight, or LoRA weights that do
-            not fit ``model`` (another rank or target list).
+            checkpoint, another mode, k or mask_diff, a NaN or inf weight, or LoRA weights made
+            with another rank, alpha or target list (:func:`space.artifact.check_lora_shape`).
     """
     adapter = Path(adapter)
     cfg = read_space_config(adapter)
@@ -190,6 +190,8 @@ def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> 
     diff = {k: (cfg[k], v) for k, v in mine.items() if cfg[k] != v}
     if diff:
         raise ValueError(f"init_adapter {adapter} was trained with other settings; (adapter, now): {diff}")
+    lora = model.peft_config["default"]
+    check_lora_shape(adapter, lora.r, lora.lora_alpha, lora.target_modules, lora.use_rslora, f"init_adapter {adapter}")
     check_finite(adapter)
     state = read_tensors(adapter / LORA_WEIGHTS)
     try:

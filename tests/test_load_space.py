@@ -1,4 +1,5 @@
 """load_space: adapters read without peft, their recorded base model checked, CPU kernels on request."""
+import re
 import warnings
 from pathlib import Path
 
@@ -216,15 +217,33 @@ def test_the_recorded_base_named_by_another_path_loads_silently(tmp_path, monkey
         load_space("./sub/../base", adapter)
 
 
-def test_warm_start_refuses_an_adapter_missing_lora_layers(tmp_path):
-    """Catches warm_start ignoring LoRA layers the artifact lacks (other lora_targets): they would
-    silently start from zero."""
+@pytest.mark.parametrize("lora, saved_now", [({"lora_targets": ["q_proj"]}, "'lora_targets'"),
+                                             ({"lora_alpha": 64}, "'lora_alpha': (64, 32)"),
+                                             ({"lora_r": 4}, "'lora_r': (4, 16)")])
+def test_warm_start_refuses_an_adapter_with_another_lora(tmp_path, lora, saved_now):
+    """Catches warm_start ignoring LoRA layers the artifact lacks (other lora_targets: they would
+    silently start from zero) or taking weights trained at another alpha (every update rescaled)."""
     model, tok = tiny_random_llama(seed=0)
-    few, spec = prepare_model(model, tok, "frozen-base", mask_num=3, lora_targets=["q_proj"])
-    adapter = save_artifact(tmp_path / "a", few, tok, spec, "frozen-base", {"base_model": TINY})
-    many, spec2 = prepare_model(*tiny_random_llama(seed=0), "frozen-base", mask_num=3)
+    other, spec = prepare_model(model, tok, "frozen-base", mask_num=3, **lora)
+    adapter = save_artifact(tmp_path / "a", other, tok, spec, "frozen-base", {"base_model": TINY})
+    now, spec2 = prepare_model(*tiny_random_llama(seed=0), "frozen-base", mask_num=3)
+    with pytest.raises(ValueError, match=f"init_adapter .* holds LoRA weights made with other settings.*{re.escape(saved_now)}"):
+        warm_start(now, adapter, "frozen-base", spec2)
+
+
+def test_warm_start_refuses_lora_weights_its_config_does_not_describe(tmp_path):
+    """adapter_config.json names every target but the weights file lacks some (a hand-edited or
+    damaged artifact): the layers left out would silently start from zero."""
+    from safetensors.torch import load_file, save_file
+
+    model, tok = tiny_random_llama(seed=0)
+    peft_model, spec = prepare_model(model, tok, "frozen-base", mask_num=3)
+    adapter = save_artifact(tmp_path / "a", peft_model, tok, spec, "frozen-base", {"base_model": TINY})
+    weights = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v for k, v in weights.items() if "q_proj" not in k}, adapter / "adapter_model.safetensors")
+    now, spec2 = prepare_model(*tiny_random_llama(seed=0), "frozen-base", mask_num=3)
     with pytest.raises(ValueError, match="LoRA layers differ.*missing"):
-        warm_start(many, adapter, "frozen-base", spec2)
+        warm_start(now, adapter, "frozen-base", spec2)
 
 
 def test_an_artifact_replaced_by_a_run_stopped_part_way_is_kept(tmp_path, monkeypatch):

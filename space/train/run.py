@@ -12,7 +12,8 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..adapter_layers import mask_embedding, prepare_model
-from ..artifact import MASK_EMBEDDING, SAMPLER_HEAD, load_mask_rows, load_sampler_head, read_space_config, save_artifact
+from ..artifact import (MASK_EMBEDDING, SAMPLER_HEAD, check_lora_shape, load_mask_rows, load_sampler_head,
+                        read_space_config, save_artifact)
 from ..config import SpaceSettings, check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, prompt_key
@@ -90,8 +91,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     Raises:
         ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
             an init_adapter that is not a SPACE artifact, bad dataset name or rows (an empty file
-            included), or a checkpoint in ``output_dir`` made with other SPACE settings or
-            missing its mask rows; all raised before the model loads.
+            included), or a checkpoint in ``output_dir`` made with other SPACE or LoRA settings
+            or missing its mask rows; all raised before the model loads.
         TrainingDiverged: too many NaN or inf steps in a row, or training ended inside such a run
             (:func:`refuse_a_bad_end`); no artifact is written.
     """
@@ -109,6 +110,9 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     done = total = 0
     if last:
         check_checkpoint(last, settings)
+        if model_args.mode != "full":
+            check_lora_shape(Path(last), model_args.lora_r, model_args.lora_alpha, model_args.lora_targets.split(","),
+                             False, last)
         state = json.loads((Path(last) / "trainer_state.json").read_text())
         # the total: max_steps when given, else as the checkpoint's run counted the epochs
         done, total = state["global_step"], train_args.max_steps if train_args.max_steps > 0 else state["max_steps"]

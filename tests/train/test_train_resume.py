@@ -2,6 +2,7 @@
 bit, a finished one trains and rewrites nothing, and every run leaves its loss / mask-accuracy
 curves as a PNG."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,20 @@ def test_rerun_of_a_finished_training_changes_nothing(tmp_path, capsys):
     train_main([*args, "--max_steps", "4"])  # more steps: it does train on
     assert "resuming: 2 of 4 steps done" in capsys.readouterr().out
     assert [h["step"] for h in json.loads((out / "log_history.json").read_text()) if "loss" in h][-1] == 4
+
+
+@pytest.mark.parametrize("change, saved_now", [(("--lora_alpha", "64"), "'lora_alpha': (32, 64)"),
+                                               (("--lora_r", "4"), "'lora_r': (16, 4)"),
+                                               (("--lora_targets", "q_proj,v_proj"), "'lora_targets'")])
+def test_a_resume_with_another_lora_is_refused(tmp_path, change, saved_now):
+    """A checkpoint's LoRA weights belong to its rank, alpha and targets. Catches a resume that
+    took another alpha silently (every trained update rescaled, the artifact recording the new
+    alpha) or failed on another rank with a size-mismatch traceback after the model loaded."""
+    args = ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / "run"), "--limit", "4",
+            "--save_steps", "1"]
+    train_main([*args, "--max_steps", "1"])
+    with pytest.raises(ValueError, match=f"checkpoint-1 holds LoRA weights made with other settings.*{re.escape(saved_now)}"):
+        train_main([*args, "--max_steps", "2", *change])
 
 
 # --- resume == uninterrupted (issue 59, finding 3) ---------------------------------------------
