@@ -27,6 +27,7 @@ REGISTRY = {
     "lima": "lima/lima.json",
     "mt-bench": "mt-bench/question.jsonl",
 }
+CHAT_ROLES = ("system", "user", "assistant")  # what a prompt message's role may be
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
           "chatgpt": "assistant", "bard": "assistant", "bing": "assistant"}
 
@@ -112,8 +113,13 @@ def to_example(row: dict) -> Example:
 def _checked(context: list[dict], response) -> Example:
     if not isinstance(response, str) or not response.strip():
         raise ValueError("empty or non-string response")
-    if not context or not all(isinstance(m.get("content"), str) for m in context):
+    if not context or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in context):
         raise ValueError("missing or non-string prompt")
+    # checked here, not left to the chat template, which fails on a missing role with a jinja
+    # traceback after the model has loaded and takes a misspelt one as text
+    bad = [m.get("role") for m in context if m.get("role") not in CHAT_ROLES]
+    if bad:
+        raise ValueError(f"prompt message role {bad[0]!r} is not one of {', '.join(CHAT_ROLES)}")
     return Example(context, response)
 
 

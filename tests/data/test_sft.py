@@ -43,10 +43,15 @@ def test_sharegpt_response_is_the_last_assistant_turn():
     ({"prompt": [], "response": "a"}, "missing or non-string prompt"),
     ({"conversations": [{"from": "gpt", "value": "an answer to nothing"}]}, "missing or non-string prompt"),
     ({"conversations": [{"from": "human", "value": "q"}]}, "no assistant turn"),
+    ({"prompt": [{"content": "q"}], "response": "a"}, "role None is not one of system, user, assistant"),
+    ({"prompt": [{"role": "userr", "content": "q"}], "response": "a"}, "role 'userr' is not one of"),
+    ({"prompt": ["q"], "response": "a"}, "missing or non-string prompt"),
 ])
 def test_malformed_rows_are_refused_naming_the_row(tmp_path, row, message):
     """Catches a dropped check: a history turn that is not a [question, answer] pair, a blank
-    response (nothing to train on), or a response with no prompt before it, each loaded silently."""
+    response (nothing to train on), a response with no prompt before it, or a prompt message
+    without a chat role (the chat template failed on it with a jinja traceback after the model
+    loaded, or took a misspelt role as text), each loaded silently."""
     path = _jsonl(tmp_path / "rows.jsonl", [{"prompt": "fine", "response": "ok"}, row])
     with pytest.raises(ValueError, match=rf"rows.jsonl: row 1: .*{message}"):
         load_examples(path)
