@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 
 import yaml
@@ -195,6 +196,7 @@ def parse_train_args(argv: list[str] | None = None):
         unknown = sorted(set(values) - fields)
         if unknown:
             raise ValueError(f"{known.config}: unknown config keys {unknown}")
+        check_config_types(values, known.config)
         parser.set_defaults(**values)
     wants_help = any(a in ("-h", "--help") for a in rest)
     # the parser takes both spellings, with the value after a space or an "="
@@ -204,6 +206,36 @@ def parse_train_args(argv: list[str] | None = None):
     args = tuple(parser.parse_args_into_dataclasses(rest)[:4])
     check_train_args(*args)
     return args
+
+
+# a field's plain type -> (what the YAML value may be, how the error says it); bool is an int to
+# Python, so it is refused by name for the number types
+_YAML_TYPES = {int: ((int,), "an integer"), float: ((int, float), "a number"), bool: ((bool,), "true or false"),
+               str: ((str,), "a string")}
+
+
+def check_config_types(values: dict, path: str | os.PathLike) -> None:
+    """Refuse a YAML value whose type its field does not take (plain int, float, bool and str
+    fields, or those or None). ``HfArgumentParser.set_defaults`` converts nothing, so
+    ``spans_per_sample: 2.5`` or ``mask_num: true`` got in, and failed (or ran as k = 1) later.
+
+    Raises:
+        ValueError: the file, the key, the type it needs and the value (YAML 1.1 reads ``1e-4``
+            without a dot as text: written ``1.0e-4`` it is a number).
+    """
+    hints = {f.name: typing.get_type_hints(cls)[f.name] for cls in ARG_CLASSES for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        hint = hints[key]
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        plain = next((a for a in args if a is not type(None)), None) if optional and len(args) == 2 else hint
+        if plain not in _YAML_TYPES or (optional and value is None):
+            continue
+        allowed, what = _YAML_TYPES[plain]
+        if not isinstance(value, allowed) or (plain is not bool and isinstance(value, bool)):
+            raise ValueError(f"{path}: {key} must be {what}{' or null' if optional else ''}, got {value!r}"
+                             + (" (YAML reads a number without a dot as text: write 1.0e-4)"
+                                if plain is float and isinstance(value, str) else ""))
 
 
 def read_config_file(path: str | os.PathLike) -> dict:

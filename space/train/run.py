@@ -92,7 +92,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
             an init_adapter that is not a SPACE artifact, bad dataset name or rows (an empty file
             included), or a checkpoint in ``output_dir`` made with other SPACE or LoRA settings
-            or missing its mask rows; all raised before the model loads.
+            or missing its mask rows; all raised before the model loads; after it, a teacher_topk
+            above the model's vocabulary.
         TrainingDiverged: too many NaN or inf steps in a row, or training ended inside such a run
             (:func:`refuse_a_bad_end`); no artifact is written.
     """
@@ -136,6 +137,9 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     model, tok = load_model(model_args.model_name_or_path, model_args.dtype)
     refuse_sliding_window(model.config, "SAR-SFT training", data_args.max_length)
+    if mask_args.mask_target == "teacher" and mask_args.teacher_topk > model.config.vocab_size:
+        raise ValueError(f"teacher_topk {mask_args.teacher_topk} exceeds the vocabulary of "
+                         f"{model_args.model_name_or_path} ({model.config.vocab_size} tokens)")
     model, spec = prepare_model(model, tok, model_args.mode, mask_args.mask_num, mask_args.mask_diff,
                                 model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
                                 model_args.lora_targets.split(","))

@@ -89,3 +89,41 @@ def test_output_dir_given_as_key_equals_value_or_with_an_empty_yaml(tmp_path):
     empty.write_text("")
     model, _, mask, train = parse_train_args(["--config", str(empty), "--output_dir", str(tmp_path / "b")])
     assert train.output_dir == str(tmp_path / "b") and mask.mask_num >= 1 and model.mode == "frozen-base"
+
+
+@pytest.mark.parametrize("line, match", [
+    ("spans_per_sample: 2.5", r"spans_per_sample must be an integer, got 2.5"),
+    ("mask_num: true", r"mask_num must be an integer, got True"),
+    ("limit: 2.5", r"limit must be an integer or null, got 2.5"),
+    ("learning_rate: 1e-4", r"learning_rate must be a number, got '1e-4' \(YAML reads"),
+    ("bf16: 'yes'", r"bf16 must be true or false, got 'yes'"),
+])
+def test_a_yaml_value_of_the_wrong_type_is_refused_naming_file_and_key(tmp_path, line, match):
+    """The YAML's values reach the dataclasses unconverted (``HfArgumentParser.set_defaults``).
+    Catches taking them as they are: ``spans_per_sample: 2.5`` passed every range check and failed
+    at the first batch, ``mask_num: true`` trained k = 1, ``1e-4`` (text to YAML 1.1) reached
+    the optimizer as a string."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(open("configs/train/tiny_smoke.yaml").read() + f"\n{line}\n")
+    with pytest.raises(ValueError, match=rf"bad.yaml: {match}"):
+        parse_train_args(["--config", str(config), "--output_dir", str(tmp_path / "run")])
+
+
+def test_every_shipped_training_config_has_values_of_its_fields_types():
+    import glob
+
+    from space.config import check_config_types, read_config_file
+
+    for path in glob.glob("configs/train/*.yaml"):
+        check_config_types(read_config_file(path), path)
+
+
+def test_a_teacher_topk_above_the_vocabulary_is_refused_before_training(tmp_path):
+    """Catches a teacher_topk that passes the range check (>= 1) and fails inside the first step
+    with torch's "selected index k out of range"."""
+    from space.train.run import run_sft
+
+    args = parse(tmp_path, "--mask_target", "teacher", "--teacher_topk", "100000")
+    with pytest.raises(ValueError, match=r"teacher_topk 100000 exceeds the vocabulary of .* \(\d+ tokens\)"):
+        run_sft(*args)
+    assert not (tmp_path / "run").exists()
