@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import rotate_checkpoints
 
 from ..config import SpaceSettings
 from .callbacks import CheckpointInMaskRowsCallback
@@ -86,7 +87,22 @@ class SpaceTrainer(Trainer):
         # the one place the Trainer hands over each optimizer step's gradient norm (before it logs
         # and saves): check the step here, so a bad step is never saved as a checkpoint
         self._check_finite(grad_norm)
-        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+        result = super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+        if self.args.save_total_limit and self.args.should_save:  # see _save_checkpoint (a no-op when nothing was saved)
+            rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
+                               use_mtime=True)
+        return result
+
+    def _save_checkpoint(self, model, trial):
+        # HF deletes the checkpoints past save_total_limit at the end of this call, before the
+        # on_save callbacks add SPACE's files (the mask rows, space_settings.json): a run stopped
+        # between kept only a checkpoint that a resume refuses. _maybe_log_save_evaluate deletes
+        # them after the callbacks instead.
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
 
     def _check_finite(self, grad_norm) -> None:
         """Count consecutive non-finite steps (every rank agrees); raise past the limit.

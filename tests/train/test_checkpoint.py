@@ -1,5 +1,6 @@
 """What a checkpoint holds beyond HF's files, and what a resume refuses (issue 59, finding 4)."""
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -102,3 +103,34 @@ def test_settings_are_written_atomically(tmp_path, monkeypatch):
     assert not (tmp_path / "checkpoint-2" / SETTINGS_FILE).exists()
     with pytest.raises(ValueError, match=f"no {SETTINGS_FILE}"):
         check_checkpoint(str(tmp_path / "checkpoint-2"), SETTINGS)
+
+
+def test_a_save_stopped_before_its_space_files_keeps_the_checkpoint_before(tmp_path, monkeypatch):
+    """save_total_limit 1: HF deleted the older checkpoints before the on_save callback wrote the
+    mask rows and space_settings.json. Catches that order: a run killed in between kept only a
+    checkpoint that a resume refuses, and the one its message says to resume from was gone. The
+    older one now stays until the new one is whole, and a completed save still rotates."""
+    from space.config import parse_train_args
+    from space.train.run import run_sft
+
+    out = tmp_path / "run"
+    argv = ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(out), "--save_steps", "1",
+            "--save_total_limit", "1", "--max_steps", "3", "--limit", "8"]
+    real = SpaceCheckpointCallback.on_save
+
+    def killed_at_step_2(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise KeyboardInterrupt
+        return real(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(SpaceCheckpointCallback, "on_save", killed_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(*parse_train_args(argv))
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert (out / "checkpoint-1" / SETTINGS_FILE).is_file()
+    with pytest.raises(ValueError, match="checkpoint-2 has no space_settings.json"):
+        run_sft(*parse_train_args(argv))
+    shutil.rmtree(out / "checkpoint-2")  # what the message says to do
+    assert run_sft(*parse_train_args(argv)) == out / "final"
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-3"]
