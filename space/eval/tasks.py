@@ -70,11 +70,13 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
             raise FileNotFoundError(f"HumanEval-X file not found: {path}")
         try:
             with gzip.open(path, "rt", encoding="utf-8") as f:
-                tasks = [_code_task(json.loads(line), lang) for line in f if line.strip()]
+                rows = [json.loads(line) for line in f if line.strip()]
         except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: damaged file ({e})") from None
+        tasks = [_code_task(_checked(row, CODE_FIELDS, path, i), lang) for i, row in enumerate(rows)]
     elif name in ("mbpp", "mbpp-dev"):
-        rows = read_rows(root / "mbpp" / "mbpp.jsonl")
+        path = source = root / "mbpp" / "mbpp.jsonl"
+        rows = [_checked(row, MBPP_FIELDS, path, i) for i, row in enumerate(read_rows(path))]
         if name == "mbpp-dev":  # the 100 that self-distillation leaves out
             from ..data.dev_set import load_dev_set
 
@@ -137,6 +139,23 @@ def trained_questions(tasks: list[EvalTask], adapter) -> list[str]:
     except (OSError, ValueError, IndexError) as e:  # a data root not on this machine: advise, never stop
         warnings.warn(f"{config}: dev set not read, not dropped from the training data ({e})", stacklevel=2)
     return [t.question_id for t in mbpp if prompt_key(to_example(t.problem).context) in keys]
+
+
+# the fields a row must have, and their types: what the prompt and the executor read
+CODE_FIELDS = {"task_id": str, "prompt": str, "test": str}
+MBPP_FIELDS = {"task_id": (int, str), "text": str, "code": str, "test_list": list}
+
+
+def _checked(row, fields: dict, path: Path, line: int) -> dict:
+    """``row`` (line ``line`` of ``path``, from 0) when it has every field of ``fields`` with its
+    type; else ValueError naming the file, the line and the field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: line {line + 1}: not a JSON object")
+    for name, kind in fields.items():
+        if not isinstance(row.get(name), kind):
+            raise ValueError(f"{path}: line {line + 1}: missing or malformed field {name!r} "
+                             f"(got {type(row.get(name)).__name__})")
+    return row
 
 
 def _code_task(problem: dict, lang: str) -> EvalTask:

@@ -1,5 +1,6 @@
 """Task loading (space/eval/tasks.py): question files with ``prompt`` rows, their defaults, and
 HumanEval-X files that are missing or damaged; no model runs."""
+import gzip
 import json
 import warnings
 from pathlib import Path
@@ -35,6 +36,30 @@ def test_humaneval_x_bad_language_missing_and_damaged_files(tmp_path):
     (tmp_path / "humaneval-x" / "humaneval_cpp.jsonl.gz").write_bytes(b"not gzip at all")
     with pytest.raises(ValueError, match="humaneval_cpp.jsonl.gz: damaged file"):
         load_tasks("humaneval-x:cpp", tmp_path)
+
+
+@pytest.mark.parametrize("name, row, field", [
+    ("humaneval-x:cpp", {"task_id": "CPP/0", "test": "int main(){}"}, "prompt"),
+    ("humaneval-x:cpp", {"task_id": "CPP/0", "prompt": "int f();"}, "test"),
+    ("mbpp", {"task_id": 1, "code": "x = 1", "test_list": []}, "text"),
+    ("mbpp-dev", {"task_id": 15, "text": "t", "code": "x = 1", "test_list": "assert x"}, "test_list"),
+])
+def test_a_code_row_without_a_field_its_prompt_or_tests_need_is_named(tmp_path, name, row, field):
+    """Catches a row read as it is: space-eval stopped with a bare KeyError traceback (or later, in
+    the executor, on a test list that is a string), naming neither the file nor the row."""
+    good = {"task_id": "CPP/1", "prompt": "int g();", "test": "int main(){}"} if name.startswith("humaneval-x") \
+        else {"task_id": 2, "text": "t", "code": "y = 2", "test_list": ["assert y == 2"]}
+    text = "".join(json.dumps(r) + "\n" for r in (good, row))
+    if name.startswith("humaneval-x"):
+        (tmp_path / "humaneval-x").mkdir()
+        path = tmp_path / "humaneval-x" / "humaneval_cpp.jsonl.gz"
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        (tmp_path / "mbpp").mkdir()
+        path = tmp_path / "mbpp" / "mbpp.jsonl"
+        path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{path.name}: line 2: missing or malformed field '{field}'"):
+        load_tasks(name, tmp_path)
 
 
 def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path, monkeypatch):
