@@ -452,6 +452,25 @@ def test_compare_drafters_on_committed_ranks(tmp_path):
     assert json.dumps(written).count('"tokens_per_step"') >= 2
 
 
+def test_compare_drafters_skips_a_layout_deeper_than_the_drafter_and_a_missing_source(tmp_path):
+    """A k = 3 drafter's ranks under a k = 5 layout, and a source the file lacks. Catches replaying
+    them anyway: the k = 5 row showed the k = 3 chain's figure under the k = 5 name (a committed
+    comparison held one), and a missing source showed 0 tokens/step."""
+    ranks = tmp_path / "ranks.jsonl"
+    row = {"source": "mbpp", "ranks": [[0, 0, 1], [0, 1, 0], [2, 0, 0], [0, 0, -1]]}
+    ranks.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "drafters.json"
+    table = load_script("compare_drafters").main([str(ranks), "--sources", "mbpp,lima", "--out", str(out)])
+    assert json.loads(out.read_text()) == table
+    assert table["chain k=5, 6 groups"]["mbpp"][str(ranks)] == {"skipped": "the ranks hold 3 offsets, the layout needs 5"}
+    assert table["chain k=3, 4 groups"]["mbpp"][str(ranks)]["tokens_per_step"] > 1
+    assert all(v[str(ranks)] == {"skipped": "no sample of source 'lima'"} for v in (t["lima"] for t in table.values()))
+    from space.decoding.tree import replay
+
+    with pytest.raises(ValueError, match="the ranks hold 3 offsets; a layout with mask_num 5 needs 5"):
+        replay([torch.tensor(row["ranks"])], 5, 6, None)
+
+
 def test_plot_mask_accuracy(tmp_path, capsys):
     png = tmp_path / "acc.png"
     load_script("plot_mask_accuracy").main([str(ROOT / "results/sweep/token_targets/log_history.json"), str(png),

@@ -215,7 +215,14 @@ def replay(ranks: Iterable[torch.Tensor], mask_num: int, num_groups: int, tree: 
     Args:
         ranks: per sample, (anchors, k') ranks with k' >= mask_num.
         tree: None = the chain of top-1 drafts, k deep.
+
+    Raises:
+        ValueError: ranks with fewer than mask_num offsets (a probe of a drafter with a smaller k).
     """
+    ranks = list(ranks)
+    short = next((r.shape[1] for r in ranks if r.shape[1] < mask_num), None)
+    if short is not None:  # sliced to k', such ranks would replay a k' layout under this one's name
+        raise ValueError(f"the ranks hold {short} offsets; a layout with mask_num {mask_num} needs {mask_num}")
     tree = tuple((0,) * d for d in range(1, mask_num + 1)) if tree is None else check_tree(tree, mask_num)
     by_depth = [tuple(p for p in tree if len(p) <= d) for d in range(mask_num + 1)]
     tokens = steps = 0
