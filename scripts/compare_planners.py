@@ -17,10 +17,13 @@ from space.jsonl import read_jsonl
 
 def describe(folder: Path, cost: StepCost) -> str:
     summary = json.loads((folder / "summary.json").read_text())
-    # the questions the summary counts: none skipped, for any method (space.eval.report.summarize)
+    # the questions the summary counts (space.eval.report.summarize): samples.jsonl can hold more (an
+    # earlier run with a larger --limit); a summary written before it listed them: those not skipped
     skipped = summary.get("skipped", {}).get("questions", {})
+    counted = set(summary["questions"]) if "questions" in summary else None
     space = [r for r in read_jsonl(folder / "samples.jsonl")
-             if r.get("model_id") == "space" and "skipped" not in r and r["question_id"] not in skipped]
+             if r.get("model_id") == "space" and "skipped" not in r and r["question_id"] not in skipped
+             and (counted is None or r["question_id"] in counted)]
     if not space:
         return f"{folder}: no SPACE samples"
     turns = [(A, M, R, T) for r in space for c in r["choices"]

@@ -443,6 +443,32 @@ def test_compare_planners_counts_the_questions_the_summary_counts(tmp_path, monk
     assert script.describe(copy, cost) != script.describe(run, cost).replace(str(run), str(copy))
 
 
+def test_compare_planners_counts_only_the_questions_of_the_last_summary(tmp_path):
+    """A rerun with a smaller --limit rewrites summary.json over fewer questions while samples.jsonl
+    keeps the earlier run's (by design: resumable). Catches counting every record: the SPACE line
+    covered other questions than the summary's PLD figures printed beside it."""
+    from space.decoding.dynamic import StepCost
+    from space.eval.report import summarize
+    from space.jsonl import read_jsonl
+
+    run = ROOT / "results" / "planner_issue44" / "new_mt-bench5"
+    script = load_script("compare_planners")
+    decode = json.loads((ROOT / SHIPPED / "space_config.json").read_text())["decode"]
+    cost = StepCost(tuple(map(tuple, decode["step_cost"])), decode.get("adapter_cost", 0.0))
+    rows = read_jsonl(run / "samples.jsonl")
+    first_two = list(dict.fromkeys(r["question_id"] for r in rows))[:2]
+    few = [r for r in rows if r["question_id"] in first_two]
+    summary = summarize(few, json.loads((run / "summary.json").read_text())["meta"])
+    assert summary["questions"] == first_two
+    for name, samples in (("all", rows), ("few", few)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        (tmp_path / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    said = [script.describe(tmp_path / name, cost).split(": ", 1)[1] for name in ("all", "few")]
+    assert said[0] == said[1]
+    assert said[1] != script.describe(run, cost).split(": ", 1)[1]
+
+
 def test_compare_drafters_on_committed_ranks(tmp_path):
     ranks = [ROOT / "results" / "sweep" / arm / "ranks.jsonl" for arm in ("k3", "mode_lora")]
     out = tmp_path / "drafters.json"

@@ -117,6 +117,8 @@ def summarize(records: list[dict], meta: dict) -> dict:
 
     Skipped questions (records with a ``skipped`` reason, see ``bench.run_bench``) count in no
     method's numbers; ``summary["skipped"]`` says how many and why: ``{"count", "questions": {id: reason}}``.
+    ``summary["questions"]``: the ids of the questions counted, in the records' order (a folder's
+    samples.jsonl can hold more: an earlier run's with a larger ``--limit``).
     """
     skipped = {r["question_id"]: r["skipped"] for r in records if "skipped" in r}
     # a question skipped for one method only (a later turn that outgrew the context on its answers:
@@ -126,7 +128,8 @@ def summarize(records: list[dict], meta: dict) -> dict:
     for r in records:
         by_method[r["model_id"]].append(r)
     methods = {m: _method_stats(rows) for m, rows in by_method.items()}
-    summary = {"meta": meta, "methods": methods, "speedup": {}, "median_question_speedup": {}, "pass_at_1": {}}
+    summary = {"meta": meta, "methods": methods, "speedup": {}, "median_question_speedup": {}, "pass_at_1": {},
+               "questions": list(dict.fromkeys(r["question_id"] for r in records))}
     if skipped:
         summary["skipped"] = {"count": len(skipped), "questions": skipped}
     per_q = {m: {r["question_id"]: _method_stats([r])["tokens_per_s"] for r in rows} for m, rows in by_method.items()}
