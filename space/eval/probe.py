@@ -128,25 +128,36 @@ def _share(hit: torch.Tensor, valid: torch.Tensor) -> float:
 
 
 def cached_answers(model, tok, prompts: list[dict], path: Path, target: str, max_new_tokens: int,
-                   batch_size: int, suppress_ids) -> dict[str, dict]:
+                   batch_size: int, suppress_ids, dtype: str = "float32") -> dict[str, dict]:
     """Greedy answers by prompt key, generating only the missing ones (resumable JSONL at ``path``).
 
+    Args:
+        dtype: the model's parameter dtype, recorded per answer: greedy answers in another dtype
+            are other tokens (a row without one, from before it was recorded, is float32's).
+
     Raises:
-        ValueError: ``path`` holds answers of another target or max_new_tokens.
+        ValueError: ``path`` holds answers of another target, max_new_tokens or dtype, or rows
+            that are not answers (another JSONL passed as ``--answers``).
     """
     from ..data.prompts import chat_ids
     from ..distill import greedy_batches
 
     rows = read_jsonl_resumable(path)
-    other = {(r["target"], r["max_new_tokens"]) for r in rows} - {(target, max_new_tokens)}
+    fields = ("key", "target", "max_new_tokens", "prompt_ids", "answer_ids")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict) or any(f not in r for f in fields)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: line {bad + 1} is not a space-probe answer (needs {', '.join(fields)}); "
+                         "pass an answers.jsonl that space-probe wrote")
+    mine = (target, max_new_tokens, dtype)
+    other = {(r["target"], r["max_new_tokens"], r.get("dtype", "float32")) for r in rows} - {mine}
     if other:
-        raise ValueError(f"{path} holds answers of {sorted(other)}, not of ({target!r}, {max_new_tokens}): "
-                         "pass another --answers file")
+        raise ValueError(f"{path} holds answers of {sorted(other)}, not of {mine} (target, max_new_tokens, "
+                         "dtype): pass another --answers file")
     have = {r["key"]: r for r in rows}
     todo = [{**p, "ids": chat_ids(tok, p["prompt"])} for p in prompts if p["key"] not in have]
     for batch in greedy_batches(model, tok, todo, batch_size, max_new_tokens, suppress_ids, desc="target answers"):
         new = [{"id": p["id"], "key": p["key"], "source": p["source"], "target": target,
-                "max_new_tokens": max_new_tokens, "prompt_ids": p["ids"], "finished": done,
+                "max_new_tokens": max_new_tokens, "dtype": dtype, "prompt_ids": p["ids"], "finished": done,
                 "answer_ids": ids + ([tok.eos_token_id] if done else [])} for p, ids, done in batch]
         append_jsonl(path, new)
         have.update((r["key"], r) for r in new)
@@ -328,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     mask_ids = spec.ids_for(k)
     a.out.mkdir(parents=True, exist_ok=True)
     answers = cached_answers(model, tok, prompts, a.answers or a.out / "answers.jsonl", target,
-                             a.max_new_tokens, a.batch_size, spec.token_ids)
+                             a.max_new_tokens, a.batch_size, spec.token_ids, a.dtype)
     per_sample, ranks_by_source = [], {}
     for p in tqdm(prompts, desc="teacher-forced probe", unit="sample"):
         row = answers[p["key"]]

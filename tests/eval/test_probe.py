@@ -157,7 +157,9 @@ def test_deep_tree_nodes_are_over_the_anchors_that_have_their_offset():
 def test_cached_answers_keep_the_eos_and_refuse_another_targets_file(tmp_path, monkeypatch):
     """A finished greedy answer ends with its EOS (the drafts of the token that ends a reply count,
     as in decoding), an unfinished one does not; a rerun generates only what is missing; and a
-    file of another target or max_new_tokens is refused (its answers are not this model's)."""
+    file of another target, max_new_tokens or dtype is refused (its answers are not this model's:
+    a bf16 rerun reused float32 answers silently), as is a file that holds no answers (a
+    KeyError traceback)."""
     from types import SimpleNamespace
 
     import space.data.prompts
@@ -183,6 +185,16 @@ def test_cached_answers_keep_the_eos_and_refuse_another_targets_file(tmp_path, m
     assert have["a"]["prompt_ids"] == [1, 2, 3]
     again = cached_answers(None, tok, prompts, path, "tiny", 8, 4, ())
     assert asked == [["a", "b"], []] and again == have
-    for target, max_new_tokens in (("other", 8), ("tiny", 16)):
-        with pytest.raises(ValueError, match="holds answers of \\[\\('tiny', 8\\)\\]"):
-            cached_answers(None, tok, prompts, path, target, max_new_tokens, 4, ())
+    for target, max_new_tokens, dtype in (("other", 8, "float32"), ("tiny", 16, "float32"), ("tiny", 8, "bfloat16")):
+        with pytest.raises(ValueError, match="holds answers of \\[\\('tiny', 8, 'float32'\\)\\]"):
+            cached_answers(None, tok, prompts, path, target, max_new_tokens, 4, (), dtype)
+    legacy = tmp_path / "legacy.jsonl"  # written before the dtype was recorded: float32's
+    legacy.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "dtype"}) + "\n" for r in have.values()))
+    assert cached_answers(None, tok, prompts, legacy, "tiny", 8, 4, ()) == \
+        {k: {f: v for f, v in r.items() if f != "dtype"} for k, r in have.items()}
+    with pytest.raises(ValueError, match="holds answers of"):
+        cached_answers(None, tok, prompts, legacy, "tiny", 8, 4, (), "bfloat16")
+    ranks = tmp_path / "ranks.jsonl"  # another of space-probe's files passed as --answers
+    ranks.write_text(json.dumps({"key": "a", "ranks": [[0, 1]]}) + "\n")
+    with pytest.raises(ValueError, match="ranks.jsonl: line 1 is not a space-probe answer"):
+        cached_answers(None, tok, prompts, ranks, "tiny", 8, 4, ())
