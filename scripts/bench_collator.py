@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from space.data.collator import SpaceCollator
+from space.jsonl import write_text_atomic
 
 VOCAB, MASK_ID, PAD_ID = 32000, 32000, 0
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"mask {res['baseline_mask_bytes'] / 1e6:.1f} MB -> {res['mask_bytes'] / 1e6:.1f} MB")
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=2) + "\n")
+        write_text_atomic(a.out, json.dumps(res, indent=2) + "\n")
     return res
 
 

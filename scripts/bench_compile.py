@@ -45,6 +45,7 @@ from space.decoding import DecodeConfig, SpaceDecoder
 from space.eval.bench import Target, generate
 from space.eval.tasks import load_tasks
 from space.eval.tree_search import step_cost_curve
+from space.jsonl import write_text_atomic
 from space.loader import load_space
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
@@ -149,8 +150,8 @@ def main(argv=None) -> dict:
         "per_prompt_tokens_per_s": rates,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "compile.md").write_text(markdown(result))
+    write_text_atomic(args.out / "compile.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(args.out / "compile.md", markdown(result))
     print(markdown(result))
     return result
 

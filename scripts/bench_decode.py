@@ -28,6 +28,7 @@ from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import cache_input, crop_cache
 from space.eval.tasks import load_tasks
+from space.jsonl import write_text_atomic
 from space.masking import build_layout, decode_layout, to_additive_4d
 from space.models import load_model
 from space.tokens import add_mask_tokens
@@ -125,7 +126,7 @@ def main() -> None:
     res["ar_loop_vs_hf_generate"] = round(res["tokens_per_s"]["ar_loop"] / res["tokens_per_s"]["hf_generate"], 3)
     print(json.dumps(res["tokens_per_s"]), "ratio AR/HF:", res["ar_loop_vs_hf_generate"])
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2))
+    write_text_atomic(a.out, json.dumps(res, indent=2))
     print(f"wrote {a.out}")
 
 

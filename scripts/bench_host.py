@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's space/ and tests/, not an insta
 import torch  # noqa: E402
 
 from space.decoding import DecodeConfig, SpaceDecoder  # noqa: E402
+from space.jsonl import write_text_atomic  # noqa: E402
 from space.models import tiny_random_llama  # noqa: E402
 from space.tokens import add_mask_tokens  # noqa: E402
 from tests.conftest import TRAINED_K, CycleLanguage, train_drafter  # noqa: E402
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
     print(json.dumps(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_text_atomic(Path(args.out), json.dumps(result, indent=1) + "\n")
     return result
 
 

@@ -27,6 +27,7 @@ from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import SpaceDecoder, ar_generate
 from space.eval.tasks import load_tasks
+from space.jsonl import write_text_atomic
 from space.loader import load_space
 
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
@@ -86,7 +87,7 @@ def main(argv=None) -> dict:
           f"(fast/stock {result['ar_fast_over_stock']}); SPACE: stock {space_med['stock']:.2f}, fast "
           f"{space_med['fast']:.2f} (fast/stock {result['space_fast_over_stock']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_text_atomic(Path(args.out), json.dumps(result, indent=1))
     return result
 
 

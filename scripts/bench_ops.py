@@ -29,6 +29,7 @@ from space.data.prompts import chat_ids, code_prompt  # noqa: E402
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate  # noqa: E402
 from space.decoding.op_count import OpCounter  # noqa: E402
 from space.eval.tasks import load_tasks  # noqa: E402
+from space.jsonl import write_text_atomic  # noqa: E402
 from space.loader import load_space  # noqa: E402
 
 ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
@@ -96,7 +97,7 @@ def main(argv=None) -> dict:
     print(json.dumps({k: record[k] for k in ("ops_per_step", "over_ar", "bf16_over_fp32") if k in record}, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        write_text_atomic(Path(args.out), json.dumps(record, indent=1) + "\n")
     return record
 
 

@@ -18,6 +18,7 @@ import torch
 from space.adapter_layers import prepare_model
 from space.data.collator import SpaceCollator
 from space.data.sft import load_examples, tokenize
+from space.jsonl import write_text_atomic
 from space.models import load_model
 from space.config import SpaceSettings
 from space.train.steps import sar_step
@@ -67,7 +68,7 @@ def main() -> None:
     res["frozen_base_vs_full"] = round(res["frozen-base"]["tokens_per_s"] / res["full"]["tokens_per_s"], 2)
     print("frozen-base two-pass / full forward-backward tokens/s:", res["frozen_base_vs_full"])
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2))
+    write_text_atomic(a.out, json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from space.adapter_layers import apply_lora  # noqa: E402
 from space.decoding.backends import choose_sdpa  # noqa: E402
 from space.decoding.fused import fuse_trunk  # noqa: E402
 from space.choices import COMPILE_MODES  # noqa: E402
+from space.jsonl import write_text_atomic  # noqa: E402
 from space.models import tiny_tokenizer  # noqa: E402
 from space.tokens import add_mask_tokens  # noqa: E402
 
@@ -373,7 +374,7 @@ def main(argv=None) -> dict:
         p.error("needs a CUDA GPU (or --device cpu for a dry run)")
     result = {"command": " ".join(sys.argv), "machine": machine(),
               **{"step-cost": cmd_step_cost, "host-time": cmd_host_time, "train": cmd_train}[args.cmd](args)}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_text_atomic(Path(args.out), json.dumps(result, indent=1))
     return result
 
 

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from space.cli import console
+from space.jsonl import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {  # name -> training config; model paths for the LLaMA-2 family live in the configs
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{s['speedup'].get('space_vs_hf', 0):.2f} | {fmt(s.get('exact_match_rate'))} % | n/a | n/a |")
     table = "\n".join(lines) + "\n\nXSum and CIP are not in ../shared/data: n/a.\n"
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "table1.md").write_text(table)
+    write_text_atomic(a.out / "table1.md", table)
     print(table)
 
 

@@ -22,6 +22,7 @@ from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.jsonl import write_text_atomic
 from space.loader import load_space
 
 
@@ -39,6 +40,9 @@ def main() -> None:
     ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
     ap.add_argument("--out", type=Path, default=Path("results/tune_layout.json"))
     a = ap.parse_args()
+    for flag, value in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens), ("--top", a.top)):
+        if value < 1:  # --prompts 0 took every example ([-0:]), and no AR time to divide by
+            ap.error(f"{flag} must be >= 1, got {value}")
     model, tok, spec = load_space(a.model, a.adapter)
     kernels = apply_kernels(model, a.kernels)
     prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]
@@ -66,7 +70,7 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"kernels": kernels, "prompts": a.prompts,
+    write_text_atomic(a.out, json.dumps({"kernels": kernels, "prompts": a.prompts,
                                  "max_new_tokens": a.max_new_tokens, "ar_tokens_per_s": round(ar_tps, 2), "ranking": rows}, indent=2))
     best = rows[0]
     print(f"best: {json.dumps(best['decode'])} -> {a.out}")

@@ -395,6 +395,15 @@ def test_bench_train_tiny(tmp_path, monkeypatch):
                                     "--mask-num", "2", "--out", tmp_path / "few.json"], monkeypatch)
 
 
+@pytest.mark.parametrize("flag", ["--prompts", "--max-new-tokens", "--top"])
+def test_tune_layout_refuses_a_count_below_one(tmp_path, monkeypatch, capsys, flag):
+    """Catches ``--prompts 0`` taking every example of the set (``[-0:]``): a run meant to be short
+    decoded all 974 MBPP prompts with every layout."""
+    with pytest.raises(SystemExit):
+        run_as_main("tune_layout", ["--model", "tiny-random-llama", flag, "0", "--out", tmp_path / "t.json"], monkeypatch)
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_tune_layout_tiny(tiny_adapter, tmp_path, monkeypatch):
     out = tmp_path / "tune.json"
     run_as_main("tune_layout", ["--model", "tiny-random-llama", "--adapter", tiny_adapter, "--prompts", "1",
