@@ -130,12 +130,13 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((name, mode, lang, s))
     lines = ["| Model | mode | HumanEval-X lang | Pass@1 SPACE (AR) | tokens/step | speedup vs AR | speedup vs HF "
              "| exact | XSum speedup | CIP speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "-" if v is None else v if isinstance(v, str) else f"{100 * v:.1f}"  # noqa: E731
+    num = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731  (a run whose every question was skipped has none)
     for name, mode, lang, s in rows:
-        p = s["pass_at_1"]
-        fmt = lambda v: "-" if v is None else v if isinstance(v, str) else f"{100 * v:.1f}"  # noqa: E731
-        lines.append(f"| {name} | {mode} | {lang} | {fmt(p.get('space'))} ({fmt(p.get('ar'))}) | "
-                     f"{s['methods']['space'].get('tokens_per_step', 0):.2f} | {s['speedup'].get('space_vs_ar', 0):.2f} | "
-                     f"{s['speedup'].get('space_vs_hf', 0):.2f} | {fmt(s.get('exact_match_rate'))} % | n/a | n/a |")
+        p, x = s["pass_at_1"], s["speedup"]
+        lines.append(f"| {name} | {mode} | {lang} | {pct(p.get('space'))} ({pct(p.get('ar'))}) | "
+                     f"{num(s['methods'].get('space', {}).get('tokens_per_step'))} | {num(x.get('space_vs_ar'))} | "
+                     f"{num(x.get('space_vs_hf'))} | {pct(s.get('exact_match_rate'))} % | n/a | n/a |")
     table = "\n".join(lines) + "\n\nXSum and CIP are not in ../shared/data: n/a.\n"
     a.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(a.out / "table1.md", table)
