@@ -45,9 +45,10 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     Raises:
         ValueError: see ``check_prompt``; a prompt and max_new_tokens that overflow ``graphs``'s cache.
     """
-    ids = check_prompt(input_ids, max_new_tokens, model.config.max_position_embeddings)
+    ids = check_prompt(input_ids, max_new_tokens, model.config.max_position_embeddings,
+                       model.get_output_embeddings().weight.shape[0])
     device = model.device
-    res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
+    res = DecodeResult(ids.numel(), max_new_tokens, stop_token_ids, on_tokens)
     suppress = torch.tensor(list(suppress_ids), dtype=torch.long, device=device)
     gen = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     slots = ids.numel() + max_new_tokens

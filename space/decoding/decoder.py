@@ -457,8 +457,8 @@ class SpaceDecoder:
             ValueError: empty prompt, batch > 1, prompt + max_new_tokens over the context, or a
                 ``planner`` with a sampled chain.
         """
-        ids = check_prompt(input_ids, max_new_tokens, self.context)
-        res = DecodeResult(ids.numel(), max_new_tokens, frozenset(stop_token_ids), on_tokens)
+        ids = check_prompt(input_ids, max_new_tokens, self.context, self.head.weight.shape[0])
+        res = DecodeResult(ids.numel(), max_new_tokens, stop_token_ids, on_tokens)
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)
         # a sampled chain drafts by sampling and verifies with the p/q rule; every other step
         # verifies deterministic candidates

@@ -1,9 +1,10 @@
 """Per-generation bookkeeping shared by the AR loop and the SPACE decoder (DESIGN §6)."""
 from __future__ import annotations
 
+import numbers
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,8 @@ class DecodeResult:
 
     Attributes:
         prompt_len: tokens in the prompt.
+        stop_token_ids: the ids that end the generation, as ints (given as any iterable of ints,
+            or a tensor).
         new_ids: generated token ids (EOS included when it stopped the generation).
         accept_lengths: per SPACE step, candidates accepted (0..m), bonus not counted; empty for AR.
         step_candidates: per SPACE step, the depth of the candidates it verified (m for a chain;
@@ -65,6 +68,11 @@ class DecodeResult:
     step_sources: list[str] = field(default_factory=list)
     step_offered: list[tuple[int, int]] = field(default_factory=list)
     stop_reason: str | None = None
+
+    def __post_init__(self):
+        # as ints: a tensor's elements hash by identity, so a stop id given as a tensor never matched
+        ids = self.stop_token_ids
+        self.stop_token_ids = frozenset(int(t) for t in (ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids))
 
     def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
              candidates: int | None = None, rows: int | None = None, host: float | None = None,
@@ -145,12 +153,18 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, context: int) -> torch.Tensor:
+def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, context: int,
+                 vocab: int | None = None) -> torch.Tensor:
     """Validate a batch-1 prompt; returns (seq,) long ids.
 
+    Args:
+        vocab: the model's vocabulary size (its LM head's rows): every id must lie in [0, vocab).
+
     Raises:
-        ValueError: batch > 1, empty prompt, max_new_tokens < 1, or prompt + max_new_tokens over
-            the context (the message names both lengths).
+        ValueError: batch > 1, empty prompt, max_new_tokens not an integer >= 1, an id outside
+            the vocabulary (an embedding's IndexError on a CPU, a device-side assert that breaks
+            the process's CUDA state on a GPU), or prompt + max_new_tokens over the context (the
+            message names both lengths).
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 2:
@@ -159,8 +173,14 @@ def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, conte
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError("empty prompt: pass at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if vocab is not None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"token id {low if low < 0 else high} is outside the model's vocabulary [0, {vocab})")
     need = ids.numel() + max_new_tokens
     if need > context:
         raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "

@@ -64,6 +64,39 @@ def test_check_prompt_refuses_no_new_token_and_accepts_a_full_context():
         check_prompt([1, 2, 3], 14, 16)
 
 
+def test_check_prompt_refuses_a_non_integer_length_and_ids_outside_the_vocabulary():
+    """Catches each reaching the model: ``max_new_tokens=2.5`` failed inside the cache code,
+    ``True`` ran as 1, and an id past the vocabulary raised an embedding's IndexError on a CPU (a
+    device-side assert on a GPU, after which the process's CUDA state is broken)."""
+    from space.decoding.result import check_prompt
+
+    for bad in (2.5, True, "3"):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be an integer, got {bad!r}"):
+            check_prompt([1, 2, 3], bad, 16)
+    for ids, bad in (([1, 20, 3], 20), ([1, -1], -1)):
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the model's vocabulary \[0, 20\)"):
+            check_prompt(ids, 4, 16, vocab=20)
+    assert check_prompt([0, 19], 4, 16, vocab=20).tolist() == [0, 19]
+
+
+def test_stop_ids_given_as_a_tensor_stop_the_generation(tiny):
+    """Catches a frozenset of the given ids: a tensor's elements hash by identity, so
+    ``5 in frozenset(torch.tensor([5]))`` is False and the generation ran to max_new_tokens."""
+    import torch
+
+    from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+
+    model, _, spec = tiny
+    prompt = torch.arange(11, 20)
+    free = ar_generate(model, prompt, 8, suppress_ids=spec.token_ids).new_ids
+    stop = free[3]
+    want = free[: free.index(stop) + 1]
+    decoder = SpaceDecoder(model, spec, DecodeConfig(3))
+    for given in (torch.tensor([stop, 7]), [torch.tensor(stop)], torch.tensor(stop)):
+        assert ar_generate(model, prompt, 8, suppress_ids=spec.token_ids, stop_token_ids=given).new_ids == want
+        assert decoder.generate(prompt, 8, stop_token_ids=given).new_ids == want
+
+
 def test_ar_step_times_are_per_step_not_cumulative(tiny, monkeypatch):
     """ar_generate times each step from its own start (a clock read once before the loop made
     step_times cumulative, so tokens/s fell with length). A fake clock that ticks 1 s per read
