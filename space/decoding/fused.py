@@ -89,6 +89,15 @@ class SharedProjection(nn.Module):
         # per thread: (input, its version when the GEMM ran, the members' outputs not yet taken)
         self._kept = threading.local()
 
+    def __getstate__(self):  # copy.deepcopy, torch.save: a thread-local cannot be pickled (nor is it worth keeping)
+        state = super().__getstate__().copy()
+        del state["_kept"]
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._kept = threading.local()
+
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Member ``index``'s output for input ``x`` (batch, seq, in) -> (batch, seq, out_index):
         a view of the group's one GEMM, run when a member first asks for ``x`` as it is now."""
@@ -144,11 +153,16 @@ class ProjectionSlice(nn.Module):
         return self.shared.output(x, self.index)
 
 
-def _unfused_state(names: tuple[str, ...]):
+class _UnfusedState:
     """A state-dict hook for the parent of fused members ``names``: their entries as the unfused
-    modules had them (copies: one storage's views would look like tied weights to a saver)."""
-    def hook(module, state, prefix, _metadata):
-        for i, name in enumerate(names):
+    modules had them (copies: one storage's views would look like tied weights to a saver). A
+    class, not a closure, so a fused model can be deep-copied and pickled."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+
+    def __call__(self, module, state, prefix, _metadata):
+        for i, name in enumerate(self.names):
             for key in [k for k in state if k.startswith(f"{prefix}{name}.")]:
                 del state[key]
             member = getattr(module, name)
@@ -162,7 +176,6 @@ def _unfused_state(names: tuple[str, ...]):
                 a, b = shared.lora_of(i)
                 state[f"{prefix}{name}.lora_a"], state[f"{prefix}{name}.lora_b"] = a, b
         return state
-    return hook
 
 
 def _fusable(members: list[nn.Module | None]) -> bool:
@@ -193,7 +206,7 @@ def fuse_projections(model: nn.Module) -> int:
             for i, name in enumerate(names):
                 setattr(parent, name, ProjectionSlice(shared, i, members[0].in_features if isinstance(members[0], nn.Linear)
                                                       else members[0].base.in_features))
-            parent._register_state_dict_hook(_unfused_state(names))
+            parent._register_state_dict_hook(_UnfusedState(names))
             count += 1
     return count
 

@@ -52,6 +52,25 @@ def test_fused_trunk_computes_the_unfused_layers_and_saves_as_them(targets, bias
     assert not any(m.holds_outputs() for m in fused.modules() if isinstance(m, SharedProjection))  # none kept alive
 
 
+def test_a_fused_model_deep_copies_and_pickles():
+    """load_space fuses every eager single-device model. Catches a thread-local in the shared
+    projection and a closure as its state-dict hook: ``copy.deepcopy`` and ``torch.save`` of a
+    loaded model raised. The copy computes what the original does, and saves as it."""
+    import io
+
+    fused, spec = gated_tiny()
+    fuse_trunk(fused)
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    buf.seek(0)
+    ids = torch.tensor([[5, 6, 7, 8] + [spec.token_ids[0]] * 3])
+    for other in (copy.deepcopy(fused), torch.load(buf, weights_only=False)):
+        with torch.no_grad(), mask_rows(4):
+            torch.testing.assert_close(other(input_ids=ids).logits, fused(input_ids=ids).logits, rtol=0, atol=0)
+        mine, theirs = other.state_dict(), fused.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
 def test_a_member_called_on_another_input_recomputes():
     """The group's GEMM is kept for the tensor the first member saw; a member given another
     tensor gets its own columns of that tensor, never the kept ones."""
