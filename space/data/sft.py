@@ -43,10 +43,13 @@ def data_root(root: str | os.PathLike | None = None) -> Path:
 
 @dataclass
 class Example:
-    """One training pair: ``context`` messages (role/content) and the assistant ``response``."""
+    """One training pair: ``context`` messages (role/content) and the assistant ``response``;
+    ``finished`` False for a response cut at a length limit (``space-distill``'s rows record it):
+    the model never ended its turn there, so :func:`tokenize` adds no end of turn."""
 
     context: list[dict]
     response: str
+    finished: bool = True
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -105,7 +108,9 @@ def to_example(row: dict) -> Example:
     if "prompt" in row and "response" in row:
         prompt = row["prompt"]
         context = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return _checked(context, row["response"])
+        ex = _checked(context, row["response"])
+        ex.finished = row.get("finished", True) is not False
+        return ex
     raise ValueError(f"unknown row format with keys {sorted(row)}; expected instruction/output, "
                      "conversations, text/code or prompt/response")
 
@@ -174,7 +179,8 @@ def load_examples(name: str, root: str | os.PathLike | None = None, limit: int |
 
 
 def tokenize(examples: list[Example], tokenizer, max_length: int):
-    """Token ids (prompt + response + EOS) cut to ``max_length``, with ``prompt_len`` and ``idx``.
+    """Token ids (prompt + response + EOS; no EOS after an unfinished response) cut to
+    ``max_length``, with ``prompt_len`` and ``idx``.
 
     Prompt tokens are excluded from the loss by the collator (targets before ``prompt_len``).
     Samples whose prompt alone fills ``max_length`` are dropped.
@@ -190,6 +196,11 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
         full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
         if full[: len(prompt)] != prompt:  # templates that re-render the prompt differently
             full = prompt + tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        tail = full[len(prompt):]
+        if not ex.finished and tokenizer.eos_token_id in tail:
+            # a response cut at max_new_tokens: end at its last token, not at an end of turn (and the
+            # template's text after it) that would teach the masks to close the turn there
+            full = full[: len(full) - 1 - tail[::-1].index(tokenizer.eos_token_id)]
         if len(prompt) + 2 <= max_length:
             rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i})
     return Dataset.from_list(rows)

@@ -108,6 +108,20 @@ def test_tokenize_splits_prompt_and_response_as_the_chat_template():
     assert len(tokenize(examples[:1], tok, max_length=prompt_len + 1)) == 0  # room for 1: dropped
 
 
+def test_an_answer_cut_at_the_length_limit_gets_no_end_of_turn():
+    """space-distill records ``finished: false`` for an answer cut at max_new_tokens (a third to
+    a half of the committed self-distilled rows). Catches tokenizing it as a whole turn: the
+    template's end of turn after the cut taught the masks (and in lora / full mode the model)
+    to close the turn where the teacher never did."""
+    tok = tiny_tokenizer()
+    cut, whole = (to_example({"prompt": "Hi", "response": "Hello there", "finished": f}) for f in (False, True))
+    assert not cut.finished and whole.finished and to_example({"prompt": "Hi", "response": "Hello"}).finished
+    rows = tokenize([cut, whole], tok, max_length=64)
+    assert tok.decode(rows[0]["input_ids"][rows[0]["prompt_len"]:]) == "Hello there"
+    assert rows[1]["input_ids"][: len(rows[0]["input_ids"])] == rows[0]["input_ids"]
+    assert tok.decode(rows[1]["input_ids"][rows[1]["prompt_len"]:]) == "Hello there<|im_end|>\n"
+
+
 def test_tokenize_falls_back_when_the_template_rerenders_the_prompt():
     """A template that renders the prompt differently once an answer follows it (here: a system
     line only with the generation prompt): the sample is the prompt as generation sees it, the
