@@ -89,12 +89,19 @@ def check_args(args) -> None:
         check_tree_vocab(tree, args.model, adapter_path(args))
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """Turn ``turn``'s sampling seed: ``seed + turn`` wrapped into the generator's 0..2**64-1, so a
+    first seed near the top (``--seed`` takes the whole range) does not fail every later turn."""
+    return (seed + turn) % 2**64
+
+
 class Chat:
     """One conversation: the model, its decoder, the history and the per-turn settings.
 
     Args:
         model, tokenizer, decoder: from :func:`load`.
-        sampling: the first turn's settings; turn t uses seed ``sampling.seed + t``.
+        sampling: the first turn's settings; turn t uses seed ``sampling.seed + t`` (mod 2**64,
+            :func:`turn_seed`).
         max_new_tokens: longest reply.
         out: the text stream replies are streamed to (status lines are printed by :func:`main`).
     """
@@ -126,7 +133,7 @@ class Chat:
         self.messages.append({"role": "user", "content": text})
         prompt = chat_ids(self.tok, self.messages)
         sampling = SamplingConfig(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
-                                  self.sampling.seed + self.turn)
+                                  turn_seed(self.sampling.seed, self.turn))
         self.turn += 1
         streamer = _streamer(self.tok, self.out)
         new: list[int] = []  # what was streamed, kept when Ctrl-C stops the reply
@@ -157,7 +164,7 @@ class Chat:
         from .decoding import SamplingConfig, ar_generate
 
         sampling = SamplingConfig(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p,
-                                  self.sampling.seed + self.turn - 1)
+                                  turn_seed(self.sampling.seed, self.turn - 1))
         ar = ar_generate(self.model, torch.tensor(prompt), len(result.new_ids), sampling, self.stop_ids,
                          self.decoder.mask.token_ids)
         return ar.tokens_per_s, (ar.new_ids == result.new_ids) if sampling.greedy else None

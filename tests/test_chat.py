@@ -167,3 +167,18 @@ def test_a_turn_that_does_not_fit_is_dropped_from_the_history(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["--top-p", "1.5"])
     assert exit_info.value.code == 2 and "--top-p must lie in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_first_seed_at_the_top_of_the_range_samples_every_turn():
+    """--seed takes 0..2**64-1 and turn t samples with seed + t. Catches the plain sum: from the
+    second turn on a seed of 2**64 - 1 failed SamplingConfig's range check, every turn after it
+    too, and /reset did not clear it."""
+    model, tok, spec = load_space("tiny-random-llama", None, 3)
+    top = 2**64 - 1
+    chat = Chat(model, tok, SpaceDecoder(model, spec), SamplingConfig(1.0, seed=top), 4, out=io.StringIO())
+    for text in ("hello", "and then?", "more"):
+        _, result, _ = chat.reply(text)
+        assert result is not None and result.new_ids
+    from space.chat import turn_seed
+
+    assert [turn_seed(top, t) for t in range(3)] == [top, 0, 1] and turn_seed(3, 2) == 5
