@@ -48,7 +48,6 @@ from .jsonl import append_jsonl, read_jsonl, read_jsonl_resumable, write_jsonl, 
 
 SOURCES = ("mbpp", "lima", "stdlib", "magpie")
 SEED_LIMIT = 2**32  # seeds are 0..2**32-1: the batch seeds derived from them stay in torch's int64
-MAX_SAMPLED_PER_KEPT = 20  # give up on self-generated prompts past this many samples per kept one
 
 
 def source_prompts(name: str, data_root=None) -> list[tuple[str, list[dict]]]:
@@ -227,7 +226,7 @@ class Distiller:
     # -- self-generated prompts -------------------------------------------------------------
     def _magpie(self) -> None:
         """First turns until ``--magpie-limit`` pass the filters, their answers, then follow-ups."""
-        from .data.magpie import PromptFilter, sample_user_turns, user_prefix_ids
+        from .data.magpie import MAX_SAMPLED_PER_KEPT, PromptFilter, sample_user_turns, user_prefix_ids
 
         m, limit = self.magpie, self.sources["magpie"]
         leak_texts = self._leak_texts()  # read once: the follow-up filter checks the same prompts

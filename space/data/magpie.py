@@ -31,6 +31,7 @@ SENTINEL = "\ue000USER_TEXT\ue000"  # private-use characters: never in a templat
 LEAK_NGRAM, LEAK_MIN_WORDS = 13, 6
 LEAK_JACCARD, DUP_JACCARD, NUM_PERM = 0.5, 0.7, 128
 VERDICTS = ("ok", "unfinished", "empty", "template", "short", "long", "leak", "duplicate")
+MAX_SAMPLED_PER_KEPT = 20  # give up on self-generated prompts past this many samples per kept one
 
 
 def user_prefix_ids(tokenizer, history: list[dict]) -> list[int]:
@@ -102,9 +103,18 @@ def eval_texts(data_root=None) -> list[str]:
 def generate_prompts(model, tokenizer, num: int, prompt_filter: "PromptFilter", seed: int, batch_size: int = 32,
                      max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 0.95) -> list[str]:
     """The first ``num`` first-turn user messages that ``prompt_filter`` keeps (batch b seeded
-    ``seed * 1_000_003 + b``, as ``space.distill`` seeds its own)."""
+    ``seed * 1_000_003 + b``, as ``space.distill`` seeds its own).
+
+    Raises:
+        ValueError: :data:`MAX_SAMPLED_PER_KEPT` x ``num`` messages sampled and fewer than ``num``
+            kept (a model that never ends its turn, or a filter that keeps nothing): it would
+            sample forever.
+    """
     prefix, kept, b = user_prefix_ids(tokenizer, []), [], 0
     while len(kept) < num:
+        if b * batch_size >= MAX_SAMPLED_PER_KEPT * num:
+            raise ValueError(f"self-generated prompts: only {len(kept)} of {b * batch_size} sampled user turns "
+                             f"passed the filters ({dict(prompt_filter.counts)}); ask for fewer")
         for text, finished in sample_user_turns(model, tokenizer, [prefix] * batch_size, seed * 1_000_003 + b,
                                                 max_new_tokens, temperature, top_p):
             if prompt_filter.verdict(text, finished) == "ok":

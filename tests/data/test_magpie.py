@@ -33,6 +33,21 @@ def test_sampling_is_seeded_and_reports_unfinished_turns(tiny):
     assert len(first) == 3 and all(isinstance(t, str) and isinstance(f, bool) for t, f in first)
 
 
+def test_generate_prompts_gives_up_when_the_filter_keeps_nothing(tiny, monkeypatch):
+    """``space-dev-set --general`` samples until enough prompts pass the filters. Catches a loop
+    without space-distill's cap: a filter that keeps nothing (or a model that never ends its turn)
+    sampled forever. It stops after MAX_SAMPLED_PER_KEPT samples per prompt asked for."""
+    import space.data.magpie as magpie
+
+    model, tok = tiny
+    calls = []
+    monkeypatch.setattr(magpie, "sample_user_turns",
+                        lambda model, tok, prefixes, seed, *a: calls.append(seed) or [("x", False)] * len(prefixes))
+    with pytest.raises(ValueError, match=r"only 0 of 40 sampled user turns passed the filters \({'unfinished': 40}\)"):
+        magpie.generate_prompts(model, tok, 2, PromptFilter([], tok.all_special_tokens), seed=0, batch_size=8)
+    assert len(calls) == 5  # 5 batches of 8 = 20 x 2
+
+
 def test_filters_apply_in_order():
     f = PromptFilter(["Write a function that sorts a list of numbers in ascending order and returns it."],
                      special_tokens=["<|im_start|>", "<|im_end|>"])
