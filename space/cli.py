@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import signal
 import sys
@@ -29,6 +30,8 @@ import yaml
 # unreadable files and folders, broken configs, a missing optional package.
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
                    FileExistsError, ModuleNotFoundError, yaml.YAMLError)
+# and the OSErrors of a place the user chose to write: a read-only file system, a full disk or quota
+EXPECTED_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 
 DEBUG_HELP = "on an error, show the full traceback instead of one line"
@@ -128,6 +131,13 @@ def console(prog: str, main: Callable[[list[str] | None], object], resumes: bool
         try:
             main(args)
         except EXPECTED_ERRORS as e:
+            if debug:
+                traceback.print_exc()
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            code = 2
+        except OSError as e:
+            if e.errno not in EXPECTED_ERRNOS:
+                raise
             if debug:
                 traceback.print_exc()
             print(f"{prog}: error: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .choices import ALIASES, DEVICE_MAP_STRATEGIES, SMOLLM2, TINY  # noqa: F401  (re-exported)
@@ -84,7 +85,8 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
         FileNotFoundError: ``name`` is neither an alias nor an existing directory (lists aliases).
         ModuleNotFoundError: the embedded model's package is missing (prints the install command).
         ValueError: a device map that names modules the model lacks, misses some, or offloads
-            (see :func:`dispatch`).
+            (see :func:`dispatch`); a folder whose model does not load (no weights, a damaged
+            config.json or weights file).
     """
     torch_dtype = parse_dtype(dtype)
     if name == TINY:
@@ -95,8 +97,11 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
         if not path.is_dir():
             known = "\n".join(f"  {k}: {v}" for k, v in ALIASES.items())
             raise FileNotFoundError(f"unknown model {name!r}: not an alias and not a directory. Known aliases:\n{known}")
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
+        except (OSError, SafetensorError) as e:  # no weights, a damaged config or weights file: name the folder
+            raise ValueError(f"model folder {path} does not load: {' '.join(str(e).split())[:400]}") from None
     if device_map is None:
         model = model.to(device=device, dtype=torch_dtype)
     else:  # a directory's model comes placed, with the strategy resolved into hf_device_map

@@ -23,6 +23,7 @@ from space.distill import cli as distill_cli
 from space.eval.__main__ import cli as eval_cli
 from space.jsonl import append_jsonl, read_jsonl_resumable
 from space.layout_cli import cli as layout_cli
+from space.models import tiny_random_llama
 from space.train.__main__ import cli as train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,11 @@ def _files(tmp: Path) -> None:
         (tmp / name / "space_config.json").write_text(text)
     (tmp / "readonly").mkdir()
     (tmp / "readonly").chmod(0o500)
+    model, tok = tiny_random_llama()  # model folders: a config and a tokenizer, no weights; a damaged config
+    for name in ("noweights", "badconfig"):
+        tok.save_pretrained(tmp / name)
+        model.config.save_pretrained(tmp / name)
+    (tmp / "badconfig" / "config.json").write_text('{"model_type": "llama", ')
 
 
 CASES = [  # (command, args, exit code, fragment of stderr)
@@ -92,6 +98,9 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-eval", [*EVAL, "--limit", "0"], 2, "--limit must be >= 1"),
     ("space-eval", [*EVAL, "--methods", "ar,medusa"], 2, "unknown method(s) ['medusa']"),
     ("space-eval", ["--model", "no/such/model", "--limit", "1", "--out", "{tmp}/out"], 2, "unknown model 'no/such/model'"),
+    ("space-eval", ["--model", "{tmp}/noweights", "--limit", "1", "--out", "{tmp}/out"], 2,
+     "noweights does not load: Error no file named model.safetensors"),
+    ("space-eval", ["--model", "{tmp}/badconfig", "--limit", "1", "--out", "{tmp}/out"], 2, "badconfig does not load"),
     ("space-eval", [*EVAL, "--max-new-tokens", "abc"], 2, "invalid int value: 'abc'"),  # argparse's own
     ("space-eval", [*EVAL, "--mask-num", "0", "--debug"], 2, "Traceback"),
     # space-train
@@ -166,6 +175,31 @@ def test_console_scripts_are_wrapped():
     with pytest.raises(SystemExit) as exit_info:
         layout_cli(["-k", "2"])
     assert exit_info.value.code == 0
+
+
+@pytest.mark.parametrize("code", ["EROFS", "ENOSPC"])
+def test_a_read_only_or_full_disk_is_a_one_line_error(code, capsys):
+    """--out on a read-only file system or a full disk raises a plain OSError (not a
+    PermissionError). Catches the wrapper letting it through as a traceback; any other OSError
+    still is one (a bug to see whole)."""
+    import errno
+
+    from space.cli import console
+
+    def fails(argv):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), "/ro/out")
+
+    with pytest.raises(SystemExit) as exit_info:
+        console("space-x", fails)([])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("space-x: error: [Errno") and "/ro/out" in err
+    assert "Traceback" not in err
+
+    def other(argv):
+        raise OSError(errno.EIO, "I/O error")
+
+    with pytest.raises(OSError, match="I/O error"):
+        console("space-x", other)([])
 
 
 def test_console_restores_the_sigterm_handler():
