@@ -8,19 +8,25 @@
 #   ADAPTER=none bash run_eval.sh              # untrained mask token: exact, but accepts little
 # Flags: python -m space.eval --help. The adapter is added only for its own base model (not for
 # --model tiny-random-llama) and not when you pass --adapter. Writes samples.jsonl, summary.*, plots.
+# Relative paths (--out, --dataset, ADAPTER) are read from where you run it.
 set -euo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,10p' "$0"; exit 0; fi
-cd "$(dirname "$0")"
-[ -x .venv/bin/python ] || bash scripts/setup.sh
-ADAPTER=${ADAPTER:-adapters/smollm2-135m-space}
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,11p' "$0"; exit 0; fi
+here=$(cd "$(dirname "$0")" && pwd)
+py=$here/.venv/bin/python
+[ -x "$py" ] || bash "$here/scripts/setup.sh"
+if [ -n "${ADAPTER:-}" ] && [ "$ADAPTER" != none ] && [ ! -f "$ADAPTER/space_config.json" ]; then
+  echo "run_eval.sh: ADAPTER=$ADAPTER is not a SPACE adapter (no space_config.json there); ADAPTER=none runs without one" >&2
+  exit 2
+fi
+ADAPTER=${ADAPTER:-$here/adapters/smollm2-135m-space}
 model=""; prev=""
 for a in "$@"; do  # the user's --model, and whether they chose an adapter themselves
   case "$prev" in --model) model=$a;; esac; case "$a" in --model=*) model=${a#--model=};; --adapter|--adapter=*) ADAPTER=none;; esac; prev=$a
 done
-base=$([ -d "$ADAPTER" ] && .venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model"])' "$ADAPTER/space_config.json" || true)
+base=$([ -f "$ADAPTER/space_config.json" ] && "$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model"])' "$ADAPTER/space_config.json" || true)
 [ -n "$model" ] && [ "$model" != "$base" ] && ADAPTER=none  # another model: the adapter does not fit it
 # --device auto: the GPU when there is one (space-eval records the device it chose)
 args=(--dataset humaneval --limit 5 --max-new-tokens 128 --device auto --out runs/eval/main)
 # the adapter decodes with its own tuned layout (space_config.json "decode"); --mask-num etc. override it
-[ -d "$ADAPTER" ] && args+=(--adapter "$ADAPTER")
-exec .venv/bin/python -m space.eval "${args[@]}" "$@"
+[ -f "$ADAPTER/space_config.json" ] && args+=(--adapter "$ADAPTER")
+exec "$py" -m space.eval "${args[@]}" "$@"

@@ -1,5 +1,6 @@
 """Every entry point answers --help; the shell wrapper and the Table-1 script run on the tiny model."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,21 @@ def test_run_eval_sh_on_another_model(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "run_config.json").read_text())["adapter"] is None
+
+
+def test_run_eval_sh_reads_paths_from_where_it_runs_and_refuses_a_wrong_adapter(tmp_path):
+    """Catches the script's cd into the repo: a relative --dataset or --out was read from the repo,
+    not from where the user ran it; and a mistyped ADAPTER was dropped without a word (the run went
+    on without an adapter and exited 0)."""
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "Say hi."}) + "\n")
+    common = ["bash", str(ROOT / "run_eval.sh"), "--model", "tiny-random-llama", "--limit", "1",
+              "--max-new-tokens", "4", "--methods", "ar", "--threads", "1", "--dataset", "q.jsonl", "--out", "o"]
+    out = subprocess.run(common, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "o" / "summary.json").is_file()
+    bad = subprocess.run(common, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ADAPTER": "adapters/typo"})
+    assert bad.returncode == 2 and "ADAPTER=adapters/typo is not a SPACE adapter" in bad.stderr
 
 
 def test_reproduce_table1_tiny(tmp_path):
