@@ -25,7 +25,7 @@
 # A failed training ends with one line (the failing rank's own error is above it) and its exit code; nodes
 # that never meet (a node that did not start) end with one line and exit 1.
 # Examples:
-#   bash run_sft_multi_node.sh configs/train/smollm2_frozen_base_cpu.yaml
+#   bash run_sft_multi_node.sh configs/train/smollm2_general_long.yaml      # the shipped adapter's recipe
 #   NPROC_PER_NODE=8 bash run_sft_multi_node.sh configs/train/llama2_7b_full_zero2.yaml
 #   on node i of 4: NNODES=4 NODE_RANK=i MASTER_ADDR=node0 bash run_sft_multi_node.sh configs/train/llama2_70b_full_zero3.yaml
 #   SPACE_LAUNCH_DRY_RUN=1 bash run_sft_multi_node.sh configs/train/llama2_7b_lora.yaml --smoke
@@ -79,7 +79,7 @@ if [[ -n "${NPROC_PER_NODE+set}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; the
 fi
 
 run() {  # exec the command, or print it with SPACE_LAUNCH_DRY_RUN=1
-  if [[ "${SPACE_LAUNCH_DRY_RUN:-0}" == 1 ]]; then echo "$*"; exit 0; fi
+  if [[ "${SPACE_LAUNCH_DRY_RUN:-0}" == 1 ]]; then printf "%q " "$@"; echo; exit 0; fi  # %q: a path with spaces reruns as printed
   exec "$@"
 }
 
@@ -100,10 +100,10 @@ if [[ $NNODES -gt 1 ]]; then
   [[ -n "${MASTER_ADDR:-}" ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of the node with NODE_RANK=0)"
 fi
 NODE_RANK=${NODE_RANK:-0}
-[[ "$NODE_RANK" =~ ^[0-9]+$ && $NODE_RANK -lt $NNODES ]] ||
+# no leading zeros: bash's arithmetic reads 010 as octal 8 and 08 as an error, torchrun reads them as decimals
+[[ "$NODE_RANK" =~ ^(0|[1-9][0-9]*)$ && $NODE_RANK -lt $NNODES ]] ||
   die "NODE_RANK must be an integer in 0..$((NNODES - 1)) (NNODES=$NNODES), got '$NODE_RANK'"
-if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[0-9]+$ && $MASTER_PORT -ge 1 &&
-                                     $MASTER_PORT -le 65535 ]]; then
+if [[ -n "${MASTER_PORT:-}" ]] && ! [[ "$MASTER_PORT" =~ ^[1-9][0-9]*$ && $MASTER_PORT -le 65535 ]]; then
   die "MASTER_PORT must be a port number in 1..65535, got '$MASTER_PORT'"
 fi
 

@@ -649,6 +649,10 @@ LAUNCHER_CASES = [  # (environment, arguments, the one line on stderr)
     ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "node0"}, LAUNCH_CONFIG,
      "NODE_RANK must be an integer in 0..1 (NNODES=2), got '2'"),
     ({"NODE_RANK": "-1"}, LAUNCH_CONFIG, "NODE_RANK must be an integer in 0..0 (NNODES=1), got '-1'"),
+    # a leading zero: bash read 010 as octal 8 (let through for NNODES=9, torchrun then read 10)
+    ({"NNODES": "9", "NODE_RANK": "010", "MASTER_ADDR": "node0"}, LAUNCH_CONFIG,
+     "NODE_RANK must be an integer in 0..8 (NNODES=9), got '010'"),
+    ({"MASTER_PORT": "08080"}, LAUNCH_CONFIG, "MASTER_PORT must be a port number in 1..65535, got '08080'"),
     ({"NNODES": "two"}, LAUNCH_CONFIG, "NNODES must be an integer >= 1, got 'two'"),
     ({"NPROC_PER_NODE": "0"}, LAUNCH_CONFIG, "NPROC_PER_NODE must be an integer >= 1, got '0'"),
     ({"NPROC_PER_NODE": "abc"}, LAUNCH_CONFIG, "NPROC_PER_NODE must be an integer >= 1, got 'abc'"),

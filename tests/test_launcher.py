@@ -4,6 +4,7 @@
 The launcher runs with SPACE_LAUNCH_DRY_RUN=1 (it prints the command instead of running torchrun) and a
 fake ``nvidia-smi`` first on PATH that prints what the real one prints on a GPU machine."""
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def launch(env_extra, *args, path=None, config=CONFIG, cwd=ROOT, stderr=None):
     assert len(lines) == 1, out.stdout
     if stderr is not None:
         stderr += out.stderr.splitlines()
-    return lines[0].split()
+    return shlex.split(lines[0])  # printed with %q: a word with spaces stays one word
 
 
 def nproc(words):
@@ -238,3 +239,14 @@ def test_a_killed_worker_is_a_failure(tmp_path):
     assert out.returncode == 137, out.stderr
     want = "run_sft_multi_node.sh: training failed: rank 0 was killed by SIGKILL (its output is above)"
     assert lines[-1] == want, lines
+
+
+def test_the_printed_command_reruns_with_a_config_path_that_has_spaces(tmp_path):
+    """SPACE_LAUNCH_DRY_RUN=1 prints the command to copy and run. Catches printing the words
+    joined by spaces: a config under a folder with a space in its name split into two words."""
+    folder = tmp_path / "my configs"
+    folder.mkdir()
+    config = folder / "tiny smoke.yaml"
+    config.write_text((ROOT / CONFIG).read_text())
+    words = launch({}, "--run_name", "a b", config=str(config))
+    assert words[-4:] == ["--config", str(config), "--run_name", "a b"]
