@@ -129,8 +129,11 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--spans", type=int, nargs="+", default=[2, 4], help="train: span starts s")
     add_debug_flag(p)
     a = p.parse_args(argv)
-    if a.mask_num < 1:
-        raise ValueError(f"--mask-num (k) must be >= 1, got {a.mask_num}")
+    from .tokens import check_mask_num
+
+    check_mask_num(a.mask_num)  # every mode: a k of thousands asked for terabytes
+    if a.num_groups is not None and not 1 <= a.num_groups <= a.mask_num + 1:
+        raise ValueError(f"--num-groups must lie in 1..k + 1 = 1..{a.mask_num + 1}, got {a.num_groups}")
     dynamic = a.mode == "decode" and a.tree == "dynamic"
     given = [f for f, v in (("--draft-probs", a.draft_probs), ("--lookup", a.lookup), ("--row-budget", a.row_budget),
                             ("--step-cost", a.step_cost)) if v is not None]
@@ -138,15 +141,12 @@ def main(argv: list[str] | None = None) -> str:
         raise ValueError(f"{', '.join(given)}: only for --mode decode --tree dynamic")
     lines = []
     if dynamic:
-        from .tokens import check_mask_num
-
-        check_mask_num(a.mask_num)
         lay, lines = dynamic_example(a.mask_num, a.cache_len, a.num_groups, a.draft_probs, a.lookup, a.row_budget,
                                      a.step_cost)
     elif a.mode == "decode" and a.tree not in (None, "chain"):
         from .decoding.tree import chain_depth, parse_tree
         tree = parse_tree(a.tree, a.mask_num)
-        groups = min(a.num_groups or a.mask_num + 1, chain_depth(tree) + 1)
+        groups = min(a.num_groups or a.mask_num + 1, chain_depth(tree) + 1)  # num_groups None: all
         lay = build_layout(a.cache_len, 1 + len(tree), list(range(1, groups + 1)), a.mask_num,
                            parents=tree_parents(tree))
     elif a.mode == "decode":

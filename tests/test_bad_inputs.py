@@ -129,8 +129,11 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-train", [*TRAIN, "--mask_num", "0", "--debug"], 2, "mask_num (k) must be an integer >= 1, got 0"),
     # space-layout
     ("space-layout", ["--num-candidates", "5", "-k", "2"], 2, "--num-candidates must lie in 0..k = 0..2, got 5"),
-    ("space-layout", ["--mode", "truncate", "-k", "0"], 2, "--mask-num (k) must be >= 1, got 0"),
-    ("space-layout", ["-k", "2", "--num-groups", "9"], 2, "num_groups must lie in 1..3"),
+    ("space-layout", ["--mode", "truncate", "-k", "0"], 2, "mask_num (k) must be an integer >= 1, got 0"),
+    ("space-layout", ["-k", "2", "--num-groups", "9"], 2, "num-groups must lie in 1..k + 1 = 1..3"),
+    ("space-layout", ["-k", "5000"], 2, "mask_num (k) = 5000 exceeds the maximum"),  # asked for terabytes
+    ("space-layout", ["--tree", "[[0],[1]]", "--num-groups", "-3"], 2, "--num-groups must lie in 1..k + 1"),
+    ("space-layout", ["--tree", "[[0],[1]]", "--num-groups", "0"], 2, "--num-groups must lie in 1..k + 1"),
     ("space-layout", ["--mode", "train", "--spans", "9"], 2, "group context lengths must lie in 1..6"),
     ("space-layout", ["--tree", "dynamic", "--draft-probs", "[[0.5,0.6]]"], 2,
      "--draft-probs: each mask's probabilities must be its top drafts in decreasing order"),
