@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+from transformers.generation.logits_process import (PrefixConstrainedLogitsProcessor,
+                                                   UnbatchedClassifierFreeGuidanceLogitsProcessor)
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList,
                                                        StopStringCriteria)
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
@@ -163,18 +164,22 @@ def generate(model, *args, stop_strings: str | list[str] | None = None, tokenize
     ``custom_generate/generate.py`` folder must define (``custom_generate="<repo>"``).
 
     It also makes ``stop_strings=..., tokenizer=...`` work: transformers does not hand the
-    tokenizer to a callable ``custom_generate``, so the stop strings become a
-    ``StopStringCriteria`` here. Other arguments go to ``model.generate`` unchanged.
+    tokenizer to a callable ``custom_generate``, so the stop strings (given, in a passed
+    ``GenerationConfig``, or in the model's own) become a ``StopStringCriteria`` here. Other arguments go to ``model.generate`` unchanged.
 
     Raises:
         ValueError: stop strings without a tokenizer, and whatever :func:`space_generate` raises.
     """
     kwargs.pop("custom_generate", None)
-    config = kwargs.get("generation_config")
+    config, own = kwargs.get("generation_config"), getattr(model, "generation_config", None)
     if config is not None and config.stop_strings is not None:  # move them out of the config too
         stop_strings = stop_strings or config.stop_strings
         kwargs["generation_config"] = config = deepcopy(config)
         config.stop_strings = None
+    if own is not None and own.stop_strings is not None:
+        # the model's own config: generate fills every unset field from it, so clear them as an argument
+        stop_strings = stop_strings or own.stop_strings
+        kwargs["stop_strings"] = None
     if stop_strings:
         if tokenizer is None:
             raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
@@ -186,7 +191,8 @@ def generate(model, *args, stop_strings: str | list[str] | None = None, tokenize
 
 def check_supported(config, processors, model_kwargs: dict, assistant_model=None, synced_gpus=False) -> None:
     """Raise ValueError naming what SPACE cannot do: beam search and other modes, several
-    sequences per prompt, assistants, per-step outputs, stateful guidance, non-text inputs."""
+    sequences per prompt, assistants, per-step outputs, stateful guidance, a prefix constraint
+    (``prefix_allowed_tokens_fn``), non-text inputs."""
     mode = config.get_generation_mode(assistant_model)
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         what = {GenerationMode.ASSISTED_GENERATION: "assisted generation (assistant_model / prompt_lookup_num_tokens"
@@ -200,6 +206,9 @@ def check_supported(config, processors, model_kwargs: dict, assistant_model=None
         unsupported.append(f"num_return_sequences={config.num_return_sequences} (one sequence per prompt)")
     if any(isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in processors or []):
         unsupported.append(f"guidance_scale={config.guidance_scale} (the guidance processor keeps a per-step cache)")
+    if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in processors or []):
+        # it asks its function per batch row; SPACE scores each prompt's tree and draft rows as a batch of their own
+        unsupported.append("prefix_allowed_tokens_fn (it takes the batch row of each scored row)")
     if synced_gpus:
         unsupported.append("synced_gpus=True")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))

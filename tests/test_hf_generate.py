@@ -243,6 +243,9 @@ def test_sampling_matches_exact_distribution(small_vocab_model):
     ({"return_dict_in_generate": True, "output_scores": True}, "output_scores=True"),
     ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
     ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive_search"),
+    # it was run with batch row 0 for every prompt, and with the draft rows as rows of their own (an
+    # IndexError for a per-row list): another row's constraint, or a crash
+    ({"prefix_allowed_tokens_fn": lambda batch_id, ids: [5, 6]}, "prefix_allowed_tokens_fn"),
 ])
 def test_unsupported_options_say_what(tiny, kwargs, fragment):
     model, tok, _ = tiny
@@ -441,3 +444,27 @@ def test_stop_strings_in_a_generation_config(tiny):
     assert new[0] <= 93 and ref.shape[1] == ids.shape[1] + 1
     out = generate(model, ids, attention_mask=torch.ones_like(ids), generation_config=cfg, tokenizer=tok, mask_num=3)
     assert torch.equal(out, ref) and cfg.stop_strings == [stop]
+
+
+def test_stop_strings_in_the_models_own_generation_config(tiny):
+    """Stop strings set on ``model.generation_config`` (no config passed) are moved out as those of
+    a passed config are. Catches reading only a passed config: transformers then raised that it
+    could not locate a tokenizer, where plain generate stops at the string."""
+    from copy import deepcopy
+
+    from space.hf import generate
+
+    model, tok, _ = tiny
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    new = _hf(model, ids, max_new_tokens=24)[0, ids.shape[1]:].tolist()
+    stop = tok.decode(new[:1])
+    saved = deepcopy(model.generation_config)
+    try:
+        model.generation_config.stop_strings = [stop]
+        model.generation_config.max_new_tokens = 24
+        ref = _hf(model, ids, tokenizer=tok)
+        out = generate(model, ids, attention_mask=torch.ones_like(ids), tokenizer=tok, mask_num=3, do_sample=False)
+        assert torch.equal(out, ref) and ref.shape[1] == ids.shape[1] + 1
+        assert model.generation_config.stop_strings == [stop]  # the model's config left as it was
+    finally:
+        model.generation_config = saved
