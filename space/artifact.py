@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .adapter_layers import MaskEmbedding, mask_embedding
+from .adapter_layers import MODES, MaskEmbedding, mask_embedding
 from .decoding.config import DecodeConfig
 from .sampler_head import SAMPLER_ATTR, SamplerHead, sampler_head
 from .tokens import MaskSpec
@@ -160,14 +160,26 @@ def read_space_config(adapter: Path) -> dict:
 
     Raises:
         FileNotFoundError: no space_config.json in ``adapter``.
-        ValueError: not valid JSON, or a required key missing (the file is named).
+        ValueError: not valid JSON, a required key missing, or one of the wrong kind (a mode that is
+            not one of the training modes, which loaded as frozen-base; a base model that is not a
+            name; mask ids that are not integers); the file is named.
     """
     if not (adapter / SPACE_CONFIG).is_file():
         raise FileNotFoundError(f"{adapter} is not a SPACE adapter (no {SPACE_CONFIG})")
     cfg = read_json(adapter / SPACE_CONFIG)
+    where = adapter / SPACE_CONFIG
     missing = [key for key in ("mode", "base_model", "mask_num", "mask_diff", "mask_token_ids") if key not in cfg]
     if missing:
-        raise ValueError(f"{adapter / SPACE_CONFIG}: not a valid SPACE config (missing {', '.join(missing)})")
+        raise ValueError(f"{where}: not a valid SPACE config (missing {', '.join(missing)})")
+    ids = cfg["mask_token_ids"]
+    bad = [key for key, ok in (("mode", cfg["mode"] in MODES), ("base_model", isinstance(cfg["base_model"], str)),
+                               ("mask_num", type(cfg["mask_num"]) is int and cfg["mask_num"] >= 1),
+                               ("mask_diff", isinstance(cfg["mask_diff"], bool)),
+                               ("mask_token_ids", isinstance(ids, list) and ids and all(type(i) is int for i in ids)))
+           if not ok]
+    if bad:
+        raise ValueError(f"{where}: not a valid SPACE config ({', '.join(f'{k}={cfg[k]!r}' for k in bad)}; "
+                         f"mode is one of {', '.join(MODES)})")
     return cfg
 
 

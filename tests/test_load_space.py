@@ -146,6 +146,15 @@ def _json_list(a):
     (a / "space_config.json").write_text("[1, 2]")
 
 
+def _edited(**values):
+    """A hand-edited space_config.json: "mode": "Lora" loaded silently as frozen-base, a null
+    base model failed later with a TypeError traceback."""
+    def damage(a):
+        cfg = json.loads((a / "space_config.json").read_text())
+        (a / "space_config.json").write_text(json.dumps({**cfg, **values}))
+    return damage
+
+
 def _scalar_mask_rows(a):
     save_file({"mask_rows": torch.full((1, 1), 0.5)}, a / "mask_embedding.safetensors")
 
@@ -157,11 +166,15 @@ def _scalar_mask_rows(a):
     (_extra_key, "unexpected keys"),
     (_no_mask_ids, "missing mask_token_ids"),
     (_json_list, "not an object"),
+    (_edited(mode="Lora"), r"not a valid SPACE config \(mode='Lora'; mode is one of full, lora, frozen-base\)"),
+    (_edited(base_model=None), "base_model=None"),
+    (_edited(mask_num="3"), "mask_num='3'"),
+    (_edited(mask_token_ids=[]), r"mask_token_ids=\[\]"),
     (_scalar_mask_rows, r"mask rows of shape \(1, 1\)"),
 ])
 def test_damaged_adapter_is_refused_naming_the_fault(tmp_path, damage, fragment):
     """Catches a dropped check in read_lora (r >= 1, plain LoRA only, every A of rank r, no unpaired
-    key), read_space_config (every required key), read_json (an object) or copy_mask_rows (rows of
+    key), read_space_config (every required key, of its kind), read_json (an object) or copy_mask_rows (rows of
     the model's shape: (1, 1) rows would broadcast into every mask row and load a wrong model silently)."""
     adapter = _artifact(tmp_path / "a", "frozen-base")
     damage(adapter)
