@@ -75,15 +75,25 @@ def current_shard(spec: str | None) -> Shard | None:
     started more than one process, else None (a single process writes samples.jsonl itself).
 
     Raises:
-        ValueError: a bad ``--shard``, or ``--shard`` under a launcher that already assigns ranks.
+        ValueError: a bad ``--shard``, ``--shard`` under a launcher that already assigns ranks, or a
+            launcher environment that is not one (WORLD_SIZE or RANK not an integer, RANK missing
+            or outside 0..WORLD_SIZE-1).
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    env = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK")
+    if not env[0].isdigit() or int(env[0]) < 1:
+        raise ValueError(f"WORLD_SIZE={env[0]!r} in the environment: not a process count")
+    world = int(env[0])
     if spec is not None and world > 1:
         raise ValueError(f"--shard {spec} under torchrun/accelerate (WORLD_SIZE={world}): the launcher assigns "
                          "the ranks; drop --shard")
     if spec is not None:
         return parse_shard(spec)
-    return Shard(int(os.environ["RANK"]), world, launched=True) if world > 1 else None
+    if world == 1:
+        return None
+    if env[1] is None or not env[1].isdigit() or int(env[1]) >= world:  # a hand-set or half-set environment
+        raise ValueError(f"WORLD_SIZE={world} with RANK={env[1]!r}: a launched process needs a RANK in "
+                         f"0..{world - 1}; start the ranks with torchrun, or pass --shard I/N")
+    return Shard(int(env[1]), world, launched=True)
 
 
 def join(shard: Shard) -> None:

@@ -253,6 +253,21 @@ def test_shard_ranks_and_devices(monkeypatch):
     assert current_shard(None) is None
 
 
+@pytest.mark.parametrize("world, rank, fragment", [
+    ("2", None, "WORLD_SIZE=2 with RANK=None: a launched process needs a RANK in 0..1"),  # a KeyError traceback
+    ("2", "5", "WORLD_SIZE=2 with RANK='5'"),  # accepted: rank 5 of 2 selected no question
+    ("two", "0", "WORLD_SIZE='two' in the environment: not a process count"),
+])
+def test_a_launcher_environment_that_is_not_one_is_refused(monkeypatch, world, rank, fragment):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        current_shard(None)
+
+
 def test_rank_0_s_refused_merge_says_how_to_merge_later(tmp_path, monkeypatch):
     """Catches rank 0 of a launched run letting the merge's refusal through bare (here a plain run
     holds samples.jsonl): the message must say that the ranks' files are kept and that
