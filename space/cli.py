@@ -130,14 +130,9 @@ def console(prog: str, main: Callable[[list[str] | None], object], resumes: bool
         code = 0
         try:
             main(args)
-        except EXPECTED_ERRORS as e:
-            if debug:
-                traceback.print_exc()
-            print(f"{prog}: error: {e}", file=sys.stderr)
-            code = 2
-        except OSError as e:
-            if e.errno not in EXPECTED_ERRNOS:
-                raise
+        except (*EXPECTED_ERRORS, OSError) as e:
+            if not isinstance(e, EXPECTED_ERRORS) and e.errno not in EXPECTED_ERRNOS:
+                raise  # any other OSError is a bug to see whole
             if debug:
                 traceback.print_exc()
             print(f"{prog}: error: {e}", file=sys.stderr)

@@ -216,12 +216,13 @@ _YAML_TYPES = {int: ((int,), "an integer"), float: ((int, float), "a number"), b
 
 def check_config_types(values: dict, path: str | os.PathLike) -> None:
     """Refuse a YAML value whose type its field does not take (plain int, float, bool and str
-    fields, or those or None). ``HfArgumentParser.set_defaults`` converts nothing, so
-    ``spans_per_sample: 2.5`` or ``mask_num: true`` got in, and failed (or ran as k = 1) later.
+    fields, or those or None). ``HfArgumentParser.set_defaults`` hands a default to argparse
+    as it is, and argparse converts only strings, so ``spans_per_sample: 2.5`` or ``mask_num: true``
+    got in and failed (or ran as k = 1) later. Strings are left to argparse's conversion
+    (``learning_rate: 1e-4``, which YAML 1.1 reads as text, works).
 
     Raises:
-        ValueError: the file, the key, the type it needs and the value (YAML 1.1 reads ``1e-4``
-            without a dot as text: written ``1.0e-4`` it is a number).
+        ValueError: the file, the key, the type it needs and the value.
     """
     hints = {f.name: typing.get_type_hints(cls)[f.name] for cls in ARG_CLASSES for f in dataclasses.fields(cls)}
     for key, value in values.items():
@@ -232,10 +233,10 @@ def check_config_types(values: dict, path: str | os.PathLike) -> None:
         if plain not in _YAML_TYPES or (optional and value is None):
             continue
         allowed, what = _YAML_TYPES[plain]
+        if isinstance(value, str) and plain is not str:
+            continue  # argparse converts a string default with the field's type ("1e-4", "yes"), or says why not
         if not isinstance(value, allowed) or (plain is not bool and isinstance(value, bool)):
-            raise ValueError(f"{path}: {key} must be {what}{' or null' if optional else ''}, got {value!r}"
-                             + (" (YAML reads a number without a dot as text: write 1.0e-4)"
-                                if plain is float and isinstance(value, str) else ""))
+            raise ValueError(f"{path}: {key} must be {what}{' or null' if optional else ''}, got {value!r}")
 
 
 def read_config_file(path: str | os.PathLike) -> dict:

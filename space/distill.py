@@ -226,7 +226,7 @@ class Distiller:
     # -- self-generated prompts -------------------------------------------------------------
     def _magpie(self) -> None:
         """First turns until ``--magpie-limit`` pass the filters, their answers, then follow-ups."""
-        from .data.magpie import MAX_SAMPLED_PER_KEPT, PromptFilter, sample_user_turns, user_prefix_ids
+        from .data.magpie import PromptFilter, check_sampled, sample_user_turns, user_prefix_ids
 
         m, limit = self.magpie, self.sources["magpie"]
         leak_texts = self._leak_texts()  # read once: the follow-up filter checks the same prompts
@@ -236,9 +236,7 @@ class Distiller:
         with tqdm(total=limit, initial=min(len(kept), limit), desc="magpie: first turns kept", unit="prompt") as bar:
             while len(kept) < limit:
                 b = len(self._turns(1)) // m.batch_size
-                if b * m.batch_size >= MAX_SAMPLED_PER_KEPT * limit:  # a model that never ends its turn
-                    raise ValueError(f"self-generated prompts: only {len(kept)} of {b * m.batch_size} sampled user "
-                                     f"turns passed the filters ({dict(first.counts)}); lower --magpie-limit")
+                check_sampled(b * m.batch_size, len(kept), limit, first, "lower --magpie-limit")
                 new = [{"id": f"magpie/{b * m.batch_size + i}", "turn": 1, "text": text, "finished": finished}
                        for i, (text, finished) in enumerate(sample_user_turns(
                            self.model, self.tok, [prefix] * m.batch_size, m.seed * 1_000_003 + b,

@@ -11,7 +11,8 @@ Two ways in (transformers 5.x):
 
 What is honoured: max_new_tokens / max_length, EOS ids, stopping criteria (stop strings, max_time,
 custom ones: checked after every emitted token, so generation ends exactly where HF's loop ends),
-the streamer, and logits processors. Processors (with sampling, HF's temperature / top-k / top-p
+the streamer, and logits processors (but ``prefix_allowed_tokens_fn``'s, which asks per batch row:
+it is refused). Processors (with sampling, HF's temperature / top-k / top-p
 warpers among them; greedy or not) are applied once, by ``SpaceDecoder``, to every verification row
 with the row's own prefix and to the draft rows, and sampling then draws from softmax(processed
 scores) as HF does: in fp32, greedy output equals plain ``generate`` token for token and sampled

@@ -112,15 +112,26 @@ def generate_prompts(model, tokenizer, num: int, prompt_filter: "PromptFilter", 
     """
     prefix, kept, b = user_prefix_ids(tokenizer, []), [], 0
     while len(kept) < num:
-        if b * batch_size >= MAX_SAMPLED_PER_KEPT * num:
-            raise ValueError(f"self-generated prompts: only {len(kept)} of {b * batch_size} sampled user turns "
-                             f"passed the filters ({dict(prompt_filter.counts)}); ask for fewer")
+        check_sampled(b * batch_size, len(kept), num, prompt_filter, "ask for fewer")
         for text, finished in sample_user_turns(model, tokenizer, [prefix] * batch_size, seed * 1_000_003 + b,
                                                 max_new_tokens, temperature, top_p):
             if prompt_filter.verdict(text, finished) == "ok":
                 kept.append(text)
         b += 1
     return kept[:num]
+
+
+def check_sampled(sampled: int, kept: int, asked: int, prompt_filter: "PromptFilter", hint: str) -> None:
+    """Give up on self-generated prompts once :data:`MAX_SAMPLED_PER_KEPT` x ``asked`` user turns
+    were sampled (a model that never ends its turn, or a filter that keeps nothing, would sample
+    forever).
+
+    Raises:
+        ValueError: that many sampled, ``kept`` of them kept; the filter's verdict counts and ``hint``.
+    """
+    if sampled >= MAX_SAMPLED_PER_KEPT * asked:
+        raise ValueError(f"self-generated prompts: only {kept} of {sampled} sampled user turns passed the filters "
+                         f"({dict(prompt_filter.counts)}); {hint}")
 
 
 def words(text: str) -> list[str]:

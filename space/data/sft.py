@@ -199,7 +199,9 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
         tail = full[len(prompt):]
         if not ex.finished and tokenizer.eos_token_id in tail:
             # a response cut at max_new_tokens: end at its last token, not at an end of turn (and the
-            # template's text after it) that would teach the masks to close the turn there
+            # template's text after it) that would teach the masks to close the turn there. The end
+            # of turn is found as the tokenizer's EOS (SmolLM2's <|im_end|>, Llama-2's </s>); a
+            # template whose turn ends with another token (Llama-3's <|eot_id|> beside EOS) keeps it
             full = full[: len(full) - 1 - tail[::-1].index(tokenizer.eos_token_id)]
         if len(prompt) + 2 <= max_length:
             rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i})

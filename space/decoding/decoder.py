@@ -454,8 +454,9 @@ class SpaceDecoder:
             near-tie can flip.
 
         Raises:
-            ValueError: empty prompt, batch > 1, prompt + max_new_tokens over the context, or a
-                ``planner`` with a sampled chain.
+            ValueError: empty prompt, batch > 1, a max_new_tokens that is not an integer >= 1, a
+                prompt id outside the vocabulary, prompt + max_new_tokens over the context
+                (``result.check_prompt``), or a ``planner`` with a sampled chain.
         """
         ids = check_prompt(input_ids, max_new_tokens, self.context, self.head.weight.shape[0])
         res = DecodeResult(ids.numel(), max_new_tokens, stop_token_ids, on_tokens)

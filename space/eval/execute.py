@@ -123,13 +123,13 @@ def _program(problem: dict, language: str, code: str) -> str:
 
 
 def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> dict:
-    source = _program(problem, language, code) + "\n" + problem["test"]
     runs = {"cpp": ("main.cpp", [["g++", "-std=c++17", "-O0", "-o", "main", "main.cpp"], ["./main"]]),
             "js": ("main.js", [["node", "main.js"]]),
             "java": ("Main.java", [["javac", "Main.java"], ["java", "-cp", ".", "Main"]]),
             "rust": ("main.rs", [["rustc", "--test", "-o", "main", "main.rs"], ["./main"]])}
     if language not in runs:
         return {"passed": False, "result": f"n/a (no runner for {language})"}
+    source = _program(problem, language, code) + "\n" + problem["test"]
     filename, steps = runs[language]
     with tempfile.TemporaryDirectory(prefix="space-exec-") as tmp:
         (Path(tmp) / filename).write_text(source)
@@ -146,11 +146,11 @@ def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> di
 
 def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
     """Run one compile or test command in its own process group: (exit code, or None when it ran
-    past ``timeout`` s; its stderr). Output goes to files, not pipes, and the whole group is killed
+    past ``timeout`` s; its stderr). Stderr goes to a file, not a pipe (stdout is discarded), and the whole group is killed
     when the command ends: a program that forks would otherwise hold a pipe open (a pass read as
     "timed out") and leave its children running after the temporary directory is gone."""
-    with open(cwd / ".stdout", "wb") as out, open(cwd / ".stderr", "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, start_new_session=True)
+    with open(cwd / ".stderr", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

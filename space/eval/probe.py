@@ -132,8 +132,9 @@ def cached_answers(model, tok, prompts: list[dict], path: Path, target: str, max
     """Greedy answers by prompt key, generating only the missing ones (resumable JSONL at ``path``).
 
     Args:
-        dtype: the model's parameter dtype, recorded per answer: greedy answers in another dtype
-            are other tokens (a row without one, from before it was recorded, is float32's).
+        dtype: the name of the model's parameter dtype (float32, bfloat16, ...), recorded per
+            answer: greedy answers in another dtype are other tokens (a row without one, from
+            before it was recorded, is float32's).
 
     Raises:
         ValueError: ``path`` holds answers of another target, max_new_tokens or dtype, or rows
@@ -338,8 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
     tree = read_tree(a.tree, k, a.model, a.adapter)
     mask_ids = spec.ids_for(k)
     a.out.mkdir(parents=True, exist_ok=True)
+    dtype = str(model.dtype).removeprefix("torch.")  # the name, however --dtype spelt it (fp32, bf16, ...)
     answers = cached_answers(model, tok, prompts, a.answers or a.out / "answers.jsonl", target,
-                             a.max_new_tokens, a.batch_size, spec.token_ids, a.dtype)
+                             a.max_new_tokens, a.batch_size, spec.token_ids, dtype)
     per_sample, ranks_by_source = [], {}
     for p in tqdm(prompts, desc="teacher-forced probe", unit="sample"):
         row = answers[p["key"]]

@@ -73,7 +73,8 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
                 rows = [json.loads(line) for line in f if line.strip()]
         except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: damaged file ({e})") from None
-        tasks = [_code_task(_checked(row, CODE_FIELDS, path, i), lang) for i, row in enumerate(rows)]
+        fields = {**CODE_FIELDS, "declaration": str} if lang == "python" else CODE_FIELDS  # its entry point
+        tasks = [_code_task(_checked(row, fields, path, i), lang) for i, row in enumerate(rows)]
     elif name in ("mbpp", "mbpp-dev"):
         path = source = root / "mbpp" / "mbpp.jsonl"
         rows = [_checked(row, MBPP_FIELDS, path, i) for i, row in enumerate(read_rows(path))]
@@ -147,8 +148,9 @@ MBPP_FIELDS = {"task_id": (int, str), "text": str, "code": str, "test_list": lis
 
 
 def _checked(row, fields: dict, path: Path, line: int) -> dict:
-    """``row`` (line ``line`` of ``path``, from 0) when it has every field of ``fields`` with its
-    type; else ValueError naming the file, the line and the field."""
+    """``row`` (row ``line`` of ``path``, from 0; its line when the file has no blank lines) when it
+    has every field of ``fields`` with its type; else ValueError naming the file, the line and the
+    field."""
     if not isinstance(row, dict):
         raise ValueError(f"{path}: line {line + 1}: not a JSON object")
     for name, kind in fields.items():

@@ -50,6 +50,7 @@ class SpaceTrainer(Trainer):
         self._loss_finite = torch.ones((), dtype=torch.bool)  # this step's micro-batches so far
         self._checked_step = -1  # the global step the guard last counted
         self._checked_ok = True  # whether that step was finite
+        self._rotate_after_save = False  # a checkpoint was saved this step: delete those past the limit after on_save
         if self.args.activation_checkpointing:  # after train() enables it: the callback runs then
             self.add_callback(CheckpointInMaskRowsCallback())
 
@@ -88,7 +89,8 @@ class SpaceTrainer(Trainer):
         # and saves): check the step here, so a bad step is never saved as a checkpoint
         self._check_finite(grad_norm)
         result = super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
-        if self.args.save_total_limit and self.args.should_save:  # see _save_checkpoint (a no-op when nothing was saved)
+        if self._rotate_after_save:  # see _save_checkpoint
+            self._rotate_after_save = False
             rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
                                use_mtime=True)
         return result
@@ -103,6 +105,7 @@ class SpaceTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+        self._rotate_after_save = bool(limit) and self.args.should_save
 
     def _check_finite(self, grad_norm) -> None:
         """Count consecutive non-finite steps (every rank agrees); raise past the limit.

@@ -41,8 +41,13 @@ def test_generate_prompts_gives_up_when_the_filter_keeps_nothing(tiny, monkeypat
 
     model, tok = tiny
     calls = []
-    monkeypatch.setattr(magpie, "sample_user_turns",
-                        lambda model, tok, prefixes, seed, *a: calls.append(seed) or [("x", False)] * len(prefixes))
+
+    def never_kept(model, tok, prefixes, seed, *args):
+        calls.append(seed)
+        assert len(calls) <= 50, "still sampling: no cap"  # fail rather than hang
+        return [("x", False)] * len(prefixes)
+
+    monkeypatch.setattr(magpie, "sample_user_turns", never_kept)
     with pytest.raises(ValueError, match=r"only 0 of 40 sampled user turns passed the filters \({'unfinished': 40}\)"):
         magpie.generate_prompts(model, tok, 2, PromptFilter([], tok.all_special_tokens), seed=0, batch_size=8)
     assert len(calls) == 5  # 5 batches of 8 = 20 x 2

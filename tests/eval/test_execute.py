@@ -134,9 +134,22 @@ def test_a_program_that_leaves_a_child_running_passes_and_the_child_ends():
     problem = {"prompt": "const add = (a, b) => {", "declaration": "const add = (a, b) => {",
                "test": f"require('child_process').spawn('sleep', ['{marker}'], {{stdio: 'inherit'}}).unref();\n"
                        "console.assert(add(2, 3) === 5);\n"}
+    def left() -> list[int]:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if marker in cmdline.read_bytes().decode(errors="replace"):
+                    found.append(int(cmdline.parent.name))
+            except OSError:  # the process ended during the scan
+                pass
+        return found
+
     start = time.monotonic()
-    assert check(problem, "js", "\n  return a + b;\n}\n", timeout=5) == {"passed": True, "result": "passed"}
-    assert time.monotonic() - start < 5
-    time.sleep(0.3)
-    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if marker in p.read_bytes().decode(errors="replace")]
-    assert not left
+    try:
+        assert check(problem, "js", "\n  return a + b;\n}\n", timeout=5) == {"passed": True, "result": "passed"}
+        assert time.monotonic() - start < 5
+        time.sleep(0.3)
+        assert not left()
+    finally:
+        for pid in left():
+            os.kill(pid, signal.SIGKILL)

@@ -98,6 +98,9 @@ def test_cli_writes_report_and_reuses_answers(tmp_path, capsys):
     assert re.search(r"\d\.\d{5}", (tmp_path / "probe.json").read_text()) is None  # floats rounded to 4 decimals
     answers = (tmp_path / "answers.jsonl").read_text()
     assert main(args)["summary"] == first["summary"] and (tmp_path / "answers.jsonl").read_text() == answers
+    # --dtype fp32 is float32 under another name: the answers are reused, not refused
+    assert main([*args, "--dtype", "fp32"])["summary"] == first["summary"]
+    assert (tmp_path / "answers.jsonl").read_text() == answers and '"dtype": "float32"' in answers
     with pytest.raises(SystemExit) as exit_info:
         cli([*args, "--tree", "[[1,0]]"])
     assert exit_info.value.code == 2 and "space-probe: error: --tree" in capsys.readouterr().err
