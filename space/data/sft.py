@@ -108,14 +108,12 @@ def to_example(row: dict) -> Example:
     if "prompt" in row and "response" in row:
         prompt = row["prompt"]
         context = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        ex = _checked(context, row["response"])
-        ex.finished = row.get("finished", True) is not False
-        return ex
+        return _checked(context, row["response"], finished=row.get("finished", True) is not False)
     raise ValueError(f"unknown row format with keys {sorted(row)}; expected instruction/output, "
                      "conversations, text/code or prompt/response")
 
 
-def _checked(context: list[dict], response) -> Example:
+def _checked(context: list[dict], response, finished: bool = True) -> Example:
     if not isinstance(response, str) or not response.strip():
         raise ValueError("empty or non-string response")
     if not context or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in context):
@@ -125,7 +123,7 @@ def _checked(context: list[dict], response) -> Example:
     bad = [m.get("role") for m in context if m.get("role") not in CHAT_ROLES]
     if bad:
         raise ValueError(f"prompt message role {bad[0]!r} is not one of {', '.join(CHAT_ROLES)}")
-    return Example(context, response)
+    return Example(context, response, finished)
 
 
 def data_lists(datasets: str | None, sources: str | None = None) -> tuple[list[str], list[str] | None]:
