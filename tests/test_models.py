@@ -1,6 +1,7 @@
 """Model loading by alias, the mask token, and the real embedded SmolLM2."""
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,22 @@ def test_dtype_names_and_tiny_model_leaves_the_callers_rng_alone():
     torch.manual_seed(123)
     tiny_random_llama(seed=0)
     assert torch.equal(torch.rand(3), want)
+
+
+def test_converted_smollm2_cache_is_readable_by_others(tmp_path, monkeypatch):
+    """The conversion's mkdtemp folder is 0700: renamed into a shared $SPACE_CACHE as it was, no
+    other user could load the model. A tiny model stands in for the GGUF (same write path)."""
+    from space import models
+
+    tiny, tiny_tok = models.tiny_random_llama()
+    monkeypatch.setenv("SPACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tok)
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    old = os.umask(0o022)
+    try:
+        target = models.smollm2_dir()
+    finally:
+        os.umask(old)
+    assert target == tmp_path / "cache" / SMOLLM2
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [target, *target.iterdir()]}
+    assert modes.pop(SMOLLM2) == 0o755 and set(modes.values()) == {0o644}, modes
