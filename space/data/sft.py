@@ -177,7 +177,8 @@ def load_examples(name: str, root: str | os.PathLike | None = None, limit: int |
 
 
 def tokenize(examples: list[Example], tokenizer, max_length: int):
-    """Token ids (prompt + response + EOS; no EOS after an unfinished response) cut to
+    """Token ids (prompt + response + the template's end of turn; nothing after an unfinished
+    response, whatever token the template ends a turn with) cut to
     ``max_length``, with ``prompt_len`` and ``idx``.
 
     Prompt tokens are excluded from the loss by the collator (targets before ``prompt_len``).
@@ -191,16 +192,16 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
     rows = []
     for i, ex in enumerate(examples):
         prompt = chat_ids(tokenizer, ex.context)
-        full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
-        if full[: len(prompt)] != prompt:  # templates that re-render the prompt differently
-            full = prompt + tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        tail = full[len(prompt):]
-        if not ex.finished and tokenizer.eos_token_id in tail:
-            # a response cut at max_new_tokens: end at its last token, not at an end of turn (and the
-            # template's text after it) that would teach the masks to close the turn there. The end
-            # of turn is found as the tokenizer's EOS (SmolLM2's <|im_end|>, Llama-2's </s>); a
-            # template whose turn ends with another token (Llama-3's <|eot_id|> beside EOS) keeps it
-            full = full[: len(full) - 1 - tail[::-1].index(tokenizer.eos_token_id)]
+        response = tokenizer(ex.response, add_special_tokens=False)["input_ids"]
+        if not ex.finished:
+            # a response cut at max_new_tokens: the prompt and the tokens generated after it, as the
+            # teacher produced them, with no end of turn (or template text) after the cut that would
+            # teach the masks to close the turn there; whatever token the template ends a turn with
+            full = prompt + response
+        else:
+            full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
+            if full[: len(prompt)] != prompt:  # templates that re-render the prompt differently
+                full = prompt + response + [tokenizer.eos_token_id]
         if len(prompt) + 2 <= max_length:
             rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i})
     return Dataset.from_list(rows)

@@ -120,6 +120,13 @@ def test_an_answer_cut_at_the_length_limit_gets_no_end_of_turn():
     assert tok.decode(rows[0]["input_ids"][rows[0]["prompt_len"]:]) == "Hello there"
     assert rows[1]["input_ids"][: len(rows[0]["input_ids"])] == rows[0]["input_ids"]
     assert tok.decode(rows[1]["input_ids"][rows[1]["prompt_len"]:]) == "Hello there<|im_end|>\n"
+    # a template that ends a turn with a token other than EOS (Llama-3's <|eot_id|>): cut there too
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}" \
+                        "{% if add_generation_prompt %}assistant: {% endif %}"
+    rows = tokenize([cut, whole], tok, max_length=64)
+    assert tok.decode(rows[0]["input_ids"][rows[0]["prompt_len"]:]) == "Hello there"
+    assert tok.decode(rows[1]["input_ids"][rows[1]["prompt_len"]:]) == "Hello there<|eot_id|>"
 
 
 def test_tokenize_falls_back_when_the_template_rerenders_the_prompt():
