@@ -80,7 +80,7 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
             and every placed module gets an accelerate hook (:func:`dispatch`).
 
     Returns:
-        (model, tokenizer), model in eval mode.
+        (model, tokenizer), model in eval mode; the tokenizer pads on the left (batched generation).
 
     Raises:
         FileNotFoundError: ``name`` is neither an alias nor an existing directory (lists aliases).
@@ -110,6 +110,9 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
     model.eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    # batched prompts for generation pad on the left (space.hf.generate refuses right padding); the
+    # training collator and the samplers pad on their own
+    tok.padding_side = "left"
     return model, tok
 
 

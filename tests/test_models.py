@@ -141,3 +141,15 @@ def test_converted_smollm2_cache_is_readable_by_others(tmp_path, monkeypatch):
     assert target == tmp_path / "cache" / SMOLLM2
     modes = {p.name: p.stat().st_mode & 0o777 for p in [target, *target.iterdir()]}
     assert modes.pop(SMOLLM2) == 0o755 and set(modes.values()) == {0o644}, modes
+
+
+def test_loaded_tokenizers_pad_on_the_left(tmp_path):
+    """The README's batched ``generate`` example pads prompts of different lengths with the loaded
+    tokenizer; a saved tokenizer padded on the right, which ``space.hf.generate`` refuses."""
+    model, tok = load_model("tiny-random-llama")
+    tok.padding_side = "right"
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for _, loaded in (load_model("tiny-random-llama"), load_model(str(tmp_path))):
+        mask = loaded(["def fib(n):", "Tell me a joke about cats."], padding=True)["attention_mask"]
+        assert mask[0][0] == 0 and mask[0][-1] == 1
