@@ -14,7 +14,8 @@ PY="$VENV/bin/python"
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # an older torch too: requirements.txt asks for >= 2.11, and pip would replace it by its default build
-if ! "$PY" -c "import sys, torch; sys.exit(torch.__version__ < '2.11')" 2>/dev/null; then
+# (compared as numbers: as strings, '2.9.0' < '2.11' is False and torch 2.9 was kept)
+if ! "$PY" -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 11))" 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC"
   # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
   pip_install $TORCH_SPEC
