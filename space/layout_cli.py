@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> str:
                    "'[[0],[1],[0,0]]' (groups on x and the top-1 chain), or 'dynamic': one step the dynamic "
                    "tree's planner chooses from --draft-probs, --lookup, --row-budget and --step-cost")
     p.add_argument("--draft-probs", default=None, help="dynamic: JSON (r, R), the top-R draft probabilities of "
-                   "each of r <= k masks, e.g. '[[0.8,0.1],[0.6,0.2],[0.3,0.1]]' (default: a confident example)")
+                   "each of r <= k masks, e.g. '[[0.8,0.1],[0.6,0.2]]' for k = 2 (default: a confident example)")
     p.add_argument("--lookup", type=int, default=None, help="dynamic: prompt-lookup tokens found (default 0)")
     p.add_argument("--row-budget", type=int, default=None, help="dynamic: most rows per step, padding included "
                    "(default: DecodeConfig's)")

@@ -41,7 +41,7 @@ def mask_token_names(mask_num: int, mask_diff: bool) -> list[str]:
 
 def check_mask_num(k: int, spec: MaskSpec | None = None) -> None:
     """Raise ValueError unless 1 <= k <= MAX_MASK_NUM (and k <= the trained k with mask_diff)."""
-    if not isinstance(k, int) or k < 1:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:  # True is an int to Python
         raise ValueError(f"mask_num (k) must be an integer >= 1, got {k!r}")
     if k > MAX_MASK_NUM:
         raise ValueError(f"mask_num (k) = {k} exceeds the maximum {MAX_MASK_NUM}")

@@ -42,7 +42,7 @@ def test_mask_token_added_once_and_recorded(tmp_path):
 
 
 def test_bad_mask_num():
-    for bad in (0, -1, MAX_MASK_NUM + 1):
+    for bad in (0, -1, MAX_MASK_NUM + 1, True, 2.0):  # True is an int to Python: it decoded with k = 1
         with pytest.raises(ValueError, match="mask_num"):
             check_mask_num(bad)
     model, tok = load_model("tiny-random-llama")

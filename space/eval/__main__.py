@@ -1,11 +1,11 @@
 """``python -m space.eval`` / ``space-eval``: speedup, tokens/step, exactness and pass@k in one run.
 
-Example (the main job, what ``run_eval.sh`` runs)::
+Example (the main job, what ``run_eval.sh`` runs: the default methods, the adapter's tuned layout)::
 
-    python -m space.eval --model smollm2-135m-instruct --adapter adapters/smollm2-135m-space \\
-        --dataset humaneval --limit 10 --methods ar,hf,pld,space --out runs/eval/humaneval
+    python -m space.eval --adapter adapters/smollm2-135m-space --dataset humaneval --limit 5 \\
+        --max-new-tokens 128 --device auto --out runs/eval/main
 
-At paper scale (README "Evaluation at paper scale"): ``torchrun --nproc_per_node 8 -m space.eval
+At paper scale (docs/evaluation_at_scale.md): ``torchrun --nproc_per_node 8 -m space.eval
 ... --device cuda`` shards the questions over 8 GPUs (space/eval/shard.py), ``--shard i/n`` does
 the same for processes a scheduler starts (then ``--merge OUT``), and ``--device-map auto``
 spreads one model too large for a GPU over all of them (space/models.py ``dispatch``).
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge the finished ranks of a sharded run in OUT into samples.jsonl, summary.* and plots "
                         "(other flags are not used)")
     p.add_argument("--kernels", default=None,
-                   help="fast (default): prepacked linears (MKL), GQA attention and one-call RMSNorm for every "
+                   help="fast (default): prepacked linears (MKL or oneDNN, whichever is faster here), GQA attention and one-call RMSNorm for every "
                         "method on an fp32 CPU (space/cpu_kernels.py); stock: transformers' own kernels (the "
                         "default with --compile, which packs its own)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,

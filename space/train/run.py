@@ -205,7 +205,7 @@ def refuse_a_bad_end(trainer) -> None:
 
 def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, names, num_samples,
                 state_dict=None) -> Path:
-    """Write ``OUTPUT_DIR/final`` (the artifact DESIGN §6 names), ``log_history.json`` and
+    """Write ``OUTPUT_DIR/final`` (the artifact of DESIGN §3.6's training modes), ``log_history.json`` and
     ``training_curves.png`` (loss and mask accuracy); main process only. ``state_dict``: the
     gathered weights of a ZeRO-3 run (``space.artifact.save_artifact`` refuses partitions)."""
     config = {cls_name: dataclasses.asdict(a) for cls_name, a in

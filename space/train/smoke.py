@@ -25,7 +25,7 @@ setting (``smoke changes KEY: OLD -> NEW (why)``):
    the artifact saved is finite; the tensors the mode trains changed from the stand-in's (full:
    every weight matrix; lora and frozen-base: the mask rows, and the LoRA B matrices, which start
    at zero); the artifact loads with ``load_space`` in fp32 and decodes ``SMOKE_NEW_TOKENS`` tokens
-   greedily with SPACE and with AR, equal token for token (DESIGN §5). Exactness alone would pass
+   greedily with SPACE and with AR, equal token for token (DESIGN §6, exactness). Exactness alone would pass
    an all-NaN artifact: rejected drafts never change greedy output.
 
 It prints one summary line, ``smoke: config=... steps=2 loss=... artifact=... exact=yes ...``, and
