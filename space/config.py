@@ -271,7 +271,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             consistency or sampler head without frozen-base + efficient, a sampler head with
             ddp_find_unused_parameters true, init_adapter with mode full, an output_dir that is a
             file, dataloader_persistent_workers with workers, or DeepSpeed settings
-            :func:`check_deepspeed` refuses, or a ``sources`` list naming no source.
+            :func:`check_deepspeed` refuses, or a ``sources`` list naming no source; a non-zero
+            label_smoothing_factor (HF's smoother never sees SAR-SFT's loss).
+        FileNotFoundError: a resume_from_checkpoint that is not a checkpoint folder.
     """
     SpaceSettings.from_args(model_args, mask_args, train_args)
     data_lists(data_args.datasets, data_args.sources)
@@ -302,6 +304,13 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")
+    if getattr(train_args, "label_smoothing_factor", 0):
+        raise ValueError("label_smoothing_factor is not supported: SAR-SFT's loss is its own (space.train.loss), "
+                         "which HF's label smoother never sees; set it to 0")
+    resume = getattr(train_args, "resume_from_checkpoint", None)
+    if resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise FileNotFoundError(f"resume_from_checkpoint {resume}: not a checkpoint folder (no trainer_state.json); "
+                                f"without it a run resumes from the last checkpoint in its output_dir")
     if getattr(train_args, "dataloader_persistent_workers", False) and getattr(train_args, "dataloader_num_workers", 0):
         raise ValueError("dataloader_persistent_workers needs to be false: the collator draws each epoch's mask spans "
                          "from the epoch the main process sets, which persistent workers never see (they would "

@@ -125,6 +125,9 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-train", ["--config", "{tmp}/missing.yaml"], 2, "No such file"),
     ("space-train", [*TRAIN, "--output_dir", "{tmp}/a_file"], 2, "a_file is a file"),
     ("space-train", [*TRAIN, "--no_such_flag", "1"], 2, "not used by the HfArgumentParser"),
+    # HF options SAR-SFT's own loss or resume would ignore (it trained without smoothing, or from scratch)
+    ("space-train", [*TRAIN, "--label_smoothing_factor", "0.1"], 2, "label_smoothing_factor is not supported"),
+    ("space-train", [*TRAIN, "--resume_from_checkpoint", "{tmp}"], 2, "not a checkpoint folder"),
     # --debug is taken off before the HfArgumentParser sees it (it would refuse it as an unused argument)
     ("space-train", [*TRAIN, "--mask_num", "0", "--debug"], 2, "mask_num (k) must be an integer >= 1, got 0"),
     # space-layout

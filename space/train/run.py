@@ -80,7 +80,8 @@ def drop_dev_set(examples: list, root) -> tuple[list, int]:
 def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     """Train with SAR-SFT and write ``<output_dir>/final`` (HF checkpoint or adapter).
 
-    Resumes from the last ``checkpoint-*`` in ``output_dir`` when there is one. A run that
+    Resumes from ``resume_from_checkpoint`` when given (a checkpoint folder, perhaps of another
+    run), else from the last ``checkpoint-*`` in ``output_dir`` when there is one. A run that
     already finished (its last checkpoint is at the final step) trains nothing and keeps its
     artifact and log as they are.
 
@@ -108,6 +109,8 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         train_args.ddp_find_unused_parameters = False
     settings = space_settings(model_args, mask_args)
     last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
+    if train_args.resume_from_checkpoint:  # a checkpoint the user names, perhaps of another run, over that one
+        last = train_args.resume_from_checkpoint
     done = total = 0
     if last:
         check_checkpoint(last, settings)

@@ -119,3 +119,20 @@ def test_resume_after_n_steps_is_bit_exact(tmp_path, capsys, mode, extra):
 
     assert [h["step"] for h in step_logs(resumed)] == [1, 2, 3, 4]
     assert numbers(step_logs(resumed)) == numbers(step_logs(whole))
+
+
+def test_resume_from_a_named_checkpoint_of_another_run(tmp_path, capsys):
+    """``--resume_from_checkpoint`` names a checkpoint outside ``output_dir``: the run goes on from
+    it and ends as the uninterrupted run does (frozen-base: the mask rows come back too). Catches
+    the argument accepted and ignored (the run started from scratch, exit 0); a folder that is
+    not a checkpoint is refused before the model loads."""
+    whole, other = tmp_path / "whole", tmp_path / "other"
+    args = [*RESUME_ARGS, "--mode", "frozen-base"]
+    train_main([*args, "--output_dir", str(whole)])
+    capsys.readouterr()
+    train_main([*args, "--output_dir", str(other), "--resume_from_checkpoint", str(whole / "checkpoint-2")])
+    assert "resuming: 2 of 4 steps done" in capsys.readouterr().out
+    expected, got = final_tensors(whole), final_tensors(other)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+        train_main([*args, "--output_dir", str(tmp_path / "third"), "--resume_from_checkpoint", str(whole)])
