@@ -90,14 +90,17 @@ def to_example(row: dict) -> Example:
     if "instruction" in row and "output" in row:
         context = []
         for turn in row.get("history") or []:
-            if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
-                raise ValueError("'history' must be a list of [question, answer] pairs")
-            context += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
+            if not (isinstance(turn, (list, tuple)) and len(turn) == 2 and all(isinstance(t, str) for t in turn)):
+                raise ValueError("'history' must be a list of [question, answer] pairs of strings")
+            context += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
+        if not isinstance(row.get("input") or "", str):
+            raise ValueError(f"'input' must be a string, got {type(row['input']).__name__}")
         question = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
         return _checked(context + [{"role": "user", "content": question}], row["output"])
     if "conversations" in row:
-        turns = [{"role": _ROLES.get(str(t.get("from", t.get("role"))).lower(), "user"),
-                  "content": t.get("value", t.get("content"))} for t in row["conversations"]]
+        if not isinstance(row["conversations"], list) or not all(isinstance(t, dict) for t in row["conversations"]):
+            raise ValueError("'conversations' must be a list of turns (objects with from/value)")
+        turns = [{"role": _sharegpt_role(t), "content": t.get("value", t.get("content"))} for t in row["conversations"]]
         last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=None)
         if last is None:
             raise ValueError("'conversations' has no assistant turn")
@@ -108,9 +111,21 @@ def to_example(row: dict) -> Example:
     if "prompt" in row and "response" in row:
         prompt = row["prompt"]
         context = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return _checked(context, row["response"], finished=row.get("finished", True) is not False)
+        finished = row.get("finished", True)
+        if not isinstance(finished, bool):  # "false" or 0 would read as finished
+            raise ValueError(f"'finished' must be true or false, got {finished!r}")
+        return _checked(context, row["response"], finished)
     raise ValueError(f"unknown row format with keys {sorted(row)}; expected instruction/output, "
                      "conversations, text/code or prompt/response")
+
+
+def _sharegpt_role(turn: dict) -> str:
+    """A ShareGPT turn's role as a chat role; an unknown or missing one is refused (taken as the
+    user's, a misspelt "gtp" answer became a question and a tool turn a user turn)."""
+    role = turn.get("from", turn.get("role"))
+    if str(role).lower() not in _ROLES:
+        raise ValueError(f"conversation turn role {role!r} is not one of {', '.join(sorted(_ROLES))}")
+    return _ROLES[str(role).lower()]
 
 
 def _checked(context: list[dict], response, finished: bool = True) -> Example:
@@ -177,8 +192,8 @@ def load_examples(name: str, root: str | os.PathLike | None = None, limit: int |
 
 
 def tokenize(examples: list[Example], tokenizer, max_length: int):
-    """Token ids (prompt + response + the template's end of turn; nothing after an unfinished
-    response, whatever token the template ends a turn with) cut to
+    """Token ids (prompt + response + the template's end of turn, or EOS without a template;
+    nothing after an unfinished response, whatever token the template ends a turn with) cut to
     ``max_length``, with ``prompt_len`` and ``idx``.
 
     Prompt tokens are excluded from the loss by the collator (targets before ``prompt_len``).
@@ -200,7 +215,9 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
             full = prompt + response
         else:
             full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
-            if full[: len(prompt)] != prompt:  # templates that re-render the prompt differently
+            # no template (chat_ids' "role: content" lines end a turn with a newline, not EOS: the model
+            # would never learn to stop), or one that re-renders the prompt once an answer follows it
+            if not tokenizer.chat_template or full[: len(prompt)] != prompt:
                 full = prompt + response + [tokenizer.eos_token_id]
         if len(prompt) + 2 <= max_length:
             rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i})

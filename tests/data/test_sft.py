@@ -46,6 +46,17 @@ def test_sharegpt_response_is_the_last_assistant_turn():
     ({"prompt": [{"content": "q"}], "response": "a"}, "role None is not one of system, user, assistant"),
     ({"prompt": [{"role": "userr", "content": "q"}], "response": "a"}, "role 'userr' is not one of"),
     ({"prompt": ["q"], "response": "a"}, "missing or non-string prompt"),
+    # silently changed before: a misspelt, missing or tool role read as the user's, "false" or 0 as
+    # finished (an answer cut at the length limit then got an end of turn), None and lists as text
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gtp", "value": "a"}]}, "role 'gtp' is not one of"),
+    ({"conversations": [{"value": "q"}, {"from": "gpt", "value": "a"}]}, "role None is not one of"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"},
+                        {"from": "gpt", "value": "a"}]}, "role 'function_call' is not one of"),
+    ({"conversations": "q"}, "'conversations' must be a list of turns"),
+    ({"prompt": "q", "response": "a", "finished": "false"}, "'finished' must be true or false, got 'false'"),
+    ({"prompt": "q", "response": "a", "finished": 0}, "'finished' must be true or false, got 0"),
+    ({"instruction": "q", "output": "a", "history": [[None, "x"]]}, "pairs of strings"),
+    ({"instruction": "q", "output": "a", "input": ["a", "b"]}, "'input' must be a string, got list"),
 ])
 def test_malformed_rows_are_refused_naming_the_row(tmp_path, row, message):
     """Catches a dropped check: a history turn that is not a [question, answer] pair, a blank
@@ -143,3 +154,16 @@ def test_tokenize_falls_back_when_the_template_rerenders_the_prompt():
     assert tok.decode(prompt) == "sys\nuser: Hi\nassistant: "
     assert row["prompt_len"] == len(prompt)
     assert row["input_ids"] == prompt + tok("Hello", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("response", ["  two spaces", "\ndef f(): pass", " def f(): pass", "\tx = 1"])
+def test_without_a_chat_template_every_answer_ends_with_eos(response):
+    """A base checkpoint without a chat template: chat_ids writes "role: content" lines, whose end
+    of turn is a newline. Catches EOS only on the rows whose first characters happened to merge
+    with the prompt's last token (the fallback's branch): the model never learned to stop."""
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    ex = to_example({"prompt": "Hi", "response": response})
+    [row] = tokenize([ex], tok, max_length=64)
+    prompt = chat_ids(tok, ex.context)
+    assert row["input_ids"] == prompt + tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
