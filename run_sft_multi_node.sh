@@ -4,7 +4,11 @@
 #   bash run_sft_multi_node.sh CONFIG [--key value ...]     # CONFIG: a YAML, e.g. under configs/train
 #   bash run_sft_multi_node.sh CONFIG --smoke [--key value ...]
 #
-# CONFIG is found relative to the current directory, else relative to this script's folder.
+# CONFIG is found relative to the current directory, else relative to this script's folder. Training runs
+# in this script's folder, where the configs' own relative paths point (data/..., configs/deepspeed/...).
+# Paths given here are read from the current directory: --output_dir and --logging_dir always; --datasets
+# (each file of the list), --init_adapter, --deepspeed, --resume_from_checkpoint, --data_root when they
+# exist there, else from this script's folder (like CONFIG).
 # --smoke (anywhere after CONFIG): runs the config's Trainer/DeepSpeed/LoRA settings on a tiny stand-in
 #   model of the same architecture for 2 optimizer steps through this launcher, on this node alone, saves,
 #   reloads with load_space and checks the artifact (finite, trained) and greedy SPACE == AR; prints a line
@@ -69,7 +73,27 @@ CONFIG=$1
 shift
 # the caller's directory first, then the launcher's (configs/train/... from anywhere)
 if [[ -f "$CONFIG" && "$CONFIG" != /* ]]; then CONFIG="$PWD/$CONFIG"; fi
+CALLER=$PWD
 cd "$(dirname "$0")"
+
+# from_caller KEY VALUE: VALUE with its relative paths made absolute from the caller's directory (see above)
+from_caller() {
+  local item out="" sep=""
+  local -a items
+  case "$1" in
+    --output_dir|--logging_dir) [[ "$2" == /* ]] && echo "$2" || echo "$CALLER/$2" ;;
+    --datasets)  # a comma list of registered names and files
+      IFS=, read -r -a items <<< "$2"
+      for item in ${items[@]+"${items[@]}"}; do
+        [[ "$item" != /* && -e "$CALLER/$item" ]] && item="$CALLER/$item"
+        out+="$sep$item"; sep=,
+      done
+      echo "$out" ;;
+    --init_adapter|--deepspeed|--resume_from_checkpoint|--data_root)
+      [[ "$2" != /* && -e "$CALLER/$2" ]] && echo "$CALLER/$2" || echo "$2" ;;
+    *) echo "$2" ;;
+  esac
+}
 [ -f "$CONFIG" ] || die "config not found: $CONFIG"
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 command -v "$PY" >/dev/null 2>&1 || die "PYTHON=$PY: no such program"
@@ -85,8 +109,14 @@ run() {  # exec the command, or print it with SPACE_LAUNCH_DRY_RUN=1
 
 SMOKE=0
 ARGS=()
+key=""
 for arg in "$@"; do
-  if [[ "$arg" == --smoke ]]; then SMOKE=1; else ARGS+=("$arg"); fi
+  if [[ "$arg" == --smoke ]]; then SMOKE=1
+  elif [[ "$arg" == --*=* ]]; then ARGS+=("${arg%%=*}=$(from_caller "${arg%%=*}" "${arg#*=}")")
+  elif [[ -n "$key" ]]; then ARGS+=("$(from_caller "$key" "$arg")")
+  else ARGS+=("$arg")
+  fi
+  if [[ "$arg" == --* && "$arg" != *=* && "$arg" != --smoke ]]; then key=$arg; else key=""; fi
 done
 if [[ $SMOKE == 1 ]]; then
   # space.train.smoke calls this launcher again (without --smoke, on this node alone) for its training

@@ -250,3 +250,20 @@ def test_the_printed_command_reruns_with_a_config_path_that_has_spaces(tmp_path)
     config.write_text((ROOT / CONFIG).read_text())
     words = launch({}, "--run_name", "a b", config=str(config))
     assert words[-4:] == ["--config", str(config), "--run_name", "a b"]
+
+
+def test_paths_given_to_the_launcher_are_read_from_where_it_runs(tmp_path):
+    """Training runs in the repository (the configs' own paths are repo-relative), but a path on
+    the command line is the caller's: outputs always, inputs when they exist there (else the
+    repository's, like CONFIG). Catches --datasets rows.jsonl refused as unknown and --output_dir
+    out written inside the repository when run from another folder (run_eval.sh had the same)."""
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "q", "response": "a"}\n')
+    (tmp_path / "ds.json").write_text("{}")
+    words = launch({}, "--datasets", "rows.jsonl,mbpp", "--output_dir", "out", "--deepspeed", "configs/deepspeed/zero2.json",
+                   "--init_adapter=ds.json", "--logging_dir=/abs/logs", "--max_steps", "1", cwd=tmp_path)
+    given = words[words.index(CONFIG) + 1:]
+    assert given == ["--datasets", f"{tmp_path}/rows.jsonl,mbpp", "--output_dir", f"{tmp_path}/out",
+                     "--deepspeed", "configs/deepspeed/zero2.json", f"--init_adapter={tmp_path}/ds.json",
+                     "--logging_dir=/abs/logs", "--max_steps", "1"], given
+    smoke = launch({}, "--smoke", "--output_dir", "out", cwd=tmp_path)
+    assert smoke[-2:] == ["--output_dir", f"{tmp_path}/out"]
