@@ -22,8 +22,11 @@ def cases(n_cases, seed):
 
 
 @pytest.mark.parametrize("k", range(1, 9))
-def test_greedy_exact_all_k_and_groups(tiny, k):
-    model, _, spec = tiny
+@pytest.mark.parametrize("which", ["tiny", "tiny_varied"])
+def test_greedy_exact_all_k_and_groups(request, which, k):
+    """``tiny``'s answers repeat one token, which its untrained masks draft too (drafts accepted);
+    ``tiny_varied``'s vary (drafts mostly rejected, tokens in an order to keep)."""
+    model, _, spec = request.getfixturevalue(which)
     for prompt, max_new in cases(3, seed=k):
         ar = ar_generate(model, prompt, max_new, stop_token_ids=[STOP], suppress_ids=spec.token_ids)
         for groups in range(1, k + 2):
@@ -81,10 +84,13 @@ def oracle(truth, corrupt_at, k):
 
 
 @pytest.mark.parametrize("k,groups", [(3, 4), (5, 6), (5, 2), (4, 1)])
-def test_every_accept_length_and_cache_crop(tiny, monkeypatch, k, groups):
-    model, _, spec = tiny
+def test_every_accept_length_and_cache_crop(tiny_varied, monkeypatch, k, groups):
+    """Every accept length 0..k, the oracle's drafts (the truth with one candidate wrong) on a
+    model whose answer varies, so tokens out of order or a bonus from the wrong row show."""
+    model, _, spec = tiny_varied
     prompt = torch.randint(11, 250, (9,), generator=torch.Generator().manual_seed(3))
     truth = ar_generate(model, prompt, 120, suppress_ids=spec.token_ids).new_ids
+    assert len(set(truth)) > 20
     crops = []
     real_crop = space_mod.crop_cache
 
@@ -111,14 +117,24 @@ def test_every_accept_length_and_cache_crop(tiny, monkeypatch, k, groups):
     assert seen == set(range(k + 1))
 
 
-def test_eos_and_max_new_tokens_inside_a_step(tiny):
-    model, _, spec = tiny
+def test_eos_and_max_new_tokens_inside_a_step(tiny_varied):
+    """A stop token first seen at every place inside a step (the oracle accepts all 5 drafts: steps
+    of 6 tokens), and max_new_tokens cuts inside one."""
+    model, _, spec = tiny_varied
     prompt = torch.randint(11, 250, (6,), generator=torch.Generator().manual_seed(5))
     truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
-    stop = truth[17]
-    ar = ar_generate(model, prompt, 60, stop_token_ids=[stop], suppress_ids=spec.token_ids)
-    out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(5)), prompt, 60, stop_token_ids=[stop], override=oracle(truth, 9, 5))
-    assert out.new_ids == ar.new_ids and out.new_ids[-1] == stop and out.stop_reason == "eos"
+    # after the first step's 1 token, steps of 6 start at 1, 7, ...: one stop at each place in a step
+    firsts = {}
+    for i, t in enumerate(truth):
+        if t not in truth[:i]:
+            firsts.setdefault(i % 6, i)
+    assert len(firsts) == 6
+    for i in sorted(firsts.values()):
+        stop = truth[i]
+        ar = ar_generate(model, prompt, 60, stop_token_ids=[stop], suppress_ids=spec.token_ids)
+        out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(5)), prompt, 60, stop_token_ids=[stop],
+                              override=oracle(truth, 9, 5))
+        assert ar.new_ids == truth[: i + 1] and out.new_ids == ar.new_ids and out.stop_reason == "eos", i
     for max_new in (1, 2, 7, 13):
         out = oracle_generate(SpaceDecoder(model, spec, DecodeConfig(5)), prompt, max_new, override=oracle(truth, 9, 5))
         assert out.new_ids == truth[:max_new] and out.stop_reason == "length"
