@@ -127,17 +127,26 @@ def main(argv: list[str] | None = None) -> None:
                 "--methods", "ar,hf,space", "--max-new-tokens", str(a.max_new_tokens), "--dtype", a.dtype,
                 "--out", str(out)])
             s = json.loads((out / "summary.json").read_text())
-            rows.append((name, mode, lang, s))
+            rows.append((name, mode, lang, s, out))
     lines = ["| Model | mode | HumanEval-X lang | Pass@1 SPACE (AR) | tokens/step | speedup vs AR | speedup vs HF "
              "| exact | XSum speedup | CIP speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
     pct = lambda v: "-" if v is None else v if isinstance(v, str) else f"{100 * v:.1f}"  # noqa: E731
     num = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731  (a run whose every question was skipped has none)
-    for name, mode, lang, s in rows:
+    for name, mode, lang, s, _ in rows:
         p, x = s["pass_at_1"], s["speedup"]
         lines.append(f"| {name} | {mode} | {lang} | {pct(p.get('space'))} ({pct(p.get('ar'))}) | "
                      f"{num(s['methods'].get('space', {}).get('tokens_per_step'))} | {num(x.get('space_vs_ar'))} | "
                      f"{num(x.get('space_vs_hf'))} | {pct(s.get('exact_match_rate'))} % | n/a | n/a |")
-    table = "\n".join(lines) + "\n\nXSum and CIP are not in ../shared/data: n/a.\n"
+    # what each row ran (DESIGN §6: every result names its model, adapter, k, dtype, device, versions, seed,
+    # max_new_tokens, dataset and limit), from its own summary.json
+    runs = ["", "Runs (each row's summary.json has the rest):"]
+    for name, _, lang, s, out in rows:
+        m = s["meta"]
+        runs.append(f"- {name} {lang}: model {m.get('model')}, adapter {m.get('adapter')}, k {m.get('mask_num')}, "
+                    f"{m.get('dtype')} on {m.get('device')}, seed {m.get('seed')}, max_new_tokens "
+                    f"{m.get('max_new_tokens')}, dataset {m.get('dataset')}, limit {m.get('limit')}, torch "
+                    f"{m.get('torch')}, transformers {m.get('transformers')} ({out / 'summary.json'})")
+    table = "\n".join(lines + runs) + "\n\nXSum and CIP are not in ../shared/data: n/a.\n"
     a.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(a.out / "table1.md", table)
     print(table)

@@ -1,6 +1,7 @@
 """Every entry point answers --help; the shell wrapper and the Table-1 script run on the tiny model."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,9 @@ def test_reproduce_table1_tiny(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     table = (tmp_path / "table" / "table1.md").read_text()
     assert "| tiny | frozen-base | python |" in table and "100.0 %" in table
+    # what the row ran, which the table alone did not say (DESIGN §6)
+    assert re.search(r"- tiny python: model \S+, adapter \S+, k \d, float32 on cpu, seed 0, max_new_tokens 8, "
+                     r"dataset humaneval-x:python, limit 1, torch \S+, transformers \S+", table), table
 
 
 def test_eval_help_loads_no_torch_and_shows_each_default_once():

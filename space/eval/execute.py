@@ -25,7 +25,13 @@ FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.S)
 
 
 def estimate_pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem with n samples, c correct (Chen et al. 2021)."""
+    """Unbiased pass@k of one problem with n samples, c correct (Chen et al. 2021).
+
+    Raises:
+        ValueError: n < k (the estimate needs k of the n samples), or c outside 0..n.
+    """
+    if n < k or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs k <= n samples and 0 <= c <= n correct, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))

@@ -189,6 +189,9 @@ def test_pass_at_k_estimator():
     assert estimate_pass_at_k(10, 0, 1) == 0.0 and estimate_pass_at_k(10, 10, 1) == 1.0
     assert estimate_pass_at_k(10, 3, 1) == pytest.approx(0.3)
     assert estimate_pass_at_k(5, 1, 2) == pytest.approx(0.4)
+    for n, c, k in ((1, 0, 5), (3, 0, 5), (3, 4, 1), (3, -1, 1)):  # fewer samples than k gave 1.0
+        with pytest.raises(ValueError, match="pass@k needs"):
+            estimate_pass_at_k(n, c, k)
 
 
 def test_bad_input_raises_for_python_callers(tmp_path):

@@ -66,13 +66,16 @@ def test_pass_at_1_and_pass_at_n_count_only_passed_samples():
 
 def test_exact_match_compares_every_turn_whole():
     """Greedy exactness is over every turn's ids, the whole sequence: a second turn that differs,
-    or SPACE running past AR's last token, is not exact (each was counted exact by a slip)."""
+    or SPACE running past AR's last token, is not exact (each was counted exact by a slip). A
+    sample is exact when all its turns are (DESIGN §6; it was the share of turns, 0.5 here)."""
     ar = [rec("q0", "ar", [2, 2], [1.0, 1.0], ids=[[1, 2], [3, 4]]),
           rec("q1", "ar", [2, 2], [1.0, 1.0], ids=[[1, 2], [3, 4]])]
     space = [rec("q0", "space", [2, 2], [1.0, 1.0], ids=[[1, 2], [3, 5]]),  # second turn differs
              rec("q1", "space", [2, 3], [1.0, 1.0], ids=[[1, 2], [3, 4, 6]])]  # one token past AR's
     s = summarize(ar + space, {"mask_num": 3, "temperature": 0.0})
-    assert s["exact_match_rate"] == 0.5
+    assert s["exact_match_rate"] == 0.0 and s["exact_turn_rate"] == 0.5
+    again = summarize(ar + [space[0], rec("q1", "space", [2, 2], [1.0, 1.0], ids=[[1, 2], [3, 4]])], {"mask_num": 3, "temperature": 0.0})
+    assert again["exact_match_rate"] == 0.5 and again["exact_turn_rate"] == 0.75
 
 
 def test_host_share_is_over_the_records_that_time_the_host():
