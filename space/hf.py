@@ -10,7 +10,9 @@ Two ways in (transformers 5.x):
   of ``generate`` and goes the first way.
 
 What is honoured: max_new_tokens / max_length, EOS ids, stopping criteria (stop strings, max_time,
-custom ones: checked after every emitted token, so generation ends exactly where HF's loop ends),
+custom ones: checked after every emitted token, so generation ends exactly where HF's loop ends;
+``stop_strings=..., tokenizer=...`` through :func:`generate` only: transformers drops the tokenizer
+given with a callable ``custom_generate`` and fails before calling it),
 the streamer, and logits processors (but ``prefix_allowed_tokens_fn``'s, which asks per batch row:
 it is refused). Processors (with sampling, HF's temperature / top-k / top-p
 warpers among them; greedy or not) are applied once, by ``SpaceDecoder``, to every verification row
@@ -25,7 +27,9 @@ SPACE settings (``mask_num``, ``num_groups``, ``lookup_tokens``, ``tree``) come 
 arguments of ``generate``, else from the generation config (``GenerationConfig(mask_num=2)``, also
 the model's ``generation_config.json``), else from the model's recorded layout.
 
-A batch is decoded row by row (SPACE is batch-1), with a warning. Each row's processors and
+A batch is decoded row by row (SPACE is batch-1), with a warning; each row samples with a seed of
+its own, and ``max_time`` is split evenly over the rows (each share from its row's start), so
+the call still ends within it. Each row's processors and
 stopping criteria see the row as HF's batched loop holds it, left padding included, so
 length-dependent ones (``min_length``, ``min_new_tokens``, ``forced_eos_token_id``,
 ``exponential_decay_length_penalty``) fire at the same step; rows are then right-padded with
@@ -51,8 +55,8 @@ import torch
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (PrefixConstrainedLogitsProcessor,
                                                    UnbatchedClassifierFreeGuidanceLogitsProcessor)
-from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList,
-                                                       StopStringCriteria)
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                       StoppingCriteriaList, StopStringCriteria)
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .decoding import DecodeConfig, SamplingConfig, SpaceDecoder
@@ -131,22 +135,24 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     layout = DecodeConfig.of_model(base, spec.mask_num).override(
         mask_num=mask_num, num_groups=num_groups, lookup_tokens=lookup_tokens, tree=tree_flag(tree, mask_num))
     decoder = SpaceDecoder(model, spec, layout)
-    sampling = SamplingConfig()
-    if generation_config.do_sample:  # temperature/top-k/top-p are HF warpers among the processors
-        sampling = SamplingConfig(temperature=1.0, seed=int(torch.randint(2**62, (1,))))
     eos = generation_config._eos_token_tensor
     stop_ids = [] if eos is None else eos.flatten().tolist()
     # HF's max_length counts the (padded) prompt; HF's loop emits at least one token
     max_new = max(1, generation_config.max_length - input_ids.shape[1])
     rows = _prompt_rows(input_ids, model_kwargs.get("attention_mask"))
+    check_positions(model_kwargs.get("position_ids"), rows, input_ids.shape[1])
     if len(rows) > 1:
         warnings.warn(f"space_generate decodes the {len(rows)} prompts of a batch one after another "
                       "(SPACE is batch-1)", stacklevel=3)
     room = _room(rows, max_new, decoder.context)
     results = []
     for b, ids in enumerate(rows):
+        sampling = SamplingConfig()
+        if generation_config.do_sample:  # temperature/top-k/top-p are HF warpers among the processors
+            # a seed per row: rows drawn with one seed were copies of each other for equal prompts
+            sampling = SamplingConfig(temperature=1.0, seed=int(torch.randint(2**62, (1,))))
         pad = input_ids[b, : input_ids.shape[1] - len(ids)]  # the row's left padding
-        watch = _watcher(input_ids[b].tolist(), stopping_criteria, streamer)
+        watch = _watcher(input_ids[b].tolist(), _row_criteria(stopping_criteria, len(rows)), streamer)
         results.append(decoder.generate(ids, min(max_new, room[b]), sampling, stop_ids, on_tokens=watch,
                                         logits_processor=_padded(logits_processor, pad)))
     if streamer is not None:
@@ -220,6 +226,29 @@ def check_supported(config, processors, model_kwargs: dict, assistant_model=None
         unsupported.append(f"the model inputs {others} (text input_ids only)")
     if unsupported:
         raise ValueError(f"space_generate does not support {', '.join(unsupported)}")
+
+
+def check_positions(position_ids: torch.Tensor | None, rows: list[torch.Tensor], width: int) -> None:
+    """Refuse ``position_ids`` other than generate's own (each row's real tokens at 0, 1, ...):
+    SPACE places every row itself, so other positions would be ignored, not honoured.
+
+    Raises:
+        ValueError: a row whose real tokens do not sit at positions 0..n-1.
+    """
+    if position_ids is None:
+        return
+    for b, ids in enumerate(rows):
+        given = position_ids[min(b, position_ids.shape[0] - 1), width - len(ids):]
+        if not torch.equal(given.cpu(), torch.arange(len(ids))):
+            raise ValueError(f"space_generate does not support position_ids other than 0..n-1 over each row's "
+                             f"tokens (row {b} has {given.tolist()[:8]}...): SPACE sets the positions itself")
+
+
+def _row_criteria(criteria, num_rows: int) -> list:
+    """The stopping criteria of one row of a batch decoded row by row, made when the row starts:
+    ``max_time`` split evenly over the rows, each share from its row's start (one clock for the
+    batch gave the first row all of it and each later row one token); the others as they are."""
+    return [MaxTimeCriteria(c.max_time / num_rows) if isinstance(c, MaxTimeCriteria) else c for c in criteria or []]
 
 
 def _room(rows: list[torch.Tensor], max_new: int, context: int) -> list[int]:

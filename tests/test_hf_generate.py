@@ -468,3 +468,46 @@ def test_stop_strings_in_the_models_own_generation_config(tiny):
         assert model.generation_config.stop_strings == [stop]  # the model's config left as it was
     finally:
         model.generation_config = saved
+
+
+def test_batch_rows_sample_with_seeds_of_their_own(tiny_varied):
+    """Catches one seed for the whole batch: equal prompts, the workaround for the refused
+    num_return_sequences, came back as copies (plain generate draws each row apart). Seeded from
+    torch's RNG, so a call is still reproducible."""
+    model, _, _ = tiny_varied
+    ids = torch.tensor([[20, 30, 40, 50]] * 4)
+
+    def draw():
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match="one after another"):
+            return _space(model, ids, do_sample=True, top_k=0, max_new_tokens=12, pad_token_id=0)
+
+    out = draw()
+    assert len({tuple(row) for row in out.tolist()}) == 4 and torch.equal(out, draw())
+
+
+def test_max_time_is_split_over_the_rows_of_a_batch(tiny_varied):
+    """Rows are decoded one after another: with one clock for the batch the first row took all of
+    max_time and every later row stopped after one token. Each row now gets an even share, from
+    its own start."""
+    from space.hf import _row_criteria
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    model, _, _ = tiny_varied
+    ids = torch.tensor([[20, 30, 40, 50], [21, 31, 41, 51]])
+    with pytest.warns(UserWarning, match="one after another"):
+        out = _space(model, ids, max_time=0.4, max_new_tokens=2000, eos_token_id=None, pad_token_id=0)
+    assert out.shape[1] - ids.shape[1] < 2000  # the clock stopped it
+    assert (out[1, ids.shape[1]:] != 0).sum() > 1
+    [share] = _row_criteria([MaxTimeCriteria(0.4, initial_timestamp=0.0)], 2)
+    assert share.max_time == 0.2 and share.initial_timestamp > 0.0
+
+
+def test_position_ids_other_than_the_default_are_refused(tiny):
+    """SPACE places each row itself: other positions were accepted and ignored (plain generate
+    honours them), so the output silently differed from generate's."""
+    model, _, _ = tiny
+    ids = torch.tensor([[20, 30, 40, 50]])
+    with pytest.raises(ValueError, match="position_ids other than 0..n-1"):
+        _space(model, ids, max_new_tokens=3, position_ids=torch.arange(4)[None] * 3)
+    assert _space(model, ids, max_new_tokens=3, position_ids=torch.arange(4)[None]).shape == (1, 7)
