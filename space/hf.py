@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.logits_process import (PrefixConstrainedLogitsProcessor,
+from transformers.generation.logits_process import (LogitsProcessorList, PrefixConstrainedLogitsProcessor,
+                                                   RepetitionPenaltyLogitsProcessor,
                                                    UnbatchedClassifierFreeGuidanceLogitsProcessor)
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StoppingCriteriaList, StopStringCriteria)
@@ -279,6 +280,13 @@ def _padded(processors, pad: torch.Tensor):
     count what HF counts. None when there are no processors."""
     if not processors:
         return None
+    # HF's repetition penalty skips the prompt's padding by a (batch,) tensor of pad counts, which
+    # refuses ids of any other row count (SPACE scores a row's verification and draft rows as a
+    # batch of their own): this row's count, as the int the processor also takes
+    processors = LogitsProcessorList(
+        RepetitionPenaltyLogitsProcessor(p.penalty, prompt_ignore_length=pad.numel())
+        if isinstance(p, RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor) else p
+        for p in processors)
     if pad.numel() == 0:
         return processors
 

@@ -319,11 +319,12 @@ def _left_padded(trained, short=7):
 
 
 @pytest.mark.parametrize("processor", ["forced_eos_token_id", "min_new_tokens", "min_length",
-                                       "exponential_decay_length_penalty"])
+                                       "exponential_decay_length_penalty", "repetition_penalty"])
 def test_batch_length_processors_equal_batched_generate(trained, processor):
     """Length-dependent processors count the left padding of a row, as in HF's batched loop: they
     fire at the same step as in plain batched generate (decoding a row without its padding fired
-    them ``padding`` steps late)."""
+    them ``padding`` steps late). The repetition penalty skips each row's padding by a tensor of
+    one count per batch row, which failed on SPACE's own row counts (a ValueError)."""
     model, tok = trained[0], trained[1]
     ids, mask, b = _left_padded(trained)
     new_b = _hf(model, torch.tensor([b]), max_new_tokens=20)[0, len(b):].tolist()
@@ -332,7 +333,8 @@ def test_batch_length_processors_equal_batched_generate(trained, processor):
           "min_new_tokens": dict(eos_token_id=new_b[j], min_new_tokens=j - 2, max_new_tokens=20),
           "min_length": dict(eos_token_id=new_b[j], min_length=ids.shape[1] + j - 2, max_new_tokens=20),
           "exponential_decay_length_penalty": dict(eos_token_id=new_b[j], exponential_decay_length_penalty=(1, 4.0),
-                                                   max_new_tokens=20)}[processor]
+                                                   max_new_tokens=20),
+          "repetition_penalty": dict(repetition_penalty=1.5, max_new_tokens=20)}[processor]
     ref = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=tok.pad_token_id, **kw)
     with pytest.warns(UserWarning, match="one after another"):
         out = model.generate(ids, attention_mask=mask, custom_generate=space_generate, pad_token_id=tok.pad_token_id,
