@@ -11,7 +11,7 @@ from .cache import SlabCache, attention_dtype, attention_windows, cache_input, s
 from .compiled import eager, is_compiled
 from .decoder import mask_slots, with_cache
 from .result import DecodeResult, check_prompt, clock
-from .sampling import SamplingConfig, logits_to_probs, sample
+from .sampling import SamplingConfig, logit_transform, logits_to_probs, sample
 
 
 @torch.inference_mode()
@@ -56,7 +56,7 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     if graphs is not None:
         graphs.check_fits(slots, 1)
         graphs.reset()
-        cache, head = graphs.cache, model.get_output_embeddings()
+        cache, head, transform = graphs.cache, model.get_output_embeddings(), logit_transform(model.config)
     elif is_compiled(model) if static_cache is None else static_cache:
         cache = preallocated(model.config.num_hidden_layers, slots)
         # each step's 4-D mask and position, as SpaceDecoder passes them: transformers' own mask
@@ -75,6 +75,8 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         t0 = clock(device)
         if graphs is not None and step_in.shape[1] == 1:  # a captured step, then the head on its row
             logits = head(graphs.step(step_in[0], None, None, cached, None))  # (1, vocab)
+            if transform is not None:  # what the model's own forward does after its head (Gemma 2's soft-capping, ...)
+                logits = transform(logits)
         else:
             step = ({"position_ids": torch.full((1, 1), cached, device=device),
                      "attention_mask": with_cache(one_row, row_pos, cached, windows, mask_slots(model, slots))}

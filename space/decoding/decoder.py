@@ -96,7 +96,7 @@ from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
 from .lookup import PromptLookup
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
-from .sampling import SamplingConfig, logits_to_probs, sample
+from .sampling import SamplingConfig, logit_transform, logits_to_probs, sample
 from .tree import anchored_group, chain_depth, prune
 from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
 
@@ -376,6 +376,7 @@ class SpaceDecoder:
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
         check_mask_num(self.config.mask_num, mask)
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
+        self.head_transform = logit_transform(base.config)  # the model's own scaling / soft-capping, if any
         self.sampler, self.embed = sampler_head(base), base.get_input_embeddings()  # issue 34's optional head
         self.mask = mask
         self.context = base.config.max_position_embeddings
@@ -753,4 +754,6 @@ class SpaceDecoder:
         if weight.is_floating_point() and hidden.dtype != weight.dtype:  # e.g. an fp32 head on a bf16 trunk
             hidden = hidden.to(weight.dtype)
         logits = self.head(hidden).float()
+        if self.head_transform is not None:
+            logits = self.head_transform(logits)
         return logits.index_fill_(1, self.suppress, float("-inf"))  # a setitem of -inf would upload it (a CUDA sync)

@@ -1,10 +1,12 @@
 """Logits -> probabilities with temperature, top-k and top-p; seeded sampling (DESIGN §3.4).
 
 The same ``logits_to_probs`` is applied to target rows (p) and draft rows (q), as exact
-speculative sampling requires.
+speculative sampling requires. ``logit_transform`` gives the model's own logits from its LM
+head's output, where the model's forward changes them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +63,29 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs: (rows, vocab) -> (rows,) token ids drawn with ``generator``."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the model's causal-LM forward does to its LM head's output, for the decoders, which
+    call the head on chosen rows themselves: Cohere's ``logit_scale`` and Granite's
+    ``logits_scaling`` (a scale), then Gemma 2-4's ``final_logit_softcapping`` (cap * tanh(x / cap)).
+    Without it greedy output is the same (each is increasing), but sampling drew from another
+    distribution than the model's. None when the config has none of them (Llama, Qwen, ...).
+
+    Args:
+        config: the model's config (``model.config``).
+
+    Returns:
+        a function of (rows, vocab) logits, or None.
+    """
+    scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if scale == 1.0 and not cap:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if scale != 1.0:
+            logits = logits * scale
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    return transform

@@ -123,3 +123,47 @@ def test_probe_and_training_refuse_a_window_they_would_ignore():
         refuse_sliding_window(cfg, "SAR-SFT training", 16)
     refuse_sliding_window(cfg, "SAR-SFT training", 15)  # never past the window: the same masks
     refuse_sliding_window(MistralConfig(sliding_window=None), "the acceptance probe")
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("granite", dict(logits_scaling=4.0)),
+    ("gemma2", dict(final_logit_softcapping=2.0, attn_implementation="eager", layer_types=["full_attention"] * 2)),
+    ("cohere", dict(logit_scale=0.0625)),
+])
+def test_the_models_own_logit_scaling_and_soft_capping(arch, overrides):
+    """The decoders call the LM head on chosen rows themselves, so they must do what the model's
+    forward does after it (Granite divides by logits_scaling, Gemma 2 soft-caps, Cohere scales).
+    Greedy output cannot show a miss (each is increasing), sampling drew from another
+    distribution: compared here as logits, SPACE's and the captured AR step's."""
+    import transformers
+
+    from space.decoding import SamplingConfig
+    from space.decoding.graphs import StepGraphs
+
+    names = {"granite": "Granite", "gemma2": "Gemma2", "cohere": "Cohere"}
+    config_cls = getattr(transformers, f"{names[arch]}Config")
+    model_cls = getattr(transformers, f"{names[arch]}ForCausalLM")
+    attn = overrides.pop("attn_implementation", None)
+    tok = tiny_tokenizer()
+    config = config_cls(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                        tie_word_embeddings=False, initializer_range=0.2, **overrides)
+    if attn:
+        config._attn_implementation = attn
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = model_cls(config).eval()
+    spec = add_mask_tokens(model, tok, mask_num=3)
+    prompt = torch.randint(11, 250, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=prompt[None]).logits[0]  # (seq, vocab)
+        hidden = model.get_decoder()(input_ids=prompt[None]).last_hidden_state[0]
+        got = SpaceDecoder(model, spec, DecodeConfig(3))._logits(hidden)
+    real = torch.arange(want.shape[1]) != spec.token_ids[0]
+    torch.testing.assert_close(got[:, real], want[:, real].float(), rtol=1e-4, atol=1e-4)
+    assert (want[:, real] - model.get_output_embeddings()(hidden)[:, real]).abs().max() > 0.1  # it does matter
+    sampling = SamplingConfig(temperature=1.0, seed=3)
+    eager = ar_generate(model, prompt, 16, sampling, suppress_ids=spec.token_ids)
+    captured = ar_generate(model, prompt, 16, sampling, suppress_ids=spec.token_ids,
+                           graphs=StepGraphs(model, slots=64, sizes=[4]))
+    assert captured.new_ids == eager.new_ids
