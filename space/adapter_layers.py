@@ -152,6 +152,7 @@ class GatedLoraLinear(nn.Module):
         gate = s if isinstance(s, torch.Tensor) else None  # a captured step's (rows, 1) gate
         if s is None or (gate is None and s >= x.shape[-2]):  # no mask row (AR, HF generate, real rows): the base alone
             return self.base(x)
+        check_rows_axis(x)
         out = self.base.out_features
         if getattr(self.base, "extra_out", 0):  # the CPU kernels' packed W and A
             y, xa = self.base.forward_extra(x)
@@ -172,6 +173,21 @@ class GatedLoraLinear(nn.Module):
         else:
             y[:, s:] += xa[:, s:] @ self.lora_bt
         return y
+
+
+def check_rows_axis(x: torch.Tensor) -> None:
+    """Refuse a gated LoRA input without its sequence axis: the mask rows are rows of (batch, seq,
+    features); a layer called on flattened (tokens, features), such as Qwen2-MoE's shared expert,
+    would gate columns at decoding (a shape error) and, in a batch, every row of the later
+    sequences in training (real rows changed: frozen-base no longer lossless).
+
+    Raises:
+        ValueError: ``x`` is not 3-D.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"a frozen-base LoRA layer got input of shape {tuple(x.shape)}, not (batch, seq, features): "
+                         "its module runs on flattened rows (e.g. an MoE's shared expert); leave it out of "
+                         "lora_targets")
 
 
 def _load_lora_state(module: GatedLoraLinear, state: dict, prefix: str, *_args) -> None:
@@ -239,6 +255,7 @@ def _gate_lora(model) -> None:
             return out * 0.0  # keeps the graph: the trainable weights still get (zero) gradients
         if s == 0:
             return out
+        check_rows_axis(out)
         gate = (torch.arange(out.shape[-2], device=out.device) >= s).to(out.dtype)[:, None]
         return out * gate
 

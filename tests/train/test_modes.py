@@ -170,3 +170,41 @@ def test_time_budget_stops_saves_and_writes_the_artifact(tmp_path):
     with pytest.raises(ValueError, match="max_train_minutes"):
         parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path),
                           "--max_train_minutes", "-1"])
+
+
+def test_a_gated_lora_on_flattened_rows_is_refused():
+    """Qwen2-MoE's shared expert runs its gate/up/down on (tokens, features), which the default
+    targets match: the gate then took columns for rows. Decoding failed with a shape error, and
+    frozen-base training applied the LoRA to every row of a batch's second sequence (its real
+    rows changed: no longer lossless). Both now say which layer to leave out."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from space.adapter_layers import apply_lora
+    from space.decoding import DecodeConfig, SpaceDecoder
+    from space.models import tiny_tokenizer
+
+    def moe():
+        config = Qwen2MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=64)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return Qwen2MoeForCausalLM(config).eval(), tiny_tokenizer()
+
+    model, tok = moe()
+    peft_model, spec = prepare_model(model, tok, "frozen-base", 4)
+    ids = torch.randint(11, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 8:] = spec.token_ids[0]
+    with pytest.raises(ValueError, match=r"got input of shape \(24, 64\).*leave it out of lora_targets"), mask_rows(8):
+        peft_model(input_ids=ids)
+    model, tok = moe()
+    attention_only = prepare_model(model, tok, "frozen-base", 4, lora_targets=["q_proj", "v_proj"])[0]
+    with mask_rows(8):
+        attention_only(input_ids=ids)  # what the message advises runs
+    model, tok = moe()
+    _, spec = prepare_model(model, tok, "full", 4)
+    name = "model.layers.0.mlp.shared_expert.up_proj"
+    linear = model.get_submodule(name)
+    apply_lora(model, {name: (torch.randn(4, linear.in_features), torch.randn(linear.out_features, 4))}, "frozen-base", "x")
+    with pytest.raises(ValueError, match="leave it out of lora_targets"):
+        SpaceDecoder(model, spec, DecodeConfig(4)).generate(ids[0, :8], 6)
