@@ -157,31 +157,49 @@ class Distiller:
         self.settings = {"model": model_name, "max_new_tokens": max_new_tokens,
                          "max_prompt_tokens": max_prompt_tokens, "magpie": asdict(magpie) if "magpie" in sources else None}
         self.turns_file, self.manifest_file = sibling(out, "magpie"), sibling(out, "manifest", ".json")
-        self._check_resume()
+        old = self._check_resume()
         out.parent.mkdir(parents=True, exist_ok=True)
         self.rows = read_jsonl(out) if out.suffix == ".gz" else read_jsonl_resumable(out)
         self.turns = read_jsonl(self.turns_file) if self.turns_file.is_file() else []
         self.done = {row["key"] for row in self.rows}
         self.skipped: Counter = Counter()
-        self.filters: dict[str, dict] = {}
+        # a rerun without magpie keeps what sampled the turns already in the set, and their verdicts
+        # (erased, a later magpie resume was refused as made with other settings)
+        if self.settings["magpie"] is None:
+            self.settings["magpie"] = old.get("settings", {}).get("magpie")
+        self.filters: dict[str, dict] = dict(old.get("filter_verdicts") or {})
         self.new_rows, self.start = 0, time.monotonic()
 
-    def _check_resume(self) -> None:
-        """Refuse to resume a set made with other settings (they would mix two distributions)."""
+    def _check_resume(self) -> dict:
+        """Refuse to resume a set made with other settings (they would mix two distributions), or
+        rows without the manifest that records them; returns the old manifest ({} when new)."""
+        from .models import model_identity
+
         if not self.manifest_file.is_file():
-            return
-        old = json.loads(self.manifest_file.read_text(encoding="utf-8")).get("settings", {})
-        differ = sorted(k for k in self.settings.keys() | old.keys()
-                        if old.get(k) != self.settings.get(k) and not (k == "magpie" and self.settings[k] is None))
+            if any(f.is_file() and f.stat().st_size for f in (self.out, self.turns_file)):
+                raise ValueError(f"{self.out} (or its .magpie file) holds rows but has no manifest {self.manifest_file.name}, "
+                                 "so the settings that made them are unknown: delete it or pass another --out")
+            return {}
+        manifest = json.loads(self.manifest_file.read_text(encoding="utf-8"))
+        old = manifest.get("settings", {})
+
+        def same(key: str) -> bool:
+            if key == "model":  # an alias and its own folder are one model
+                return model_identity(str(old.get(key))) == model_identity(str(self.settings.get(key)))
+            return old.get(key) == self.settings.get(key) or (key == "magpie" and self.settings[key] is None)
+
+        differ = sorted(k for k in self.settings.keys() | old.keys() if not same(k))
         if differ:
             raise ValueError(f"{self.out} was made with other settings ({', '.join(f'{k}: {old.get(k)!r} -> {self.settings.get(k)!r}' for k in differ)}); "
                              "resume with the same settings, or pass another --out")
+        return manifest
 
     def run(self, model, tok) -> dict:
         static = collect_prompts(self.sources, self.data_root)  # before any answer: a bad dataset fails at once
         self.model, self.tok = model, tok
         done = len(self.rows)
         print(f"[distill] resuming: {done} rows done -> {self.out}" if done else f"[distill] -> {self.out}", flush=True)
+        self.write_manifest(complete=False)  # the settings, before any row: a run stopped later resumes checked
         for name in self.sources:
             if name == "magpie":
                 self._magpie()
@@ -206,6 +224,8 @@ class Distiller:
             rows = []
             for p, ids, finished in batch:
                 text = self.tok.decode(ids, skip_special_tokens=True)
+                if not finished:  # cut inside a character: its bytes decode to U+FFFD, which the model never wrote
+                    text = text.rstrip("\ufffd")
                 if not text.strip():
                     self.skipped["empty answer"] += 1
                     continue

@@ -90,3 +90,35 @@ def test_distill_jsonl_skips_and_resumes_after_a_torn_append(tmp_path):
     assert sorted(resumed, key=lambda r: r["id"]) == sorted(rows, key=lambda r: r["id"])
     with pytest.raises(ValueError, match="other settings.*model"):
         run("another-model")
+
+
+
+def test_distill_resume_checks_hold_before_the_first_row_and_across_sources(tmp_path):
+    """Catches three gaps in the resume check: rows written before the first manifest (a run killed
+    then, resumed with other settings, mixed them silently); a rerun without magpie erasing the
+    magpie settings and verdicts (a later magpie resume was refused); an alias refused against its
+    own folder."""
+    from space.models import SMOLLM2, cache_dir
+
+    tok = tiny_tokenizer()
+    answers = {"Hiya": "Hello", "Why?": "Because."}
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": q, "response": "-"}) + "\n" for q in answers))
+    out, manifest_file = tmp_path / "set.jsonl", tmp_path / "set.manifest.json"
+
+    def distiller(model_name="stub", max_new_tokens=16):
+        return Distiller(out, model_name, {str(source): None}, 2, max_new_tokens, 64, None, MagpieSettings())
+
+    out.write_text(json.dumps({"id": "x", "key": "k", "source": "s", "prompt": [], "response": "r",
+                               "new_tokens": 1, "finished": True}) + "\n")  # killed before its first manifest
+    with pytest.raises(ValueError, match="has no manifest"):
+        distiller(max_new_tokens=8)
+    out.unlink()
+    distiller().run(StubModel(tok, answers), tok)
+    manifest = json.loads(manifest_file.read_text())
+    manifest["settings"]["magpie"], manifest["filter_verdicts"] = {"seed": 7}, {"first turn": {"ok": 3}}
+    manifest["settings"]["model"] = SMOLLM2
+    manifest_file.write_text(json.dumps(manifest))  # a set that also holds magpie turns, made with the alias
+    distiller(str(cache_dir() / SMOLLM2)).run(StubModel(tok, answers), tok)  # the other sources again, by folder
+    kept = json.loads(manifest_file.read_text())
+    assert kept["settings"]["magpie"] == {"seed": 7} and kept["filter_verdicts"] == {"first turn": {"ok": 3}}

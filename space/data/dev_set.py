@@ -24,6 +24,7 @@ import json
 import random
 from pathlib import Path
 
+from ..jsonl import write_text_atomic
 from .sft import REGISTRY, data_root, read_rows, to_example
 
 DEV_SET_FILE = Path(__file__).resolve().parents[2] / "configs" / "data" / "dev_set.json"
@@ -114,9 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         drawn.update({k: recorded[k] for k in ("general_seed", "general_prompts") if k in recorded})
     if a.write:
-        DEV_SET_FILE.parent.mkdir(parents=True, exist_ok=True)
         lines = [f" {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}" for key, value in drawn.items()]  # one key a line
-        DEV_SET_FILE.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
+        write_text_atomic(DEV_SET_FILE, "{\n" + ",\n".join(lines) + "\n}\n")
         print(f"wrote {DEV_SET_FILE}")
     elif drawn != recorded:
         raise ValueError(f"{DEV_SET_FILE} differs from the deterministic draw (run with --write to rewrite)")

@@ -207,7 +207,10 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
     rows = []
     for i, ex in enumerate(examples):
         prompt = chat_ids(tokenizer, ex.context)
-        response = tokenizer(ex.response, add_special_tokens=False)["input_ids"]
+        # an answer cut inside a multi-byte character ends in U+FFFD (its bytes, decoded alone), which
+        # the model never wrote: dropped (15 committed rows)
+        text = ex.response if ex.finished else ex.response.rstrip("\ufffd")
+        response = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ex.finished:
             # a response cut at max_new_tokens: the prompt and the tokens generated after it, as the
             # teacher produced them, with no end of turn (or template text) after the cut that would

@@ -34,7 +34,7 @@ def test_sampling_is_seeded_and_reports_unfinished_turns(tiny):
 
 
 def test_generate_prompts_gives_up_when_the_filter_keeps_nothing(tiny, monkeypatch):
-    """``space-dev-set --general`` samples until enough prompts pass the filters. Catches a loop
+    """``python -m space.data.dev_set --general`` samples until enough prompts pass the filters. Catches a loop
     without space-distill's cap: a filter that keeps nothing (or a model that never ends its turn)
     sampled forever. It stops after MAX_SAMPLED_PER_KEPT samples per prompt asked for."""
     import space.data.magpie as magpie

@@ -131,6 +131,9 @@ def test_an_answer_cut_at_the_length_limit_gets_no_end_of_turn():
     assert tok.decode(rows[0]["input_ids"][rows[0]["prompt_len"]:]) == "Hello there"
     assert rows[1]["input_ids"][: len(rows[0]["input_ids"])] == rows[0]["input_ids"]
     assert tok.decode(rows[1]["input_ids"][rows[1]["prompt_len"]:]) == "Hello there<|im_end|>\n"
+    # cut inside a multi-byte character: its bytes decoded alone gave U+FFFD, which the model never wrote
+    [torn] = tokenize([to_example({"prompt": "Hi", "response": "Hello th\ufffd", "finished": False})], tok, 64)
+    assert tok.decode(torn["input_ids"][torn["prompt_len"]:]) == "Hello th"
     # a template that ends a turn with a token other than EOS (Llama-3's <|eot_id|>): cut there too
     tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}" \
