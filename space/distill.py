@@ -68,9 +68,10 @@ def collect_prompts(sources: dict[str, int | None], data_root=None, exclude_dev:
             (its prompts need the model, :func:`distill` makes them).
         exclude_dev: skip the drafter dev set's prompts (always, for training data).
     """
-    from .data.dev_set import dev_keys, prompt_key
+    from .data.dev_set import dev_keys, held_out_key, prompt_key
 
-    seen = dev_keys(data_root) if exclude_dev else set()
+    dev = dev_keys(data_root) if exclude_dev else set()
+    seen = set()
     out = []
     for name, limit in sources.items():
         if name == "magpie":
@@ -82,7 +83,7 @@ def collect_prompts(sources: dict[str, int | None], data_root=None, exclude_dev:
             if len(context) != 1:  # multi-turn rows carry human answers: skip them
                 continue
             key = prompt_key(context)
-            if key not in seen:
+            if key not in seen and held_out_key(context) not in dev:
                 seen.add(key)
                 out.append({"id": pid, "source": name, "prompt": context, "key": key})
                 taken += 1

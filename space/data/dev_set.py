@@ -37,6 +37,14 @@ def prompt_key(context: list[dict]) -> str:
     return hashlib.sha1(json.dumps(context, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def held_out_key(context: list[dict]) -> str:
+    """What the dev set is held out by: a prompt's user and assistant messages with their
+    whitespace collapsed, system messages left out, so a copy of a dev prompt with a trailing
+    newline, other spacing or a system turn is held out too (``prompt_key`` tells those apart)."""
+    turns = [(m.get("role"), " ".join(str(m.get("content")).split())) for m in context if m.get("role") != "system"]
+    return hashlib.sha1(json.dumps(turns).encode()).hexdigest()[:16]
+
+
 def build_dev_set(root=None, seed: int = SEED, num_mbpp: int = NUM_MBPP, num_lima: int = NUM_LIMA) -> dict:
     """Draw the dev set deterministically (see the module docstring)."""
     root = data_root(root)
@@ -79,8 +87,8 @@ def dev_prompts(root=None, path: Path = DEV_SET_FILE) -> list[dict]:
 
 
 def dev_keys(root=None, path: Path = DEV_SET_FILE) -> set[str]:
-    """Prompt keys of the dev set (what training-prompt collection must skip)."""
-    return {p["key"] for p in dev_prompts(root, path)}
+    """:func:`held_out_key` of every dev prompt: what training and its prompt collection skip."""
+    return {held_out_key(p["prompt"]) for p in dev_prompts(root, path)}
 
 
 def _row(source: str, i: int, raw: dict) -> dict:

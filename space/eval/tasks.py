@@ -112,7 +112,7 @@ def trained_questions(tasks: list[EvalTask], adapter) -> list[str]:
     """
     import warnings
 
-    from ..data.dev_set import dev_keys, prompt_key
+    from ..data.dev_set import dev_keys, held_out_key, prompt_key
     from ..data.sft import data_lists, load_examples, to_example
 
     mbpp = [t for t in tasks if t.language == "mbpp"]  # MBPP's tests: language "mbpp"
@@ -126,19 +126,20 @@ def trained_questions(tasks: list[EvalTask], adapter) -> list[str]:
         warnings.warn(f"{config}: training data not checked against the questions ({e})", stacklevel=2)
         return []
     repo = Path(__file__).resolve().parents[2]  # a config's relative paths: from the checkout it was trained in
+    try:
+        dev = dev_keys(data.get("data_root"))  # training drops the dev set (space.train.run.drop_dev_set)
+    except (OSError, ValueError, IndexError) as e:  # a data root not on this machine: advise, never stop
+        warnings.warn(f"{config}: dev set not read, not dropped from the training data ({e})", stacklevel=2)
+        dev = set()
     keys = set()
     for name in names:
         if not Path(name).is_file() and (repo / name).is_file():
             name = str(repo / name)
         try:
             keys.update(prompt_key(ex.context) for ex in load_examples(name, data.get("data_root"), data.get("limit"),
-                                                                      sources))
+                                                                      sources) if held_out_key(ex.context) not in dev)
         except (OSError, ValueError) as e:
             warnings.warn(f"{config}: training data {name} not checked against the questions ({e})", stacklevel=2)
-    try:
-        keys -= dev_keys(data.get("data_root"))  # training drops the dev set (space.train.run.drop_dev_set)
-    except (OSError, ValueError, IndexError) as e:  # a data root not on this machine: advise, never stop
-        warnings.warn(f"{config}: dev set not read, not dropped from the training data ({e})", stacklevel=2)
     return [t.question_id for t in mbpp if prompt_key(to_example(t.problem).context) in keys]
 
 

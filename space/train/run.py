@@ -16,7 +16,7 @@ from ..artifact import (MASK_EMBEDDING, SAMPLER_HEAD, check_lora_shape, load_mas
                         read_space_config, save_artifact)
 from ..config import SpaceSettings, check_train_args
 from ..data.collator import SpaceCollator
-from ..data.dev_set import dev_keys, prompt_key
+from ..data.dev_set import dev_keys, held_out_key
 from ..data.sft import data_lists, load_examples, tokenize
 from ..decoding.cache import refuse_sliding_window
 from ..jsonl import write_text_atomic
@@ -73,7 +73,7 @@ def drop_dev_set(examples: list, root) -> tuple[list, int]:
         keys = dev_keys(root)
     except FileNotFoundError:
         return examples, 0
-    kept = [ex for ex in examples if prompt_key(ex.context) not in keys]
+    kept = [ex for ex in examples if held_out_key(ex.context) not in keys]
     return kept, len(examples) - len(kept)
 
 

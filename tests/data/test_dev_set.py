@@ -15,9 +15,11 @@ def test_recorded_dev_set_is_the_seeded_draw():
 
 
 def test_self_distillation_skips_the_dev_set():
+    from space.data.dev_set import held_out_key
+
     keys = dev_keys()
     train = collect_prompts({"mbpp": None, "lima": None})
-    assert not keys & {p["key"] for p in train}
+    assert not keys & {held_out_key(p["prompt"]) for p in train}
     assert not {p["id"] for p in dev_prompts()} & {p["id"] for p in train}
     assert sum(p["source"] == "mbpp" for p in train) >= 974 - 100 - 5  # everything else is kept
     with_dev = collect_prompts({"mbpp": None}, exclude_dev=False)
@@ -31,6 +33,23 @@ def test_training_holds_the_dev_set_out():
     examples = load_examples("mbpp") + load_examples("lima")
     kept, dropped = drop_dev_set(examples, None)
     assert dropped == 130 and len(kept) == len(examples) - 130
+
+
+def test_copies_of_a_dev_prompt_with_other_spacing_or_a_system_turn_are_held_out():
+    """Catches holding the dev set out by exact match only: a training file with a dev prompt plus
+    a trailing newline, other spacing or a system turn trained on it, and the probe's numbers on
+    that prompt were no longer held out."""
+    from space.data.sft import Example
+    from space.train.run import drop_dev_set
+
+    [dev] = [p for p in dev_prompts() if p["id"] == "lima/2"]
+    text = dev["prompt"][0]["content"]
+    copies = [[{"role": "user", "content": text}], [{"role": "user", "content": text + "\n"}],
+              [{"role": "user", "content": "  " + text.replace(" ", "  ")}],
+              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]]
+    other = [{"role": "user", "content": text + " Also, why?"}]
+    kept, dropped = drop_dev_set([Example(c, "answer") for c in [*copies, other]], None)
+    assert dropped == 4 and [ex.context for ex in kept] == [other]
 
 
 def test_prompt_key_covers_every_message():
