@@ -7,9 +7,13 @@ missing is reported as "n/a (no toolchain)", never silently skipped.
 """
 from __future__ import annotations
 
+import functools
+import math
 import multiprocessing
 import os
 import re
+import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -128,35 +132,79 @@ def _program(problem: dict, language: str, code: str) -> str:
     return problem["prompt"] + code
 
 
+# what a run must print after every test ran: an exit(0) inside the solution (or a static
+# initialiser) ended the process with code 0 before the tests, which read as a pass
+RUST_OK = re.compile(r"^test result: ok\. [1-9]\d* passed", re.M)  # rustc --test's own summary
+FILE_LIMIT = 256 << 20  # bytes a compile or test step may write to one file (a runaway writer, not a binary)
+TAIL = 64 << 10  # bytes of a step's output read back
+
+
+def _harness(language: str, marker: str) -> tuple[str, str, list[list[str]]]:
+    """(file name, source appended after the tests, compile and run commands) of a language; the
+    appended code prints ``marker`` once the tests have returned (Rust: its harness's summary)."""
+    if language == "cpp":  # the tests' main() renamed, and a main that calls it
+        tail = f'#undef main\n#include <cstdio>\nint main() {{ space_tests_main(); std::puts("{marker}"); return 0; }}\n'
+        return "main.cpp", tail, [["g++", "-std=c++17", "-O0", "-Dmain=space_tests_main", "-o", "main", "main.cpp"],
+                                  ["./main"]]
+    if language == "js":  # a failed console.assert throws (it only printed, and a reply could silence console.warn)
+        return "main.js", f'console.log("{marker}")\n', [["node", "--require", "./assert.js", "main.js"]]
+    if language == "java":
+        tail = (f"class SpaceRunner {{ public static void main(String[] a) throws Exception {{ Main.main(a); "
+                f'System.out.println("{marker}"); }} }}\n')
+        return "Main.java", tail, [["javac", "Main.java"], ["java", "-cp", ".", "SpaceRunner"]]
+    return "main.rs", "", [["rustc", "--test", "-o", "main", "main.rs"], ["./main"]]
+
+
+JS_ASSERT = ('const real = console.assert; console.assert = (ok, ...what) => { if (!ok) { real(ok, ...what); '
+             'throw new Error("Assertion failed"); } };\n')
+
+
 def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> dict:
-    runs = {"cpp": ("main.cpp", [["g++", "-std=c++17", "-O0", "-o", "main", "main.cpp"], ["./main"]]),
-            "js": ("main.js", [["node", "main.js"]]),
-            "java": ("Main.java", [["javac", "Main.java"], ["java", "-cp", ".", "Main"]]),
-            "rust": ("main.rs", [["rustc", "--test", "-o", "main", "main.rs"], ["./main"]])}
-    if language not in runs:
+    if language not in ("cpp", "js", "java", "rust"):
         return {"passed": False, "result": f"n/a (no runner for {language})"}
-    source = _program(problem, language, code) + "\n" + problem["test"]
-    filename, steps = runs[language]
+    marker = f"space-tests-done-{secrets.token_hex(8)}"
+    filename, tail, steps = _harness(language, marker)
+    source = _program(problem, language, code) + "\n" + problem["test"] + "\n" + tail
     with tempfile.TemporaryDirectory(prefix="space-exec-") as tmp:
         (Path(tmp) / filename).write_text(source)
+        (Path(tmp) / "assert.js").write_text(JS_ASSERT)
         for cmd in steps:
             compile_step = cmd[0] in ("g++", "javac", "rustc")
-            returncode, stderr = _run_step(cmd, Path(tmp), timeout * 6 if compile_step else timeout)
+            returncode, stdout, stderr = _run_step(cmd, Path(tmp), timeout * 6 if compile_step else timeout)
             if returncode is None:
                 return {"passed": False, "result": "timed out"}
-            # node's console.assert only prints on failure: treat that as a failed test
             if returncode != 0 or "Assertion failed" in stderr:
                 return {"passed": False, "result": f"failed: {cmd[0]} exit {returncode}: {stderr[-300:]}"}
+        done = RUST_OK.search(stdout) if language == "rust" else marker in stdout.splitlines()
+        if not done:
+            return {"passed": False, "result": f"failed: exit 0 before the tests finished: {stderr[-300:]}"}
     return {"passed": True, "result": "passed"}
 
 
-def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
+def _limits(cpu_seconds: int) -> None:
+    """In the child, before it runs: CPU time past the wall-clock timeout and files past
+    ``FILE_LIMIT`` kill it, which still holds once this process is gone (a kill of space-eval
+    left a busy test program spinning) or for a writer that fills the disk."""
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+def _tail(path: Path) -> str:
+    """The last ``TAIL`` bytes of ``path`` as text (a program may print gigabytes)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL))
+        return f.read().decode(errors="replace")
+
+
+def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str, str]:
     """Run one compile or test command in its own process group: (exit code, or None when it ran
-    past ``timeout`` s; its stderr). Stderr goes to a file, not a pipe (stdout is discarded), and the whole group is killed
-    when the command ends: a program that forks would otherwise hold a pipe open (a pass read as
-    "timed out") and leave its children running after the temporary directory is gone."""
-    with open(cwd / ".stderr", "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    past ``timeout`` s; the tails of its stdout and stderr). Its output goes to files, not pipes,
+    its stdin is empty (a program reading it waited on the caller's terminal), and the whole group
+    is killed when the command ends: a program that forks would otherwise hold a pipe open (a pass
+    read as "timed out") and leave its children running after the temporary directory is gone."""
+    with open(cwd / ".stdout", "wb") as out, open(cwd / ".stderr", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=functools.partial(_limits, math.ceil(timeout) + 1))
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -167,4 +215,4 @@ def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, st
             except ProcessLookupError:  # the group has ended
                 pass
             proc.wait()
-    return returncode, (cwd / ".stderr").read_text(errors="replace")
+    return returncode, _tail(cwd / ".stdout"), _tail(cwd / ".stderr")

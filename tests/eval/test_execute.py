@@ -153,3 +153,62 @@ def test_a_program_that_leaves_a_child_running_passes_and_the_child_ends():
     finally:
         for pid in left():
             os.kill(pid, signal.SIGKILL)
+
+
+# a wrong solution of HumanEval-X/0 that ends the process with exit code 0 before the tests (or
+# hides the failures), per language: each read as a pass
+EARLY_EXIT = {
+    "js": ["process.exit(0)\nconst hasCloseElements = (numbers, threshold) => false\n",
+           "console.warn = () => {}\nconsole.error = () => {}\nconst hasCloseElements = (numbers, threshold) => false\n"],
+    "cpp": ["#include <cstdlib>\nbool has_close_elements(vector<float> numbers, float threshold){ exit(0); }\n",
+            "#include <cstdlib>\nstatic int leave = (exit(0), 0);\n"
+            "bool has_close_elements(vector<float> numbers, float threshold){ return false; }\n"],
+    "java": ["class Solution {\n    public boolean hasCloseElements(List<Double> numbers, double threshold) {\n"
+             "        System.exit(0); return false;\n    }\n}\n",
+             "class Solution {\n    static { System.exit(0); }\n"
+             "    public boolean hasCloseElements(List<Double> numbers, double threshold) { return false; }\n}\n"],
+    "rust": ["fn has_close_elements(numbers:Vec<f32>, threshold: f32) -> bool{ std::process::exit(0) }\n"],
+}
+
+
+@pytest.mark.parametrize("language, reply", [(lang, reply) for lang, replies in EARLY_EXIT.items() for reply in replies])
+def test_an_exit_before_the_tests_finish_is_a_failure(language, reply):
+    """Catches reading exit code 0 as a pass in the compiled languages (Python already failed
+    these): a run passes only when the tests returned (a marker printed after them; Rust: its test
+    harness's own summary), and a failed console.assert throws, whatever a reply does to the
+    console. The dataset's own solution still passes."""
+    from space.eval.execute import check, toolchain_missing
+    from space.eval.tasks import load_tasks
+
+    if toolchain_missing(language):
+        pytest.skip(f"no {language} toolchain")
+    problem = load_tasks(f"humaneval-x:{language}", limit=1)[0].problem
+    assert check(problem, language, problem["canonical_solution"])["passed"]
+    result = check(problem, language, f"```\n{reply}```")
+    assert not result["passed"] and result["result"].startswith("failed"), result
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node (the JS toolchain)")
+def test_a_test_program_gets_an_empty_stdin_and_its_output_is_read_in_part(tmp_path):
+    """Catches a test program inheriting space-eval's stdin (one that reads it waited on the
+    terminal until it timed out) and reading the whole of its output (400 MB of stderr took 800
+    MB of memory); a runaway writer is stopped by the file-size limit."""
+    from space.eval.execute import check
+
+    problem = {"prompt": "const add = (a, b) => {", "declaration": "const add = (a, b) => {",
+               "test": "require('fs').readFileSync(0)\nconsole.assert(add(2, 3) === 5)\n"}
+    saved = os.dup(0)
+    reader = subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE)
+    try:
+        os.dup2(reader.stdout.fileno(), 0)  # an open pipe as the caller's stdin, as under a terminal or CI
+        assert check(problem, "js", "\n  return a + b\n}\n", timeout=5) == {"passed": True, "result": "passed"}
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        reader.kill()
+        reader.wait()
+    from space.eval.execute import TAIL, _tail
+
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (3 * TAIL) + b"the end")
+    assert len(_tail(big)) == TAIL and _tail(big).endswith("the end")
