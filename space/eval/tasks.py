@@ -73,7 +73,8 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
                 rows = [json.loads(line) for line in f if line.strip()]
         except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: damaged file ({e})") from None
-        fields = {**CODE_FIELDS, "declaration": str} if lang == "python" else CODE_FIELDS  # its entry point
+        # Python's entry point and Rust's signature are in the declaration alone
+        fields = {**CODE_FIELDS, "declaration": str} if lang in ("python", "rust") else CODE_FIELDS
         tasks = [_code_task(_checked(row, fields, path, i), lang) for i, row in enumerate(rows)]
     elif name in ("mbpp", "mbpp-dev"):
         path = source = root / "mbpp" / "mbpp.jsonl"
@@ -162,7 +163,12 @@ def _checked(row, fields: dict, path: Path, line: int) -> dict:
 
 
 def _code_task(problem: dict, lang: str) -> EvalTask:
-    return EvalTask(problem["task_id"], lang, [code_prompt(problem["prompt"], lang)], lang, problem)
+    code = problem["prompt"]
+    if lang == "rust":  # its prompt is the doc comment alone: 134 of 164 never name the function asked for
+        from .execute import rust_signature
+
+        code = code.rstrip("\n") + "\n" + rust_signature(problem["declaration"])
+    return EvalTask(problem["task_id"], lang, [code_prompt(code, lang)], lang, problem)
 
 
 def _question_task(row: dict, path: Path, line: int) -> EvalTask:

@@ -212,3 +212,20 @@ def test_a_test_program_gets_an_empty_stdin_and_its_output_is_read_in_part(tmp_p
     big = tmp_path / "big"
     big.write_bytes(b"x" * (3 * TAIL) + b"the end")
     assert len(_tail(big)) == TAIL and _tail(big).endswith("the end")
+
+
+@pytest.mark.skipif(shutil.which("rustc") is None, reason="needs rustc (the Rust toolchain)")
+def test_a_right_rust_reply_with_its_own_std_imports_compiles():
+    """The declaration's ``use std::{..., collections::{HashSet, HashMap}, cmp::{max, self}}`` went
+    in front of every restated function: a right reply importing HashMap or cmp itself failed to
+    compile (E0252, a name imported twice). They are glob imports now, which a reply's own shadow.
+    And Rust prompts carry the signature: 134 of the 164 doc comments never name the function."""
+    from space.eval.execute import check
+    from space.eval.tasks import load_tasks
+
+    [task] = load_tasks("humaneval-x:rust", limit=1)
+    problem = task.problem
+    reply = ("use std::collections::HashMap;\nuse std::cmp;\n"
+             "fn has_close_elements(numbers:Vec<f32>, threshold: f32) -> bool{\n" + problem["canonical_solution"])
+    assert check(problem, "rust", f"```rust\n{reply}\n```") == {"passed": True, "result": "passed"}
+    assert task.turns[0].rstrip("`\n").endswith("fn has_close_elements(numbers:Vec<f32>, threshold: f32) -> bool{")
