@@ -8,7 +8,8 @@
 # in this script's folder, where the configs' own relative paths point (data/..., configs/deepspeed/...).
 # Paths given here are read from the current directory: --output_dir and --logging_dir always; --datasets
 # (each file of the list), --init_adapter, --deepspeed, --resume_from_checkpoint, --data_root when they
-# exist there, else from this script's folder (like CONFIG).
+# exist there, else from this script's folder (like CONFIG). Either spelling (--output-dir) works; an
+# abbreviation (--output) is passed as it is.
 # --smoke (anywhere after CONFIG): runs the config's Trainer/DeepSpeed/LoRA settings on a tiny stand-in
 #   model of the same architecture for 2 optimizer steps through this launcher, on this node alone, saves,
 #   reloads with load_space and checks the artifact (finite, trained) and greedy SPACE == AR; prints a line
@@ -80,18 +81,18 @@ cd "$(dirname "$0")"
 from_caller() {
   local item out="" sep=""
   local -a items
-  case "$1" in
-    --output_dir|--logging_dir) [[ "$2" == /* ]] && echo "$2" || echo "$CALLER/$2" ;;
-    --datasets)  # a comma list of registered names and files
+  case "${1//-/_}" in  # the parser takes --output-dir too
+    __output_dir|__logging_dir) [[ "$2" == /* ]] && printf '%s\n' "$2" || printf '%s\n' "$CALLER/$2" ;;
+    __datasets)  # a comma list of registered names and files (a folder named mbpp is not the dataset)
       IFS=, read -r -a items <<< "$2"
       for item in ${items[@]+"${items[@]}"}; do
-        [[ "$item" != /* && -e "$CALLER/$item" ]] && item="$CALLER/$item"
+        [[ "$item" != /* && -f "$CALLER/$item" ]] && item="$CALLER/$item"
         out+="$sep$item"; sep=,
       done
-      echo "$out" ;;
-    --init_adapter|--deepspeed|--resume_from_checkpoint|--data_root)
-      [[ "$2" != /* && -e "$CALLER/$2" ]] && echo "$CALLER/$2" || echo "$2" ;;
-    *) echo "$2" ;;
+      printf '%s\n' "$out" ;;
+    __init_adapter|__deepspeed|__resume_from_checkpoint|__data_root)
+      [[ "$2" != /* && -e "$CALLER/$2" ]] && printf '%s\n' "$CALLER/$2" || printf '%s\n' "$2" ;;
+    *) printf '%s\n' "$2" ;;  # printf, not echo: a value such as -n or -e is kept
   esac
 }
 [ -f "$CONFIG" ] || die "config not found: $CONFIG"

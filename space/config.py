@@ -310,7 +310,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     resume = getattr(train_args, "resume_from_checkpoint", None)
     if resume and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
         raise FileNotFoundError(f"resume_from_checkpoint {resume}: not a checkpoint folder (no trainer_state.json); "
-                                f"without it a run resumes from the last checkpoint in its output_dir")
+                                f"a run resumes from the last checkpoint in its output_dir on its own")
     if getattr(train_args, "dataloader_persistent_workers", False) and getattr(train_args, "dataloader_num_workers", 0):
         raise ValueError("dataloader_persistent_workers needs to be false: the collator draws each epoch's mask spans "
                          "from the epoch the main process sets, which persistent workers never see (they would "

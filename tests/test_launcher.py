@@ -267,3 +267,8 @@ def test_paths_given_to_the_launcher_are_read_from_where_it_runs(tmp_path):
                      "--logging_dir=/abs/logs", "--max_steps", "1"], given
     smoke = launch({}, "--smoke", "--output_dir", "out", cwd=tmp_path)
     assert smoke[-2:] == ["--output_dir", f"{tmp_path}/out"]
+    # the other spelling; a folder named like a registered dataset is not it; values like echo's options
+    (tmp_path / "mbpp").mkdir()
+    words = launch({}, "--output-dir", "out", "--datasets", "mbpp", "--run_name", "-n", "--seed", "-e", cwd=tmp_path)
+    assert words[words.index(CONFIG) + 1:] == ["--output-dir", f"{tmp_path}/out", "--datasets", "mbpp",
+                                                "--run_name", "-n", "--seed", "-e"]

@@ -67,10 +67,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What the model's causal-LM forward does to its LM head's output, for the decoders, which
-    call the head on chosen rows themselves: Cohere's ``logit_scale`` and Granite's
-    ``logits_scaling`` (a scale), then Gemma 2-4's ``final_logit_softcapping`` (cap * tanh(x / cap)).
-    Without it greedy output is the same (each is increasing), but sampling drew from another
-    distribution than the model's. None when the config has none of them (Llama, Qwen, ...).
+    call the head on chosen rows themselves: Granite's (and MiniCPM3's) division by
+    ``logits_scaling``, HyperCLOVAX's multiplication by it, Cohere's ``logit_scale``, then Gemma
+    2-4's ``final_logit_softcapping`` (cap * tanh(x / cap)). Without it greedy output is the same
+    (each is increasing), but sampling drew from another distribution than the model's. Keyed by
+    ``model_type``, as transformers applies each field: another model's field of the same name
+    (MPT's ``logit_scale``) is not read. None when there is nothing to do (Llama, Qwen, ...).
 
     Args:
         config: the model's config (``model.config``).
@@ -78,7 +80,14 @@ def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
     Returns:
         a function of (rows, vocab) logits, or None.
     """
-    scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+    kind = str(getattr(config, "model_type", ""))
+    scale = 1.0
+    if kind.startswith("granite") or kind == "minicpm3":
+        scale /= float(getattr(config, "logits_scaling", None) or 1.0)
+    elif kind.startswith("hyperclovax"):
+        scale *= float(getattr(config, "logits_scaling", None) or 1.0)
+    elif kind.startswith("cohere"):
+        scale *= float(getattr(config, "logit_scale", None) or 1.0)
     cap = getattr(config, "final_logit_softcapping", None)
     if scale == 1.0 and not cap:
         return None

@@ -207,7 +207,7 @@ def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> di
                 return {"passed": False, "result": "timed out"}
             if returncode != 0 or "Assertion failed" in stderr:
                 return {"passed": False, "result": f"failed: {cmd[0]} exit {returncode}: {stderr[-300:]}"}
-        done = RUST_OK.search(stdout) if language == "rust" else marker in stdout.splitlines()
+        done = RUST_OK.search(stdout) if language == "rust" else marker in stdout  # after a print without a newline too
         if not done:  # (Rust/32's tests are commented out in the dataset: 0 ran, which verifies nothing)
             why = "no test ran" if "test result: ok. 0 passed" in stdout else "exit 0 before the tests finished"
             return {"passed": False, "result": f"failed: {why}: {stderr[-300:]}"}
@@ -215,8 +215,9 @@ def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> di
 
 
 def _limits(cpu_seconds: int) -> None:
-    """In the child, before it runs: CPU time past the wall-clock timeout and files past
-    ``FILE_LIMIT`` kill it, which still holds once this process is gone (a kill of space-eval
+    """In the child, before it runs: CPU time past what the wall-clock timeout allows on every
+    core (so never before that timeout, however many threads a compiler or JVM runs) and files
+    past ``FILE_LIMIT`` kill it, which still holds once this process is gone (a kill of space-eval
     left a busy test program spinning) or for a writer that fills the disk."""
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
@@ -237,7 +238,7 @@ def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, st
     read as "timed out") and leave its children running after the temporary directory is gone."""
     with open(cwd / ".stdout", "wb") as out, open(cwd / ".stderr", "wb") as err:
         proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                                preexec_fn=functools.partial(_limits, math.ceil(timeout) + 1))
+                                preexec_fn=functools.partial(_limits, math.ceil(timeout * (os.cpu_count() or 1)) + 1))
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

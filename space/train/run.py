@@ -80,8 +80,8 @@ def drop_dev_set(examples: list, root) -> tuple[list, int]:
 def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     """Train with SAR-SFT and write ``<output_dir>/final`` (HF checkpoint or adapter).
 
-    Resumes from ``resume_from_checkpoint`` when given (a checkpoint folder, perhaps of another
-    run), else from the last ``checkpoint-*`` in ``output_dir`` when there is one. A run that
+    Resumes from the last ``checkpoint-*`` in ``output_dir`` when there is one, else from
+    ``resume_from_checkpoint`` when given (a checkpoint folder, perhaps of another run). A run that
     already finished (its last checkpoint is at the final step) trains nothing and keeps its
     artifact and log as they are.
 
@@ -109,7 +109,9 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         train_args.ddp_find_unused_parameters = False
     settings = space_settings(model_args, mask_args)
     last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
-    if train_args.resume_from_checkpoint:  # a checkpoint the user names, perhaps of another run, over that one
+    if train_args.resume_from_checkpoint and not last:
+        # a checkpoint the user names, perhaps of another run, starts this one; once this run has
+        # checkpoints of its own, a rerun (preempted, the key still in its config) goes on from them
         last = train_args.resume_from_checkpoint
     done = total = 0
     if last:

@@ -129,6 +129,7 @@ def test_probe_and_training_refuse_a_window_they_would_ignore():
     ("granite", dict(logits_scaling=4.0)),
     ("gemma2", dict(final_logit_softcapping=2.0, attn_implementation="eager", layer_types=["full_attention"] * 2)),
     ("cohere", dict(logit_scale=0.0625)),
+    ("hyperclovax", dict(logits_scaling=4.0)),  # multiplies by it, where Granite divides
 ])
 def test_the_models_own_logit_scaling_and_soft_capping(arch, overrides):
     """The decoders call the LM head on chosen rows themselves, so they must do what the model's
@@ -140,7 +141,7 @@ def test_the_models_own_logit_scaling_and_soft_capping(arch, overrides):
     from space.decoding import SamplingConfig
     from space.decoding.graphs import StepGraphs
 
-    names = {"granite": "Granite", "gemma2": "Gemma2", "cohere": "Cohere"}
+    names = {"granite": "Granite", "gemma2": "Gemma2", "cohere": "Cohere", "hyperclovax": "HyperCLOVAX"}
     config_cls = getattr(transformers, f"{names[arch]}Config")
     model_cls = getattr(transformers, f"{names[arch]}ForCausalLM")
     attn = overrides.pop("attn_implementation", None)
@@ -167,3 +168,15 @@ def test_the_models_own_logit_scaling_and_soft_capping(arch, overrides):
     captured = ar_generate(model, prompt, 16, sampling, suppress_ids=spec.token_ids,
                            graphs=StepGraphs(model, slots=64, sizes=[4]))
     assert captured.new_ids == eager.new_ids
+
+
+
+def test_a_field_of_the_same_name_in_another_model_is_not_read():
+    """MPT's logit_scale (a number or "inv_sqrt_d_model") is never applied by transformers: read
+    by name alone it scaled MPT's logits, or failed to build the decoder."""
+    from transformers import LlamaConfig, MptConfig
+
+    from space.decoding.sampling import logit_transform
+
+    assert logit_transform(MptConfig(logit_scale="inv_sqrt_d_model")) is None
+    assert logit_transform(MptConfig(logit_scale=4.0)) is None and logit_transform(LlamaConfig()) is None

@@ -184,6 +184,10 @@ def test_an_exit_before_the_tests_finish_is_a_failure(language, reply):
         pytest.skip(f"no {language} toolchain")
     problem = load_tasks(f"humaneval-x:{language}", limit=1)[0].problem
     assert check(problem, language, problem["canonical_solution"])["passed"]
+    printing = {"js": "process.stdout.write('checking')\n", "cpp": "static int said = printf(\"checking\");\n",
+                "java": "", "rust": ""}[language]  # output without a newline before the marker: still a pass
+    if printing:
+        assert check(problem, language, problem["prompt"] + problem["canonical_solution"] + "\n" + printing)["passed"]
     result = check(problem, language, f"```\n{reply}```")
     assert not result["passed"] and result["result"].startswith("failed"), result
 

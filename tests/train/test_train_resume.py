@@ -136,3 +136,8 @@ def test_resume_from_a_named_checkpoint_of_another_run(tmp_path, capsys):
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         train_main([*args, "--output_dir", str(tmp_path / "third"), "--resume_from_checkpoint", str(whole)])
+    # once the run has checkpoints of its own, a rerun with the same command goes on from them
+    capsys.readouterr()
+    train_main([*args, "--max_steps", "6", "--output_dir", str(other), "--resume_from_checkpoint",
+                str(whole / "checkpoint-2")])
+    assert "resuming: 4 of 6 steps done" in capsys.readouterr().out
