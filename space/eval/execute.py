@@ -199,7 +199,8 @@ def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> di
     source = _program(problem, language, code) + "\n" + problem["test"] + "\n" + tail
     with tempfile.TemporaryDirectory(prefix="space-exec-") as tmp:
         (Path(tmp) / filename).write_text(source)
-        (Path(tmp) / "assert.js").write_text(JS_ASSERT)
+        if language == "js":  # node --require's it before the program
+            (Path(tmp) / "assert.js").write_text(JS_ASSERT)
         for cmd in steps:
             compile_step = cmd[0] in ("g++", "javac", "rustc")
             returncode, stdout, stderr = _run_step(cmd, Path(tmp), timeout * 6 if compile_step else timeout)
