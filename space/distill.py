@@ -20,7 +20,9 @@ Files, all written whole after every batch and atomically, so an interrupted run
 stopped (a ``.gz`` output is what a repository commits):
 
 * ``OUT`` (``.jsonl`` or ``.jsonl.gz``): one row per answer, ``id``, ``key``, ``source``,
-  ``prompt`` (messages), ``response``, ``new_tokens``, ``finished``;
+  ``prompt`` (messages), ``response``, ``response_ids`` (the generated token ids, cut before EOS:
+  training uses them rather than the text tokenized again, ``space.data.sft.tokenize``),
+  ``new_tokens``, ``finished``;
 * ``<OUT stem>.magpie.jsonl[.gz]``: every sampled user turn, kept or not, so the filters can be
   replayed and nothing is sampled twice;
 * ``<OUT stem>.manifest.json``: settings, sources, counts, filter verdicts, skips, commit and
@@ -231,7 +233,7 @@ class Distiller:
                     self.skipped["empty answer"] += 1
                     continue
                 rows.append({"id": p["id"], "key": p["key"], "source": p["source"], "prompt": p["prompt"],
-                             "response": text, "new_tokens": len(ids), "finished": finished})
+                             "response": text, "response_ids": ids, "new_tokens": len(ids), "finished": finished})
                 self.done.add(p["key"])
             self._save(rows)
 

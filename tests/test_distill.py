@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from space.data.prompts import chat_ids
+from space.data.sft import load_examples, tokenize
 from space.distill import Distiller, MagpieSettings, collect_prompts, greedy_batches
 from space.models import tiny_tokenizer
 
 
 class StubModel:
-    """``generate`` answers each left-padded prompt with ``answers[user text]`` (+ EOS unless the
-    text is in ``unfinished``), padded on the right like HF's batched output."""
+    """``generate`` answers each left-padded prompt with ``answers[user text]`` (a text, or token ids
+    as they are) (+ EOS unless the text is in ``unfinished``), padded on the right like HF's
+    batched output."""
 
     device = torch.device("cpu")
 
@@ -26,7 +28,8 @@ class StubModel:
             assert mask[-1] == 1, "prompts must be padded on the left"
             prompt = tok.decode([i for i, m in zip(ids, mask) if m])
             user = next(u for u in self.answers if f"user\n{u}<|im_end|>" in prompt)
-            new = tok(self.answers[user], add_special_tokens=False)["input_ids"]
+            answer = self.answers[user]
+            new = answer if isinstance(answer, list) else tok(answer, add_special_tokens=False)["input_ids"]
             rows.append(ids + new + ([] if user in self.unfinished else [tok.eos_token_id]))
         width = max(map(len, rows))
         return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
@@ -81,6 +84,7 @@ def test_distill_jsonl_skips_and_resumes_after_a_torn_append(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {r["prompt"][0]["content"]: r["response"] for r in rows} == {"Hiya": "Hello", "Why?": "Because.", "How?": "Like so."}
     assert all(r["finished"] and r["new_tokens"] == len(tok(r["response"])["input_ids"]) for r in rows)
+    assert all(r["response_ids"] == tok(r["response"])["input_ids"] for r in rows)
     assert first["skipped_this_run"] == {"prompt over --max-prompt-tokens": 1, "empty answer": 1}
     lines = out.read_text().splitlines(keepends=True)
     out.write_text(lines[0] + lines[1][:10])  # killed during the second append: one row whole, one torn
@@ -122,3 +126,21 @@ def test_distill_resume_checks_hold_before_the_first_row_and_across_sources(tmp_
     distiller(str(cache_dir() / SMOLLM2)).run(StubModel(tok, answers), tok)  # the other sources again, by folder
     kept = json.loads(manifest_file.read_text())
     assert kept["settings"]["magpie"] == {"seed": 7} and kept["filter_verdicts"] == {"first turn": {"ok": 3}}
+
+
+def test_a_distilled_row_keeps_the_generated_ids_of_a_cut_character(tmp_path):
+    """An answer cut inside a multi-byte character: its text drops the byte's U+FFFD, which the
+    model never wrote; its ``response_ids`` are what it generated, the byte included, and training
+    uses them. Catches ids taken from the text (tokenized again) instead of the generation."""
+    tok = tiny_tokenizer()
+    e_acute = tok("é", add_special_tokens=False)["input_ids"]
+    generated = tok("caf", add_special_tokens=False)["input_ids"] + e_acute[:1]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "Cafe?", "response": "-"}) + "\n")
+    out = tmp_path / "set.jsonl"
+    Distiller(out, "stub", {str(source): None}, 2, 16, 64, None, MagpieSettings()).run(
+        StubModel(tok, {"Cafe?": generated}, unfinished={"Cafe?"}), tok)
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (row["response"], row["response_ids"], row["finished"]) == ("caf", generated, False)
+    [sample] = tokenize(load_examples(str(out)), tok, 64)
+    assert sample["input_ids"][sample["prompt_len"]:] == generated and sample["own_ids"]

@@ -6,7 +6,9 @@ Formats (DESIGN §5; detected per row):
 * ShareGPT: ``conversations`` with ``from``/``value`` or ``role``/``content``; the last assistant
   turn is the response, earlier turns are context.
 * MBPP: ``text`` + ``code``, turned into a prompt that states the task and the signature.
-* Self-distilled JSONL: ``prompt`` (a string or a message list) + ``response``.
+* Self-distilled JSONL: ``prompt`` (a string or a message list) + ``response``, optional
+  ``finished`` and ``response_ids`` (``space-distill`` writes both: the model's own tokens, which
+  training uses when they spell the response in the tokenizer at hand, see :func:`tokenize`).
 
 A registry maps names to files under the data root (default ``../shared/data``, or
 ``$SPACE_DATA``); any other name is read as a path to a .json/.jsonl file. Malformed rows raise
@@ -45,11 +47,14 @@ def data_root(root: str | os.PathLike | None = None) -> Path:
 class Example:
     """One training pair: ``context`` messages (role/content) and the assistant ``response``;
     ``finished`` False for a response cut at a length limit (``space-distill``'s rows record it):
-    the model never ended its turn there, so :func:`tokenize` adds no end of turn."""
+    the model never ended its turn there, so :func:`tokenize` adds no end of turn.
+    ``response_ids``: the token ids the model generated for ``response`` (cut before its EOS), or
+    None when the row has only text."""
 
     context: list[dict]
     response: str
     finished: bool = True
+    response_ids: list[int] | None = None
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -114,7 +119,10 @@ def to_example(row: dict) -> Example:
         finished = row.get("finished", True)
         if not isinstance(finished, bool):  # "false" or 0 would read as finished
             raise ValueError(f"'finished' must be true or false, got {finished!r}")
-        return _checked(context, row["response"], finished)
+        ids = row.get("response_ids")
+        if ids is not None and not (isinstance(ids, list) and ids and all(type(i) is int for i in ids)):
+            raise ValueError("'response_ids' must be a non-empty list of token ids (integers)")
+        return _checked(context, row["response"], finished, ids)
     raise ValueError(f"unknown row format with keys {sorted(row)}; expected instruction/output, "
                      "conversations, text/code or prompt/response")
 
@@ -128,7 +136,7 @@ def _sharegpt_role(turn: dict) -> str:
     return _ROLES[str(role).lower()]
 
 
-def _checked(context: list[dict], response, finished: bool = True) -> Example:
+def _checked(context: list[dict], response, finished: bool = True, response_ids: list[int] | None = None) -> Example:
     if not isinstance(response, str) or not response.strip():
         raise ValueError("empty or non-string response")
     if not context or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in context):
@@ -138,7 +146,7 @@ def _checked(context: list[dict], response, finished: bool = True) -> Example:
     bad = [m.get("role") for m in context if m.get("role") not in CHAT_ROLES]
     if bad:
         raise ValueError(f"prompt message role {bad[0]!r} is not one of {', '.join(CHAT_ROLES)}")
-    return Example(context, response, finished)
+    return Example(context, response, finished, response_ids)
 
 
 def data_lists(datasets: str | None, sources: str | None = None) -> tuple[list[str], list[str] | None]:
@@ -191,10 +199,27 @@ def load_examples(name: str, root: str | os.PathLike | None = None, limit: int |
     return out
 
 
+def own_ids(ex: Example, tokenizer) -> list[int] | None:
+    """``ex.response_ids`` when they are this tokenizer's spelling of ``ex.response`` (decoded
+    without special tokens, an unfinished answer's cut character dropped, as ``space-distill``
+    wrote the text), else None: ids from another model's tokenizer are not this model's tokens."""
+    ids = ex.response_ids
+    if ids is None or not all(0 <= i < len(tokenizer) for i in ids):
+        return None
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return ids if (text if ex.finished else text.rstrip("\ufffd")) == ex.response else None
+
+
 def tokenize(examples: list[Example], tokenizer, max_length: int):
     """Token ids (prompt + response + the template's end of turn, or EOS without a template;
     nothing after an unfinished response, whatever token the template ends a turn with) cut to
-    ``max_length``, with ``prompt_len`` and ``idx``.
+    ``max_length``, with ``prompt_len``, ``idx`` and ``own_ids``.
+
+    A self-distilled answer whose ``response_ids`` spell it in this tokenizer (:func:`own_ids`) is
+    trained on those ids, then EOS if it finished: the tokens the model generates, which the masks
+    learn to draft (DESIGN §5). Its text tokenized again splits differently in 7-18 % of
+    SmolLM2's answers (``ĊĊ`` generated, ``Ċ Ċ`` retokenized). Other responses are tokenized
+    from their text (``own_ids`` False).
 
     Prompt tokens are excluded from the loss by the collator (targets before ``prompt_len``).
     Samples whose prompt alone fills ``max_length`` are dropped.
@@ -207,21 +232,23 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
     rows = []
     for i, ex in enumerate(examples):
         prompt = chat_ids(tokenizer, ex.context)
-        # an answer cut inside a multi-byte character ends in U+FFFD (its bytes, decoded alone), which
-        # the model never wrote: dropped (15 committed rows)
-        text = ex.response if ex.finished else ex.response.rstrip("\ufffd")
-        response = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ex.finished:
+        ids = own_ids(ex, tokenizer)
+        if ids is not None:
+            # the model's own tokens, then the EOS its generation stopped at (none after a cut)
+            full = prompt + ids + ([tokenizer.eos_token_id] if ex.finished else [])
+        elif not ex.finished:
             # a response cut at max_new_tokens: the prompt and the tokens generated after it, as the
             # teacher produced them, with no end of turn (or template text) after the cut that would
-            # teach the masks to close the turn there; whatever token the template ends a turn with
-            full = prompt + response
+            # teach the masks to close the turn there; whatever token the template ends a turn with.
+            # An answer cut inside a multi-byte character ends in U+FFFD (its bytes, decoded alone),
+            # which the model never wrote: dropped (15 committed rows)
+            full = prompt + tokenizer(ex.response.rstrip("\ufffd"), add_special_tokens=False)["input_ids"]
         else:
             full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
             # no template (chat_ids' "role: content" lines end a turn with a newline, not EOS: the model
             # would never learn to stop), or one that re-renders the prompt once an answer follows it
             if not tokenizer.chat_template or full[: len(prompt)] != prompt:
-                full = prompt + response + [tokenizer.eos_token_id]
+                full = prompt + tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(prompt) + 2 <= max_length:
-            rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i})
+            rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i, "own_ids": ids is not None})
     return Dataset.from_list(rows)

@@ -169,7 +169,10 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     if last and sampler is not None:  # settings matched, so a checkpoint of this run holds the head
         load_sampler_head(sampler, os.path.join(last, SAMPLER_HEAD))
     if trainer.is_world_process_zero():
-        print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out); "
+        with_ids = sum(ex.response_ids is not None for ex in examples)
+        own = (f"; {sum(dataset['own_ids'])} samples on their generated token ids ({with_ids} rows carry ids; "
+               "ids that do not spell the text in this tokenizer are not used)" if with_ids else "")
+        print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out){own}; "
               f"mode {model_args.mode}; k={mask_args.mask_num}; "
               f"trainable params {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,}"
               + (f"; resuming: {done} of {total} steps done ({last})" if last else ""), flush=True)

@@ -170,3 +170,58 @@ def test_without_a_chat_template_every_answer_ends_with_eos(response):
     [row] = tokenize([ex], tok, max_length=64)
     prompt = chat_ids(tok, ex.context)
     assert row["input_ids"] == prompt + tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+def _merging_tokenizer():
+    """The byte-level tiny tokenizer with one merge, two newlines into one token ("ĊĊ"), so a text
+    has two spellings, as in SmolLM2, whose answers retokenized split 7-18 % differently."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    base = tiny_tokenizer()
+    vocab = {t: i for t, i in base.get_vocab().items() if i < 256}
+    vocab["ĊĊ"] = 256
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                  bos_token="<|im_start|>")
+    tok.chat_template = base.chat_template
+    return tok
+
+
+def test_a_distilled_answer_trains_on_the_model_s_own_token_ids():
+    """space-distill stores the generated ids beside the text. Catches training on the text
+    tokenized again (the merged "ĊĊ" where the model generated two "Ċ"), a finished answer
+    without the EOS its generation stopped at (or with the template's text after it), an EOS
+    after an unfinished one, a cut character's byte dropped from the ids, and ids that do not
+    spell the text in this tokenizer (another model's) used instead of the text."""
+    tok = _merging_tokenizer()
+    nl, a, b = tok.convert_tokens_to_ids(["Ċ", "a", "b"])
+    assert tok("a\n\nb", add_special_tokens=False)["input_ids"] == [a, 256, b]  # the text's own spelling
+    generated = [a, nl, nl, b]  # what the model generated: the same text, spelt otherwise
+    rows = [{"prompt": "Hi", "response": "a\n\nb", "response_ids": generated},
+            {"prompt": "Hi", "response": "a\n\nb", "response_ids": generated, "finished": False},
+            # cut inside "é" (bytes C3 A9): the text lost the byte, the ids keep what was generated
+            {"prompt": "Hi", "response": "a", "response_ids": [a, tok.convert_tokens_to_ids("Ã")], "finished": False},
+            {"prompt": "Hi", "response": "a\n\nb", "response_ids": [b, nl, nl, a]},  # another tokenizer's ids
+            {"prompt": "Hi", "response": "a\n\nb", "response_ids": [a, 10_000]},  # outside the vocabulary
+            {"prompt": "Hi", "response": "a\n\nb"}]
+    data = tokenize([to_example(r) for r in rows], tok, max_length=64)
+    prompt = chat_ids(tok, [{"role": "user", "content": "Hi"}])
+    assert all(row["prompt_len"] == len(prompt) for row in data)
+    assert data[0]["input_ids"] == prompt + generated + [tok.eos_token_id]
+    assert data[1]["input_ids"] == prompt + generated
+    assert data[2]["input_ids"] == prompt + rows[2]["response_ids"]
+    text_spelling = chat_ids(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a\n\nb"}],
+                             add_generation_prompt=False)
+    assert data[3]["input_ids"] == data[4]["input_ids"] == data[5]["input_ids"] == text_spelling
+    assert data["own_ids"] == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("ids", ["[1, 2]", [], [1.0, 2.0], [True, 2], [[1], 2]])
+def test_malformed_response_ids_are_refused(tmp_path, ids):
+    """Catches response_ids that are not a list of integers loaded and used as tokens."""
+    path = _jsonl(tmp_path / "rows.jsonl", [{"prompt": "q", "response": "a", "response_ids": ids}])
+    with pytest.raises(ValueError, match="rows.jsonl: row 0: 'response_ids' must be a non-empty list of token ids"):
+        load_examples(path)
