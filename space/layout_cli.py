@@ -144,10 +144,11 @@ def main(argv: list[str] | None = None) -> str:
         lay, lines = dynamic_example(a.mask_num, a.cache_len, a.num_groups, a.draft_probs, a.lookup, a.row_budget,
                                      a.step_cost)
     elif a.mode == "decode" and a.tree not in (None, "chain"):
-        from .decoding.tree import chain_depth, parse_tree
+        from .decoding.tree import chain_depth, group_rows, parse_tree
         tree = parse_tree(a.tree, a.mask_num)
         groups = min(a.num_groups or a.mask_num + 1, chain_depth(tree) + 1)  # num_groups None: all
-        lay = build_layout(a.cache_len, 1 + len(tree), list(range(1, groups + 1)), a.mask_num,
+        # the decoder's groups: on x_{n-1} and the top-1 chain, wherever breadth-first order puts it
+        lay = build_layout(a.cache_len, 1 + len(tree), [r + 1 for r in group_rows(tree, groups)], a.mask_num,
                            parents=tree_parents(tree))
     elif a.mode == "decode":
         m = a.mask_num if a.num_candidates is None else a.num_candidates

@@ -166,6 +166,26 @@ def test_space_layout_tree_groups_stop_at_its_top1_chain():
     assert "G1m2" in text and "G2m0" not in text and "c2" in text
 
 
+def test_space_layout_draws_a_tree_s_groups_where_the_decoder_puts_them():
+    """[[0],[1],[0,0]]: the top-1 chain is c1, c3 (c2 is c1's sibling). Catches groups drawn on
+    the first rows of the breadth-first tree (G2 on c2, seeing x and c2) where the decoder's
+    static step anchors them on the chain (G2 on c3, seeing x, c1, c3)."""
+    from space.decoding import DecodeConfig, SpaceDecoder
+    from space.decoding.decoder import Drafts
+    from space.layout_cli import main
+    from space.models import tiny_random_llama
+    from space.tokens import add_mask_tokens
+
+    text = main(["--tree", "[[0],[1],[0,0]]", "-k", "2", "--cache-len", "2"])
+    drawn = [(line.split("|")[1].split()[0], int(line.split()[-1])) for line in text.splitlines()[1:]]
+    model, tok = tiny_random_llama()
+    dec = SpaceDecoder(model, add_mask_tokens(model, tok, mask_num=2), DecodeConfig(mask_num=2, tree=[[0], [1], [0, 0]]))
+    lay, _, _ = dec.static_block(2, Drafts(torch.zeros(2, dec.draft_ranks, dtype=torch.long)), [])
+    sees = ["".join("o" if v == 0 else "." for v in row) for row in lay.block_mask[0, 0].tolist()]
+    assert lay.group_rows == (0, 1, 3)
+    assert drawn == [(row, int(pos) + 2) for row, pos in zip(sees, lay.position_ids.tolist())]
+
+
 def test_render_labels_padding_and_groups_of_different_lengths():
     lay = build_layout(2, 2, [1, 2], [1, 2], parents=[-1, 0], pad_to=7)
     names = [line.split()[3] for line in render(lay).splitlines()[1:]]

@@ -97,7 +97,7 @@ from .lookup import PromptLookup
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
 from .sampling import SamplingConfig, logit_transform, logits_to_probs, sample
-from .tree import anchored_group, chain_depth, prune
+from .tree import anchored_group, chain_depth, group_rows, prune
 from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
 
 # HF's logits-processor convention: (input_ids (rows, seq), scores (rows, vocab)) -> scores
@@ -542,10 +542,8 @@ class SpaceDecoder:
         key = (len(tree), len(found), groups, k)
         if key not in self._static:
             par = tree_parents(tree) + [0 if i == 0 else len(tree) + i for i in range(len(found))]
-            row_of = {p: i + 1 for i, p in enumerate(tree)}
-            group_rows = ([0] + [row_of[(0,) * d] for d in range(1, groups)]) if groups else []
             rows = len(par) + groups * k
-            lay, _ = self.block_layout(par, group_rows, [k] * groups, bucket(rows, self.max_rows) if self.buckets else rows)
+            lay, _ = self.block_layout(par, group_rows(tree, groups), [k] * groups, bucket(rows, self.max_rows) if self.buckets else rows)
             R = self.draft_ranks
             index = upload([(len(p) - 1) * R + p[-1] for p in tree], self.device)
             self._static[key] = (lay, index)

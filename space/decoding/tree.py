@@ -106,6 +106,19 @@ def chain_depth(tree: Tree) -> int:
     return d
 
 
+def group_rows(tree: Tree, groups: int) -> list[int]:
+    """Block rows of a static step's ``groups`` mask groups (DESIGN §3.8): G_0 on x_{n-1} (row 0),
+    G_d on the top-1 chain's node at depth d (row 1 + its breadth-first index in ``tree``).
+
+    Raises:
+        ValueError: ``groups`` outside 0..chain_depth(tree) + 1.
+    """
+    if not 0 <= groups <= chain_depth(tree) + 1:
+        raise ValueError(f"{groups} mask groups need a top-1 chain of depth {groups - 1}; this tree's is {chain_depth(tree)}")
+    row_of = {p: i + 1 for i, p in enumerate(tree)}
+    return ([0] + [row_of[(0,) * d] for d in range(1, groups)]) if groups else []
+
+
 # ---- construction -------------------------------------------------------------------------------
 
 def path_probs_from_ranks(ranks: Iterable[torch.Tensor], max_rank: int = 8) -> dict[tuple[int, ...], float]:
