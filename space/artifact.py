@@ -390,12 +390,15 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
     mode, steps not captured (:func:`priced_for_setup`), else by the entry's own.
 
     Raises:
-        ValueError: a malformed ``decode`` or ``step_costs`` entry (``where`` names the file).
+        ValueError: a malformed ``decode`` or ``step_costs`` entry, or a ``decode`` k above the
+            trained ``mask_num`` (masks at offsets never trained: ``where`` names the file).
     """
     try:
         decode = DecodeConfig.from_dict(cfg["decode"]) if "decode" in cfg else DecodeConfig(mask_num=cfg["mask_num"])
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{where}: bad decode settings: {e}") from None
+    if decode.mask_num > cfg["mask_num"]:  # space-tree caps k at the trained k: only a hand edit gets here
+        raise ValueError(f"{where}: decode mask_num {decode.mask_num} exceeds the trained mask_num {cfg['mask_num']}")
     if not threads:
         return decode
     return priced_for_setup(decode, cfg, threads, kernels, where, device, packed_kernel=packed_kernel, compile=compile)[0]

@@ -171,6 +171,9 @@ def _scalar_mask_rows(a):
     (_edited(mask_num="3"), "mask_num='3'"),
     (_edited(mask_token_ids=[]), r"mask_token_ids=\[\]"),
     (_scalar_mask_rows, r"mask rows of shape \(1, 1\)"),
+    # decoded with masks at offsets never trained (one shared mask token), or refused later by the
+    # decoder without naming the file
+    (_edited(decode={"mask_num": 5}), "a: decode mask_num 5 exceeds the trained mask_num 3"),
 ])
 def test_damaged_adapter_is_refused_naming_the_fault(tmp_path, damage, fragment):
     """Catches a dropped check in read_lora (r >= 1, plain LoRA only, every A of rank r, no unpaired
