@@ -385,9 +385,10 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
                           kernels: str | None = None, device: str = "cpu", packed_kernel: str | None = None,
                           compile: bool | str = False) -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
-    trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, a dynamic tree priced
-    by the curve stored for that setup on the ``device`` type, ``packed_kernel`` and ``compile``
-    mode, steps not captured (:func:`priced_for_setup`), else by the entry's own.
+    trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, its step-cost curve
+    the one stored for that setup on the ``device`` type, ``packed_kernel`` and ``compile`` mode,
+    steps not captured (:func:`priced_for_setup`), else the entry's own: a dynamic tree's prices,
+    which a static layout carries for a ``tree="dynamic"`` override.
 
     Raises:
         ValueError: a malformed ``decode`` or ``step_costs`` entry, or a ``decode`` k above the
@@ -401,7 +402,12 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
         raise ValueError(f"{where}: decode mask_num {decode.mask_num} exceeds the trained mask_num {cfg['mask_num']}")
     if not threads:
         return decode
-    return priced_for_setup(decode, cfg, threads, kernels, where, device, packed_kernel=packed_kernel, compile=compile)[0]
+    # priced as a dynamic tree whatever the stored layout: a static one carries the curve too (it
+    # prices nothing there), so --tree dynamic over it in space-chat or space.hf.generate is priced
+    # for this setup, as space-eval prices it after its flags
+    priced = priced_for_setup(decode.override(tree="dynamic"), cfg, threads, kernels, where, device,
+                              packed_kernel=packed_kernel, compile=compile)[0]
+    return decode.override(step_cost=priced.step_cost, adapter_cost=priced.adapter_cost)
 
 
 def save_mask_rows(emb: MaskEmbedding, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:

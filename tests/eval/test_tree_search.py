@@ -406,8 +406,13 @@ def test_one_stored_curve_per_threads_and_kernels(tmp_path):
     # no curve for this setup: the "decode" entry's own (the last written), as before issue 44
     assert adapter_decode_config(cfg, threads=4, kernels="fast").step_cost == two.step_cost
     cfg["decode"] = {**cfg["decode"], "tree": [[0], [1]]}  # a static layout prices no rows by a curve
+    assert adapter_decode_config(cfg).step_cost == two.step_cost  # the entry's own, unpriced
+    # but carries this setup's, which a --tree dynamic override in space-chat or space.hf.generate
+    # takes (they priced it by the entry's own, where space-eval took this setup's)
     static = adapter_decode_config(cfg, threads=1, kernels="fast")
-    assert static.step_cost == two.step_cost
+    assert static.tree == ((0,), (1,)) and (static.step_cost, static.adapter_cost) == (one.step_cost, 0.5)
+    assert static.override(tree="dynamic") == one.override(tree="dynamic", lookup_tokens=static.lookup_tokens)
+    static = adapter_decode_config(cfg, threads=2, kernels="fast")  # carries the 2-thread curve
     # --tree dynamic over the static stored layout: priced after the flag, with the setup it names
     priced, setup = priced_for_setup(static.override(tree="dynamic"), cfg, 1, "fast")
     assert priced.step_cost == one.step_cost
