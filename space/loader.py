@@ -24,6 +24,7 @@ from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
 from .decoding.config import DEFAULT_MASK_NUM
 from .decoding.backends import choose_sdpa
+from .decoding.cache import attention_dtype
 from .decoding.fused import fuse_trunk
 from .models import SMOLLM2, dispatch, load_model, model_identity
 from .sampler_head import add_sampler_head, sampler_head
@@ -169,7 +170,8 @@ def _trunk(model, compile: bool | str, device_map) -> None:
     hold module state, or a model spread over devices); and the attention backend for its device
     and dtype (``space.decoding.backends.choose_sdpa``), recorded as ``model.space_sdpa``."""
     model.space_trunk = None if compile or device_map is not None else fuse_trunk(model)
-    model.space_sdpa = choose_sdpa(model.device.type, model.dtype)
+    # the trunk's dtype, not model.dtype: an adapter's fp32 mask rows come first in a bf16 model
+    model.space_sdpa = choose_sdpa(model.device.type, attention_dtype(model.get_decoder()))
 
 
 def warm_start(model, adapter: str | os.PathLike, mode: str, spec: MaskSpec) -> None:

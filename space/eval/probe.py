@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
     from tqdm import tqdm
 
-    from ..decoding.cache import refuse_sliding_window
+    from ..decoding.cache import attention_dtype, refuse_sliding_window
     from ..decoding.config import DEFAULT_MASK_NUM
     from ..loader import load_space
     from ..tokens import MAX_MASK_NUM
@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
     tree = read_tree(a.tree, k, a.model, a.adapter)
     mask_ids = spec.ids_for(k)
     a.out.mkdir(parents=True, exist_ok=True)
-    dtype = str(model.dtype).removeprefix("torch.")  # the name, however --dtype spelt it (fp32, bf16, ...)
+    # the name, however --dtype spelt it (fp32, bf16, ...); the trunk's, not model.dtype: an adapter's
+    # fp32 mask rows come first in a bf16 model (a bf16 run's answers were recorded as float32)
+    dtype = str(attention_dtype(model.get_decoder())).removeprefix("torch.")
     answers = cached_answers(model, tok, prompts, a.answers or a.out / "answers.jsonl", target,
                              a.max_new_tokens, a.batch_size, spec.token_ids, dtype)
     per_sample, ranks_by_source = [], {}

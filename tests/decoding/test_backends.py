@@ -30,3 +30,22 @@ def test_load_records_the_choice(cudnn_flag):
 
     model, _, _ = load_space("tiny-random-llama")
     assert model.space_sdpa == {} and torch.backends.cuda.cudnn_sdp_enabled()  # a CPU model leaves CUDA's flags
+
+
+def test_load_chooses_by_the_trunk_s_dtype_under_an_adapter(tmp_path, monkeypatch):
+    """A bf16 model with an adapter: its first parameter is the fp32 mask rows, so ``model.dtype``
+    reads float32. Catches choosing the backend by it (cuDNN attention stayed on for every bf16
+    space-eval run with an adapter on a GPU, and the run recorded that as the choice)."""
+    import space.loader
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.models import TINY, tiny_random_llama
+
+    model, tok = tiny_random_llama()
+    peft_model, spec = prepare_model(model, tok, "frozen-base", mask_num=2)
+    adapter = save_artifact(tmp_path / "a", peft_model, tok, spec, "frozen-base", {"base_model": TINY})
+    seen = []
+    monkeypatch.setattr(space.loader, "choose_sdpa", lambda device, dtype: seen.append(dtype) or {})
+    loaded, _, _ = space.loader.load_space(adapter=adapter, dtype="bfloat16")
+    assert loaded.dtype == torch.float32  # what misled it
+    assert seen == [torch.bfloat16]

@@ -84,6 +84,23 @@ def test_parse_tree(tmp_path):
             parse_tree(bad, 2)
 
 
+def test_answers_record_the_trunk_s_dtype_under_an_adapter(tmp_path):
+    """A bf16 model with an adapter reads ``model.dtype`` float32 (its fp32 mask rows come first).
+    Catches recording the answers by it: an fp32 rerun then reused the bf16 answers silently."""
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.models import TINY, tiny_random_llama
+
+    model, tok = tiny_random_llama()
+    peft_model, spec = prepare_model(model, tok, "frozen-base", mask_num=2)
+    adapter = save_artifact(tmp_path / "a", peft_model, tok, spec, "frozen-base", {"base_model": TINY})
+    args = ["--adapter", str(adapter), "--limit", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "p")]
+    main([*args, "--dtype", "bfloat16"])
+    assert '"dtype": "bfloat16"' in (tmp_path / "p" / "answers.jsonl").read_text()
+    with pytest.raises(ValueError, match="holds answers of"):
+        main([*args, "--dtype", "float32"])
+
+
 def test_cli_writes_report_and_reuses_answers(tmp_path, capsys):
     args = ["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "8", "-k", "2",
             "--out", str(tmp_path), "--tree", "[[0],[1]]"]
