@@ -52,7 +52,7 @@ from space.decoding.backends import choose_sdpa  # noqa: E402
 from space.decoding.fused import fuse_trunk  # noqa: E402
 from space.choices import COMPILE_MODES  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
-from space.models import tiny_tokenizer  # noqa: E402
+from space.models import parse_dtype, tiny_tokenizer  # noqa: E402
 from space.tokens import add_mask_tokens  # noqa: E402
 
 SHAPES = {
@@ -329,6 +329,14 @@ def cmd_train(args) -> dict:
     return out
 
 
+def dtype_name(text: str) -> str:
+    """--dtype's value as torch names it (bf16 -> bfloat16): ``getattr(torch, ...)`` and the results read it."""
+    try:
+        return str(parse_dtype(text)).removeprefix("torch.")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -337,7 +345,7 @@ def main(argv=None) -> dict:
     s.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,96,128")
     s.add_argument("--caches", default="512,2048")
     s.add_argument("--repeats", type=int, default=20)
-    s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--dtype", type=dtype_name, default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     s.add_argument("--capture", action="store_true",
                    help="also time the eager trunk's steps replayed from CUDA graphs (space.decoding.graphs)")
     h = sub.add_parser("host-time", help="host time against GPU busy time per decoding step")
@@ -346,7 +354,7 @@ def main(argv=None) -> dict:
     h.add_argument("--prompts", type=int, default=3)
     h.add_argument("--prompt-len", type=int, default=200)
     h.add_argument("--new-tokens", type=int, default=128)
-    h.add_argument("--dtype", default="bfloat16")
+    h.add_argument("--dtype", type=dtype_name, default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     h.add_argument("--layouts", help="comma-separated names of the layouts to time (default: all)")
     h.add_argument("--cudnn-sdp", choices=["load", "on", "off", "both"], default="load",
                    help="cuDNN attention as chosen at load (space.decoding.backends), on, off, or both in turns")

@@ -20,7 +20,8 @@
 # scripts/bench_compile.py (eager against compiled, AR, PLD and SPACE) with inductor's default mode;
 # real3 the same with CUDA graphs (AR and SPACE).
 #   bash scripts/gpu_check.sh real1 ; bash scripts/gpu_check.sh real2 ; bash scripts/gpu_check.sh real3
-# Issue 58's check, two calls on one warm machine (about 6 + 6 minutes; `bash scripts/gpu_pack.sh` builds
+# Issue 58's check, two calls on one warm machine (stage caps 330 s + 460 s, so both fit a session's 15 minutes
+# of device time with the start; earlier runs: convert 31 s, pytest 89 s; `bash scripts/gpu_pack.sh` builds
 # .gpu/ and .gpu2/ and says how to keep the tree small): g58a carries .gpu/ and runs `pytest -m cuda`, the
 # 7B-shaped 16-row against 1-row step (fused trunk, bf16; eager and captured) and the 7B-shaped bf16 host time with cuDNN
 # attention on and off; g58b carries .gpu2/, joins the real model and times it in bf16 with cuDNN attention on
@@ -68,7 +69,7 @@ join_model() {  # the GGUF from its two parts, and the shipped adapter from .gpu
   mkdir -p "$ADAPTER" && cp .gpu2/adapter/*.json .gpu2/adapter/mask_embedding.safetensors "$ADAPTER/" &&
     python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu2/adapter/adapter_model.safetensors.xz'), open('$ADAPTER/adapter_model.safetensors', 'wb'))" || exit 1
   sha256sum "$GGUF" "$ADAPTER/adapter_model.safetensors" | tee "$stash/res/sha256.txt"
-  stage convert 150 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())" || exit 1
+  stage convert 90 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())" || exit 1
 }
 
 if [ "$phase" = phase1 ]; then
@@ -114,20 +115,20 @@ elif [ "$phase" = real3 ]; then  # after real2, on the same warm machine: CUDA g
     --out "$stash/res/compile_graphs"
 elif [ "$phase" = g58a ]; then
   stash_part
-  stage pytest_cuda 180 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
-  stage step_cost_7b_fused 110 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
+  stage pytest_cuda 150 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+  stage step_cost_7b_fused 90 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
     --repeats 10 --capture --out "$stash/res/step_cost_7b_fused.json"
-  stage host_time_7b_cudnn 120 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 48 \
+  stage host_time_7b_cudnn 90 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 48 \
     --layouts "ar,chain k3 4 groups" --cudnn-sdp both --out "$stash/res/host_time_7b_cudnn.json"
 elif [ "$phase" = g58b ]; then
   join_model
-  stage host_time_smollm2_bf16 120 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 3 \
+  stage host_time_smollm2_bf16 90 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 3 \
     --new-tokens 96 --layouts ar,shipped --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval --limit 12)
-  stage eval_humaneval_fp32 110 python3 -m space.eval "${common[@]}" --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
-  stage eval_humaneval_capture_fp32 120 python3 -m space.eval "${common[@]}" --methods ar,pld,space --capture \
+  stage eval_humaneval_fp32 90 python3 -m space.eval "${common[@]}" --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
+  stage eval_humaneval_capture_fp32 100 python3 -m space.eval "${common[@]}" --methods ar,pld,space --capture \
     --capture-len 2048 --out "$stash/res/eval_humaneval_capture_fp32"
-  stage eval_humaneval_capture_bf16 100 python3 -m space.eval "${common[@]}" --methods ar,space --capture \
+  stage eval_humaneval_capture_bf16 90 python3 -m space.eval "${common[@]}" --methods ar,space --capture \
     --capture-len 2048 --dtype bfloat16 --out "$stash/res/eval_humaneval_capture_bf16"
 else
   echo "unknown phase $phase"; exit 2

@@ -512,3 +512,29 @@ def test_plot_mask_accuracy(tmp_path, capsys):
                                             "--tokens-per-epoch", "1000"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "final accuracy j=0" in capsys.readouterr().out
+
+
+def test_gpu_bench_takes_the_toolkit_s_dtype_names(tmp_path):
+    """--dtype bf16, as space-eval spells it: it failed with an AttributeError traceback."""
+    out = tmp_path / "s.json"
+    load_script("gpu_bench").main(["step-cost", "--shape", "tiny", "--rows", "1", "--caches", "16", "--repeats", "1",
+                                   "--dtype", "bf16", "--device", "cpu", "--out", str(out)])
+    assert json.loads(out.read_text())["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        load_script("gpu_bench").main(["step-cost", "--dtype", "bf17"])
+
+
+def test_g58_stage_caps_fit_a_call_and_the_device_time():
+    """A call is cut at 600 s (what it had not packed is lost) and a session has 900 s of device
+    time, its start included. Catches g58b's caps summing to a whole call (convert 150 + 450) and
+    g58a + g58b to 1,010 s."""
+    text = GPU_CHECK.read_text()
+
+    def caps(phase):
+        body = text.split(f'"$phase" = {phase} ]; then', 1)[1].split("\nel", 1)[0]
+        if "join_model" in body:
+            body += text.split("join_model() {", 1)[1].split("\n}", 1)[0]
+        return sum(int(n) for n in re.findall(r"\bstage \w+ (\d+) ", body))
+
+    assert caps("g58a") <= 540 and caps("g58b") <= 540
+    assert caps("g58a") + caps("g58b") <= 800
