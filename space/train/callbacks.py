@@ -24,6 +24,20 @@ class CheckpointInMaskRowsCallback(TrainerCallback):
         checkpoint_with_prefix_cache(model)
 
 
+class NothingToTrain(Exception):
+    """Raised by :class:`StopAtMaxStepsCallback`: the resumed checkpoint is at ``max_steps``."""
+
+
+class StopAtMaxStepsCallback(TrainerCallback):
+    """Ends a run resumed from a checkpoint at ``max_steps`` before it draws a batch: HF's loop
+    trains one batch before its first stop check, so a rerun of a finished run whose ``max_steps``
+    ends inside an epoch trained a step past it (and each rerun one more)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            raise NothingToTrain
+
+
 class EpochSeedCallback(TrainerCallback):
     """Tells the collator the epoch, so spans are drawn afresh every epoch (DESIGN §3.2). The
     collator must run in this process (``dataloader_persistent_workers`` is refused)."""

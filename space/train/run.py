@@ -4,12 +4,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
+import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from transformers import set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..adapter_layers import mask_embedding, prepare_model
 from ..artifact import (MASK_EMBEDDING, SAMPLER_HEAD, check_lora_shape, load_mask_rows, load_sampler_head,
@@ -19,14 +23,16 @@ from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, held_out_key
 from ..data.sft import data_lists, load_examples, tokenize
 from ..decoding.cache import refuse_sliding_window
-from ..jsonl import write_text_atomic
+from ..jsonl import held, write_text_atomic
 from ..loader import warm_start
 from ..models import load_model
 from ..sampler_head import add_sampler_head
 from .curves import plot_training_curves
-from .callbacks import SETTINGS_FILE, EpochSeedCallback, SpaceCheckpointCallback, TimeBudgetCallback
+from .callbacks import (SETTINGS_FILE, EpochSeedCallback, NothingToTrain, SpaceCheckpointCallback,
+                        StopAtMaxStepsCallback, TimeBudgetCallback)
 from .trainer import SpaceTrainer, TrainingDiverged
 
+_CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 # what a checkpoint must share with the run that resumes it: mixing them would train k=3 masks
 # for a while and then save an artifact that claims k=5 (keys MaskArgs lacks are left out)
 SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_density", "mask_target",
@@ -35,10 +41,41 @@ SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_den
 SETTINGS_BEFORE = {"chain_weight": 0.0, "consistency_weight": 0.0, "sampler_head": False, "sampler_width": 0}
 
 
-def space_settings(model_args, mask_args) -> dict:
-    """The SPACE settings a checkpoint records (``space_settings.json``) and a resume must match."""
+def space_settings(model_args, mask_args, train_args=None) -> dict:
+    """The SPACE settings a checkpoint records (``space_settings.json``) and a resume must match,
+    with the DeepSpeed ZeRO stage (None: no DeepSpeed): its optimizer state resumes under that stage
+    only (another one failed with a bare AssertionError on every rank), and HF resumes a run
+    without DeepSpeed from it with a fresh optimizer and schedule, silently."""
+    stage = None
+    if train_args is not None and train_args.deepspeed:
+        stage = int(train_args.hf_deepspeed_config.config.get("zero_optimization", {}).get("stage", 0))
     return {"model": model_args.model_name_or_path, "mode": model_args.mode,
-            **{k: getattr(mask_args, k) for k in SETTING_KEYS if hasattr(mask_args, k)}}
+            **{k: getattr(mask_args, k) for k in SETTING_KEYS if hasattr(mask_args, k)},
+            **({"zero_stage": stage} if train_args is not None else {})}
+
+
+def last_whole_checkpoint(output_dir: str, main_process: bool) -> str | None:
+    """The newest checkpoint in ``output_dir`` whose save finished: ``space_settings.json`` is
+    written last (:class:`~space.train.callbacks.SpaceCheckpointCallback`). Newer ones, cut short
+    by a kill or Ctrl-C while they were written, are moved aside to ``incomplete-checkpoint-N``
+    by the main process (HF's resume and rotation skip that name), with a warning: the run goes
+    on from the whole one, as the interrupted run's message promised. None: no whole checkpoint.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted((int(m.group(1)), m.group(0)) for m in map(_CHECKPOINT.fullmatch, os.listdir(output_dir))
+                   if m and os.path.isdir(os.path.join(output_dir, m.group(0))))
+    for _, name in reversed(steps):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(os.path.join(path, SETTINGS_FILE)):
+            return path
+        if main_process:
+            aside = os.path.join(output_dir, f"incomplete-{name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            warnings.warn(f"{path} was cut short while it was saved (no {SETTINGS_FILE}); moved it to {aside} "
+                          "and resuming from the checkpoint before it", stacklevel=2)
+    return None
 
 
 def check_checkpoint(last: str, settings: dict) -> None:
@@ -53,10 +90,18 @@ def check_checkpoint(last: str, settings: dict) -> None:
         raise ValueError(f"{last} has no {SETTINGS_FILE}, so its SPACE settings are unknown (a save cut "
                          "short?); use another output_dir, or delete the checkpoint to resume from the one before")
     saved = {**SETTINGS_BEFORE, **json.loads(path.read_text(encoding="utf-8"))}
+    if "zero_stage" in settings and "zero_stage" not in saved:
+        # saved before the stage was recorded: DeepSpeed's engine writes a "latest" file, which
+        # says DeepSpeed, not which stage
+        deepspeed = (Path(last) / "latest").is_file()
+        saved["zero_stage"] = (settings["zero_stage"] if settings["zero_stage"] is not None else "DeepSpeed") \
+            if deepspeed else None
     diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
     if diff:
         raise ValueError(f"{last} was trained with other SPACE settings; (checkpoint, now): {diff}. "
-                         "Use another output_dir, or delete it to start over")
+                         + ("zero_stage None is a run without DeepSpeed: the optimizer state resumes only under "
+                            "the DeepSpeed config (ZeRO stage) it was saved with. " if "zero_stage" in diff else "")
+                         + "Use another output_dir, or delete it to start over")
     needed = ([MASK_EMBEDDING] if settings.get("mode") != "full" else []) + \
         ([SAMPLER_HEAD] if settings.get("sampler_head") else [])
     missing = [name for name in needed if not (Path(last) / name).is_file()]
@@ -83,18 +128,19 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     Resumes from the last ``checkpoint-*`` in ``output_dir`` when there is one, else from
     ``resume_from_checkpoint`` when given (a checkpoint folder, perhaps of another run). A run that
     already finished (its last checkpoint is at the final step) trains nothing and keeps its
-    artifact and log as they are.
+    artifact and log as they are, or writes ``final`` from that checkpoint when it is missing (a
+    run stopped between the two). A checkpoint cut short while it was saved is moved aside
+    (:func:`last_whole_checkpoint`). One run at a time writes an ``output_dir``.
 
     Returns:
-        the artifact directory on the main process (for a finished run, the existing one, or None
-        when it was deleted), None on the others.
+        the artifact directory on the main process, None on the others.
 
     Raises:
         ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
             an init_adapter that is not a SPACE artifact, bad dataset name or rows (an empty file
             included), or a checkpoint in ``output_dir`` made with other SPACE or LoRA settings
-            or missing its mask rows; all raised before the model loads; after it, a teacher_topk
-            above the model's vocabulary.
+            or missing its mask rows, or an output_dir another run is writing; all raised before
+            the model loads; after it, a teacher_topk above the model's vocabulary.
         TrainingDiverged: too many NaN or inf steps in a row, or training ended inside such a run
             (:func:`refuse_a_bad_end`); no artifact is written.
     """
@@ -102,13 +148,25 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     train_args.remove_unused_columns = False  # the collator needs prompt_len and idx
     train_args.label_names = ["labels"]
     check_train_args(model_args, data_args, mask_args, train_args)  # also for callers that skip the parser
+    # one run per output_dir: two wrote each other's checkpoints and final/ (or one's save failed
+    # half-way); the main process holds it, so a run's own ranks do not refuse each other
+    main = train_args.process_index == 0
+    if main:
+        os.makedirs(train_args.output_dir, exist_ok=True)
+    with held(Path(train_args.output_dir), f"output_dir {train_args.output_dir}",
+              "wait for it to end, or use another output_dir") if main else nullcontext():
+        return _train(model_args, data_args, mask_args, train_args)
+
+
+def _train(model_args, data_args, mask_args, train_args) -> Path | None:
+    """:func:`run_sft` once its arguments are checked and ``output_dir`` is held."""
     if mask_args.sampler_head:
         # the head runs on the forward's hidden states, outside the DDP-wrapped forward: DDP's
         # unused-parameter search walks only the forward's outputs, would mark the head's weights ready
         # there, and their gradients in backward would mark them ready twice (an error under torchrun)
         train_args.ddp_find_unused_parameters = False
-    settings = space_settings(model_args, mask_args)
-    last = get_last_checkpoint(train_args.output_dir) if os.path.isdir(train_args.output_dir) else None
+    settings = space_settings(model_args, mask_args, train_args)
+    last = last_whole_checkpoint(train_args.output_dir, train_args.process_index == 0)
     if train_args.resume_from_checkpoint and not last:
         # a checkpoint the user names, perhaps of another run, starts this one; once this run has
         # checkpoints of its own, a rerun (preempted, the key still in its config) goes on from them
@@ -176,7 +234,11 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
               f"mode {model_args.mode}; k={mask_args.mask_num}; "
               f"trainable params {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,}"
               + (f"; resuming: {done} of {total} steps done ({last})" if last else ""), flush=True)
-    result = trainer.train(resume_from_checkpoint=last)
+    trainer.add_callback(StopAtMaxStepsCallback())
+    try:
+        result = trainer.train(resume_from_checkpoint=last)
+    except NothingToTrain:  # resumed at max_steps: the checkpoint's weights are loaded, none trained
+        result = None
     final = Path(train_args.output_dir) / "final"
     if last and trainer.state.global_step == done and final.is_dir():
         # nothing trained: saving again would append a train_loss of 0.0 and rewrite the artifact
@@ -219,7 +281,8 @@ def _save_final(trainer, result, tok, spec, model_args, data_args, mask_args, na
     config = {cls_name: dataclasses.asdict(a) for cls_name, a in
               (("model", model_args), ("data", data_args), ("mask", mask_args))}
     meta = {"base_model": model_args.model_name_or_path, "training_data": names, "num_samples": num_samples,
-            "global_step": trainer.state.global_step, "train_runtime_s": result.metrics.get("train_runtime"),
+            "global_step": trainer.state.global_step,
+            "train_runtime_s": result.metrics.get("train_runtime") if result is not None else None,
             "train_config": config}
     out = save_artifact(Path(trainer.args.output_dir) / "final", trainer.accelerator.unwrap_model(trainer.model),
                         tok, spec, model_args.mode, meta, state_dict)

@@ -1,6 +1,5 @@
 """What a checkpoint holds beyond HF's files, and what a resume refuses (issue 59, finding 4)."""
 import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -109,7 +108,9 @@ def test_a_save_stopped_before_its_space_files_keeps_the_checkpoint_before(tmp_p
     """save_total_limit 1: HF deleted the older checkpoints before the on_save callback wrote the
     mask rows and space_settings.json. Catches that order: a run killed in between kept only a
     checkpoint that a resume refuses, and the one its message says to resume from was gone. The
-    older one now stays until the new one is whole, and a completed save still rotates."""
+    older one now stays until the new one is whole, a completed save still rotates, and a rerun
+    resumes from the whole one (it stopped with "checkpoint-2 has no space_settings.json", a
+    Ctrl-C during a save needed the user to delete the checkpoint by hand)."""
     from space.config import parse_train_args
     from space.train.run import run_sft
 
@@ -129,8 +130,54 @@ def test_a_save_stopped_before_its_space_files_keeps_the_checkpoint_before(tmp_p
     monkeypatch.undo()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert (out / "checkpoint-1" / SETTINGS_FILE).is_file()
-    with pytest.raises(ValueError, match="checkpoint-2 has no space_settings.json"):
-        run_sft(*parse_train_args(argv))
-    shutil.rmtree(out / "checkpoint-2")  # what the message says to do
-    assert run_sft(*parse_train_args(argv)) == out / "final"
+    # the same command goes on from checkpoint-1, as the interrupted run's message says (it stopped
+    # with "checkpoint-2 has no space_settings.json"), and ends as the unbroken run
+    with pytest.warns(UserWarning, match="checkpoint-2 was cut short while it was saved"):
+        assert run_sft(*parse_train_args(argv)) == out / "final"
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-3"]
+    assert (out / "incomplete-checkpoint-2").is_dir()
+    unbroken = tmp_path / "unbroken"
+    run_sft(*parse_train_args([*argv, "--output_dir", str(unbroken)]))
+    for name in ("mask_embedding.safetensors", "adapter_model.safetensors"):
+        assert (out / "final" / name).read_bytes() == (unbroken / "final" / name).read_bytes()
+
+
+@pytest.mark.parametrize("saved, deepspeed_files, now, refused", [
+    (3, True, None, True),  # HF resumed it without DeepSpeed from a fresh optimizer and schedule, silently
+    (2, True, 3, True),  # DeepSpeed failed on every rank with a bare AssertionError
+    (None, False, 2, True),  # "Can't find a valid checkpoint", which blamed the checkpoint
+    (3, True, 3, False),
+    (None, False, None, False),
+    ("absent", True, 3, False),  # saved before the stage was recorded: DeepSpeed's "latest" file tells it was one
+    ("absent", True, None, True),
+    ("absent", False, 2, True),
+    ("absent", False, None, False),
+])
+def test_a_checkpoint_resumes_under_its_own_zero_stage_only(tmp_path, saved, deepspeed_files, now, refused):
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    (ckpt / SETTINGS_FILE).write_text(json.dumps({**SETTINGS, "mode": "full", **({} if saved == "absent" else {"zero_stage": saved})}))
+    if deepspeed_files:
+        (ckpt / "latest").write_text("global_step2")
+    settings = {**SETTINGS, "mode": "full", "zero_stage": now}
+    if refused:
+        with pytest.raises(ValueError, match="'zero_stage'.*resumes only under the DeepSpeed config"):
+            check_checkpoint(str(ckpt), settings)
+    else:
+        check_checkpoint(str(ckpt), settings)
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused(tmp_path):
+    """Two runs into one output_dir wrote each other's checkpoints and final/ (both exit 0, one's
+    work gone), or one failed half-way in a save. Catches a run that does not hold its output_dir."""
+    from space.config import parse_train_args
+    from space.jsonl import held
+    from space.train.run import run_sft
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with held(out, "-", "-"):
+        with pytest.raises(ValueError, match=rf"output_dir {out} is being written by another run \(pid \d+\)"):
+            run_sft(*parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(out),
+                                       "--max_steps", "1", "--limit", "4"]))
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]

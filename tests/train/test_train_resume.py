@@ -34,6 +34,28 @@ def test_rerun_of_a_finished_training_changes_nothing(tmp_path, capsys):
     assert [h["step"] for h in json.loads((out / "log_history.json").read_text()) if "loss" in h][-1] == 4
 
 
+def test_rerun_of_a_run_finished_inside_an_epoch_trains_no_step(tmp_path, capsys):
+    """max_steps 2 of a 3-step epoch. Catches HF's resume loop, which trains one batch before its
+    first stop check: each rerun of the finished run trained a step past max_steps (checkpoint-3,
+    then -4) and rewrote final/; a run killed after its last checkpoint but before final/ wrote a
+    3-step artifact."""
+    out = tmp_path / "run"
+    args = ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(out), "--limit", "6",
+            "--per_device_train_batch_size", "2", "--max_steps", "2", "--save_steps", "1", "--lr_scheduler_type", "constant"]
+    final = train_main(args)
+    weights = {p.name: p.read_bytes() for p in final.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert train_main(args) == final and "training already finished: 2 of 2 steps done" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert {p.name: p.read_bytes() for p in final.iterdir() if p.is_file()} == weights
+    shutil.rmtree(final)  # killed after checkpoint-2, before final/ was written
+    assert train_main(args) == final
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert json.loads((final / "space_config.json").read_text())["global_step"] == 2
+    assert {p.name: p.read_bytes() for p in final.iterdir() if p.is_file() and p.suffix == ".safetensors"} == \
+        {n: b for n, b in weights.items() if n.endswith(".safetensors")}
+
+
 @pytest.mark.parametrize("change, saved_now", [(("--lora_alpha", "64"), "'lora_alpha': (32, 64)"),
                                                (("--lora_r", "4"), "'lora_r': (16, 4)"),
                                                (("--lora_targets", "q_proj,v_proj"), "'lora_targets'")])
