@@ -46,7 +46,7 @@ from tqdm import tqdm
 from .choices import SMOLLM2
 from .cli import add_debug_flag, add_threads_flag, console, set_threads
 from .data.prompts import chat_ids
-from .jsonl import append_jsonl, read_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
+from .jsonl import append_jsonl, held, read_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
 
 SOURCES = ("mbpp", "lima", "stdlib", "magpie")
 SEED_LIMIT = 2**32  # seeds are 0..2**32-1: the batch seeds derived from them stay in torch's int64
@@ -357,20 +357,24 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
         the manifest (also written beside ``out``).
 
     Raises:
-        ValueError: ``out`` was made with other settings, or no row at all was written.
+        ValueError: ``out`` was made with other settings, another run is writing it, or no row at
+            all was written.
         FileNotFoundError: a missing dataset or model.
     """
     sources = sources or {"mbpp": None, "lima": 400}
     if sources.get("magpie") is None and "magpie" in sources:
         raise ValueError("the magpie source needs a limit (--magpie-limit)")
-    run = Distiller(out, model_name, sources, batch_size, max_new_tokens, max_prompt_tokens, data_root,
-                    magpie or MagpieSettings())  # settings are checked before the model loads
-    from .cpu_kernels import optimize_for_cpu
-    from .models import load_model
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one run per output: two wrote every answer twice (the manifest counting each once)
+    with held(out, str(out), "wait for it to end, or pass another --out"):
+        run = Distiller(out, model_name, sources, batch_size, max_new_tokens, max_prompt_tokens, data_root,
+                        magpie or MagpieSettings())  # settings are checked before the model loads
+        from .cpu_kernels import optimize_for_cpu
+        from .models import load_model
 
-    model, tok = load_model(model_name)
-    optimize_for_cpu(model)  # packed linears: about 25 % faster batched generation on these CPUs
-    return run.run(model, tok)
+        model, tok = load_model(model_name)
+        optimize_for_cpu(model)  # packed linears: about 25 % faster batched generation on these CPUs
+        return run.run(model, tok)
 
 
 def main(argv: list[str] | None = None) -> dict:

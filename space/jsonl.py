@@ -5,9 +5,12 @@ U+0085 raw inside strings, and ``str.splitlines`` would split a record there, so
 """
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -118,3 +121,31 @@ def read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
     return rows
+
+
+@contextmanager
+def held(path: Path, what: str, remedy: str) -> Iterator[None]:
+    """Hold ``path`` for one process for the block: a second process that would write it is
+    refused, so two runs never both write one set of files (space-eval's samples, space-distill's
+    output, space-train's output_dir).
+
+    The hold is an exclusive ``flock`` on ``.<path name>.lock`` beside ``path`` (inside it, for a
+    folder), which holds this process's id; the kernel releases it when the process ends, a crash
+    or ``kill -9`` included.
+
+    Raises:
+        ValueError: another process holds ``path``: "{what} is being written by another run (pid
+            N); {remedy}".
+    """
+    lock_path = path / ".lock" if path.is_dir() else path.parent / f".{path.name}.lock"
+    with open(lock_path, "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise ValueError(f"{what} is being written by another run (pid {lock.read().strip() or '?'}); "
+                             f"{remedy}") from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield

@@ -144,3 +144,16 @@ def test_a_distilled_row_keeps_the_generated_ids_of_a_cut_character(tmp_path):
     assert (row["response"], row["response_ids"], row["finished"]) == ("caf", generated, False)
     [sample] = tokenize(load_examples(str(out)), tok, 64)
     assert sample["input_ids"][sample["prompt_len"]:] == generated and sample["own_ids"]
+
+
+def test_a_second_run_into_the_same_out_is_refused(tmp_path):
+    """Two runs into one --out each answered every prompt and appended it (120 rows over 60 keys,
+    the manifest saying 60). Catches a run that does not hold its output."""
+    from space.distill import distill
+    from space.jsonl import held
+
+    out = tmp_path / "set.jsonl"
+    with held(out, str(out), "-"):
+        with pytest.raises(ValueError, match=rf"{out} is being written by another run \(pid \d+\); wait for it"):
+            distill(out, "tiny-random-llama", {"mbpp": 1}, max_new_tokens=2)
+    assert not out.exists()

@@ -12,15 +12,12 @@ an earlier run wrote twice (:func:`check_resume`).
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from ..jsonl import read_jsonl_resumable, write_jsonl, write_text_atomic
+from ..jsonl import held, read_jsonl_resumable, write_jsonl, write_text_atomic
 from .shard import Shard
 
 # settings that shape every sample's tokens: a folder's samples are only resumed under the same
@@ -82,29 +79,15 @@ def read_record(path: Path) -> dict:
         raise ValueError(f"{path}: damaged run record ({e}); fix or delete it") from None
 
 
-@contextmanager
-def hold_samples(samples: Path) -> Iterator[None]:
-    """Hold ``samples`` (a run's samples file) for the block: a second run that would write the same
-    file is refused, so two runs into one ``--out`` never both append every record. The ranks of a
-    sharded run write files of their own and run side by side.
-
-    The hold is an exclusive ``flock`` on ``.<samples name>.lock`` beside it, which holds this
-    process's id; the kernel releases it when the process ends, a crash or ``kill -9`` included.
+def hold_samples(samples: Path) -> AbstractContextManager[None]:
+    """Hold ``samples`` (a run's samples file) while a run writes it (``space.jsonl.held``): a
+    second run into the same ``--out`` is refused, so two runs never both append every record. The
+    ranks of a sharded run write files of their own and run side by side.
 
     Raises:
         ValueError: another process holds ``samples`` (its process id named).
     """
-    with open(samples.parent / f".{samples.name}.lock", "a+", encoding="utf-8") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            raise ValueError(f"{samples} is being written by another run (pid {lock.read().strip() or '?'}); "
-                             "wait for it to end, or use another --out") from None
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        yield
+    return held(samples, str(samples), "wait for it to end, or use another --out")
 
 
 def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
