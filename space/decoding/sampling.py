@@ -45,8 +45,13 @@ class SamplingConfig:
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """logits: (rows, vocab) -> probs (rows, vocab) in fp32 after temperature, top-k, top-p."""
-    logits = logits.float() / cfg.temperature
+    """logits: (rows, vocab) -> probs (rows, vocab) in fp32 after temperature, top-k, top-p.
+
+    The row's largest logit is taken off before the temperature divides: ``logits / T`` overflowed
+    to inf below T of about 1e-37 (NaN probabilities, a traceback from the draw), where the shifted
+    logits only grow more negative, and the limit is the greedy one-hot."""
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

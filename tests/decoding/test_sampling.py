@@ -192,3 +192,14 @@ def test_ar_sampling_with_processor_or_top_k_matches_exact(small_vocab_model, to
                           suppress_ids=[MASK], logits_processor=proc)
         counts[tuple(out.new_ids)] = counts.get(tuple(out.new_ids), 0) + 1
     assert chi2_pvalue(counts, exact, n) > ALPHA
+
+
+def test_a_tiny_temperature_is_the_greedy_choice():
+    """T = 1e-45 passes SamplingConfig's check (> 0). Catches ``logits / T`` overflowing to inf:
+    the probabilities were NaN and the draw raised a traceback in space-chat and space-eval."""
+    from space.decoding.sampling import SamplingConfig, logits_to_probs
+
+    logits = torch.tensor([[30.0, 29.5, -4.0, 12.0], [-3.0, -2.0, -2.5, -9.0]])
+    for t in (1e-45, 1e-38, 1e-6):
+        probs = logits_to_probs(logits, SamplingConfig(temperature=t))
+        assert torch.equal(probs, torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]])), t
