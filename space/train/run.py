@@ -150,12 +150,17 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
     check_train_args(model_args, data_args, mask_args, train_args)  # also for callers that skip the parser
     # one run per output_dir: two wrote each other's checkpoints and final/ (or one's save failed
     # half-way); the main process holds it, so a run's own ranks do not refuse each other
-    main = train_args.process_index == 0
+    out = Path(train_args.output_dir)
+    main, created = train_args.process_index == 0, not out.exists()
     if main:
-        os.makedirs(train_args.output_dir, exist_ok=True)
-    with held(Path(train_args.output_dir), f"output_dir {train_args.output_dir}",
-              "wait for it to end, or use another output_dir") if main else nullcontext():
-        return _train(model_args, data_args, mask_args, train_args)
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        with held(out, f"output_dir {out}", "wait for it to end, or use another output_dir") if main else nullcontext():
+            return _train(model_args, data_args, mask_args, train_args)
+    except BaseException:
+        if main and created and [p.name for p in out.iterdir()] == [".lock"]:  # refused before writing anything
+            shutil.rmtree(out)
+        raise
 
 
 def _train(model_args, data_args, mask_args, train_args) -> Path | None:
