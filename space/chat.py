@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     """Run the chat until /quit or EOF.
 
     Raises:
-        ValueError, FileNotFoundError: bad flags (:func:`check_args`), unknown model or adapter
-            (before the first turn).
+        ValueError, FileNotFoundError: bad flags (:func:`check_args`), unknown model or adapter,
+            ``--max-new-tokens`` that fills the model's context (before the first turn).
     """
     args = build_parser().parse_args(argv)
     check_args(args)
@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdin.reconfigure(errors="replace")
     sampling = SamplingConfig(args.temperature, top_p=args.top_p, seed=args.seed)
     model, tok, decoder = load(args)
+    if args.max_new_tokens >= decoder.context:  # every turn failed, /reset included
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model "
+                         f"context of {decoder.context} tokens")
     chat = Chat(model, tok, decoder, sampling, args.max_new_tokens)
     interactive = sys.stdin.isatty()
     print(f"space-chat: {decoder.config} on {args.device}, {'greedy' if sampling.greedy else 'sampling'}; {COMMANDS}",

@@ -413,6 +413,8 @@ TREE_CASES = [
     ("space-chat", [*TINY_CHAT, "--kernels", "turbo"], "--kernels must be one of fast, stock"),
     ("space-chat", [*TINY_CHAT, "--tree", "[[0],[400]]"], "--tree: rank 400 is not below the vocabulary size 320"),
     ("space-chat", [*TINY_CHAT, "--tree", "{tmp}/not_utf8.jsonl"], "not_utf8.jsonl: not UTF-8 text"),
+    # accepted before, then every turn failed with a remedy (/reset) that could not help
+    ("space-chat", [*TINY_CHAT, "--max-new-tokens", "2048"], "--max-new-tokens 2048 leaves no room for a prompt"),
     ("space-distill", ["--magpie-seed", "-1", "--out", "{tmp}/d.jsonl"], "--magpie-seed must be >= 0, got -1"),
     ("space-distill", ["--magpie-seed", str(2**64), "--out", "{tmp}/d.jsonl"], "--magpie-seed must be < 4294967296"),
 ]

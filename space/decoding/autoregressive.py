@@ -16,7 +16,7 @@ from .sampling import SamplingConfig, logit_transform, logits_to_probs, sample
 
 @torch.inference_mode()
 def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
-                stop_token_ids: Iterable[int] = (), suppress_ids: Iterable[int] = (),
+                stop_token_ids: Iterable[int] | int = (), suppress_ids: Iterable[int] = (),
                 on_tokens: Callable[[list[int]], None] | None = None,
                 logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                 static_cache: bool | None = None, graphs=None) -> DecodeResult:

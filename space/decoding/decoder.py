@@ -427,14 +427,14 @@ class SpaceDecoder:
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
-                 stop_token_ids: Iterable[int] = (), on_tokens: Callable[[list[int]], None] | None = None,
+                 stop_token_ids: Iterable[int] | int = (), on_tokens: Callable[[list[int]], None] | None = None,
                  logits_processor: LogitsProcessor | None = None, planner: StepPlanner | None = None) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ((seq,) or (1, seq)).
 
         Args:
             sampling: greedy when temperature is 0, else exact speculative sampling (seeded
                 generator on the model's device).
-            stop_token_ids: generation ends after the first of these.
+            stop_token_ids: generation ends after the first of these (one id, or several).
             on_tokens: streaming callback, called with each step's new tokens; raising
                 ``result.StopDecoding(keep)`` keeps the first ``keep`` of them and ends generation.
             logits_processor: HF convention, ``(input_ids (1, seq), scores (1, vocab)) -> scores``

@@ -29,8 +29,8 @@ class DecodeResult:
 
     Attributes:
         prompt_len: tokens in the prompt.
-        stop_token_ids: the ids that end the generation, as ints (given as any iterable of ints,
-            or a tensor).
+        stop_token_ids: the ids that end the generation, as ints (given as one int, any iterable of
+            ints, or a tensor).
         new_ids: generated token ids (EOS included when it stopped the generation).
         accept_lengths: per SPACE step, candidates accepted (0..m), bonus not counted; empty for AR.
         step_candidates: per SPACE step, the depth of the candidates it verified (m for a chain;
@@ -72,6 +72,8 @@ class DecodeResult:
     def __post_init__(self):
         # as ints: a tensor's elements hash by identity, so a stop id given as a tensor never matched
         ids = self.stop_token_ids
+        if isinstance(ids, numbers.Integral):  # one id, as HF's eos_token_id takes it (was a TypeError)
+            ids = [ids]
         self.stop_token_ids = frozenset(int(t) for t in (ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids))
 
     def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
@@ -161,18 +163,24 @@ def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, conte
         vocab: the model's vocabulary size (its LM head's rows): every id must lie in [0, vocab).
 
     Raises:
-        ValueError: batch > 1, empty prompt, max_new_tokens not an integer >= 1, an id outside
+        ValueError: batch > 1, ids not integers, not of shape (seq,) or (1, seq), empty prompt,
+            max_new_tokens not an integer >= 1, an id outside
             the vocabulary (an embedding's IndexError on a CPU, a device-side assert that breaks
             the process's CUDA state on a GPU), or prompt + max_new_tokens over the context (the
             message names both lengths).
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = torch.as_tensor(input_ids)
+    if ids.numel() == 0:  # before the dtype: [] is a float tensor
+        raise ValueError("empty prompt: pass at least one token")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:  # a cast to long truncated 1.9 to 1
+        raise ValueError(f"prompt ids must be integers, got {ids.dtype}")
+    ids = ids.long()
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise ValueError(f"batch size {ids.shape[0]} is not supported: pass one prompt (batch size 1)")
         ids = ids[0]
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError("empty prompt: pass at least one token")
+    if ids.dim() != 1:
+        raise ValueError(f"prompt ids must be (seq,) or (1, seq), got shape {tuple(ids.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if max_new_tokens < 1:

@@ -79,6 +79,24 @@ def test_check_prompt_refuses_a_non_integer_length_and_ids_outside_the_vocabular
     assert check_prompt([0, 19], 4, 16, vocab=20).tolist() == [0, 19]
 
 
+def test_check_prompt_names_a_wrong_shape_and_ids_that_are_not_integers():
+    """A one-token 0-D prompt and a 3-D one were called "empty", and float ids were truncated
+    silently ([1.9, 2.7] decoded [1, 2])."""
+    import torch
+
+    from space.decoding.result import check_prompt
+
+    for ids, shape in ((torch.tensor(65), r"\(\)"), (torch.tensor([[[65, 66]]]), r"\(1, 1, 2\)")):
+        with pytest.raises(ValueError, match=rf"prompt ids must be \(seq,\) or \(1, seq\), got shape {shape}"):
+            check_prompt(ids, 4, 16)
+    for ids in ([1.9, 2.7], torch.tensor([1.0]), torch.tensor([True])):
+        with pytest.raises(ValueError, match="prompt ids must be integers, got torch"):
+            check_prompt(ids, 4, 16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        check_prompt([], 4, 16)
+    assert check_prompt(torch.tensor([3, 4], dtype=torch.int32), 4, 16).dtype == torch.long
+
+
 def test_stop_ids_given_as_a_tensor_stop_the_generation(tiny):
     """Catches a frozenset of the given ids: a tensor's elements hash by identity, so
     ``5 in frozenset(torch.tensor([5]))`` is False and the generation ran to max_new_tokens."""
@@ -92,7 +110,8 @@ def test_stop_ids_given_as_a_tensor_stop_the_generation(tiny):
     stop = free[3]
     want = free[: free.index(stop) + 1]
     decoder = SpaceDecoder(model, spec, DecodeConfig(3))
-    for given in (torch.tensor([stop, 7]), [torch.tensor(stop)], torch.tensor(stop)):
+    # a bare int, as HF's eos_token_id takes it, failed with "'int' object is not iterable"
+    for given in (torch.tensor([stop, 7]), [torch.tensor(stop)], torch.tensor(stop), stop):
         assert ar_generate(model, prompt, 8, suppress_ids=spec.token_ids, stop_token_ids=given).new_ids == want
         assert decoder.generate(prompt, 8, stop_token_ids=given).new_ids == want
 
