@@ -100,12 +100,15 @@ def dynamic_example(k: int, cache_len: int, num_groups: int | None, draft_probs:
     return lay, lines
 
 
+MAX_DRAWN = 512  # the longest cache, sample or span start space-layout draws
+
+
 def main(argv: list[str] | None = None) -> str:
     """``space-layout``: print the decode or training layout for given sizes; returns what it printed.
 
     Raises:
         ValueError: k < 1, more candidates than k (each comes from one mask), sizes the layout
-            cannot hold (groups, cache length, span starts), dynamic-tree flags without
+            cannot hold (groups, cache length, span starts) or a drawing cannot (past ``MAX_DRAWN``), dynamic-tree flags without
             ``--tree dynamic`` or out of range (see :func:`dynamic_example`).
     """
     p = argparse.ArgumentParser(prog="space-layout", description="Print a SPACE mask-token layout (DESIGN §3).")
@@ -132,6 +135,11 @@ def main(argv: list[str] | None = None) -> str:
     from .tokens import check_mask_num
 
     check_mask_num(a.mask_num)  # every mode: a k of thousands asked for terabytes
+    # a drawing has a cell per row and column: 60,000 tokens asked for gigabytes
+    for flag, value, low in (("--cache-len", a.cache_len, 0), ("--seq-len", a.seq_len, 1),
+                             *(("--spans", s, 1) for s in a.spans)):
+        if not low <= value <= MAX_DRAWN:
+            raise ValueError(f"{flag} must lie in {low}..{MAX_DRAWN} (a drawing), got {value}")
     if a.num_groups is not None and not 1 <= a.num_groups <= a.mask_num + 1:
         raise ValueError(f"--num-groups must lie in 1..k + 1 = 1..{a.mask_num + 1}, got {a.num_groups}")
     dynamic = a.mode == "decode" and a.tree == "dynamic"

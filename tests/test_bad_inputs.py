@@ -135,6 +135,10 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-layout", ["--mode", "truncate", "-k", "0"], 2, "mask_num (k) must be an integer >= 1, got 0"),
     ("space-layout", ["-k", "2", "--num-groups", "9"], 2, "num-groups must lie in 1..k + 1 = 1..3"),
     ("space-layout", ["-k", "5000"], 2, "mask_num (k) = 5000 exceeds the maximum"),  # asked for terabytes
+    # a drawing of n x n cells: a MemoryError traceback; 0 was named by internal names (num_real, cache_len)
+    ("space-layout", ["--mode", "train", "--seq-len", "60000"], 2, "--seq-len must lie in 1..512 (a drawing), got 60000"),
+    ("space-layout", ["--cache-len", "100000000"], 2, "--cache-len must lie in 0..512 (a drawing)"),
+    ("space-layout", ["--mode", "truncate", "--spans", "0"], 2, "--spans must lie in 1..512 (a drawing), got 0"),
     ("space-layout", ["--tree", "[[0],[1]]", "--num-groups", "-3"], 2, "--num-groups must lie in 1..k + 1"),
     ("space-layout", ["--tree", "[[0],[1]]", "--num-groups", "0"], 2, "--num-groups must lie in 1..k + 1"),
     ("space-layout", ["--mode", "train", "--spans", "9"], 2, "group context lengths must lie in 1..6"),
@@ -643,6 +647,10 @@ def test_tree_rank_at_the_vocabulary_size_is_refused(tiny):
         SpaceDecoder(model, spec, DecodeConfig(2, tree=[[0], [vocab], [0, 0]]))
     assert str(error.value) == f"token tree: rank {vocab} is at or above this model's vocabulary size {vocab} (ranks count from 0)"
     assert SpaceDecoder(model, spec, DecodeConfig(2, tree=[[0], [vocab - 1]])).draft_ranks == vocab  # the last rank is fine
+    # a dynamic tree has no tree ranks: its draft_ranks was blamed on one
+    with pytest.raises(ValueError) as error:
+        SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", draft_ranks=vocab + 1))
+    assert str(error.value) == f"draft_ranks {vocab + 1} exceeds this model's vocabulary size {vocab}"
 
 
 # ---- run_sft_multi_node.sh: its arguments and environment (checked in a dry run too) ----

@@ -406,6 +406,8 @@ class SpaceDecoder:
                              f"{graphs.sizes}) lack: capture with this decoder's row_sizes")
         vocab = self.head.weight.shape[0]
         if self.draft_ranks > vocab:  # a mask has only `vocab` ranked drafts
+            if self.dynamic:  # its ranks are the config's draft_ranks, not a tree's
+                raise ValueError(f"draft_ranks {self.draft_ranks} exceeds this model's vocabulary size {vocab}")
             raise ValueError(f"token tree: rank {self.draft_ranks - 1} is at or above this model's vocabulary "
                              f"size {vocab} (ranks count from 0)")
         self._static: dict[tuple[int, int, int, int], tuple[StepLayout, torch.Tensor]] = {}
