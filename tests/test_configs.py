@@ -24,6 +24,8 @@ def test_train_config_parses(path):
     assert data.datasets and model.mode in ("full", "lora", "frozen-base")
     if "deepspeed" in raw:
         assert (ROOT / raw["deepspeed"]).is_file()
+    # HF's max_steps overrides the epoch count: a config that sets both says something it does not do
+    assert not ("max_steps" in raw and "num_train_epochs" in raw), "num_train_epochs is ignored beside max_steps"
 
 
 def test_deepspeed_configs_are_json_with_auto_values():
