@@ -25,7 +25,7 @@ from ..cli import (HelpFormatter, add_debug_flag, add_threads_flag, check_device
                    check_threads, console, set_threads)
 from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
 from .bench import METHODS
-from .resume import adapter_sha256, check_resume, hold_samples, merge_run, read_record, report
+from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model_files, read_record, report
 from .shard import Shard, current_shard, join, wait_for_all
 from .tasks import DATASETS, load_tasks, trained_questions
 
@@ -348,7 +348,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                       f"training data (MBPP {', '.join(trained[:4])}, ...): its drafts learned their answers, so "
                       "tokens/step and speedups on them overstate held-out drafting; --dataset mbpp-dev holds the "
                       "100 MBPP questions kept out of training", stacklevel=2)
-    meta = {"model": base, "adapter": args.adapter, "adapter_sha256": adapter_sha256(args.adapter),
+    meta = {"model": base, "model_files": model_files(base), "adapter": args.adapter,
+            "adapter_sha256": adapter_sha256(args.adapter),
             "trained_questions": len(trained),  # questions the adapter was trained on (MBPP's, trained_questions)
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,

@@ -22,8 +22,8 @@ from .shard import Shard
 
 # settings that shape every sample's tokens: a folder's samples are only resumed under the same
 # values. The adapter by the hash of its files, not its path: a retrained adapter in the same
-# folder makes other tokens, and a moved one the same.
-SAMPLE_KEYS = ("model", "adapter_sha256", "dataset", "methods", "num_samples", "mask_num", "num_groups",
+# folder makes other tokens, and a moved one the same; a model folder by its files' fingerprint.
+SAMPLE_KEYS = ("model", "model_files", "adapter_sha256", "dataset", "methods", "num_samples", "mask_num", "num_groups",
                "lookup_tokens", "lookup_ngram", "baselines_suppress_masks", "tree", "row_budget", "draft_ranks", "step_cost", "adapter_cost", "max_new_tokens", "temperature",
                "top_p", "top_k", "seed", "dtype", "kernels")
 # what shapes the timings: a speedup over samples timed on two setups compares nothing. The ranks of
@@ -34,8 +34,27 @@ RESUME_KEYS = SAMPLE_KEYS + SETUP_KEYS
 MERGE_KEYS = tuple(k for k in RESUME_KEYS if k not in ("device", "machine"))
 # what older run_config.json files lack, as those runs had it: chain, no lookup (an adapter's hash
 # is not known: such a folder resumes only without an adapter)
-OLD_DEFAULTS = {"lookup_tokens": 0, "lookup_ngram": 2, "baselines_suppress_masks": False, "tree": None, "adapter_sha256": None, "row_budget": None, "draft_ranks": None,
+OLD_DEFAULTS = {"model_files": None, "lookup_tokens": 0, "lookup_ngram": 2, "baselines_suppress_masks": False, "tree": None, "adapter_sha256": None, "row_budget": None, "draft_ranks": None,
                 "step_cost": None, "adapter_cost": None, "compile": False, "buckets": False, "capture": None}
+
+
+def model_files(model: str) -> str | None:
+    """A fingerprint (SHA-256 hex) of a model folder's files, so samples of a model retrained or
+    overwritten in place (a full-mode ``final/`` evaluated with ``--model``) are not resumed as
+    the old one's; None for a name that is not a folder (the embedded SmolLM2, the tiny model).
+
+    Files up to 16 MB (configs, tokenizer) count by their bytes; larger ones (weights) by name,
+    size and modification time, which a rewrite changes and which costs no read of gigabytes.
+    """
+    root = Path(model).expanduser()
+    if not root.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() if stat.st_size <= 16 << 20 else f"{stat.st_size} {stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
 
 
 def adapter_sha256(adapter: str | Path | None) -> str | None:

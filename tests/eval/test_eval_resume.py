@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from space.eval.resume import RESUME_KEYS, adapter_sha256, check_resume
+from space.eval.resume import RESUME_KEYS, adapter_sha256, check_resume, model_files
 from space.eval.shard import Shard
 
 # written out, not read from RESUME_KEYS: a key dropped from the tuple must fail here
 CHANGES = {
-    "model": "other-model", "adapter_sha256": "f" * 64, "dataset": "mbpp", "methods": ["ar"], "num_samples": 2,
+    "model": "other-model", "model_files": "e" * 64, "adapter_sha256": "f" * 64, "dataset": "mbpp", "methods": ["ar"], "num_samples": 2,
     "mask_num": 4, "num_groups": 2, "lookup_tokens": 8, "lookup_ngram": 3, "baselines_suppress_masks": False, "tree": [[0], [1]], "row_budget": 16,
     "draft_ranks": 2, "step_cost": [[1, 1.0], [8, 2.0]], "adapter_cost": 3.0, "max_new_tokens": 99,
     "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1, "dtype": "bfloat16", "kernels": "stock",
@@ -21,7 +21,7 @@ CHANGES = {
 
 
 def meta() -> dict:
-    return {"model": "tiny-random-llama", "adapter": "adapters/a", "adapter_sha256": "0" * 64, "dataset": "humaneval",
+    return {"model": "tiny-random-llama", "model_files": None, "adapter": "adapters/a", "adapter_sha256": "0" * 64, "dataset": "humaneval",
             "methods": ["ar", "space"], "num_samples": 1, "mask_num": 3, "num_groups": 4, "lookup_tokens": 0,
             "lookup_ngram": 2, "baselines_suppress_masks": True, "tree": None, "row_budget": None, "draft_ranks": None, "step_cost": None, "adapter_cost": None, "max_new_tokens": 12,
             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
@@ -55,6 +55,27 @@ def test_adapter_hash_follows_content_not_path(tmp_path):
     before = adapter_sha256(tmp_path / "a")
     (tmp_path / "a" / "sub" / "w.bin").rename(tmp_path / "a" / "w.bin")  # same bytes, another file
     assert adapter_sha256(tmp_path / "a") != before
+
+
+def test_a_model_folder_counts_by_its_files(tmp_path):
+    """A full-mode final/ retrained in place and evaluated again with --model: its samples were
+    resumed as the old model's (one space-eval folder, two models). Catches a fingerprint that
+    misses a rewritten weight file or a changed config, or one that depends on the folder's path."""
+    model = tmp_path / "final"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"\0" * (17 << 20))  # past 16 MB: counted by size and time, not read
+    first = model_files(str(model))
+    assert model_files(str(model)) == first and model_files("tiny-random-llama") is None
+    os.utime(weights, ns=(1, 2))  # rewritten: another modification time
+    assert model_files(str(model)) != first
+    second = model_files(str(model))
+    (model / "config.json").write_text('{"hidden_size": 65}')
+    assert model_files(str(model)) != second
+    before, moved = model_files(str(model)), tmp_path / "moved"
+    model.rename(moved)
+    assert model_files(str(moved)) == before
 
 
 def test_resume_drops_duplicate_records(tmp_path, capsys):
