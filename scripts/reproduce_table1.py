@@ -1,7 +1,9 @@
 """Reproduce the paper's Table 1 (DESIGN §2, §7): SAR-SFT each model, evaluate, write one table.
 
 For every model: train with its config through ``run_sft_multi_node.sh`` (skipped when the
-artifact exists; ``--model-path`` points the config at local base weights), or take a SPACE
+artifact exists and was made by the same training command, ``<out>/<model>/train_command.json``;
+a run that trains on removes its evaluations of the earlier artifact; ``--model-path`` points the
+config at local base weights), or take a SPACE
 model trained elsewhere (``--checkpoint``); then ``space-eval`` on HumanEval-X languages with
 methods ar, hf, space, and collect pass@1, tokens/step and speedups into a markdown table with
 the paper's columns.
@@ -27,11 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from space.cli import console
+from space.eval.resume import model_files
 from space.jsonl import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,10 +117,20 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         run_dir = a.out / name
         finals[name] = run_dir / "final"
-        if not (finals[name] / "space_config.json").is_file():
-            extra = ["--output_dir", str(run_dir)] + (["--max_steps", str(a.max_steps)] if a.max_steps else [])
-            extra += ["--model_name_or_path", str(paths[name])] if name in paths else []
-            sh([str(ROOT / "run_sft_multi_node.sh"), MODELS[name], *extra, *a.train_args.split()])
+        extra = ["--output_dir", str(run_dir)] + (["--max_steps", str(a.max_steps)] if a.max_steps else [])
+        extra += ["--model_name_or_path", str(paths[name])] if name in paths else []
+        train = [MODELS[name], *extra, *a.train_args.split()]
+        record = run_dir / "train_command.json"  # what made final/: a rerun with other flags trains again
+        done = (finals[name] / "space_config.json").is_file() and record.is_file() and \
+            json.loads(record.read_text()) == train
+        if not done:  # the launcher trains on (more steps), keeps a finished run, or refuses other SPACE settings
+            before = model_files(str(finals[name]))
+            sh([str(ROOT / "run_sft_multi_node.sh"), *train])
+            write_text_atomic(record, json.dumps(train))
+            if model_files(str(finals[name])) != before:  # another artifact: evaluations of the old one are stale
+                for stale in sorted(run_dir.glob("eval-*")):
+                    print(f"[table1] {name}: retrained, so {stale} (of the previous artifact) is removed", flush=True)
+                    shutil.rmtree(stale)
     rows = []
     for name, final in {**finals, **checkpoints}.items():
         mode = json.loads((final / "space_config.json").read_text())["mode"]

@@ -59,6 +59,14 @@ def test_reproduce_table1_tiny(tmp_path):
     # what the row ran, which the table alone did not say (DESIGN §6)
     assert re.search(r"- tiny python: model \S+, adapter \S+, k \d, float32 on cpu, seed 0, max_new_tokens 8, "
                      r"dataset humaneval-x:python, limit 1, torch \S+, transformers \S+", table), table
+    # a rerun with more steps trains on: the 2-step artifact was tabled again, silently
+    argv = out.args
+    again = subprocess.run([*argv[:argv.index("--max-steps") + 1], "3", *argv[argv.index("--max-steps") + 2:]],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    final = tmp_path / "table" / "tiny" / "final"
+    assert json.loads((final / "space_config.json").read_text())["global_step"] == 3
+    assert "--max_steps" in json.loads((final.parent / "train_command.json").read_text())
 
 
 def test_eval_help_loads_no_torch_and_shows_each_default_once():
