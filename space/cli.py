@@ -30,8 +30,9 @@ import yaml
 # unreadable files and folders, broken configs, a missing optional package.
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
                    FileExistsError, ModuleNotFoundError, yaml.YAMLError)
-# and the OSErrors of a place the user chose to write: a read-only file system, a full disk or quota
-EXPECTED_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+# and the OSErrors of a place the user chose to write: a read-only file system, a full disk or quota,
+# a file-size limit (``ulimit -f``)
+EXPECTED_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 DEBUG_HELP = "on an error, show the full traceback instead of one line"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import gzip
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -65,6 +66,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     _replace(path, text.encode("utf-8"))
 
 
+def save_figure_atomic(fig, path: Path, dpi: int = 110) -> None:
+    """A matplotlib figure saved as a PNG, atomically (:func:`write_text_atomic`'s way): a full
+    disk left a 0-byte plot under the real name."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    _replace(path, buf.getvalue())
+
+
 def publish_permissions(root: Path) -> None:
     """Give ``root`` (a folder from ``tempfile.mkdtemp``, made 0700 for its owner alone) and
     everything under it the permissions the process's umask gives new files, before it is renamed
@@ -78,14 +87,18 @@ def publish_permissions(root: Path) -> None:
 def _replace(path: Path, data: bytes) -> None:
     """``data`` as the whole of ``path``: written to a temporary file beside it, synced to the disk
     (or a power cut after the rename could leave an empty file under the new name), then renamed
-    over ``path``."""
+    over ``path``; on failure the temporary file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:  # a full disk or a Ctrl-C: the old file stays, and no partial copy beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

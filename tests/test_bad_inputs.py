@@ -187,7 +187,7 @@ def test_console_scripts_are_wrapped():
     assert exit_info.value.code == 0
 
 
-@pytest.mark.parametrize("code", ["EROFS", "ENOSPC"])
+@pytest.mark.parametrize("code", ["EROFS", "ENOSPC", "EFBIG"])  # EFBIG: ulimit -f
 def test_a_read_only_or_full_disk_is_a_one_line_error(code, capsys):
     """--out on a read-only file system or a full disk raises a plain OSError (not a
     PermissionError). Catches the wrapper letting it through as a traceback; any other OSError

@@ -130,3 +130,23 @@ def test_whole_file_writes_create_the_folder(tmp_path):
     write_jsonl(tmp_path / "c" / "rows.jsonl.gz", [{"a": 1}])
     assert (tmp_path / "a" / "b" / "out.json").read_text() == "{}"
     assert read_jsonl(tmp_path / "c" / "rows.jsonl.gz") == [{"a": 1}]
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_partial_copy(tmp_path, monkeypatch):
+    """A full disk (or ``ulimit -f``) while writing: the old file stays whole. Catches the
+    partial ``.tmp`` beside it left behind."""
+    import errno
+    import os as os_module
+
+    from space.jsonl import write_text_atomic
+
+    path = tmp_path / "a.json"
+    write_text_atomic(path, "old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os_module, "fsync", full)
+    with pytest.raises(OSError):
+        write_text_atomic(path, "new")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]

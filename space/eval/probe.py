@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
-from ..jsonl import append_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
+from ..jsonl import append_jsonl, read_jsonl_resumable, save_figure_atomic, write_jsonl, write_text_atomic
 from .resume import adapter_sha256
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
         ax.grid(alpha=0.3), ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path)
     plt.close(fig)
 
 

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from ..decoding.config import DEFAULT_MASK_NUM, DecodeConfig
-from ..jsonl import write_text_atomic
+from ..jsonl import save_figure_atomic, write_text_atomic
 from .execute import estimate_pass_at_k
 
 
@@ -317,7 +317,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

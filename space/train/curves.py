@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..jsonl import save_figure_atomic
+
 
 def plot_training_curves(history: list[dict], png: Path, tokens_per_epoch: int = 0, tokens_before: int = 0) -> list[int]:
     """Plot mask accuracy per offset j (left) and the training loss and mask loss (right).
@@ -44,6 +46,5 @@ def plot_training_curves(history: list[dict], png: Path, tokens_per_epoch: int =
     ax2.set(xlabel=xlabel, ylabel="cross-entropy", title="losses")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    save_figure_atomic(fig, png)
     return offsets
