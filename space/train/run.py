@@ -41,17 +41,16 @@ SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_den
 SETTINGS_BEFORE = {"chain_weight": 0.0, "consistency_weight": 0.0, "sampler_head": False, "sampler_width": 0}
 
 
-def space_settings(model_args, mask_args, train_args=None) -> dict:
+def space_settings(model_args, mask_args, train_args) -> dict:
     """The SPACE settings a checkpoint records (``space_settings.json``) and a resume must match,
     with the DeepSpeed ZeRO stage (None: no DeepSpeed): its optimizer state resumes under that stage
     only (another one failed with a bare AssertionError on every rank), and HF resumes a run
     without DeepSpeed from it with a fresh optimizer and schedule, silently."""
     stage = None
-    if train_args is not None and train_args.deepspeed:
+    if train_args.deepspeed:
         stage = int(train_args.hf_deepspeed_config.config.get("zero_optimization", {}).get("stage", 0))
     return {"model": model_args.model_name_or_path, "mode": model_args.mode,
-            **{k: getattr(mask_args, k) for k in SETTING_KEYS if hasattr(mask_args, k)},
-            **({"zero_stage": stage} if train_args is not None else {})}
+            **{k: getattr(mask_args, k) for k in SETTING_KEYS if hasattr(mask_args, k)}, "zero_stage": stage}
 
 
 def last_whole_checkpoint(output_dir: str, main_process: bool) -> str | None:
@@ -221,7 +220,7 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
                              mask_args.mask_prob, mask_args.spans_per_sample, mask_args.layout, train_args.seed,
                              span_density=mask_args.span_density)
     emb = mask_embedding(model)
-    callbacks = [EpochSeedCallback(collator), SpaceCheckpointCallback(settings, emb, sampler)]
+    callbacks = [EpochSeedCallback(collator), SpaceCheckpointCallback(settings, emb, sampler), StopAtMaxStepsCallback()]
     if getattr(train_args, "max_train_minutes", 0) > 0:
         callbacks.append(TimeBudgetCallback(train_args.max_train_minutes))
     space = SpaceSettings.from_args(model_args, mask_args, train_args, suppress_ids=spec.token_ids)
@@ -239,7 +238,6 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
               f"mode {model_args.mode}; k={mask_args.mask_num}; "
               f"trainable params {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,}"
               + (f"; resuming: {done} of {total} steps done ({last})" if last else ""), flush=True)
-    trainer.add_callback(StopAtMaxStepsCallback())
     try:
         result = trainer.train(resume_from_checkpoint=last)
     except NothingToTrain:  # resumed at max_steps: the checkpoint's weights are loaded, none trained
