@@ -251,7 +251,12 @@ def to_markdown(s: dict) -> str:
         lines.append("Acceptance per offset j, over all steps: " + ", ".join(
             _fmt(a) for a in sm["acceptance_per_offset_all_steps"]))
         if sm.get("host_ms_per_step") is not None:
-            lines.append(f"Host work per SPACE step (outside the model's forward and LM head): median "
+            # a GPU runs behind the host: the step's one read waits for its queued work, so on CUDA
+            # (and most under --capture, where the forward call only enqueues a graph) this is not host work
+            where = ("Time per SPACE step outside the model's forward and LM head calls (on CUDA it includes "
+                     "waiting for the GPU's queued work)" if str(meta.get("device", "")).startswith("cuda")
+                     else "Host work per SPACE step (outside the model's forward and LM head)")
+            lines.append(f"{where}: median "
                          f"{sm['host_ms_per_step']:.3f} ms, of which planner + layout {_fmt(sm.get('plan_ms_per_step'))} ms; "
                          f"{_fmt(sm.get('host_share'), True)} % of SPACE's wall time")
         if sm.get("accepted_from"):

@@ -106,3 +106,16 @@ def test_pass_at_1_is_n_a_only_when_no_sample_ran_its_tests():
     na = "n/a (no toolchain)"
     assert summarize([one("q0", na), one("q1", na)], {"mask_num": 3})["pass_at_1"]["space"] == na
     assert summarize([one("q0", na), one("q1", "passed")], {"mask_num": 3})["pass_at_1"]["space"] == 0.5
+
+
+@pytest.mark.parametrize("device, label", [("cpu", "Host work per SPACE step"),
+                                           ("cuda", "includes waiting for the GPU's queued work")])
+def test_host_time_line_says_what_it_holds_on_each_device(device, label):
+    """On CUDA the forward only enqueues work (a captured step: one graph replay), so the time
+    outside it holds the wait at the step's read: an H200 run labelled 8-13 ms of it, 90 % of the
+    step, "host work" (results/gpu_h200_g58)."""
+    space = rec("q0", "space", 2, 1.0, host_ms=[[5.0, 7.0]], plan_ms=[[0.5, 0.5]])
+    s = summarize([rec("q0", "ar", 2, 2.0), space], {"mask_num": 3, "device": device})
+    md = to_markdown(s)
+    assert "median 6.000 ms" in md and label in md
+    assert ("Host work" in md) == (device == "cpu")
