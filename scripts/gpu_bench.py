@@ -188,7 +188,9 @@ def gpu_busy_ms(fn, kernels: Counter | None = None) -> float:
     if DEVICE == "cpu":
         return 0.0
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # the GPU's activity alone: with the CPU's too, reading a whole generation's events took most of a
+    # 90 s stage on an H200 (results/gpu_h200_g58)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     total_us = 0.0
