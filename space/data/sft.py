@@ -222,7 +222,8 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
     from their text (``own_ids`` False).
 
     Prompt tokens are excluded from the loss by the collator (targets before ``prompt_len``).
-    Samples whose prompt alone fills ``max_length`` are dropped.
+    Samples that leave their response fewer than 2 of ``max_length``'s tokens are dropped: a mask
+    group starts after a response token and drafts the next (``SpaceCollator.draw_spans``).
 
     Returns:
         a ``datasets.Dataset`` (imported here: loading it costs about 1.5 s, which ``--help`` skips).

@@ -215,7 +215,7 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
         warm_start(model, model_args.init_adapter, model_args.mode, spec)
     dataset = tokenize(examples, tok, data_args.max_length)
     if len(dataset) == 0:
-        raise ValueError(f"no sample of {names} fits max_length={data_args.max_length} (prompts alone are longer)")
+        raise ValueError(f"no sample of {names} fits max_length={data_args.max_length} (each prompt leaves its response fewer than 2 tokens)")
     collator = SpaceCollator(spec.ids_for(mask_args.mask_num), mask_args.mask_num, tok.pad_token_id,
                              mask_args.mask_prob, mask_args.spans_per_sample, mask_args.layout, train_args.seed,
                              span_density=mask_args.span_density)

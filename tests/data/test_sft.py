@@ -100,7 +100,7 @@ def test_tokenize_splits_prompt_and_response_as_the_chat_template():
     """Catches a wrong ``prompt_len`` (the collator trains on the tokens after it: a short one
     trains on the prompt), input ids that are not the template's rendering of the whole chat, a wrong
     ``idx`` (it seeds the sample's spans) and an off-by-one in the truncation or in the drop of
-    samples whose prompt fills ``max_length``."""
+    samples that leave their response fewer than 2 tokens."""
     tok = tiny_tokenizer()
     examples = [to_example({"prompt": "Hi", "response": "Hello there"}),
                 to_example({"prompt": "x" * 200, "response": "long prompt"}),

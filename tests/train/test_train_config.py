@@ -129,6 +129,18 @@ def test_a_teacher_topk_above_the_vocabulary_is_refused_before_training(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_a_max_length_that_leaves_no_response_room_is_refused_by_its_cause(tmp_path):
+    """Samples keep 2 response tokens (a mask group follows one and drafts the next); at a
+    max_length where no sample has them, the error names that, not "prompts alone are longer"
+    (the old message, false for a prompt one token short of max_length)."""
+    from space.train.run import run_sft
+
+    args = parse(tmp_path, "--max_length", "8")
+    with pytest.raises(ValueError, match=r"fits max_length=8 \(each prompt leaves its response fewer than 2 tokens\)"):
+        run_sft(*args)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_yaml_string_for_a_number_or_a_flag_is_converted_as_argparse_converts_it(tmp_path):
     """YAML 1.1 reads ``1e-4`` (no dot) as text: argparse converts it with the field's type, as it
     converts ``'yes'`` for a flag. The type check leaves strings to it."""
