@@ -155,10 +155,15 @@ class Distiller:
     """One self-distillation run over ``out`` and its sibling files (module docstring)."""
 
     def __init__(self, out: Path, model_name: str, sources: dict[str, int | None], batch_size: int,
-                 max_new_tokens: int, max_prompt_tokens: int, data_root, magpie: MagpieSettings):
+                 max_new_tokens: int, max_prompt_tokens: int, data_root, magpie: MagpieSettings,
+                 dtype: str = "float32", device: str = "cpu"):
         self.out, self.sources, self.batch_size, self.data_root, self.magpie = out, sources, batch_size, data_root, magpie
-        self.settings = {"model": model_name, "max_new_tokens": max_new_tokens,
-                         "max_prompt_tokens": max_prompt_tokens, "magpie": asdict(magpie) if "magpie" in sources else None}
+        self.device = device
+        # the dtype is part of a set's identity (bf16 greedy answers part from fp32 ones at near-ties);
+        # the device is recorded beside it, not checked: the answers' distribution is the model's on any
+        # device (a magpie seed draws other user turns on a GPU's generator)
+        self.settings = {"model": model_name, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                         "magpie": asdict(magpie) if "magpie" in sources else None, "dtype": dtype}
         self.turns_file, self.manifest_file = sibling(out, "magpie"), sibling(out, "manifest", ".json")
         old = self._check_resume()
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -189,6 +194,8 @@ class Distiller:
         def same(key: str) -> bool:
             if key == "model":  # an alias and its own folder are one model
                 return model_identity(str(old.get(key))) == model_identity(str(self.settings.get(key)))
+            if key == "dtype":  # sets made before --dtype are fp32
+                return old.get(key, "float32") == self.settings[key]
             return old.get(key) == self.settings.get(key) or (key == "magpie" and self.settings[key] is None)
 
         differ = sorted(k for k in self.settings.keys() | old.keys() if not same(k))
@@ -329,6 +336,7 @@ class Distiller:
         manifest = {
             "file": self.out.name, "complete": complete, "settings": self.settings,
             "sources": {k: v for k, v in self.sources.items()}, "answer_batch_size": self.batch_size,
+            "device": self.device,
             "rows": len(self.rows), "rows_by_source": dict(Counter(r["source"] for r in self.rows)),
             "unfinished_answers": sum(not r["finished"] for r in self.rows),
             "magpie_turns_sampled": dict(Counter(f"turn {t['turn']}" for t in self.turns)),
@@ -350,8 +358,12 @@ def _prompt_row(pid: str, source: str, context: list[dict]) -> dict:
 
 def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None] | None = None,
             batch_size: int = 16, max_new_tokens: int = 256, max_prompt_tokens: int = 384, data_root=None,
-            magpie: MagpieSettings | None = None) -> dict:
+            magpie: MagpieSettings | None = None, dtype: str = "float32", device: str = "cpu") -> dict:
     """Write greedy responses for every prompt of ``sources`` (name -> limit) to ``out``.
+
+    ``dtype`` (``space.models.parse_dtype`` names) and ``device`` (a torch device string) are the
+    model's: on a GPU, a batch of hundreds of answers costs about what one answer costs (issue 60).
+    The dtype is a resume key; the manifest records the device.
 
     Returns:
         the manifest (also written beside ``out``).
@@ -367,13 +379,16 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
     out.parent.mkdir(parents=True, exist_ok=True)
     # one run per output: two wrote every answer twice (the manifest counting each once)
     with held(out, str(out), "wait for it to end, or pass another --out"):
-        run = Distiller(out, model_name, sources, batch_size, max_new_tokens, max_prompt_tokens, data_root,
-                        magpie or MagpieSettings())  # settings are checked before the model loads
-        from .cpu_kernels import optimize_for_cpu
-        from .models import load_model
+        from .models import load_model, parse_dtype
 
-        model, tok = load_model(model_name)
-        optimize_for_cpu(model)  # packed linears: about 25 % faster batched generation on these CPUs
+        dtype = str(parse_dtype(dtype)).removeprefix("torch.")  # one name per dtype in the manifest
+        run = Distiller(out, model_name, sources, batch_size, max_new_tokens, max_prompt_tokens, data_root,
+                        magpie or MagpieSettings(), dtype, device)  # settings are checked before the model loads
+        model, tok = load_model(model_name, dtype, device)
+        if model.device.type == "cpu":
+            from .cpu_kernels import optimize_for_cpu
+
+            optimize_for_cpu(model)  # packed linears: about 25 % faster batched generation on these CPUs
         return run.run(model, tok)
 
 
@@ -405,6 +420,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped "
                     "(default: %(default)s)")
     ap.add_argument("--data-root", default=None, help="shared data folder (default: ../shared/data)")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype: float32, bfloat16 or float16; part of the "
+                    "set's settings (default: %(default)s)")
+    ap.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N or mps; auto = cuda when "
+                    "a CUDA GPU is usable, else cpu (the manifest records it) (default: auto)")
     add_threads_flag(ap)
     add_debug_flag(ap)
     a = ap.parse_args(argv)
@@ -423,9 +442,16 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = sorted(set(names) - set(SOURCES))
     if unknown or not names:
         raise ValueError(f"--sources: unknown {unknown or 'empty list'}; choose from {', '.join(SOURCES)}")
+    from .cli import check_device
+    from .models import parse_dtype, resolve_device
+
+    parse_dtype(a.dtype)
+    device = resolve_device(a.device)
+    check_device(device)
     set_threads(a.threads)
     summary = distill(a.out, a.model, {n: limits[n] for n in names}, a.batch_size, a.max_new_tokens,
-                      a.max_prompt_tokens, a.data_root, MagpieSettings(seed=a.magpie_seed, follow_ups=not a.no_follow_ups))
+                      a.max_prompt_tokens, a.data_root, MagpieSettings(seed=a.magpie_seed, follow_ups=not a.no_follow_ups),
+                      a.dtype, device)
     print(f"[distill] {summary['rows']} rows in {a.out} ({summary['new_rows_this_run']} new, "
           f"{summary['seconds_this_run']:.0f} s); by source {summary['rows_by_source']}; "
           f"skipped {summary['skipped_this_run'] or 'none'}; filters {summary['filter_verdicts'] or 'none'}", flush=True)

@@ -157,3 +157,44 @@ def test_a_second_run_into_the_same_out_is_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"{out} is being written by another run \(pid \d+\); wait for it"):
             distill(out, "tiny-random-llama", {"mbpp": 1}, max_new_tokens=2)
     assert not out.exists()
+
+
+
+def test_a_set_records_its_dtype_and_device_and_resumes_only_in_its_dtype(tmp_path, monkeypatch):
+    """``--dtype`` and ``--device`` (issue 60: self-distillation in large batches on a GPU). bf16
+    greedy answers part from fp32 ones at near-ties, so a set resumed in another dtype would mix two
+    teachers: refused by name. Sets made before the flag are fp32 and resume as they did; the
+    device is recorded, not checked. The model loads in the dtype asked for."""
+    from space.distill import distill, main
+
+    tok = tiny_tokenizer()
+    answers = {"Hiya": "Hello", "Why?": "Because."}
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": q, "response": "-"}) + "\n" for q in answers))
+    out, manifest_file = tmp_path / "set.jsonl", tmp_path / "set.manifest.json"
+
+    def distiller(dtype, device="cpu"):
+        return Distiller(out, "stub", {str(source): None}, 2, 16, 64, None, MagpieSettings(), dtype, device)
+
+    distiller("bfloat16", "cuda:0").run(StubModel(tok, answers), tok)
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["settings"]["dtype"] == "bfloat16" and manifest["device"] == "cuda:0" and manifest["rows"] == 2
+    with pytest.raises(ValueError, match=r"other settings \(dtype: 'bfloat16' -> 'float32'\)"):
+        distiller("float32")
+    distiller("bfloat16").run(StubModel(tok, answers), tok)  # another device: resumed
+    assert json.loads(manifest_file.read_text())["device"] == "cpu"
+    del manifest["settings"]["dtype"]  # as written before --dtype: an fp32 set
+    manifest_file.write_text(json.dumps(manifest))
+    distiller("float32").run(StubModel(tok, answers), tok)
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"dtype: None -> 'bfloat16'"):
+        distiller("bfloat16")
+
+    loaded = {}
+    monkeypatch.setattr(Distiller, "run", lambda self, model, tok: loaded.update(dtype=model.dtype, settings=self.settings))
+    distill(tmp_path / "bf16.jsonl", "tiny-random-llama", {"mbpp": 1}, dtype="bf16", device="cpu")
+    assert loaded["dtype"] == torch.bfloat16 and loaded["settings"]["dtype"] == "bfloat16"
+    for flag, value, match in (("--dtype", "fp8", "unknown dtype 'fp8'"), ("--device", "cuda:9", "--device cuda:9")):
+        with pytest.raises(ValueError, match=match):
+            main(["--model", "tiny-random-llama", "--out", str(tmp_path / "x.jsonl"), flag, value])
+    assert not (tmp_path / "x.jsonl").exists()

@@ -121,7 +121,7 @@ def test_distill_magpie_source_end_to_end(tmp_path, monkeypatch):
     # the default tiny model (init std 0.02) repeats one whitespace token, an empty answer: more spread
     from space import models
 
-    monkeypatch.setattr(models, "load_model", lambda name: tiny_random_llama(seed=0, initializer_range=0.3))
+    monkeypatch.setattr(models, "load_model", lambda name, dtype="float32", device="cpu": tiny_random_llama(seed=0, initializer_range=0.3))
     manifest = distill_mod.distill(out, "tiny-random-llama", {"magpie": 3}, batch_size=2, max_new_tokens=6,
                                    magpie=settings)
     from space.jsonl import read_jsonl
