@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--magpie-seed", type=int, default=0, help=f"seed of the user-turn sampling, 0..{SEED_LIMIT - 1} "
                     "(default: %(default)s)")
     ap.add_argument("--no-follow-ups", action="store_true", help="self-generated prompts: first turns only")
+    ap.add_argument("--magpie-batch-size", type=int, default=MagpieSettings.batch_size,
+                    help="user turns sampled per generate call; part of what a seed draws (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=16, help="answers per generate call (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default: %(default)s)")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped "
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_threads_flag(ap)
     add_debug_flag(ap)
     a = ap.parse_args(argv)
-    for name, minimum in (("batch_size", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1),
+    for name, minimum in (("batch_size", 1), ("magpie_batch_size", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1),
                           ("mbpp_limit", 0), ("lima_limit", 0), ("stdlib_limit", 0), ("magpie_limit", 1),
                           ("magpie_seed", 0)):
         value = getattr(a, name)
@@ -449,9 +451,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(a.device)
     check_device(device)
     set_threads(a.threads)
+    magpie = MagpieSettings(seed=a.magpie_seed, batch_size=a.magpie_batch_size, follow_ups=not a.no_follow_ups)
     summary = distill(a.out, a.model, {n: limits[n] for n in names}, a.batch_size, a.max_new_tokens,
-                      a.max_prompt_tokens, a.data_root, MagpieSettings(seed=a.magpie_seed, follow_ups=not a.no_follow_ups),
-                      a.dtype, device)
+                      a.max_prompt_tokens, a.data_root, magpie, a.dtype, device)
     print(f"[distill] {summary['rows']} rows in {a.out} ({summary['new_rows_this_run']} new, "
           f"{summary['seconds_this_run']:.0f} s); by source {summary['rows_by_source']}; "
           f"skipped {summary['skipped_this_run'] or 'none'}; filters {summary['filter_verdicts'] or 'none'}", flush=True)

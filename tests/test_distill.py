@@ -191,10 +191,16 @@ def test_a_set_records_its_dtype_and_device_and_resumes_only_in_its_dtype(tmp_pa
         distiller("bfloat16")
 
     loaded = {}
-    monkeypatch.setattr(Distiller, "run", lambda self, model, tok: loaded.update(dtype=model.dtype, settings=self.settings))
+    monkeypatch.setattr(Distiller, "run", lambda self, model, tok: loaded.update(dtype=model.dtype, settings=self.settings)
+                        or {"rows": 0, "new_rows_this_run": 0, "seconds_this_run": 0, "rows_by_source": {},
+                            "skipped_this_run": {}, "filter_verdicts": {}})
     distill(tmp_path / "bf16.jsonl", "tiny-random-llama", {"mbpp": 1}, dtype="bf16", device="cpu")
     assert loaded["dtype"] == torch.bfloat16 and loaded["settings"]["dtype"] == "bfloat16"
-    for flag, value, match in (("--dtype", "fp8", "unknown dtype 'fp8'"), ("--device", "cuda:9", "--device cuda:9")):
+    main(["--model", "tiny-random-llama", "--out", str(tmp_path / "gpu.jsonl"), "--sources", "magpie", "--device", "cpu",
+          "--dtype", "bf16", "--magpie-batch-size", "512"])  # issue 60's flags, through the command line
+    assert loaded["settings"]["magpie"]["batch_size"] == 512 and loaded["settings"]["dtype"] == "bfloat16"
+    for flag, value, match in (("--dtype", "fp8", "unknown dtype 'fp8'"), ("--device", "cuda:9", "--device cuda:9"),
+                               ("--magpie-batch-size", "0", "--magpie-batch-size must be >= 1")):
         with pytest.raises(ValueError, match=match):
             main(["--model", "tiny-random-llama", "--out", str(tmp_path / "x.jsonl"), flag, value])
     assert not (tmp_path / "x.jsonl").exists()
