@@ -128,6 +128,39 @@ def test_distill_resume_checks_hold_before_the_first_row_and_across_sources(tmp_
     assert kept["settings"]["magpie"] == {"seed": 7} and kept["filter_verdicts"] == {"first turn": {"ok": 3}}
 
 
+def test_a_run_stopped_right_after_its_first_rows_resumes(tmp_path, monkeypatch):
+    """Ctrl-C between the first append and the manifest written after it. The settings are
+    written before any row, so the rerun checks them and goes on. Catches the manifest written
+    only after a batch: the rerun found rows without one and refused ("has no manifest"), though
+    the same command made them."""
+    import space.distill as distill
+
+    tok = tiny_tokenizer()
+    answers = {"Hiya": "Hello", "Why?": "Because."}
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": q, "response": "-"}) + "\n" for q in answers))
+    out = tmp_path / "set.jsonl"
+
+    def run():
+        return Distiller(out, "stub", {str(source): None}, 1, 16, 64, None, MagpieSettings()).run(
+            StubModel(tok, answers), tok)
+
+    real = distill.append_jsonl
+
+    def append_then_interrupt(path, rows):
+        real(path, rows)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "append_jsonl", append_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.undo()
+    assert len(out.read_text().splitlines()) == 1
+    summary = run()
+    assert summary["new_rows_this_run"] == 1 and summary["rows"] == 2
+    assert sorted(r["prompt"][0]["content"] for r in map(json.loads, out.read_text().splitlines())) == ["Hiya", "Why?"]
+
+
 def test_a_distilled_row_keeps_the_generated_ids_of_a_cut_character(tmp_path):
     """An answer cut inside a multi-byte character: its text drops the byte's U+FFFD, which the
     model never wrote; its ``response_ids`` are what it generated, the byte included, and training

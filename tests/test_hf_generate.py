@@ -307,12 +307,13 @@ def test_generation_config_object(tiny):
 
 
 
-def _left_padded(trained, short=7):
+def _left_padded(trained, short=7, pad=None):
     """Two prompts of the trained model's language, the second cut to ``short`` tokens and
-    left-padded: (ids (2, seq), attention_mask (2, seq), the short prompt)."""
+    left-padded with ``pad`` (default: the tokenizer's pad id): (ids (2, seq), attention_mask
+    (2, seq), the short prompt)."""
     a, b = (p[0].tolist() for p in _prompts(trained, n=2))
     b = b[:short]
-    pad = trained[1].pad_token_id
+    pad = trained[1].pad_token_id if pad is None else pad
     ids = torch.tensor([a, [pad] * (len(a) - len(b)) + b])
     mask = torch.tensor([[1] * len(a), [0] * (len(a) - len(b)) + [1] * len(b)])
     return ids, mask, b
@@ -342,6 +343,24 @@ def test_batch_length_processors_equal_batched_generate(trained, processor):
     assert torch.equal(out, ref)
     if processor == "forced_eos_token_id":
         assert ref[:, -1].tolist() == [99, 99]
+
+
+def test_batch_repetition_penalty_skips_the_padding_when_the_pad_id_is_a_token_of_the_answer(trained):
+    """HF's batched repetition penalty leaves each row's left padding out of the tokens it
+    penalizes (a count of pad tokens per row). Catches SPACE feeding a row's padding to the
+    penalty with no count to skip: a pad id that is also a token of the answer (a tokenizer
+    whose pad is another token it uses, such as EOS) was penalized as if said, and the short
+    row's answer differed from plain batched generate's."""
+    model = trained[0]
+    _, _, b = _left_padded(trained)
+    kw = dict(repetition_penalty=5.0, max_new_tokens=12)
+    said = _hf(model, torch.tensor([b]), **kw)[0, len(b):].tolist()
+    pad = next(t for t in said if t not in b)  # a token the short row says, not in its prompt
+    ids, mask, _ = _left_padded(trained, pad=pad)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad, **kw)
+    with pytest.warns(UserWarning, match="one after another"):
+        out = model.generate(ids, attention_mask=mask, custom_generate=space_generate, pad_token_id=pad, **kw)
+    assert torch.equal(out, ref)
 
 
 def test_greedy_applies_logits_processors(tiny):

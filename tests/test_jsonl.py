@@ -150,3 +150,38 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_partial_copy(tmp_path,
     with pytest.raises(OSError):
         write_text_atomic(path, "new")
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+
+
+def test_a_figure_save_that_fails_keeps_the_old_png(tmp_path, torn_writes):
+    """A full disk while a plot is saved (space-eval's and space-train's curves): the old PNG
+    stays whole and no partial copy is left beside it. Catches writing the PNG in place, which
+    left a torn (or 0-byte) plot under the real name."""
+    from matplotlib.figure import Figure
+
+    from space.jsonl import save_figure_atomic
+
+    path = tmp_path / "curve.png"
+    with open(path, "wb") as f:  # builtins.open: not torn
+        f.write(b"the old plot")
+    fig = Figure()
+    fig.add_subplot().plot(range(10))
+    with pytest.raises(OSError, match="No space left"):
+        save_figure_atomic(fig, path)
+    with open(path, "rb") as f:
+        assert f.read() == b"the old plot"
+    assert [p.name for p in tmp_path.iterdir()] == ["curve.png"]
+
+
+def test_a_refused_run_is_told_the_holder_s_pid_not_a_stale_one(tmp_path):
+    """The lock file outlives its run (the kernel releases only the lock): the next holder writes
+    its pid over the old one. Catches appending it (the file is opened "a+"): a second run was
+    told "pid 4242424242<pid>", a process that does not exist, and could not find whom to wait for."""
+    from space.jsonl import held
+
+    samples = tmp_path / "samples.jsonl"
+    (tmp_path / ".samples.jsonl.lock").write_text("4242424242")  # left by an earlier run, long gone
+    with held(samples, "samples.jsonl", "wait"):
+        refusal = rf"samples.jsonl is being written by another run \(pid {os.getpid()}\); wait$"
+        with pytest.raises(ValueError, match=refusal):
+            with held(samples, "samples.jsonl", "wait"):
+                pass

@@ -186,6 +186,17 @@ def test_space_layout_draws_a_tree_s_groups_where_the_decoder_puts_them():
     assert drawn == [(row, int(pos) + 2) for row, pos in zip(sees, lay.position_ids.tolist())]
 
 
+def test_space_layout_draws_up_to_its_largest_drawing():
+    """``--cache-len``, ``--seq-len`` and ``--spans`` lie in their low..MAX_DRAWN, both ends
+    included (the bound is the largest drawing, stated in the error message). Catches an
+    off-by-one that refused MAX_DRAWN itself, the largest value the message offers."""
+    from space.layout_cli import MAX_DRAWN, main
+
+    text = main(["-k", "1", "--cache-len", str(MAX_DRAWN)])
+    assert f"pos {MAX_DRAWN}" in text
+    assert main(["--mode", "train", "-k", "1", "--seq-len", str(MAX_DRAWN), "--spans", str(MAX_DRAWN - 1)])
+
+
 def test_render_labels_padding_and_groups_of_different_lengths():
     lay = build_layout(2, 2, [1, 2], [1, 2], parents=[-1, 0], pad_to=7)
     names = [line.split()[3] for line in render(lay).splitlines()[1:]]

@@ -219,6 +219,21 @@ def test_a_distilled_answer_trains_on_the_model_s_own_token_ids():
     assert data["own_ids"] == [True, True, True, False, False, False]
 
 
+def test_an_id_at_the_tokenizer_s_length_is_not_an_own_id():
+    """Ids run 0..len(tokenizer) - 1. The decode drops an id it does not know, so ids that end
+    in len(tokenizer) still spell the text: only the range check keeps them out. Catches an
+    off-by-one there: the sample trained on an id that names no token of the tokenizer."""
+    tok = _merging_tokenizer()
+    nl, a, b = tok.convert_tokens_to_ids(["Ċ", "a", "b"])
+    generated = [a, nl, nl, b]
+    rows = [{"prompt": "Hi", "response": "a\n\nb", "response_ids": generated},
+            {"prompt": "Hi", "response": "a\n\nb", "response_ids": generated + [len(tok)]}]
+    assert tok.decode(rows[1]["response_ids"], skip_special_tokens=True) == "a\n\nb"
+    data = tokenize([to_example(r) for r in rows], tok, max_length=64)
+    assert data["own_ids"] == [True, False]
+    assert max(data[1]["input_ids"]) < len(tok)
+
+
 @pytest.mark.parametrize("ids", ["[1, 2]", [], [1.0, 2.0], [True, 2], [[1], 2]])
 def test_malformed_response_ids_are_refused(tmp_path, ids):
     """Catches response_ids that are not a list of integers loaded and used as tokens."""

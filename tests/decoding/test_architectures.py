@@ -180,3 +180,25 @@ def test_a_field_of_the_same_name_in_another_model_is_not_read():
 
     assert logit_transform(MptConfig(logit_scale="inv_sqrt_d_model")) is None
     assert logit_transform(MptConfig(logit_scale=4.0)) is None and logit_transform(LlamaConfig()) is None
+
+
+@pytest.mark.parametrize("model_type, field, factor", [
+    ("cohere2", dict(logit_scale=0.25), 0.25),  # Cohere's scale, multiplied
+    ("granitemoe", dict(logits_scaling=4.0), 0.25),  # Granite's, divided
+    ("granitemoeshared", dict(logits_scaling=4.0), 0.25),
+    ("granitemoehybrid", dict(logits_scaling=4.0), 0.25),
+    ("minicpm3", dict(dim_model_base=640), 0.25),  # divides by hidden_size / dim_model_base = 2560 / 640
+])
+def test_every_model_of_a_scaled_family_gets_its_logit_scaling(model_type, field, factor):
+    """Cohere 2, the Granite MoE models and MiniCPM3 scale their logits in their forward as
+    Cohere and Granite do (tested on models above). Catches matching the family by its first
+    model_type alone: the others' drafts and verification used unscaled logits, so sampling drew
+    from another distribution than the model's (greedy output cannot show it)."""
+    from transformers import AutoConfig
+
+    from space.decoding.sampling import logit_transform
+
+    transform = logit_transform(AutoConfig.for_model(model_type, **field))
+    logits = torch.tensor([[1.0, -2.0, 3.0]])
+    assert transform is not None
+    torch.testing.assert_close(transform(logits), logits * factor)

@@ -68,6 +68,22 @@ def test_tree_layout_by_hand():
     assert "c2" in text and "G1m1" in text
 
 
+def test_group_rows_refuse_more_groups_than_the_top1_chain_holds():
+    """G_d sits on the top-1 chain's node at depth d: [[0],[1],[0,0]] (chain c1, c3) holds 3
+    groups, on x, c1 and c3 (rows 0, 1, 3). Catches a bound one too loose: 4 groups looked up a
+    chain node at depth 3 that the tree lacks and failed with a bare KeyError, not the documented
+    ValueError naming the chain's depth (the decoder and space-layout clamp the count first;
+    other callers of the function rely on the check)."""
+    from space.decoding.tree import group_rows
+
+    tree = check_tree([[0], [1], [0, 0]])
+    assert group_rows(tree, 3) == [0, 1, 3] and group_rows(tree, 0) == []
+    for groups in (4, 5, -1):
+        with pytest.raises(ValueError, match=f"{groups} mask groups need a top-1 chain of depth {groups - 1}; "
+                                             "this tree's is 2"):
+            group_rows(tree, groups)
+
+
 def test_greedy_tree_walk_equals_the_rule_by_brute_force():
     """The host walk of greedy verification (issue 43) against its rule, checked row by row: a
     row is right when every node on its path is its parent row's argmax; the accepted row is the

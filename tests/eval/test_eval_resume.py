@@ -78,6 +78,19 @@ def test_a_model_folder_counts_by_its_files(tmp_path):
     assert model_files(str(moved)) == before
 
 
+def test_a_model_file_counts_by_its_name_too(tmp_path):
+    """A model folder's files count by name as well as bytes, as an adapter's do (above): the
+    same bytes under another name are another model (transformers reads ``generation_config.json``,
+    not a ``.bak`` of it). Catches a fingerprint of the bytes alone, in name order."""
+    model = tmp_path / "final"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "generation_config.json").write_text('{"temperature": 0.2}')
+    before = model_files(str(model))
+    (model / "generation_config.json").rename(model / "generation_config.json.bak")  # same bytes, another file
+    assert model_files(str(model)) != before
+
+
 def test_resume_drops_duplicate_records(tmp_path, capsys):
     """Two runs that wrote one folder at once left every record twice: the resume keeps the first
     of each (question, method), in order, and says how many went."""

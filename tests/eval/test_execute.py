@@ -233,3 +233,54 @@ def test_a_right_rust_reply_with_its_own_std_imports_compiles():
              "fn has_close_elements(numbers:Vec<f32>, threshold: f32) -> bool{\n" + problem["canonical_solution"])
     assert check(problem, "rust", f"```rust\n{reply}\n```") == {"passed": True, "result": "passed"}
     assert task.turns[0].rstrip("`\n").endswith("fn has_close_elements(numbers:Vec<f32>, threshold: f32) -> bool{")
+
+
+def test_a_rust_module_the_declaration_imports_as_self_stays_in_scope():
+    """``use std::{cmp::{max, self}}`` imports ``max`` and the module ``cmp`` itself; a reply calls
+    ``cmp::max(...)``. Its glob is the parent's, ``use std::*;`` (which names ``cmp``), beside
+    ``use std::cmp::*;`` for ``max``. Catches the module's own glob in place of its parent's: no
+    import named ``cmp`` any more, and such a right reply failed to compile (E0433)."""
+    from space.eval.execute import _rust_globs
+
+    declaration = "use std::{slice::Iter, cmp::{max, self}, collections::{HashSet, HashMap}};"
+    assert _rust_globs([declaration]).splitlines() == [
+        "use std::*;", "use std::cmp::*;", "use std::collections::*;", "use std::slice::*;"]
+
+
+@pytest.mark.skipif(shutil.which("rustc") is None, reason="needs rustc (the Rust toolchain)")
+def test_a_rust_problem_whose_tests_are_commented_out_passes_no_reply():
+    """HumanEval-X Rust/32's tests are commented out in the dataset: its harness runs 0 tests and
+    says "test result: ok. 0 passed", which verifies nothing. Catches reading that summary as a
+    pass: every reply to Rust/32, a wrong one too, counted as correct."""
+    from space.eval.execute import check
+    from space.eval.tasks import load_tasks
+
+    problem = next(t.problem for t in load_tasks("humaneval-x:rust") if t.problem["task_id"] == "Rust/32")
+    result = check(problem, "rust", problem["prompt"] + problem["canonical_solution"])
+    assert not result["passed"] and result["result"].startswith("failed: no test ran"), result
+
+
+def test_a_runaway_writer_is_stopped_by_the_file_size_limit(tmp_path, monkeypatch):
+    """A compile or test step writes at most FILE_LIMIT bytes to a file (its output included):
+    a program printing without end filled the disk under the executor's temporary folder.
+    Catches the limit not set in the child (the write here went on to 4 MB and exited 0)."""
+    from space.eval import execute
+
+    monkeypatch.setattr(execute, "FILE_LIMIT", 1 << 20)
+    writer = "import sys\nfor _ in range(4):\n    sys.stdout.write('x' * (1 << 20))\n    sys.stdout.flush()\n"
+    returncode, _, stderr = execute._run_step([sys.executable, "-c", writer], tmp_path, timeout=30)
+    assert returncode not in (0, None) and "File too large" in stderr, (returncode, stderr)
+    assert (tmp_path / ".stdout").stat().st_size <= 1 << 20
+
+
+def test_a_test_program_may_use_the_cpu_time_of_every_core_before_its_timeout(tmp_path, monkeypatch):
+    """The CPU-time limit backs the wall-clock timeout once space-eval is gone; a compiler or JVM
+    with a thread per core uses cores x seconds of CPU in that time. Catches a limit of the
+    timeout alone, which killed such a step (SIGXCPU) long before its timeout, read as a failed
+    reply. Read here from the child's own limit, with 8 cores."""
+    from space.eval import execute
+
+    monkeypatch.setattr(execute.os, "cpu_count", lambda: 8)
+    reader = "import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU)[0])\n"
+    returncode, stdout, _ = execute._run_step([sys.executable, "-c", reader], tmp_path, timeout=3)
+    assert returncode == 0 and int(stdout) >= 3 * 8

@@ -41,6 +41,8 @@ def test_humaneval_x_bad_language_missing_and_damaged_files(tmp_path):
 @pytest.mark.parametrize("name, row, field", [
     ("humaneval-x:cpp", {"task_id": "CPP/0", "test": "int main(){}"}, "prompt"),
     ("humaneval-x:cpp", {"task_id": "CPP/0", "prompt": "int f();"}, "test"),
+    # Rust prompts hold the doc comment alone: the signature comes from the declaration
+    ("humaneval-x:rust", {"task_id": "Rust/0", "prompt": "/// doc\n", "test": "#[test]\nfn t() {}"}, "declaration"),
     ("mbpp", {"task_id": 1, "code": "x = 1", "test_list": []}, "text"),
     ("mbpp-dev", {"task_id": 15, "text": "t", "code": "x = 1", "test_list": "assert x"}, "test_list"),
 ])
@@ -49,10 +51,13 @@ def test_a_code_row_without_a_field_its_prompt_or_tests_need_is_named(tmp_path, 
     the executor, on a test list that is a string), naming neither the file nor the row."""
     good = {"task_id": "CPP/1", "prompt": "int g();", "test": "int main(){}"} if name.startswith("humaneval-x") \
         else {"task_id": 2, "text": "t", "code": "y = 2", "test_list": ["assert y == 2"]}
+    if name == "humaneval-x:rust":
+        good = {"task_id": "Rust/1", "prompt": "/// doc\n", "declaration": "fn g() -> i32 {\n",
+                "test": "#[test]\nfn t() {}"}
     text = "".join(json.dumps(r) + "\n" for r in (good, row))
     if name.startswith("humaneval-x"):
         (tmp_path / "humaneval-x").mkdir()
-        path = tmp_path / "humaneval-x" / "humaneval_cpp.jsonl.gz"
+        path = tmp_path / "humaneval-x" / f"humaneval_{name.split(':')[1]}.jsonl.gz"
         path.write_bytes(gzip.compress(text.encode()))
     else:
         (tmp_path / "mbpp").mkdir()

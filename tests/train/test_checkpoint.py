@@ -142,6 +142,44 @@ def test_a_save_stopped_before_its_space_files_keeps_the_checkpoint_before(tmp_p
         assert (out / "final" / name).read_bytes() == (unbroken / "final" / name).read_bytes()
 
 
+def whole_or_cut_short(root, name, whole=True, holds=None):
+    """A checkpoint folder ``root/name``: whole (its ``space_settings.json`` written, which a save
+    writes last) or cut short; ``holds`` names one more file in it."""
+    ckpt = root / name
+    ckpt.mkdir()
+    if whole:
+        (ckpt / SETTINGS_FILE).write_text(json.dumps(SETTINGS))
+    if holds:
+        (ckpt / holds).write_text("x")
+    return ckpt
+
+
+def test_the_newest_whole_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    """Catches ordering checkpoints by name: "checkpoint-9" sorts after "checkpoint-10", so a run
+    past step 9 resumed from step 9 and trained the steps after it again."""
+    from space.train.run import last_whole_checkpoint
+
+    for step in (9, 10):
+        whole_or_cut_short(tmp_path, f"checkpoint-{step}")
+    assert last_whole_checkpoint(str(tmp_path), True) == str(tmp_path / "checkpoint-10")
+
+
+def test_a_step_s_second_save_cut_short_replaces_the_one_moved_aside_before(tmp_path):
+    """A save of step 4 cut short, the rerun killed again in its own save of step 4: the first
+    cut-short copy already lies in ``incomplete-checkpoint-4``. Catches moving the new one aside
+    over it without removing it first: the rename onto a folder that holds files failed
+    (ENOTEMPTY), and every rerun stopped there instead of resuming from checkpoint-2."""
+    from space.train.run import last_whole_checkpoint
+
+    whole_or_cut_short(tmp_path, "checkpoint-2")
+    whole_or_cut_short(tmp_path, "incomplete-checkpoint-4", whole=False, holds="first-cut")
+    whole_or_cut_short(tmp_path, "checkpoint-4", whole=False, holds="second-cut")
+    with pytest.warns(UserWarning, match="checkpoint-4 was cut short while it was saved"):
+        assert last_whole_checkpoint(str(tmp_path), True) == str(tmp_path / "checkpoint-2")
+    assert [p.name for p in (tmp_path / "incomplete-checkpoint-4").iterdir()] == ["second-cut"]
+    assert not (tmp_path / "checkpoint-4").exists()
+
+
 @pytest.mark.parametrize("saved, deepspeed_files, now, refused", [
     (3, True, None, True),  # HF resumed it without DeepSpeed from a fresh optimizer and schedule, silently
     (2, True, 3, True),  # DeepSpeed failed on every rank with a bare AssertionError
@@ -165,6 +203,20 @@ def test_a_checkpoint_resumes_under_its_own_zero_stage_only(tmp_path, saved, dee
             check_checkpoint(str(ckpt), settings)
     else:
         check_checkpoint(str(ckpt), settings)
+
+
+@pytest.mark.parametrize("deepspeed, stage", [("zero2", 2), ("zero3", 3), (None, None)])
+def test_a_checkpoint_records_the_zero_stage_of_its_deepspeed_config(tmp_path, deepspeed, stage):
+    """The stage a resume compares (above) is read from the run's DeepSpeed config. Catches a
+    stage not read from it (every DeepSpeed run recorded as stage 0): a ZeRO-2 checkpoint then
+    resumed under ZeRO-3, where DeepSpeed failed on every rank with a bare AssertionError."""
+    from space.config import parse_train_args
+    from space.train.run import space_settings
+
+    argv = ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / "run")]
+    model_args, _, mask_args, train_args = parse_train_args(
+        argv + (["--deepspeed", f"configs/deepspeed/{deepspeed}.json"] if deepspeed else []))
+    assert space_settings(model_args, mask_args, train_args)["zero_stage"] == stage
 
 
 def test_a_second_run_into_the_same_output_dir_is_refused(tmp_path):
