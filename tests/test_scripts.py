@@ -533,7 +533,8 @@ def test_g58_stage_caps_fit_a_call_and_the_device_time():
     def caps(phase):
         body = text.split(f'"$phase" = {phase} ]; then', 1)[1].split("\nel", 1)[0]
         if "join_model" in body:
-            body += text.split("join_model() {", 1)[1].split("\n}", 1)[0]
+            lib = (GPU_CHECK.parent / "gpu_lib.sh").read_text()
+            body += lib.split("join_model() {", 1)[1].split("\n}", 1)[0]
         return sum(int(n) for n in re.findall(r"\bstage \w+ (\d+) ", body))
 
     assert caps("g58a") <= 540 and caps("g58b") <= 540

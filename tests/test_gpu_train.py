@@ -1,0 +1,81 @@
+"""scripts/gpu_train.sh (issue 60's GPU self-distillation and training run) on this CPU: its ``local``
+phase runs the GPU phases' stages at a tiny scale on the real SmolLM2, and what it packs must unpack into
+distilled sets, their manifests, a training log and an adapter that decodes exactly. Also: the GPU phases'
+caps fit a session's device time."""
+import io
+import json
+import lzma
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_train.sh"
+
+
+def test_gpu_train_phase_caps_fit_a_call_and_the_device_time():
+    """A call is cut at 600 s and a session has 900 s of device time, its start (about 35 s) and
+    t60a's copying (about 20 s) included; the training stage must outlast the config's own time
+    budget plus loading and saving (about 40 s), or the cap kills it before final/ is written."""
+    import yaml
+
+    text = SCRIPT.read_text()
+    gpu_caps = [int(n) for n in re.search(r"^  caps=\((\d+) (\d+) (\d+)\)  # seconds", text, re.M).groups()]
+    convert = int(re.search(r"stage convert (\d+) ", (ROOT / "scripts" / "gpu_lib.sh").read_text())[1])
+    answers, magpie, train = gpu_caps
+    assert convert + answers + magpie <= 540  # t60b, with its transfer, inside one call
+    assert convert + answers + magpie + train <= 840
+    config = yaml.safe_load((ROOT / "configs" / "train" / "smollm2_gpu_40k.yaml").read_text())
+    assert config["max_train_minutes"] * 60 + 40 <= train
+
+
+def test_gpu_train_local_phase_packs_sets_and_an_exact_adapter(tmp_path):
+    """Catches a stage that fails, a pack that leaves out what the next session needs (the sets,
+    their manifests, final/), and a trained adapter that does not load or decode exactly."""
+    from space.data.sft import data_root
+    from space.models import cache_dir
+
+    env = {**os.environ, "SPACE_GPU_STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out"),
+           "SPACE_DATA": str(data_root()), "SPACE_CACHE": str(cache_dir()),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(SCRIPT), "local"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    status = (tmp_path / "out" / "status.txt").read_text()
+    assert re.findall(r"^(\w+) rc=0", status, re.M) == ["distill_lima_mbpp", "distill_magpie", "train"], status
+
+    parts = sorted((tmp_path / "out").glob("gpu60.tar.xz.part*"))
+    assert parts and all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    back = tmp_path / "back"
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(b"".join(p.read_bytes() for p in parts)))) as tar:
+        names = tar.getnames()
+        tar.extractall(back, filter="data")
+    assert not [n for n in names if "checkpoint-" in n]  # optimizer states stay behind
+    runs = back / "runs" / "gpu60"
+    for name, sources in (("distill_lima_mbpp", {"lima", "mbpp"}), ("distill_magpie", {"magpie"})):
+        manifest = json.loads((runs / f"{name}.manifest.json").read_text())
+        assert manifest["complete"] and manifest["settings"]["dtype"] == "float32" and manifest["device"] == "cpu"
+        rows = [json.loads(line) for line in (runs / f"{name}.jsonl").read_text().splitlines()]
+        assert len(rows) == manifest["rows"] > 0 and {r["source"] for r in rows} <= sources | {"magpie-turn2"}
+        assert all(r["response_ids"] for r in rows)
+    log = json.loads((runs / "train" / "log_history.json").read_text())
+    assert [entry["step"] for entry in log if "loss" in entry] == [1, 2] and log[-1]["step"] == 2
+
+    from space.decoding import SpaceDecoder, ar_generate
+    from space.loader import load_space
+
+    model, tok, spec = load_space(adapter=str(runs / "train" / "final"), kernels="stock")
+    prompt = torch.tensor(tok("def add(a, b):", add_special_tokens=False)["input_ids"])
+    ar = ar_generate(model, prompt, 24, suppress_ids=spec.token_ids).new_ids
+    assert SpaceDecoder(model, spec).generate(prompt, 24).new_ids == ar
+
+
+def test_gpu_train_t60c_without_sets_says_what_to_run_first(tmp_path):
+    """A training call on a fresh machine (the sets went back with the last one) stops in one line."""
+    env = {**os.environ, "SPACE_GPU_STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out")}
+    run = subprocess.run(["bash", str(SCRIPT), "t60c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "no distilled set" in run.stdout and "run t60b first" in run.stdout
