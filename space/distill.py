@@ -158,14 +158,14 @@ class Distiller:
                  max_new_tokens: int, max_prompt_tokens: int, data_root, magpie: MagpieSettings,
                  dtype: str = "float32", device: str = "cpu"):
         self.out, self.sources, self.batch_size, self.data_root, self.magpie = out, sources, batch_size, data_root, magpie
-        self.device = device
         # the dtype is part of a set's identity (bf16 greedy answers part from fp32 ones at near-ties);
-        # the device is recorded beside it, not checked: the answers' distribution is the model's on any
+        # the devices are recorded beside it, not checked: the answers' distribution is the model's on any
         # device (a magpie seed draws other user turns on a GPU's generator)
         self.settings = {"model": model_name, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
                          "magpie": asdict(magpie) if "magpie" in sources else None, "dtype": dtype}
         self.turns_file, self.manifest_file = sibling(out, "magpie"), sibling(out, "manifest", ".json")
         old = self._check_resume()
+        self.devices = sorted({*old.get("devices", []), device})  # every run's, a resumed set's too
         out.parent.mkdir(parents=True, exist_ok=True)
         self.rows = read_jsonl(out) if out.suffix == ".gz" else read_jsonl_resumable(out)
         self.turns = read_jsonl(self.turns_file) if self.turns_file.is_file() else []
@@ -336,7 +336,7 @@ class Distiller:
         manifest = {
             "file": self.out.name, "complete": complete, "settings": self.settings,
             "sources": {k: v for k, v in self.sources.items()}, "answer_batch_size": self.batch_size,
-            "device": self.device,
+            "devices": self.devices,
             "rows": len(self.rows), "rows_by_source": dict(Counter(r["source"] for r in self.rows)),
             "unfinished_answers": sum(not r["finished"] for r in self.rows),
             "magpie_turns_sampled": dict(Counter(f"turn {t['turn']}" for t in self.turns)),
@@ -363,7 +363,7 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
 
     ``dtype`` (``space.models.parse_dtype`` names) and ``device`` (a torch device string) are the
     model's: on a GPU, a batch of hundreds of answers costs about what one answer costs (issue 60).
-    The dtype is a resume key; the manifest records the device.
+    The dtype is a resume key; the manifest records every run's device.
 
     Returns:
         the manifest (also written beside ``out``).

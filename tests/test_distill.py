@@ -196,8 +196,8 @@ def test_a_second_run_into_the_same_out_is_refused(tmp_path):
 def test_a_set_records_its_dtype_and_device_and_resumes_only_in_its_dtype(tmp_path, monkeypatch):
     """``--dtype`` and ``--device`` (issue 60: self-distillation in large batches on a GPU). bf16
     greedy answers part from fp32 ones at near-ties, so a set resumed in another dtype would mix two
-    teachers: refused by name. Sets made before the flag are fp32 and resume as they did; the
-    device is recorded, not checked. The model loads in the dtype asked for."""
+    teachers: refused by name. Sets made before the flag are fp32 and resume as they did; every
+    run's device is recorded, not checked. The model loads in the dtype asked for."""
     from space.distill import distill, main
 
     tok = tiny_tokenizer()
@@ -211,11 +211,11 @@ def test_a_set_records_its_dtype_and_device_and_resumes_only_in_its_dtype(tmp_pa
 
     distiller("bfloat16", "cuda:0").run(StubModel(tok, answers), tok)
     manifest = json.loads(manifest_file.read_text())
-    assert manifest["settings"]["dtype"] == "bfloat16" and manifest["device"] == "cuda:0" and manifest["rows"] == 2
+    assert manifest["settings"]["dtype"] == "bfloat16" and manifest["devices"] == ["cuda:0"] and manifest["rows"] == 2
     with pytest.raises(ValueError, match=r"other settings \(dtype: 'bfloat16' -> 'float32'\)"):
         distiller("float32")
     distiller("bfloat16").run(StubModel(tok, answers), tok)  # another device: resumed
-    assert json.loads(manifest_file.read_text())["device"] == "cpu"
+    assert json.loads(manifest_file.read_text())["devices"] == ["cpu", "cuda:0"]
     del manifest["settings"]["dtype"]  # as written before --dtype: an fp32 set
     manifest_file.write_text(json.dumps(manifest))
     distiller("float32").run(StubModel(tok, answers), tok)

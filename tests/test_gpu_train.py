@@ -12,6 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +22,8 @@ SCRIPT = ROOT / "scripts" / "gpu_train.sh"
 def test_gpu_train_phase_caps_fit_a_call_and_the_device_time():
     """A call is cut at 600 s and a session has 900 s of device time, its start (about 35 s) and
     t60a's copying (about 20 s) included; the training stage must outlast the config's own time
-    budget plus loading and saving (about 40 s), or the cap kills it before final/ is written."""
+    budget plus what its clock leaves out (torchrun, loading, tokenizing about 40,000 rows at about
+    0.6 ms each, saving: about 60 s), or the cap kills it before final/ is written."""
     import yaml
 
     text = SCRIPT.read_text()
@@ -31,9 +33,10 @@ def test_gpu_train_phase_caps_fit_a_call_and_the_device_time():
     assert convert + answers + magpie <= 540  # t60b, with its transfer, inside one call
     assert convert + answers + magpie + train <= 840
     config = yaml.safe_load((ROOT / "configs" / "train" / "smollm2_gpu_40k.yaml").read_text())
-    assert config["max_train_minutes"] * 60 + 40 <= train
+    assert config["max_train_minutes"] * 60 + 80 <= train
 
 
+@pytest.mark.slow
 def test_gpu_train_local_phase_packs_sets_and_an_exact_adapter(tmp_path):
     """Catches a stage that fails, a pack that leaves out what the next session needs (the sets,
     their manifests, final/), and a trained adapter that does not load or decode exactly."""
@@ -58,7 +61,7 @@ def test_gpu_train_local_phase_packs_sets_and_an_exact_adapter(tmp_path):
     runs = back / "runs" / "gpu60"
     for name, sources in (("distill_lima_mbpp", {"lima", "mbpp"}), ("distill_magpie", {"magpie"})):
         manifest = json.loads((runs / f"{name}.manifest.json").read_text())
-        assert manifest["complete"] and manifest["settings"]["dtype"] == "float32" and manifest["device"] == "cpu"
+        assert manifest["complete"] and manifest["settings"]["dtype"] == "float32" and manifest["devices"] == ["cpu"]
         rows = [json.loads(line) for line in (runs / f"{name}.jsonl").read_text().splitlines()]
         assert len(rows) == manifest["rows"] > 0 and {r["source"] for r in rows} <= sources | {"magpie-turn2"}
         assert all(r["response_ids"] for r in rows)
