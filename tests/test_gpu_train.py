@@ -76,9 +76,20 @@ def test_gpu_train_local_phase_packs_sets_and_an_exact_adapter(tmp_path):
     ar = ar_generate(model, prompt, 24, suppress_ids=spec.token_ids).new_ids
     assert SpaceDecoder(model, spec).generate(prompt, 24).new_ids == ar
 
+    # a later session: a fresh machine, the parts carried back; t60c restores the sets alone and trains
+    later = {**env, "SPACE_GPU_STASH": str(tmp_path / "stash2"), "OUT": str(tmp_path / "out2"),
+             "SPACE_GPU_CARRIED": str(tmp_path / "out"), "SPACE_GPU_SCALE": "tiny"}
+    run = subprocess.run(["bash", str(SCRIPT), "t60c"], cwd=ROOT, env=later, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    restored = tmp_path / "stash2" / "runs" / "gpu60"
+    assert (restored / "distill_magpie.jsonl").read_bytes() == (runs / "distill_magpie.jsonl").read_bytes()
+    assert (restored / "train" / "final" / "adapter_model.safetensors").is_file()
+    assert "restored" in run.stdout and "train rc=0" in (tmp_path / "out2" / "status.txt").read_text()
+
 
 def test_gpu_train_t60c_without_sets_says_what_to_run_first(tmp_path):
     """A training call on a fresh machine (the sets went back with the last one) stops in one line."""
-    env = {**os.environ, "SPACE_GPU_STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out")}
+    env = {**os.environ, "SPACE_GPU_STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out"),
+           "SPACE_GPU_CARRIED": str(tmp_path / "nothing carried")}
     run = subprocess.run(["bash", str(SCRIPT), "t60c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "no distilled set" in run.stdout and "run t60b first" in run.stdout
+    assert run.returncode == 1 and "no distilled set" in run.stdout and "run t60b first, or carry its parts" in run.stdout
