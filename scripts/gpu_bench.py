@@ -19,7 +19,8 @@ graphs) over a preallocated cache, after the eager one, in the same process, on 
 the model (the eager trunk is fused as ``space.loader.load_space`` fuses it; a compiled one is
 not). ``step-cost --capture`` times the eager trunk's steps replayed from CUDA graphs too
 (``space.decoding.graphs.StepGraphs``, one graph per row bucket over a static cache, issue 58 item
-4), with the seconds it took to capture them all. ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
+4), with the seconds it took to capture them all. ``step-cost --profile`` adds, per curve and row count, the
+GPU's busy time per step and its costliest kernels (:func:`step_profile`). ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
 and names the attention kernels that ran (issue 58, item 3: ``space.decoding.backends``).
 
 Each prints one line per measurement and writes ``--out`` (JSON). Usage::
@@ -141,39 +142,79 @@ def cmd_step_cost(args) -> dict:
 
     dtype = getattr(torch, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
+    if args.profile and args.repeats < 2:
+        raise SystemExit("--profile needs --repeats 2 or more (a 1-round run is what it subtracts)")
     out = {"shape": args.shape, "dtype": args.dtype, "attention": "sdpa", "lora_r": LORA_R, "compiled": args.compile,
            "repeats": args.repeats, "curves": {}}
+
+    def record(key: str, curve: dict[int, float], graphs=None, static: bool = False, cache_len: int = 0) -> None:
+        out["curves"][key] = {str(q): round(s * 1e3, 4) for q, s in curve.items()}
+        print(f"step-cost {args.shape} {key}: " +
+              ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / curve[1]:.2f}x)" for q, s in curve.items()), flush=True)
+        if args.profile:
+            for q in rows:
+                prof = step_profile(model, q, cache_len, args.repeats, static, graphs)
+                out.setdefault("profiles", {}).setdefault(key, {})[str(q)] = prof
+                print(f"step-profile {args.shape} {key}, {q} rows: busy {prof['busy_ms']} ms of "
+                      f"{curve[q] * 1e3:.2f}; {prof['kernels']}", flush=True)
+
     for setup, model, _, _ in setups(args, dtype):
         if args.capture and setup == "eager":
+            from space.decoding.graphs import StepGraphs
+
             for cache_len in (int(c) for c in args.caches.split(",")):
-                curve, ready = captured_curve(model, rows, cache_len, args.repeats)
-                out["curves"][f"captured, {cache_len}"] = {str(q): round(s * 1e3, 4) for q, s in curve.items()}
+                graphs = StepGraphs(model, slots=cache_len + max(rows), sizes=rows)
+                ready = graphs.capture()
                 out.setdefault("capture_s", {})[str(cache_len)] = round(ready, 2)
-                print(f"step-cost {args.shape} captured cache {cache_len} (ready in {ready:.1f} s): " +
-                      ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / curve[1]:.2f}x)" for q, s in curve.items()), flush=True)
+                print(f"step-cost {args.shape} captured cache {cache_len}: ready in {ready:.1f} s", flush=True)
+                curve = step_cost_curve(model, rows, cache_len, args.repeats, graphs=graphs)
+                record(f"captured, {cache_len}", curve, graphs=graphs, cache_len=cache_len)
         for cache_len in (int(c) for c in args.caches.split(",")):
             t0 = time.perf_counter()
             curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats, static=setup != "eager")
             key = str(cache_len) if setup == "eager" else f"{setup}, {cache_len}"
-            out["curves"][key] = {str(q): round(s * 1e3, 4) for q, s in curve.items()}
             out.setdefault("seconds", {})[key] = round(time.perf_counter() - t0, 1)  # a compiled one's includes compiling
-            ar = curve[1]
-            print(f"step-cost {args.shape} {setup} cache {cache_len}: " +
-                  ", ".join(f"{q} rows {s * 1e3:.2f} ms ({s / ar:.2f}x)" for q, s in curve.items()), flush=True)
+            record(key, curve, static=setup != "eager", cache_len=cache_len)
     return out
 
 
-def captured_curve(model, rows: list[int], cache_len: int, repeats: int) -> tuple[dict[int, float], float]:
-    """Median seconds of a captured step of q rows (``StepGraphs.step``, the LM head on every row)
-    after ``cache_len`` cached tokens (``tree_search.step_cost_curve`` over the graphs: q = 1 an AR
-    step, else a causal block with every row but the first a mask row). Returns the curve and the
-    seconds :meth:`StepGraphs.capture` took for a graph per row count."""
-    from space.decoding.graphs import StepGraphs
-    from space.eval.tree_search import step_cost_curve
+def step_profile(model, q: int, cache_len: int, repeats: int, static: bool = False, graphs=None, top: int = 8) -> dict:
+    """Where one step of ``q`` rows after ``cache_len`` cached tokens spends the device's time (issue 58:
+    a captured 1-row fp32 SmolLM2 step took 10.3 ms, far above its weights' cost): the
+    ``tree_search.time_steps`` run of ``repeats`` rounds less a 1-round run (the prefill and the
+    warm-up round), per step. On CUDA the kernels' durations (a graph's replayed kernels included);
+    on the CPU (a dry run) the ops' own CPU time.
 
-    graphs = StepGraphs(model, slots=cache_len + max(rows), sizes=rows)
-    ready = graphs.capture()
-    return step_cost_curve(model, rows, cache_len, repeats, graphs=graphs), ready
+    Returns:
+        ``{"busy_ms": device ms per step, "kernels": {name (60 characters): us per step}}``, the
+        ``top`` names by time and ``"other"``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from space.eval.tree_search import time_steps
+
+    def per_name(rounds: int) -> Counter:
+        cuda = DEVICE == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            time_steps(model, [(q, q > 1)], cache_len, rounds, static, graphs)
+            if cuda:
+                torch.cuda.synchronize()
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        times = Counter()
+        for e in prof.events():
+            if e.device_type == kind:
+                times[e.name[:60]] += e.time_range.elapsed_us() if cuda else e.self_cpu_time_total
+        return times
+
+    steps = per_name(repeats)
+    steps.subtract(per_name(1))
+    us = {name: t / (repeats - 1) for name, t in steps.items() if t > 0}
+    ranked = sorted(us.items(), key=lambda kv: -kv[1])
+    kernels = {name: round(t, 1) for name, t in ranked[:top]}
+    kernels["other"] = round(sum(t for _, t in ranked[top:]), 1)
+    return {"busy_ms": round(sum(us.values()) / 1e3, 3), "kernels": kernels}
 
 
 ATTENTION_KERNELS = ("fmha", "attention", "attn", "cudnn", "flash", "efficient")
@@ -350,6 +391,8 @@ def main(argv=None) -> dict:
     s.add_argument("--dtype", type=dtype_name, default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     s.add_argument("--capture", action="store_true",
                    help="also time the eager trunk's steps replayed from CUDA graphs (space.decoding.graphs)")
+    s.add_argument("--profile", action="store_true",
+                   help="per curve and row count, the device's busy ms per step and its costliest kernels (torch.profiler)")
     h = sub.add_parser("host-time", help="host time against GPU busy time per decoding step")
     h.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
     h.add_argument("--adapter", help="the real SmolLM2 with this adapter instead of a random --shape")

@@ -84,7 +84,7 @@ elif [ "$phase" = g58a ]; then
     --repeats 10 --capture --out "$stash/res/step_cost_7b_fused.json"
   # a captured SmolLM2 AR step cost 10.3 ms in fp32 and 6.4 in bf16 inside space-eval (2,048 slots): the forward alone
   stage step_cost_smollm2_captured 60 python3 scripts/gpu_bench.py step-cost --shape smollm2 --rows 1,16 --caches 512,2048 \
-    --repeats 10 --dtype float32 --capture --out "$stash/res/step_cost_smollm2_captured.json"
+    --repeats 10 --dtype float32 --capture --profile --out "$stash/res/step_cost_smollm2_captured.json"
   stage host_time_7b_cudnn 60 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 48 \
     --layouts "ar,chain k3 4 groups" --cudnn-sdp both --out "$stash/res/host_time_7b_cudnn.json"
 elif [ "$phase" = g58b ]; then

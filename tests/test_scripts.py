@@ -105,10 +105,11 @@ def tiny_adapter(tmp_path_factory):
 
 # ---- scripts/gpu_check.sh's command lines ----
 
-def gpu_check_commands(script: str) -> list[tuple[str, list[str]]]:
-    """(phase, argv) of every ``python3 scripts/<script>.py`` line in gpu_check.sh, continuation
-    lines joined, bash arrays (``"${bench[@]}"``) expanded, quotes as bash reads them."""
-    text = GPU_CHECK.read_text().replace("\\\n", " ")
+def gpu_check_commands(script: str, sh: Path = GPU_CHECK) -> list[tuple[str, list[str]]]:
+    """(phase, argv) of every ``python3 scripts/<script>.py`` line in ``sh`` (gpu_check.sh, or
+    gpu_train.sh), continuation lines joined, bash arrays (``"${bench[@]}"``) expanded, quotes as
+    bash reads them, a redirection or ``&`` and what follows it left out."""
+    text = sh.read_text().replace("\\\n", " ")
     arrays = {m[1]: m[2] for m in re.finditer(r"^(\w+)=\((.*)\)\s*$", text, re.M)}
     out, phase = [], None
     for line in text.splitlines():
@@ -119,8 +120,10 @@ def gpu_check_commands(script: str) -> list[tuple[str, list[str]]]:
         for name, body in arrays.items():
             line = line.replace(f'"${{{name}[@]}}"', body)
         if m := re.search(rf"python3 scripts/{script}\.py (.*)", line):
-            out.append((phase, shlex.split(m[1])))
-    assert out, f"no {script}.py command in gpu_check.sh"
+            argv = shlex.split(m[1])
+            ends = [i for i, a in enumerate(argv) if a in (">", "&", "2>&1", "}") or a.startswith(">")]
+            out.append((phase, argv[:ends[0]] if ends else argv))
+    assert out, f"no {script}.py command in {sh.name}"
     return out
 
 
@@ -148,10 +151,13 @@ def local_paths(argv: list[str], tmp_path: Path, adapter: Path = SHIPPED) -> lis
 
 
 GPU_BENCH = gpu_check_commands("gpu_bench")
+# t60b's step profile, beside the model's conversion
+TRAIN_PROBE = gpu_check_commands("gpu_bench", ROOT / "scripts" / "gpu_train.sh")
+PARSED = GPU_BENCH + TRAIN_PROBE
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the parse on a machine without CUDA")
-@pytest.mark.parametrize("phase, argv", GPU_BENCH, ids=[f"{p}-{a[0]}-{i}" for i, (p, a) in enumerate(GPU_BENCH)])
+@pytest.mark.parametrize("phase, argv", PARSED, ids=[f"{p}-{a[0]}-{i}" for i, (p, a) in enumerate(PARSED)])
 def test_gpu_check_gpu_bench_lines_parse(phase, argv, tmp_path, capsys):
     """Every flag gpu_check.sh gives gpu_bench.py exists: the parse gets as far as the CUDA check."""
     with pytest.raises(SystemExit) as exc:
@@ -166,11 +172,13 @@ def g58(subcommand: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-@pytest.mark.parametrize("phase, argv", g58("step-cost"))
+@pytest.mark.parametrize("phase, argv", g58("step-cost") + TRAIN_PROBE)
 def test_gpu_bench_step_cost_as_g58a_runs_it(phase, argv, tmp_path):
-    """g58a's step-cost (rows, --capture) at the tiny shape: the eager and the captured curve per
-    cache (on the CPU StepGraphs runs its buffers through the eager trunk) and capture seconds."""
-    argv = with_flags(local_paths(argv, tmp_path), shape="tiny", caches=16, repeats=1, device="cpu")
+    """g58a's and t60b's step-cost (rows, --capture, --profile) at the tiny shape: the eager and the
+    captured curve per cache (on the CPU StepGraphs runs its buffers through the eager trunk),
+    capture seconds, and each curve's step profiles (on the CPU the ops' own times)."""
+    profiled = "--profile" in argv
+    argv = with_flags(local_paths(argv, tmp_path), shape="tiny", caches=16, repeats=2 if profiled else 1, device="cpu")
     out = load_script("gpu_bench").main(argv)
     rows = [int(r) for r in argv[argv.index("--rows") + 1].split(",")] if "--rows" in argv else None
     written = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
@@ -183,6 +191,17 @@ def test_gpu_bench_step_cost_as_g58a_runs_it(phase, argv, tmp_path):
     assert list(written["seconds"]) == ["16"]
     if "--capture" in argv:
         assert list(written["capture_s"]) == ["16"] and written["capture_s"]["16"] >= 0
+    assert ("profiles" in written) == profiled
+    if profiled:
+        assert sorted(written["profiles"]) == sorted(keys)
+        for key in keys:
+            assert list(written["profiles"][key]) == list(written["curves"][key])
+            for prof in written["profiles"][key].values():
+                kernels = prof["kernels"]
+                # (which ops: a difference of two CPU runs at the tiny shape is mostly noise here)
+                assert "other" in kernels and len(kernels) <= 9 and all(t >= 0 for t in finite_numbers(kernels))
+                # the busy time is the named ops' and the rest's
+                assert prof["busy_ms"] == pytest.approx(sum(kernels.values()) / 1e3, abs=2e-3)
 
 
 def check_host_time(written: dict, argv: list[str]) -> None:
