@@ -25,10 +25,10 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
    already do with the stock kernels (MKL's one-row and many-row paths): greedy SPACE equals AR
    except at a near-tie that rounding flips, and the timed choice can differ between runs
    (``stock_rows = 0``, the packed kernel everywhere, makes every row call-independent).
-2. **GQA attention with a mask** (:data:`SDPA_GQA`). transformers' ``sdpa`` copies the key/value
-   cache to every query head (``repeat_kv``) whenever a mask is given, which SPACE's 4-D mask always
-   is: 60 cache copies per step for SmolLM2. Registered through ``AttentionInterface``, this
-   implementation hands the grouped heads to ``torch.nn.functional.scaled_dot_product_attention``
+2. **GQA attention with a mask** (``space.decoding.backends.SDPA_GQA``). transformers' ``sdpa``
+   copies the key/value cache to every query head (``repeat_kv``) whenever a mask is given, which
+   SPACE's 4-D mask always is: 60 cache copies per step for SmolLM2. On a CPU that attention
+   hands the grouped heads to ``torch.nn.functional.scaled_dot_product_attention``
    (``enable_gqa=True``) instead.
 3. **RMSNorm in one call** (:class:`NativeRMSNorm`). transformers' Llama-style ``RMSNorm`` runs
    eight tensor ops from Python per call, 61 calls a step in SmolLM2;
@@ -56,12 +56,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .choices import KERNEL_CHOICES
 
-SDPA_GQA = "space_sdpa_gqa"
 PROBE_ROWS = (1, 2, 4, 8)  # row counts timed per weight shape; stock wins, if anywhere, at the low end
 KERNEL_PROBE_ROWS = (4, 16)  # the packed kernels are compared where they run: a few-row and a SPACE-sized step
 PACKED_KERNELS = ("mkl", "onednn")
@@ -406,49 +403,6 @@ def swap_rms_norms(model: nn.Module) -> int:
     return count
 
 
-def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function: SDPA over grouped key/value heads, mask or not.
-
-    Args:
-        query: (batch, heads, q, head_dim); key, value: (batch, kv_heads, kv, head_dim).
-        attention_mask: None, or additive / boolean (batch, 1, q, kv') (SPACE's 4-D layout mask),
-            kv' <= kv: the keys past kv' are not read (a static cache's empty slots).
-
-    Returns:
-        ((batch, q, heads, head_dim) attention output, None): what ``sdpa`` returns.
-    """
-    if attention_mask is not None and attention_mask.dim() == 4:
-        # a mask narrower than the cache spans the keys that hold tokens (a step over a static
-        # cache, :func:`attends_mask_width`): the empty slots past it would only cost attention time
-        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = query.shape[2] > 1 and attention_mask is None and causal
-    # a Python bool under torch.compile too (space.decoding.compiled): the comparison of two symbolic
-    # head counts is a SymBool, which SDPA refuses, and a branch on it is a guard
-    grouped = True if key.shape[1] != query.shape[1] else False
-    out = nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
-        enable_gqa=grouped)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def attends_mask_width(model: nn.Module) -> bool:
-    """Whether ``model``'s attention reads the keys only up to its 4-D mask's width
-    (:data:`SDPA_GQA`), so that a step over a static cache may pass a mask over the cached tokens
-    and its block alone (``space.decoding.decoder.with_cache``), not over every slot. transformers'
-    own attention functions read every slot of the cache: a narrower mask fails there."""
-    return getattr(model.config, "_attn_implementation", None) == SDPA_GQA
-
-
-def register_attention() -> None:
-    """Register :data:`SDPA_GQA` with transformers (idempotent). Called when kernels are applied,
-    never at import, so ``import space`` leaves transformers' registries untouched."""
-    AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)  # the masks sdpa itself would get
-
-
 def blockwise_lora(model: nn.Module) -> int:
     """Turn on ``blockwise`` in every module of ``model`` that has B^T ``blocks`` (a fused
     ``space.adapter_layers.GatedLoraLinear``; duck-typed): its decode-step update then runs one
@@ -477,6 +431,8 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
         return {"packed_linears": 0, "attention": model.config._attn_implementation}
+    from .decoding.backends import SDPA_GQA, register_attention  # the decoding package imports this module
+
     packed, kernel, choices = pack_linears(model, choose=True, kernel=kernel)
     if model.config._attn_implementation == "sdpa":
         register_attention()

@@ -117,11 +117,11 @@ def assert_cache_matches_fresh(model, cache, ids: torch.Tensor) -> None:
 
 
 def sdpa_gqa_copy(model):
-    """A copy of ``model`` whose attention is ``space.cpu_kernels.SDPA_GQA`` (reads the keys up to
-    the mask's width), as the fused, fast-kernel and compiled CPU trunks run it."""
+    """A copy of ``model`` whose attention is ``space.decoding.backends.SDPA_GQA`` (reads the keys up
+    to the mask's width), as the fused, fast-kernel and compiled CPU trunks run it."""
     import copy
 
-    from space.cpu_kernels import SDPA_GQA, register_attention
+    from space.decoding.backends import SDPA_GQA, register_attention
 
     gqa = copy.deepcopy(model)
     register_attention()

@@ -66,7 +66,7 @@ def test_modules_hold_one_level():
 def test_import_leaves_transformers_registries_untouched():
     code = ("from transformers import AttentionInterface; from transformers.masking_utils import "
             "ALL_MASK_ATTENTION_FUNCTIONS as M; before = (set(AttentionInterface._global_mapping), set(M._global_mapping)); "
-            "import space, space.cpu_kernels, space.eval.__main__; "
+            "import space, space.cpu_kernels, space.decoding.backends, space.decoding.graphs, space.eval.__main__; "
             "after = (set(AttentionInterface._global_mapping), set(M._global_mapping)); print(before == after)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("True"), out.stderr[-2000:]

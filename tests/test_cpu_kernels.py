@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from space.adapter_layers import fuse_frozen_base, prepare_model
-from space.cpu_kernels import (PACKED_KERNELS, SDPA_GQA, NativeRMSNorm, PackedLinear, apply_kernels, has_kernel,
-                               optimize_for_cpu, packed_kernel, packing_available, register_attention, swap_rms_norms)
+from space.cpu_kernels import (PACKED_KERNELS, NativeRMSNorm, PackedLinear, apply_kernels, has_kernel, optimize_for_cpu,
+                               packed_kernel, packing_available, swap_rms_norms)
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.backends import SDPA_GQA, register_attention
 from space.masking import mask_rows, to_additive_4d
 from space.models import load_model
 from space.tokens import add_mask_tokens

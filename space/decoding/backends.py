@@ -13,12 +13,29 @@ The switch is PyTorch's and process-wide (``torch.backends.cuda.enable_cudnn_sdp
 per-model one. The decoders' 4-D masks are additive in the attention's dtype
 (``space.decoding.cache.attention_dtype``): an fp32 mask with bf16 queries is what cuDNN
 misreads.
+
+The attention function itself is chosen at load too (:data:`SDPA_GQA`, set by
+``space.decoding.fused.fuse_trunk`` on every eager model, by the CPU kernels and by a CPU's
+compiled trunk): it reads the keys only up to the 4-D mask's width, so that a step over a static
+cache attends over the slots that hold tokens (``space.decoding.decoder.mask_slots``; the captured
+steps' slot buckets, ``space.decoding.graphs``), and it hands grouped key/value heads to SDPA
+where the device has a kernel for them with a mask (:data:`GQA_WITH_MASK`).
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 HALF = (torch.bfloat16, torch.float16)
+SDPA_GQA = "space_sdpa_gqa"
+# devices whose SDPA runs grouped key/value heads under a mask on a fast kernel. On CUDA with torch
+# 2.11 the memory-efficient kernel has no GQA, so a masked grouped call lands on the math kernel
+# (issue 58): there transformers' own sdpa copies the keys instead (repeat_kv), or folds one query
+# row's heads into rows (pack_gqa)
+GQA_WITH_MASK = ("cpu",)
 
 
 def choose_sdpa(device_type: str, dtype: torch.dtype) -> dict:
@@ -35,3 +52,56 @@ def choose_sdpa(device_type: str, dtype: torch.dtype) -> dict:
     if dtype in HALF:
         torch.backends.cuda.enable_cudnn_sdp(False)
     return {"cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled()}
+
+
+def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function (:data:`SDPA_GQA`): SDPA over the keys up to the 4-D mask's
+    width, the grouped key/value heads handed to SDPA (``enable_gqa``) on the devices of
+    :data:`GQA_WITH_MASK`, elsewhere transformers' own ``sdpa`` on the keys kept.
+
+    Args:
+        query: (batch, heads, q, head_dim); key, value: (batch, kv_heads, kv, head_dim).
+        attention_mask: None, or additive / boolean (batch, 1, q, kv') (SPACE's 4-D layout mask),
+            kv' <= kv: the keys past kv' are not read (a static cache's empty slots).
+
+    Returns:
+        ((batch, q, heads, head_dim) attention output, None): what ``sdpa`` returns.
+    """
+    # a mask narrower than the cache spans the keys that hold tokens (a step over a static cache,
+    # :func:`attends_mask_width`): the empty slots past it would only cost attention time
+    width = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 4 else None
+    if query.device.type not in GQA_WITH_MASK:
+        # cut only where the mask is narrower: an eager CUDA step is launch-bound, and a slice is a
+        # dispatched op (on the CPU always: a compiled trunk's symbolic widths would guard on a branch)
+        if width is not None and width < key.shape[-2]:
+            key, value = key[:, :, :width], value[:, :, :width]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if width is not None:
+        key, value = key[:, :, :width], value[:, :, :width]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    # a Python bool under torch.compile too (space.decoding.compiled): the comparison of two symbolic
+    # head counts is a SymBool, which SDPA refuses, and a branch on it is a guard
+    grouped = True if key.shape[1] != query.shape[1] else False
+    out = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+        enable_gqa=grouped)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attends_mask_width(model: nn.Module) -> bool:
+    """Whether ``model``'s attention reads the keys only up to its 4-D mask's width
+    (:data:`SDPA_GQA`), so that a step over a static cache may pass a mask over the cached tokens
+    and its block alone (``space.decoding.decoder.with_cache``), not over every slot. transformers'
+    own attention functions read every slot of the cache: a narrower mask fails there."""
+    return getattr(model.config, "_attn_implementation", None) == SDPA_GQA
+
+
+def register_attention() -> None:
+    """Register :data:`SDPA_GQA` with transformers (idempotent). Called when a model loads (its
+    trunk fused, the CPU kernels applied, a CPU trunk compiled), never at import, so ``import space`` leaves transformers' registries untouched."""
+    AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)  # the masks sdpa itself would get

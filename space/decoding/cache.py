@@ -53,7 +53,7 @@ def static_cache(num_layers: int, max_len: int) -> Cache:
     sync), and compaction moves entries inside the same tensors. transformers' attention reads
     all ``max_len`` slots, so a step's 4-D mask must hide the slots past the block (the decoder's
     ``with_cache(..., slots=max_len)``); shapes then repeat, which a compiled forward needs. An
-    attention that reads only the mask's width (``space.cpu_kernels.SDPA_GQA``) takes a mask over
+    attention that reads only the mask's width (``space.decoding.backends.SDPA_GQA``) takes a mask over
     the cached tokens and the block alone (``decoder.mask_slots``), a size a compiled trunk keeps
     symbolic.
 

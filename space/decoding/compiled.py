@@ -62,8 +62,9 @@ import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..choices import COMPILE_MODES
-from ..cpu_kernels import SDPA_GQA, PackedLinear, register_attention
+from ..cpu_kernels import PackedLinear
 from ..masking import mask_rows, mask_rows_start
+from .backends import SDPA_GQA, register_attention
 from .cache import CACHE_ARG, attention_dtype
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function (see compile_trunk)

@@ -44,8 +44,8 @@ default under a compiled trunk, ``space.decoding.compiled``) one preallocated pe
 at that length, moves the accepted path inside the same tensors and crops by lowering the length,
 so the cache is never reallocated and a step's shapes repeat. The step's mask then spans every slot,
 or, when the trunk's attention reads the keys only up to the mask's width
-(``space.cpu_kernels.SDPA_GQA``, on a CPU: a compiled trunk, the fast kernels, the fused trunk of
-a GQA model), the cached tokens and the block alone (:func:`mask_slots`): the slots past them are
+(``space.decoding.backends.SDPA_GQA``: the fused trunk of every eager model, the fast kernels, a
+CPU's compiled trunk), the cached tokens and the block alone (:func:`mask_slots`): the slots past them are
 empty and cost attention time only.
 
 Near the end of the context the step shrinks instead of refusing: no row is placed at a position
@@ -85,7 +85,7 @@ from functools import cached_property
 import torch
 from transformers import Cache
 
-from ..cpu_kernels import attends_mask_width
+from .backends import attends_mask_width
 from ..masking import host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents, unpack_rows
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
@@ -190,7 +190,7 @@ def check_attention(model, caller: str = "SpaceDecoder") -> None:
 def mask_slots(trunk: torch.nn.Module, slots: int | None) -> int | None:
     """The ``slots`` a step's mask spans (:func:`with_cache`) over a static cache of ``slots``:
     None (the cached tokens and the block alone) when ``trunk``'s attention reads the keys only up
-    to the mask's width (``space.cpu_kernels.attends_mask_width``), else ``slots``. A cache sized
+    to the mask's width (``space.decoding.backends.attends_mask_width``), else ``slots``. A cache sized
     for prompt + new tokens is about 40 % empty on average over a generation, and attending over
     its empty slots cost a SPACE step on a CPU about 1.2 ms of 36 (issue 58)."""
     return None if slots is not None and attends_mask_width(trunk) else slots
@@ -355,7 +355,7 @@ class SpaceDecoder:
             the trunk is compiled. The dynamic tree always pads to buckets. The same output
             either way; the records count the padding apart (``DecodeResult.step_padding``).
         graphs: run each step's trunk forward through captured steps (``graphs.StepGraphs``, issue
-            58: one CUDA graph per row bucket on a GPU, the same buffers eagerly on the CPU), over
+            58: one CUDA graph per row and slot bucket on a GPU, the same buffers eagerly on the CPU), over
             their static cache; implies ``static_cache`` and ``buckets``. None: the eager trunk.
 
     Raises:

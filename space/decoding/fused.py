@@ -213,23 +213,24 @@ def fuse_projections(model: nn.Module) -> int:
 
 def fuse_trunk(model: nn.Module) -> dict:
     """Make ``model``'s trunk cheap in launches, in place, as ``space.loader.load_space`` does
-    for every eager model: :func:`fuse_projections`, and on the CPU grouped-query attention
-    without ``repeat_kv`` (``space.cpu_kernels.SDPA_GQA``: SDPA with ``enable_gqa`` and the mask,
-    registered with transformers here, at load, never at import). transformers' ``sdpa`` turns
-    GQA off whenever a mask is given, which a SPACE step's always is, and then copies the keys and
-    values, the whole cache included, in every layer. On CUDA that copy stays: with torch 2.11
-    the memory-efficient kernel has no GQA, and a masked GQA call lands on the math kernel.
+    for every eager model: :func:`fuse_projections`, and an ``sdpa`` model's attention
+    ``space.decoding.backends.SDPA_GQA`` (registered with transformers here, at load, never at
+    import). That attention reads the keys only up to the mask's width, so a step over a static
+    cache attends over the slots that hold tokens (a captured step over its slot bucket,
+    ``space.decoding.graphs``), and on the CPU it runs grouped-query attention without
+    ``repeat_kv``: transformers' ``sdpa`` turns GQA off whenever a mask is given, which a SPACE
+    step's always is, and then copies the keys and values, the whole cache included, in every
+    layer. On CUDA that copy stays (of the kept keys): with torch 2.11 the memory-efficient kernel
+    has no GQA, and a masked GQA call lands on the math kernel.
 
     Returns:
         the run record's entry ``{"fused_groups": n, "attention": implementation}``.
     """
-    from ..cpu_kernels import SDPA_GQA, register_attention
+    from .backends import SDPA_GQA, register_attention
 
     fused = fuse_projections(model)
     config = model.config
-    grouped = getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads)
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if on_cpu and grouped and config._attn_implementation == "sdpa":
+    if config._attn_implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
     return {"fused_groups": fused, "attention": config._attn_implementation}

@@ -179,8 +179,8 @@ def test_ar_generate_never_emits_a_suppressed_id(tiny):
 @pytest.mark.parametrize("name", ["chain-2-groups", "dynamic+lookup"])
 def test_steps_attend_only_over_the_slots_that_hold_tokens(trained, sdpa_calls, name):
     """Issue 58: over a static cache, a trunk whose attention reads the keys up to the mask's width
-    (``space.cpu_kernels.SDPA_GQA``: on a CPU, a compiled trunk, the fast kernels, the fused trunk of
-    a GQA model) gets a step mask over the cached tokens and the block alone (each step's width is
+    (``space.decoding.backends.SDPA_GQA``: the fused trunk, the fast kernels, a CPU's compiled
+    trunk) gets a step mask over the cached tokens and the block alone (each step's width is
     the cached count plus its rows), and attends over those keys only, not over the empty slots
     past them; SPACE and AR stay AR's tokens. Stock ``sdpa`` reads every slot, so its mask spans
     them all."""
