@@ -18,7 +18,7 @@ again with the trunk compiled (``space.decoding.compiled.compile_trunk``; reduce
 graphs) over a preallocated cache, after the eager one, in the same process, on a second copy of
 the model (the eager trunk is fused as ``space.loader.load_space`` fuses it; a compiled one is
 not). ``step-cost --capture`` times the eager trunk's steps replayed from CUDA graphs too
-(``space.decoding.graphs.StepGraphs``, one graph per row bucket over a static cache, issue 58 item
+(``space.decoding.graphs.StepGraphs``, one graph per row and slot bucket over a static cache, issue 58 item
 4), with the seconds it took to capture them all. ``step-cost --profile`` adds, per curve and row count, the
 GPU's busy time per step and its costliest kernels (:func:`step_profile`). ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
 and names the attention kernels that ran (issue 58, item 3: ``space.decoding.backends``).

@@ -27,7 +27,7 @@
 # in fp32, and the 7B-shaped bf16 host time with cuDNN attention on and off; g58b carries .gpu2/, joins the real
 # model and times it in bf16 with cuDNN attention on and off (AR, shipped layout), then space-eval on HumanEval:
 # eager fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE) on 10 questions, and over captured steps (--capture: one CUDA
-# graph per row bucket, space/decoding/graphs.py) on 12 in fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE).
+# graph per row and slot bucket, space/decoding/graphs.py) on 12 in fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE).
 #   bash scripts/gpu_check.sh g58a ; bash scripts/gpu_check.sh g58b
 set -u
 phase=${1:?phase1, phase2, compiled, real1, real2, real3, g58a or g58b}

@@ -192,19 +192,24 @@ def test_compiled_trunk_exact_on_cuda(on_gpu, mode):
 
 
 def test_captured_steps_exact_on_cuda(on_gpu):
-    """Issue 58, item 4: SPACE over captured steps (one CUDA graph per row bucket,
+    """Issue 58, item 4: SPACE over captured steps (one CUDA graph per row bucket and slot bucket,
     ``space.decoding.graphs``) equals AR over the same graphs and eager AR in fp32, at high
-    acceptance (tree paths move inside the static cache); the graphs are one per bucket and kind,
-    captured once, and a second generation replays them."""
+    acceptance (tree paths move inside the static cache; the generations cross slot buckets of 40,
+    80 and 160 slots, the kept keys through transformers' ``sdpa`` on CUDA); the graphs are one per
+    bucket and kind, captured once, and a second generation replays them."""
     from space.decoding.graphs import StepGraphs
+    from tests.conftest import sdpa_gqa_copy
 
     model, _, spec, lang = on_gpu
+    model = sdpa_gqa_copy(model)  # reads the keys up to the mask's width, as every fused trunk
     sizes = {q for layout in ("chain", "static tree", "lookup", "dynamic")
              for q in SpaceDecoder(model, spec, LAYOUTS[layout], buckets=True).row_sizes}
-    graphs = StepGraphs(model, slots=160, sizes=sizes)
-    print(f"cuda captured: {len(graphs.sizes)} graphs in {graphs.capture():.2f} s")
+    graphs = StepGraphs(model, slots=160, sizes=sizes, min_slots=32)
+    assert graphs.slot_sizes == (40, 80, 160)
+    print(f"cuda captured: {graphs.num_graphs} graphs in {graphs.capture():.2f} s")
     made = graphs.num_graphs
-    assert made == 2 * len(graphs.sizes) - 1  # a plain graph per size, a gated one per size above 1
+    # a plain graph per row and slot bucket, a gated one above 1 row
+    assert made == sum(1 + (q > 1) for q in graphs.sizes for n in graphs.slot_sizes if q <= n)
     for layout in ("chain", "static tree", "lookup", "dynamic"):
         dec = SpaceDecoder(model, spec, LAYOUTS[layout], graphs=graphs)
         steps = tokens = 0

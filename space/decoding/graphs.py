@@ -1,20 +1,27 @@
 """Captured decode steps (issue 58, item 4): the trunk's forward replayed from one CUDA graph per
-row bucket, over one preallocated KV cache, for SPACE and the AR baseline alike.
+row bucket and slot bucket, over one preallocated KV cache, for SPACE and the AR baseline alike.
 
 On a GPU an eager step of a small model is launch-bound: SmolLM2's AR step keeps the GPU busy
 about 2 ms of 22 (issue 58). A CUDA graph records the step's kernels once and replays them with
 one launch. Captured from the eager trunk with ``torch.cuda.graph`` (gpt-fast's pattern), it needs
 no compiler: a bucket costs three eager forwards (two warm-ups and the capture), where
 ``torch.compile``'s whole-trunk graph did not finish its first prompt in 300 s on an H200
-(``results/gpu_compiled``). Not yet timed on a GPU.
+(``results/gpu_compiled``). On an H200, 19 graphs (one slot bucket) were ready in 2.1 s and a
+captured fp32 AR step of the real SmolLM2 took 10.3 ms against 26.4 eager
+(``results/gpu_h200_g58``); the slot buckets came after that run.
 
 What a graph fixes, and how a step fits it:
 
-* **Shapes.** One graph per row count: a step's block is padded to a bucket (``dynamic.bucket``;
-  ``SpaceDecoder.row_sizes`` lists a decoder's), and the cache is one ``cache.static_cache`` of
-  ``slots`` slots that every step attends over whole (the 4-D mask hides the slots past the
-  block), kept from one generation to the next (:meth:`StepGraphs.reset` only sets its lengths
-  to 0; stale slots are always masked).
+* **Shapes.** One graph per row count and slot bucket: a step's block is padded to a row bucket
+  (``dynamic.bucket``; ``SpaceDecoder.row_sizes`` lists a decoder's), and the cache is one
+  ``cache.static_cache`` of ``slots`` slots, kept from one generation to the next
+  (:meth:`StepGraphs.reset` only sets its lengths to 0; stale slots are always masked). A step
+  attends over the smallest slot bucket that holds the cache and its block (``slots`` halved
+  while at least :data:`MIN_SLOTS`; the 4-D mask hides the slots past the block) where the
+  trunk's attention reads the keys only up to the mask's width (``backends.attends_mask_width``:
+  every fused trunk), else over every slot. Attention over a slot costs time whether it holds a
+  token or not: a HumanEval answer fills about 300 of the 2,048 slots a run captured, and the
+  memory-efficient kernel walks a query row's keys in one block of threads.
 * **Addresses.** The inputs are fixed buffers (:class:`_Inputs`): ids, position ids, the mask and
   the mask-row gate, written in place before each replay; the output is the graph's own tensor,
   read before the next replay. The cache's tensors are allocated before capture and never again;
@@ -48,13 +55,17 @@ from dataclasses import dataclass
 import torch
 
 from ..masking import mask_rows
+from .backends import attends_mask_width
 from .cache import attention_dtype, attention_windows, cache_input, static_cache
+
+MIN_SLOTS = 256  # the smallest slot bucket's least size: the buckets halve the cache's slots down to it
 
 
 @dataclass(frozen=True)
 class _Inputs:
     """A bucket's fixed input buffers, written in place before each replay: ids (1, q), position
-    ids (1, q), the additive mask (1, 1, q, slots) in the trunk's dtype, the mask-row gate (q, 1)."""
+    ids (1, q), the additive mask (1, 1, q, s) over its s slots in the trunk's dtype, the mask-row
+    gate (q, 1)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -63,8 +74,9 @@ class _Inputs:
 
 
 class StepGraphs:
-    """The trunk's decode step, one CUDA graph per row bucket and kind (gated: a block with mask
-    rows; plain: a block without, AR's row among them), over one static KV cache of ``slots`` slots.
+    """The trunk's decode step, one CUDA graph per row bucket, slot bucket and kind (gated: a block
+    with mask rows; plain: a block without, AR's row among them), over one static KV cache of
+    ``slots`` slots.
 
     Args:
         model: a HF causal LM (a peft model is unwrapped), on one device, full attention on every
@@ -74,15 +86,19 @@ class StepGraphs:
             (:meth:`check_fits`).
         sizes: the row counts a step may have, one graph each (``SpaceDecoder.row_sizes`` of
             every decoder that will run through it; 1, AR's row, is always added).
+        min_slots: the slot buckets are ``slots`` halved while at least ``min_slots``
+            (:data:`MIN_SLOTS`); one bucket of ``slots`` where the trunk's attention reads every
+            slot (``backends.attends_mask_width``).
 
     Raises:
-        ValueError: slots below the largest size or above the model's context; a size < 1; a
+        ValueError: slots below the largest size or above the model's context; a size or
+            min_slots < 1; a
             model spread over devices, with sliding-window layers (a captured step's mask is one
             tensor of full attention), with an attention that takes no 4-D mask, or with dynamic
             RoPE (its length check reads the device); a compiled trunk.
     """
 
-    def __init__(self, model, slots: int, sizes: Iterable[int]):
+    def __init__(self, model, slots: int, sizes: Iterable[int], min_slots: int = MIN_SLOTS):
         from .compiled import is_compiled  # compiled imports the CPU kernels; this module stays light
         from .decoder import check_attention
 
@@ -93,6 +109,8 @@ class StepGraphs:
         context = base.config.max_position_embeddings
         if self.sizes[0] < 1:
             raise ValueError(f"a captured step has at least 1 row, got sizes {self.sizes}")
+        if min_slots < 1:
+            raise ValueError(f"a slot bucket holds at least 1 slot, got min_slots {min_slots}")
         if not self.max_rows <= slots <= context:
             raise ValueError(f"a captured step needs {self.max_rows}..{context} cache slots (its most rows .. the "
                              f"model's context), got {slots}")
@@ -108,6 +126,11 @@ class StepGraphs:
             raise ValueError("captured steps cannot hold dynamic RoPE scaling (it reads the sequence length on the "
                              "host): decode this model eagerly")
         self.slots = slots
+        buckets = [slots]
+        if attends_mask_width(base):
+            while buckets[0] // 2 >= min_slots:
+                buckets.insert(0, buckets[0] // 2)
+        self.slot_sizes = tuple(buckets)
         self.device = next(base.parameters()).device
         self.dtype = attention_dtype(self.trunk)
         self.use_graphs = self.device.type == "cuda"
@@ -118,19 +141,20 @@ class StepGraphs:
             self.cache = static_cache(len(self.trunk.layers), slots)
             # allocated now, once: a graph holds the addresses it was captured with
             self.cache.early_initialization(1, kv_heads, head_dim, self.dtype, self.device)
-            self._inputs = {q: self._buffers(q) for q in self.sizes}
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            # a block of q rows fits a bucket of at least q slots (it starts at slot 0 at the earliest)
+            self._inputs = {(q, n): self._buffers(q, n) for q in self.sizes for n in self.slot_sizes if q <= n}
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # one memory pool for every graph (they never run at once)
         # host seconds inside step() replaying graphs: the model's share of a step, which forward
         # hooks (result.model_time) time in an eager forward but never see in a replay; on the CPU
         # the trunk runs eagerly and its hooks see it, so this stays 0
         self.step_s = 0.0
 
-    def _buffers(self, q: int) -> _Inputs:
+    def _buffers(self, q: int, slots: int) -> _Inputs:
         dev = self.device
         return _Inputs(ids=torch.zeros(1, q, dtype=torch.long, device=dev),
                        positions=torch.zeros(1, q, dtype=torch.long, device=dev),
-                       mask=torch.zeros(1, 1, q, self.slots, dtype=self.dtype, device=dev),
+                       mask=torch.zeros(1, 1, q, slots, dtype=self.dtype, device=dev),
                        gate=torch.zeros(q, 1, dtype=self.dtype, device=dev))
 
     @property
@@ -160,39 +184,40 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every graph now (on a GPU; on the CPU nothing to do): each size's plain graph
-        and, above 1 row, its gated one (a block's row 0 is always a real row). Leaves the cache
-        empty. Returns the seconds it took."""
+        """Capture every graph now (on a GPU; on the CPU nothing to do): for each row and slot
+        bucket, the plain graph and, above 1 row, the gated one (a block's row 0 is always a real
+        row). Leaves the cache empty. Returns the seconds it took."""
         t0 = time.perf_counter()
         if self.use_graphs:
-            keys = [(q, False) for q in self.sizes] + [(q, True) for q in self.sizes if q > 1]
-            for q, g in keys:
-                buf = self._inputs[q]
+            keys = [(q, n, g) for q, n in self._inputs for g in (False, True) if q > 1 or not g]
+            for q, n, g in keys:
+                buf = self._inputs[q, n]
                 buf.mask.zero_()  # warm-up rows see every slot: finite garbage, masked later
                 buf.positions.copy_(torch.arange(q, device=self.device)[None])
                 buf.gate.fill_(1.0)
-                self._graph(q, g)
+                self._graph(q, n, g)
             for layer in self.cache.layers:  # what the warm-ups wrote is never read, but start clean
                 layer.keys.zero_()
                 layer.values.zero_()
         self.reset()
         return time.perf_counter() - t0
 
-    def _run(self, q: int, gated: bool) -> torch.Tensor:
-        """The eager trunk on bucket ``q``'s buffers -> last hidden states (1, q, hidden): what a
-        graph records."""
-        buf = self._inputs[q]
+    def _run(self, q: int, slots: int, gated: bool) -> torch.Tensor:
+        """The eager trunk on the buffers of ``q`` rows over ``slots`` slots -> last hidden states
+        (1, q, hidden): what a graph records."""
+        buf = self._inputs[q, slots]
         with mask_rows(buf.gate if gated else None):
             return self.trunk(input_ids=buf.ids, position_ids=buf.positions, attention_mask=buf.mask,
                               **cache_input(self.cache), use_cache=True).last_hidden_state
 
-    def _graph(self, q: int, gated: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Bucket ``q``'s graph of kind ``gated``, captured at its first use: two warm-up runs on
+    def _graph(self, q: int, slots: int, gated: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of ``q`` rows over ``slots`` slots of kind ``gated``, captured at its first
+        use: two warm-up runs on
         a side stream (lazy allocations, library handles), then the capture. Each warm-up writes
         the slots past the cache's length and advances it; the lengths are put back after each
         (so a warm-up never writes past slot length + q, which ``step`` checked) and after the
         capture, which records the advance without running it."""
-        key = (q, gated)
+        key = (q, slots, gated)
         if key not in self._graphs:
             lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
 
@@ -205,13 +230,13 @@ class StepGraphs:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._run(q, gated)
+                        self._run(q, slots, gated)
                         put_back()
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(graph, pool=self._pool):
-                        out = self._run(q, gated)
+                        out = self._run(q, slots, gated)
                 finally:
                     put_back()
             self._pool = graph.pool()
@@ -244,12 +269,14 @@ class StepGraphs:
 
     def _step(self, ids, position_ids, block_mask, cache_len: int, mask_start: int | None) -> torch.Tensor:
         q = ids.shape[0]
-        if q not in self._inputs:
+        if q not in self.sizes:
             raise ValueError(f"a captured step takes a bucket's rows {self.sizes}, got {q}")
         if cache_len + q > self.slots:
             raise ValueError(f"a block of {q} rows after {cache_len} cached tokens overflows the captured cache's "
                              f"{self.slots} slots")
-        buf = self._inputs[q]
+        # the smallest slot bucket that holds the cache and the block
+        slots = next(n for n in self.slot_sizes if cache_len + q <= n)
+        buf = self._inputs[q, slots]
         buf.ids[0].copy_(ids)
         if position_ids is None:
             buf.positions.fill_(cache_len)
@@ -270,8 +297,8 @@ class StepGraphs:
             buf.gate[:start].zero_()
             buf.gate[start:].fill_(1.0)
         if not self.use_graphs:
-            return self._run(q, gated)[0]
-        graph, out = self._graph(q, gated)
+            return self._run(q, slots, gated)[0]
+        graph, out = self._graph(q, slots, gated)
         with torch.cuda.device(self.device):
             graph.replay()
         return out[0]

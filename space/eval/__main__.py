@@ -89,14 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights folded into the graph for inductor's C++ GEMM, the fastest AR step there; its graphs "
                         "take minutes (results/compile_cpu)")
     p.add_argument("--capture", action="store_true",
-                   help="replay each SPACE and AR step's trunk from CUDA graphs captured at load, one per row bucket, "
-                        "over one preallocated KV cache (space/decoding/graphs.py, issue 58); pays on a GPU, where an "
+                   help="replay each SPACE and AR step's trunk from CUDA graphs captured at load, one per row bucket "
+                        "and slot bucket, over one preallocated KV cache (space/decoding/graphs.py, issue 58); pays on a GPU, where an "
                         "eager step is launch-bound. On a CPU the same buffers run eagerly (no gain). pld then runs "
                         "prompt lookup over the same steps (HF's settings, no mask group); hf stays transformers' "
                         "eager generate")
     p.add_argument("--capture-len", type=int, default=None, metavar="N",
-                   help="with --capture: KV-cache slots every step attends over; prompt + new tokens + a step's rows "
-                        "must fit (default: the model's context, at most 4096)")
+                   help="with --capture: KV-cache slots; prompt + new tokens + a step's rows must fit (default: the "
+                        "model's context, at most 4096). A step attends over the smallest slot bucket (this halved, "
+                        "down to 256) holding its cache and rows")
     add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
@@ -314,7 +315,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
                                      packed_kernel, compiled)
     graphs = capture = pld = None
-    if args.capture:  # one graph per row bucket (on a GPU), ready before the first question
+    if args.capture:  # one graph per row and slot bucket (on a GPU), ready before the first question
         from ..decoding.graphs import StepGraphs
 
         slots = args.capture_len or min(model.config.max_position_embeddings, 4096)
@@ -322,9 +323,10 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         sizes = {q for c in (decode, pld) for q in SpaceDecoder(model, spec, c, buckets=True).row_sizes}
         graphs = StepGraphs(model, slots, sizes)
         seconds = graphs.capture()
-        capture = {"slots": slots, "graphs": graphs.num_graphs, "ready_s": round(seconds, 2)}
-        print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets in "
-              f"{seconds:.1f} s")
+        capture = {"slots": slots, "slot_buckets": list(graphs.slot_sizes), "graphs": graphs.num_graphs,
+                   "ready_s": round(seconds, 2)}
+        print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets and "
+              f"{len(graphs.slot_sizes)} slot buckets in {seconds:.1f} s")
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
     pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
     from .tree_search import step_cost_mismatch, trunk_of

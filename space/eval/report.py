@@ -216,7 +216,7 @@ def to_markdown(s: dict) -> str:
     if meta.get("ranks", 1) > 1:
         placement += f", {meta['ranks']} ranks (each question's methods in one process)"
     if meta.get("capture"):  # issue 58: every method but hf replays CUDA graphs (the buffers eagerly on a CPU)
-        placement += (f", captured steps over {meta['capture']} cache slots (AR, SPACE, and PLD by the SPACE decoder "
+        placement += (f", captured steps over a cache of {meta['capture']} slots (AR, SPACE, and PLD by the SPACE decoder "
                       "with no mask group; hf eager)")
     lines = [f"# SPACE evaluation: {meta.get('dataset')} ({meta.get('num_questions')} questions)", "",
              f"layout: {layout_text(meta, m.get('space', {}).get('rows_per_step'), m.get('space', {}).get('padding_per_step'))}; max_new_tokens = {meta.get('max_new_tokens')}, limit = {meta.get('limit')}, seed = {meta.get('seed')}, temperature = {meta.get('temperature')}, dtype = {meta.get('dtype')}, "

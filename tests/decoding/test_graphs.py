@@ -146,9 +146,9 @@ def test_nothing_in_the_captured_region_reads_the_device(captured):
     model, spec, lang, graphs = captured
     counts, real = [], graphs._run
 
-    def counted(q, gated):
+    def counted(q, slots, gated):
         with SyncCounter(model, holders=[graphs]) as syncs:
-            out = real(q, gated)
+            out = real(q, slots, gated)
         counts.append((q, gated, dict(syncs.kinds), list(syncs.where)[:3]))
         return out
 
@@ -177,7 +177,7 @@ def test_prompt_lookup_alone_over_captured_steps_is_pld(captured):
     pld = DecodeConfig(3, 0, lookup_tokens=10)
     assert pld.max_rows() == 11  # x_{n-1} and 10 candidates: no draft, no mask
     kinds, real = [], graphs._run
-    graphs._run = lambda q, gated: kinds.append((q, gated)) or real(q, gated)
+    graphs._run = lambda q, slots, gated: kinds.append((q, gated)) or real(q, slots, gated)
     try:
         for n in (8, 40):
             prompt = torch.tensor(lang.sample(n))
@@ -259,9 +259,11 @@ def test_space_eval_capture_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
     tokens = {r["model_id"]: r["choices"][0]["token_ids"] for r in records}
     assert tokens["pld"] == tokens["ar"] == tokens["space"]  # PLD too runs over the captured steps, exactly
     assert next(r for r in records if r["model_id"] == "pld")["choices"][0]["accept_lengths"]  # by the decoder
-    assert json.loads((tmp_path / "run_config.json").read_text())["capture_ready"]["graphs"] == 0  # no CUDA here
+    ready = json.loads((tmp_path / "run_config.json").read_text())["capture_ready"]
+    assert ready["graphs"] == 0  # no CUDA here
+    assert ready["slot_buckets"] == [300, 600]  # the fused trunk reads the mask's width: 600 halved down to 256
     assert "[space-eval] captured 0 step graphs" in capsys.readouterr().out
-    assert "captured steps over 600 cache slots (AR, SPACE, and PLD by the SPACE decoder" in (
+    assert "captured steps over a cache of 600 slots (AR, SPACE, and PLD by the SPACE decoder" in (
         tmp_path / "summary.md").read_text()
     with pytest.raises(ValueError, match="'capture': \\(600, None\\)"):
         eval_main(args)  # the same run eager: its timings would mix
@@ -297,3 +299,95 @@ def test_bucket_sizes_and_cache_bounds_at_their_edges():
         assert graphs.step(torch.zeros(4, dtype=torch.long), *_block(4), 12, None).shape == (4, 64)
         with pytest.raises(ValueError, match="a block of 4 rows after 13 cached tokens overflows"):
             graphs.step(torch.zeros(4, dtype=torch.long), *_block(4), 13, None)
+
+
+@pytest.fixture(scope="module")
+def bucketed(trained_drafter):
+    """The trained drafter with an attention that reads the keys up to the mask's width (as every
+    fused trunk has), over captured steps in slot buckets of 25, 50, 100 and 200 slots."""
+    from tests.conftest import sdpa_gqa_copy
+
+    model, _, spec, lang = trained_drafter
+    model = sdpa_gqa_copy(model)
+    graphs = StepGraphs(model, slots=200, sizes=BUCKETS_32, min_slots=16)
+    return model, spec, fresh_language(lang), graphs
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_step_attends_over_the_smallest_slot_bucket_that_holds_it(bucketed, sdpa_calls, name):
+    """Issue 58: a captured step attends over the smallest slot bucket holding the cache and its
+    block, not over every slot of the cache, and its keys are cut there (SDPA sees as many keys as
+    the bucket has slots); SPACE over slot buckets and AR over them emit eager AR's tokens while
+    the generations cross from bucket to bucket."""
+    model, spec, lang, graphs = bucketed
+    assert graphs.slot_sizes == (25, 50, 100, 200)
+    steps, real_step, real_run = [], graphs._step, graphs._run
+
+    def step(ids, position_ids, block_mask, cache_len, mask_start):
+        steps.append([cache_len, ids.shape[0]])
+        return real_step(ids, position_ids, block_mask, cache_len, mask_start)
+
+    def run(q, slots, gated):
+        before = len(sdpa_calls)
+        out = real_run(q, slots, gated)
+        steps[-1] += [slots, {keys for _, keys, _ in sdpa_calls[before:]}]
+        return out
+
+    graphs._step, graphs._run = step, run
+    try:
+        for n, new in [(12, 80), (30, 120), (3, 20)]:
+            prompt = torch.tensor(lang.sample(n))
+            truth = ar_generate(model, prompt, new, suppress_ids=spec.token_ids).new_ids
+            assert ar_generate(model, prompt, new, suppress_ids=spec.token_ids, graphs=graphs).new_ids == truth
+            out = SpaceDecoder(model, spec, LAYOUTS[name], graphs=graphs).generate(prompt, new)
+            assert out.new_ids == truth, (name, n)
+            assert max(out.accept_lengths) >= 2
+    finally:
+        del graphs._step, graphs._run
+    for cache_len, q, slots, keys in steps:
+        assert slots == min(b for b in graphs.slot_sizes if cache_len + q <= b), (cache_len, q, slots)
+        assert keys == {slots}, (cache_len, q, slots, keys)
+    assert {s for _, _, s, _ in steps} == set(graphs.slot_sizes)  # every bucket was crossed
+
+
+def test_slot_buckets_only_where_the_attention_reads_the_mask_width(trained):
+    """transformers' own ``sdpa`` reads every slot of the cache (a narrower mask fails there): its
+    captured steps keep one bucket of every slot. The smallest bucket's least size is checked."""
+    model, _, _, _ = trained
+    assert StepGraphs(model, slots=200, sizes=[1, 4], min_slots=16).slot_sizes == (200,)
+    with pytest.raises(ValueError, match="min_slots 0"):
+        StepGraphs(model, slots=200, sizes=[1, 4], min_slots=0)
+
+
+def test_off_the_gqa_devices_the_kept_keys_go_through_transformers_sdpa(bucketed, monkeypatch):
+    """On CUDA (torch 2.11) a masked grouped SDPA call would land on the math kernel, so there the
+    attention hands the keys it kept (the slot bucket's) to transformers' own ``sdpa``, which
+    copies them to every query head for a block and folds one row's heads into rows (pack_gqa).
+    Run here by taking the CPU off ``backends.GQA_WITH_MASK``: still AR's tokens, still the
+    bucket's keys alone, and no masked grouped call reaches SDPA."""
+    from space.decoding import backends
+
+    model, spec, lang, graphs = bucketed
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    assert kv_heads < heads
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, enable_gqa=False, **kwargs):
+        calls.append((query.shape[1], query.shape[2], key.shape[1], key.shape[2], attn_mask is not None, enable_gqa))
+        return sdpa(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prompt = torch.tensor(lang.sample(20))
+    truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    calls.clear()
+    assert ar_generate(model, prompt, 60, suppress_ids=spec.token_ids, graphs=graphs).new_ids == truth
+    assert SpaceDecoder(model, spec, LAYOUTS["chain"], graphs=graphs).generate(prompt, 60).new_ids == truth
+    masked = [c for c in calls if c[4]]
+    assert masked and not any(c[5] for c in masked)  # (a prefill without a mask may group: flash has GQA)
+    blocks = [c for c in masked if c[1] > 1 and c[0] == heads]  # a block's rows: the keys copied per head
+    packed = [c for c in masked if c[0] == kv_heads]  # AR's row: its heads folded into rows
+    assert blocks and all(c[2] == heads for c in blocks)
+    assert packed and all(c[1] == heads // kv_heads and c[2] == kv_heads for c in packed)
+    assert {c[3] for c in masked} <= set(graphs.slot_sizes)  # the bucket's keys alone
