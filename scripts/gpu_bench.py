@@ -144,7 +144,7 @@ def cmd_step_cost(args) -> dict:
     rows = [int(r) for r in args.rows.split(",")]
     if args.profile and args.repeats < 2:
         raise SystemExit("--profile needs --repeats 2 or more (a 1-round run is what it subtracts)")
-    out = {"shape": args.shape, "dtype": args.dtype, "attention": "sdpa", "lora_r": LORA_R, "compiled": args.compile,
+    out = {"shape": args.shape, "dtype": args.dtype, "lora_r": LORA_R, "compiled": args.compile,
            "repeats": args.repeats, "curves": {}}
 
     def record(key: str, curve: dict[int, float], graphs=None, static: bool = False, cache_len: int = 0) -> None:
@@ -159,11 +159,18 @@ def cmd_step_cost(args) -> dict:
                       f"{curve[q] * 1e3:.2f}; {prof['kernels']}", flush=True)
 
     for setup, model, _, _ in setups(args, dtype):
+        out.setdefault("attention", {})[setup] = model.config._attn_implementation
         if args.capture and setup == "eager":
             from space.decoding.graphs import StepGraphs
 
+            if args.profile and DEVICE == "cuda":
+                # the profiler's CUDA state set up before any graph is captured (profiling a replay
+                # after capture hit illegal memory accesses in pytorch/pytorch#75504)
+                torch.profiler._utils._init_for_cuda_graphs()
             for cache_len in (int(c) for c in args.caches.split(",")):
-                graphs = StepGraphs(model, slots=cache_len + max(rows), sizes=rows)
+                slots = cache_len + max(rows)
+                # one slot bucket: a step after cache_len tokens attends over them all, as timed here
+                graphs = StepGraphs(model, slots=slots, sizes=rows, min_slots=slots)
                 ready = graphs.capture()
                 out.setdefault("capture_s", {})[str(cache_len)] = round(ready, 2)
                 print(f"step-cost {args.shape} captured cache {cache_len}: ready in {ready:.1f} s", flush=True)

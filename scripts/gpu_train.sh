@@ -5,8 +5,9 @@
 # included: t60b's stage caps 90 + 60 + 360 s, t60c's 300 s). `bash scripts/gpu_pack.sh` builds what travels.
 #   t60a (carry .gpu/):  the wheels, HumanEval-X and MT-Bench (the leak filter's) and the GGUF's first part
 #   t60b (carry .gpu2/): the GGUF joined and converted (beside it, on the idle GPU, issue 58's step profile of a
-#                        captured SmolLM2-shaped step, 45 s at most); the teacher's greedy answers (bf16, batches
-#                        of 2,048) to LIMA and MBPP, then to Magpie first turns it writes and their follow-ups
+#                        captured SmolLM2-shaped step, 45 s at most: about 15 s past the conversion's 31 s on an
+#                        H200); the teacher's greedy answers (bf16, batches of 2,048) to LIMA and MBPP, then to
+#                        Magpie first turns it writes and their follow-ups
 #   t60c:                training, stopped after the step past 3.5 minutes with final/ written
 # Every stage packs what exists so far into $OUT: gpu60.tar.xz.part* (each under 15 MiB: the distilled sets,
 # their .magpie turns and manifests, the training log and final/, every stage's log) and status.txt. A cut
@@ -79,6 +80,7 @@ elif [ "$phase" = t60b ]; then
   # issue 58's open question, on the GPU the conversion leaves idle: where a captured SmolLM2-shaped step's time
   # goes at 256 and 2,048 slots (random weights; a captured fp32 AR step took 10.3 ms in space-eval)
   t0=$SECONDS
+  # (a failed conversion exits with the probe still running: its timeout ends it)
   [ "$device" = cuda ] && { timeout 45 python3 scripts/gpu_bench.py step-cost --shape smollm2 --rows 1,16 \
     --caches 256,2048 --repeats 6 --dtype float32 --capture --profile --out "$stash/res/step_profile_smollm2.json" \
     > "$stash/res/step_profile_smollm2.log" 2>&1 & }

@@ -58,8 +58,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             step about 2x faster than eager, ``results/compile_cpu``).
 
     An eager model on one device gets the fused trunk (``space.decoding.fused.fuse_trunk``,
-    issue 58: q/k/v and gate/up in one GEMM each, a frozen-base LoRA packed under them, GQA
-    attention without ``repeat_kv`` on the CPU), which every method then runs, AR included; it
+    issue 58: q/k/v and gate/up in one GEMM each, a frozen-base LoRA packed under them, an
+    attention that reads the keys up to the mask's width, GQA without ``repeat_kv`` on the CPU), which every method then runs, AR included; it
     computes what ``load_model``'s model computes up to float rounding (other GEMM shapes), and
     ``model.space_trunk`` records it. On CUDA in bf16 / fp16, cuDNN attention is turned off
     (process-wide: ``space.decoding.backends``), recorded in ``model.space_sdpa``.
@@ -165,7 +165,7 @@ def check_compile(compile: bool | str, device: str = "cpu", device_map: str | di
 
 def _trunk(model, compile: bool | str, device_map) -> None:
     """The fused trunk (``space.decoding.fused.fuse_trunk``: q/k/v and gate/up in one GEMM each,
-    GQA attention on the CPU) for an eager model on one device, recorded as ``model.space_trunk``
+    ``space.decoding.backends.SDPA_GQA`` attention) for an eager model on one device, recorded as ``model.space_trunk``
     (``None`` when left unfused: a compiled trunk, whose graphs fuse on their own and must not
     hold module state, or a model spread over devices); and the attention backend for its device
     and dtype (``space.decoding.backends.choose_sdpa``), recorded as ``model.space_sdpa``."""

@@ -118,7 +118,7 @@ def assert_cache_matches_fresh(model, cache, ids: torch.Tensor) -> None:
 
 def sdpa_gqa_copy(model):
     """A copy of ``model`` whose attention is ``space.decoding.backends.SDPA_GQA`` (reads the keys up
-    to the mask's width), as the fused, fast-kernel and compiled CPU trunks run it."""
+    to the mask's width), as the fused trunk, the fast kernels and a CPU's compiled trunk run it."""
     import copy
 
     from space.decoding.backends import SDPA_GQA, register_attention

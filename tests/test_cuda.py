@@ -206,8 +206,9 @@ def test_captured_steps_exact_on_cuda(on_gpu):
              for q in SpaceDecoder(model, spec, LAYOUTS[layout], buckets=True).row_sizes}
     graphs = StepGraphs(model, slots=160, sizes=sizes, min_slots=32)
     assert graphs.slot_sizes == (40, 80, 160)
-    print(f"cuda captured: {graphs.num_graphs} graphs in {graphs.capture():.2f} s")
+    seconds = graphs.capture()
     made = graphs.num_graphs
+    print(f"cuda captured: {made} graphs in {seconds:.2f} s")
     # a plain graph per row and slot bucket, a gated one above 1 row
     assert made == sum(1 + (q > 1) for q in graphs.sizes for n in graphs.slot_sizes if q <= n)
     for layout in ("chain", "static tree", "lookup", "dynamic"):

@@ -14,9 +14,9 @@ per-model one. The decoders' 4-D masks are additive in the attention's dtype
 (``space.decoding.cache.attention_dtype``): an fp32 mask with bf16 queries is what cuDNN
 misreads.
 
-The attention function itself is chosen at load too (:data:`SDPA_GQA`, set by
-``space.decoding.fused.fuse_trunk`` on every eager model, by the CPU kernels and by a CPU's
-compiled trunk): it reads the keys only up to the 4-D mask's width, so that a step over a static
+The attention function itself is chosen at load too (:data:`SDPA_GQA`, set on an ``sdpa`` model by
+``space.decoding.fused.fuse_trunk`` for every eager model on one device, by the CPU kernels and by a
+CPU's compiled trunk): it reads the keys only up to the 4-D mask's width, so that a step over a static
 cache attends over the slots that hold tokens (``space.decoding.decoder.mask_slots``; the captured
 steps' slot buckets, ``space.decoding.graphs``), and it hands grouped key/value heads to SDPA
 where the device has a kernel for them with a mask (:data:`GQA_WITH_MASK`).
@@ -59,7 +59,8 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function (:data:`SDPA_GQA`): SDPA over the keys up to the 4-D mask's
     width, the grouped key/value heads handed to SDPA (``enable_gqa``) on the devices of
-    :data:`GQA_WITH_MASK`, elsewhere transformers' own ``sdpa`` on the keys kept.
+    :data:`GQA_WITH_MASK`; elsewhere, or with a ``position_bias`` or ``softcap`` (which only
+    transformers' function applies or refuses), transformers' own ``sdpa`` on the keys kept.
 
     Args:
         query: (batch, heads, q, head_dim); key, value: (batch, kv_heads, kv, head_dim).
@@ -72,11 +73,14 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     # a mask narrower than the cache spans the keys that hold tokens (a step over a static cache,
     # :func:`attends_mask_width`): the empty slots past it would only cost attention time
     width = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 4 else None
-    if query.device.type not in GQA_WITH_MASK:
+    bias = kwargs.get("position_bias")
+    if query.device.type not in GQA_WITH_MASK or bias is not None or kwargs.get("softcap") is not None:
         # cut only where the mask is narrower: an eager CUDA step is launch-bound, and a slice is a
         # dispatched op (on the CPU always: a compiled trunk's symbolic widths would guard on a branch)
         if width is not None and width < key.shape[-2]:
             key, value = key[:, :, :width], value[:, :, :width]
+            if bias is not None:
+                kwargs["position_bias"] = bias[..., :width]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if width is not None:

@@ -323,8 +323,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         sizes = {q for c in (decode, pld) for q in SpaceDecoder(model, spec, c, buckets=True).row_sizes}
         graphs = StepGraphs(model, slots, sizes)
         seconds = graphs.capture()
-        capture = {"slots": slots, "slot_buckets": list(graphs.slot_sizes), "graphs": graphs.num_graphs,
-                   "ready_s": round(seconds, 2)}
+        capture = {"slots": slots, "graphs": graphs.num_graphs, "ready_s": round(seconds, 2)}
         print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets and "
               f"{len(graphs.slot_sizes)} slot buckets in {seconds:.1f} s")
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
@@ -368,6 +367,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "kernel_paths": kernel_paths,
             "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
             "capture": capture and capture["slots"], "capture_ready": capture,  # captured steps (issue 58)
+            # the slots a captured step attends over (space.decoding.graphs): None before they were bucketed
+            "slot_buckets": list(graphs.slot_sizes) if graphs is not None else None,
             "trunk": getattr(model, "space_trunk", None),  # fused groups and attention (space.decoding.fused)
             "sdpa": getattr(model, "space_sdpa", None),  # the attention backend chosen at load (space.decoding.backends)
             "machine": machine(devices[0]),

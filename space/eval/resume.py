@@ -29,13 +29,15 @@ SAMPLE_KEYS = ("model", "model_files", "adapter_sha256", "dataset", "methods", "
 # what shapes the timings: a speedup over samples timed on two setups compares nothing. The ranks of
 # one sharded run differ in device (each its GPU) and may differ in machine; the merge allows that,
 # since every question's methods run in one process.
-SETUP_KEYS = ("threads", "device", "device_map", "machine", "torch", "transformers", "compile", "buckets", "capture")
+SETUP_KEYS = ("threads", "device", "device_map", "machine", "torch", "transformers", "compile", "buckets", "capture",
+              "slot_buckets")
 RESUME_KEYS = SAMPLE_KEYS + SETUP_KEYS
 MERGE_KEYS = tuple(k for k in RESUME_KEYS if k not in ("device", "machine"))
 # what older run_config.json files lack, as those runs had it: chain, no lookup (an adapter's hash
 # is not known: such a folder resumes only without an adapter)
 OLD_DEFAULTS = {"model_files": None, "lookup_tokens": 0, "lookup_ngram": 2, "baselines_suppress_masks": False, "tree": None, "adapter_sha256": None, "row_budget": None, "draft_ranks": None,
-                "step_cost": None, "adapter_cost": None, "compile": False, "buckets": False, "capture": None}
+                "step_cost": None, "adapter_cost": None, "compile": False, "buckets": False, "capture": None,
+                "slot_buckets": None}
 
 
 def model_files(model: str) -> str | None:

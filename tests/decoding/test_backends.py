@@ -49,3 +49,28 @@ def test_load_chooses_by_the_trunk_s_dtype_under_an_adapter(tmp_path, monkeypatc
     loaded, _, _ = space.loader.load_space(adapter=adapter, dtype="bfloat16")
     assert loaded.dtype == torch.float32  # what misled it
     assert seen == [torch.bfloat16]
+
+
+def test_a_position_bias_or_softcap_goes_to_transformers_sdpa_with_the_keys_cut():
+    """SDPA_GQA's own CPU call has no place for a position bias or a softcap: with one it hands the
+    call to transformers' ``sdpa`` (which adds the bias, or refuses the softcap), the keys and the
+    bias cut at the mask's width, so a static cache's empty slots are still not read."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding.backends import sdpa_gqa_attention
+
+    gen = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    query, key, value = (torch.randn(1, h, q, 8, generator=gen) for h, q in ((4, 3), (2, 10), (2, 10)))
+    mask = torch.zeros(1, 1, 3, 6)
+    mask[..., 5] = torch.finfo(torch.float32).min
+    bias = torch.randn(1, 4, 3, 10, generator=gen)
+    out, _ = sdpa_gqa_attention(module, query, key, value, mask, position_bias=bias)
+    want, _ = sdpa_attention_forward(module, query, key[:, :, :6], value[:, :, :6], mask, position_bias=bias[..., :6])
+    assert torch.equal(out, want)
+    plain, _ = sdpa_gqa_attention(module, query, key, value, mask)
+    assert (out - plain).abs().max() > 1e-3  # the bias is really applied
+    with pytest.raises(ValueError, match="softcap"):
+        sdpa_gqa_attention(module, query, key, value, mask, softcap=30.0)

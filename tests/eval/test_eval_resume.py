@@ -16,7 +16,7 @@ CHANGES = {
     "draft_ranks": 2, "step_cost": [[1, 1.0], [8, 2.0]], "adapter_cost": 3.0, "max_new_tokens": 99,
     "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1, "dtype": "bfloat16", "kernels": "stock",
     "threads": 7, "device": "cuda:0", "device_map": "auto", "machine": "aarch64 64 cores", "torch": "9.9.9",
-    "transformers": "9.9.9", "compile": True, "buckets": True, "capture": 2048,
+    "transformers": "9.9.9", "compile": True, "buckets": True, "capture": 2048, "slot_buckets": [1024, 2048],
 }
 
 
@@ -27,7 +27,7 @@ def meta() -> dict:
             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
             "dtype": "float32", "kernels": "fast", "threads": 1, "device": "cpu", "device_map": None,
             "machine": "x86_64 2 cores", "torch": "2.13.0", "transformers": "5.23.0", "compile": False, "buckets": False,
-            "capture": None, "commits": ["abc"]}
+            "capture": None, "slot_buckets": None, "commits": ["abc"]}
 
 
 def test_every_key_is_checked():
