@@ -92,10 +92,9 @@ class StepGraphs:
 
     Raises:
         ValueError: slots below the largest size or above the model's context; a size or
-            min_slots < 1; a
-            model spread over devices, with sliding-window layers (a captured step's mask is one
-            tensor of full attention), with an attention that takes no 4-D mask, or with dynamic
-            RoPE (its length check reads the device); a compiled trunk.
+            min_slots < 1; a model spread over devices, with sliding-window layers (a captured
+            step's mask is one tensor of full attention), with an attention that takes no 4-D
+            mask, or with dynamic RoPE (its length check reads the device); a compiled trunk.
     """
 
     def __init__(self, model, slots: int, sizes: Iterable[int], min_slots: int = MIN_SLOTS):
