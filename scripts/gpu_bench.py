@@ -196,24 +196,13 @@ def step_profile(model, q: int, cache_len: int, repeats: int, static: bool = Fal
         ``{"busy_ms": device ms per step, "kernels": {name (60 characters): us per step}}``, the
         ``top`` names by time and ``"other"``.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     from space.eval.tree_search import time_steps
 
     def per_name(rounds: int) -> Counter:
-        cuda = DEVICE == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            time_steps(model, [(q, q > 1)], cache_len, rounds, static, graphs)
-            if cuda:
-                torch.cuda.synchronize()
-        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-        times = Counter()
-        for e in prof.events():
-            if e.device_type == kind:
-                times[e.name[:60]] += e.time_range.elapsed_us() if cuda else e.self_cpu_time_total
-        return times
+        times, short = device_events(lambda: time_steps(model, [(q, q > 1)], cache_len, rounds, static, graphs))[0], Counter()
+        for name, t in times.items():
+            short[name[:60]] += t
+        return short
 
     steps = per_name(repeats)
     steps.subtract(per_name(1))
@@ -227,27 +216,42 @@ def step_profile(model, q: int, cache_len: int, repeats: int, static: bool = Fal
 ATTENTION_KERNELS = ("fmha", "attention", "attn", "cudnn", "flash", "efficient")
 
 
-def gpu_busy_ms(fn, kernels: Counter | None = None) -> float:
-    """Sum of the GPU kernels' durations (ms) while ``fn()`` runs, read by torch.profiler (0 on a CPU).
-    ``kernels``: adds the attention kernels' names (:data:`ATTENTION_KERNELS`) and counts to it, to
-    see which SDPA backend ran."""
+def device_events(fn) -> tuple[Counter, Counter]:
+    """The device's activity while ``fn()`` runs, read by torch.profiler: ({event name: us}, {event
+    name: calls}). On CUDA the kernels (a CUDA graph's replayed kernels included); on the CPU (a dry
+    run) the ops' own CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    # the device's activity alone: with the CPU's too on CUDA, reading a whole generation's events took
+    # most of a 90 s stage on an H200 (results/gpu_h200_g58)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    times, calls = Counter(), Counter()
+    for e in prof.events():
+        if e.device_type == kind:
+            times[e.name] += e.time_range.elapsed_us() if cuda else e.self_cpu_time_total
+            calls[e.name] += 1
+    return times, calls
+
+
+def gpu_busy_ms(fn, kernels: Counter | None = None) -> float:
+    """Sum of the GPU kernels' durations (ms) while ``fn()`` runs (:func:`device_events`; 0 on a CPU).
+    ``kernels``: adds the attention kernels' names (:data:`ATTENTION_KERNELS`) and counts to it, to
+    see which SDPA backend ran."""
     if DEVICE == "cpu":
         return 0.0
-    torch.cuda.synchronize()
-    # the GPU's activity alone: with the CPU's too, reading a whole generation's events took most of a
-    # 90 s stage on an H200 (results/gpu_h200_g58)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    total_us = 0.0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total_us += e.time_range.elapsed_us()
-            if kernels is not None and any(k in e.name.lower() for k in ATTENTION_KERNELS):
-                kernels[e.name[:80]] += 1
-    return total_us / 1e3
+    times, calls = device_events(fn)
+    if kernels is not None:
+        for name, n in calls.items():
+            if any(k in name.lower() for k in ATTENTION_KERNELS):
+                kernels[name[:80]] += n
+    return sum(times.values()) / 1e3
 
 
 def cmd_host_time(args) -> dict:

@@ -74,17 +74,16 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     # :func:`attends_mask_width`): the empty slots past it would only cost attention time
     width = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 4 else None
     bias = kwargs.get("position_bias")
-    if query.device.type not in GQA_WITH_MASK or bias is not None or kwargs.get("softcap") is not None:
-        # cut only where the mask is narrower: an eager CUDA step is launch-bound, and a slice is a
-        # dispatched op (on the CPU always: a compiled trunk's symbolic widths would guard on a branch)
-        if width is not None and width < key.shape[-2]:
-            key, value = key[:, :, :width], value[:, :, :width]
-            if bias is not None:
-                kwargs["position_bias"] = bias[..., :width]
+    delegate = query.device.type not in GQA_WITH_MASK or bias is not None or kwargs.get("softcap") is not None
+    # delegated, cut only where the mask is narrower: an eager CUDA step is launch-bound, and a slice
+    # is a dispatched op; on the CPU always (a compiled trunk's symbolic widths would guard on a branch)
+    if width is not None and (not delegate or width < key.shape[-2]):
+        key, value = key[:, :, :width], value[:, :, :width]
+        if bias is not None:
+            kwargs["position_bias"] = bias[..., :width]
+    if delegate:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if width is not None:
-        key, value = key[:, :, :width], value[:, :, :width]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
     # a Python bool under torch.compile too (space.decoding.compiled): the comparison of two symbolic
