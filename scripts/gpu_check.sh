@@ -20,14 +20,17 @@
 # scripts/bench_compile.py (eager against compiled, AR, PLD and SPACE) with inductor's default mode;
 # real3 the same with CUDA graphs (AR and SPACE).
 #   bash scripts/gpu_check.sh real1 ; bash scripts/gpu_check.sh real2 ; bash scripts/gpu_check.sh real3
-# Issue 58's check (run once: results/gpu_h200_g58), two calls on one warm machine (stage caps 300 s + 490 s, so
+# Issue 58's check (run once: results/gpu_h200_g58), two calls on one warm machine (stage caps 300 s + 500 s, so
 # both fit a session's 15 minutes of device time with the start; `bash scripts/gpu_pack.sh` builds .gpu/ and .gpu2/
 # and says how to keep the tree small): g58a carries .gpu/ and runs `pytest -m cuda` (the compiled trunks left
 # out), the 7B-shaped 16-row against 1-row step (fused trunk, bf16; eager and captured), SmolLM2's shape captured
 # in fp32, and the 7B-shaped bf16 host time with cuDNN attention on and off; g58b carries .gpu2/, joins the real
 # model and times it in bf16 with cuDNN attention on and off (AR, shipped layout), then space-eval on HumanEval:
-# eager fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE) on 10 questions, and over captured steps (--capture: one CUDA
+# eager fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE) on 8 questions, and over captured steps (--capture: one CUDA
 # graph per row and slot bucket, space/decoding/graphs.py) on 12 in fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE).
+# space-eval prices the dynamic tree by a step-cost curve it measures at load on the GPU (--step-cost auto: the
+# shipped curves are the CPU's); the last stage runs captured fp32 SPACE again priced by the stored CPU curve, the
+# run before that change.
 #   bash scripts/gpu_check.sh g58a ; bash scripts/gpu_check.sh g58b
 set -u
 phase=${1:?phase1, phase2, compiled, real1, real2, real3, g58a or g58b}
@@ -93,13 +96,15 @@ elif [ "$phase" = g58b ]; then
     --new-tokens 64 --layouts ar,shipped --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval)
   # 2026-12-04: eager fp32 took 75 s for 11 of 12 questions, captured 51 s (fp32) and 37 s (bf16) for 12
-  stage eval_humaneval_fp32 90 python3 -m space.eval "${common[@]}" --limit 10 --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
-  stage eval_humaneval_bf16 90 python3 -m space.eval "${common[@]}" --limit 10 --methods ar,space --dtype bfloat16 \
+  stage eval_humaneval_fp32 75 python3 -m space.eval "${common[@]}" --limit 8 --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
+  stage eval_humaneval_bf16 75 python3 -m space.eval "${common[@]}" --limit 8 --methods ar,space --dtype bfloat16 \
     --out "$stash/res/eval_humaneval_bf16"
   stage eval_humaneval_capture_fp32 70 python3 -m space.eval "${common[@]}" --methods ar,pld,space --capture \
     --capture-len 2048 --limit 12 --out "$stash/res/eval_humaneval_capture_fp32"
   stage eval_humaneval_capture_bf16 60 python3 -m space.eval "${common[@]}" --methods ar,space --capture \
     --capture-len 2048 --limit 12 --dtype bfloat16 --out "$stash/res/eval_humaneval_capture_bf16"
+  stage eval_humaneval_capture_fp32_stored 40 python3 -m space.eval "${common[@]}" --methods space --capture \
+    --capture-len 2048 --limit 12 --step-cost stored --out "$stash/res/eval_humaneval_capture_fp32_stored"
 else
   echo "unknown phase $phase"; exit 2
 fi

@@ -17,3 +17,5 @@ KERNEL_CHOICES = ("fast", "stock")
 # "reduce-overhead": with CUDA graphs, which pay on a GPU; "frozen": the weights folded into the graph
 # for inductor's C++ GEMM, on a CPU)
 COMPILE_MODES = ("default", "reduce-overhead", "frozen")
+# what prices a dynamic tree's steps in space-eval: the adapter's stored curve, or this machine's measured at load
+STEP_COST_CHOICES = ("auto", "stored", "measure")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..cli import (HelpFormatter, add_debug_flag, add_threads_flag, check_device, check_number,
                    check_threads, console, set_threads)
-from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2
+from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2, STEP_COST_CHOICES
 from .bench import METHODS
 from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model_files, read_record, report
 from .shard import Shard, current_shard, join, wait_for_all
@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --capture: KV-cache slots; prompt + new tokens + a step's rows must fit (default: the "
                         "model's context, at most 4096). A step attends over the smallest slot bucket (this halved, "
                         "down to 256) holding its cache and rows")
+    p.add_argument("--step-cost", default="auto", choices=STEP_COST_CHOICES,
+                   help="what prices the dynamic tree's steps of q rows: stored (the adapter's curve for this run's "
+                        "setup, else its layout's own), measure (this machine's steps timed at load, eagerly or "
+                        "captured as the run steps: seconds on a GPU, about 10 s for SmolLM2 on 2 CPU threads; "
+                        "recorded in run_config.json and kept when the run resumes), auto: measure off the CPU "
+                        "when the adapter stores no curve for this device type and captured steps (the shipped "
+                        "ones are CPU curves), else stored")
     add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
@@ -119,7 +126,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
             GPUs, ``--compile reduce-overhead`` without a CUDA device or ``--compile frozen``
             off the CPU (loader.check_compile),
             ``--capture`` with ``--compile`` or ``--device-map``, ``--capture-len`` < 1 or without
-            ``--capture``, or ``--out`` that is a file.
+            ``--capture``, ``--step-cost measure`` with ``--compile`` or a shard, or ``--out`` that is
+            a file.
     """
     import torch  # lazy: --help stays fast
 
@@ -153,6 +161,12 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         if not args.capture:
             raise ValueError("--capture-len sizes the captured steps' cache: it needs --capture")
         check_number("--capture-len", args.capture_len, 1)
+    if args.step_cost == "measure" and args.compile:
+        raise ValueError("--step-cost measure times the eager trunk or captured steps: a compiled trunk's curve "
+                         "builds its graphs first (minutes); measure it with space-tree --compile --write-adapter")
+    if args.step_cost == "measure" and shard is not None:
+        raise ValueError("--step-cost measure with shards: each rank would price its questions by its own curve, "
+                         "and their samples would not merge; measure once with space-tree --write-adapter")
     if args.compile and args.kernels != "stock":  # the packed weights are opaque tensors, not compiled
         raise ValueError(f"--compile takes --kernels stock (torch.compile packs the linears itself), got "
                          f"--kernels {args.kernels}")
@@ -198,15 +212,69 @@ def machine(device: str) -> str:
     return desc
 
 
-def recorded_packed_kernel(out: Path, shard: Shard | None) -> str | None:
-    """The packed CPU kernel the samples in ``out`` were made with (their run record's
-    ``"packed_kernel"``), or None: no record, none named, or a damaged one (check_resume refuses it)."""
+def recorded_run(out: Path, shard: Shard | None) -> dict:
+    """The run record of the samples in ``out`` (``run_config.json``, a rank's own under a shard), or
+    {}: none yet, or a damaged one (check_resume refuses it)."""
     path = out / (shard.config if shard else "run_config.json")
     try:
         record = read_record(path) if path.is_file() else {}
     except ValueError:
-        return None
-    return record.get("packed_kernel") if isinstance(record, dict) else None
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def price_here(args: argparse.Namespace, decode, setup: dict | None, model, graphs, shard: Shard | None,
+               recorded: dict):
+    """The dynamic tree priced by this machine's measured step cost where ``--step-cost`` asks for it
+    (``measure``; ``auto`` off the CPU when the stored curve's setup differs from the run's, or none
+    is stored): ``tree_search.measure_step_cost``, through ``graphs`` when the run captures its
+    steps. A resumed run whose record holds a curve measured at load keeps it (the curve is a
+    resume key: a second measurement would differ). Else ``(decode, setup)`` unchanged.
+
+    Args:
+        decode: the run's layout (the adapter's, the flags on top, priced by ``artifact.priced_for_setup``).
+        setup: how its curve was measured (``priced_for_setup``'s second value).
+        recorded: the run record already in ``--out`` (:func:`recorded_run`).
+
+    Returns:
+        (the layout, the curve's setup: with ``"measured": "at load"`` and its seconds when measured).
+
+    Raises:
+        ValueError: ``--step-cost measure`` with a static layout, whose steps no curve prices.
+    """
+    import torch
+
+    from .tree_search import measure_step_cost, step_cost_mismatch, trunk_of
+
+    if decode.tree != "dynamic":
+        if args.step_cost == "measure":
+            raise ValueError("--step-cost measure prices the dynamic tree's steps; this run's layout is static "
+                             "(add --tree dynamic)")
+        return decode, setup
+    on = next(model.parameters()).device.type
+    here = {"threads": torch.get_num_threads(), "kernels": args.kernels, "device": on, "capture": args.capture,
+            "trunk": trunk_of(model)}
+    if args.step_cost == "auto":
+        if on == "cpu" or args.compile or shard is not None:
+            return decode, setup
+        if setup and not step_cost_mismatch(setup, here["threads"], args.kernels, False, here["trunk"], on,
+                                            args.capture):
+            return decode, setup  # the adapter stores a curve of this device type and captured steps
+    elif args.step_cost == "stored":
+        return decode, setup
+    kept = recorded.get("step_cost_setup")
+    if isinstance(kept, dict) and kept.get("measured") and recorded.get("step_cost"):
+        measured = {"step_cost": recorded["step_cost"], "adapter_cost": recorded.get("adapter_cost") or 0.0}
+        setup = kept
+        print("[space-eval] the step-cost curve measured when this run started prices its steps")
+    else:
+        measured = measure_step_cost(model, decode.max_rows(), graphs=graphs)
+        setup = {**here, "measured": "at load", "seconds": measured["seconds"]}
+        first, last = measured["step_cost"][0], measured["step_cost"][-1]
+        print(f"[space-eval] measured this machine's step cost in {measured['seconds']:.1f} s: 1 row {first[1]} ms, "
+              f"{last[0]} rows {last[1]} ms ({last[1] / first[1]:.2f}x); adapter cost {measured['adapter_cost']} ms")
+    return decode.override(step_cost=tuple(map(tuple, measured["step_cost"])),
+                           adapter_cost=measured["adapter_cost"]), setup
 
 
 def placed_on(model) -> list[str]:
@@ -298,7 +366,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     # --compile takes stock kernels: nothing to pack under the graph. A resumed run packs for the kernel
     # its samples were made with: the timed choice could go the other way on a near-tie, and the kernel
     # picks the step-cost curve (a resume key)
-    kernels = apply_kernels(model, args.kernels, kernel=recorded_packed_kernel(out, shard))
+    recorded = recorded_run(out, shard)
+    kernels = apply_kernels(model, args.kernels, kernel=recorded.get("packed_kernel"))
     # timed on this machine (the faster packed kernel, stock F.linear's rows per shape): recorded, not
     # resume keys (the kernel is pinned above)
     packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)
@@ -326,6 +395,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         capture = {"slots": slots, "graphs": graphs.num_graphs, "ready_s": round(seconds, 2)}
         print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets and "
               f"{len(graphs.slot_sizes)} slot buckets in {seconds:.1f} s")
+    decode, setup = price_here(args, decode, setup, model, graphs, shard, recorded)
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
     pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
     from .tree_search import step_cost_mismatch, trunk_of

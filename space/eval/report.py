@@ -190,6 +190,19 @@ def _fmt(x, pct=False):
     return f"{100 * x:.1f}" if pct else f"{x:.2f}"
 
 
+def priced_by(meta: dict) -> str:
+    """What priced a dynamic tree's steps, as the layout text's tail: a curve measured when the run
+    started (space-eval --step-cost), or the stored curve of another device type than the run's."""
+    setup, device = meta.get("step_cost_setup"), str(meta.get("device") or "cpu").split(":")[0]
+    if not isinstance(setup, dict):
+        return ""
+    if setup.get("measured"):
+        return f", steps priced by this machine's step cost, measured at load in {setup.get('seconds')} s"
+    if setup.get("device", "cpu") != device:
+        return f", steps priced by a {setup.get('device', 'cpu')} step-cost curve"
+    return ""
+
+
 def layout_text(meta: dict, rows_per_step: float | None = None, padding_per_step: float | None = None) -> str:
     """The decoding layout of a run's meta in words: k, groups, tree (chain, static tree, or dynamic),
     lookup tokens, and the mean rows per step (with the padding among them) when given."""
@@ -199,7 +212,8 @@ def layout_text(meta: dict, rows_per_step: float | None = None, padding_per_step
         rows += f" ({padding_per_step:.1f} of them padding)"
     if tree == "dynamic":
         return (f"dynamic tree (k <= {meta.get('mask_num')}, <= {meta.get('num_groups')} mask group(s), "
-                f"<= {meta.get('row_budget')} rows{rows}), prompt lookup {meta.get('lookup_tokens') or 0} tokens")
+                f"<= {meta.get('row_budget')} rows{rows}{priced_by(meta)}), prompt lookup "
+                f"{meta.get('lookup_tokens') or 0} tokens")
     shape = f"tree {json.dumps(tree, separators=(',', ':'))}" if tree else "chain of top-1 drafts"
     groups = meta.get("num_groups")
     return (f"k = {meta.get('mask_num')}, {groups if groups is not None else '?'} mask group(s), {shape}, "

@@ -245,6 +245,36 @@ def adapter_cost(model, cache_len: int = 300, repeats: int = 15, graphs=None, st
     return round(max(timed[2, True] - timed[2, False], 0.0) * 1e3, 3)
 
 
+def curve_points(max_rows: int, sizes=None) -> list[int]:
+    """The row counts a step-cost curve is timed at, up to ``max_rows`` (which is one of them): the
+    dynamic tree interpolates between them (``dynamic.StepCost``). ``sizes``: captured steps' row
+    buckets (``graphs.StepGraphs.sizes``), the only counts they can time (``max_rows`` among them)."""
+    points = {1, 2, 4, 8, 12, 16, 24, 32, 48, max_rows} & set(range(1, max_rows + 1))
+    return sorted(points if sizes is None else points & set(sizes))
+
+
+def measure_step_cost(model, max_rows: int, cache_len: int = 300, repeats: int = 15, graphs=None) -> dict:
+    """This machine's step-cost curve and adapter cost, measured now for a dynamic tree of up to
+    ``max_rows`` rows (issue 58: an adapter's stored curves are a CPU's, and a GPU's steps are
+    launch-bound: on an H200 a SPACE step of about 14 rows cost 1.32x an AR step eagerly and 1.41x
+    captured, where the CPU curve prices 14 rows at 1.6x one, so the planner chose smaller trees than
+    the GPU pays for; a flat curve took the same questions from 2.46 to 2.66 tokens/step,
+    ``results/step_cost_pricing_cpu``). Eager trunk, or the captured steps ``graphs`` (their row
+    buckets, ``max_rows`` among them).
+
+    Returns:
+        ``{"step_cost": [[rows, ms], ...], "adapter_cost": ms, "seconds": s}``: a ``DecodeConfig``'s
+        ``step_cost`` and ``adapter_cost`` (:func:`step_cost_curve`, :func:`adapter_cost`) and the
+        wall time the two measurements took.
+    """
+    t0 = time.perf_counter()
+    sizes = graphs.sizes if graphs is not None else None
+    curve = step_cost_curve(model, curve_points(max_rows, sizes), cache_len, repeats, graphs=graphs)
+    fixed = adapter_cost(model, cache_len, repeats, graphs=graphs)
+    return {"step_cost": step_cost_points(curve), "adapter_cost": fixed,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
 def step_cost_points(curve: dict[int, float]) -> list[list]:
     """A measured curve {rows: seconds} as a DecodeConfig ``step_cost``: ``[[rows, ms], ...]``, rows
     ascending, ms rounded to 3 decimals (at least 0.001, a cost must be > 0)."""
@@ -485,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"of {model.config.max_position_embeddings}")
     applied = apply_kernels(model, a.kernels)
     current = DecodeConfig.of_model(model, spec.mask_num) if a.adapter else None
-    points = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, a.max_rows} & set(range(1, a.max_rows + 1)))
+    points = curve_points(a.max_rows)
     graphs = None
     if a.capture:
         from ..decoding.graphs import StepGraphs

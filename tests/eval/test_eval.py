@@ -101,6 +101,67 @@ def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "new" / "run_config.json").read_text())["packed_kernel"] == "onednn"
 
 
+def test_a_measured_step_cost_prices_the_dynamic_tree_and_is_kept_on_resume(tmp_path, monkeypatch):
+    """--step-cost measure times this machine's steps at load (issue 58: the shipped curves are a
+    CPU's, and an H200 priced by one chose 14 rows a step where a flat curve chooses 23): the
+    layout the decoder runs carries the measured curve, the record says how it was made, the
+    summary says so, and a resumed run keeps the recorded curve (a resume key) instead of
+    measuring again. A static layout has no steps to price: refused."""
+    import space.eval.tree_search as ts
+
+    calls, real = [], ts.measure_step_cost
+    monkeypatch.setattr(ts, "measure_step_cost", lambda *a, **k: calls.append(1) or real(*a, **k))
+    flags = ("--methods", "ar,space", "--tree", "dynamic", "--step-cost", "measure")
+    run(tmp_path, *flags, "--limit", "1")
+    cfg = json.loads((tmp_path / "run_config.json").read_text())
+    assert calls == [1] and cfg["step_cost_setup"]["measured"] == "at load" and cfg["step_cost_setup"]["device"] == "cpu"
+    assert [q for q, _ in cfg["step_cost"]] == [1, 2, 4, 8, 12, 16, 24, 32] and all(ms > 0 for _, ms in cfg["step_cost"])
+    assert "measured at load" in (tmp_path / "summary.md").read_text()
+    summary = run(tmp_path, *flags, "--limit", "2")
+    assert calls == [1] and summary["meta"]["step_cost"] == cfg["step_cost"] and summary["exact_match_rate"] == 1.0
+    with pytest.raises(ValueError, match="layout is static"):
+        run(tmp_path / "static", "--methods", "space", "--tree", "chain", "--step-cost", "measure")
+    for extra, why in ((("--compile",), "compiled trunk"), (("--shard", "0/2"), "shards")):
+        with pytest.raises(ValueError, match=why):
+            run(tmp_path / "refused", "--step-cost", "measure", *extra)
+
+
+def test_auto_step_cost_measures_off_the_cpu_where_no_curve_of_its_device_is_stored(monkeypatch):
+    """``--step-cost auto`` (the default): on a GPU whose adapter stores only CPU curves (the shipped
+    one) the tree is priced by a curve measured at load; a stored curve of the run's device type,
+    kernels and captured steps is kept; the CPU, ``stored`` and a shard never measure. The model is a
+    stub on the meta device, standing for a GPU (no measurement runs: it is stubbed)."""
+    import torch
+
+    import space.eval.tree_search as ts
+    from space.decoding import DecodeConfig
+    from space.eval.__main__ import build_parser, price_here
+    from space.eval.shard import Shard
+
+    measured = {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0}
+    monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, graphs=None: measured)
+    gpu, cpu = torch.nn.Linear(1, 1, device="meta"), torch.nn.Linear(1, 1)
+    decode = DecodeConfig(3, 4, tree="dynamic")
+    cpu_curve = {"threads": 2, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused"}
+    gpu_curve = {"threads": 16, "kernels": "fast", "device": "meta", "capture": False, "trunk": "unfused"}
+
+    def price(setup, model=gpu, *flags, shard=None):
+        args = build_parser().parse_args(list(flags))
+        args.kernels = "fast"
+        return price_here(args, decode, setup, model, None, shard, {})
+
+    for setup in (cpu_curve, None, {**gpu_curve, "capture": True}):
+        priced, how = price(setup)
+        assert priced.step_cost == ((1, 2.0), (32, 3.0)) and priced.adapter_cost == 0.5, setup
+        assert how["measured"] == "at load" and how["device"] == "meta"
+    assert price(gpu_curve) == (decode, gpu_curve)
+    assert price(cpu_curve, cpu) == (decode, cpu_curve)
+    assert price(cpu_curve, gpu, "--step-cost", "stored") == (decode, cpu_curve)
+    assert price(cpu_curve, shard=Shard(0, 2)) == (decode, cpu_curve)
+    priced, how = price(gpu_curve, cpu, "--step-cost", "measure")
+    assert how["measured"] == "at load" and how["device"] == "cpu"
+
+
 def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp_path, monkeypatch):
     """MBPP's first questions are the shipped drafter's training data (``tasks.trained_questions``):
     a run on them warns that tokens/step and speedups overstate held-out drafting, naming them, and
