@@ -6,8 +6,9 @@ move with the machine's load). Methods: AR, the chain (k 3 x 4 groups), a static
 groups) and the shipped layout (the adapter's dynamic tree + prompt lookup 10), over
 ``--prompts`` HumanEval prompts x ``--max-new-tokens``, each after a warm-up generation, in each
 ``--dtype``. The model is what ``space.loader.load_space`` gives with the stock kernels (the
-GPU's); ``--attention sdpa`` keeps transformers' attention, which is what runs on CUDA (GQA through
-``repeat_kv`` copies when a mask is given), where the default is the CPU's at load.
+GPU's); ``--attention sdpa`` keeps transformers' attention and swaps in the one-call RMSNorm, the
+trunk CUDA loads (GQA through ``repeat_kv`` copies when a mask is given; each norm one kernel),
+where the default is the CPU's at load.
 ``tests/decoding/test_op_budget.py`` holds the same budget on a tiny model::
 
     python scripts/bench_ops.py --out results/op_budget/smollm2.json
@@ -31,6 +32,7 @@ from space.decoding.op_count import OpCounter  # noqa: E402
 from space.eval.tasks import load_tasks  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
 from space.loader import load_space  # noqa: E402
+from space.rms_norm import swap_rms_norms  # noqa: E402
 
 ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
 
@@ -55,7 +57,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--attention", choices=["load", "sdpa"], default="load",
-                   help="load: what load_space sets on this device; sdpa: transformers' own (CUDA's path)")
+                   help="load: what load_space sets on this device; sdpa: the trunk CUDA loads (transformers' own "
+                        "attention, the one-call RMSNorm of space.rms_norm)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", help="JSON file to write")
     args = p.parse_args(argv)
@@ -66,8 +69,9 @@ def main(argv=None) -> dict:
               "attention": args.attention, "ops_per_step": {}, "steps": {}, "by_op": {}}
     for dtype in args.dtype:
         model, tok, spec = load_space(adapter=ADAPTER, dtype=dtype)
-        if args.attention == "sdpa":
+        if args.attention == "sdpa":  # the trunk CUDA loads: transformers' attention, the one-call RMSNorm
             model.set_attn_implementation("sdpa")
+            swap_rms_norms(model, exact=False)
         record.setdefault("trunk", {})[dtype] = getattr(model, "space_trunk", None)
         prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
                    for t in load_tasks("humaneval", limit=args.prompts)]

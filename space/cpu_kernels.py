@@ -30,7 +30,7 @@ to every method of a benchmark alike (so a measured speedup is the decoding meth
    SPACE's 4-D mask always is: 60 cache copies per step for SmolLM2. On a CPU that attention
    hands the grouped heads to ``torch.nn.functional.scaled_dot_product_attention``
    (``enable_gqa=True``) instead.
-3. **RMSNorm in one call** (:class:`NativeRMSNorm`). transformers' Llama-style ``RMSNorm`` runs
+3. **RMSNorm in one call** (``space.rms_norm.NativeRMSNorm``). transformers' Llama-style ``RMSNorm`` runs
    eight tensor ops from Python per call, 61 calls a step in SmolLM2;
    ``torch.nn.functional.rms_norm`` runs the same ops in the same order inside ATen, so in fp32
    its result is the same bit for bit. A norm is swapped only when a probe input gives that.
@@ -48,7 +48,6 @@ Inference only: packed weights take no gradient.
 """
 from __future__ import annotations
 
-import inspect
 import platform
 import statistics
 import time
@@ -58,6 +57,7 @@ import torch
 from torch import nn
 
 from .choices import KERNEL_CHOICES
+from .rms_norm import swap_rms_norms
 
 PROBE_ROWS = (1, 2, 4, 8)  # row counts timed per weight shape; stock wins, if anywhere, at the low end
 KERNEL_PROBE_ROWS = (4, 16)  # the packed kernels are compared where they run: a few-row and a SPACE-sized step
@@ -344,63 +344,6 @@ def pack_linears(model: nn.Module, choose: bool = False, kernel: str | None = No
     for name, m in plain:
         model.set_submodule(name, PackedLinear(m, stock_rows=stock_rows(m), kernel=kernel))
     return len(linears), kernel, choices
-
-
-class NativeRMSNorm(nn.Module):
-    """``torch.nn.functional.rms_norm`` in place of a transformers Llama-style ``RMSNorm`` (Llama,
-    Mistral, Qwen2/3, Phi3, Olmo2 and kin): ``x * rsqrt(mean(x^2, -1) + eps) * weight``. In fp32,
-    ATen's composite runs the same ops in the same order as transformers' Python, so it gives the
-    same bits (:func:`swap_rms_norms` checks it per norm); in bf16 / fp16 it would not (ATen
-    multiplies by the weight before casting down, transformers after), and it is only swapped in
-    for fp32. ``forward(x (..., hidden)) -> (..., hidden)``. Its ``weight`` is the norm's own
-    parameter (same state-dict key, ties kept)."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-def _one_input(module: nn.Module) -> bool:
-    """Whether ``module``'s forward takes exactly one argument (a gated norm's also takes the gate)."""
-    try:
-        return len(inspect.signature(module.forward).parameters) == 1
-    except (TypeError, ValueError):
-        return False
-
-
-def swap_rms_norms(model: nn.Module) -> int:
-    """Replace each fp32 CPU RMSNorm of ``model`` by a :class:`NativeRMSNorm`, in place, where the
-    two give the same bits on a probe input. A candidate has a 1-D ``weight`` parameter, a
-    ``variance_epsilon`` and a forward of one argument, and no accelerate hook (a model placed by a
-    device map keeps its modules: a swapped one would lose its hook). The probe keeps a norm of
-    another formula (``1 + weight`` under Llama's names, a mean-subtracting or grouped norm), and
-    one whose call fails. Returns how many were swapped."""
-    gen = torch.Generator().manual_seed(0)
-    count = 0
-    for name, m in list(model.named_modules()):
-        weight = getattr(m, "weight", None)
-        if (not hasattr(m, "variance_epsilon") or isinstance(m, NativeRMSNorm) or hasattr(m, "_hf_hook")
-                or not isinstance(weight, nn.Parameter) or weight.dim() != 1 or weight.device.type != "cpu"
-                or weight.dtype != torch.float32 or not _one_input(m)):
-            continue
-        native = NativeRMSNorm(m)
-        probe = torch.randn(3, weight.shape[0], generator=gen, dtype=torch.float32) * 3
-        try:
-            with torch.no_grad():
-                same = torch.equal(m(probe), native(probe))
-        except Exception:  # a norm that needs more than its input, or another shape: left alone
-            same = False
-        if not same:
-            continue
-        model.set_submodule(name, native)
-        count += 1
-    return count
 
 
 def blockwise_lora(model: nn.Module) -> int:

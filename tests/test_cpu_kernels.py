@@ -6,11 +6,12 @@ import torch
 from torch import nn
 
 from space.adapter_layers import fuse_frozen_base, prepare_model
-from space.cpu_kernels import (PACKED_KERNELS, NativeRMSNorm, PackedLinear, apply_kernels, has_kernel, optimize_for_cpu,
-                               packed_kernel, packing_available, swap_rms_norms)
+from space.cpu_kernels import (PACKED_KERNELS, PackedLinear, apply_kernels, has_kernel, optimize_for_cpu, packed_kernel,
+                               packing_available)
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.backends import SDPA_GQA, register_attention
 from space.masking import mask_rows, to_additive_4d
+from space.rms_norm import NativeRMSNorm, swap_rms_norms
 from space.models import load_model
 from space.tokens import add_mask_tokens
 

@@ -62,6 +62,23 @@ def test_greedy_exact_on_cuda_at_high_acceptance(on_gpu, layout):
     assert tokens / steps > 1.5  # the drafts are accepted, so the cache really compacts
 
 
+def test_fused_trunk_swaps_the_norms_on_cuda_and_stays_exact(on_gpu):
+    """The fused trunk on CUDA (``space.decoding.fused.fuse_trunk``, what load_space does): every
+    RMSNorm is the one-kernel native norm (``space.rms_norm``, its rows' bits checked at load), and
+    greedy SPACE still equals AR over it, at high acceptance."""
+    from space.decoding.fused import fuse_trunk
+
+    model, _, spec, lang = on_gpu
+    fused = copy.deepcopy(model)
+    assert fuse_trunk(fused)["rms_norms"] == 2 * fused.config.num_hidden_layers + 1
+    for layout in ("chain", "dynamic"):
+        dec = SpaceDecoder(fused, spec, LAYOUTS[layout])
+        for i in range(4):
+            prompt = torch.tensor(lang.sample(4 + 3 * i))
+            ar = ar_generate(fused, prompt, 48, suppress_ids=spec.token_ids)
+            assert dec.generate(prompt, 48).new_ids == ar.new_ids, (layout, i)
+
+
 def test_sampling_runs_on_the_device(on_gpu):
     model, _, spec, lang = on_gpu
     dec = SpaceDecoder(model, spec, DecodeConfig(K, 2))

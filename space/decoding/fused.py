@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..adapter_layers import GatedLoraLinear
+from ..rms_norm import swap_rms_norms
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -221,16 +222,23 @@ def fuse_trunk(model: nn.Module) -> dict:
     ``repeat_kv``: transformers' ``sdpa`` turns GQA off whenever a mask is given, which a SPACE
     step's always is, and then copies the keys and values, the whole cache included, in every
     layer. On CUDA that copy stays (of the kept keys): with torch 2.11 the memory-efficient kernel
-    has no GQA, and a masked GQA call lands on the math kernel.
+    has no GQA, and a masked GQA call lands on the math kernel. On CUDA the RMSNorms become one
+    kernel each (``space.rms_norm.swap_rms_norms`` with ``exact=False``: their fp32 output is transformers' to
+    rounding, every method runs the same trunk, and each row's bits do not depend on the others).
 
     Returns:
-        the run record's entry ``{"fused_groups": n, "attention": implementation}``.
+        the run record's entry ``{"fused_groups": n, "attention": implementation, "rms_norms": n}``
+        (norms swapped here: on CUDA; a CPU's fast kernels swap them later, ``space.cpu_kernels``).
     """
     from .backends import SDPA_GQA, register_attention
 
     fused = fuse_projections(model)
+    # on CUDA a native RMSNorm is one kernel where transformers' launches six (eight in bf16): about
+    # 300 of an AR step's 1,016 launches on SmolLM2. The CPU's fast kernels swap them there, to the bit
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    norms = swap_rms_norms(model, exact=False) if on_cuda else 0
     config = model.config
     if config._attn_implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
-    return {"fused_groups": fused, "attention": config._attn_implementation}
+    return {"fused_groups": fused, "attention": config._attn_implementation, "rms_norms": norms}

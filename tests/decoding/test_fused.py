@@ -37,7 +37,7 @@ def test_fused_trunk_computes_the_unfused_layers_and_saves_as_them(targets, bias
     plain, spec = gated_tiny(targets, bias)
     fused = copy.deepcopy(plain)
     record = fuse_trunk(fused)
-    assert record == {"fused_groups": 4, "attention": "space_sdpa_gqa"}
+    assert record == {"fused_groups": 4, "attention": "space_sdpa_gqa", "rms_norms": 0}  # on CUDA only
     assert isinstance(fused.model.layers[0].self_attn.k_proj, ProjectionSlice)
     assert isinstance(fused.model.layers[0].mlp.gate_proj.shared.fused, GatedLoraLinear)
     ids = torch.tensor([[5, 6, 7, 8] + [spec.token_ids[0]] * 3])
@@ -203,3 +203,36 @@ def test_a_member_without_a_bias_reports_none_in_a_mixed_group():
     assert fuse_projections(model) == 4  # q/k/v and gate/up of both layers: the mixed group is fused
     assert attn.q_proj.bias is None and attn.v_proj.bias is None
     assert torch.equal(attn.k_proj.bias, want)
+
+
+def test_a_norm_swapped_to_rounding_must_agree_and_keep_each_rows_bits(monkeypatch):
+    """``swap_rms_norms(exact=False)``, what the fused trunk does on CUDA, where the native norm is one
+    kernel that rounds otherwise than transformers: a Llama norm is swapped in fp32 and bf16, a norm
+    of another formula is not, and neither is any norm when the native one would give a row other
+    bits among other rows than alone (then a step's rows and AR's one row would differ: greedy
+    SPACE would no longer equal AR)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from space.rms_norm import swap_rms_norms
+
+    class OnePlusRMSNorm(LlamaRMSNorm):  # Gemma's formula under Llama's names
+        def forward(self, x):
+            return super().forward(x) + x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    def norms():
+        model = torch.nn.Sequential(LlamaRMSNorm(64), LlamaRMSNorm(64).to(torch.bfloat16), OnePlusRMSNorm(64))
+        with torch.no_grad():
+            for m in model:
+                m.weight.normal_(generator=torch.Generator().manual_seed(0))
+        return model
+
+    model = norms()
+    assert swap_rms_norms(model, exact=False) == 2
+    assert [type(m).__name__ for m in model] == ["NativeRMSNorm", "NativeRMSNorm", "OnePlusRMSNorm"]
+    assert swap_rms_norms(model) == 0  # exact: already swapped, and bf16 is never swapped to the bit
+    native = torch.nn.functional.rms_norm
+    # a native norm whose rounding depended on the row count: close to the values, other bits per row
+    monkeypatch.setattr(torch.nn.functional, "rms_norm",
+                        lambda x, *a: native(x, *a) * (1 + torch.finfo(x.dtype).eps * x.shape[0]))
+    assert swap_rms_norms(norms(), exact=False) == 0
+
