@@ -69,10 +69,11 @@ def main(argv=None) -> dict:
               "attention": args.attention, "ops_per_step": {}, "steps": {}, "by_op": {}}
     for dtype in args.dtype:
         model, tok, spec = load_space(adapter=ADAPTER, dtype=dtype)
+        trunk = dict(getattr(model, "space_trunk", None) or {})
         if args.attention == "sdpa":  # the trunk CUDA loads: transformers' attention, the one-call RMSNorm
             model.set_attn_implementation("sdpa")
-            swap_rms_norms(model, exact=False)
-        record.setdefault("trunk", {})[dtype] = getattr(model, "space_trunk", None)
+            trunk["rms_norms"] = swap_rms_norms(model, exact=False)
+        record.setdefault("trunk", {})[dtype] = {**trunk, "attention": model.config._attn_implementation}
         prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
                    for t in load_tasks("humaneval", limit=args.prompts)]
         n = args.max_new_tokens

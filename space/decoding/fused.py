@@ -39,8 +39,12 @@ from torch import nn
 
 from ..adapter_layers import GatedLoraLinear
 from ..rms_norm import swap_rms_norms
+from .cache import attention_dtype
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# devices whose torch.nn.functional.rms_norm is one kernel (torch >= 2.9), where the fused trunk swaps
+# transformers' RMSNorms for it (space.rms_norm); a CPU runs it as several ops, its fast kernels swap it to the bit
+ONE_KERNEL_NORM = ("cuda",)
 
 
 class SharedProjection(nn.Module):
@@ -223,8 +227,9 @@ def fuse_trunk(model: nn.Module) -> dict:
     step's always is, and then copies the keys and values, the whole cache included, in every
     layer. On CUDA that copy stays (of the kept keys): with torch 2.11 the memory-efficient kernel
     has no GQA, and a masked GQA call lands on the math kernel. On CUDA the RMSNorms become one
-    kernel each (``space.rms_norm.swap_rms_norms`` with ``exact=False``: their fp32 output is transformers' to
-    rounding, every method runs the same trunk, and each row's bits do not depend on the others).
+    kernel each (``space.rms_norm.swap_rms_norms`` with ``exact=False``, :data:`ONE_KERNEL_NORM`: their fp32
+    output is transformers' to rounding, every method runs the same trunk, and each row's bits do not
+    depend on the others).
 
     Returns:
         the run record's entry ``{"fused_groups": n, "attention": implementation, "rms_norms": n}``
@@ -235,8 +240,8 @@ def fuse_trunk(model: nn.Module) -> dict:
     fused = fuse_projections(model)
     # on CUDA a native RMSNorm is one kernel where transformers' launches six (eight in bf16): about
     # 300 of an AR step's 1,016 launches on SmolLM2. The CPU's fast kernels swap them there, to the bit
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    norms = swap_rms_norms(model, exact=False) if on_cuda else 0
+    on = next(model.parameters()).device.type
+    norms = swap_rms_norms(model, exact=False, dtype=attention_dtype(model.get_decoder())) if on in ONE_KERNEL_NORM else 0
     config = model.config
     if config._attn_implementation == "sdpa":
         register_attention()

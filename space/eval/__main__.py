@@ -29,6 +29,10 @@ from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model
 from .shard import Shard, current_shard, join, wait_for_all
 from .tasks import DATASETS, load_tasks, trained_questions
 
+# devices whose step cost --step-cost auto measures at load when the adapter stores no curve for them:
+# a GPU's steps take seconds to time (a CPU's curves are stored; an MPS step's timing is not waited for)
+AUTO_MEASURED = ("cuda",)
+
 # torch, transformers and the model code are imported inside the functions that need them, so
 # that --help answers without loading them
 
@@ -102,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what prices the dynamic tree's steps of q rows: stored (the adapter's curve for this run's "
                         "setup, else its layout's own), measure (this machine's steps timed at load, eagerly or "
                         "captured as the run steps: seconds on a GPU, about 10 s for SmolLM2 on 2 CPU threads; "
-                        "recorded in run_config.json and kept when the run resumes), auto: measure off the CPU "
-                        "when the adapter stores no curve for this device type and captured steps (the shipped "
-                        "ones are CPU curves), else stored")
+                        "recorded in run_config.json and kept when the run resumes), auto: measure on a CUDA "
+                        "GPU when the adapter stores no curve for it and captured steps (the shipped ones are "
+                        "CPU curves), not in shards (each rank would measure its own: store one with space-tree "
+                        "--write-adapter), else stored")
     add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
@@ -224,28 +229,34 @@ def recorded_run(out: Path, shard: Shard | None) -> dict:
 
 
 def price_here(args: argparse.Namespace, decode, setup: dict | None, model, graphs, shard: Shard | None,
-               recorded: dict):
+               methods: list[str], recorded: dict, resuming: bool):
     """The dynamic tree priced by this machine's measured step cost where ``--step-cost`` asks for it
-    (``measure``; ``auto`` off the CPU when the stored curve's setup differs from the run's, or none
+    (``measure``; ``auto`` on a CUDA GPU when the stored curve's setup differs from the run's, or none
     is stored): ``tree_search.measure_step_cost``, through ``graphs`` when the run captures its
-    steps. A resumed run whose record holds a curve measured at load keeps it (the curve is a
-    resume key: a second measurement would differ). Else ``(decode, setup)`` unchanged.
+    steps. Only SPACE's dynamic tree is priced: a run without ``space`` measures nothing. A resumed
+    run keeps how its samples were priced (the curve is a resume key): the curve measured at load
+    it recorded, when its setup is this run's, or under ``auto`` the stored curve of a run that did
+    not measure. Else ``(decode, setup)`` unchanged.
 
     Args:
         decode: the run's layout (the adapter's, the flags on top, priced by ``artifact.priced_for_setup``).
         setup: how its curve was measured (``priced_for_setup``'s second value).
+        methods: the run's methods.
         recorded: the run record already in ``--out`` (:func:`recorded_run`).
+        resuming: whether ``--out`` holds samples this run resumes.
 
     Returns:
         (the layout, the curve's setup: with ``"measured": "at load"`` and its seconds when measured).
 
     Raises:
-        ValueError: ``--step-cost measure`` with a static layout, whose steps no curve prices.
+        ValueError: ``--step-cost measure`` for SPACE with a static layout, whose steps no curve prices.
     """
     import torch
 
     from .tree_search import measure_step_cost, step_cost_mismatch, trunk_of
 
+    if "space" not in methods or args.step_cost == "stored":
+        return decode, setup
     if decode.tree != "dynamic":
         if args.step_cost == "measure":
             raise ValueError("--step-cost measure prices the dynamic tree's steps; this run's layout is static "
@@ -254,21 +265,26 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
     on = next(model.parameters()).device.type
     here = {"threads": torch.get_num_threads(), "kernels": args.kernels, "device": on, "capture": args.capture,
             "trunk": trunk_of(model)}
+    kept = recorded.get("step_cost_setup") if resuming else None
+    kept = kept if isinstance(kept, dict) else None
     if args.step_cost == "auto":
-        if on == "cpu" or args.compile or shard is not None:
+        if on not in AUTO_MEASURED or args.compile or shard is not None:
             return decode, setup
+        if kept is not None and not kept.get("measured"):
+            return decode, setup  # samples priced by a stored curve, before measuring at load
         if setup and not step_cost_mismatch(setup, here["threads"], args.kernels, False, here["trunk"], on,
                                             args.capture):
             return decode, setup  # the adapter stores a curve of this device type and captured steps
-    elif args.step_cost == "stored":
-        return decode, setup
-    kept = recorded.get("step_cost_setup")
-    if isinstance(kept, dict) and kept.get("measured") and recorded.get("step_cost"):
+    if kept is not None and kept.get("measured") and recorded.get("step_cost") \
+            and all(kept.get(k) == here[k] for k in ("device", "capture", "trunk", "kernels")):
         measured = {"step_cost": recorded["step_cost"], "adapter_cost": recorded.get("adapter_cost") or 0.0}
         setup = kept
         print("[space-eval] the step-cost curve measured when this run started prices its steps")
     else:
-        measured = measure_step_cost(model, decode.max_rows(), graphs=graphs)
+        # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
+        # the captured cache
+        room = (graphs.slots if graphs is not None else model.config.max_position_embeddings) - decode.max_rows() - 1
+        measured = measure_step_cost(model, decode.max_rows(), cache_len=max(1, min(300, room)), graphs=graphs)
         setup = {**here, "measured": "at load", "seconds": measured["seconds"]}
         first, last = measured["step_cost"][0], measured["step_cost"][-1]
         print(f"[space-eval] measured this machine's step cost in {measured['seconds']:.1f} s: 1 row {first[1]} ms, "
@@ -395,7 +411,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         capture = {"slots": slots, "graphs": graphs.num_graphs, "ready_s": round(seconds, 2)}
         print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets and "
               f"{len(graphs.slot_sizes)} slot buckets in {seconds:.1f} s")
-    decode, setup = price_here(args, decode, setup, model, graphs, shard, recorded)
+    resuming = (out / (shard.samples if shard else "samples.jsonl")).is_file()
+    decode, setup = price_here(args, decode, setup, model, graphs, shard, methods, recorded, resuming)
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
     pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
     from .tree_search import step_cost_mismatch, trunk_of

@@ -208,9 +208,9 @@ def test_a_member_without_a_bias_reports_none_in_a_mixed_group():
 def test_a_norm_swapped_to_rounding_must_agree_and_keep_each_rows_bits(monkeypatch):
     """``swap_rms_norms(exact=False)``, what the fused trunk does on CUDA, where the native norm is one
     kernel that rounds otherwise than transformers: a Llama norm is swapped in fp32 and bf16, a norm
-    of another formula is not, and neither is any norm when the native one would give a row other
-    bits among other rows than alone (then a step's rows and AR's one row would differ: greedy
-    SPACE would no longer equal AR)."""
+    of another formula is not, nor one of another dtype than the trunk's; and no norm is when the
+    native one would give a row other bits (one ulp) with another row count: alone, or only among 16
+    rows (then a step's rows and AR's one row would be normalized differently)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from space.rms_norm import swap_rms_norms
@@ -230,9 +230,30 @@ def test_a_norm_swapped_to_rounding_must_agree_and_keep_each_rows_bits(monkeypat
     assert swap_rms_norms(model, exact=False) == 2
     assert [type(m).__name__ for m in model] == ["NativeRMSNorm", "NativeRMSNorm", "OnePlusRMSNorm"]
     assert swap_rms_norms(model) == 0  # exact: already swapped, and bf16 is never swapped to the bit
+    assert swap_rms_norms(norms(), exact=False, dtype=torch.bfloat16) == 1  # the fp32 norm is left alone
     native = torch.nn.functional.rms_norm
-    # a native norm whose rounding depended on the row count: close to the values, other bits per row
-    monkeypatch.setattr(torch.nn.functional, "rms_norm",
-                        lambda x, *a: native(x, *a) * (1 + torch.finfo(x.dtype).eps * x.shape[0]))
-    assert swap_rms_norms(norms(), exact=False) == 0
 
+    def one_ulp_up(out):  # the tolerance cannot tell it from the true result, in either dtype
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    for bumped in (lambda rows: rows > 1, lambda rows: rows == 16):  # by any row count; by 16 rows only
+        monkeypatch.setattr(torch.nn.functional, "rms_norm",
+                            lambda x, *a, bumped=bumped: (one_ulp_up if bumped(x.numel() // x.shape[-1]) else
+                                                          (lambda out: out))(native(x, *a)))
+        assert swap_rms_norms(norms(), exact=False) == 0
+
+
+def test_the_fused_trunk_swaps_the_norms_where_one_is_one_kernel(monkeypatch):
+    """On a device of ``ONE_KERNEL_NORM`` (CUDA; here the CPU stands in) the fused trunk swaps every
+    RMSNorm for the native one and records how many; greedy SPACE still equals AR over it."""
+    import space.decoding.fused as fused_module
+    from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+
+    plain, spec = gated_tiny()
+    monkeypatch.setattr(fused_module, "ONE_KERNEL_NORM", ("cpu",))
+    fused = copy.deepcopy(plain)
+    assert fuse_trunk(fused)["rms_norms"] == 2 * fused.config.num_hidden_layers + 1
+    assert type(fused.model.norm).__name__ == "NativeRMSNorm"
+    prompt = torch.tensor([5, 6, 7, 8, 9, 10])
+    ar = ar_generate(fused, prompt, 16, suppress_ids=spec.token_ids)
+    assert SpaceDecoder(fused, spec, DecodeConfig(3, 4)).generate(prompt, 16).new_ids == ar.new_ids

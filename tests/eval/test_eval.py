@@ -126,29 +126,34 @@ def test_a_measured_step_cost_prices_the_dynamic_tree_and_is_kept_on_resume(tmp_
             run(tmp_path / "refused", "--step-cost", "measure", *extra)
 
 
-def test_auto_step_cost_measures_off_the_cpu_where_no_curve_of_its_device_is_stored(monkeypatch):
+def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored(monkeypatch):
     """``--step-cost auto`` (the default): on a GPU whose adapter stores only CPU curves (the shipped
     one) the tree is priced by a curve measured at load; a stored curve of the run's device type,
-    kernels and captured steps is kept; the CPU, ``stored`` and a shard never measure. The model is a
-    stub on the meta device, standing for a GPU (no measurement runs: it is stubbed)."""
+    kernels and captured steps is kept; the CPU, ``stored``, a shard and a run without ``space``
+    never measure. A resumed run keeps how its samples were priced: a stored curve, or the curve it
+    measured on the same setup, but a record without samples is measured anew. The model is a stub
+    on the meta device, which stands for a GPU here (the measurement is stubbed)."""
     import torch
 
+    import space.eval.__main__ as eval_module
     import space.eval.tree_search as ts
     from space.decoding import DecodeConfig
-    from space.eval.__main__ import build_parser, price_here
     from space.eval.shard import Shard
 
     measured = {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0}
-    monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, graphs=None: measured)
+    monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, cache_len=300, graphs=None: measured)
+    monkeypatch.setattr(eval_module, "AUTO_MEASURED", ("meta",))
     gpu, cpu = torch.nn.Linear(1, 1, device="meta"), torch.nn.Linear(1, 1)
+    for m in (gpu, cpu):
+        m.config = type("Config", (), {"max_position_embeddings": 2048})()
     decode = DecodeConfig(3, 4, tree="dynamic")
     cpu_curve = {"threads": 2, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused"}
     gpu_curve = {"threads": 16, "kernels": "fast", "device": "meta", "capture": False, "trunk": "unfused"}
 
-    def price(setup, model=gpu, *flags, shard=None):
-        args = build_parser().parse_args(list(flags))
+    def price(setup, model=gpu, *flags, shard=None, methods=("ar", "space"), recorded=None, resuming=False):
+        args = eval_module.build_parser().parse_args(list(flags))
         args.kernels = "fast"
-        return price_here(args, decode, setup, model, None, shard, {})
+        return eval_module.price_here(args, decode, setup, model, None, shard, list(methods), recorded or {}, resuming)
 
     for setup in (cpu_curve, None, {**gpu_curve, "capture": True}):
         priced, how = price(setup)
@@ -158,8 +163,19 @@ def test_auto_step_cost_measures_off_the_cpu_where_no_curve_of_its_device_is_sto
     assert price(cpu_curve, cpu) == (decode, cpu_curve)
     assert price(cpu_curve, gpu, "--step-cost", "stored") == (decode, cpu_curve)
     assert price(cpu_curve, shard=Shard(0, 2)) == (decode, cpu_curve)
+    assert price(cpu_curve, gpu, "--step-cost", "measure", methods=("ar", "pld")) == (decode, cpu_curve)
     priced, how = price(gpu_curve, cpu, "--step-cost", "measure")
     assert how["measured"] == "at load" and how["device"] == "cpu"
+    # resuming: a curve measured on this setup is kept; one of another setup, or without samples, is not
+    earlier = {"step_cost_setup": {**how, "seconds": 9.0}, "step_cost": [[1, 7.0], [32, 8.0]], "adapter_cost": 0.0}
+    assert price(gpu_curve, cpu, "--step-cost", "measure", recorded=earlier, resuming=True)[0].step_cost == \
+        ((1, 7.0), (32, 8.0))
+    assert price(gpu_curve, cpu, "--step-cost", "measure", recorded=earlier)[0].step_cost == ((1, 2.0), (32, 3.0))
+    assert price(gpu_curve, gpu, "--step-cost", "measure", recorded=earlier, resuming=True)[0].step_cost == \
+        ((1, 2.0), (32, 3.0))
+    # a run priced by a stored curve before measuring at load resumes with it under auto
+    stored = {"step_cost_setup": cpu_curve, "step_cost": [[1, 54.0], [32, 114.0]]}
+    assert price(cpu_curve, recorded=stored, resuming=True) == (decode, cpu_curve)
 
 
 def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp_path, monkeypatch):
