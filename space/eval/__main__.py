@@ -234,9 +234,10 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
     (``measure``; ``auto`` on a CUDA GPU when the stored curve's setup differs from the run's, or none
     is stored): ``tree_search.measure_step_cost``, through ``graphs`` when the run captures its
     steps. Only SPACE's dynamic tree is priced: a run without ``space`` measures nothing. A resumed
-    run keeps how its samples were priced (the curve is a resume key): the curve measured at load
-    it recorded, when its setup is this run's, or under ``auto`` the stored curve of a run that did
-    not measure. Else ``(decode, setup)`` unchanged.
+    run keeps how its samples were priced (the curve is a resume key), checked before anything else
+    (the device, a shard, a curve stored since): the curve it measured at load, when its setup is
+    this run's (under ``measure`` or ``auto``), or under ``auto`` the stored curve (or none) of a run
+    that did not measure. Else ``(decode, setup)`` unchanged.
 
     Args:
         decode: the run's layout (the adapter's, the flags on top, priced by ``artifact.priced_for_setup``).
@@ -265,30 +266,30 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
     on = next(model.parameters()).device.type
     here = {"threads": torch.get_num_threads(), "kernels": args.kernels, "device": on, "capture": args.capture,
             "trunk": trunk_of(model)}
-    kept = recorded.get("step_cost_setup") if resuming else None
-    kept = kept if isinstance(kept, dict) else None
+    # how the samples this run resumes were priced: first, whatever the mode and the stored curves now
+    kept = recorded.get("step_cost_setup") if resuming and "step_cost_setup" in recorded else False
+    measured_before = isinstance(kept, dict) and bool(kept.get("measured"))
+    if measured_before and recorded.get("step_cost") \
+            and all(kept.get(k) == here[k] for k in ("device", "capture", "trunk", "kernels")):
+        print("[space-eval] the step-cost curve measured when this run started prices its steps")
+        return decode.override(step_cost=tuple(map(tuple, recorded["step_cost"])),
+                               adapter_cost=recorded.get("adapter_cost") or 0.0), kept
     if args.step_cost == "auto":
+        if kept is not False and not measured_before:
+            return decode, setup  # samples priced by a stored curve (or none), as before measuring at load
         if on not in AUTO_MEASURED or args.compile or shard is not None:
             return decode, setup
-        if kept is not None and not kept.get("measured"):
-            return decode, setup  # samples priced by a stored curve, before measuring at load
         if setup and not step_cost_mismatch(setup, here["threads"], args.kernels, False, here["trunk"], on,
                                             args.capture):
             return decode, setup  # the adapter stores a curve of this device type and captured steps
-    if kept is not None and kept.get("measured") and recorded.get("step_cost") \
-            and all(kept.get(k) == here[k] for k in ("device", "capture", "trunk", "kernels")):
-        measured = {"step_cost": recorded["step_cost"], "adapter_cost": recorded.get("adapter_cost") or 0.0}
-        setup = kept
-        print("[space-eval] the step-cost curve measured when this run started prices its steps")
-    else:
-        # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
-        # the captured cache
-        room = (graphs.slots if graphs is not None else model.config.max_position_embeddings) - decode.max_rows() - 1
-        measured = measure_step_cost(model, decode.max_rows(), cache_len=max(1, min(300, room)), graphs=graphs)
-        setup = {**here, "measured": "at load", "seconds": measured["seconds"]}
-        first, last = measured["step_cost"][0], measured["step_cost"][-1]
-        print(f"[space-eval] measured this machine's step cost in {measured['seconds']:.1f} s: 1 row {first[1]} ms, "
-              f"{last[0]} rows {last[1]} ms ({last[1] / first[1]:.2f}x); adapter cost {measured['adapter_cost']} ms")
+    # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
+    # the captured cache
+    room = (graphs.slots if graphs is not None else model.config.max_position_embeddings) - decode.max_rows() - 1
+    measured = measure_step_cost(model, decode.max_rows(), cache_len=max(1, min(300, room)), graphs=graphs)
+    setup = {**here, "measured": "at load", "seconds": measured["seconds"]}
+    first, last = measured["step_cost"][0], measured["step_cost"][-1]
+    print(f"[space-eval] measured this machine's step cost in {measured['seconds']:.1f} s: 1 row {first[1]} ms, "
+          f"{last[0]} rows {last[1]} ms ({last[1] / first[1]:.2f}x); adapter cost {measured['adapter_cost']} ms")
     return decode.override(step_cost=tuple(map(tuple, measured["step_cost"])),
                            adapter_cost=measured["adapter_cost"]), setup
 

@@ -208,9 +208,11 @@ def test_a_member_without_a_bias_reports_none_in_a_mixed_group():
 def test_a_norm_swapped_to_rounding_must_agree_and_keep_each_rows_bits(monkeypatch):
     """``swap_rms_norms(exact=False)``, what the fused trunk does on CUDA, where the native norm is one
     kernel that rounds otherwise than transformers: a Llama norm is swapped in fp32 and bf16, a norm
-    of another formula is not, nor one of another dtype than the trunk's; and no norm is when the
+    of another formula is not (Gemma's ``1 + weight``, Cohere's mean-subtracting one, in bf16 too), nor
+    one of another dtype than the trunk's; and no norm is when the
     native one would give a row other bits (one ulp) with another row count: alone, or only among 16
     rows (then a step's rows and AR's one row would be normalized differently)."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from space.rms_norm import swap_rms_norms
@@ -230,7 +232,12 @@ def test_a_norm_swapped_to_rounding_must_agree_and_keep_each_rows_bits(monkeypat
     assert swap_rms_norms(model, exact=False) == 2
     assert [type(m).__name__ for m in model] == ["NativeRMSNorm", "NativeRMSNorm", "OnePlusRMSNorm"]
     assert swap_rms_norms(model) == 0  # exact: already swapped, and bf16 is never swapped to the bit
-    assert swap_rms_norms(norms(), exact=False, dtype=torch.bfloat16) == 1  # the fp32 norm is left alone
+    kept_fp32 = norms()
+    assert swap_rms_norms(kept_fp32, exact=False, dtype=torch.bfloat16) == 1  # the fp32 norm is left alone
+    assert [type(m).__name__ for m in kept_fp32] == ["LlamaRMSNorm", "NativeRMSNorm", "OnePlusRMSNorm"]
+    # a mean-subtracting norm (Cohere's), which zero-mean rows would let through within bf16's rounding
+    cohere = torch.nn.Sequential(CohereLayerNorm(576), CohereLayerNorm(576).to(torch.bfloat16))
+    assert swap_rms_norms(cohere, exact=False) == 0
     native = torch.nn.functional.rms_norm
 
     def one_ulp_up(out):  # the tolerance cannot tell it from the true result, in either dtype

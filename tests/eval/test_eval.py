@@ -173,9 +173,15 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
     assert price(gpu_curve, cpu, "--step-cost", "measure", recorded=earlier)[0].step_cost == ((1, 2.0), (32, 3.0))
     assert price(gpu_curve, gpu, "--step-cost", "measure", recorded=earlier, resuming=True)[0].step_cost == \
         ((1, 2.0), (32, 3.0))
-    # a run priced by a stored curve before measuring at load resumes with it under auto
+    # a run priced by a stored curve (or by none) before measuring at load resumes with it under auto
     stored = {"step_cost_setup": cpu_curve, "step_cost": [[1, 54.0], [32, 114.0]]}
     assert price(cpu_curve, recorded=stored, resuming=True) == (decode, cpu_curve)
+    assert price(cpu_curve, recorded={"step_cost_setup": None, "step_cost": None}, resuming=True) == (decode, cpu_curve)
+    # under auto, the curve measured at load comes first: before the CPU's stored rule and before a GPU
+    # curve the adapter was given since (space-tree --write-adapter keeps its hash)
+    assert price(cpu_curve, cpu, recorded=earlier, resuming=True)[0].step_cost == ((1, 7.0), (32, 8.0))
+    on_gpu = {**earlier, "step_cost_setup": {**earlier["step_cost_setup"], "device": "meta", "trunk": "unfused"}}
+    assert price(gpu_curve, recorded=on_gpu, resuming=True)[0].step_cost == ((1, 7.0), (32, 8.0))
 
 
 def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp_path, monkeypatch):
