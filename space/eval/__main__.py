@@ -252,9 +252,7 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
     Raises:
         ValueError: ``--step-cost measure`` for SPACE with a static layout, whose steps no curve prices.
     """
-    import torch
-
-    from .tree_search import measure_step_cost, step_cost_mismatch, trunk_of
+    from .tree_search import curve_setup, measure_step_cost, step_cost_mismatch
 
     if "space" not in methods or args.step_cost == "stored":
         return decode, setup
@@ -263,9 +261,8 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
             raise ValueError("--step-cost measure prices the dynamic tree's steps; this run's layout is static "
                              "(add --tree dynamic)")
         return decode, setup
-    on = next(model.parameters()).device.type
-    here = {"threads": torch.get_num_threads(), "kernels": args.kernels, "device": on, "capture": args.capture,
-            "trunk": trunk_of(model)}
+    here = curve_setup(model, args.kernels, args.capture)
+    on = here["device"]
     # how the samples this run resumes were priced: first, whatever the mode and the stored curves now
     kept = recorded.get("step_cost_setup") if resuming and "step_cost_setup" in recorded else False
     measured_before = isinstance(kept, dict) and bool(kept.get("measured"))
@@ -412,8 +409,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         capture = {"slots": slots, "graphs": graphs.num_graphs, "ready_s": round(seconds, 2)}
         print(f"[space-eval] captured {graphs.num_graphs} step graphs for {len(graphs.sizes)} row buckets and "
               f"{len(graphs.slot_sizes)} slot buckets in {seconds:.1f} s")
-    resuming = (out / (shard.samples if shard else "samples.jsonl")).is_file()
-    decode, setup = price_here(args, decode, setup, model, graphs, shard, methods, recorded, resuming)
+    samples = out / (shard.samples if shard else "samples.jsonl")
+    decode, setup = price_here(args, decode, setup, model, graphs, shard, methods, recorded, samples.is_file())
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
     pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
     from .tree_search import step_cost_mismatch, trunk_of
@@ -465,7 +462,6 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         meta["shard"] = {"rank": shard.rank, "world_size": shard.world_size,
                          "questions": [t.question_id for t in mine]}
     check_resume(out, meta, shard)
-    samples = out / (shard.samples if shard else "samples.jsonl")
     records = run_bench(Target(model, tok, spec, decoder, graphs, pld), mine, methods, samples, args.max_new_tokens, sampling,
                         args.num_samples)
     if shard:

@@ -424,6 +424,16 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
             "rows by it; re-measure with space-tree --write-adapter under this run's setup")
 
 
+def curve_setup(model, kernels: str, capture: bool) -> dict:
+    """What a step-cost curve measured now on ``model`` is measured with (``artifact.setup_key``'s
+    fields): this process's torch threads, the ``kernels`` choice, the device type, ``capture``
+    (captured steps) and the trunk (:func:`trunk_of`)."""
+    import torch
+
+    return {"threads": torch.get_num_threads(), "kernels": kernels, "device": next(model.parameters()).device.type,
+            "capture": capture, "trunk": trunk_of(model)}
+
+
 def trunk_of(model) -> str:
     """``"fused"`` when ``space.loader.load_space`` fused ``model``'s trunk (``model.space_trunk``),
     else ``"unfused"`` (a compiled trunk, a model spread over devices, a model loaded otherwise)."""
@@ -528,9 +538,7 @@ def main(argv: list[str] | None = None) -> dict:
     static, mode = bool(a.compile), compile_setup(a.compile)
     curve = step_cost_curve(model, points, a.cache_len, static=static, graphs=graphs)
     # what the curve was measured with (artifact.setup_key)
-    setup = {"threads": torch.get_num_threads(), "kernels": a.kernels, "device": next(model.parameters()).device.type,
-             "capture": a.capture, **({"compile": mode} if mode else {}),
-             "trunk": trunk_of(model),
+    setup = {**curve_setup(model, a.kernels, a.capture), **({"compile": mode} if mode else {}),
              **({"packed_kernel": applied["packed_kernel"]} if applied.get("packed_linears") else {})}
     # captured steps pad every block to a bucket, as space-eval --capture runs them
     buckets = a.buckets or a.capture or static
