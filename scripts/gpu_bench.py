@@ -20,7 +20,8 @@ the model (the eager trunk is fused as ``space.loader.load_space`` fuses it; a c
 not). ``step-cost --capture`` times the eager trunk's steps replayed from CUDA graphs too
 (``space.decoding.graphs.StepGraphs``, one graph per row and slot bucket over a static cache, issue 58 item
 4), with the seconds it took to capture them all. ``step-cost --profile`` adds, per curve and row count, the
-GPU's busy time per step and its costliest kernels (:func:`step_profile`). ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
+GPU's busy time per step and its costliest kernels (:func:`step_profile`); ``step-cost --sdp both`` times
+every curve again on SDPA's math path (:func:`sdp_backend`). ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
 and names the attention kernels that ran (issue 58, item 3: ``space.decoding.backends``).
 
 Each prints one line per measurement and writes ``--out`` (JSON). Usage::
@@ -32,6 +33,7 @@ Each prints one line per measurement and writes ``--out`` (JSON). Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -160,29 +162,46 @@ def cmd_step_cost(args) -> dict:
 
     for setup, model, _, _ in setups(args, dtype):
         out.setdefault("attention", {})[setup] = model.config._attn_implementation
-        if args.capture and setup == "eager":
-            from space.decoding.graphs import StepGraphs
+        for sdp in SDP_CHOICES[args.sdp]:
+            prefix = "" if sdp == "default" else f"{sdp} sdp, "
+            with sdp_backend(sdp):  # a graph keeps the kernel it was captured with
+                if args.capture and setup == "eager":
+                    from space.decoding.graphs import StepGraphs
 
-            if args.profile and DEVICE == "cuda":
-                # the profiler's CUDA state set up before any graph is captured (profiling a replay
-                # after capture hit illegal memory accesses in pytorch/pytorch#75504)
-                torch.profiler._utils._init_for_cuda_graphs()
-            for cache_len in (int(c) for c in args.caches.split(",")):
-                slots = cache_len + max(rows)
-                # one slot bucket: a step after cache_len tokens attends over them all, as timed here
-                graphs = StepGraphs(model, slots=slots, sizes=rows, min_slots=slots)
-                ready = graphs.capture()
-                out.setdefault("capture_s", {})[str(cache_len)] = round(ready, 2)
-                print(f"step-cost {args.shape} captured cache {cache_len}: ready in {ready:.1f} s", flush=True)
-                curve = step_cost_curve(model, rows, cache_len, args.repeats, graphs=graphs)
-                record(f"captured, {cache_len}", curve, graphs=graphs, cache_len=cache_len)
-        for cache_len in (int(c) for c in args.caches.split(",")):
-            t0 = time.perf_counter()
-            curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats, static=setup != "eager")
-            key = str(cache_len) if setup == "eager" else f"{setup}, {cache_len}"
-            out.setdefault("seconds", {})[key] = round(time.perf_counter() - t0, 1)  # a compiled one's includes compiling
-            record(key, curve, static=setup != "eager", cache_len=cache_len)
+                    if args.profile and DEVICE == "cuda":
+                        # the profiler's CUDA state set up before any graph is captured (profiling a replay
+                        # after capture hit illegal memory accesses in pytorch/pytorch#75504)
+                        torch.profiler._utils._init_for_cuda_graphs()
+                    for cache_len in (int(c) for c in args.caches.split(",")):
+                        slots = cache_len + max(rows)
+                        # one slot bucket: a step after cache_len tokens attends over them all, as timed here
+                        graphs = StepGraphs(model, slots=slots, sizes=rows, min_slots=slots)
+                        ready = graphs.capture()
+                        out.setdefault("capture_s", {})[prefix + str(cache_len)] = round(ready, 2)
+                        print(f"step-cost {args.shape} captured cache {cache_len}: ready in {ready:.1f} s", flush=True)
+                        curve = step_cost_curve(model, rows, cache_len, args.repeats, graphs=graphs)
+                        record(f"{prefix}captured, {cache_len}", curve, graphs=graphs, cache_len=cache_len)
+                for cache_len in (int(c) for c in args.caches.split(",")):
+                    t0 = time.perf_counter()
+                    curve = step_cost_curve(model, rows, cache_len=cache_len, repeats=args.repeats, static=setup != "eager")
+                    key = prefix + (str(cache_len) if setup == "eager" else f"{setup}, {cache_len}")
+                    out.setdefault("seconds", {})[key] = round(time.perf_counter() - t0, 1)  # a compiled one's includes compiling
+                    record(key, curve, static=setup != "eager", cache_len=cache_len)
     return out
+
+
+SDP_CHOICES = {"default": ["default"], "math": ["math"], "both": ["default", "math"]}
+
+
+def sdp_backend(sdp: str):
+    """SDPA's kernels while a step-cost curve is captured and timed: ``default``, torch's own choice
+    (on CUDA in fp32 with a mask, the memory-efficient kernel), or ``math``, its matmul, softmax,
+    matmul path. On an H200 the memory-efficient kernel took 7.6 ms of a captured fp32 SmolLM2-shaped
+    step's 9.9 ms after 2,048 tokens with one query row (``results/gpu60``): it divides its work by
+    query blocks and heads only, where the matmuls spread over the keys too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return contextlib.nullcontext() if sdp == "default" else sdpa_kernel([SDPBackend.MATH])
 
 
 def step_profile(model, q: int, cache_len: int, repeats: int, static: bool = False, graphs=None, top: int = 8) -> dict:
@@ -402,6 +421,8 @@ def main(argv=None) -> dict:
     s.add_argument("--dtype", type=dtype_name, default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     s.add_argument("--capture", action="store_true",
                    help="also time the eager trunk's steps replayed from CUDA graphs (space.decoding.graphs)")
+    s.add_argument("--sdp", choices=list(SDP_CHOICES), default="default",
+                   help="SDPA's kernels: torch's choice, the math path, or both in turn (keys 'math sdp, ...')")
     s.add_argument("--profile", action="store_true",
                    help="per curve and row count, the device's busy ms per step and its costliest kernels (torch.profiler)")
     h = sub.add_parser("host-time", help="host time against GPU busy time per decoding step")

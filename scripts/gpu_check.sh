@@ -23,11 +23,12 @@
 # Issue 58's check (run once: results/gpu_h200_g58), two calls on one warm machine (stage caps 300 s + 500 s, so
 # both fit a session's 15 minutes of device time with the start; `bash scripts/gpu_pack.sh` builds .gpu/ and .gpu2/
 # and says how to keep the tree small): g58a carries .gpu/ and runs `pytest -m cuda` (the compiled trunks left
-# out), the 7B-shaped 16-row against 1-row step (fused trunk, bf16; eager and captured), SmolLM2's shape captured
-# in fp32, and the 7B-shaped bf16 host time with cuDNN attention on and off; g58b carries .gpu2/, joins the real
-# model and times it in bf16 with cuDNN attention on and off (AR, shipped layout), then space-eval on HumanEval:
-# eager fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE) on 8 questions, and over captured steps (--capture: one CUDA
-# graph per row and slot bucket, space/decoding/graphs.py) on 12 in fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE).
+# out), the 7B-shaped 16-row against 1-row step (fused trunk, bf16; eager and captured), SmolLM2's shape in fp32
+# on SDPA's default kernel and on its math path (eager and captured), and the 7B-shaped bf16 host time with cuDNN
+# attention on and off; g58b carries .gpu2/, joins the real model and times it in bf16 with cuDNN attention on and
+# off (AR, shipped layout), then space-eval on HumanEval: eager fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE) on 8
+# questions, and over captured steps (--capture: one CUDA graph per row and slot bucket, space/decoding/graphs.py)
+# on 12 in fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE).
 # space-eval prices the dynamic tree by a step-cost curve it measures at load on the GPU (--step-cost auto: the
 # shipped curves are the CPU's); the last stage runs captured fp32 SPACE again priced by the stored CPU curve, the
 # run before that change.
@@ -85,9 +86,10 @@ elif [ "$phase" = g58a ]; then
   stage pytest_cuda 120 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py -k "not compiled_trunk"
   stage step_cost_7b_fused 60 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
     --repeats 10 --capture --out "$stash/res/step_cost_7b_fused.json"
-  # a captured SmolLM2 AR step cost 10.3 ms in fp32 and 6.4 in bf16 inside space-eval (2,048 slots): the forward alone
-  stage step_cost_smollm2_captured 60 python3 scripts/gpu_bench.py step-cost --shape smollm2 --rows 1,16 --caches 512,2048 \
-    --repeats 10 --dtype float32 --capture --profile --out "$stash/res/step_cost_smollm2_captured.json"
+  # a captured fp32 SmolLM2-shaped step spent 7.6 of its 9.9 ms after 2,048 tokens in the memory-efficient attention
+  # kernel, 1.2 of 3.3 ms after 256 (results/gpu60): against SDPA's math path, captured and eager
+  stage step_cost_smollm2_sdp 60 python3 scripts/gpu_bench.py step-cost --shape smollm2 --rows 1,16 --caches 256,2048 \
+    --repeats 10 --dtype float32 --capture --sdp both --out "$stash/res/step_cost_smollm2_sdp.json"
   stage host_time_7b_cudnn 60 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 48 \
     --layouts "ar,chain k3 4 groups" --cudnn-sdp both --out "$stash/res/host_time_7b_cudnn.json"
 elif [ "$phase" = g58b ]; then

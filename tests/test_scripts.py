@@ -151,13 +151,10 @@ def local_paths(argv: list[str], tmp_path: Path, adapter: Path = SHIPPED) -> lis
 
 
 GPU_BENCH = gpu_check_commands("gpu_bench")
-# t60b's step profile, beside the model's conversion
-TRAIN_PROBE = gpu_check_commands("gpu_bench", ROOT / "scripts" / "gpu_train.sh")
-PARSED = GPU_BENCH + TRAIN_PROBE
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the parse on a machine without CUDA")
-@pytest.mark.parametrize("phase, argv", PARSED, ids=[f"{p}-{a[0]}-{i}" for i, (p, a) in enumerate(PARSED)])
+@pytest.mark.parametrize("phase, argv", GPU_BENCH, ids=[f"{p}-{a[0]}-{i}" for i, (p, a) in enumerate(GPU_BENCH)])
 def test_gpu_check_gpu_bench_lines_parse(phase, argv, tmp_path, capsys):
     """Every flag gpu_check.sh gives gpu_bench.py exists: the parse gets as far as the CUDA check."""
     with pytest.raises(SystemExit) as exc:
@@ -172,11 +169,16 @@ def g58(subcommand: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-@pytest.mark.parametrize("phase, argv", g58("step-cost") + TRAIN_PROBE)
+SDP_LINE = next((p, a) for p, a in g58("step-cost") if "--sdp" in a)
+# with --profile too: how t60b profiled a captured SmolLM2-shaped step (results/gpu60)
+STEP_COST = g58("step-cost") + [("profiled", with_flags(SDP_LINE[1], profile=True))]
+
+
+@pytest.mark.parametrize("phase, argv", STEP_COST)
 def test_gpu_bench_step_cost_as_g58a_runs_it(phase, argv, tmp_path):
-    """g58a's and t60b's step-cost (rows, --capture, --profile) at the tiny shape: the eager and the
-    captured curve per cache (on the CPU StepGraphs runs its buffers through the eager trunk),
-    capture seconds, and each curve's step profiles (on the CPU the ops' own times)."""
+    """g58a's step-cost (rows, --capture, --sdp, and with --profile) at the tiny shape: the eager and
+    the captured curve per cache and SDPA choice (on the CPU StepGraphs runs its buffers through the
+    eager trunk), capture seconds, and each curve's step profiles (on the CPU the ops' own times)."""
     profiled = "--profile" in argv
     argv = with_flags(local_paths(argv, tmp_path), shape="tiny", caches=16, repeats=2 if profiled else 1, device="cpu")
     out = load_script("gpu_bench").main(argv)
@@ -184,13 +186,15 @@ def test_gpu_bench_step_cost_as_g58a_runs_it(phase, argv, tmp_path):
     written = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
     assert written == json.loads(json.dumps(out))
     assert written["machine"]["device"] == "cpu" and written["shape"] == "tiny"
-    keys = ["16"] + (["captured, 16"] if "--capture" in argv else [])
+    sdp = argv[argv.index("--sdp") + 1] if "--sdp" in argv else "default"
+    prefixes = {"default": [""], "math": ["math sdp, "], "both": ["", "math sdp, "]}[sdp]
+    keys = [p + k for p in prefixes for k in ["16"] + (["captured, 16"] if "--capture" in argv else [])]
     assert sorted(written["curves"]) == sorted(keys)
     for key in keys:
         positive_curve(written["curves"][key], rows or [int(q) for q in written["curves"][key]])
-    assert list(written["seconds"]) == ["16"]
+    assert list(written["seconds"]) == [p + "16" for p in prefixes]
     if "--capture" in argv:
-        assert list(written["capture_s"]) == ["16"] and written["capture_s"]["16"] >= 0
+        assert list(written["capture_s"]) == [p + "16" for p in prefixes] and min(written["capture_s"].values()) >= 0
     assert ("profiles" in written) == profiled
     if profiled:
         assert sorted(written["profiles"]) == sorted(keys)
