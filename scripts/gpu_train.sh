@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Issue 60's GPU run: self-distil about 40,000 samples with the embedded SmolLM2 and train a drafter on them
 # (configs/train/smollm2_gpu_40k.yaml: the shipped recipe, scaled to the data, bf16), on one lent GPU machine
-# without internet, in three calls on one warm machine (a session's 15 minutes of device time, the start
-# included: t60b's stage caps 90 + 60 + 360 s, t60c's 300 s). `bash scripts/gpu_pack.sh` builds what travels.
+# without internet, in three calls on one warm machine. `bash scripts/gpu_pack.sh` builds what travels.
 #   t60a (carry .gpu/):  the wheels, HumanEval-X and MT-Bench (the leak filter's) and the GGUF's first part
-#   t60b (carry .gpu2/): the GGUF joined and converted (beside it, on the idle GPU, issue 58's step profile of a
-#                        captured SmolLM2-shaped step, 45 s at most: about 15 s past the conversion's 31 s on an
-#                        H200); the teacher's greedy answers (bf16, batches of 2,048) to LIMA and MBPP, then to
-#                        Magpie first turns it writes and their follow-ups
-#   t60c:                training, stopped after the step past 3.5 minutes with final/ written
+#   t60b (carry .gpu2/): the GGUF joined and converted; the teacher's greedy answers (bf16, batches of 2,048) to
+#                        LIMA and MBPP, then to Magpie first turns it writes and their follow-ups
+#   t60c:                training, with final/ written
+# A session's 15 minutes of device time, the start included, hold one of two plans:
+#   a fresh run: caps 60 + 360 s for the sets and 300 s for training (3.5 minutes). It does not reach 40,000
+#     samples: on an H200 (results/gpu60) the Magpie stage was cut in its follow-ups (30,829 samples), and
+#     training saw 24,192 of them in 378 steps;
+#   a training session on the sets an earlier one brought back: `bash scripts/gpu_pack.sh --sets DIR` puts them
+#     in .gpu3/ and t60b carries .gpu2/ and .gpu3/. t60b restores them and finishes what was cut (caps 60 + 220 s),
+#     t60c trains the config's epoch (625 steps, at most 6.3 minutes; cap 460 s).
 # Every stage packs what exists so far into $OUT: gpu60.tar.xz.part* (each under 15 MiB: the distilled sets,
 # their .magpie turns and manifests, the training log and final/, every stage's log) and status.txt. A cut
-# stage keeps what it wrote: space-distill resumes it, and a later session carries the parts back in .gpu3/
-# (or $SPACE_GPU_CARRIED): t60b and t60c unpack them into a fresh machine's stash first, so t60b goes on with
-# the sets where they stopped, and t60c trains on them alone. Join and unpack here:
+# stage keeps what it wrote: space-distill resumes it. t60b and t60c unpack carried parts (.gpu3/ or
+# $SPACE_GPU_CARRIED) into a fresh machine's stash first, the sets alone. Join and unpack here:
 #   cat gpu60.tar.xz.part* | xz -d | tar x        # -> res/, runs/gpu60/
 #   bash scripts/gpu_train.sh t60a ; bash scripts/gpu_train.sh t60b ; bash scripts/gpu_train.sh t60c
 # Without a GPU, `bash scripts/gpu_train.sh local` runs t60b's and t60c's stages at a tiny scale on the CPU
@@ -38,6 +41,16 @@ restore() {  # the sets an earlier session brought back, on a machine that has n
     # the sets alone: an earlier final/ without its checkpoints is no start for this run's training
     cat "$carried"/gpu60.tar.xz.part* | xz -d | tar -x -C "$stash" --wildcards 'runs/gpu60/distill_*' || exit 1
     echo "restored $(ls "$runs" | tr '\n' ' ')from $carried"
+    echo "$carried" > "$runs/restored_from.txt"
+  fi
+}
+
+plan() {  # the stages' caps and training time: a fresh run's, or a training session's on restored sets
+  if [ "$device" = cuda ] && [ -f "$runs/restored_from.txt" ]; then
+    caps=(60 220 460)  # seconds: LIMA + MBPP (done), what the Magpie stage left, the config's epoch
+  elif [ "$device" = cuda ]; then
+    caps=(60 360 300)
+    train_flags=(--max_train_minutes 3.5)  # what is left of the session once the sets are made
   fi
 }
 
@@ -48,9 +61,10 @@ if [ "$phase" = local ] || [ "${SPACE_GPU_SCALE:-full}" = tiny ]; then  # the st
                --dataloader_num_workers 0 --spans_per_sample 2 --max_length 128)
   caps=(300 300 300)
 else
-  device=cuda dtype=bfloat16 batch=2048 new=256 lima=1000 mbpp="" magpie=29000 magpie_batch=2048 threads=8
-  train_flags=()
-  caps=(60 360 300)  # seconds: LIMA + MBPP answers, Magpie, training (its config stops at 3.5 minutes)
+  # 30,000 first turns kept (86 % of those sampled pass the filters) and a follow-up after each finished answer
+  # (about a third): with LIMA and MBPP about 41,000 samples
+  device=cuda dtype=bfloat16 batch=2048 new=256 lima=1000 mbpp="" magpie=30000 magpie_batch=2048 threads=8
+  train_flags=()  # caps: plan()
 fi
 distill=(python3 -m space.distill --device "$device" --dtype "$dtype" --batch-size "$batch" --max-new-tokens "$new"
          --threads "$threads")
@@ -58,8 +72,6 @@ distill=(python3 -m space.distill --device "$device" --dtype "$dtype" --batch-si
 answer_sets() {
   stage distill_lima_mbpp "${caps[0]}" "${distill[@]}" --sources lima,mbpp --lima-limit "$lima" \
     ${mbpp:+--mbpp-limit "$mbpp"} --out "$runs/distill_lima_mbpp.jsonl"
-  # about 29,000 first turns kept (86 % of those sampled pass the filters) and a follow-up after each finished
-  # answer (about a third): with LIMA and MBPP about 40,000 samples
   stage distill_magpie "${caps[1]}" "${distill[@]}" --sources magpie --magpie-limit "$magpie" \
     --magpie-batch-size "$magpie_batch" --out "$runs/distill_magpie.jsonl"
 }
@@ -77,23 +89,14 @@ if [ "$phase" = t60a ]; then
   pack
 elif [ "$phase" = t60b ]; then
   cp -r .gpu2/data/. "$stash/data/" || exit 1
-  # issue 58's open question, on the GPU the conversion leaves idle: where a captured SmolLM2-shaped step's time
-  # goes at 256 and 2,048 slots (random weights; a captured fp32 AR step took 10.3 ms in space-eval)
-  t0=$SECONDS
-  # (a failed conversion exits with the probe still running: its timeout ends it)
-  [ "$device" = cuda ] && { timeout 45 python3 scripts/gpu_bench.py step-cost --shape smollm2 --rows 1,16 \
-    --caches 256,2048 --repeats 6 --dtype float32 --capture --profile --out "$stash/res/step_profile_smollm2.json" \
-    > "$stash/res/step_profile_smollm2.log" 2>&1 & }
   join_model
-  if [ "$device" = cuda ]; then
-    wait $!
-    echo "step_profile_smollm2 rc=$? seconds=$((SECONDS - t0)) (beside the conversion)" >> "$stash/res/status.txt"
-  fi
   restore
+  plan
   answer_sets
 elif [ "$phase" = t60c ]; then
   restore
   [ -s "$runs/distill_magpie.jsonl" ] || { echo "t60c: no distilled set in $runs (run t60b first, or carry its parts in $carried)"; exit 1; }
+  plan
   train
 elif [ "$phase" = local ]; then
   answer_sets

@@ -21,19 +21,21 @@ SCRIPT = ROOT / "scripts" / "gpu_train.sh"
 
 def test_gpu_train_phase_caps_fit_a_call_and_the_device_time():
     """A call is cut at 600 s and a session has 900 s of device time, its start (about 35 s) and
-    t60a's copying (about 20 s) included; the training stage must outlast the config's own time
-    budget plus what its clock leaves out (torchrun, loading, tokenizing about 40,000 rows at about
-    0.6 ms each, saving: about 60 s), or the cap kills it before final/ is written."""
+    t60a's copying (about 20 s) included, in both plans (a fresh run; a training session on restored
+    sets); the training stage must outlast its time budget (the config's, or the fresh run's flag)
+    plus what its clock leaves out (torchrun, loading, tokenizing about 40,000 rows at about 0.6 ms
+    each, saving: about 60 s), or the cap kills it before final/ is written."""
     import yaml
 
-    text = SCRIPT.read_text()
-    gpu_caps = [int(n) for n in re.search(r"^  caps=\((\d+) (\d+) (\d+)\)  # seconds", text, re.M).groups()]
-    convert = int(re.search(r"stage convert (\d+) ", (ROOT / "scripts" / "gpu_lib.sh").read_text())[1])
-    answers, magpie, train = gpu_caps
-    assert convert + answers + magpie <= 540  # t60b, with its transfer, inside one call
-    assert convert + answers + magpie + train <= 840
+    plan = SCRIPT.read_text().split("plan() {", 1)[1].split("\n}\n", 1)[0]
+    resumed, fresh = [[int(n) for n in caps] for caps in re.findall(r"caps=\((\d+) (\d+) (\d+)\)", plan)]
+    fresh_minutes = float(re.search(r"--max_train_minutes ([\d.]+)", plan)[1])
     config = yaml.safe_load((ROOT / "configs" / "train" / "smollm2_gpu_40k.yaml").read_text())
-    assert config["max_train_minutes"] * 60 + 80 <= train
+    convert = int(re.search(r"stage convert (\d+) ", (ROOT / "scripts" / "gpu_lib.sh").read_text())[1])
+    for (answers, magpie, train), minutes in ((fresh, fresh_minutes), (resumed, config["max_train_minutes"])):
+        assert convert + answers + magpie <= 540  # t60b, with its transfer, inside one call
+        assert convert + answers + magpie + train <= 840
+        assert minutes * 60 + 80 <= train <= 540
 
 
 @pytest.mark.slow
