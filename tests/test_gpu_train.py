@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,25 @@ def test_gpu_train_phase_caps_fit_a_call_and_the_device_time():
     each, saving: about 60 s), or the cap kills it before final/ is written."""
     import yaml
 
-    plan = SCRIPT.read_text().split("plan() {", 1)[1].split("\n}\n", 1)[0]
-    resumed, fresh = [[int(n) for n in caps] for caps in re.findall(r"caps=\((\d+) (\d+) (\d+)\)", plan)]
-    fresh_minutes = float(re.search(r"--max_train_minutes ([\d.]+)", plan)[1])
+    text = SCRIPT.read_text()
+    plan = "plan() {" + text.split("plan() {", 1)[1].split("\n}\n", 1)[0] + "\n}"
+    # t60b and t60c choose their plan before their first stage
+    for phase in ("t60b", "t60c"):
+        body = text.split(f'[ "$phase" = {phase} ]; then', 1)[1].split("\nel", 1)[0]
+        assert body.index("plan") < min(body.index(f) for f in ("answer_sets", "train") if f in body)
     config = yaml.safe_load((ROOT / "configs" / "train" / "smollm2_gpu_40k.yaml").read_text())
     convert = int(re.search(r"stage convert (\d+) ", (ROOT / "scripts" / "gpu_lib.sh").read_text())[1])
-    for (answers, magpie, train), minutes in ((fresh, fresh_minutes), (resumed, config["max_train_minutes"])):
+    for restored in (False, True):
+        with tempfile.TemporaryDirectory() as runs:
+            if restored:
+                Path(runs, "restored_from.txt").write_text(".gpu3\n")
+            chosen = subprocess.run(["bash", "-c", f'runs={runs}; device=cuda; train_flags=(); {plan}\nplan; '
+                                     'echo "${caps[*]}"; echo "${train_flags[*]}"'],
+                                    capture_output=True, text=True, check=True).stdout.splitlines()
+        answers, magpie, train = (int(n) for n in chosen[0].split())
+        flag = re.search(r"--max_train_minutes ([\d.]+)", chosen[1])
+        minutes = float(flag[1]) if flag else config["max_train_minutes"]
+        assert (flag is None) == restored  # a training session trains the config's epoch
         assert convert + answers + magpie <= 540  # t60b, with its transfer, inside one call
         assert convert + answers + magpie + train <= 840
         assert minutes * 60 + 80 <= train <= 540

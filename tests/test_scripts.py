@@ -106,8 +106,8 @@ def tiny_adapter(tmp_path_factory):
 # ---- scripts/gpu_check.sh's command lines ----
 
 def gpu_check_commands(script: str, sh: Path = GPU_CHECK) -> list[tuple[str, list[str]]]:
-    """(phase, argv) of every ``python3 scripts/<script>.py`` line in ``sh`` (gpu_check.sh, or
-    gpu_train.sh), continuation lines joined, bash arrays (``"${bench[@]}"``) expanded, quotes as
+    """(phase, argv) of every ``python3 scripts/<script>.py`` line in ``sh`` (gpu_check.sh),
+    continuation lines joined, bash arrays (``"${bench[@]}"``) expanded, quotes as
     bash reads them, a redirection or ``&`` and what follows it left out."""
     text = sh.read_text().replace("\\\n", " ")
     arrays = {m[1]: m[2] for m in re.finditer(r"^(\w+)=\((.*)\)\s*$", text, re.M)}
@@ -169,9 +169,10 @@ def g58(subcommand: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-SDP_LINE = next((p, a) for p, a in g58("step-cost") if "--sdp" in a)
+SDP_LINES = [a for _, a in g58("step-cost") if "--sdp" in a]
+assert SDP_LINES, "g58a times no step-cost with --sdp (SDPA's math path against its default kernel)"
 # with --profile too: how t60b profiled a captured SmolLM2-shaped step (results/gpu60)
-STEP_COST = g58("step-cost") + [("profiled", with_flags(SDP_LINE[1], profile=True))]
+STEP_COST = g58("step-cost") + [("profiled", with_flags(SDP_LINES[0], profile=True))]
 
 
 @pytest.mark.parametrize("phase, argv", STEP_COST)
