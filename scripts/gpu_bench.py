@@ -21,8 +21,9 @@ not). ``step-cost --capture`` times the eager trunk's steps replayed from CUDA g
 (``space.decoding.graphs.StepGraphs``, one graph per row and slot bucket over a static cache, issue 58 item
 4), with the seconds it took to capture them all. ``step-cost --profile`` adds, per curve and row count, the
 GPU's busy time per step and its costliest kernels (:func:`step_profile`); ``step-cost --sdp both`` times
-every curve again on SDPA's math path (:func:`sdp_backend`). ``host-time --cudnn-sdp both`` times every layout with cuDNN attention on and off in turns
-and names the attention kernels that ran (issue 58, item 3: ``space.decoding.backends``).
+every curve again on SDPA's math path (:func:`sdp_backend`). ``host-time --cudnn-sdp both`` times every layout
+with cuDNN attention on and off in turns and names the attention kernels that ran (issue 58, item 3:
+``space.decoding.backends``).
 
 Each prints one line per measurement and writes ``--out`` (JSON). Usage::
 
@@ -162,16 +163,17 @@ def cmd_step_cost(args) -> dict:
 
     for setup, model, _, _ in setups(args, dtype):
         out.setdefault("attention", {})[setup] = model.config._attn_implementation
+        captured = args.capture and setup == "eager"
+        if captured and args.profile and DEVICE == "cuda":
+            # the profiler's CUDA state set up before any graph is captured (profiling a replay
+            # after capture hit illegal memory accesses in pytorch/pytorch#75504)
+            torch.profiler._utils._init_for_cuda_graphs()
         for sdp in SDP_CHOICES[args.sdp]:
             prefix = "" if sdp == "default" else f"{sdp} sdp, "
             with sdp_backend(sdp):  # a graph keeps the kernel it was captured with
-                if args.capture and setup == "eager":
+                if captured:
                     from space.decoding.graphs import StepGraphs
 
-                    if args.profile and DEVICE == "cuda":
-                        # the profiler's CUDA state set up before any graph is captured (profiling a replay
-                        # after capture hit illegal memory accesses in pytorch/pytorch#75504)
-                        torch.profiler._utils._init_for_cuda_graphs()
                     for cache_len in (int(c) for c in args.caches.split(",")):
                         slots = cache_len + max(rows)
                         # one slot bucket: a step after cache_len tokens attends over them all, as timed here
