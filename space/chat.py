@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .choices import STEP_COST_CHOICES
 from .cli import add_debug_flag, add_threads_flag, check_device, check_number, console, set_threads
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="time an AR replay of each reply and print the speedup")
     p.add_argument("--kernels", default="fast", help="CPU kernels, fast or stock (space/cpu_kernels.py; "
                    "default: %(default)s)")
+    p.add_argument("--step-cost", default="auto", choices=STEP_COST_CHOICES,
+                   help="what prices a dynamic tree's rows: stored (the adapter's curve for this setup), "
+                        "measure (this machine's steps timed at load, a few seconds), auto: measure on a CUDA GPU "
+                        "when the adapter stores no curve of that device, else stored (default: %(default)s)")
     add_threads_flag(p)
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N or mps; auto = cuda when "
                    "a CUDA GPU is usable, else cpu (printed at start) (default: auto)")
@@ -207,17 +212,32 @@ def adapter_path(args) -> str | Path | None:
 
 
 def load(args) -> tuple:
-    """(model, tokenizer, decoder) from the parsed flags; the adapter's layout, flags on top."""
+    """(model, tokenizer, decoder) from the parsed flags; the adapter's layout, flags on top, a dynamic
+    tree priced as ``--step-cost`` says (``space.eval.tree_search.price_at_load``).
+
+    Raises:
+        ValueError: ``--step-cost measure`` with a static layout; as ``space.loader.load_space``.
+    """
+    import torch
+
+    from .artifact import SPACE_CONFIG, priced_for_setup, read_space_config
     from .decoding import DEFAULT_MASK_NUM, DecodeConfig, SpaceDecoder
     from .decoding.tree import tree_flag
+    from .eval.tree_search import price_at_load
     from .loader import load_space
 
     # the kernels at load: a dynamic tree is priced by the adapter's curve for these kernels and threads
-    model, tok, spec = load_space(args.model, adapter_path(args), args.mask_num or DEFAULT_MASK_NUM,
+    adapter = adapter_path(args)
+    model, tok, spec = load_space(args.model, adapter, args.mask_num or DEFAULT_MASK_NUM,
                                   device=args.device, kernels=args.kernels)
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
         tree=tree_flag(args.tree, args.mask_num))
+    # which stored curve priced it (None: none of this setup), for auto to tell whether to measure
+    cfg = read_space_config(Path(adapter)) if adapter is not None else {}
+    setup = priced_for_setup(decode, cfg, torch.get_num_threads(), args.kernels, Path(adapter or ".") / SPACE_CONFIG,
+                             next(model.parameters()).device.type)[1]
+    decode = price_at_load(model, decode, setup, args.step_cost, args.kernels, tool="space-chat")[0]
     return model, tok, SpaceDecoder(model, spec, decode)
 
 

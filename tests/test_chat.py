@@ -16,6 +16,7 @@ from space.chat import Chat, cli
 from space.data.prompts import chat_ids
 from space.decoding import SamplingConfig, SpaceDecoder
 from space.decoding.config import DEFAULT_MASK_NUM
+from space.choices import SMOLLM2
 from space.loader import load_space
 
 # these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning
@@ -182,3 +183,40 @@ def test_a_first_seed_at_the_top_of_the_range_samples_every_turn():
     from space.chat import turn_seed
 
     assert [turn_seed(top, t) for t in range(3)] == [top, 0, 1] and turn_seed(3, 2) == 5
+
+
+def test_step_cost_flag_prices_the_dynamic_tree_as_space_eval_does(monkeypatch, capsys):
+    """``--step-cost`` (issue 58: a GPU user's chat was priced by the shipped CPU curve, which puts 14
+    rows at 1.6x one where an H200's eager step pays about 1.3x): ``measure`` puts the curve timed
+    at load in the decoder's layout and says so on one line; ``auto`` measures on a GPU when the
+    adapter stores no curve of that device (the CPU stands for the GPU here: ``AUTO_MEASURED``), but
+    not on a CPU, and not where the adapter's stored curve is of this device and setup (the shipped
+    adapter at 2 threads, fast kernels); ``stored`` never; ``measure`` over a static layout is refused.
+    The measurement is stubbed except in the first call, which times the tiny model's real steps."""
+    import space.chat as chat_module
+    import space.eval.tree_search as ts
+
+    calls, real = [], ts.measure_step_cost
+    monkeypatch.setattr(ts, "measure_step_cost", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def decoder(*flags, model="tiny-random-llama", adapter="none"):
+        args = chat_module.build_parser().parse_args(["--model", model, "--adapter", adapter, "--kernels", "fast",
+                                                      "--threads", "2", "--tree", "dynamic", *flags])
+        chat_module.check_args(args)
+        return chat_module.load(args)[2]
+
+    stored = decoder("--step-cost", "stored").config
+    measured = decoder("--step-cost", "measure").config
+    assert calls == [1] and "[space-chat] measured this machine's step cost" in capsys.readouterr().out
+    assert [q for q, _ in measured.step_cost] == [1, 2, 4, 8, 12, 16, 24, 32] and measured.step_cost != stored.step_cost
+    assert decoder().config == stored and calls == [1]  # auto on a CPU
+    monkeypatch.setattr(ts, "measure_step_cost", lambda *a, **k: calls.append(2) or
+                        {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0})
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ("cpu",))
+    priced = decoder().config
+    assert calls == [1, 2] and priced.step_cost == ((1, 2.0), (32, 3.0)) and priced.adapter_cost == 0.5
+    shipped = decoder(model=SMOLLM2, adapter=str(chat_module.SHIPPED_ADAPTER)).config
+    assert calls == [1, 2] and shipped.step_cost != ((1, 2.0), (32, 3.0))  # a curve of this device is stored
+    assert decoder("--step-cost", "stored").config == stored and calls == [1, 2]
+    with pytest.raises(ValueError, match="layout is static"):
+        decoder("--step-cost", "measure", "--tree", "chain")

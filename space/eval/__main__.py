@@ -29,10 +29,6 @@ from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model
 from .shard import Shard, current_shard, join, wait_for_all
 from .tasks import DATASETS, load_tasks, trained_questions
 
-# devices whose step cost --step-cost auto measures at load when the adapter stores no curve for them:
-# a GPU's steps take seconds to time (a CPU's curves are stored; an MPS step's timing is not waited for)
-AUTO_MEASURED = ("cuda",)
-
 # torch, transformers and the model code are imported inside the functions that need them, so
 # that --help answers without loading them
 
@@ -231,8 +227,8 @@ def recorded_run(out: Path, shard: Shard | None) -> dict:
 def price_here(args: argparse.Namespace, decode, setup: dict | None, model, graphs, shard: Shard | None,
                methods: list[str], recorded: dict, resuming: bool):
     """The dynamic tree priced by this machine's measured step cost where ``--step-cost`` asks for it
-    (``measure``; ``auto`` on a CUDA GPU when the stored curve's setup differs from the run's, or none
-    is stored): ``tree_search.measure_step_cost``, through ``graphs`` when the run captures its
+    (``tree_search.price_at_load``: ``measure``; ``auto`` on a CUDA GPU when the stored curve's setup
+    differs from the run's, or none is stored), through ``graphs`` when the run captures its
     steps. Only SPACE's dynamic tree is priced: a run without ``space`` measures nothing. A resumed
     run keeps how its samples were priced (the curve is a resume key), checked before anything else
     (the device, a shard, a curve stored since): the curve it measured at load, when its setup is
@@ -252,43 +248,24 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
     Raises:
         ValueError: ``--step-cost measure`` for SPACE with a static layout, whose steps no curve prices.
     """
-    from .tree_search import curve_setup, measure_step_cost, step_cost_mismatch
+    from .tree_search import curve_setup, price_at_load
 
     if "space" not in methods or args.step_cost == "stored":
         return decode, setup
-    if decode.tree != "dynamic":
-        if args.step_cost == "measure":
-            raise ValueError("--step-cost measure prices the dynamic tree's steps; this run's layout is static "
-                             "(add --tree dynamic)")
-        return decode, setup
-    here = curve_setup(model, args.kernels, args.capture)
-    on = here["device"]
-    # how the samples this run resumes were priced: first, whatever the mode and the stored curves now
-    kept = recorded.get("step_cost_setup") if resuming and "step_cost_setup" in recorded else False
-    measured_before = isinstance(kept, dict) and bool(kept.get("measured"))
-    if measured_before and recorded.get("step_cost") \
-            and all(kept.get(k) == here[k] for k in ("device", "capture", "trunk", "kernels")):
-        print("[space-eval] the step-cost curve measured when this run started prices its steps")
-        return decode.override(step_cost=tuple(map(tuple, recorded["step_cost"])),
-                               adapter_cost=recorded.get("adapter_cost") or 0.0), kept
-    if args.step_cost == "auto":
-        if kept is not False and not measured_before:
+    if decode.tree == "dynamic":
+        here = curve_setup(model, args.kernels, args.capture)
+        # how the samples this run resumes were priced: first, whatever the mode and the stored curves now
+        kept = recorded.get("step_cost_setup") if resuming and "step_cost_setup" in recorded else False
+        measured_before = isinstance(kept, dict) and bool(kept.get("measured"))
+        if measured_before and recorded.get("step_cost") \
+                and all(kept.get(k) == here[k] for k in ("device", "capture", "trunk", "kernels")):
+            print("[space-eval] the step-cost curve measured when this run started prices its steps")
+            return decode.override(step_cost=tuple(map(tuple, recorded["step_cost"])),
+                                   adapter_cost=recorded.get("adapter_cost") or 0.0), kept
+        if args.step_cost == "auto" and kept is not False and not measured_before:
             return decode, setup  # samples priced by a stored curve (or none), as before measuring at load
-        if on not in AUTO_MEASURED or args.compile or shard is not None:
-            return decode, setup
-        if setup and not step_cost_mismatch(setup, here["threads"], args.kernels, False, here["trunk"], on,
-                                            args.capture):
-            return decode, setup  # the adapter stores a curve of this device type and captured steps
-    # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
-    # the captured cache
-    room = (graphs.slots if graphs is not None else model.config.max_position_embeddings) - decode.max_rows() - 1
-    measured = measure_step_cost(model, decode.max_rows(), cache_len=max(1, min(300, room)), graphs=graphs)
-    setup = {**here, "measured": "at load", "seconds": measured["seconds"]}
-    first, last = measured["step_cost"][0], measured["step_cost"][-1]
-    print(f"[space-eval] measured this machine's step cost in {measured['seconds']:.1f} s: 1 row {first[1]} ms, "
-          f"{last[0]} rows {last[1]} ms ({last[1] / first[1]:.2f}x); adapter cost {measured['adapter_cost']} ms")
-    return decode.override(step_cost=tuple(map(tuple, measured["step_cost"])),
-                           adapter_cost=measured["adapter_cost"]), setup
+    return price_at_load(model, decode, setup, args.step_cost, args.kernels, args.capture, graphs,
+                         args.compile, shard is not None)
 
 
 def placed_on(model) -> list[str]:

@@ -434,6 +434,58 @@ def curve_setup(model, kernels: str, capture: bool) -> dict:
             "capture": capture, "trunk": trunk_of(model)}
 
 
+# devices whose step cost ``auto`` measures at load when the adapter stores no curve for them: a
+# GPU's steps take seconds to time (a CPU's curves are stored; an MPS step's timing is not waited for)
+AUTO_MEASURED = ("cuda",)
+
+
+def price_at_load(model, decode: DecodeConfig, setup: dict | None, mode: str, kernels: str, capture: bool = False,
+                  graphs=None, compiled: bool | str = False, sharded: bool = False,
+                  tool: str = "space-eval") -> tuple[DecodeConfig, dict | None]:
+    """A dynamic tree priced by this machine's step cost, measured now, where ``mode`` asks for it
+    (issue 58): ``"measure"``; ``"auto"`` on a device of :data:`AUTO_MEASURED` (a GPU, whose
+    eager steps are launch-bound where the stored CPU curves price 14 rows at 1.6x one) when the
+    stored curve's setup is not this run's (:func:`step_cost_mismatch`) or none is stored, never
+    on a compiled trunk or in shards; ``"stored"`` never. Eager trunk, or the captured steps
+    ``graphs`` (:func:`measure_step_cost`). ``space-eval`` and ``space-chat`` call it.
+
+    Args:
+        decode: the layout, priced by the stored curve (``artifact.priced_for_setup``).
+        setup: that curve's setup (``priced_for_setup``'s second value; None: none stored).
+        mode: one of ``choices.STEP_COST_CHOICES``.
+        tool: the name the measurement's one line (stdout) starts with.
+
+    Returns:
+        (the layout, the curve's setup: with ``"measured": "at load"`` and its seconds when measured),
+        else ``(decode, setup)`` unchanged.
+
+    Raises:
+        ValueError: ``"measure"`` with a static layout, whose steps no curve prices.
+    """
+    if mode == "stored":
+        return decode, setup
+    if decode.tree != "dynamic":
+        if mode == "measure":
+            raise ValueError("--step-cost measure prices the dynamic tree's steps; this layout is static "
+                             "(add --tree dynamic)")
+        return decode, setup
+    here = curve_setup(model, kernels, capture)
+    if mode == "auto" and (here["device"] not in AUTO_MEASURED or compiled or sharded or (
+            setup and not step_cost_mismatch(setup, here["threads"], kernels, False, here["trunk"], here["device"],
+                                             capture))):
+        return decode, setup
+    # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
+    # the captured cache
+    room = (graphs.slots if graphs is not None else model.config.max_position_embeddings) - decode.max_rows() - 1
+    measured = measure_step_cost(model, decode.max_rows(), cache_len=max(1, min(300, room)), graphs=graphs)
+    first, last = measured["step_cost"][0], measured["step_cost"][-1]
+    print(f"[{tool}] measured this machine's step cost in {measured['seconds']:.1f} s: 1 row {first[1]} ms, "
+          f"{last[0]} rows {last[1]} ms ({last[1] / first[1]:.2f}x); adapter cost {measured['adapter_cost']} ms",
+          flush=True)
+    return (decode.override(step_cost=tuple(map(tuple, measured["step_cost"])), adapter_cost=measured["adapter_cost"]),
+            {**here, "measured": "at load", "seconds": measured["seconds"]})
+
+
 def trunk_of(model) -> str:
     """``"fused"`` when ``space.loader.load_space`` fused ``model``'s trunk (``model.space_trunk``),
     else ``"unfused"`` (a compiled trunk, a model spread over devices, a model loaded otherwise)."""

@@ -142,7 +142,7 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
 
     measured = {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0}
     monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, cache_len=300, graphs=None: measured)
-    monkeypatch.setattr(eval_module, "AUTO_MEASURED", ("meta",))
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ("meta",))
     gpu, cpu = torch.nn.Linear(1, 1, device="meta"), torch.nn.Linear(1, 1)
     for m in (gpu, cpu):
         m.config = type("Config", (), {"max_position_embeddings": 2048})()
