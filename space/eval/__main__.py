@@ -103,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "setup, else its layout's own), measure (this machine's steps timed at load, eagerly or "
                         "captured as the run steps: seconds on a GPU, about 10 s for SmolLM2 on 2 CPU threads; "
                         "recorded in run_config.json and kept when the run resumes), auto: measure on a CUDA "
-                        "GPU when the adapter stores no curve for it and captured steps (the shipped ones are "
-                        "CPU curves), not in shards (each rank would measure its own: store one with space-tree "
-                        "--write-adapter), else stored")
+                        "GPU when the adapter stores no curve of that device type and captured steps (the shipped "
+                        "ones are CPU curves), not with --compile nor in shards (each rank would measure its own: "
+                        "store one with space-tree --write-adapter), else stored")
     add_threads_flag(p)
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval/<dataset>); reruns resume")
     add_debug_flag(p)
@@ -246,7 +246,9 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
         (the layout, the curve's setup: with ``"measured": "at load"`` and its seconds when measured).
 
     Raises:
-        ValueError: ``--step-cost measure`` for SPACE with a static layout, whose steps no curve prices.
+        ValueError: ``--step-cost measure`` for SPACE with a static layout, whose steps no curve prices;
+            resumed samples priced otherwise than this run would price (a curve measured on another
+            setup, or under ``measure`` a stored one), before anything is timed.
     """
     from .tree_search import curve_setup, price_at_load
 
@@ -264,6 +266,12 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
                                    adapter_cost=recorded.get("adapter_cost") or 0.0), kept
         if args.step_cost == "auto" and kept is not False and not measured_before:
             return decode, setup  # samples priced by a stored curve (or none), as before measuring at load
+        if kept is not False and (measured_before or args.step_cost == "measure"):  # refused now, not after timing
+            how = (f"a curve measured at load on {', '.join(f'{k} {kept.get(k)}' for k in ('device', 'capture', 'trunk', 'kernels'))}"
+                   if measured_before else "the adapter's stored curve" if kept else "the default curve")
+            raise ValueError(f"the run folder (--out) holds samples whose dynamic tree was priced by {how}; a curve "
+                             f"measured now would price the rest otherwise: resume with that setup and --step-cost, "
+                             f"or give a new --out")
     return price_at_load(model, decode, setup, args.step_cost, args.kernels, args.capture, graphs,
                          args.compile, shard is not None)
 

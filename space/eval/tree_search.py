@@ -188,7 +188,7 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
         device = head.weight.device
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, min(base.config.vocab_size, 1000), (cache_len + most,), generator=gen).to(device)
-        refuse_sliding_window(base.config, "the step-cost measurement")
+        refuse_sliding_window(base.config, "the step-cost measurement", cache_len + most)
         # a slot past the widest block, as a decoder's cache always has: where the attention reads only
         # the mask's width, a compiled graph traced with the mask as wide as the cache holds that
         # equality (dynamo's duck sizing), a graph of its own (stock attention's mask spans every slot)
@@ -226,8 +226,10 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
                     # a SPACE block's on (rows, hidden) (a compiled head guards on the rank)
                     hidden = hidden if q == 1 and not masks else hidden[0]
                 head(hidden)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                if device.type == "cuda":  # the head's device: the current one may be another GPU
+                    torch.cuda.synchronize(device)
+                elif device.type == "mps":
+                    torch.mps.synchronize()
                 if round_:
                     times[q, masks].append(time.perf_counter() - t0)
                 crop_cache(cache, cache_len, cache_len + q)
@@ -435,7 +437,7 @@ def curve_setup(model, kernels: str, capture: bool) -> dict:
 
 
 # devices whose step cost ``auto`` measures at load when the adapter stores no curve for them: a
-# GPU's steps take seconds to time (a CPU's curves are stored; an MPS step's timing is not waited for)
+# GPU's steps take seconds to time (a CPU's curves are stored, and a CPU takes about 10 s)
 AUTO_MEASURED = ("cuda",)
 
 
@@ -475,8 +477,12 @@ def price_at_load(model, decode: DecodeConfig, setup: dict | None, mode: str, ke
                                              capture))):
         return decode, setup
     # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
-    # the captured cache
+    # the captured cache, and short of a sliding window (the timed steps' masks do not slide)
+    from ..decoding.cache import attention_windows
+
     room = (graphs.slots if graphs is not None else model.config.max_position_embeddings) - decode.max_rows() - 1
+    windows = [w for w in attention_windows(model.config).values() if w is not None]
+    room = min([room] + [w - decode.max_rows() - 1 for w in windows])
     measured = measure_step_cost(model, decode.max_rows(), cache_len=max(1, min(300, room)), graphs=graphs)
     first, last = measured["step_cost"][0], measured["step_cost"][-1]
     print(f"[{tool}] measured this machine's step cost in {measured['seconds']:.1f} s: 1 row {first[1]} ms, "

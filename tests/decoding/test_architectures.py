@@ -125,6 +125,20 @@ def test_probe_and_training_refuse_a_window_they_would_ignore():
     refuse_sliding_window(MistralConfig(sliding_window=None), "the acceptance probe")
 
 
+def test_the_step_cost_is_measured_short_of_a_sliding_window():
+    """``--step-cost measure`` (and ``auto`` on a GPU) times steps after a cache short of the model's
+    window, where the plain timed masks are the sliding ones: a sliding-window model is priced, not
+    refused (it was, whatever the cache). A window too short for the rows is still refused."""
+    from space.eval.tree_search import price_at_load
+
+    model, _ = tiny_model("mistral-sliding", sliding_window=64)
+    decode = DecodeConfig(3, 4, tree="dynamic")  # up to 32 rows: a cache of 31 tokens fits the window
+    priced, setup = price_at_load(model, decode, None, "measure", "stock")
+    assert [q for q, _ in priced.step_cost] == [1, 2, 4, 8, 12, 16, 24, 32] and setup["measured"] == "at load"
+    with pytest.raises(ValueError, match="slides over 16 tokens"):
+        price_at_load(tiny_model("mistral-sliding")[0], decode, None, "measure", "stock")
+
+
 @pytest.mark.parametrize("arch, overrides", [
     ("granite", dict(logits_scaling=4.0)),
     ("gemma2", dict(final_logit_softcapping=2.0, attn_implementation="eager", layer_types=["full_attention"] * 2)),

@@ -141,7 +141,9 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
     from space.eval.shard import Shard
 
     measured = {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0}
-    monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, cache_len=300, graphs=None: measured)
+    lengths = []  # the cached tokens behind each measurement's timed rows
+    monkeypatch.setattr(ts, "measure_step_cost",
+                        lambda model, max_rows, cache_len=300, graphs=None: lengths.append(cache_len) or measured)
     monkeypatch.setattr(ts, "AUTO_MEASURED", ("meta",))
     gpu, cpu = torch.nn.Linear(1, 1, device="meta"), torch.nn.Linear(1, 1)
     for m in (gpu, cpu):
@@ -159,10 +161,20 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
         priced, how = price(setup)
         assert priced.step_cost == ((1, 2.0), (32, 3.0)) and priced.adapter_cost == 0.5, setup
         assert how["measured"] == "at load" and how["device"] == "meta"
+    assert lengths == [300] * 3
+    # within a short captured cache, and short of a sliding window (the timed masks do not slide)
+    args = eval_module.build_parser().parse_args(["--capture"])
+    args.kernels = "fast"
+    eval_module.price_here(args, decode, None, gpu, type("Graphs", (), {"slots": 64})(), None, ["space"], {}, False)
+    gpu.config.sliding_window = 100
+    price(None)
+    del gpu.config.sliding_window
+    assert lengths[3:] == [64 - decode.max_rows() - 1, 100 - decode.max_rows() - 1]
     assert price(gpu_curve) == (decode, gpu_curve)
     assert price(cpu_curve, cpu) == (decode, cpu_curve)
     assert price(cpu_curve, gpu, "--step-cost", "stored") == (decode, cpu_curve)
     assert price(cpu_curve, shard=Shard(0, 2)) == (decode, cpu_curve)
+    assert price(cpu_curve, gpu, "--compile") == (decode, cpu_curve)  # would time a compiled trunk: minutes
     assert price(cpu_curve, gpu, "--step-cost", "measure", methods=("ar", "pld")) == (decode, cpu_curve)
     priced, how = price(gpu_curve, cpu, "--step-cost", "measure")
     assert how["measured"] == "at load" and how["device"] == "cpu"
@@ -171,11 +183,14 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
     assert price(gpu_curve, cpu, "--step-cost", "measure", recorded=earlier, resuming=True)[0].step_cost == \
         ((1, 7.0), (32, 8.0))
     assert price(gpu_curve, cpu, "--step-cost", "measure", recorded=earlier)[0].step_cost == ((1, 2.0), (32, 3.0))
-    assert price(gpu_curve, gpu, "--step-cost", "measure", recorded=earlier, resuming=True)[0].step_cost == \
-        ((1, 2.0), (32, 3.0))
+    for flags in (("--step-cost", "measure"), ()):  # refused before timing: the samples' curve would not do
+        with pytest.raises(ValueError, match="priced by a curve measured at load on device cpu"):
+            price(gpu_curve, gpu, *flags, recorded=earlier, resuming=True)
     # a run priced by a stored curve (or by none) before measuring at load resumes with it under auto
     stored = {"step_cost_setup": cpu_curve, "step_cost": [[1, 54.0], [32, 114.0]]}
     assert price(cpu_curve, recorded=stored, resuming=True) == (decode, cpu_curve)
+    with pytest.raises(ValueError, match="priced by the adapter's stored curve"):
+        price(cpu_curve, gpu, "--step-cost", "measure", recorded=stored, resuming=True)
     assert price(cpu_curve, recorded={"step_cost_setup": None, "step_cost": None}, resuming=True) == (decode, cpu_curve)
     # under auto, the curve measured at load comes first: before the CPU's stored rule and before a GPU
     # curve the adapter was given since (space-tree --write-adapter keeps its hash)
