@@ -80,7 +80,8 @@ class StepGraphs:
 
     Args:
         model: a HF causal LM (a peft model is unwrapped), on one device, full attention on every
-            layer, ``sdpa`` or ``eager`` attention; the eager trunk as ``load_space`` gives it
+            layer, ``sdpa`` (the fused trunk's ``backends.SDPA_GQA`` among them) or ``eager`` attention;
+            the eager trunk as ``load_space`` gives it
             (fused or not, never ``compile_trunk``'s).
         slots: the cache's size in tokens: prompt + new tokens + a step's rows must fit
             (:meth:`check_fits`).

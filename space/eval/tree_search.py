@@ -588,7 +588,9 @@ def main(argv: list[str] | None = None) -> dict:
     if a.capture:
         from ..decoding.graphs import StepGraphs
 
-        graphs = StepGraphs(model, a.cache_len + a.max_rows, points)
+        # one slot bucket: every timed step reaches past half the slots, so a smaller one is never replayed
+        slots = a.cache_len + a.max_rows
+        graphs = StepGraphs(model, slots, points, min_slots=slots)
         seconds = graphs.capture()  # before the count is read: a GPU's graphs exist after it
         print(f"[space-tree] captured {graphs.num_graphs} step graphs in {seconds:.1f} s")
     # a compiled trunk steps over a static cache (space.decoding.compiled): its graphs build in the

@@ -118,6 +118,27 @@ def test_cli_compile_measures_the_compiled_trunk_over_a_static_cache(tmp_path, m
             main([*args, "--compile", "frozen", *extra])
 
 
+def test_cli_capture_times_one_slot_bucket(tmp_path, monkeypatch):
+    """space-tree --capture times every row count after the same cache, so its steps all land in the
+    top slot bucket: it captures that one only (at --cache-len 2048 it captured four, three never
+    replayed: about 4x the capture time and graph memory). The CPU runs the captured steps eagerly."""
+    import space.decoding.graphs as graphs_module
+
+    made = []
+    real = graphs_module.StepGraphs.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self.slot_sizes)
+
+    monkeypatch.setattr(graphs_module.StepGraphs, "__init__", spy)
+    probe.main(["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "12", "-k", "2",
+                "--out", str(tmp_path / "probe")])
+    main(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--max-mask-num", "2",
+          "--max-rows", "4", "--cache-len", "1020", "--threads", "1", "--capture", "--out", str(tmp_path / "tree")])
+    assert [list(sizes) for sizes in made] == [[1024]]
+
+
 def test_write_decode_keeps_other_keys(tmp_path):
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "decode": {"mask_num": 1}}))
     write_decode(tmp_path, {"mask_num": 3, "num_groups": 2, "tree": [[0], [1]]})
