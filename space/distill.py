@@ -101,10 +101,17 @@ def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_ne
         suppress_ids: token ids never generated (a SPACE model's mask tokens).
 
     Yields:
-        per batch, (prompt row, new token ids cut before the first EOS, finished: EOS was reached).
+        per batch, (prompt row, new token ids cut before the first end id, finished: one was reached).
+        The end ids are the tokenizer's and the model's (``space.models.stop_ids``), as space-eval
+        stops; the model's other generation settings are left out (``space.models.plain_generate``):
+        the answers are its greedy AR output, the decoders' own.
     """
     import torch
 
+    from .data.magpie import cut_at_stop
+    from .models import plain_generate, stop_ids
+
+    stops = stop_ids(model, tok)
     side, tok.padding_side = tok.padding_side, "left"
     try:
         todo = sorted(prompts, key=lambda p: len(p["ids"]))
@@ -112,14 +119,9 @@ def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_ne
             batch = todo[start:start + batch_size]
             enc = tok.pad({"input_ids": [p["ids"] for p in batch]}, return_tensors="pt").to(model.device)
             with torch.inference_mode():
-                gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                     suppress_tokens=list(suppress_ids) or None)
-            rows = []
-            for p, row in zip(batch, gen[:, enc["input_ids"].shape[1]:].tolist()):
-                finished = tok.eos_token_id in row
-                rows.append((p, row[: row.index(tok.eos_token_id)] if finished else row, finished))
-            yield rows
+                gen = plain_generate(model, enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
+                                     pad_token_id=tok.pad_token_id, suppress_tokens=list(suppress_ids) or None)
+            yield [(p, *cut_at_stop(row, stops)) for p, row in zip(batch, gen[:, enc["input_ids"].shape[1]:].tolist())]
     finally:
         tok.padding_side = side
 
@@ -165,7 +167,10 @@ class Distiller:
                          "magpie": asdict(magpie) if "magpie" in sources else None, "dtype": dtype}
         self.turns_file, self.manifest_file = sibling(out, "magpie"), sibling(out, "manifest", ".json")
         old = self._check_resume()
-        self.devices = sorted({*old.get("devices", []), device})  # every run's, a resumed set's too
+        # every run's, a resumed set's too: a manifest from before the list names one device, one from
+        # before --device was made on a CPU
+        earlier = old.get("devices") or ([old["device"]] if "device" in old else ["cpu"] if old else [])
+        self.devices = sorted({*earlier, device})
         out.parent.mkdir(parents=True, exist_ok=True)
         self.rows = read_jsonl(out) if out.suffix == ".gz" else read_jsonl_resumable(out)
         self.turns = read_jsonl(self.turns_file) if self.turns_file.is_file() else []

@@ -125,6 +125,35 @@ def model_identity(name: str) -> str:
     return str((cache_dir() / SMOLLM2 if name == SMOLLM2 else Path(name)).expanduser().resolve())
 
 
+def stop_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a turn, sorted: the tokenizer's eos and the model's
+    ``generation_config.eos_token_id`` (one id or a list: a chat model's end-of-turn, e.g. Gemma's
+    ``<end_of_turn>``, is often only there)."""
+    eos = model.generation_config.eos_token_id
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
+    return sorted(i for i in ids if i is not None)
+
+
+def plain_generate(model, inputs: dict, **settings) -> torch.Tensor:
+    """HF ``model.generate(**inputs, **settings)`` with only these settings: the model's own
+    ``generation_config`` (a repetition penalty, beams, a minimum length, ...) is set aside for the
+    call, else HF fills every setting not given from it and a "greedy" answer is another model's.
+    Its bos / eos / pad ids stay.
+
+    Returns:
+        (batch, prompt + new tokens) ids, as ``generate``.
+    """
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                                               pad_token_id=own.pad_token_id)
+    try:
+        return model.generate(**inputs, **settings)
+    finally:
+        model.generation_config = own
+
+
 def parse_device_map(spec: str) -> str | dict[str, int | str]:
     """``--device-map``: a strategy, a JSON file, or inline JSON, as ``from_pretrained`` takes it.
 

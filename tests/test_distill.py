@@ -20,7 +20,10 @@ class StubModel:
     device = torch.device("cpu")
 
     def __init__(self, tok, answers, unfinished=()):
+        from transformers import GenerationConfig
+
         self.tok, self.answers, self.unfinished = tok, answers, set(unfinished)
+        self.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id)
 
     def generate(self, input_ids, attention_mask, **kwargs):
         tok, rows = self.tok, []
@@ -47,6 +50,28 @@ def test_greedy_batches_cut_at_eos_shortest_first():
     got = {p["text"]: (tok.decode(ids), done) for b in batches for p, ids, done in b}
     assert got == {"q": ("two", True), "mid q": ("three", False), "a longer question": ("one", True)}
     assert tok.padding_side == side
+
+
+def test_greedy_batches_are_the_models_greedy_output_whatever_its_generation_config():
+    """The answers are the teacher's greedy AR output (``ar_generate``, what the decoders emit), so
+    the model's own ``generation_config`` settings stay out (HF fills every setting a call leaves
+    out from it: a repetition penalty made other answers, and with pad = eos penalized a padded
+    row's eos), and an end id the model lists beside the tokenizer's (a chat model's end of turn)
+    ends an answer, as space-eval stops. The tiny random model, real HF ``generate``."""
+    from space.decoding import ar_generate
+    from space.models import tiny_random_llama
+
+    model, tok = tiny_random_llama()
+    prompts = [{"text": t, "ids": chat_ids(tok, [{"role": "user", "content": t}])} for t in ("hi", "a longer one")]
+    truth = {p["text"]: ar_generate(model, torch.tensor(p["ids"]), 24).new_ids for p in prompts}
+    model.generation_config.repetition_penalty = 1.5
+    got = {p["text"]: ids for b in greedy_batches(model, tok, prompts, 2, 24) for p, ids, _ in b}
+    assert got == {t: ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids for t, ids in truth.items()}
+    assert model.generation_config.repetition_penalty == 1.5  # set aside for the call only
+    end = truth["hi"][3]  # an end id the model lists, the tokenizer does not
+    model.generation_config.eos_token_id = [tok.eos_token_id, end]
+    (p, ids, finished), = [row for b in greedy_batches(model, tok, prompts[:1], 2, 24) for row in b]
+    assert ids == truth["hi"][: truth["hi"].index(end)] and finished
 
 
 def test_collect_prompts_takes_single_turn_prompts_once(tmp_path):
@@ -219,6 +244,11 @@ def test_a_set_records_its_dtype_and_device_and_resumes_only_in_its_dtype(tmp_pa
     del manifest["settings"]["dtype"]  # as written before --dtype: an fp32 set
     manifest_file.write_text(json.dumps(manifest))
     distiller("float32").run(StubModel(tok, answers), tok)
+    # a manifest from before the devices' list names one device, one from before --device a CPU's
+    for older, earlier in (({"device": "cuda:1"}, "cuda:1"), ({}, "cpu")):
+        manifest_file.write_text(json.dumps({**{k: v for k, v in manifest.items() if k != "devices"}, **older}))
+        distiller("float32", "cuda:0").run(StubModel(tok, answers), tok)
+        assert json.loads(manifest_file.read_text())["devices"] == sorted({earlier, "cuda:0"})
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"dtype: None -> 'bfloat16'"):
         distiller("bfloat16")

@@ -67,22 +67,30 @@ def sample_user_turns(model, tokenizer, prefixes: list[list[int]], seed: int, ma
     Returns:
         per prefix, (message text stripped, finished: the end-of-turn token was reached).
     """
+    from ..models import plain_generate, stop_ids
+
+    stops = stop_ids(model, tokenizer)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
         enc = tokenizer.pad({"input_ids": prefixes}, return_tensors="pt").to(model.device)
-        with torch.random.fork_rng(devices=[]):
+        # manual_seed seeds every CUDA device too: the model's is forked with the CPU's
+        with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
             torch.manual_seed(seed)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                 top_p=top_p, top_k=0, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)
+            gen = plain_generate(model, enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                 top_p=top_p, top_k=0, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
     finally:
         tokenizer.padding_side = side
     out = []
     for row in gen[:, enc["input_ids"].shape[1]:].tolist():
-        finished = tokenizer.eos_token_id in row
-        ids = row[: row.index(tokenizer.eos_token_id)] if finished else row
+        ids, finished = cut_at_stop(row, stops)
         out.append((tokenizer.decode(ids, skip_special_tokens=False).strip(), finished))
     return out
+
+
+def cut_at_stop(row: list[int], stops: list[int]) -> tuple[list[int], bool]:
+    """(``row`` cut before its first id of ``stops``, whether it held one)."""
+    at = next((i for i, t in enumerate(row) if t in stops), None)
+    return (row, False) if at is None else (row[:at], True)
 
 
 def eval_texts(data_root=None) -> list[str]:

@@ -57,9 +57,9 @@ class Target:
 
     @property
     def stop_ids(self) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
-        ids = {self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
-        return sorted(i for i in ids if i is not None)
+        from ..models import stop_ids
+
+        return stop_ids(self.model, self.tokenizer)
 
 
 # per-step records of a SPACE generation (empty lists for the other methods): accepted drafts,
