@@ -310,6 +310,9 @@ def cmd_host_time(args) -> dict:
                        + ("" if on is None else f", cudnn sdp {'on' if on else 'off'}"))
                 out["layouts"][key] = entry = host_time(model, spec, cfg, prompts, args.new_tokens)
                 print(f"host-time {what} {key}: {entry}", flush=True)
+                # each layout's entry kept as it comes: a stage cut at its time cap (g58 lost two) keeps
+                # what it timed; main writes the whole result, without "partial", at the end
+                write_text_atomic(Path(args.out), json.dumps({**header(), **out, "partial": True}, indent=1))
     return out
 
 
@@ -412,6 +415,11 @@ def dtype_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def header() -> dict:
+    """What every result file starts with: the command line and the machine."""
+    return {"command": " ".join(sys.argv), "machine": machine()}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -459,8 +467,7 @@ def main(argv=None) -> dict:
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --device cpu for a dry run)")
-    result = {"command": " ".join(sys.argv), "machine": machine(),
-              **{"step-cost": cmd_step_cost, "host-time": cmd_host_time, "train": cmd_train}[args.cmd](args)}
+    result = {**header(), **{"step-cost": cmd_step_cost, "host-time": cmd_host_time, "train": cmd_train}[args.cmd](args)}
     write_text_atomic(Path(args.out), json.dumps(result, indent=1))
     return result
 

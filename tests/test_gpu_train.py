@@ -100,7 +100,12 @@ def test_gpu_train_local_phase_packs_sets_and_an_exact_adapter(tmp_path):
     restored = tmp_path / "stash2" / "runs" / "gpu60"
     assert (restored / "distill_magpie.jsonl").read_bytes() == (runs / "distill_magpie.jsonl").read_bytes()
     assert (restored / "train" / "final" / "adapter_model.safetensors").is_file()
-    assert "restored" in run.stdout and "train rc=0" in (tmp_path / "out2" / "status.txt").read_text()
+    assert "train rc=0" in (tmp_path / "out2" / "status.txt").read_text()
+    # the sets alone: an earlier train/ restored too would leave its final/ in place of this run's
+    line = next(line for line in run.stdout.splitlines() if line.startswith("restored "))
+    assert set(line.split(" from ")[0].split()[1:]) == {
+        "distill_lima_mbpp.jsonl", "distill_lima_mbpp.manifest.json", "distill_magpie.jsonl",
+        "distill_magpie.magpie.jsonl", "distill_magpie.manifest.json"}, line
 
 
 def test_gpu_train_t60c_without_sets_says_what_to_run_first(tmp_path):

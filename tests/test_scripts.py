@@ -231,7 +231,7 @@ def check_host_time(written: dict, argv: list[str]) -> None:
 
 @pytest.mark.parametrize("phase, argv", [  # the real SmolLM2's: slow, as every test that loads it
     pytest.param(p, a, marks=[pytest.mark.slow] if "--adapter" in a else [], id=p) for p, a in g58("host-time")])
-def test_gpu_bench_host_time_as_g58_runs_it(phase, argv, tmp_path):
+def test_gpu_bench_host_time_as_g58_runs_it(phase, argv, tmp_path, monkeypatch):
     """g58a's host-time (7B shape -> tiny; layouts, --cudnn-sdp both) and g58b's (the real SmolLM2
     with the shipped adapter, bf16, its shipped layout), with 2 prompts x 4 new tokens."""
     argv = with_flags(local_paths(argv, tmp_path), prompts=2, new_tokens=4, device="cpu")
@@ -239,11 +239,29 @@ def test_gpu_bench_host_time_as_g58_runs_it(phase, argv, tmp_path):
         argv = with_flags(argv, prompts=1, new_tokens=3)
     else:
         argv = with_flags(argv, shape="tiny", prompt_len=8)
-    load_script("gpu_bench").main(argv)
+    bench = load_script("gpu_bench")
+    bench.main(argv)
     written = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
-    assert written["machine"]["device"] == "cpu"
+    assert written["machine"]["device"] == "cpu" and "partial" not in written
     assert written["new_tokens"] == int(argv[argv.index("--new-tokens") + 1])
     check_host_time(written, argv)
+    if "--adapter" in argv:
+        return
+    # a stage cut at its time cap keeps the layouts it timed: here the third timing stops the run
+    real, timed = bench.host_time, []
+
+    def cut(*a, **k):
+        if len(timed) == 2:
+            raise KeyboardInterrupt
+        timed.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench, "host_time", cut)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(with_flags(argv, out=str(tmp_path / "cut.json")))
+    kept = json.loads((tmp_path / "cut.json").read_text())
+    assert kept["partial"] is True and kept["machine"]["device"] == "cpu"
+    assert list(kept["layouts"]) == list(written["layouts"])[:2]
 
 
 TRAIN = [(p, a) for p, a in GPU_BENCH if a[0] == "train"]
