@@ -3,7 +3,7 @@
 # on the embedded SmolLM2-135M-Instruct (+ the shipped SPACE adapter when present), HumanEval.
 #
 #   bash run_eval.sh [space-eval flags]        # later flags override the defaults below
-#   bash run_eval.sh --limit 164 --max-new-tokens 256 --out results/humaneval
+#   bash run_eval.sh --limit 164 --max-new-tokens 256 --out runs/eval/humaneval164
 #   bash run_eval.sh --dataset mt-bench --limit 80
 #   ADAPTER=none bash run_eval.sh              # untrained mask token: exact, but accepts little
 # Flags: python -m space.eval --help. The adapter is added only for its own base model (not for

