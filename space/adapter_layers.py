@@ -230,10 +230,18 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
         (model, MaskSpec): the model to train (a peft model for lora / frozen-base).
 
     Raises:
-        ValueError: unknown mode or mask_num out of range.
+        ValueError: unknown mode, mask_num out of range, or a LoRA target that names no module of the
+            model (peft refuses only a list that matches none, and a misspelt one dropped silently
+            while adapter_config.json recorded it).
     """
     if mode not in MODES:
         raise ValueError(f"unknown training mode {mode!r}; choose one of {MODES}")
+    if mode != "full":  # peft's rule: a module's name is the target, or ends in "." + target
+        names = [n for n, _ in model.named_modules()]
+        unknown = [t for t in lora_targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if unknown:
+            linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ValueError(f"lora_targets {unknown} name no module of this model; its linears: {linears}")
     spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
     if mode == "full":
         model.requires_grad_(True)

@@ -239,16 +239,31 @@ def check_config_types(values: dict, path: str | os.PathLike) -> None:
             raise ValueError(f"{path}: {key} must be {what}{' or null' if optional else ''}, got {value!r}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a key given twice in one mapping (it kept the last one: a
+    config with ``mask_num: 3`` and, further down, ``mask_num: 5`` trained k = 5 without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_config_file(path: str | os.PathLike) -> dict:
     """The key-value mapping of a training config YAML (unchecked keys).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: broken YAML, not UTF-8, or not a mapping (the file is named).
+        ValueError: broken YAML, a key given twice, not UTF-8, or not a mapping (the file is named).
     """
     try:
         with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f) or {}
+            values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:  # its own message spans lines: make it one, and name the file
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     except UnicodeDecodeError as e:

@@ -372,6 +372,37 @@ def test_train_resume_refuses_another_mask_num(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoint-4").exists()
 
 
+def test_train_resume_refuses_other_data_or_schedule_and_a_checkpoint_without_its_optimizer(tmp_path, capsys):
+    """HF restores a checkpoint's optimizer and schedule and skips the batches it saw: a rerun with
+    other data went on from a misaligned point and its artifact named the new data; another learning
+    rate was ignored. Both are refused now, naming what differs (the data by count and hash). A
+    checkpoint without its optimizer state (save_only_model, or copied without it) resumed with a
+    fresh Adam and the warm-up again: refused too. The same command still resumes."""
+    out = tmp_path / "run"
+    args = ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(out), "--limit", "4", "--save_steps", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli([*args, "--max_steps", "2"])
+    assert exit_info.value.code == 0
+    saved = json.loads((out / "checkpoint-2" / "space_settings.json").read_text())
+    assert saved["data"]["samples"] == 4 and saved["batch"] > 0
+    capsys.readouterr()
+    for flags, key in ((["--limit", "3"], "'data'"), (["--learning_rate", "0.5"], "'learning_rate'"),
+                       (["--seed", "7"], "'seed'"), (["--mask_loss_weight", "3"], "'mask_loss_weight'")):
+        with pytest.raises(SystemExit) as exit_info:
+            train_cli([*args, "--max_steps", "4", *flags])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "other SPACE settings or data" in err and key in err, (flags, err)
+    (out / "checkpoint-2" / "optimizer.pt").rename(tmp_path / "optimizer.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli([*args, "--max_steps", "4"])
+    assert exit_info.value.code == 2 and "lacks optimizer.pt" in capsys.readouterr().err
+    assert not (out / "checkpoint-4").exists()
+    (tmp_path / "optimizer.pt").rename(out / "checkpoint-2" / "optimizer.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli([*args, "--max_steps", "4"])
+    assert exit_info.value.code == 0 and (out / "checkpoint-4").is_dir()
+
+
 # ---- space-tree, space-probe, space-chat, space-distill: numbers, devices, trees, files ----
 
 from space.chat import cli as chat_cli  # noqa: E402  (this section's own entry points)

@@ -168,11 +168,13 @@ def data_lists(datasets: str | None, sources: str | None = None) -> tuple[list[s
 
 
 def load_examples(name: str, root: str | os.PathLike | None = None, limit: int | None = None,
-                  sources: list[str] | None = None) -> list[Example]:
+                  sources: list[str] | None = None, seen: set[str] | None = None) -> list[Example]:
     """Examples of a registered dataset name or a .json/.jsonl path.
 
     ``sources`` keeps only the rows whose ``source`` field (written by ``space-distill``: mbpp, lima,
-    stdlib) is in the list, before ``limit`` rows are taken; None keeps every row.
+    stdlib) is in the list, before ``limit`` rows are taken; None keeps every row. ``seen``: the
+    sources of the kept rows are added to it (a caller reading several files checks that every
+    source it names matched a row somewhere: a misspelt one dropped its rows silently).
 
     Raises:
         FileNotFoundError: unknown name that is not a file either (lists the registered names).
@@ -190,6 +192,8 @@ def load_examples(name: str, root: str | os.PathLike | None = None, limit: int |
         rows = [(i, row) for i, row in rows if row["source"] in sources]
         if not rows:
             raise ValueError(f"{path}: no row has a source in {sources}")
+        if seen is not None:
+            seen.update(row["source"] for _, row in rows)
     out = []
     for i, row in rows[:limit]:
         try:

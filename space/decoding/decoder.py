@@ -86,7 +86,8 @@ import torch
 from transformers import Cache
 
 from .backends import attends_mask_width
-from ..masking import host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents, unpack_rows
+from ..masking import (check_parents, host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents,
+                       unpack_rows)
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
 from .cache import SlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache, static_cache
@@ -560,12 +561,24 @@ class SpaceDecoder:
         """A planner's block, built: the device tensors of a block and its node ``tokens`` on the
         device. The layout is computed on the host (``space.masking.host_block``: one pass over
         the rows, no tensor op) and goes up with the tokens in one non-blocking copy
-        (:func:`upload`), split into views; a tree shape seen before reuses its tensors."""
+        (:func:`upload`), split into views; a tree shape seen before reuses its tensors.
+
+        Raises:
+            ValueError: a new shape that is no block: a parent after its child or a second root
+                (``masking.check_parents``), a group anchored past the nodes or of no mask, or more
+                rows than ``rows``. A planner given to :meth:`generate` may propose one; laid out,
+                a child before its parent saw neither, and a sampled step accepted it.
+        """
         dev, n1 = self.device, len(parents)
         key = (tuple(parents), tuple(group_rows), tuple(group_len), rows)
         if key in self._layouts:  # a tree shape seen before (most are): only its tokens go up
             self._layouts[key] = self._layouts.pop(key)  # most recently used last
             return self._layouts[key], upload(tokens, dev)
+        check_parents(parents, n1)  # once per shape: host_block trusts it
+        if (len(group_rows) != len(group_len) or any(not 0 <= r < n1 for r in group_rows)
+                or any(n < 1 for n in group_len) or rows < n1 + sum(group_len)):
+            raise ValueError(f"a block's mask groups must hang off its {n1} nodes with at least one mask each, within "
+                             f"{rows} rows; got group rows {list(group_rows)}, lengths {list(group_len)}")
         positions, offsets, sees = host_block(parents, [r + 1 for r in group_rows], group_len, rows)
         mask_ids = [self.mask_ids[max(j, 0)] for j in offsets[n1:]]  # padding takes offset 0's id
         words = pack_rows(sees, rows)

@@ -39,6 +39,14 @@ SETTING_KEYS = ("mask_num", "mask_diff", "layout", "spans_per_sample", "span_den
                 "chain_weight", "consistency_weight", "sampler_head", "sampler_width")
 # what checkpoints saved before a key existed trained with (they resume when the run keeps it)
 SETTINGS_BEFORE = {"chain_weight": 0.0, "consistency_weight": 0.0, "sampler_head": False, "sampler_width": 0}
+# what a resumed run must also share with its checkpoint (:func:`run_settings`): its data, loss and
+# optimizer schedule. HF restores the optimizer and schedule and skips the batches already seen, so
+# another learning rate was ignored and other data was trained from a misaligned point, while the
+# artifact named the new data. A checkpoint saved before these were recorded is not compared on them
+RUN_KEYS = ("data", "max_length", "mask_prob", "mask_loss_weight", "teacher_topk", "seed", "learning_rate",
+            "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "batch", "lora_dropout")
+# the files a checkpoint holds its optimizer and learning-rate schedule in: HF's, or DeepSpeed's engine's
+OPTIMIZER_FILES = {False: ("optimizer.pt", "scheduler.pt"), True: ("latest",)}
 
 
 def space_settings(model_args, mask_args, train_args) -> dict:
@@ -51,6 +59,43 @@ def space_settings(model_args, mask_args, train_args) -> dict:
         stage = int(train_args.hf_deepspeed_config.config.get("zero_optimization", {}).get("stage", 0))
     return {"model": model_args.model_name_or_path, "mode": model_args.mode,
             **{k: getattr(mask_args, k) for k in SETTING_KEYS if hasattr(mask_args, k)}, "zero_stage": stage}
+
+
+def run_settings(model_args, data_args, mask_args, train_args, examples: list) -> dict:
+    """The rest of what a resume must match (:data:`RUN_KEYS`): the training examples (count and a
+    hash of their text and ids, in order), ``max_length``, the loss settings, the seed, the optimizer's
+    learning rate, schedule and weight decay, the batch (per device x accumulation x processes) and
+    the LoRA dropout. (transformers 5 folds ``warmup_ratio`` into a fractional ``warmup_steps``.)"""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for ex in examples:
+        digest.update(json.dumps([ex.context, ex.response, ex.finished, ex.response_ids]).encode())
+    return {"data": {"samples": len(examples), "sha256": digest.hexdigest()[:16]},
+            "max_length": data_args.max_length, "mask_prob": mask_args.mask_prob,
+            "mask_loss_weight": mask_args.mask_loss_weight, "teacher_topk": mask_args.teacher_topk,
+            "seed": train_args.seed, "learning_rate": train_args.learning_rate,
+            "lr_scheduler_type": str(getattr(train_args.lr_scheduler_type, "value", train_args.lr_scheduler_type)),
+            "warmup_steps": train_args.warmup_steps, "warmup_ratio": getattr(train_args, "warmup_ratio", None),
+            "weight_decay": train_args.weight_decay,
+            "batch": train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps
+            * train_args.world_size, "lora_dropout": model_args.lora_dropout}
+
+
+def check_optimizer_state(last: str, settings: dict) -> None:
+    """Refuse to resume from checkpoint ``last`` without its optimizer and schedule state
+    (:data:`OPTIMIZER_FILES`; a run with ``save_only_model``, or a checkpoint copied without them):
+    HF would go on with a fresh Adam and the schedule's warm-up again, silently, and the weights
+    would differ from an unbroken run's.
+
+    Raises:
+        ValueError: a file missing, named.
+    """
+    missing = [n for n in OPTIMIZER_FILES[settings.get("zero_stage") is not None] if not (Path(last) / n).exists()]
+    if missing:
+        raise ValueError(f"{last} lacks {', '.join(missing)}, so its optimizer and learning-rate schedule would "
+                         "start afresh (saved with save_only_model, or copied without them); delete it to resume "
+                         "from the checkpoint before, or start a new output_dir with init_adapter")
 
 
 def last_whole_checkpoint(output_dir: str, main_process: bool) -> str | None:
@@ -88,16 +133,18 @@ def check_checkpoint(last: str, settings: dict) -> None:
     if not path.is_file():
         raise ValueError(f"{last} has no {SETTINGS_FILE}, so its SPACE settings are unknown (a save cut "
                          "short?); use another output_dir, or delete the checkpoint to resume from the one before")
-    saved = {**SETTINGS_BEFORE, **json.loads(path.read_text(encoding="utf-8"))}
+    recorded = json.loads(path.read_text(encoding="utf-8"))
+    saved = {**SETTINGS_BEFORE, **recorded}
     if "zero_stage" in settings and "zero_stage" not in saved:
         # saved before the stage was recorded: DeepSpeed's engine writes a "latest" file, which
         # says DeepSpeed, not which stage
         deepspeed = (Path(last) / "latest").is_file()
         saved["zero_stage"] = (settings["zero_stage"] if settings["zero_stage"] is not None else "DeepSpeed") \
             if deepspeed else None
-    diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    diff = {k: (saved.get(k), v) for k, v in settings.items()
+            if saved.get(k) != v and (k in recorded or k not in RUN_KEYS)}
     if diff:
-        raise ValueError(f"{last} was trained with other SPACE settings; (checkpoint, now): {diff}. "
+        raise ValueError(f"{last} was trained with other SPACE settings or data; (checkpoint, now): {diff}. "
                          + ("zero_stage None is a run without DeepSpeed: the optimizer state resumes only under "
                             "the DeepSpeed config (ZeRO stage) it was saved with. " if "zero_stage" in diff else "")
                          + "Use another output_dir, or delete it to start over")
@@ -169,7 +216,14 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
         # unused-parameter search walks only the forward's outputs, would mark the head's weights ready
         # there, and their gradients in backward would mark them ready twice (an error under torchrun)
         train_args.ddp_find_unused_parameters = False
-    settings = space_settings(model_args, mask_args, train_args)
+    names, sources = data_lists(data_args.datasets, data_args.sources)
+    seen: set[str] = set()
+    examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit, sources, seen)]
+    if sources is not None and set(sources) - seen:
+        raise ValueError(f"sources {sorted(set(sources) - seen)} match no row of {names} (their sources: {sorted(seen)})")
+    examples, held_out = drop_dev_set(examples, data_args.data_root)
+    settings = {**space_settings(model_args, mask_args, train_args),
+                **run_settings(model_args, data_args, mask_args, train_args, examples)}
     last = last_whole_checkpoint(train_args.output_dir, train_args.process_index == 0)
     if train_args.resume_from_checkpoint and not last:
         # a checkpoint the user names, perhaps of another run, starts this one; once this run has
@@ -178,15 +232,13 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
     done = total = 0
     if last:
         check_checkpoint(last, settings)
+        check_optimizer_state(last, settings)
         if model_args.mode != "full":
             check_lora_shape(Path(last), model_args.lora_r, model_args.lora_alpha, model_args.lora_targets.split(","),
                              False, last)
         state = json.loads((Path(last) / "trainer_state.json").read_text())
         # the total: max_steps when given, else as the checkpoint's run counted the epochs
         done, total = state["global_step"], train_args.max_steps if train_args.max_steps > 0 else state["max_steps"]
-    names, sources = data_lists(data_args.datasets, data_args.sources)
-    examples = [ex for n in names for ex in load_examples(n, data_args.data_root, data_args.limit, sources)]
-    examples, held_out = drop_dev_set(examples, data_args.data_root)
     if model_args.init_adapter:  # like the data, it may come from an earlier stage: check it before loading
         try:
             read_space_config(Path(model_args.init_adapter))

@@ -765,6 +765,38 @@ def test_a_sampled_chain_takes_no_planner(tiny):
     assert len(dec.generate(torch.tensor([5, 6]), 4, planner=dec.planner()).new_ids) == 4  # greedy takes one
 
 
+def test_a_planners_block_with_a_child_before_its_parent_is_refused(tiny):
+    """``generate(planner=...)`` takes any planner, and the block layout trusted its order: a child
+    laid out before its parent saw neither x_{n-1} nor its parent, a sampled step accepted it and
+    drew the bonus token from it, and a greedy one failed after the forward with an IndexError. A new
+    block shape is checked now; the same nodes in order decode."""
+    from space.decoding.planner import Proposal
+
+    model, _, spec = tiny
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, tree="dynamic"))
+
+    class Planner:
+        def __init__(self, parents):
+            self.parents = parents
+
+        def propose(self, drafts, found, cache_len):
+            # row 0 is x_{n-1}; the nodes' tokens follow
+            layout, tokens = dec.block_layout(self.parents, [], [], len(self.parents), [7, 8])
+            return Proposal(layout, tokens, (0, 0))
+
+        def observe(self, outcome):
+            pass
+
+    for parents in ((-1, 2, 0), (-1, 0, -1)):  # a parent after its child; a second root
+        for sampling in (SamplingConfig(), SamplingConfig(1.0, seed=0)):
+            with pytest.raises(ValueError, match="an earlier row for every other row"):
+                dec.generate(torch.tensor([5, 6]), 4, sampling=sampling, planner=Planner(parents))
+    assert len(dec.generate(torch.tensor([5, 6]), 4, planner=Planner((-1, 0, 1))).new_ids) == 4
+    for rows, lens in (([3], [1]), ([0], [0])):  # a group past the nodes; a group of no mask
+        with pytest.raises(ValueError, match="mask groups must hang off"):
+            dec.block_layout((-1, 0, 1), rows, lens, 8)
+
+
 def test_choose_groups_net_value_by_hand():
     """_choose_groups' prices on a tree small enough to work by hand (x_{n-1} and one node of
     value 0.6; λ = 1, a row 0.1, the adapter 0.05; top-R rates 0.9, 0.5, top-1 rates 0.6, 0.3).

@@ -71,6 +71,35 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path, key, value):
         check_checkpoint(str(tmp_path), {**SETTINGS, key: value})
 
 
+def test_a_checkpoint_from_before_the_run_keys_resumes_and_one_with_them_is_compared(tmp_path):
+    """The data, loss and schedule keys (``RUN_KEYS``) are compared where the checkpoint recorded
+    them; one saved before they were recorded resumes as it did."""
+    from space.train.run import RUN_KEYS
+
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps(SETTINGS))
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    now = {**SETTINGS, "data": {"samples": 4, "sha256": "ab"}, "learning_rate": 1e-3}
+    assert {"data", "learning_rate"} <= set(RUN_KEYS)
+    check_checkpoint(str(tmp_path), now)
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps({**now, "data": {"samples": 4, "sha256": "cd"}}))
+    with pytest.raises(ValueError, match="other SPACE settings or data.*'data'"):
+        check_checkpoint(str(tmp_path), now)
+
+
+@pytest.mark.parametrize("zero_stage, files", [(None, ("optimizer.pt", "scheduler.pt")), (2, ("latest",))])
+def test_a_checkpoint_without_its_optimizer_state_is_refused(tmp_path, zero_stage, files):
+    """HF's optimizer and scheduler files, or DeepSpeed's engine's ``latest``: without them a resume
+    starts a fresh optimizer and the schedule's warm-up again."""
+    from space.train.run import check_optimizer_state
+
+    settings = {**SETTINGS, "zero_stage": zero_stage}
+    for name in files:
+        with pytest.raises(ValueError, match=f"lacks .*{name}"):
+            check_optimizer_state(str(tmp_path), settings)
+        (tmp_path / name).write_bytes(b"")
+    check_optimizer_state(str(tmp_path), settings)
+
+
 def test_a_checkpoint_without_its_sampler_head_is_refused(tmp_path):
     """A run with a sampler head must not resume from a checkpoint lacking the head's weights (it
     would train on from a fresh head under trained LoRA weights and mask rows)."""

@@ -39,11 +39,31 @@ def train(tmp_path, mode, steps=40, extra=(), model="tiny-random-llama"):
     return out, [h for h in history if "mask_loss" in h]
 
 
-def test_frozen_base_keeps_real_logits_and_learns_masks(tmp_path, confident_tiny):
+def test_frozen_base_keeps_real_logits_and_learns_masks(tmp_path, monkeypatch, confident_tiny):
+    """The artifact holds no base weight, so comparing it with the base cannot show a base that
+    trained: the trained model is read as it is saved, its trainable parameters must be the LoRA
+    and mask rows alone, and every base weight must be the base model's bit for bit."""
+    seen = {}
+
+    def save_and_read(out_dir, model, *args, **kwargs):
+        seen["trainable"] = {n for n, p in model.named_parameters() if p.requires_grad}
+        seen["base"] = {n: p.detach().clone() for n, p in model.named_parameters()
+                        if "lora_" not in n and "mask_rows" not in n}
+        return real_save(out_dir, model, *args, **kwargs)
+
+    real_save = run_module.save_artifact
+    monkeypatch.setattr(run_module, "save_artifact", save_and_read)
     out, logs = train(tmp_path, "frozen-base", model=confident_tiny)
+    assert seen["trainable"] and all("lora_" in n or "mask_rows" in n for n in seen["trainable"]), seen["trainable"]
+    original = dict(load_model(confident_tiny)[0].named_parameters())
+    model, _, spec = load_space(adapter=out)
+    for name, weight in seen["base"].items():  # peft's names: base_model.model.<name>, base_layer; MaskEmbedding's base
+        plain = name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".base.weight", ".weight")
+        # the mask token's own row is written when it is added (its trained row is MaskEmbedding's)
+        rows = [i for i in range(original[plain].shape[0]) if i not in spec.token_ids]
+        assert torch.equal(weight[rows], original[plain][rows]), name
     assert logs[-1]["mask_loss"] < 0.7 * logs[0]["mask_loss"]
     assert "ar_loss" not in logs[0]  # two-pass: real tokens run without gradients
-    model, _, spec = load_space(adapter=out)
     base, _ = load_model(confident_tiny)
     ids = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

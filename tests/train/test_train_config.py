@@ -104,9 +104,35 @@ def test_a_yaml_value_of_the_wrong_type_is_refused_naming_file_and_key(tmp_path,
     at the first batch, ``mask_num: true`` trained k = 1. A string goes to argparse, which
     converts it (``1e-4``, text to YAML 1.1, is a learning rate)."""
     config = tmp_path / "bad.yaml"
-    config.write_text(open("configs/train/tiny_smoke.yaml").read() + f"\n{line}\n")
+    key = line.split(":")[0]  # in place of the config's own value (a key given twice is refused)
+    kept = [x for x in open("configs/train/tiny_smoke.yaml").read().splitlines() if not x.startswith(f"{key}:")]
+    config.write_text("\n".join(kept) + f"\n{line}\n")
     with pytest.raises(ValueError, match=rf"bad.yaml: {match}"):
         parse_train_args(["--config", str(config), "--output_dir", str(tmp_path / "run")])
+
+
+def test_a_key_given_twice_in_a_yaml_is_refused(tmp_path):
+    """PyYAML keeps a repeated key's last value: ``mask_num: 3`` and, further down, ``mask_num: 5``
+    trained k = 5 without a word. Nested mappings are checked too."""
+    for text, key in (("mask_num: 3\nlearning_rate: 1e-3\nmask_num: 5\n", "mask_num"),
+                      ("model_name_or_path: tiny-random-llama\nx:\n  a: 1\n  a: 2\n", "a")):
+        config = tmp_path / "twice.yaml"
+        config.write_text(text)
+        with pytest.raises(ValueError, match=rf"twice.yaml: not valid YAML \(key '{key}' is given twice"):
+            parse_train_args(["--config", str(config), "--output_dir", str(tmp_path / "run")])
+
+
+def test_a_lora_target_that_names_no_module_is_refused():
+    """peft refuses a target list only when none matches: ``q_proj, v_prj`` put LoRA on q_proj alone
+    while adapter_config.json recorded both (and a resume compared those names, so it passed)."""
+    from space.adapter_layers import prepare_model
+    from space.models import tiny_random_llama
+
+    model, tok = tiny_random_llama()
+    with pytest.raises(ValueError, match=r"lora_targets \['v_prj'\] name no module of this model; its linears: \["):
+        prepare_model(model, tok, "lora", 3, lora_targets=["q_proj", "v_prj"])
+    model, tok = tiny_random_llama()
+    prepare_model(model, tok, "frozen-base", 3, lora_targets=["q_proj", "self_attn.v_proj"])  # peft's suffix rule
 
 
 def test_every_shipped_training_config_has_values_of_its_fields_types():
@@ -145,6 +171,22 @@ def test_a_yaml_string_for_a_number_or_a_flag_is_converted_as_argparse_converts_
     """YAML 1.1 reads ``1e-4`` (no dot) as text: argparse converts it with the field's type, as it
     converts ``'yes'`` for a flag. The type check leaves strings to it."""
     config = tmp_path / "strings.yaml"
-    config.write_text(open("configs/train/tiny_smoke.yaml").read() + "\nlearning_rate: 1e-4\nmask_diff: 'yes'\n")
+    own = [x for x in open("configs/train/tiny_smoke.yaml").read().splitlines() if not x.startswith("learning_rate:")]
+    config.write_text("\n".join(own) + "\nlearning_rate: 1e-4\nmask_diff: 'yes'\n")
     _, _, mask, train = parse_train_args(["--config", str(config), "--output_dir", str(tmp_path / "run")])
     assert train.learning_rate == 1e-4 and mask.mask_diff is True
+
+
+def test_a_source_that_matches_no_row_is_refused_before_the_model_loads(tmp_path):
+    """``sources: stdlib,lma`` kept the stdlib rows and dropped every LIMA row without a word: a
+    source must match a row of some named file (the files together: each need not hold all)."""
+    from space.train.run import run_sft
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"q{i}", "response": "a b c d", "source": s}) + "\n"
+                            for i, s in enumerate(["lima", "stdlib"] * 4)))
+    argv = ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / "run"),
+            "--datasets", str(rows), "--max_steps", "1"]
+    with pytest.raises(ValueError, match=r"sources \['lma'\] match no row of .* \(their sources: \['stdlib'\]\)"):
+        run_sft(*parse_train_args([*argv, "--sources", "stdlib,lma"]))
+    assert not (tmp_path / "run").exists()
