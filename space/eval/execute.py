@@ -107,12 +107,68 @@ def _python_program(problem: dict, code: str) -> str:
     return code
 
 
+HEADER = ("#include", "using ", "import ", "use std")  # a declaration's import lines
+
+
 def _headers(problem: dict, language: str = "") -> str:
     """Imports of the declaration; Rust's external crates (rand, regex, md5) cannot be linked here,
     and its std imports become glob imports (:func:`_rust_globs`)."""
-    keep = ("#include", "using ", "import ", "use std")
-    lines = [line for line in problem.get("declaration", "").splitlines() if line.startswith(keep)]
+    lines = [line for line in problem.get("declaration", "").splitlines() if line.startswith(HEADER)]
     return _rust_globs(lines) if language == "rust" else "\n".join(lines)
+
+
+def _declared_helpers(problem: dict, language: str, code: str) -> str:
+    """The functions a C++ or JS declaration defines before the asked one (CPP/10's
+    ``is_palindrome``, JS/38's ``encodeCyclic``: 4 problems each) that the reply does not define:
+    a right reply restating only the asked function calls them, and failed to compile without
+    them. A definition starts at column 0 and ends where its braces close."""
+    if language not in ("cpp", "js"):
+        return ""
+    lines = [line for line in problem.get("declaration", "").rstrip().splitlines()[:-1] if not line.startswith(HEADER)]
+    kept, chunk, depth = [], [], 0
+    for line in lines:
+        if not chunk and not re.match(r"[A-Za-z_]", line):  # comments and blank lines between definitions
+            continue
+        chunk.append(line)
+        depth += line.count("{") - line.count("}")
+        if depth <= 0 and any("{" in x for x in chunk):
+            block, chunk, depth = "\n".join(chunk), [], 0
+            name = re.search(r"(\w+)\s*(?:=\s*)?\(", block)
+            if name and not re.search(DEFINITION[language].replace("NAME", re.escape(name.group(1))), code):
+                kept.append(block)
+    return "\n".join(kept)
+
+
+def _drop_block(code: str, start: str) -> str:
+    """``code`` without the first block whose first line matches ``start`` (to where its braces
+    close; Rust: with a ``#[cfg(test)]`` line just before it). Unchanged when there is none or its
+    braces never close."""
+    lines = code.splitlines()
+    for i, line in enumerate(lines):
+        if not re.match(start, line):
+            continue
+        depth, opened = 0, False
+        for j in range(i, len(lines)):
+            depth += lines[j].count("{") - lines[j].count("}")
+            opened = opened or "{" in lines[j]
+            if opened and depth <= 0:
+                first = i - 1 if i and lines[i - 1].strip() == "#[cfg(test)]" else i
+                return "\n".join(lines[:first] + lines[j + 1:])
+        break
+    return code
+
+
+def _own_harness_out(language: str, code: str) -> str:
+    """A reply's own test harness, which clashed with the dataset's: a C++ ``main`` (both became
+    ``space_tests_main``), a Rust ``mod tests`` (two modules of one name); and ``public`` taken off
+    a Java reply's top-level classes (javac allows one public class, the tests' Main, per file)."""
+    if language == "cpp":
+        return _drop_block(code, r"\s*(?:int|void)\s+main\s*\(")
+    if language == "rust":
+        return _drop_block(code, r"\s*mod\s+tests\b")
+    if language == "java":
+        return re.sub(r"^public\s+(?=(?:(?:final|abstract)\s+)*class\s)", "", code, flags=re.M)
+    return code
 
 
 def _rust_globs(lines: list[str]) -> str:
@@ -156,9 +212,10 @@ def _program(problem: dict, language: str, code: str) -> str:
     """The source to compile: the reply restating the function (it defines it), or the prompt
     completed by a body."""
     decl = problem.get("declaration") or problem["prompt"]
+    code = _own_harness_out(language, code)
     name = re.search(r"(\w+)\s*(?:=\s*)?\(", decl.rstrip().splitlines()[-1])
     if name and re.search(DEFINITION[language].replace("NAME", re.escape(name.group(1))), code):
-        return _headers(problem, language) + "\n" + code
+        return _headers(problem, language) + "\n" + _declared_helpers(problem, language, code) + "\n" + code
     if language == "rust":  # Rust prompts hold only the doc comment: the signature is in the declaration
         return _headers(problem, language) + "\n" + rust_signature(decl) + "\n" + code
     return problem["prompt"] + code
@@ -168,6 +225,10 @@ def _program(problem: dict, language: str, code: str) -> str:
 # initialiser) ended the process with code 0 before the tests, which read as a pass
 RUST_OK = re.compile(r"^test result: ok\. [1-9]\d* passed", re.M)  # rustc --test's own summary
 FILE_LIMIT = 256 << 20  # bytes a compile or test step may write to one file (a runaway writer, not a binary)
+# address space of a native test program (C++, Rust): a reply growing a vector without end ends with a
+# failed allocation, not with the host's OOM killer taking space-eval and its model (the JVM and node
+# reserve more than they use: their heaps are capped by flags, HEAP_MB)
+MEMORY_LIMIT, HEAP_MB = 4 << 30, 1024
 TAIL = 64 << 10  # bytes of a step's output read back
 
 
@@ -179,11 +240,13 @@ def _harness(language: str, marker: str) -> tuple[str, str, list[list[str]]]:
         return "main.cpp", tail, [["g++", "-std=c++17", "-O0", "-Dmain=space_tests_main", "-o", "main", "main.cpp"],
                                   ["./main"]]
     if language == "js":  # a failed console.assert throws (it only printed, and a reply could silence console.warn)
-        return "main.js", f'console.log("{marker}")\n', [["node", "--require", "./assert.js", "main.js"]]
+        return "main.js", f'console.log("{marker}")\n', [["node", f"--max-old-space-size={HEAP_MB}", "--require",
+                                                           "./assert.js", "main.js"]]
     if language == "java":
         tail = (f"class SpaceRunner {{ public static void main(String[] a) throws Exception {{ Main.main(a); "
                 f'System.out.println("{marker}"); }} }}\n')
-        return "Main.java", tail, [["javac", "Main.java"], ["java", "-cp", ".", "SpaceRunner"]]
+        # -ea: the tests' plain asserts run (without it Java/151's last check never did: a wrong reply passed)
+        return "Main.java", tail, [["javac", "Main.java"], ["java", "-ea", f"-Xmx{HEAP_MB}m", "-cp", ".", "SpaceRunner"]]
     return "main.rs", "", [["rustc", "--test", "-o", "main", "main.rs"], ["./main"]]
 
 
@@ -203,7 +266,8 @@ def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> di
             (Path(tmp) / "assert.js").write_text(JS_ASSERT)
         for cmd in steps:
             compile_step = cmd[0] in ("g++", "javac", "rustc")
-            returncode, stdout, stderr = _run_step(cmd, Path(tmp), timeout * 6 if compile_step else timeout)
+            returncode, stdout, stderr = _run_step(cmd, Path(tmp), timeout * 6 if compile_step else timeout,
+                                                   MEMORY_LIMIT if cmd == ["./main"] else None)
             if returncode is None:
                 return {"passed": False, "result": "timed out"}
             if returncode != 0 or "Assertion failed" in stderr:
@@ -215,13 +279,16 @@ def _run_compiled(problem: dict, language: str, code: str, timeout: float) -> di
     return {"passed": True, "result": "passed"}
 
 
-def _limits(cpu_seconds: int) -> None:
+def _limits(cpu_seconds: int, memory: int | None = None) -> None:
     """In the child, before it runs: CPU time past what the wall-clock timeout allows on every
     core (so never before that timeout, however many threads a compiler or JVM runs) and files
     past ``FILE_LIMIT`` kill it, which still holds once this process is gone (a kill of space-eval
-    left a busy test program spinning) or for a writer that fills the disk."""
+    left a busy test program spinning) or for a writer that fills the disk; ``memory``: bytes of
+    address space (``MEMORY_LIMIT``)."""
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+    if memory is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
 
 def _tail(path: Path) -> str:
@@ -231,7 +298,7 @@ def _tail(path: Path) -> str:
         return f.read().decode(errors="replace")
 
 
-def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, str, str]:
+def _run_step(cmd: list[str], cwd: Path, timeout: float, memory: int | None = None) -> tuple[int | None, str, str]:
     """Run one compile or test command in its own process group: (exit code, or None when it ran
     past ``timeout`` s; the tails of its stdout and stderr). Its output goes to files, not pipes,
     its stdin is empty (a program reading it waited on the caller's terminal), and the whole group
@@ -239,7 +306,8 @@ def _run_step(cmd: list[str], cwd: Path, timeout: float) -> tuple[int | None, st
     read as "timed out") and leave its children running after the temporary directory is gone."""
     with open(cwd / ".stdout", "wb") as out, open(cwd / ".stderr", "wb") as err:
         proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                                preexec_fn=functools.partial(_limits, math.ceil(timeout * (os.cpu_count() or 1)) + 1))
+                                preexec_fn=functools.partial(_limits, math.ceil(timeout * (os.cpu_count() or 1)) + 1,
+                                                             memory))
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -284,3 +284,77 @@ def test_a_test_program_may_use_the_cpu_time_of_every_core_before_its_timeout(tm
     reader = "import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU)[0])\n"
     returncode, stdout, _ = execute._run_step([sys.executable, "-c", reader], tmp_path, timeout=3)
     assert returncode == 0 and int(stdout) >= 3 * 8
+
+
+def humaneval_x(task_id: str) -> dict:
+    from space.eval.tasks import load_tasks
+
+    language = {"CPP": "cpp", "JavaScript": "js", "Java": "java", "Rust": "rust"}[task_id.split("/")[0]]
+    return next(t.problem for t in load_tasks(f"humaneval-x:{language}") if t.problem["task_id"] == task_id)
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="needs java (the Java toolchain)")
+def test_the_java_tests_plain_asserts_run():
+    """Java/151's last check is a plain ``assert``, which the JVM skips without ``-ea``: a reply that
+    drops the odd numbers above 10 passed."""
+    from space.eval.execute import check
+
+    problem = humaneval_x("Java/151")
+    assert check(problem, "java", problem["prompt"] + problem["canonical_solution"])["passed"]
+    wrong = problem["canonical_solution"].replace("p > 0 &&", "p > 0 && p < 10 &&")
+    result = check(problem, "java", problem["prompt"] + wrong)
+    assert not result["passed"] and "AssertionError" in result["result"], result
+
+
+@pytest.mark.parametrize("task_id, reply", [
+    # the asked function alone: the declaration's helper (is_palindrome, encodeCyclic) stays in the program
+    ("CPP/10", "string make_palindrome(string str){\nSOLUTION"),
+    ("JavaScript/38", "const decodeCyclic = (s) => {\nSOLUTION"),
+    # a reply restating the helper too: its own, not twice
+    ("CPP/10", "#include<string>\nusing namespace std;\nbool is_palindrome(string str){\n"
+               "    string s(str.rbegin(),str.rend());\n    return s==str;\n}\nstring make_palindrome(string str){\nSOLUTION"),
+    # a reply's own harness: a C++ main, a Rust tests module, a Java public class
+    ("CPP/0", "#include<vector>\nusing namespace std;\nbool has_close_elements(vector<float> numbers, float threshold){\n"
+              "SOLUTION\nint main() {\n    return 0;\n}\n"),
+    ("Rust/0", "fn has_close_elements(numbers:Vec<f32>, threshold: f32) -> bool{\nSOLUTION\n#[cfg(test)]\nmod tests {\n"
+               "    use super::*;\n    #[test]\n    fn mine() { assert!(true); }\n}\n"),
+    ("Java/0", "import java.util.*;\n\npublic class Solution {\n"
+               "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\nSOLUTION"),
+])
+def test_a_right_reply_with_its_own_harness_or_without_the_helpers_passes(task_id, reply):
+    """Right chat replies that failed to compile: one restating only the asked function lost the
+    helpers its declaration defines (4 problems in C++ and 4 in JS), and one carrying its own C++
+    main, Rust tests module or public Java class clashed with the dataset's tests. A wrong reply of
+    the same shape still fails."""
+    from space.eval.execute import check, toolchain_missing
+
+    problem = humaneval_x(task_id)
+    language = {"CPP": "cpp", "JavaScript": "js", "Java": "java", "Rust": "rust"}[task_id.split("/")[0]]
+    if toolchain_missing(language):
+        pytest.skip(f"no {language} toolchain")
+    right = reply.replace("SOLUTION", problem["canonical_solution"])
+    assert check(problem, language, f"```\n{right}\n```") == {"passed": True, "result": "passed"}, right
+    body = problem["canonical_solution"]
+    # a wrong body of the same shape: its first return gives the other answer (or another string)
+    wrong_body = next((body.replace(a, b, 1) for a, b in (("return true", "return false"), ("return s==str", "return false"),
+                                                          ("return false", "return true"), ("return ", "return 1 + "))
+                       if a in body), None)
+    wrong = reply.replace("SOLUTION", wrong_body)
+    assert not check(problem, language, f"```\n{wrong}\n```")["passed"], wrong
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the C++ toolchain)")
+def test_a_native_test_program_gets_a_memory_limit():
+    """A reply growing a vector without end took memory until the host's OOM killer chose a process,
+    space-eval (and its model) among them. A native test program now gets ``MEMORY_LIMIT`` of address
+    space: here a 6 GiB request (never touched, so no memory is used either way) fails and the reply
+    exits before the tests; the right reply without it passes. The JVM and node heaps are capped."""
+    from space.eval.execute import HEAP_MB, MEMORY_LIMIT, _harness, check
+
+    assert MEMORY_LIMIT < 6 << 30
+    problem = humaneval_x("CPP/0")
+    probe = "#include <cstdlib>\nstatic int probe = (std::malloc(6ull << 30) == nullptr ? (std::exit(0), 0) : 0);\n"
+    assert check(problem, "cpp", problem["prompt"] + problem["canonical_solution"])["passed"]
+    result = check(problem, "cpp", problem["prompt"] + problem["canonical_solution"] + probe)
+    assert not result["passed"] and "before the tests finished" in result["result"], result
+    assert f"-Xmx{HEAP_MB}m" in _harness("java", "m")[2][1] and f"--max-old-space-size={HEAP_MB}" in _harness("js", "m")[2][0]
