@@ -103,14 +103,26 @@ def _sources(rows: list[dict]) -> dict | None:
 
 
 def _pass_at(rows: list[dict], k: int = 1):
+    """pass@k over the samples whose tests ran: one without a toolchain when it was made ("n/a",
+    stored with it) is no failure, and counted it pulled a resumed run's rate down where the
+    toolchain came later (:func:`_not_run` counts them); "n/a ..." when none ran, None without
+    execution results."""
     results = [[c["exec"] for c in r["choices"] if "exec" in c] for r in rows]
     results = [res for res in results if res]
     if not results:
         return None
-    if all(x["result"].startswith("n/a") for res in results for x in res):
+    ran = [[x for x in res if not x["result"].startswith("n/a")] for res in results]
+    if not any(ran):
         return results[0][0]["result"]
-    per_q = [estimate_pass_at_k(len(res), sum(x["passed"] for x in res), k) for res in results if len(res) >= k]
+    per_q = [estimate_pass_at_k(len(res), sum(x["passed"] for x in res), k) for res in ran if len(res) >= k]
     return round(sum(per_q) / len(per_q), 4) if per_q else None
+
+
+def _not_run(rows: list[dict]) -> int:
+    """Samples whose tests did not run ("n/a"), beside samples whose tests did."""
+    results = [c["exec"]["result"] for r in rows for c in r["choices"] if "exec" in c]
+    na = sum(x.startswith("n/a") for x in results)
+    return na if na < len(results) else 0
 
 
 def summarize(records: list[dict], meta: dict) -> dict:
@@ -143,6 +155,8 @@ def summarize(records: list[dict], meta: dict) -> dict:
                 summary["median_question_speedup"][key] = round(statistics.median(ratios), 3) if ratios else None
     for m, rows in by_method.items():
         summary["pass_at_1"][m] = _pass_at(rows, 1)
+        if _not_run(rows):  # left out of pass@k, and said so
+            summary.setdefault("tests_not_run", {})[m] = _not_run(rows)
         n = max(len(r["choices"]) for r in rows)
         if n > 1:
             summary.setdefault(f"pass_at_{n}", {})[m] = _pass_at(rows, n)
@@ -250,6 +264,9 @@ def to_markdown(s: dict) -> str:
                      f"{_fmt(st.get('tokens_per_step'))} | {_fmt(1.0 if name == 'ar' else sp.get(f'{name}_vs_ar'))} | "
                      f"{_fmt(1.0 if name == 'hf' else sp.get(f'{name}_vs_hf'))} | "
                      f"{_fmt(1.0 if name == 'pld' else sp.get(f'{name}_vs_pld'))} | {_fmt(p1.get(name), True)} |")
+    if s.get("tests_not_run"):
+        lines += ["", "pass@1 over the samples whose tests ran; not run (no toolchain when made): "
+                  + ", ".join(f"{k} {v}" for k, v in s["tests_not_run"].items())]
     med = s.get("median_question_speedup", {})
     if med:
         lines += ["", "Median per-question speedup: " + ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.2f}"

@@ -160,9 +160,17 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
                          "use another --out, or delete the folder to start over")
     old = read_record(recorded)
     old = {**OLD_DEFAULTS, **old.get("meta", old)}
-    # a merged record names every rank's device and machine, which no single run repeats
-    keys = MERGE_KEYS if old.get("ranks", 1) > 1 else RESUME_KEYS
+    # a merged record names every rank's device and machine ("cuda:0; cuda:1"), which no single run
+    # repeats: a run resuming it must be on one of those machines, on a device of their type
+    merged = old.get("ranks", 1) > 1
+    keys = MERGE_KEYS if merged else RESUME_KEYS
     diff = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k]}
+    if merged:
+        devices, machines = str(old.get("device")).split("; "), str(old.get("machine")).split("; ")
+        if str(meta["device"]).split(":")[0] not in {d.split(":")[0] for d in devices}:
+            diff["device"] = (old.get("device"), meta["device"])
+        if str(meta["machine"]) not in machines:
+            diff["machine"] = (old.get("machine"), meta["machine"])
     if diff:
         raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
                          f"(theirs, now): {diff}. Use another --out, or delete it to start over")

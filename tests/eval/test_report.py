@@ -97,7 +97,9 @@ def test_exactness_only_for_greedy_runs():
 
 def test_pass_at_1_is_n_a_only_when_no_sample_ran_its_tests():
     """Every result "n/a" (no toolchain) reports "n/a"; a run where some samples did run their
-    tests (a resume on a machine with the toolchain) reports their pass rate, not "n/a"."""
+    tests (a resume on a machine with the toolchain) reports their pass rate, not "n/a", and not
+    with the samples that never ran counted as failures (it said 0.5 here); how many did not run is
+    in the summary."""
     def one(q, result):
         r = rec(q, "space", 4, 1.0)
         r["choices"][0]["exec"] = {"passed": result == "passed", "result": result}
@@ -105,7 +107,12 @@ def test_pass_at_1_is_n_a_only_when_no_sample_ran_its_tests():
 
     na = "n/a (no toolchain)"
     assert summarize([one("q0", na), one("q1", na)], {"mask_num": 3})["pass_at_1"]["space"] == na
-    assert summarize([one("q0", na), one("q1", "passed")], {"mask_num": 3})["pass_at_1"]["space"] == 0.5
+    mixed = summarize([one("q0", na), one("q1", "passed"), one("q2", "failed: exit 1")], {"mask_num": 3})
+    assert mixed["pass_at_1"]["space"] == 0.5 and mixed["tests_not_run"] == {"space": 1}
+    from space.eval.report import to_markdown
+
+    assert "not run (no toolchain when made): space 1" in to_markdown(mixed)
+    assert "tests_not_run" not in summarize([one("q0", "passed")], {"mask_num": 3})
 
 
 @pytest.mark.parametrize("device, label", [("cpu", "Host work per SPACE step"),

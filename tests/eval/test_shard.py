@@ -228,6 +228,15 @@ def test_merge_keeps_questions_a_plain_run_added(tmp_path):
         eval_main([*short, "--limit", "3", "--shard", f"{rank}/2"])
     eval_main(["--merge", str(tmp_path)])
     assert len(rows(tmp_path / "samples.jsonl")) == 6
+    # a merged record names its ranks' devices and machines: a plain run on another device type or
+    # machine would mix its timings into the run's speedup (it resumed, as no single run repeats them)
+    config = tmp_path / "run_config.json"
+    merged = json.loads(config.read_text())
+    for key, other in (("device", "cuda:0; cuda:1"), ("machine", "x86_64 96 cores, an H200 host; another host")):
+        config.write_text(json.dumps({**merged, key: other}))
+        with pytest.raises(ValueError, match=rf"other settings .*'{key}'"):
+            eval_main([*short, "--limit", "4"])
+    config.write_text(json.dumps(merged))
     eval_main([*short, "--limit", "4"])
     plain = rows(tmp_path / "samples.jsonl")
     assert len(plain) == 8
