@@ -55,6 +55,7 @@ import torch
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (LogitsProcessorList, PrefixConstrainedLogitsProcessor,
                                                    RepetitionPenaltyLogitsProcessor,
+                                                   SynthIDTextWatermarkLogitsProcessor,
                                                    UnbatchedClassifierFreeGuidanceLogitsProcessor)
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StoppingCriteriaList, StopStringCriteria)
@@ -136,10 +137,16 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     layout = DecodeConfig.of_model(base, spec.mask_num).override(
         mask_num=mask_num, num_groups=num_groups, lookup_tokens=lookup_tokens, tree=tree_flag(tree, mask_num))
     decoder = SpaceDecoder(model, spec, layout)
+    # the criteria generate hands over: a user's EosTokenCriteria / MaxLengthCriteria takes the place
+    # of the one it would build from the config (ignored here, SPACE decoded past them); several stop
+    # at the first one met, as HF's loop does
+    eos_criteria = [c for c in stopping_criteria or [] if isinstance(c, EosTokenCriteria)]
     eos = generation_config._eos_token_tensor
-    stop_ids = [] if eos is None else eos.flatten().tolist()
+    stop_ids = (sorted({int(i) for c in eos_criteria for i in c.eos_token_id.flatten().tolist()}) if eos_criteria
+                else [] if eos is None else eos.flatten().tolist())
+    lengths = [c.max_length for c in stopping_criteria or [] if isinstance(c, MaxLengthCriteria)]
     # HF's max_length counts the (padded) prompt; HF's loop emits at least one token
-    max_new = max(1, generation_config.max_length - input_ids.shape[1])
+    max_new = max(1, min(lengths or [generation_config.max_length]) - input_ids.shape[1])
     rows = _prompt_rows(input_ids, model_kwargs.get("attention_mask"))
     check_positions(model_kwargs.get("position_ids"), rows, input_ids.shape[1])
     if len(rows) > 1:
@@ -155,7 +162,7 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
         pad = input_ids[b, : input_ids.shape[1] - len(ids)]  # the row's left padding
         watch = _watcher(input_ids[b].tolist(), _row_criteria(stopping_criteria, len(rows)), streamer)
         results.append(decoder.generate(ids, min(max_new, room[b]), sampling, stop_ids, on_tokens=watch,
-                                        logits_processor=_padded(logits_processor, pad)))
+                                        logits_processor=_padded(logits_processor, pad, b)))
     if streamer is not None:
         streamer.end()
     sequences = _pad_outputs(input_ids, results, generation_config._pad_token_tensor)
@@ -214,6 +221,9 @@ def check_supported(config, processors, model_kwargs: dict, assistant_model=None
         unsupported.append(f"num_return_sequences={config.num_return_sequences} (one sequence per prompt)")
     if any(isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in processors or []):
         unsupported.append(f"guidance_scale={config.guidance_scale} (the guidance processor keeps a per-step cache)")
+    if any(isinstance(p, SynthIDTextWatermarkLogitsProcessor) for p in processors or []):
+        # it keeps state from call to call, one call per step: SPACE scores a step's rows in one call
+        unsupported.append("a SynthID watermark (its processor keeps a state per generated token)")
     if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in processors or []):
         # it asks its function per batch row; SPACE scores each prompt's tree and draft rows as a batch of their own
         unsupported.append("prefix_allowed_tokens_fn (it takes the batch row of each scored row)")
@@ -274,17 +284,18 @@ def _room(rows: list[torch.Tensor], max_new: int, context: int) -> list[int]:
     return room
 
 
-def _padded(processors, pad: torch.Tensor):
+def _padded(processors, pad: torch.Tensor, row: int = 0):
     """``processors`` fed the ids as HF's batched loop holds them: the row's left padding ``pad``
     (pad,) first, so length-dependent processors (``min_length``, ``forced_eos_token_id``, ...)
-    count what HF counts. None when there are no processors."""
+    count what HF counts. ``row``: the row's index in the batch. None when there are no processors."""
     if not processors:
         return None
-    # HF's repetition penalty skips the prompt's padding by a (batch,) tensor of pad counts, which
-    # refuses ids of any other row count (SPACE scores a row's verification and draft rows as a
-    # batch of their own): this row's count, as the int the processor also takes
+    # a repetition penalty skipping a (batch,) tensor of ids per row (HF's own: the padding; a user's:
+    # the prompt too) refuses ids of any other row count (SPACE scores a row's verification and draft
+    # rows as a batch of their own): this row's value, as the int the processor also takes
     processors = LogitsProcessorList(
-        RepetitionPenaltyLogitsProcessor(p.penalty, prompt_ignore_length=pad.numel())
+        RepetitionPenaltyLogitsProcessor(p.penalty, prompt_ignore_length=int(
+            p.prompt_ignore_length.flatten()[row if p.prompt_ignore_length.numel() > 1 else 0]))
         if isinstance(p, RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor) else p
         for p in processors)
     if pad.numel() == 0:
@@ -341,8 +352,9 @@ def _watcher(prompt: list[int], criteria, streamer):
     (HF's loop checks them after each token it appends) and streams the tokens it keeps.
     ``prompt``: the row as HF holds it, left padding included.
 
-    EOS and max length are left to the decoder, which cuts a step at them; only other criteria
-    (stop strings, max_time, user ones) are evaluated, each on (1, seq) ids.
+    EOS and max length are left to the decoder, which cuts a step at them (``space_generate`` reads
+    them from these criteria); only other criteria (stop strings, max_time, user ones) are
+    evaluated, each on (1, seq) ids.
     """
     extra = [c for c in criteria or [] if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
     seq = list(prompt)

@@ -173,9 +173,11 @@ def test_kernels_flag(tiny):
 
 @pytest.mark.parametrize("kernel", [k for k in PACKED_KERNELS if has_kernel(k)])
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
-def test_greedy_exact_on_optimized_model(tiny, k, kernel):
-    """Greedy SPACE on the fast kernels equals AR on them, with either packed kernel."""
-    model, _, spec = tiny
+def test_greedy_exact_on_optimized_model(tiny_varied, k, kernel):
+    """Greedy SPACE on the fast kernels equals AR on them, with either packed kernel. On the varied
+    tiny model: ``tiny`` repeats one token, and noise of 3e-3 of a weight's std on the packed
+    many-row outputs passed every case there (6 of 8 fail here)."""
+    model, _, spec = tiny_varied
     fast = copy.deepcopy(model)
     record = optimize_for_cpu(fast, kernel=kernel)
     assert {m.kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {kernel}

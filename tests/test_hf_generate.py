@@ -242,6 +242,9 @@ def test_sampling_matches_exact_distribution(small_vocab_model):
     ({"prompt_lookup_num_tokens": 3}, "assisted generation"),
     ({"return_dict_in_generate": True, "output_scores": True}, "output_scores=True"),
     ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
+    # its processor keeps a state per generated token: a crash at k > 1, other tokens at k = 1
+    ({"watermarking_config": __import__("transformers").SynthIDTextWatermarkingConfig(keys=[1, 2, 3], ngram_len=3)},
+     "SynthID watermark"),
     ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive_search"),
     # it was run with batch row 0 for every prompt, and with the draft rows as rows of their own (an
     # IndexError for a per-row list): another row's constraint, or a crash
@@ -361,6 +364,46 @@ def test_batch_repetition_penalty_skips_the_padding_when_the_pad_id_is_a_token_o
     with pytest.warns(UserWarning, match="one after another"):
         out = model.generate(ids, attention_mask=mask, custom_generate=space_generate, pad_token_id=pad, **kw)
     assert torch.equal(out, ref)
+
+
+def test_a_users_eos_and_max_length_criteria_stop_as_in_plain_generate(trained):
+    """A ``stopping_criteria`` list with an ``EosTokenCriteria`` or ``MaxLengthCriteria`` takes the
+    place of the one generate builds from the config: SPACE left them to its own eos and
+    max_new_tokens and decoded on (30 tokens where plain generate stopped at 8, or at 5)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    model = trained[0]
+    ids = _prompts(trained, n=1)[0]
+    said = _hf(model, ids, max_new_tokens=30)[0, ids.shape[1]:].tolist()
+    end = said[7]  # a token first said at position 7 or before: the run stops there
+    for criteria in ([EosTokenCriteria(eos_token_id=end)], [MaxLengthCriteria(ids.shape[1] + 5)],
+                     [EosTokenCriteria(eos_token_id=[end, said[2]]), MaxLengthCriteria(ids.shape[1] + 6)]):
+        ref = _hf(model, ids, max_new_tokens=30, stopping_criteria=criteria)
+        assert ref.shape[1] < ids.shape[1] + 30
+        assert torch.equal(_space(model, ids, max_new_tokens=30, stopping_criteria=criteria), ref), criteria
+
+
+def test_a_users_repetition_penalty_with_a_tensor_to_skip_is_kept():
+    """HF documents ``prompt_ignore_length`` as a (batch,) tensor too: the ids each row leaves out of
+    the penalty (the prompt). SPACE replaced any tensor by the row's padding count (HF's own use of
+    it), so a user's penalty fell on the prompt and the answer differed from plain generate's (a
+    model that repeats its prompt's tokens, where penalizing them changes the answer)."""
+    from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from space.tokens import add_mask_tokens
+
+    model, tok = tiny_random_llama(seed=0, initializer_range=0.2)
+    add_mask_tokens(model, tok, mask_num=4)
+
+    def penalty(skip):
+        return LogitsProcessorList([RepetitionPenaltyLogitsProcessor(50.0, prompt_ignore_length=skip)])
+
+    for seed in range(3):
+        ids = torch.randint(0, 250, (1, 30), generator=torch.Generator().manual_seed(seed))
+        as_int = _hf(model, ids, max_new_tokens=20, logits_processor=penalty(30))
+        assert not torch.equal(_hf(model, ids, max_new_tokens=20, logits_processor=penalty(0)), as_int)  # it matters
+        assert torch.equal(_hf(model, ids, max_new_tokens=20, logits_processor=penalty(torch.tensor([30]))), as_int)
+        assert torch.equal(_space(model, ids, max_new_tokens=20, logits_processor=penalty(torch.tensor([30]))), as_int)
 
 
 def test_greedy_applies_logits_processors(tiny):
