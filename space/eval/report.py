@@ -155,8 +155,8 @@ def summarize(records: list[dict], meta: dict) -> dict:
                 summary["median_question_speedup"][key] = round(statistics.median(ratios), 3) if ratios else None
     for m, rows in by_method.items():
         summary["pass_at_1"][m] = _pass_at(rows, 1)
-        if _not_run(rows):  # left out of pass@k, and said so
-            summary.setdefault("tests_not_run", {})[m] = _not_run(rows)
+        if not_run := _not_run(rows):  # left out of pass@k, and said so
+            summary.setdefault("tests_not_run", {})[m] = not_run
         n = max(len(r["choices"]) for r in rows)
         if n > 1:
             summary.setdefault(f"pass_at_{n}", {})[m] = _pass_at(rows, n)
