@@ -79,12 +79,13 @@ def main(argv=None) -> dict:
         p.error(f"--methods: choose among ar, pld, space, got {args.methods!r}")
     layout = DecodeConfig(3, 2) if args.layout == "chain" else None
 
-    eager, tok, spec = load_space(adapter=args.adapter, kernels=args.kernels, device=args.device)
+    # stored: the eager and compiled setups decode one layout (a GPU's auto would price only the eager one)
+    eager, tok, spec = load_space(adapter=args.adapter, kernels=args.kernels, device=args.device, step_cost="stored")
     targets = {"eager": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout)),
                "eager-static": Target(eager, tok, spec, SpaceDecoder(eager, spec, layout, static_cache=True))}
     if "compiled" in setups:
         compiled, _, _ = load_space(adapter=args.adapter, kernels=args.kernels, device=args.device,
-                                    compile=args.compile_mode)
+                                    compile=args.compile_mode, step_cost="stored")
         targets["compiled"] = Target(compiled, tok, spec, SpaceDecoder(compiled, spec, layout))
     targets = {s: targets[s] for s in setups}
     prompts = [chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}])

@@ -129,7 +129,9 @@ def setups(args, dtype: torch.dtype):
         if getattr(args, "adapter", None):
             from space.loader import load_space
 
-            model, tok, spec = load_space(adapter=args.adapter, dtype=args.dtype, device=DEVICE, compile=compile)
+            # stored: each stage prices (or times) its steps itself, within its time cap
+            model, tok, spec = load_space(adapter=args.adapter, dtype=args.dtype, device=DEVICE, compile=compile,
+                                          step_cost="stored")
         else:
             (model, spec), tok = random_model(args.shape, dtype, fuse=not compile), None
             if compile:  # a compiled trunk runs over a preallocated cache, as the decoder then does

@@ -229,7 +229,7 @@ def load(args) -> tuple:
     # the kernels at load: a dynamic tree is priced by the adapter's curve for these kernels and threads
     adapter = adapter_path(args)
     model, tok, spec = load_space(args.model, adapter, args.mask_num or DEFAULT_MASK_NUM,
-                                  device=args.device, kernels=args.kernels)
+                                  device=args.device, kernels=args.kernels, step_cost="stored")  # priced below
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
         tree=tree_flag(args.tree, args.mask_num))

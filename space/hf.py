@@ -20,8 +20,9 @@ with the row's own prefix and to the draft rows, and sampling then draws from so
 scores) as HF does: in fp32, greedy output equals plain ``generate`` token for token and sampled
 output has its distribution. In bf16 / fp16 a verification step scores several rows in one
 forward, whose rounding differs from one-row AR steps, so near-ties can flip a token.
-The mask tokens are never emitted. Sampling is seeded from torch's global RNG, so
-``torch.manual_seed`` makes a call reproducible, as with plain ``generate``.
+The mask tokens are never emitted (nor by plain ``generate``: ``space.tokens.suppress_in_generate``).
+Sampling is seeded from torch's global RNG, so ``torch.manual_seed`` makes a call reproducible, as
+with plain ``generate``.
 
 SPACE settings (``mask_num``, ``num_groups``, ``lookup_tokens``, ``tree``) come from the keyword
 arguments of ``generate``, else from the generation config (``GenerationConfig(mask_num=2)``, also

@@ -18,22 +18,24 @@ from peft import set_peft_model_state_dict
 from .adapter_layers import MaskEmbedding, apply_lora, mask_embedding
 from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config,
                        check_artifact, check_finite, check_lora_shape, copy_mask_rows, load_mask_rows,
-                       load_sampler_head, read_lora, read_space_config, read_tensors, sampler_width)
-from .choices import COMPILE_MODES
+                       load_sampler_head, priced_for_setup, read_lora, read_space_config, read_tensors,
+                       sampler_width)
+from .choices import COMPILE_MODES, STEP_COST_CHOICES
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
 from .decoding.config import DEFAULT_MASK_NUM
 from .decoding.backends import choose_sdpa
 from .decoding.cache import attention_dtype
 from .decoding.fused import fuse_trunk
+from .eval.tree_search import price_at_load
 from .models import SMOLLM2, dispatch, load_model, model_identity
 from .sampler_head import add_sampler_head, sampler_head
-from .tokens import MaskSpec, add_mask_tokens, mask_spec
+from .tokens import MaskSpec, add_mask_tokens, mask_spec, suppress_in_generate
 
 
 def load_space(model: str | None = None, adapter: str | os.PathLike | None = None, mask_num: int = DEFAULT_MASK_NUM,
                dtype="float32", device: str = "cpu", device_map: str | dict | None = None, kernels: str = "stock",
-               compile: bool | str = False):
+               compile: bool | str = False, step_cost: str = "auto"):
     """Load a model ready for SPACE decoding.
 
     Args:
@@ -56,6 +58,12 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             ``"default"``: inductor's default mode; ``"reduce-overhead"``: with CUDA graphs (a GPU);
             ``"frozen"``: the weights folded into the graph for inductor's C++ GEMM (a CPU: AR's
             step about 2x faster than eager, ``results/compile_cpu``).
+        step_cost: how an adapter's dynamic tree is priced (issue 58), as ``space-eval --step-cost``
+            (``space.eval.tree_search.price_at_load``): ``"auto"`` (default) measures this machine's
+            curve at load (a few seconds) on a CUDA GPU when the adapter stores none of this setup,
+            which a stored CPU curve would price wrong (14 rows at 1.6x one, where an H200's eager
+            step pays about 1.3x), never on a compiled trunk; ``"measure"`` always; ``"stored"``
+            never. The curve's setup is recorded as ``model.space_step_cost_setup``.
 
     An eager model on one device gets the fused trunk (``space.decoding.fused.fuse_trunk``,
     issue 58: q/k/v and gate/up in one GEMM each, a frozen-base LoRA packed under them, an
@@ -85,17 +93,25 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             garbage safetensors file; the file is named); a NaN or inf weight (the tensor named);
             LoRA weights that do not fit the model;
             a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``; a
-            ``compile`` this machine cannot run (:func:`check_compile`).
+            ``compile`` this machine cannot run (:func:`check_compile`); ``step_cost`` not in
+            ``STEP_COST_CHOICES``, or ``"measure"`` with ``compile`` (its graphs build first, minutes:
+            ``space-tree --compile`` stores a compiled trunk's curve).
     """
     if kernels not in KERNEL_CHOICES:  # before the load, not after it
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     check_compile(compile, device, device_map)
+    if step_cost not in STEP_COST_CHOICES:
+        raise ValueError(f"step_cost must be one of {STEP_COST_CHOICES}, got {step_cost!r}")
+    if step_cost == "measure" and compile:
+        raise ValueError("step_cost measure times the eager trunk: a compiled trunk's curve builds its graphs first "
+                         "(minutes); measure it with space-tree --compile --write-adapter")
     if adapter is None:
         if model is not None and (Path(model) / SPACE_CONFIG).is_file():  # a full SAR-SFT artifact
             check_artifact(Path(model))
         base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
         try:
             spec = mask_spec(base, tok)
+            suppress_in_generate(base, spec)  # a checkpoint saved without it
         except ValueError:  # a plain model: its new mask token is untrained, which a user rarely means
             warnings.warn(f"{model or SMOLLM2} has no SPACE mask token and no adapter was given: SPACE decodes "
                           f"exactly but with untrained masks, whose drafts are rarely accepted; pass a SPACE "
@@ -135,9 +151,18 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     applied = apply_kernels(base, kernels)
     # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     on = next(base.parameters()).device.type  # a CPU's curve prices a GPU's steps wrong
-    base.config.space_decode = adapter_decode_config(cfg, adapter, torch.get_num_threads(), kernels, on,
-                                                     applied.get("packed_kernel"), compile).to_dict()
-    return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
+    threads, packed = torch.get_num_threads(), applied.get("packed_kernel")
+    decode = adapter_decode_config(cfg, adapter, threads, kernels, on, packed, compile)
+    # which stored curve priced it (None: none of this setup), for "auto" to tell whether to measure
+    setup = priced_for_setup(decode.override(tree="dynamic"), cfg, threads, kernels, adapter / SPACE_CONFIG, on,
+                             packed_kernel=packed, compile=compile)[1]
+    model = compile_trunk(base, None if compile is True else compile) if compile else base
+    # priced as a dynamic tree whatever the stored layout: a static one carries the curve for a
+    # tree="dynamic" override (space-chat, space.hf.generate), as adapter_decode_config prices it
+    dynamic, model.space_step_cost_setup = price_at_load(model, decode.override(tree="dynamic"), setup, step_cost,
+                                                         kernels, compiled=compile, tool="load_space")
+    model.config.space_decode = decode.override(step_cost=dynamic.step_cost, adapter_cost=dynamic.adapter_cost).to_dict()
+    return model, tok, spec
 
 
 def check_compile(compile: bool | str, device: str = "cpu", device_map: str | dict | None = None) -> None:

@@ -53,7 +53,8 @@ def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) ->
     """Add the mask token(s) to tokenizer and model; idempotent.
 
     New embedding rows (and untied LM-head rows) start from the mean real-token embedding.
-    Records the result in ``model.config.space_mask``. Under DeepSpeed ZeRO-3 (a model partitioned
+    Records the result in ``model.config.space_mask``, and the mask ids in the model's generation
+    config's ``suppress_tokens`` (:func:`suppress_in_generate`). Under DeepSpeed ZeRO-3 (a model partitioned
     at load) the embeddings are gathered for this, so every rank gets the same finite rows as
     without ZeRO-3; it is then a collective: call it on every rank.
 
@@ -80,7 +81,18 @@ def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) ->
                                  "are the model's embeddings finite?")
     spec = MaskSpec(tuple(ids), mask_num, mask_diff)
     model.config.space_mask = asdict(spec)
+    suppress_in_generate(model, spec)
     return spec
+
+
+def suppress_in_generate(model, spec: MaskSpec) -> None:
+    """Add the mask ids to ``model.generation_config.suppress_tokens`` (kept with any others there),
+    so plain HF ``generate()`` never emits a mask token, as SPACE never does (DESIGN §3.7): greedy
+    SPACE then equals plain ``generate`` even where a mask token would be the argmax. A model
+    without a generation config is left as it is."""
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        config.suppress_tokens = sorted(set(config.suppress_tokens or ()) | set(spec.token_ids))
 
 
 def mask_spec(model, tokenizer=None) -> MaskSpec:

@@ -575,3 +575,33 @@ def test_position_ids_other_than_the_default_are_refused(tiny):
     with pytest.raises(ValueError, match="position_ids other than 0..n-1"):
         _space(model, ids, max_new_tokens=3, position_ids=torch.arange(4)[None] * 3)
     assert _space(model, ids, max_new_tokens=3, position_ids=torch.arange(4)[None]).shape == (1, 7)
+
+
+def test_plain_generate_never_emits_a_mask_token_as_space_never_does(tmp_path):
+    """A mask token as the argmax: SPACE never emits one, and plain ``generate`` did (its argmax),
+    so greedy SPACE differed from it. ``add_mask_tokens`` (and ``load_space`` for a checkpoint
+    saved before) put the mask ids in the generation config's ``suppress_tokens``, beside any
+    there."""
+    from space.loader import load_space
+    from space.models import TINY, load_model
+    from space.tokens import add_mask_tokens
+
+    model, tok = load_model(TINY)
+    model.generation_config.suppress_tokens = [7]
+    spec = add_mask_tokens(model, tok, 3)
+    assert model.generation_config.suppress_tokens == sorted([7, *spec.token_ids])
+    with torch.no_grad():  # the mask row of the (tied) head points along the last hidden state
+        model.get_output_embeddings().weight[spec.token_ids[0]] = model.get_output_embeddings().weight[:256].sum(0) * 50
+    ids = tok("The quick brown fox", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    assert logits.argmax().item() == spec.token_ids[0]  # the precondition: a mask token would be emitted
+    ref = _hf(model, ids, max_new_tokens=12)
+    assert not set(ref[0, ids.shape[1]:].tolist()) & set(spec.token_ids)
+    assert torch.equal(_space(model, ids, max_new_tokens=12, mask_num=3), ref)
+    model.generation_config.suppress_tokens = None  # as a checkpoint saved before this was
+    model.save_pretrained(tmp_path / "full")
+    tok.save_pretrained(tmp_path / "full")
+    loaded, _, spec = load_space(str(tmp_path / "full"))
+    assert loaded.generation_config.suppress_tokens == sorted(spec.token_ids)
+    assert torch.equal(_hf(loaded, ids, max_new_tokens=12), ref)

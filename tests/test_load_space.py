@@ -10,6 +10,7 @@ from peft import PeftModel
 from space.adapter_layers import MaskEmbedding, fuse_frozen_base, prepare_model
 from space.artifact import load_mask_rows, save_artifact
 from space.cpu_kernels import PackedLinear, packing_available
+from space.decoding import DecodeConfig
 from space.loader import load_space
 from space.masking import mask_rows
 from space.models import TINY, load_model, tiny_random_llama
@@ -170,10 +171,12 @@ def _scalar_mask_rows(a):
     (_edited(base_model=None), "base_model=None"),
     (_edited(mask_num="3"), "mask_num='3'"),
     (_edited(mask_token_ids=[]), r"mask_token_ids=\[\]"),
+    (_edited(mask_num=0), "mask_num=0"),  # k = 0: no mask; named here, not later by the decoder without the file
     (_scalar_mask_rows, r"mask rows of shape \(1, 1\)"),
     # decoded with masks at offsets never trained (one shared mask token), or refused later by the
     # decoder without naming the file
     (_edited(decode={"mask_num": 5}), "a: decode mask_num 5 exceeds the trained mask_num 3"),
+    (_edited(decode={"mask_num": 4}), "a: decode mask_num 4 exceeds the trained mask_num 3"),  # one past: the bound
 ])
 def test_damaged_adapter_is_refused_naming_the_fault(tmp_path, damage, fragment):
     """Catches a dropped check in read_lora (r >= 1, plain LoRA only, every A of rank r, no unpaired
@@ -288,3 +291,60 @@ def test_an_artifact_replaced_by_a_run_stopped_part_way_is_kept(tmp_path, monkey
     _artifact(out, "frozen-base")  # a later save still lands, and leaves no old copy of its own
     assert {p.name for p in out.iterdir()} == set(before)
     assert len(list(tmp_path.glob(".old-final-*"))) == 1
+
+
+def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, monkeypatch, capsys):
+    """``load_space(step_cost=...)`` (issue 58): a Python user's dynamic tree on a GPU was priced by
+    the adapter's stored CPU curve (14 rows at 1.6x one, where an H200's eager step pays about 1.3x).
+    ``auto`` measures at load on a device of ``AUTO_MEASURED`` (the CPU stands for the GPU here)
+    when the adapter stores no curve of this setup, and puts it in the model's layout, which
+    ``SpaceDecoder`` and ``space.hf`` decode with; not on a CPU, not over a stored curve of this
+    setup, not compiled; ``stored`` never; ``measure`` always; the setup is recorded. The
+    measurement is stubbed (its real steps are timed in tests/test_chat.py)."""
+    import space.eval.tree_search as ts
+    from space.decoding import SpaceDecoder
+
+    adapter = _artifact(tmp_path / "a", "frozen-base")
+    calls = []
+    monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, **k: calls.append(max_rows) or
+                        {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0})
+    model, _, spec = load_space(adapter=adapter)  # auto on a CPU
+    assert calls == [] and model.space_step_cost_setup is None and model.config.space_decode["step_cost"] is None
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ("cpu",))
+    model, _, spec = load_space(adapter=adapter)
+    assert len(calls) == 1 and "[load_space] measured this machine's step cost" in capsys.readouterr().out
+    assert model.config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
+    assert model.config.space_decode["adapter_cost"] == 0.5 and model.config.space_decode["tree"] is None
+    assert model.space_step_cost_setup["measured"] == "at load" and model.space_step_cost_setup["device"] == "cpu"
+    decoder = SpaceDecoder(model, spec, SpaceDecoder(model, spec).config.override(tree="dynamic"))
+    assert decoder.config.step_cost == ((1, 2.0), (32, 3.0))
+    assert load_space(adapter=adapter, step_cost="stored")[0].config.space_decode["step_cost"] is None
+    assert len(calls) == 1
+    # a curve of this setup stored: auto takes it; measure still measures
+    decode = DecodeConfig(3, tree="dynamic").to_dict()
+    ts.write_decode(adapter, decode, {1: 0.010, 32: 0.020}, setup={
+        "threads": torch.get_num_threads(), "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused"})
+    model = load_space(adapter=adapter)[0]
+    assert len(calls) == 1 and model.config.space_decode["step_cost"] == [[1, 10.0], [32, 20.0]]
+    assert model.space_step_cost_setup["threads"] == torch.get_num_threads() and "measured" not in \
+        model.space_step_cost_setup
+    assert load_space(adapter=adapter, step_cost="measure")[0].config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="step_cost must be one of"):
+        load_space(adapter=adapter, step_cost="sometimes")
+    with pytest.raises(ValueError, match="step_cost measure times the eager trunk"):
+        load_space(adapter=adapter, step_cost="measure", compile="frozen")
+    assert len(calls) == 2
+
+
+def test_saving_over_an_artifact_leaves_only_the_new_one(tmp_path):
+    """A completed save over an existing artifact (a rerun of a finished training writing final/
+    again). Catches keeping the old artifact moved aside: every save left a whole model copy in a
+    hidden .old-final-* folder beside final/, filling the disk run after run."""
+    first = _artifact(tmp_path / "final", "frozen-base")
+    model, tok = tiny_random_llama(seed=0)
+    peft_model, spec = prepare_model(model, tok, "frozen-base", mask_num=3)
+    out = save_artifact(tmp_path / "final", peft_model, tok, spec, "frozen-base", {"base_model": TINY, "run": 2})
+    assert out == first
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]
+    assert json.loads((out / "space_config.json").read_text())["run"] == 2

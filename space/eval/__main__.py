@@ -357,8 +357,9 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     device = shard.device(args.device) if shard else args.device
     try:
         # a trunk to compile loads unfused (space.decoding.fused keeps module state a graph must not hold)
+        # stored: the run prices its layout after its flags and resume checks (price_here)
         model, tok, spec = load_space(args.model, args.adapter, args.mask_num or DEFAULT_MASK_NUM, args.dtype,
-                                      device, placement, compile=args.compile or False)
+                                      device, placement, compile=args.compile or False, step_cost="stored")
     except UnicodeDecodeError as e:  # a config file of the model or adapter holds other bytes
         raise ValueError(f"--model {args.model} / --adapter {args.adapter}: a config file is not UTF-8 text "
                          f"({e.reason} at byte {e.start})") from None

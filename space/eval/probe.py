@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
     target = target_name(a.model, a.adapter)
     base = base_model_name(a.model, a.adapter)
     prompts = probe_prompts(a.dataset, a.data_root, a.limit)
-    model, tok, spec = load_space(a.model, a.adapter, a.mask_num or DEFAULT_MASK_NUM, a.dtype, a.device)
+    model, tok, spec = load_space(a.model, a.adapter, a.mask_num or DEFAULT_MASK_NUM, a.dtype, a.device,
+                                  step_cost="stored")  # the probe ranks drafts: no tree is priced
     refuse_sliding_window(model.config, "the acceptance probe")  # before hours of greedy answers
     k = a.mask_num or spec.mask_num or DEFAULT_MASK_NUM
     tree = read_tree(a.tree, k, a.model, a.adapter)

@@ -577,7 +577,8 @@ def main(argv: list[str] | None = None) -> dict:
     from ..decoding.config import DecodeConfig
     from ..loader import load_space
 
-    model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, device=a.device, compile=a.compile or False)
+    model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, device=a.device, compile=a.compile or False,
+                                step_cost="stored")  # this tool measures the curves itself
     if a.cache_len + a.max_rows > model.config.max_position_embeddings:
         raise ValueError(f"--cache-len + --max-rows = {a.cache_len + a.max_rows} exceeds the model's context "
                          f"of {model.config.max_position_embeddings}")
