@@ -28,16 +28,18 @@ SAMPLE_KEYS = ("model", "model_files", "adapter_sha256", "dataset", "methods", "
                "top_p", "top_k", "seed", "dtype", "kernels")
 # what shapes the timings: a speedup over samples timed on two setups compares nothing. The ranks of
 # one sharded run differ in device (each its GPU) and may differ in machine; the merge allows that,
-# since every question's methods run in one process.
+# since every question's methods run in one process. The trunk (fused groups, attention, one-kernel
+# norms: space.decoding.fused) and the attention backend (space.decoding.backends) change a GPU
+# step's launches, and its norms' rounding, with the code rather than with a flag.
 SETUP_KEYS = ("threads", "device", "device_map", "machine", "torch", "transformers", "compile", "buckets", "capture",
-              "slot_buckets")
+              "slot_buckets", "trunk", "sdpa")
 RESUME_KEYS = SAMPLE_KEYS + SETUP_KEYS
 MERGE_KEYS = tuple(k for k in RESUME_KEYS if k not in ("device", "machine"))
 # what older run_config.json files lack, as those runs had it: chain, no lookup (an adapter's hash
 # is not known: such a folder resumes only without an adapter)
 OLD_DEFAULTS = {"model_files": None, "lookup_tokens": 0, "lookup_ngram": 2, "baselines_suppress_masks": False, "tree": None, "adapter_sha256": None, "row_budget": None, "draft_ranks": None,
                 "step_cost": None, "adapter_cost": None, "compile": False, "buckets": False, "capture": None,
-                "slot_buckets": None}
+                "slot_buckets": None, "trunk": None, "sdpa": None}
 
 
 def model_files(model: str) -> str | None:

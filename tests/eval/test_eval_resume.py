@@ -17,6 +17,7 @@ CHANGES = {
     "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1, "dtype": "bfloat16", "kernels": "stock",
     "threads": 7, "device": "cuda:0", "device_map": "auto", "machine": "aarch64 64 cores", "torch": "9.9.9",
     "transformers": "9.9.9", "compile": True, "buckets": True, "capture": 2048, "slot_buckets": [1024, 2048],
+    "trunk": {"fused_groups": 60, "attention": "space_sdpa_gqa", "rms_norms": 61}, "sdpa": {"cudnn": False},
 }
 
 
@@ -27,7 +28,8 @@ def meta() -> dict:
             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
             "dtype": "float32", "kernels": "fast", "threads": 1, "device": "cpu", "device_map": None,
             "machine": "x86_64 2 cores", "torch": "2.13.0", "transformers": "5.23.0", "compile": False, "buckets": False,
-            "capture": None, "slot_buckets": None, "commits": ["abc"]}
+            "capture": None, "slot_buckets": None, "trunk": {"fused_groups": 60, "attention": "space_sdpa_gqa", "rms_norms": 0},
+            "sdpa": None, "commits": ["abc"]}
 
 
 def test_every_key_is_checked():
@@ -258,3 +260,18 @@ def test_a_merge_stopped_while_writing_its_record_keeps_the_old_one(tmp_path, mo
     monkeypatch.setattr(io, "open", real_open)
     assert (tmp_path / "run_config.json").read_text() == before
     assert resume.merge_run(tmp_path)["num_questions"] == 2  # and the folder merges again
+
+
+def test_a_merged_run_resumes_on_any_device_of_its_ranks_type_and_on_their_machines_only(tmp_path):
+    """A merged record names every rank's device and machine ("cuda:0; cuda:1"), which no single
+    run repeats: a plain run resumes it on one of those machines on a device of their type, any
+    index (its timings are comparable), and is refused on another device type or machine."""
+    merged = {**meta(), "ranks": 2, "device": "cuda:0; cuda:1", "machine": "host a; host b"}
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    for device, machine in (("cuda:1", "host b"), ("cuda", "host a"), ("cuda:3", "host b")):
+        (tmp_path / "run_config.json").write_text(json.dumps(merged))
+        check_resume(tmp_path, {**meta(), "device": device, "machine": machine})
+    for device, machine, key in (("cpu", "host a", "device"), ("cuda:0", "host c", "machine")):
+        (tmp_path / "run_config.json").write_text(json.dumps(merged))
+        with pytest.raises(ValueError, match=rf"other settings .*'{key}'"):
+            check_resume(tmp_path, {**meta(), "device": device, "machine": machine})
