@@ -201,6 +201,8 @@ def _rust_globs(lines: list[str]) -> str:
 DEFINITION = {"cpp": r"\bNAME\s*\([^;{)]*\)\s*(?:const\s*)?\{", "java": r"\bNAME\s*\([^;{)]*\)\s*(?:throws\s[\w\s,.]+)?\{",
               "js": r"(?:\bfunction\s+NAME\b|\b(?:const|let|var)\s+NAME\s*=\s*(?:async\s+)?(?:function\b|\([^)]*\)\s*=>|\w+\s*=>))", "rust": r"\bfn\s+NAME\b"}
 RUST_FN = re.compile(r"\s*(?:pub(?:\([^)]*\))?\s+)?fn\s")
+# a top-level Java class line (HumanEval-X's declarations open ``class Solution {``)
+JAVA_CLASS = re.compile(r"^(?:(?:public|final|abstract)\s+)*class\s+\w+", re.M)
 
 
 def rust_signature(declaration: str) -> str:
@@ -209,12 +211,17 @@ def rust_signature(declaration: str) -> str:
 
 
 def _program(problem: dict, language: str, code: str) -> str:
-    """The source to compile: the reply restating the function (it defines it), or the prompt
-    completed by a body."""
+    """The source to compile: the reply restating the function (it defines it; a Java method
+    without its class goes in the declaration's class), or the prompt completed by a body."""
     decl = problem.get("declaration") or problem["prompt"]
     code = _own_harness_out(language, code)
     name = re.search(r"(\w+)\s*(?:=\s*)?\(", decl.rstrip().splitlines()[-1])
     if name and re.search(DEFINITION[language].replace("NAME", re.escape(name.group(1))), code):
+        if language == "java" and not JAVA_CLASS.search(code):  # the method alone: in the declaration's class
+            opening = next((line for line in decl.splitlines() if JAVA_CLASS.match(line)), "class Solution {")
+            imports = [line for line in code.splitlines() if line.startswith("import ")]
+            body = "\n".join(line for line in code.splitlines() if not line.startswith("import "))
+            code = "\n".join(imports + [opening, body.rstrip(), "}"])
         return _headers(problem, language) + "\n" + _declared_helpers(problem, language, code) + "\n" + code
     if language == "rust":  # Rust prompts hold only the doc comment: the signature is in the declaration
         return _headers(problem, language) + "\n" + rust_signature(decl) + "\n" + code

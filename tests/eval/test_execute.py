@@ -102,6 +102,9 @@ def test_the_code_block_is_found_whatever_its_info_string(fence):
     ("cpp", "int fib(int n){", "int fib(int n) {\n    return n;\n}\n", True),
     ("rust", "fn fib(n: i32) -> i32{", "\n    if n < 2 { n } else { fib(n - 1) + fib(n - 2) }\n}\n", False),
     ("rust", "fn fib(n: i32) -> i32{", "fn fib(n: i32) -> i32 {\n    n\n}\n", True),
+    # a bare body with a nested helper whose name starts with the function's: no definition of fib
+    ("rust", "fn fib(n: i32) -> i32{", "\n    fn fib_rec(n: i32) -> i32 { if n < 2 { n } else { fib_rec(n - 1) + fib_rec(n - 2) } }\n"
+                                       "    fib_rec(n)\n}\n", False),
 ])
 def test_a_recursive_body_completes_the_prompt_and_a_definition_replaces_it(language, decl, body, restated):
     """Catches taking any call of the function's name for a restated function: a recursive bare
@@ -320,6 +323,14 @@ def test_the_java_tests_plain_asserts_run():
                "    use super::*;\n    #[test]\n    fn mine() { assert!(true); }\n}\n"),
     ("Java/0", "import java.util.*;\n\npublic class Solution {\n"
                "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\nSOLUTION"),
+    # the same harnesses in other styles: a main with its brace on the next line, a void main, a
+    # public final class
+    ("CPP/0", "#include<vector>\nusing namespace std;\nbool has_close_elements(vector<float> numbers, float threshold){\n"
+              "SOLUTION\nint main()\n{\n    return 0;\n}\n"),
+    ("CPP/0", "#include<vector>\nusing namespace std;\nbool has_close_elements(vector<float> numbers, float threshold){\n"
+              "SOLUTION\nvoid main() {\n}\n"),
+    ("Java/0", "import java.util.*;\n\npublic final class Solution {\n"
+               "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\nSOLUTION"),
 ])
 def test_a_right_reply_with_its_own_harness_or_without_the_helpers_passes(task_id, reply):
     """Right chat replies that failed to compile: one restating only the asked function lost the
@@ -343,6 +354,23 @@ def test_a_right_reply_with_its_own_harness_or_without_the_helpers_passes(task_i
     assert not check(problem, language, f"```\n{wrong}\n```")["passed"], wrong
 
 
+@pytest.mark.parametrize("imports", ["", "import java.util.*;\n"])
+def test_a_right_java_reply_restating_the_method_without_its_class_passes(imports):
+    """A right Java reply restating only the asked method, without ``class Solution { ... }`` (with
+    or without its own imports), was compiled as a method outside any class and counted as a
+    failure; it now goes in the declaration's class. A wrong one of the same shape still fails."""
+    from space.eval.execute import check, toolchain_missing
+
+    if toolchain_missing("java"):
+        pytest.skip("no java toolchain")
+    problem = humaneval_x("Java/0")
+    method = problem["canonical_solution"].rstrip().removesuffix("}")  # the class's closing brace off
+    head = imports + "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\n"
+    assert check(problem, "java", f"```java\n{head}{method}\n```") == {"passed": True, "result": "passed"}
+    wrong = method.replace("return true", "return false", 1)
+    assert not check(problem, "java", f"```java\n{head}{wrong}\n```")["passed"]
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the C++ toolchain)")
 def test_a_native_test_program_gets_a_memory_limit():
     """A reply growing a vector without end took memory until the host's OOM killer chose a process,
@@ -358,3 +386,19 @@ def test_a_native_test_program_gets_a_memory_limit():
     result = check(problem, "cpp", problem["prompt"] + problem["canonical_solution"] + probe)
     assert not result["passed"] and "before the tests finished" in result["result"], result
     assert f"-Xmx{HEAP_MB}m" in _harness("java", "m")[2][1] and f"--max-old-space-size={HEAP_MB}" in _harness("js", "m")[2][0]
+
+
+def test_a_compile_step_may_take_longer_than_the_test_timeout(tmp_path, monkeypatch):
+    """The timeout is the test run's: a compile step gets six times it (g++, javac and rustc take
+    seconds where a test takes milliseconds). Catches the test timeout applied to the compiler too:
+    a right reply whose compile took longer read as "timed out", a failed sample. Here a fake g++
+    takes 2 s under a 1 s timeout and builds a program that prints the executor's end marker."""
+    from space.eval.execute import check
+
+    fake = tmp_path / "g++"
+    fake.write_text("#!/bin/sh\nsleep 2\nmarker=$(grep -o 'space-tests-done-[0-9a-f]*' main.cpp)\n"
+                    "printf '#!/bin/sh\\necho %s\\n' \"$marker\" > main\nchmod +x main\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    problem = {"prompt": "int add(int a, int b){", "declaration": "int add(int a, int b){", "test": "int main(){}"}
+    assert check(problem, "cpp", "\n    return a + b;\n}\n", timeout=1) == {"passed": True, "result": "passed"}
