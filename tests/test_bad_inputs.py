@@ -133,6 +133,7 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-layout", ["--num-candidates", "5", "-k", "2"], 2, "--num-candidates must lie in 0..k = 0..2, got 5"),
     ("space-layout", ["--mode", "truncate", "-k", "0"], 2, "mask_num (k) must be an integer >= 1, got 0"),
     ("space-layout", ["-k", "2", "--num-groups", "9"], 2, "num-groups must lie in 1..k + 1 = 1..3"),
+    ("space-layout", ["-k", "2", "--num-groups", "4"], 2, "--num-groups must lie in 1..k + 1 = 1..3, got 4"),  # k + 2
     ("space-layout", ["-k", "5000"], 2, "mask_num (k) = 5000 exceeds the maximum"),  # asked for terabytes
     # a drawing of n x n cells: a MemoryError traceback; 0 was named by internal names (num_real, cache_len)
     ("space-layout", ["--mode", "train", "--seq-len", "60000"], 2, "--seq-len must lie in 1..512 (a drawing), got 60000"),

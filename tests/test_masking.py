@@ -195,6 +195,7 @@ def test_space_layout_draws_up_to_its_largest_drawing():
     text = main(["-k", "1", "--cache-len", str(MAX_DRAWN)])
     assert f"pos {MAX_DRAWN}" in text
     assert main(["--mode", "train", "-k", "1", "--seq-len", str(MAX_DRAWN), "--spans", str(MAX_DRAWN - 1)])
+    assert "x0    pos 0" in main(["-k", "1", "--cache-len", "0"])  # the low end: no cached token, the block alone
 
 
 def test_render_labels_padding_and_groups_of_different_lengths():

@@ -116,7 +116,9 @@ def test_pass_at_1_is_n_a_only_when_no_sample_ran_its_tests():
 
 
 @pytest.mark.parametrize("device, label", [("cpu", "Host work per SPACE step"),
-                                           ("cuda", "includes waiting for the GPU's queued work")])
+                                           ("cuda", "includes waiting for the GPU's queued work"),
+                                           ("cuda:1", "includes waiting for the GPU's queued work"),  # a launched rank
+                                           ("cuda:0, cuda:1", "includes waiting for the GPU's queued work")])
 def test_host_time_line_says_what_it_holds_on_each_device(device, label):
     """On CUDA the forward only enqueues work (a captured step: one graph replay), so the time
     outside it holds the wait at the step's read: an H200 run labelled 8-13 ms of it, 90 % of the
@@ -126,3 +128,30 @@ def test_host_time_line_says_what_it_holds_on_each_device(device, label):
     md = to_markdown(s)
     assert "median 6.000 ms" in md and label in md
     assert ("Host work" in md) == (device == "cpu")
+
+
+def test_a_run_whose_tests_never_ran_reports_n_a_and_no_not_run_count():
+    """Every sample "n/a" (no toolchain at all): pass@1 is "n/a", and the summary carries no
+    ``tests_not_run`` count nor the "pass@1 over the samples whose tests ran" line, which would
+    claim a pass rate over samples that ran when none did."""
+    r = rec("q0", "space", 4, 1.0)
+    r["choices"][0]["exec"] = {"passed": False, "result": "n/a (no toolchain)"}
+    s = summarize([r, {**r, "question_id": "q1"}], {"mask_num": 3})
+    assert s["pass_at_1"]["space"] == "n/a (no toolchain)" and "tests_not_run" not in s
+    assert "not run (no toolchain when made)" not in to_markdown(s)
+
+
+@pytest.mark.parametrize("device, other", [("cuda:0", True), ("cuda:0, cuda:1", True), ("cpu", False)])
+def test_the_layout_says_a_curve_of_another_device_type_priced_the_steps(device, other):
+    """A dynamic tree priced by a stored curve of another device type than the run's (the shipped
+    CPU curves on a GPU) says so in the layout line; one of the run's own type, whatever its index,
+    says nothing; a curve measured at load says that instead."""
+    from space.eval.report import layout_text
+
+    meta = {"tree": "dynamic", "mask_num": 3, "num_groups": 4, "row_budget": 32, "device": device,
+            "step_cost_setup": {"device": "cpu", "threads": 2, "kernels": "fast", "capture": False}}
+    assert ("steps priced by a cpu step-cost curve" in layout_text(meta)) == other
+    cuda_curve = {**meta, "step_cost_setup": {**meta["step_cost_setup"], "device": "cuda"}}
+    assert ("steps priced by a cuda step-cost curve" in layout_text(cuda_curve)) == (not other)
+    measured = {**meta, "step_cost_setup": {**meta["step_cost_setup"], "measured": "at load", "seconds": 2.5}}
+    assert "steps priced by this machine's step cost, measured at load in 2.5 s" in layout_text(measured)

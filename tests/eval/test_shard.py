@@ -265,6 +265,8 @@ def test_shard_ranks_and_devices(monkeypatch):
 @pytest.mark.parametrize("world, rank, fragment", [
     ("2", None, "WORLD_SIZE=2 with RANK=None: a launched process needs a RANK in 0..1"),  # a KeyError traceback
     ("2", "5", "WORLD_SIZE=2 with RANK='5'"),  # accepted: rank 5 of 2 selected no question
+    ("2", "2", "WORLD_SIZE=2 with RANK='2'"),  # the first rank past the last: an off-by-one let it in
+    ("0", "0", "WORLD_SIZE='0' in the environment: not a process count"),  # not blamed on the RANK
     ("two", "0", "WORLD_SIZE='two' in the environment: not a process count"),
 ])
 def test_a_launcher_environment_that_is_not_one_is_refused(monkeypatch, world, rank, fragment):

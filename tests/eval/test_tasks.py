@@ -67,6 +67,25 @@ def test_a_code_row_without_a_field_its_prompt_or_tests_need_is_named(tmp_path, 
         load_tasks(name, tmp_path)
 
 
+@pytest.mark.parametrize("name, row", [("humaneval-x:cpp", ["CPP/0", "int f();"]), ("mbpp", "assert f(1) == 2")])
+def test_a_code_row_that_is_not_an_object_is_named(tmp_path, name, row):
+    """Catches a row that is valid JSON but no object (a list, a string) read as one: space-eval
+    stopped with a bare AttributeError traceback, naming neither the file nor the row."""
+    good = {"task_id": "CPP/1", "prompt": "int g();", "test": "int main(){}"} if name.startswith("humaneval-x") \
+        else {"task_id": 2, "text": "t", "code": "y = 2", "test_list": ["assert y == 2"]}
+    text = "".join(json.dumps(r) + "\n" for r in (good, row))
+    if name.startswith("humaneval-x"):
+        (tmp_path / "humaneval-x").mkdir()
+        path = tmp_path / "humaneval-x" / "humaneval_cpp.jsonl.gz"
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        (tmp_path / "mbpp").mkdir()
+        path = tmp_path / "mbpp" / "mbpp.jsonl"
+        path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{path.name}: line 2: not a JSON object"):
+        load_tasks(name, tmp_path)
+
+
 def test_mbpp_dev_is_the_held_out_hundred_and_training_overlap_is_named(tmp_path, monkeypatch):
     """MBPP's prompts are the shipped drafter's training data, all but the dev set's 100: an MBPP
     run on the shipped adapter measured drafts on answers it learned (38 of the first 40).

@@ -657,3 +657,18 @@ def test_write_decode_leaves_the_config_whole_when_the_write_fails(tmp_path, mon
         write_decode(tmp_path, DecodeConfig(3, 2).to_dict(), {1: 0.002})
     monkeypatch.undo()
     assert config.read_text() == before
+
+
+def test_a_curve_measured_over_captured_steps_is_timed_at_their_row_buckets(tiny):
+    """``--step-cost measure`` under ``--capture`` times the captured steps, which hold only their row
+    buckets (a power-of-two ladder here): the curve is timed at the buckets up to the most rows,
+    never at a count no graph holds (12 rows failed as "not a bucket size", and the run with it).
+    The CPU runs the captured steps eagerly."""
+    from space.decoding.graphs import StepGraphs
+    from space.eval.tree_search import measure_step_cost
+
+    model, _, _ = tiny
+    graphs = StepGraphs(model, 64, [1, 2, 4, 8, 16])
+    measured = measure_step_cost(model, 16, cache_len=20, repeats=1, graphs=graphs)
+    assert [rows for rows, _ in measured["step_cost"]] == [1, 2, 4, 8, 16]
+    assert all(ms > 0 for _, ms in measured["step_cost"]) and measured["adapter_cost"] >= 0

@@ -262,3 +262,31 @@ def test_a_second_run_into_the_same_output_dir_is_refused(tmp_path):
             run_sft(*parse_train_args(["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(out),
                                        "--max_steps", "1", "--limit", "4"]))
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_a_resume_with_another_effective_batch_or_other_token_ids_is_refused(tmp_path):
+    """What a checkpoint records of its run (``run_settings``) and a resume compares. Catches a
+    batch recorded without its gradient accumulation (a rerun with ``gradient_accumulation_steps``
+    2 restored the optimizer and skipped the batches of 1, going on from a misaligned point) and a
+    data hash of the text alone (a set distilled again with other token ids, or its answers now
+    marked cut at the length limit, trains on other targets: a resume took it as the same data)."""
+    from space.config import parse_train_args
+    from space.data.sft import Example
+    from space.train.run import run_settings, space_settings
+
+    examples = [Example([{"role": "user", "content": "q"}], "a b", True, [5, 6])]
+
+    def settings(*flags, examples=examples):
+        model_args, data_args, mask_args, train_args = parse_train_args(
+            ["--config", "configs/train/tiny_smoke.yaml", "--output_dir", str(tmp_path / "run"), *flags])
+        return {**space_settings(model_args, mask_args, train_args),
+                **run_settings(model_args, data_args, mask_args, train_args, examples)}
+
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps(settings()))
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    check_checkpoint(str(tmp_path), settings())  # the same run resumes
+    with pytest.raises(ValueError, match=r"other SPACE settings or data.*'batch': \(4, 8\)"):
+        check_checkpoint(str(tmp_path), settings("--gradient_accumulation_steps", "2"))
+    for changed in (Example(examples[0].context, "a b", True, [5, 7]), Example(examples[0].context, "a b", False, [5, 6])):
+        with pytest.raises(ValueError, match="other SPACE settings or data.*'data'"):
+            check_checkpoint(str(tmp_path), settings(examples=[changed]))
