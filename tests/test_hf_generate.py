@@ -605,3 +605,37 @@ def test_plain_generate_never_emits_a_mask_token_as_space_never_does(tmp_path):
     loaded, _, spec = load_space(str(tmp_path / "full"))
     assert loaded.generation_config.suppress_tokens == sorted(spec.token_ids)
     assert torch.equal(_hf(loaded, ids, max_new_tokens=12), ref)
+
+
+def test_position_ids_are_checked_on_every_row_of_a_batch(tiny):
+    """Each row of a batch is placed by SPACE itself: a later row's positions other than 0..n-1
+    are refused as the first row's are, not only the first row's checked (the later rows' then
+    ignored silently)."""
+    model, _, _ = tiny
+    ids = torch.tensor([[20, 30, 40, 50], [21, 31, 41, 51]])
+    positions = torch.stack([torch.arange(4), torch.arange(4) * 3])
+    with pytest.raises(ValueError, match=r"position_ids other than 0..n-1 .*\(row 1 has \[0, 3, 6, 9\]"):
+        _space(model, ids, max_new_tokens=3, position_ids=positions, pad_token_id=0)
+
+
+def test_a_users_repetition_penalty_tensor_gives_each_row_of_a_batch_its_own_skip():
+    """A (batch,) ``prompt_ignore_length`` tensor holds one count per row: each row decoded on its
+    own keeps its own count (the second row here penalizes its prompt, the first does not), as
+    plain batched generate does; not the first row's count for every row."""
+    from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from space.tokens import add_mask_tokens
+
+    model, tok = tiny_random_llama(seed=0, initializer_range=0.2)
+    add_mask_tokens(model, tok, mask_num=4)
+
+    def penalty(skip):
+        return LogitsProcessorList([RepetitionPenaltyLogitsProcessor(50.0, prompt_ignore_length=skip)])
+
+    ids = torch.cat([torch.randint(0, 250, (1, 30), generator=torch.Generator().manual_seed(s)) for s in range(2)])
+    skip = torch.tensor([30, 0])
+    want = _hf(model, ids, max_new_tokens=20, logits_processor=penalty(skip), pad_token_id=0)
+    assert not torch.equal(want[1], _hf(model, ids[1:], max_new_tokens=20, logits_processor=penalty(30))[0])  # it matters
+    with pytest.warns(UserWarning, match="one after another"):
+        got = _space(model, ids, max_new_tokens=20, logits_processor=penalty(skip), pad_token_id=0)
+    assert torch.equal(got, want)

@@ -153,3 +153,35 @@ def test_loaded_tokenizers_pad_on_the_left(tmp_path):
     for _, loaded in (load_model("tiny-random-llama"), load_model(str(tmp_path))):
         mask = loaded(["def fib(n):", "Tell me a joke about cats."], padding=True)["attention_mask"]
         assert mask[0][0] == 0 and mask[0][-1] == 1
+
+
+def test_plain_generate_sets_the_models_settings_aside_and_puts_them_back():
+    """``plain_generate`` decodes with the given settings alone (a repetition penalty in the model's
+    generation_config is not applied), and the model keeps its own generation_config afterwards."""
+    import torch
+
+    from space.models import plain_generate, tiny_random_llama
+
+    model, _ = tiny_random_llama(seed=0, initializer_range=0.2)
+    ids = torch.randint(0, 250, (1, 30), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    plain = model.generate(**inputs, max_new_tokens=12, do_sample=False, repetition_penalty=1.0)
+    own = model.generation_config
+    own.repetition_penalty = 50.0
+    assert not torch.equal(model.generate(**inputs, max_new_tokens=12, do_sample=False), plain)  # it matters
+    assert torch.equal(plain_generate(model, inputs, max_new_tokens=12, do_sample=False), plain)
+    assert model.generation_config is own and own.repetition_penalty == 50.0
+
+
+def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
+    """A truncated model.safetensors raises safetensors' own error inside from_pretrained: it is a
+    ValueError naming the folder, as a missing weights file or a damaged config.json is."""
+    from space.models import load_model, tiny_random_llama
+
+    model, tok = tiny_random_llama()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"model folder {tmp_path} does not load"):
+        load_model(str(tmp_path))

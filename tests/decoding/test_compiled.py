@@ -292,7 +292,7 @@ def test_two_frozen_models_keep_their_own_graphs():
 
 
 @pytest.mark.parametrize("version, checks", [("2.11.0+cu130", False), ("2.12.1+cu130", False), ("2.13.0+cpu", True),
-                                             ("2.14.1", True)])
+                                             ("2.13.0", True), ("2.14.1", True)])
 def test_frozen_settings_keep_bound_checks_from_torch_2_13(version, checks):
     """Catches the bound checks of indirect indices left on under torch 2.11 / 2.12, whose C++ code
     generation then fails to compile PLD's frozen graphs (the test below, run on those versions),

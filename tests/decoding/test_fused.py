@@ -281,3 +281,16 @@ def test_the_fused_trunk_swaps_the_norms_where_one_is_one_kernel(monkeypatch):
     prompt = torch.tensor([5, 6, 7, 8, 9, 10])
     ar = ar_generate(fused, prompt, 16, suppress_ids=spec.token_ids)
     assert SpaceDecoder(fused, spec, DecodeConfig(3, 4)).generate(prompt, 16).new_ids == ar.new_ids
+
+
+def test_a_mean_subtracting_norm_of_a_real_width_is_not_swapped():
+    """At a wide model's width (16384, Llama-405B's) a row of zero mean differs from RMSNorm by about
+    1/sqrt(hidden), within bf16's rounding: the probe's rows must have means far from 0 for a
+    mean-subtracting norm (Cohere's) to be told apart and kept."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    from space.rms_norm import swap_rms_norms
+
+    cohere = torch.nn.Sequential(CohereLayerNorm(16384).to(torch.bfloat16))
+    assert swap_rms_norms(cohere, exact=False) == 0
+    assert type(cohere[0]).__name__ == "CohereLayerNorm"

@@ -394,3 +394,29 @@ def test_off_the_gqa_devices_the_kept_keys_go_through_transformers_sdpa(bucketed
     # the bucket's keys alone: as many as the mask is wide, and the cache's 200 slots not always
     assert all(c[3] == c[6] for c in masked) and {c[3] for c in masked} <= set(graphs.slot_sizes)
     assert min(c[3] for c in masked) < graphs.slots
+
+
+def test_the_smallest_slot_bucket_may_hold_exactly_min_slots():
+    """The slot buckets halve the cache's slots while the half holds at least ``min_slots``: a
+    half of exactly ``min_slots`` is a bucket, one slot less is not. Catches an off-by-one in
+    that bound (a strict comparison dropped the smallest bucket, and its steps attended over
+    twice the slots)."""
+    from tests.conftest import sdpa_gqa_copy
+
+    model, _ = tiny_random_llama()
+    gqa = sdpa_gqa_copy(model)
+    assert StepGraphs(gqa, slots=200, sizes=[1, 4], min_slots=25).slot_sizes == (25, 50, 100, 200)
+    assert StepGraphs(gqa, slots=200, sizes=[1, 4], min_slots=26).slot_sizes == (50, 100, 200)
+    assert StepGraphs(gqa, slots=200, sizes=[1, 4], min_slots=200).slot_sizes == (200,)
+
+
+def test_a_block_as_large_as_the_smallest_slot_bucket_fits_it_on_an_empty_cache():
+    """A one-token prompt's first SPACE block starts at slot 0: a block of q rows then fits a slot
+    bucket of exactly q slots, which has its buffers (a bucket of 16 slots for a 16-row block)."""
+    from tests.conftest import sdpa_gqa_copy
+
+    model, _ = tiny_random_llama()
+    graphs = StepGraphs(sdpa_gqa_copy(model), slots=64, sizes=[16], min_slots=16)
+    assert graphs.slot_sizes == (16, 32, 64)
+    with torch.inference_mode():
+        assert graphs.step(torch.zeros(16, dtype=torch.long), *_block(16), 0, None).shape == (16, 64)

@@ -131,3 +131,20 @@ def test_ar_step_times_are_per_step_not_cumulative(tiny, monkeypatch):
     monkeypatch.setattr(ar_mod, "clock", lambda device: float(next(ticks)))
     out = ar_mod.ar_generate(model, torch.arange(11, 20), 5, suppress_ids=spec.token_ids)
     assert len(out.new_ids) == 5 and out.step_times == [1.0] * 5
+
+
+def test_ar_refuses_a_prompt_id_outside_the_vocabulary(tiny):
+    """AR checks the prompt's ids against the LM head's rows as SPACE does: an id at the vocabulary
+    size is a ValueError naming it, not an embedding's IndexError (a device-side assert on a GPU)."""
+    import torch
+
+    from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+
+    model, _, spec = tiny
+    vocab = model.get_output_embeddings().weight.shape[0]
+    for bad in (vocab, -1):
+        prompt = torch.tensor([5, bad, 7])
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the model's vocabulary \[0, {vocab}\)"):
+            ar_generate(model, prompt, 4, suppress_ids=spec.token_ids)
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the model's vocabulary \[0, {vocab}\)"):
+            SpaceDecoder(model, spec, DecodeConfig(3)).generate(prompt, 4)

@@ -354,3 +354,12 @@ def test_static_block_with_no_room_left(tiny):
     dec = SpaceDecoder(model, spec, DecodeConfig(3, 4))
     lay, tokens, _ = dec.static_block(dec.context - 1, Drafts(torch.zeros(3, 1, dtype=torch.long)), [5, 6])
     assert lay.group_rows == () and lay.group_len == () and lay.rows == 1 and tokens.numel() == 0
+
+
+def test_replay_refuses_ranks_with_fewer_offsets_than_the_layout_drafts():
+    """A probe of a drafter with a smaller k holds fewer offsets per anchor: sliced to them, the
+    replay would report a k' layout's accept lengths under this layout's name. It is refused."""
+    ranks = [torch.zeros(6, 2, dtype=torch.long)]
+    with pytest.raises(ValueError, match="the ranks hold 2 offsets; a layout with mask_num 3 needs 3"):
+        replay(ranks, 3, 2, None)
+    assert replay(ranks, 2, 2, None).tokens == replay([torch.zeros(6, 3, dtype=torch.long)], 2, 2, None).tokens

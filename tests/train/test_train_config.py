@@ -133,6 +133,11 @@ def test_a_lora_target_that_names_no_module_is_refused():
         prepare_model(model, tok, "lora", 3, lora_targets=["q_proj", "v_prj"])
     model, tok = tiny_random_llama()
     prepare_model(model, tok, "frozen-base", 3, lora_targets=["q_proj", "self_attn.v_proj"])  # peft's suffix rule
+    # frozen-base is a LoRA mode too; and a bare suffix of a name ("proj" of "q_proj") matches no module for peft
+    for mode, bad in (("frozen-base", "v_prj"), ("lora", "proj"), ("frozen-base", "_proj")):
+        model, tok = tiny_random_llama()
+        with pytest.raises(ValueError, match=rf"lora_targets \['{bad}'\] name no module of this model"):
+            prepare_model(model, tok, mode, 3, lora_targets=["q_proj", bad])
 
 
 def test_every_shipped_training_config_has_values_of_its_fields_types():
