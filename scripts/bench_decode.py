@@ -113,7 +113,7 @@ def main() -> None:
     ar_t, hf_t, sp_t = [], [], []
     dec = SpaceDecoder(model, spec, DecodeConfig())
     for _ in range(3):
-        r = ar_generate(model, ids, a.gen_tokens)
+        r = ar_generate(model, ids, a.gen_tokens, suppress_ids=spec.token_ids)  # as generate's config does
         ar_t.append(len(r.new_ids) / r.wall_time)
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -405,7 +405,7 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
     # priced as a dynamic tree whatever the stored layout: a static one carries the curve too (it
     # prices nothing there), so --tree dynamic over it in space-chat or space.hf.generate is priced
     # for this setup, as space-eval prices it after its flags
-    priced = priced_for_setup(decode.override(tree="dynamic"), cfg, threads, kernels, where, device,
+    priced = priced_for_setup(decode.as_dynamic(), cfg, threads, kernels, where, device,
                               packed_kernel=packed_kernel, compile=compile)[0]
     return decode.override(step_cost=priced.step_cost, adapter_cost=priced.adapter_cost)
 

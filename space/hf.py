@@ -56,7 +56,7 @@ import torch
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (LogitsProcessorList, PrefixConstrainedLogitsProcessor,
                                                    RepetitionPenaltyLogitsProcessor,
-                                                   SynthIDTextWatermarkLogitsProcessor,
+                                                   SuppressTokensLogitsProcessor, SynthIDTextWatermarkLogitsProcessor,
                                                    UnbatchedClassifierFreeGuidanceLogitsProcessor)
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StoppingCriteriaList, StopStringCriteria)
@@ -138,6 +138,7 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     layout = DecodeConfig.of_model(base, spec.mask_num).override(
         mask_num=mask_num, num_groups=num_groups, lookup_tokens=lookup_tokens, tree=tree_flag(tree, mask_num))
     decoder = SpaceDecoder(model, spec, layout)
+    logits_processor = _without_mask_suppression(logits_processor, spec.token_ids)
     # the criteria generate hands over: a user's EosTokenCriteria / MaxLengthCriteria takes the place
     # of the one it would build from the config (ignored here, SPACE decoded past them); several stop
     # at the first one met, as HF's loop does
@@ -283,6 +284,22 @@ def _room(rows: list[torch.Tensor], max_new: int, context: int) -> list[int]:
                       f"at the context ({min(room)} new tokens for the longest prompt), where plain generate "
                       "would go on past it", stacklevel=4)
     return room
+
+
+def _without_mask_suppression(processors, mask_ids: tuple[int, ...]):
+    """``processors`` without the suppression of the mask tokens that ``space.tokens.suppress_in_generate``
+    puts in a SPACE model's generation config: the decoder never emits them anyway, and any
+    processor sends every step down the per-row path (the rows' contexts built on the host, one
+    call per verification row). A suppression of other ids keeps them."""
+    kept = LogitsProcessorList()
+    for p in processors or []:
+        if isinstance(p, SuppressTokensLogitsProcessor):
+            ids = sorted(set(p.suppress_tokens.flatten().tolist()) - set(mask_ids))
+            if not ids:
+                continue
+            p = SuppressTokensLogitsProcessor(ids, device=p.suppress_tokens.device)
+        kept.append(p)
+    return kept
 
 
 def _padded(processors, pad: torch.Tensor, row: int = 0):

@@ -60,10 +60,13 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             step about 2x faster than eager, ``results/compile_cpu``).
         step_cost: how an adapter's dynamic tree is priced (issue 58), as ``space-eval --step-cost``
             (``space.eval.tree_search.price_at_load``): ``"auto"`` (default) measures this machine's
-            curve at load (a few seconds) on a CUDA GPU when the adapter stores none of this setup,
-            which a stored CPU curve would price wrong (14 rows at 1.6x one, where an H200's eager
-            step pays about 1.3x), never on a compiled trunk; ``"measure"`` always; ``"stored"``
-            never. The curve's setup is recorded as ``model.space_step_cost_setup``.
+            curve at load (a few seconds) on a CUDA GPU when the adapter's stored layout is the
+            dynamic tree and it stores no curve of this setup, which a stored CPU curve would price
+            wrong (14 rows at 1.6x one, where an H200's eager step pays about 1.3x), never on a
+            compiled trunk; ``"measure"`` always; ``"stored"`` never. A measured curve differs from
+            load to load, and so do the trees it prices: a seeded sampled call repeats within one
+            load; ``"stored"`` gives every process the same layout. The curve's setup is recorded
+            as ``model.space_step_cost_setup``.
 
     An eager model on one device gets the fused trunk (``space.decoding.fused.fuse_trunk``,
     issue 58: q/k/v and gate/up in one GEMM each, a frozen-base LoRA packed under them, an
@@ -154,13 +157,15 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     threads, packed = torch.get_num_threads(), applied.get("packed_kernel")
     decode = adapter_decode_config(cfg, adapter, threads, kernels, on, packed, compile)
     # which stored curve priced it (None: none of this setup), for "auto" to tell whether to measure
-    setup = priced_for_setup(decode.override(tree="dynamic"), cfg, threads, kernels, adapter / SPACE_CONFIG, on,
+    setup = priced_for_setup(decode.as_dynamic(), cfg, threads, kernels, adapter / SPACE_CONFIG, on,
                              packed_kernel=packed, compile=compile)[1]
     model = compile_trunk(base, None if compile is True else compile) if compile else base
     # priced as a dynamic tree whatever the stored layout: a static one carries the curve for a
     # tree="dynamic" override (space-chat, space.hf.generate), as adapter_decode_config prices it
-    dynamic, model.space_step_cost_setup = price_at_load(model, decode.override(tree="dynamic"), setup, step_cost,
-                                                         kernels, compiled=compile, tool="load_space")
+    # auto measures for a stored dynamic tree only: a static layout's curve serves an override alone
+    mode = "stored" if step_cost == "auto" and decode.tree != "dynamic" else step_cost
+    dynamic, model.space_step_cost_setup = price_at_load(model, decode.as_dynamic(), setup, mode, kernels,
+                                                         compiled=compile, tool="load_space")
     model.config.space_decode = decode.override(step_cost=dynamic.step_cost, adapter_cost=dynamic.adapter_cost).to_dict()
     return model, tok, spec
 

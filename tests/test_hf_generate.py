@@ -383,6 +383,21 @@ def test_a_users_eos_and_max_length_criteria_stop_as_in_plain_generate(trained):
         assert torch.equal(_space(model, ids, max_new_tokens=30, stopping_criteria=criteria), ref), criteria
 
 
+
+def test_several_max_length_criteria_stop_at_the_shortest_as_in_plain_generate(trained):
+    """Two ``MaxLengthCriteria`` given (the first takes the place of generate's own, the second is
+    added): HF's loop stops at the first one met, the shorter. Catches SPACE decoding to the
+    longer one (4 tokens past where plain generate stopped)."""
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    model = trained[0]
+    ids = _prompts(trained, n=1)[0]
+    for lengths in ((9, 5), (5, 9)):
+        criteria = [MaxLengthCriteria(ids.shape[1] + n) for n in lengths]
+        ref = _hf(model, ids, max_new_tokens=30, stopping_criteria=criteria)
+        assert ref.shape[1] == ids.shape[1] + 5
+        assert torch.equal(_space(model, ids, max_new_tokens=30, stopping_criteria=criteria), ref), lengths
+
 def test_a_users_repetition_penalty_with_a_tensor_to_skip_is_kept():
     """HF documents ``prompt_ignore_length`` as a (batch,) tensor too: the ids each row leaves out of
     the penalty (the prompt). SPACE replaced any tensor by the row's padding count (HF's own use of
@@ -577,11 +592,12 @@ def test_position_ids_other_than_the_default_are_refused(tiny):
     assert _space(model, ids, max_new_tokens=3, position_ids=torch.arange(4)[None]).shape == (1, 7)
 
 
-def test_plain_generate_never_emits_a_mask_token_as_space_never_does(tmp_path):
+def test_plain_generate_never_emits_a_mask_token_as_space_never_does(tmp_path, monkeypatch):
     """A mask token as the argmax: SPACE never emits one, and plain ``generate`` did (its argmax),
     so greedy SPACE differed from it. ``add_mask_tokens`` (and ``load_space`` for a checkpoint
     saved before) put the mask ids in the generation config's ``suppress_tokens``, beside any
-    there."""
+    there; ``space_generate`` drops the mask ids' suppression (it costs every step the per-row
+    processor path) and keeps any other."""
     from space.loader import load_space
     from space.models import TINY, load_model
     from space.tokens import add_mask_tokens
@@ -599,6 +615,17 @@ def test_plain_generate_never_emits_a_mask_token_as_space_never_does(tmp_path):
     ref = _hf(model, ids, max_new_tokens=12)
     assert not set(ref[0, ids.shape[1]:].tolist()) & set(spec.token_ids)
     assert torch.equal(_space(model, ids, max_new_tokens=12, mask_num=3), ref)
+    # the config's mask suppression sends no step down the per-row processor path (the decoder never
+    # emits a mask token anyway); a suppression of another id is kept
+    contexts, real = [], SpaceDecoder._contexts
+    monkeypatch.setattr(SpaceDecoder, "_contexts", lambda self, *a: contexts.append(1) or real(self, *a))
+    model.generation_config.suppress_tokens = list(spec.token_ids)
+    assert torch.equal(_space(model, ids, max_new_tokens=12, mask_num=3), ref) and not contexts
+    other = int(ref[0, ids.shape[1]])
+    model.generation_config.suppress_tokens = sorted([other, *spec.token_ids])
+    without = _hf(model, ids, max_new_tokens=12)
+    assert without[0, ids.shape[1]] != other and torch.equal(_space(model, ids, max_new_tokens=12, mask_num=3), without)
+    assert contexts
     model.generation_config.suppress_tokens = None  # as a checkpoint saved before this was
     model.save_pretrained(tmp_path / "full")
     tok.save_pretrained(tmp_path / "full")

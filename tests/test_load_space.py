@@ -297,10 +297,12 @@ def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, 
     """``load_space(step_cost=...)`` (issue 58): a Python user's dynamic tree on a GPU was priced by
     the adapter's stored CPU curve (14 rows at 1.6x one, where an H200's eager step pays about 1.3x).
     ``auto`` measures at load on a device of ``AUTO_MEASURED`` (the CPU stands for the GPU here)
-    when the adapter stores no curve of this setup, and puts it in the model's layout, which
-    ``SpaceDecoder`` and ``space.hf`` decode with; not on a CPU, not over a stored curve of this
-    setup, not compiled; ``stored`` never; ``measure`` always; the setup is recorded. The
-    measurement is stubbed (its real steps are timed in tests/test_chat.py)."""
+    when the adapter's stored layout is the dynamic tree and it stores no curve of this setup, and
+    puts it in the model's layout, which ``SpaceDecoder`` and ``space.hf`` decode with; not on a
+    CPU, not for a static layout, not over a stored curve of this setup, not compiled; ``stored``
+    never; ``measure`` always; the setup is recorded. A stored layout of prompt lookup alone loads
+    (it failed: priced as a dynamic tree with 0 groups). The measurement is stubbed (its real steps
+    are timed in tests/test_chat.py)."""
     import space.eval.tree_search as ts
     from space.decoding import SpaceDecoder
 
@@ -308,16 +310,19 @@ def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, 
     calls = []
     monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, **k: calls.append(max_rows) or
                         {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0})
+    ts.write_decode(adapter, DecodeConfig(3, tree="dynamic").to_dict())  # a stored dynamic tree, no curve
     model, _, spec = load_space(adapter=adapter)  # auto on a CPU
     assert calls == [] and model.space_step_cost_setup is None and model.config.space_decode["step_cost"] is None
     monkeypatch.setattr(ts, "AUTO_MEASURED", ("cpu",))
+    ts.write_decode(adapter, DecodeConfig(3).to_dict())  # a static layout: auto measures nothing
+    assert load_space(adapter=adapter)[0].config.space_decode["step_cost"] is None and calls == []
+    ts.write_decode(adapter, DecodeConfig(3, tree="dynamic").to_dict())
     model, _, spec = load_space(adapter=adapter)
     assert len(calls) == 1 and "[load_space] measured this machine's step cost" in capsys.readouterr().out
     assert model.config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
-    assert model.config.space_decode["adapter_cost"] == 0.5 and model.config.space_decode["tree"] is None
+    assert model.config.space_decode["adapter_cost"] == 0.5 and model.config.space_decode["tree"] == "dynamic"
     assert model.space_step_cost_setup["measured"] == "at load" and model.space_step_cost_setup["device"] == "cpu"
-    decoder = SpaceDecoder(model, spec, SpaceDecoder(model, spec).config.override(tree="dynamic"))
-    assert decoder.config.step_cost == ((1, 2.0), (32, 3.0))
+    assert SpaceDecoder(model, spec).config.step_cost == ((1, 2.0), (32, 3.0))
     assert load_space(adapter=adapter, step_cost="stored")[0].config.space_decode["step_cost"] is None
     assert len(calls) == 1
     # a curve of this setup stored: auto takes it; measure still measures
@@ -330,11 +335,16 @@ def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, 
         model.space_step_cost_setup
     assert load_space(adapter=adapter, step_cost="measure")[0].config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
     assert len(calls) == 2
+    # a stored layout of prompt lookup alone (no mask group) loads, and carries its curve as the others
+    ts.write_decode(adapter, DecodeConfig(3, 0, lookup_tokens=8).to_dict())
+    model, _, spec = load_space(adapter=adapter, step_cost="measure")
+    assert SpaceDecoder(model, spec).config.groups == 0 and model.config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
+    assert len(calls) == 3
     with pytest.raises(ValueError, match="step_cost must be one of"):
         load_space(adapter=adapter, step_cost="sometimes")
     with pytest.raises(ValueError, match="step_cost measure times the eager trunk"):
         load_space(adapter=adapter, step_cost="measure", compile="frozen")
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_saving_over_an_artifact_leaves_only_the_new_one(tmp_path):

@@ -122,6 +122,12 @@ class DecodeConfig:
         drafts = (len(self.tree) if self.tree else self.mask_num) if self.groups else 0  # no group drafts nothing
         return 1 + drafts + self.lookup_tokens + self.groups * self.mask_num
 
+    def as_dynamic(self) -> DecodeConfig:
+        """This layout as the dynamic tree its step-cost curve prices (a static layout carries the
+        curve for a ``tree="dynamic"`` override); ``num_groups`` unset, since prompt lookup alone
+        (0 groups) is a static layout only."""
+        return replace(self, tree="dynamic", num_groups=None)
+
     def override(self, **values) -> DecodeConfig:
         """A copy with the given fields replaced; None values keep the current field.
 
