@@ -201,8 +201,25 @@ def _rust_globs(lines: list[str]) -> str:
 DEFINITION = {"cpp": r"\bNAME\s*\([^;{)]*\)\s*(?:const\s*)?\{", "java": r"\bNAME\s*\([^;{)]*\)\s*(?:throws\s[\w\s,.]+)?\{",
               "js": r"(?:\bfunction\s+NAME\b|\b(?:const|let|var)\s+NAME\s*=\s*(?:async\s+)?(?:function\b|\([^)]*\)\s*=>|\w+\s*=>))", "rust": r"\bfn\s+NAME\b"}
 RUST_FN = re.compile(r"\s*(?:pub(?:\([^)]*\))?\s+)?fn\s")
-# a top-level Java class line (HumanEval-X's declarations open ``class Solution {``)
-JAVA_CLASS = re.compile(r"^(?:(?:public|final|abstract)\s+)*class\s+\w+", re.M)
+# what braces inside do not count: Java / C-like comments, string and char literals
+NOT_CODE = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+
+
+def _brace_depth(code: str) -> int:
+    """How many braces are open at the end of ``code`` (comments and literals left out)."""
+    code = NOT_CODE.sub("", code)
+    return code.count("{") - code.count("}")
+
+
+def _in_declared_class(decl: str, code: str) -> str:
+    """A Java reply that restates the asked method outside any class (a right answer, which failed
+    to compile as a method at the top level) put in the declaration's class, its imports first;
+    its other methods and classes go in with it (as members: the tests call an instance's methods)."""
+    opening = next((line for line in decl.splitlines() if re.match(r"(?:public\s+)?class\s", line)), "class Solution {")
+    lines = code.splitlines()
+    imports = [line.strip() for line in lines if line.strip().startswith("import ")]
+    body = [line for line in lines if not line.strip().startswith("import ")]
+    return "\n".join(imports + [opening] + body + ["}"])
 
 
 def rust_signature(declaration: str) -> str:
@@ -216,12 +233,10 @@ def _program(problem: dict, language: str, code: str) -> str:
     decl = problem.get("declaration") or problem["prompt"]
     code = _own_harness_out(language, code)
     name = re.search(r"(\w+)\s*(?:=\s*)?\(", decl.rstrip().splitlines()[-1])
-    if name and re.search(DEFINITION[language].replace("NAME", re.escape(name.group(1))), code):
-        if language == "java" and not JAVA_CLASS.search(code):  # the method alone: in the declaration's class
-            opening = next((line for line in decl.splitlines() if JAVA_CLASS.match(line)), "class Solution {")
-            imports = [line for line in code.splitlines() if line.startswith("import ")]
-            body = "\n".join(line for line in code.splitlines() if not line.startswith("import "))
-            code = "\n".join(imports + [opening, body.rstrip(), "}"])
+    defined = name and re.search(DEFINITION[language].replace("NAME", re.escape(name.group(1))), code)
+    if defined:
+        if language == "java" and _brace_depth(code[:defined.start()]) == 0:  # the method alone, outside a class
+            code = _in_declared_class(decl, code)
         return _headers(problem, language) + "\n" + _declared_helpers(problem, language, code) + "\n" + code
     if language == "rust":  # Rust prompts hold only the doc comment: the signature is in the declaration
         return _headers(problem, language) + "\n" + rust_signature(decl) + "\n" + code

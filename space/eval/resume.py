@@ -162,6 +162,8 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
                          "use another --out, or delete the folder to start over")
     old = read_record(recorded)
     old = {**OLD_DEFAULTS, **old.get("meta", old)}
+    if isinstance(old["trunk"], dict):  # recorded before the norm swap (5d4b329), which swapped none
+        old["trunk"] = {"rms_norms": 0, **old["trunk"]}
     # a merged record names every rank's device and machine ("cuda:0; cuda:1"), which no single run
     # repeats: a run resuming it must be on one of those machines, on a device of their type
     merged = old.get("ranks", 1) > 1

@@ -46,6 +46,20 @@ def test_resume_refuses_a_change_of_any_key(tmp_path, key):
     assert json.loads((tmp_path / "run_config.json").read_text())[key] == meta()[key]  # the record is kept
 
 
+def test_a_trunk_recorded_before_the_norm_swap_resumes_as_one_without_swapped_norms(tmp_path):
+    """A run record written before the norm swap (5d4b329) holds the trunk without ``rms_norms``;
+    nothing swapped norms then, so it resumes under a trunk with none swapped, not under one with
+    norms swapped (a GPU's one-kernel norms)."""
+    old = meta()
+    old["trunk"] = {k: v for k, v in old["trunk"].items() if k != "rms_norms"}
+    check_resume(tmp_path, old)
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    check_resume(tmp_path, meta())  # rms_norms 0
+    (tmp_path / "run_config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="'trunk'"):
+        check_resume(tmp_path, {**meta(), "trunk": {**meta()["trunk"], "rms_norms": 61}})
+
+
 def test_adapter_hash_follows_content_not_path(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name / "sub").mkdir(parents=True)

@@ -354,21 +354,39 @@ def test_a_right_reply_with_its_own_harness_or_without_the_helpers_passes(task_i
     assert not check(problem, language, f"```\n{wrong}\n```")["passed"], wrong
 
 
-@pytest.mark.parametrize("imports", ["", "import java.util.*;\n"])
-def test_a_right_java_reply_restating_the_method_without_its_class_passes(imports):
-    """A right Java reply restating only the asked method, without ``class Solution { ... }`` (with
-    or without its own imports), was compiled as a method outside any class and counted as a
-    failure; it now goes in the declaration's class. A wrong one of the same shape still fails."""
+SIGNATURE = "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\n"
+
+
+@pytest.mark.parametrize("reply", [
+    # the asked method without its class: alone, with its imports (one indented), with a helper
+    # method and comments, with a top-level helper class
+    SIGNATURE + "METHOD",
+    "import java.util.*;\n" + SIGNATURE + "METHOD",
+    "  import java.util.List;\n" + SIGNATURE + "METHOD",
+    "// the answer\n    private static double gap(double a, double b) { return Math.abs(a - b); } /* { */\n"
+    + SIGNATURE + "METHOD",
+    SIGNATURE + "METHOD\nclass Pair { double a, b; }",
+    # the whole class, as replies restate it: indented (a fenced block in a list item), annotated, strictfp
+    "    import java.util.*;\n    class Solution {\n    " + SIGNATURE + "METHOD\n    }",
+    "import java.util.*;\n@SuppressWarnings(\"unchecked\") class Solution {\n" + SIGNATURE + "METHOD\n}",
+    "import java.util.*;\nstrictfp class Solution {\n" + SIGNATURE + "METHOD\n}",
+])
+def test_a_right_java_reply_restating_the_method_with_or_without_its_class_passes(reply):
+    """A right Java reply restating only the asked method, without ``class Solution { ... }``, was
+    compiled as a method outside any class and counted as a failure; it now goes in the
+    declaration's class, decided by the brace depth at its definition (comments and literals left
+    out), so a whole class in any style (indented, annotated, strictfp) is not wrapped twice. A
+    wrong reply of the same shape still fails."""
     from space.eval.execute import check, toolchain_missing
 
     if toolchain_missing("java"):
         pytest.skip("no java toolchain")
     problem = humaneval_x("Java/0")
     method = problem["canonical_solution"].rstrip().removesuffix("}")  # the class's closing brace off
-    head = imports + "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\n"
-    assert check(problem, "java", f"```java\n{head}{method}\n```") == {"passed": True, "result": "passed"}
-    wrong = method.replace("return true", "return false", 1)
-    assert not check(problem, "java", f"```java\n{head}{wrong}\n```")["passed"]
+    right = reply.replace("METHOD", method)
+    assert check(problem, "java", f"```java\n{right}\n```") == {"passed": True, "result": "passed"}, right
+    wrong = reply.replace("METHOD", method.replace("return true", "return false", 1))
+    assert not check(problem, "java", f"```java\n{wrong}\n```")["passed"]
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the C++ toolchain)")
