@@ -74,3 +74,58 @@ def test_a_position_bias_or_softcap_goes_to_transformers_sdpa_with_the_keys_cut(
     assert (out - plain).abs().max() > 1e-3  # the bias is really applied
     with pytest.raises(ValueError, match="softcap"):
         sdpa_gqa_attention(module, query, key, value, mask, softcap=30.0)
+
+
+def test_a_left_padded_batch_over_sdpa_gqa_answers_each_prompt_as_alone():
+    """A model whose attention is SDPA_GQA (the CPU's fast kernels, the fused trunk) takes HF's
+    2-D padding mask in a batched ``generate`` (``space.distill.greedy_batches``, magpie's
+    sampling): transformers makes the 4-D mask through the mask function registered with the
+    attention. Catches registering the attention alone: transformers then passed no mask at all,
+    the short prompt's row attended over its left padding, and its answer was another's."""
+    from space.models import plain_generate, tiny_random_llama
+    from tests.conftest import sdpa_gqa_copy
+
+    model, tok = tiny_random_llama(seed=0, initializer_range=0.2)
+    gqa = sdpa_gqa_copy(model)
+    short = [5, 6, 7]
+    long = torch.randint(3, 250, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": [short, long]}, return_tensors="pt")
+    assert enc["attention_mask"][0, :17].sum() == 0  # the short row is mostly padding
+    settings = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": tok.pad_token_id}
+    with torch.inference_mode():
+        batch = plain_generate(gqa, enc, **settings)[:, enc["input_ids"].shape[1]:]
+        for row, prompt in zip(batch.tolist(), (short, long)):
+            ids = torch.tensor([prompt])
+            alone = plain_generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, **settings)
+            assert row == alone[0, len(prompt):].tolist()
+
+
+def test_on_the_cpu_a_masked_grouped_call_gives_sdpa_the_grouped_keys(monkeypatch):
+    """On a device of ``GQA_WITH_MASK`` (the CPU) SDPA_GQA hands SDPA the key/value heads as they
+    are (``enable_gqa``), cut at the mask's width: one call, no copy of the keys per query head
+    (what transformers' ``sdpa`` makes for a masked block, ``repeat_kv``), and the same values as
+    transformers' ``sdpa`` on the keys kept. Catches the CPU dropped from ``GQA_WITH_MASK``: every
+    masked block's keys were then copied to each of the query heads."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding.backends import sdpa_gqa_attention
+
+    gen = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    query, key, value = (torch.randn(1, h, q, 8, generator=gen) for h, q in ((4, 3), (2, 10), (2, 10)))
+    mask = torch.zeros(1, 1, 3, 6)
+    mask[..., 5] = torch.finfo(torch.float32).min
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, enable_gqa=False, **kwargs):
+        calls.append((key.shape[1], key.shape[2], enable_gqa))
+        return sdpa(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    want, _ = sdpa_attention_forward(module, query, key[:, :, :6], value[:, :, :6], mask)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    out, _ = sdpa_gqa_attention(module, query, key, value, mask)
+    assert calls == [(2, 6, True)]  # the 2 key/value heads, 6 keys: the mask's width
+    torch.testing.assert_close(out, want)

@@ -294,3 +294,22 @@ def test_a_mean_subtracting_norm_of_a_real_width_is_not_swapped():
     cohere = torch.nn.Sequential(CohereLayerNorm(16384).to(torch.bfloat16))
     assert swap_rms_norms(cohere, exact=False) == 0
     assert type(cohere[0]).__name__ == "CohereLayerNorm"
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
+def test_a_norm_of_another_formula_is_kept_whatever_its_weights_scale(dtype, scale):
+    """The rounding check's tolerance scales with the norm's own output and weight: a
+    mean-subtracting norm (Cohere's) with tiny weights is still kept, and a Llama norm with the
+    same weights still swapped. Catches a tolerance with a fixed scale of 1 in place of the
+    weight's, which let such a norm through (its outputs, all near 0, within 1e-4 or 3e-2 of the truth)."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from space.rms_norm import swap_rms_norms
+
+    model = torch.nn.Sequential(CohereLayerNorm(64).to(dtype), LlamaRMSNorm(64).to(dtype))
+    with torch.no_grad():
+        for m in model:
+            m.weight.normal_(generator=torch.Generator().manual_seed(0)).mul_(scale)
+    assert swap_rms_norms(model, exact=False) == 1
+    assert [type(m).__name__ for m in model] == ["CohereLayerNorm", "NativeRMSNorm"]
