@@ -38,6 +38,19 @@ def test_humaneval_x_bad_language_missing_and_damaged_files(tmp_path):
         load_tasks("humaneval-x:cpp", tmp_path)
 
 
+def _write_rows(root: Path, name: str, rows: list) -> Path:
+    """``rows`` as the data file ``load_tasks(name, root)`` reads (HumanEval-X: gzipped JSON lines)."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if name.startswith("humaneval-x"):
+        path = root / "humaneval-x" / f"humaneval_{name.split(':')[1]}.jsonl.gz"
+        path.parent.mkdir()
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path = root / "mbpp" / "mbpp.jsonl"
+        path.parent.mkdir()
+        path.write_text(text)
+    return path
+
 @pytest.mark.parametrize("name, row, field", [
     ("humaneval-x:cpp", {"task_id": "CPP/0", "test": "int main(){}"}, "prompt"),
     ("humaneval-x:cpp", {"task_id": "CPP/0", "prompt": "int f();"}, "test"),
@@ -54,15 +67,7 @@ def test_a_code_row_without_a_field_its_prompt_or_tests_need_is_named(tmp_path, 
     if name == "humaneval-x:rust":
         good = {"task_id": "Rust/1", "prompt": "/// doc\n", "declaration": "fn g() -> i32 {\n",
                 "test": "#[test]\nfn t() {}"}
-    text = "".join(json.dumps(r) + "\n" for r in (good, row))
-    if name.startswith("humaneval-x"):
-        (tmp_path / "humaneval-x").mkdir()
-        path = tmp_path / "humaneval-x" / f"humaneval_{name.split(':')[1]}.jsonl.gz"
-        path.write_bytes(gzip.compress(text.encode()))
-    else:
-        (tmp_path / "mbpp").mkdir()
-        path = tmp_path / "mbpp" / "mbpp.jsonl"
-        path.write_text(text)
+    path = _write_rows(tmp_path, name, [good, row])
     with pytest.raises(ValueError, match=rf"{path.name}: line 2: missing or malformed field '{field}'"):
         load_tasks(name, tmp_path)
 
@@ -73,15 +78,7 @@ def test_a_code_row_that_is_not_an_object_is_named(tmp_path, name, row):
     stopped with a bare AttributeError traceback, naming neither the file nor the row."""
     good = {"task_id": "CPP/1", "prompt": "int g();", "test": "int main(){}"} if name.startswith("humaneval-x") \
         else {"task_id": 2, "text": "t", "code": "y = 2", "test_list": ["assert y == 2"]}
-    text = "".join(json.dumps(r) + "\n" for r in (good, row))
-    if name.startswith("humaneval-x"):
-        (tmp_path / "humaneval-x").mkdir()
-        path = tmp_path / "humaneval-x" / "humaneval_cpp.jsonl.gz"
-        path.write_bytes(gzip.compress(text.encode()))
-    else:
-        (tmp_path / "mbpp").mkdir()
-        path = tmp_path / "mbpp" / "mbpp.jsonl"
-        path.write_text(text)
+    path = _write_rows(tmp_path, name, [good, row])
     with pytest.raises(ValueError, match=rf"{path.name}: line 2: not a JSON object"):
         load_tasks(name, tmp_path)
 
