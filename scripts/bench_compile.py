@@ -44,7 +44,7 @@ from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder
 from space.eval.bench import Target, generate
 from space.eval.tasks import load_tasks
-from space.eval.tree_search import step_cost_curve
+from space.eval.step_cost import step_cost_curve
 from space.jsonl import write_text_atomic
 from space.loader import load_space
 

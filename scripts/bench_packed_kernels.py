@@ -4,7 +4,7 @@
 (``space.cpu_kernels.choose_packed_kernel``): which one is faster depends on the CPU (MKL on an
 AVX-512 Intel CPU, oneDNN on an AVX2 AMD EPYC). This prices that choice: the shipped adapter on
 SmolLM2 loaded once per kernel (``optimize_for_cpu(model, kernel=...)``, every other fast kernel
-alike), the step shapes ``space-tree`` prices (``space.eval.tree_search.time_steps``: ``--cache``
+alike), the step shapes ``space-tree`` prices (``space.eval.step_cost.time_steps``: ``--cache``
 cached tokens, the LM head on every row, mask rows from row 1; 1 row is an AR step), the kernels
 taking turns ``--rounds`` times in alternating order (a step's cost drifts over seconds on a
 shared CPU), 3 timed repeats a turn. Reports the median ms per kernel and row count, the ratio of
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's space/, not an installed copy
 import torch  # noqa: E402
 
 from space.cpu_kernels import PACKED_KERNELS, cpu_model, has_kernel, optimize_for_cpu  # noqa: E402
-from space.eval.tree_search import time_steps  # noqa: E402
+from space.eval.step_cost import time_steps  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
 from space.loader import load_space  # noqa: E402
 

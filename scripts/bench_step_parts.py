@@ -1,7 +1,7 @@
 """Where a many-row step's time goes on this CPU (issue 58: a 16-row step <= 1.5x a 1-row step).
 
 Times the shipped adapter's 1-row and ``--rows``-row forwards as ``space-tree`` prices them
-(``space.eval.tree_search.time_steps``: ``--cache`` cached tokens, the LM head on every row, mask
+(``space.eval.step_cost.time_steps``: ``--cache`` cached tokens, the LM head on every row, mask
 rows from row 1), with the fast kernels ``space-eval`` runs (``--kernels fast``), in five setups:
 
 * ``full``: as a decode step runs;
@@ -43,7 +43,7 @@ from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
 
 from space.cpu_kernels import apply_kernels, cpu_model  # noqa: E402
-from space.eval.tree_search import time_steps  # noqa: E402
+from space.eval.step_cost import time_steps  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
 from space.loader import load_space  # noqa: E402
 

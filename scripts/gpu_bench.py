@@ -4,7 +4,7 @@
   a cache of 512 and 2,048 tokens, at a real shape with random weights (``smollm2``: 30 layers,
   hidden 576; ``llama2-7b``: 32 layers, hidden 4096), bf16, SDPA, with a random frozen-base LoRA
   of the shipped adapter's rank and targets on every mask row
-  (``space.eval.tree_search.step_cost_curve``: 1 row is an AR step, no 4-D mask).
+  (``space.eval.step_cost.step_cost_curve``: 1 row is an AR step, no 4-D mask).
 * ``host-time``: wall time per decoding step against the GPU's busy time in it (the sum of the
   step's kernel times, read by ``torch.profiler`` in a second, profiled run), for AR and SPACE
   layouts; ``1 - busy / wall`` is the share of the step the GPU waits for the host. On a random
@@ -143,7 +143,7 @@ def setups(args, dtype: torch.dtype):
 
 
 def cmd_step_cost(args) -> dict:
-    from space.eval.tree_search import step_cost_curve
+    from space.eval.step_cost import step_cost_curve
 
     dtype = getattr(torch, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
@@ -211,7 +211,7 @@ def sdp_backend(sdp: str):
 def step_profile(model, q: int, cache_len: int, repeats: int, static: bool = False, graphs=None, top: int = 8) -> dict:
     """Where one step of ``q`` rows after ``cache_len`` cached tokens spends the device's time (issue 58:
     a captured 1-row fp32 SmolLM2 step took 10.3 ms, far above its weights' cost): the
-    ``tree_search.time_steps`` run of ``repeats`` rounds less a 1-round run (the prefill and the
+    ``step_cost.time_steps`` run of ``repeats`` rounds less a 1-round run (the prefill and the
     warm-up round), per step. On CUDA the kernels' durations (a graph's replayed kernels included);
     on the CPU (a dry run) the ops' own CPU time.
 
@@ -219,7 +219,7 @@ def step_profile(model, q: int, cache_len: int, repeats: int, static: bool = Fal
         ``{"busy_ms": device ms per step, "kernels": {name (60 characters): us per step}}``, the
         ``top`` names by time and ``"other"``.
     """
-    from space.eval.tree_search import time_steps
+    from space.eval.step_cost import time_steps
 
     def per_name(rounds: int) -> Counter:
         times, short = device_events(lambda: time_steps(model, [(q, q > 1)], cache_len, rounds, static, graphs))[0], Counter()

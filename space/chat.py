@@ -213,7 +213,7 @@ def adapter_path(args) -> str | Path | None:
 
 def load(args) -> tuple:
     """(model, tokenizer, decoder) from the parsed flags; the adapter's layout, flags on top, a dynamic
-    tree priced as ``--step-cost`` says (``space.eval.tree_search.price_at_load``).
+    tree priced as ``--step-cost`` says (``space.eval.step_cost.price_at_load``).
 
     Raises:
         ValueError: ``--step-cost measure`` with a static layout; as ``space.loader.load_space``.
@@ -223,7 +223,7 @@ def load(args) -> tuple:
     from .artifact import SPACE_CONFIG, priced_for_setup, read_space_config
     from .decoding import DEFAULT_MASK_NUM, DecodeConfig, SpaceDecoder
     from .decoding.tree import tree_flag
-    from .eval.tree_search import price_at_load
+    from .eval.step_cost import price_at_load
     from .loader import load_space
 
     # the kernels at load: a dynamic tree is priced by the adapter's curve for these kernels and threads

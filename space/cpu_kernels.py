@@ -136,7 +136,7 @@ class PackedLinear(nn.Module):
     ``extra``'s rows follow W's in memory (``GatedLoraLinear`` keeps them so), else a copy; only a
     view is kept when ``stock_rows`` is 0 (nothing reads it then). Without that path a 2-row
     step with a mask row took the packed kernel and one without took MKL's stock path: on SmolLM2
-    at 2 threads the measured adapter cost (``space.eval.tree_search.adapter_cost``) was 28 ms
+    at 2 threads the measured adapter cost (``space.eval.step_cost.adapter_cost``) was 28 ms
     instead of ~8. ``stock_rows`` is timed on W alone (:func:`choose_stock_rows`); the stacked GEMM
     is r rows taller, which moved no crossover here.
 

@@ -27,7 +27,7 @@ from .decoding.config import DEFAULT_MASK_NUM
 from .decoding.backends import choose_sdpa
 from .decoding.cache import attention_dtype
 from .decoding.fused import fuse_trunk
-from .eval.tree_search import price_at_load
+from .eval.step_cost import price_at_load
 from .models import SMOLLM2, dispatch, load_model, model_identity
 from .sampler_head import add_sampler_head, sampler_head
 from .tokens import MaskSpec, add_mask_tokens, mask_spec, suppress_in_generate
@@ -59,7 +59,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             ``"frozen"``: the weights folded into the graph for inductor's C++ GEMM (a CPU: AR's
             step about 2x faster than eager, ``results/compile_cpu``).
         step_cost: how an adapter's dynamic tree is priced (issue 58), as ``space-eval --step-cost``
-            (``space.eval.tree_search.price_at_load``): ``"auto"`` (default) measures this machine's
+            (``space.eval.step_cost.price_at_load``): ``"auto"`` (default) measures this machine's
             curve at load (a few seconds) on a CUDA GPU when the adapter's stored layout is the
             dynamic tree and it stores no curve of this setup, which a stored CPU curve would price
             wrong (14 rows at 1.6x one, where an H200's eager step pays about 1.3x), never on a

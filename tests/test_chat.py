@@ -194,7 +194,7 @@ def test_step_cost_flag_prices_the_dynamic_tree_as_space_eval_does(monkeypatch, 
     adapter at 2 threads, fast kernels); ``stored`` never; ``measure`` over a static layout is refused.
     The measurement is stubbed except in the first call, which times the tiny model's real steps."""
     import space.chat as chat_module
-    import space.eval.tree_search as ts
+    import space.eval.step_cost as ts
 
     calls, real = [], ts.measure_step_cost
     monkeypatch.setattr(ts, "measure_step_cost", lambda *a, **k: calls.append(1) or real(*a, **k))

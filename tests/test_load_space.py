@@ -303,20 +303,21 @@ def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, 
     never; ``measure`` always; the setup is recorded. A stored layout of prompt lookup alone loads
     (it failed: priced as a dynamic tree with 0 groups). The measurement is stubbed (its real steps
     are timed in tests/test_chat.py)."""
-    import space.eval.tree_search as ts
+    import space.eval.step_cost as ts
     from space.decoding import SpaceDecoder
+    from space.eval.tree_search import write_decode
 
     adapter = _artifact(tmp_path / "a", "frozen-base")
     calls = []
     monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, **k: calls.append(max_rows) or
                         {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0})
-    ts.write_decode(adapter, DecodeConfig(3, tree="dynamic").to_dict())  # a stored dynamic tree, no curve
+    write_decode(adapter, DecodeConfig(3, tree="dynamic").to_dict())  # a stored dynamic tree, no curve
     model, _, spec = load_space(adapter=adapter)  # auto on a CPU
     assert calls == [] and model.space_step_cost_setup is None and model.config.space_decode["step_cost"] is None
     monkeypatch.setattr(ts, "AUTO_MEASURED", ("cpu",))
-    ts.write_decode(adapter, DecodeConfig(3).to_dict())  # a static layout: auto measures nothing
+    write_decode(adapter, DecodeConfig(3).to_dict())  # a static layout: auto measures nothing
     assert load_space(adapter=adapter)[0].config.space_decode["step_cost"] is None and calls == []
-    ts.write_decode(adapter, DecodeConfig(3, tree="dynamic").to_dict())
+    write_decode(adapter, DecodeConfig(3, tree="dynamic").to_dict())
     model, _, spec = load_space(adapter=adapter)
     assert len(calls) == 1 and "[load_space] measured this machine's step cost" in capsys.readouterr().out
     assert model.config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
@@ -327,7 +328,7 @@ def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, 
     assert len(calls) == 1
     # a curve of this setup stored: auto takes it; measure still measures
     decode = DecodeConfig(3, tree="dynamic").to_dict()
-    ts.write_decode(adapter, decode, {1: 0.010, 32: 0.020}, setup={
+    write_decode(adapter, decode, {1: 0.010, 32: 0.020}, setup={
         "threads": torch.get_num_threads(), "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused"})
     model = load_space(adapter=adapter)[0]
     assert len(calls) == 1 and model.config.space_decode["step_cost"] == [[1, 10.0], [32, 20.0]]
@@ -336,7 +337,7 @@ def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, 
     assert load_space(adapter=adapter, step_cost="measure")[0].config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
     assert len(calls) == 2
     # a stored layout of prompt lookup alone (no mask group) loads, and carries its curve as the others
-    ts.write_decode(adapter, DecodeConfig(3, 0, lookup_tokens=8).to_dict())
+    write_decode(adapter, DecodeConfig(3, 0, lookup_tokens=8).to_dict())
     model, _, spec = load_space(adapter=adapter, step_cost="measure")
     assert SpaceDecoder(model, spec).config.groups == 0 and model.config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
     assert len(calls) == 3

@@ -227,7 +227,7 @@ def recorded_run(out: Path, shard: Shard | None) -> dict:
 def price_here(args: argparse.Namespace, decode, setup: dict | None, model, graphs, shard: Shard | None,
                methods: list[str], recorded: dict, resuming: bool):
     """The dynamic tree priced by this machine's measured step cost where ``--step-cost`` asks for it
-    (``tree_search.price_at_load``: ``measure``; ``auto`` on a CUDA GPU when the stored curve's setup
+    (``step_cost.price_at_load``: ``measure``; ``auto`` on a CUDA GPU when the stored curve's setup
     differs from the run's, or none is stored), through ``graphs`` when the run captures its
     steps. Only SPACE's dynamic tree is priced: a run without ``space`` measures nothing. A resumed
     run keeps how its samples were priced (the curve is a resume key), checked before anything else
@@ -250,7 +250,7 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
             resumed samples priced otherwise than this run would price (a curve measured on another
             setup, or under ``measure`` a stored one), before anything is timed.
     """
-    from .tree_search import curve_setup, price_at_load
+    from .step_cost import curve_setup, price_at_load
 
     if "space" not in methods or args.step_cost == "stored":
         return decode, setup
@@ -399,7 +399,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     decode, setup = price_here(args, decode, setup, model, graphs, shard, methods, recorded, samples.is_file())
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
     pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
-    from .tree_search import step_cost_mismatch, trunk_of
+    from .step_cost import step_cost_mismatch, trunk_of
 
     trunk = trunk_of(model)
     mismatch = (step_cost_mismatch(setup, threads, args.kernels, compiled, trunk, on, args.capture,

@@ -129,7 +129,7 @@ def test_the_step_cost_is_measured_short_of_a_sliding_window():
     """``--step-cost measure`` (and ``auto`` on a GPU) times steps after a cache short of the model's
     window, where the plain timed masks are the sliding ones: a sliding-window model is priced, not
     refused (it was, whatever the cache). A window too short for the rows is still refused."""
-    from space.eval.tree_search import price_at_load
+    from space.eval.step_cost import price_at_load
 
     model, _ = tiny_model("mistral-sliding", sliding_window=64)
     decode = DecodeConfig(3, 4, tree="dynamic")  # up to 32 rows: a cache of 31 tokens fits the window

@@ -11,7 +11,7 @@ import torch
 
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.compiled import compile_trunk, is_compiled
-from space.eval.tree_search import time_steps
+from space.eval.step_cost import time_steps
 from tests.conftest import CycleLanguage, fresh_language
 
 # these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning

@@ -21,7 +21,9 @@ def gated_tiny(targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
         with torch.no_grad():
             attn.q_proj.weight.copy_(q.weight)
             attn.q_proj.bias.normal_(generator=torch.Generator().manual_seed(1))
-    model, spec = prepare_model(model, tok, "frozen-base", 3, lora_targets=targets)
+    with torch.random.fork_rng():  # peft draws lora_A from the global generator: the same model in any test order
+        torch.manual_seed(0)
+        model, spec = prepare_model(model, tok, "frozen-base", 3, lora_targets=targets)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -107,7 +107,7 @@ def test_a_measured_step_cost_prices_the_dynamic_tree_and_is_kept_on_resume(tmp_
     layout the decoder runs carries the measured curve, the record says how it was made, the
     summary says so, and a resumed run keeps the recorded curve (a resume key) instead of
     measuring again. A static layout has no steps to price: refused."""
-    import space.eval.tree_search as ts
+    import space.eval.step_cost as ts
 
     calls, real = [], ts.measure_step_cost
     monkeypatch.setattr(ts, "measure_step_cost", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -136,7 +136,7 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
     import torch
 
     import space.eval.__main__ as eval_module
-    import space.eval.tree_search as ts
+    import space.eval.step_cost as ts
     from space.decoding import DecodeConfig
     from space.eval.shard import Shard
 

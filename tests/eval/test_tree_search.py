@@ -12,7 +12,8 @@ from space.decoding.dynamic import StepCost
 from space.decoding.tree import replay
 from space.eval import probe
 from space.eval.resume import adapter_sha256
-from space.eval.tree_search import _key, cli, estimate, load_ranks, main, search, step_cost_points, write_decode
+from space.eval.step_cost import step_cost_points
+from space.eval.tree_search import _key, cli, estimate, load_ranks, main, search, write_decode
 
 # these tests decode tiny-random-llama without an adapter on purpose: its untrained-mask warning
 # (space.loader.load_space) is expected here; tests/test_load_space.py checks it with pytest.warns
@@ -84,6 +85,7 @@ def test_cli_compile_measures_the_compiled_trunk_over_a_static_cache(tmp_path, m
     as space-eval --compile runs them (without it the curve was an eager one priced for a compiled
     run), prices static layouts at their buckets and records the mode; with --capture or the fast
     kernels it is refused, as space-eval refuses them."""
+    import space.eval.step_cost as step_cost
     import space.eval.tree_search as tree_search
     from space.decoding.compiled import is_compiled
 
@@ -92,13 +94,13 @@ def test_cli_compile_measures_the_compiled_trunk_over_a_static_cache(tmp_path, m
     args = ["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--max-mask-num", "2",
             "--max-rows", "4", "--cache-len", "8", "--threads", "1", "--out", str(tmp_path / "tree")]
     timed = []
-    real = tree_search.time_steps
+    real = step_cost.time_steps
 
     def spy(model, shapes, cache_len=300, repeats=15, static=False, graphs=None):
         timed.append((is_compiled(model), static))
         return real(model, shapes, cache_len, 2, static, graphs)
 
-    monkeypatch.setattr(tree_search, "time_steps", spy)
+    monkeypatch.setattr(step_cost, "time_steps", spy)
     searched = []
     real_search = tree_search.search
 
@@ -160,7 +162,7 @@ def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
     when the layout prices rows by it), leave the adapter's hash alone, and space-eval's check
     names what differs from the run."""
     from space.eval.resume import adapter_sha256
-    from space.eval.tree_search import step_cost_mismatch
+    from space.eval.step_cost import step_cost_mismatch
 
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base"}))
     before = adapter_sha256(tmp_path)
@@ -221,7 +223,7 @@ def test_curves_are_stored_and_chosen_per_compile_mode(tmp_path):
     priced by its own mode's (load_space too), and a mode without a curve of its own falls back to
     the decode entry's, which space-eval's check names."""
     from space.artifact import adapter_decode_config, compile_setup, priced_for_setup, stored_step_costs
-    from space.eval.tree_search import step_cost_mismatch
+    from space.eval.step_cost import step_cost_mismatch
 
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
     dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
@@ -270,7 +272,7 @@ def test_default_compile_mode_is_one_setup_however_named(tmp_path):
     with it. Catches the run's mode or a stored entry's compared unnormalized: the run then fell
     back to the decode entry's curve (here the eager one, written last)."""
     from space.artifact import priced_for_setup
-    from space.eval.tree_search import step_cost_mismatch
+    from space.eval.step_cost import step_cost_mismatch
 
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
     dynamic = DecodeConfig(3, 4, tree="dynamic").to_dict()
@@ -301,7 +303,7 @@ def test_curves_name_their_packed_kernel(tmp_path):
     is priced with it in hand, and space-eval's check names the difference. A curve or a run that
     names no kernel (stock kernels, a GPU, a curve written before) is not compared."""
     from space.artifact import priced_for_setup, stored_step_costs
-    from space.eval.tree_search import step_cost_mismatch
+    from space.eval.step_cost import step_cost_mismatch
 
     (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
     setup = {"threads": 2, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused",
@@ -554,7 +556,7 @@ def test_step_costs_are_timed_on_the_decoders_cache(tiny, monkeypatch):
     of the block per layer), not a ``DynamicCache``, whose every step concatenates the whole cache in
     every layer and costs what no decode step pays."""
     import space.decoding.cache as cache_module
-    from space.eval.tree_search import time_steps
+    from space.eval.step_cost import time_steps
 
     made = []
 
@@ -575,7 +577,7 @@ def test_static_step_costs_pass_the_decoders_mask(tiny, sdpa_calls):
     (``decoder.mask_slots``): on an attention that reads the mask's width (``SDPA_GQA``), the
     cached tokens and the rows only, 1 row too, as ``ar_generate``'s step; on stock ``sdpa``,
     every slot of the cache."""
-    from space.eval.tree_search import time_steps
+    from space.eval.step_cost import time_steps
     from tests.conftest import sdpa_gqa_copy
 
     model, _, _ = tiny
@@ -619,7 +621,7 @@ def test_step_cost_points_are_never_zero():
 def test_a_gpu_curve_is_not_refused_for_the_hosts_threads():
     """A GPU's steps barely depend on the host's threads: a GPU curve prices a GPU run at any
     thread count, while a CPU curve at other threads is named."""
-    from space.eval.tree_search import step_cost_mismatch
+    from space.eval.step_cost import step_cost_mismatch
 
     gpu = {"threads": 8, "kernels": "fast", "device": "cuda", "capture": True, "trunk": "fused"}
     assert step_cost_mismatch(gpu, 2, "fast", device="cuda", capture=True) is None
@@ -665,7 +667,7 @@ def test_a_curve_measured_over_captured_steps_is_timed_at_their_row_buckets(tiny
     never at a count no graph holds (12 rows failed as "not a bucket size", and the run with it).
     The CPU runs the captured steps eagerly."""
     from space.decoding.graphs import StepGraphs
-    from space.eval.tree_search import measure_step_cost
+    from space.eval.step_cost import measure_step_cost
 
     model, _, _ = tiny
     graphs = StepGraphs(model, 64, [1, 2, 4, 8, 16])
