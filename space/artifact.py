@@ -155,6 +155,17 @@ def check_finite(folder: Path, where: os.PathLike | str | None = None) -> None:
                          f"{bad[0]}: the training diverged; refusing this artifact")
 
 
+def artifact_folder(model: str | os.PathLike | None, adapter: str | os.PathLike | None) -> Path | None:
+    """The SPACE artifact whose ``space_config.json`` holds a run's tuned layout and step-cost
+    curves (STYLE.md item 15): ``adapter`` when given, else ``model`` when it is a full SAR-SFT
+    checkpoint (a folder holding a space_config.json); None for a plain model or a hub name."""
+    if adapter is not None:
+        return Path(adapter)
+    if model is not None and (Path(model) / SPACE_CONFIG).is_file():
+        return Path(model)
+    return None
+
+
 def read_space_config(adapter: Path) -> dict:
     """The ``space_config.json`` of artifact directory ``adapter``.
 

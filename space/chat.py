@@ -31,8 +31,9 @@ COMMANDS = "/reset clears the history, /quit (or EOF) exits, Ctrl-C stops a repl
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="space-chat", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="alias (space.models.ALIASES) or local HF directory (default: the "
-                   "shipped adapter's base, SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="alias (space.models.ALIASES) or local HF directory, e.g. a full "
+                   "SAR-SFT checkpoint with its tuned layout (default: the shipped adapter's base, "
+                   "SmolLM2-135M-Instruct)")
     p.add_argument("--adapter", default=None, help="SPACE adapter directory, or 'none' (default: the shipped "
                    "adapter when --model is not given, else none)")
     p.add_argument("--mask-num", type=int, default=None, help="k drafts per step (default: the adapter's layout)")
@@ -220,7 +221,7 @@ def load(args) -> tuple:
     """
     import torch
 
-    from .artifact import SPACE_CONFIG, priced_for_setup, read_space_config
+    from .artifact import SPACE_CONFIG, artifact_folder, priced_for_setup, read_space_config
     from .decoding import DEFAULT_MASK_NUM, DecodeConfig, SpaceDecoder
     from .decoding.tree import tree_flag
     from .eval.step_cost import price_at_load
@@ -234,8 +235,9 @@ def load(args) -> tuple:
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
         tree=tree_flag(args.tree, args.mask_num))
     # which stored curve priced it (None: none of this setup), for auto to tell whether to measure
-    cfg = read_space_config(Path(adapter)) if adapter is not None else {}
-    setup = priced_for_setup(decode, cfg, torch.get_num_threads(), args.kernels, Path(adapter or ".") / SPACE_CONFIG,
+    folder = artifact_folder(args.model, adapter)  # the adapter, or a full SAR-SFT checkpoint
+    cfg = read_space_config(folder) if folder is not None else {}
+    setup = priced_for_setup(decode, cfg, torch.get_num_threads(), args.kernels, Path(folder or ".") / SPACE_CONFIG,
                              next(model.parameters()).device.type)[1]
     decode = price_at_load(model, decode, setup, args.step_cost, args.kernels, tool="space-chat")[0]
     return model, tok, SpaceDecoder(model, spec, decode)

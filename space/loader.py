@@ -17,9 +17,9 @@ from peft import set_peft_model_state_dict
 
 from .adapter_layers import MaskEmbedding, apply_lora, mask_embedding
 from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG, adapter_decode_config,
-                       check_artifact, check_finite, check_lora_shape, copy_mask_rows, load_mask_rows,
-                       load_sampler_head, priced_for_setup, read_lora, read_space_config, read_tensors,
-                       sampler_width)
+                       artifact_folder, check_artifact, check_finite, check_lora_shape, copy_mask_rows,
+                       load_mask_rows, load_sampler_head, priced_for_setup, read_lora, read_space_config,
+                       read_tensors, sampler_width)
 from .choices import COMPILE_MODES, STEP_COST_CHOICES
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
@@ -109,8 +109,11 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         raise ValueError("step_cost measure times the eager trunk: a compiled trunk's curve builds its graphs first "
                          "(minutes); measure it with space-tree --compile --write-adapter")
     if adapter is None:
-        if model is not None and (Path(model) / SPACE_CONFIG).is_file():  # a full SAR-SFT artifact
-            check_artifact(Path(model))
+        folder = artifact_folder(model, None)  # a full SAR-SFT artifact, else a plain model
+        cfg = None
+        if folder is not None:
+            check_artifact(folder)
+            cfg = read_space_config(folder)
         base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
         try:
             spec = mask_spec(base, tok)
@@ -123,8 +126,10 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             if device_map is not None:  # the resized embeddings are new modules, without hooks
                 dispatch(base, base.hf_device_map)
         _trunk(base, compile, device_map)
-        apply_kernels(base, kernels)
-        return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
+        applied = apply_kernels(base, kernels)
+        if cfg is None:
+            return (compile_trunk(base, None if compile is True else compile) if compile else base), tok, spec
+        return _with_tuned_layout(base, cfg, folder, kernels, applied, compile, step_cost), tok, spec
     adapter = Path(adapter)
     cfg = read_space_config(adapter)
     if cfg["mode"] == "full":
@@ -152,12 +157,21 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
         dispatch(base, base.hf_device_map)
     _trunk(base.eval(), compile, device_map)
     applied = apply_kernels(base, kernels)
-    # the adapter's tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
+    return _with_tuned_layout(base, cfg, adapter, kernels, applied, compile, step_cost), tok, spec
+
+
+def _with_tuned_layout(base, cfg: dict, folder: Path, kernels: str, applied: dict, compile: bool | str,
+                       step_cost: str):
+    """``base`` compiled as ``compile`` says, with the tuned layout of the artifact in ``folder``
+    (its ``space_config.json`` ``cfg``: an adapter's, or a full SAR-SFT checkpoint's) as
+    ``config.space_decode``, a dynamic tree priced as ``step_cost`` says, and the curve's setup as
+    ``space_step_cost_setup`` (:func:`load_space`). Returns the model."""
+    # the tuned layout travels with the model: SpaceDecoder(model, spec) decodes with it
     on = next(base.parameters()).device.type  # a CPU's curve prices a GPU's steps wrong
     threads, packed = torch.get_num_threads(), applied.get("packed_kernel")
-    decode = adapter_decode_config(cfg, adapter, threads, kernels, on, packed, compile)
+    decode = adapter_decode_config(cfg, folder / SPACE_CONFIG, threads, kernels, on, packed, compile)
     # which stored curve priced it (None: none of this setup), for "auto" to tell whether to measure
-    setup = priced_for_setup(decode.as_dynamic(), cfg, threads, kernels, adapter / SPACE_CONFIG, on,
+    setup = priced_for_setup(decode.as_dynamic(), cfg, threads, kernels, folder / SPACE_CONFIG, on,
                              packed_kernel=packed, compile=compile)[1]
     model = compile_trunk(base, None if compile is True else compile) if compile else base
     # priced as a dynamic tree whatever the stored layout: a static one carries the curve for a
@@ -167,7 +181,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     dynamic, model.space_step_cost_setup = price_at_load(model, decode.as_dynamic(), setup, mode, kernels,
                                                          compiled=compile, tool="load_space")
     model.config.space_decode = decode.override(step_cost=dynamic.step_cost, adapter_cost=dynamic.adapter_cost).to_dict()
-    return model, tok, spec
+    return model
 
 
 def check_compile(compile: bool | str, device: str = "cpu", device_map: str | dict | None = None) -> None:

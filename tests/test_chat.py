@@ -220,3 +220,34 @@ def test_step_cost_flag_prices_the_dynamic_tree_as_space_eval_does(monkeypatch, 
     assert decoder("--step-cost", "stored").config == stored and calls == [1, 2]
     with pytest.raises(ValueError, match="layout is static"):
         decoder("--step-cost", "measure", "--tree", "chain")
+
+
+def test_a_full_checkpoints_stored_curve_prices_its_chat(tmp_path, monkeypatch):
+    """A full SAR-SFT checkpoint given as --model stores its layout and curves as an adapter does:
+    the chat decodes with its layout, priced by its curve of this setup, and ``auto`` does not
+    measure over it on a GPU (the CPU stands in). Catches the checkpoint's space_config.json left
+    unread (no stored curve: every GPU chat measured, and the curve of another setup priced it)."""
+    import space.chat as chat_module
+    import space.eval.step_cost as ts
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.decoding import DecodeConfig
+    from space.eval.tree_search import write_decode
+    from space.models import TINY, tiny_random_llama
+
+    model, tok = tiny_random_llama(seed=0)
+    full, spec = prepare_model(model, tok, "full", mask_num=3)
+    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    write_decode(ckpt, DecodeConfig(2, tree="dynamic", lookup_tokens=6).to_dict(), {1: 0.003, 32: 0.009},
+                 setup={"threads": 2, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused"})
+    write_decode(ckpt, DecodeConfig(2, tree="dynamic", lookup_tokens=6).to_dict(), {1: 0.001, 32: 0.002},
+                 setup={"threads": 1, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused"})
+    calls = []
+    monkeypatch.setattr(ts, "measure_step_cost", lambda *a, **k: calls.append(1) or
+                        {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0})
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ("cpu",))
+    args = chat_module.build_parser().parse_args(["--model", str(ckpt), "--kernels", "fast", "--threads", "2"])
+    chat_module.check_args(args)
+    config = chat_module.load(args)[2].config
+    assert calls == [] and config.step_cost == ((1, 3.0), (32, 9.0))  # this setup's curve (2 threads), not the last
+    assert (config.mask_num, config.tree, config.lookup_tokens) == (2, "dynamic", 6)

@@ -175,8 +175,8 @@ def _scalar_mask_rows(a):
     (_scalar_mask_rows, r"mask rows of shape \(1, 1\)"),
     # decoded with masks at offsets never trained (one shared mask token), or refused later by the
     # decoder without naming the file
-    (_edited(decode={"mask_num": 5}), "a: decode mask_num 5 exceeds the trained mask_num 3"),
-    (_edited(decode={"mask_num": 4}), "a: decode mask_num 4 exceeds the trained mask_num 3"),  # one past: the bound
+    (_edited(decode={"mask_num": 5}), "a/space_config.json: decode mask_num 5 exceeds the trained mask_num 3"),
+    (_edited(decode={"mask_num": 4}), "a/space_config.json: decode mask_num 4 exceeds the trained mask_num 3"),  # one past: the bound
 ])
 def test_damaged_adapter_is_refused_naming_the_fault(tmp_path, damage, fragment):
     """Catches a dropped check in read_lora (r >= 1, plain LoRA only, every A of rank r, no unpaired
@@ -359,3 +359,44 @@ def test_saving_over_an_artifact_leaves_only_the_new_one(tmp_path):
     assert out == first
     assert [p.name for p in tmp_path.iterdir()] == ["final"]
     assert json.loads((out / "space_config.json").read_text())["run"] == 2
+
+
+def test_a_full_checkpoints_tuned_layout_travels_with_it(tmp_path, monkeypatch, capsys):
+    """A full SAR-SFT checkpoint (the paper's own fine-tuning) keeps its tuned layout and step-cost
+    curves in its space_config.json, as an adapter does (``space-tree --write-adapter`` with the
+    checkpoint as ``--model``); ``load_space(model=...)`` decodes with it, the dynamic tree priced by
+    the curve stored for this setup, measured at load under ``auto`` on a GPU (the CPU stands in)
+    when none is. Catches a full checkpoint loaded with the default layout whatever it stores (as
+    before: every full checkpoint decoded k = its trained k with k + 1 groups)."""
+    import space.eval.step_cost as ts
+    from space.decoding import SpaceDecoder
+    from space.eval.tree_search import write_decode
+
+    model, tok = tiny_random_llama(seed=0)
+    full, spec = prepare_model(model, tok, "full", mask_num=3)
+    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    loaded, _, spec = load_space(model=str(ckpt))  # none stored: the trained k, k + 1 groups
+    assert SpaceDecoder(loaded, spec).config == DecodeConfig(3)
+    layout = DecodeConfig(2, 2, lookup_tokens=6, tree=[[0], [1], [0, 0]])
+    write_decode(ckpt, layout.to_dict())
+    loaded, _, spec = load_space(model=str(ckpt))
+    assert SpaceDecoder(loaded, spec).config == layout
+    calls = []
+    monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, **k: calls.append(max_rows) or
+                        {"step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.0, "seconds": 1.0})
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ("cpu",))
+    write_decode(ckpt, DecodeConfig(3, tree="dynamic").to_dict())  # a dynamic tree, no curve of this setup
+    loaded, _, spec = load_space(model=str(ckpt))
+    assert len(calls) == 1 and "[load_space] measured this machine's step cost" in capsys.readouterr().out
+    assert SpaceDecoder(loaded, spec).config.step_cost == ((1, 2.0), (32, 3.0))
+    assert loaded.space_step_cost_setup["measured"] == "at load"
+    write_decode(ckpt, DecodeConfig(3, tree="dynamic").to_dict(), {1: 0.010, 32: 0.020}, setup={
+        "threads": torch.get_num_threads(), "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused"})
+    loaded, _, spec = load_space(model=str(ckpt))  # a curve of this setup: auto takes it
+    assert SpaceDecoder(loaded, spec).config.step_cost == ((1, 10.0), (32, 20.0)) and len(calls) == 1
+    assert loaded.space_step_cost_setup["trunk"] == "fused"
+    cfg = json.loads((ckpt / "space_config.json").read_text())
+    cfg["decode"]["mask_num"] = 4  # past the trained k: a hand edit, refused naming the file
+    (ckpt / "space_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"full/space_config.json: decode mask_num 4 exceeds the trained mask_num 3"):
+        load_space(model=str(ckpt))

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="space-eval", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help=f"alias ({', '.join(ALIASES)}) or local HF "
-                   f"directory (default: the adapter's base model, else {SMOLLM2})")
+                   f"directory, e.g. a full SAR-SFT checkpoint, whose tuned layout the run takes (default: the "
+                   f"adapter's base model, else {SMOLLM2})")
     p.add_argument("--adapter", default=None, help="a lora / frozen-base SPACE adapter directory ('none': no adapter)")
     p.add_argument("--dataset", default="humaneval", help=f"one of {', '.join(DATASETS)} or a .jsonl file")
     p.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data or $SPACE_DATA)")
@@ -341,7 +342,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     import torch
     import transformers
 
-    from ..artifact import adapter_decode_config, compile_setup, git_commit, priced_for_setup
+    from ..artifact import (SPACE_CONFIG, adapter_decode_config, artifact_folder, compile_setup, git_commit,
+                            priced_for_setup)
     from ..cpu_kernels import apply_kernels
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
     from ..decoding.tree import tree_flag
@@ -375,7 +377,9 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a
     # dynamic tree priced by the curve the adapter stores for this run's setup (threads, kernels, compile mode, ...)
     threads = torch.get_num_threads()
-    where = Path(args.adapter) / "space_config.json" if args.adapter else None
+    # the adapter's, or a full SAR-SFT checkpoint's given as --model
+    folder = artifact_folder(args.model, args.adapter)
+    where = folder / SPACE_CONFIG if folder else None
     adapter_cfg = read_record(where) if where else {}
     tuned = adapter_decode_config(adapter_cfg, where) if where else DecodeConfig.of_model(model, spec.mask_num)
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
@@ -414,9 +418,10 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     base = args.model or (read_record(Path(args.adapter) / "space_config.json")["base_model"]
                           if args.adapter else SMOLLM2)
     devices = placed_on(model) if placement is not None else [device]
-    trained = trained_questions(tasks, args.adapter)
+    trained = trained_questions(tasks, folder)
     if trained:
-        warnings.warn(f"{len(trained)} of {len(tasks)} questions of --dataset {args.dataset} were in the adapter's "
+        trainee = "adapter" if args.adapter else "checkpoint"
+        warnings.warn(f"{len(trained)} of {len(tasks)} questions of --dataset {args.dataset} were in the {trainee}'s "
                       f"training data (MBPP {', '.join(trained[:4])}, ...): its drafts learned their answers, so "
                       "tokens/step and speedups on them overstate held-out drafting; --dataset mbpp-dev holds the "
                       "100 MBPP questions kept out of training", stacklevel=2)

@@ -47,8 +47,9 @@ def model_files(model: str) -> str | None:
     overwritten in place (a full-mode ``final/`` evaluated with ``--model``) are not resumed as
     the old one's; None for a name that is not a folder (the embedded SmolLM2, the tiny model).
 
-    Files up to 16 MB (configs, tokenizer) count by their bytes; larger ones (weights) by name,
-    size and modification time, which a rewrite changes and which costs no read of gigabytes.
+    Files up to 16 MB (configs, tokenizer) count by their bytes, a full SAR-SFT checkpoint's
+    space_config.json without its tuned layout (as :func:`adapter_sha256`); larger ones (weights)
+    by name, size and modification time, which a rewrite changes and which costs no read of gigabytes.
     """
     root = Path(model).expanduser()
     if not root.is_dir():
@@ -57,7 +58,8 @@ def model_files(model: str) -> str | None:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         stat = path.stat()
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() if stat.st_size <= 16 << 20 else f"{stat.st_size} {stat.st_mtime_ns}".encode())
+        digest.update(_drafts_only(path, root) if stat.st_size <= 16 << 20
+                      else f"{stat.st_size} {stat.st_mtime_ns}".encode())
     return digest.hexdigest()
 
 
@@ -66,9 +68,7 @@ def adapter_sha256(adapter: str | Path | None) -> str | None:
     None for no adapter.
 
     Every file counts by its relative name and bytes, in name order, except the README and the
-    tuned ``"decode"`` entry of space_config.json with its step-cost curves (``"step_cost_setup"``,
-    ``"step_costs"``), which ``space-tree --write-adapter`` rewrites without changing the drafts (an
-    evaluation records its layout and curve separately).
+    tuned layout in space_config.json (:func:`_drafts_only`).
 
     Raises:
         FileNotFoundError: ``adapter`` is not a folder.
@@ -80,18 +80,27 @@ def adapter_sha256(adapter: str | Path | None) -> str | None:
         raise FileNotFoundError(f"--adapter {adapter}: no such folder")
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != "README.md"):
-        data = path.read_bytes()
-        if path.relative_to(root).as_posix() == "space_config.json":
-            try:
-                config = json.loads(data)
-                config.pop("decode", None)
-                config.pop("step_cost_setup", None)  # how the tuned layout's curve was measured
-                config.pop("step_costs", None)  # the curves measured per threads and kernels
-                data = json.dumps(config, sort_keys=True).encode()
-            except (ValueError, AttributeError):  # not a JSON object: its bytes count as they are
-                pass
+        data = _drafts_only(path, root)
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + hashlib.sha256(data).digest())
     return digest.hexdigest()
+
+
+def _drafts_only(path: Path, root: Path) -> bytes:
+    """The bytes of artifact file ``path`` under ``root`` that fingerprint it: a space_config.json
+    without its tuned ``"decode"`` entry and step-cost curves (``"step_cost_setup"``,
+    ``"step_costs"``), which ``space-tree --write-adapter`` rewrites without changing the model or
+    its drafts (an evaluation records its layout and curve separately); any other file whole."""
+    data = path.read_bytes()
+    if path.relative_to(root).as_posix() != "space_config.json":
+        return data
+    try:
+        config = json.loads(data)
+        config.pop("decode", None)
+        config.pop("step_cost_setup", None)  # how the tuned layout's curve was measured
+        config.pop("step_costs", None)  # the curves measured per threads and kernels
+        return json.dumps(config, sort_keys=True).encode()
+    except (ValueError, AttributeError):  # not a JSON object: its bytes count as they are
+        return data
 
 
 def read_record(path: Path) -> dict:

@@ -14,10 +14,11 @@ Issue #14, DESIGN §3.5. Two measured inputs, no timed decoding:
 
 A layout's estimated speedup over AR is ``tokens * cost(1) / sum over steps of cost(rows)``: it
 maximizes tokens per second, not tokens per step. The best layout is printed, all of them go to
-``--out/tree_search.json``, and ``--write-adapter`` stores the best in the adapter's
-``space_config.json`` under ``"decode"`` (the default of space-eval, run_eval.sh and the API),
-with the measured curve as its ``"step_cost"`` ``[[rows, ms], ...]``, so that a dynamic tree
-(``tree: "dynamic"``, issue 31, now or after a later switch) prices rows with this machine's costs.
+``--out/tree_search.json``, and ``--write-adapter`` stores the best in the adapter's (or a full
+SAR-SFT checkpoint's, given as ``--model``) ``space_config.json`` under ``"decode"`` (the default
+of space-eval, run_eval.sh and the API), with the measured curve as its ``"step_cost"``
+``[[rows, ms], ...]``, so that a dynamic tree (``tree: "dynamic"``, issue 31, now or after a later
+switch) prices rows with this machine's costs.
 
 The replay cannot play a dynamic tree (its tree is chosen each step from the drafts'
 probabilities, which the ranks do not hold): a current layout that is dynamic is not estimated,
@@ -252,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="space-tree", description=__doc__.split("\n\n")[0])
     p.add_argument("--adapter", type=Path, default=None, help="the SPACE adapter whose drafts the ranks measure "
                    "(default: none, the model's own mask tokens, as space-probe --model)")
-    p.add_argument("--model", default=None, help="base model (default: the adapter's)")
+    p.add_argument("--model", default=None, help="base model (default: the adapter's), or a full SAR-SFT checkpoint "
+                   "without --adapter")
     p.add_argument("--ranks", type=Path, required=True, help="space-probe's ranks.jsonl for this adapter and model")
     p.add_argument("--max-mask-num", type=int, default=5, help="largest k tried (default: %(default)s)")
     p.add_argument("--max-rows", type=int, default=64, help="largest block (rows per step) tried (default: %(default)s)")
@@ -273,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flag(p)
     p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json (default: %(default)s)")
     p.add_argument("--write-adapter", action="store_true", help="store the best layout in the adapter's "
-                   "space_config.json, with the measured step-cost curve (its current layout stays when it is "
-                   "already the best estimate; the curve is updated)")
+                   "space_config.json (a full SAR-SFT checkpoint's, given as --model), with the measured step-cost "
+                   "curve (its current layout stays when it is already the best estimate; the curve is updated)")
     p.add_argument("--dynamic", action="store_true", help="store the dynamic tree (tree 'dynamic': the adapter's "
                    "trained k capped by --max-mask-num, k+1 groups, the current lookup setting, row budget "
                    "--max-rows, 4 draft ranks, the measured step-cost curve) instead of the best static layout, "
@@ -290,18 +292,21 @@ def main(argv: list[str] | None = None) -> dict:
     Raises:
         FileNotFoundError: no ranks file or adapter.
         ValueError: bad sizes, --threads or --device, a malformed ranks file, ranks another adapter
-            or base model produced, --write-adapter without --adapter, --compile with --capture or
-            --kernels fast, or a mode the device cannot run (``loader.check_compile``), or no static
-            layout within --max-rows. Ranks of fewer offsets than --max-mask-num asks for are no error (the search
-            stops at the ranks' k).
+            or base model produced, --write-adapter without an artifact (--adapter or a full
+            checkpoint), --compile with --capture or --kernels fast, or a mode the device cannot
+            run (``loader.check_compile``), or no static layout within --max-rows. Ranks of fewer
+            offsets than --max-mask-num asks for are no error (the search stops at the ranks' k).
     """
     a = build_parser().parse_args(argv)
     for flag, value, least in (("--max-mask-num", a.max_mask_num, 1), ("--max-rows", a.max_rows, 2),
                                ("--cache-len", a.cache_len, 1)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if a.write_adapter and a.adapter is None:
-        raise ValueError("--write-adapter needs --adapter")
+    from ..artifact import artifact_folder
+
+    folder = artifact_folder(a.model, a.adapter)  # the adapter, or a full SAR-SFT checkpoint as --model
+    if a.write_adapter and folder is None:
+        raise ValueError("--write-adapter needs --adapter, or a full SAR-SFT checkpoint as --model")
     set_threads(a.threads)
     check_device(a.device)
     from ..choices import KERNEL_CHOICES
@@ -333,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--cache-len + --max-rows = {a.cache_len + a.max_rows} exceeds the model's context "
                          f"of {model.config.max_position_embeddings}")
     applied = apply_kernels(model, a.kernels)
-    current = DecodeConfig.of_model(model, spec.mask_num) if a.adapter else None
+    current = DecodeConfig.of_model(model, spec.mask_num) if folder else None
     points = curve_points(a.max_rows)
     graphs = None
     if a.capture:
@@ -393,16 +398,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[space-tree] dynamic tree (not estimated: the replay cannot play it): {json.dumps(dynamic)}")
     print(f"[space-tree] wrote {a.out / 'tree_search.json'}")
     if a.write_adapter:
-        where = a.adapter / SPACE_CONFIG
+        where = folder / SPACE_CONFIG
         if dynamic is not None:
-            write_decode(a.adapter, dynamic, setup=setup)
+            write_decode(folder, dynamic, setup=setup)
             print(f"[space-tree] stored the dynamic tree (k = {dynamic['mask_num']}, row budget {a.max_rows}) with "
                   f"this machine's step-cost curve in {where}; time it with space-eval --tree dynamic")
         elif best is mine:
             if current.to_dict()["step_cost"] == step_cost_points(curve):
                 print(f"[space-tree] the adapter's current layout is already the best estimate: {where} left unchanged")
             else:
-                write_decode(a.adapter, current.to_dict(), curve, setup=setup)
+                write_decode(folder, current.to_dict(), curve, setup=setup)
                 print(f"[space-tree] the adapter's current layout is already the best estimate: kept it, with this "
                       f"machine's step-cost curve, in {where}")
         else:
@@ -413,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 was = (f"current layout (k = {current.mask_num}) not estimated: the ranks have k = "
                        f"{min(r.shape[1] for r in ranks)}")
-            write_decode(a.adapter, best["decode"], curve, setup=setup)
+            write_decode(folder, best["decode"], curve, setup=setup)
             print(f"[space-tree] stored the best layout (est. {best['est_speedup']:.3f}x; {was}) with this machine's "
                   f"step-cost curve in {where}")
     return report

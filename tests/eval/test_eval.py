@@ -235,6 +235,40 @@ def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp
     assert json.loads((tmp_path / "dev" / "run_config.json").read_text())["trained_questions"] == 0
 
 
+def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(tmp_path, monkeypatch):
+    """A full SAR-SFT checkpoint given as --model is the run's artifact, as an adapter is: the run
+    decodes with the layout its space_config.json stores (it ran the default layout) and warns on
+    the MBPP questions it was trained on (it never checked). The questions are not run."""
+    from space.adapter_layers import prepare_model
+    import space.eval.bench as bench
+    from space.artifact import save_artifact
+    from space.decoding import DecodeConfig
+    from space.eval.tree_search import write_decode
+    from space.models import TINY, tiny_random_llama
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(bench, "run_bench", stop)
+    shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
+    trained_on = json.loads((shipped / "space_config.json").read_text())["train_config"]
+    model, tok = tiny_random_llama(seed=0)
+    full, spec = prepare_model(model, tok, "full", mask_num=3)
+    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY, "train_config": trained_on})
+    write_decode(ckpt, DecodeConfig(2, 2, lookup_tokens=6, tree=[[0], [1], [0, 0]]).to_dict())
+    with pytest.warns(UserWarning, match=r"2 of 2 questions of --dataset mbpp were in the checkpoint's training data"), \
+            pytest.raises(Stop):
+        eval_main(["--model", str(ckpt), "--dataset", "mbpp", "--limit", "2", "--max-new-tokens", "4",
+                   "--methods", "ar,space", "--threads", "1", "--out", str(tmp_path / "run")])
+    record = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert record["trained_questions"] == 2
+    assert (record["mask_num"], record["num_groups"], record["lookup_tokens"], record["tree"]) == \
+        (2, 2, 6, [[0], [1], [0, 0]])
+
+
 def test_mt_bench_two_turns(tmp_path):
     s = eval_main(["--model", "tiny-random-llama", "--dataset", "mt-bench", "--limit", "2", "--max-new-tokens", "6",
                    "--methods", "ar,space", "--threads", "1", "--out", str(tmp_path)])

@@ -674,3 +674,41 @@ def test_a_curve_measured_over_captured_steps_is_timed_at_their_row_buckets(tiny
     measured = measure_step_cost(model, 16, cache_len=20, repeats=1, graphs=graphs)
     assert [rows for rows, _ in measured["step_cost"]] == [1, 2, 4, 8, 16]
     assert all(ms > 0 for _, ms in measured["step_cost"]) and measured["adapter_cost"] >= 0
+
+
+def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
+    """A full SAR-SFT checkpoint given as --model is an artifact too: ``--write-adapter`` stores
+    the best layout and its curve in the checkpoint's space_config.json (it refused: "needs
+    --adapter"), the report's current layout is the checkpoint's, and ``load_space`` then decodes
+    with it; the checkpoint's fingerprint for a resume (``model_files``) ignores the layout, as an
+    adapter's hash does, and still counts any other change of the file. A plain model without
+    --adapter is still refused."""
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.decoding import SpaceDecoder
+    from space.eval.resume import model_files
+    from space.loader import load_space
+    from space.models import TINY, tiny_random_llama
+
+    model, tok = tiny_random_llama(seed=0)
+    full, spec = prepare_model(model, tok, "full", mask_num=3)
+    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    probe.main(["--model", str(ckpt), "--limit", "1", "--max-new-tokens", "12", "--out", str(tmp_path / "probe")])
+    before = model_files(str(ckpt))
+    report = main(["--model", str(ckpt), "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--max-mask-num", "3",
+                   "--max-rows", "12", "--cache-len", "16", "--threads", "1", "--out", str(tmp_path / "tree"),
+                   "--write-adapter"])
+    assert report["current"] is not None and report["current"]["decode"]["mask_num"] == 3
+    stored = json.loads((ckpt / "space_config.json").read_text())["decode"]
+    curve = [[q, ms] for q, ms in report["step_cost_ms"].items()]
+    assert stored == {**report["best"]["decode"], "step_cost": curve}
+    assert f"{ckpt / 'space_config.json'}" in capsys.readouterr().out
+    loaded, _, spec = load_space(model=str(ckpt))
+    assert SpaceDecoder(loaded, spec).config == DecodeConfig.from_dict(stored)
+    assert model_files(str(ckpt)) == before  # the layout is no part of the model
+    cfg = json.loads((ckpt / "space_config.json").read_text())
+    (ckpt / "space_config.json").write_text(json.dumps({**cfg, "mask_diff": not cfg["mask_diff"]}))
+    assert model_files(str(ckpt)) != before
+    with pytest.raises(SystemExit) as info:
+        cli(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--write-adapter"])
+    assert info.value.code == 2 and "needs --adapter, or a full SAR-SFT checkpoint" in capsys.readouterr().err
