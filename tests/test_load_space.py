@@ -400,3 +400,28 @@ def test_a_full_checkpoints_tuned_layout_travels_with_it(tmp_path, monkeypatch, 
     (ckpt / "space_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"full/space_config.json: decode mask_num 4 exceeds the trained mask_num 3"):
         load_space(model=str(ckpt))
+
+
+def test_a_full_checkpoint_compiles_its_trunk_and_an_adapter_outranks_it(tmp_path, monkeypatch):
+    """``load_space(model=<full checkpoint>, compile=...)`` compiles the trunk it returns, with the
+    checkpoint's layout on it (the compile moved into ``_with_tuned_layout``); and the artifact a
+    run reads its layout from is the adapter when one is given, else the checkpoint, else none.
+    Catches the full path returning the eager trunk, and a checkpoint's layout taken over an
+    adapter's."""
+    import space.loader as loader
+    from space.artifact import artifact_folder
+    from space.decoding import SpaceDecoder
+    from space.eval.tree_search import write_decode
+
+    model, tok = tiny_random_llama(seed=0)
+    full, spec = prepare_model(model, tok, "full", mask_num=3)
+    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    write_decode(ckpt, DecodeConfig(2, 2).to_dict())
+    compiled = []
+    monkeypatch.setattr(loader, "compile_trunk", lambda m, mode=None: compiled.append(mode) or m)
+    loaded, _, spec = load_space(model=str(ckpt), compile=True)
+    assert compiled == [None] and loaded.space_trunk is None  # inductor's default mode, unfused
+    assert SpaceDecoder(loaded, spec).config == DecodeConfig(2, 2)
+    adapter = tmp_path / "adapter"
+    assert artifact_folder(str(ckpt), adapter) == adapter and artifact_folder(str(ckpt), None) == ckpt
+    assert artifact_folder(str(tmp_path), None) is None and artifact_folder(TINY, None) is None

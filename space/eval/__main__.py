@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-root", default=None, help="shared data folder (default ../shared/data or $SPACE_DATA)")
     p.add_argument("--limit", type=int, default=None, help="first N questions (default all)")
     p.add_argument("--mask-num", type=int, default=None,
-                   help="k drafts per step (default: the adapter's tuned layout, space_config.json 'decode')")
+                   help="k drafts per step (default: the adapter's or full checkpoint's tuned layout, "
+                        "space_config.json 'decode')")
     p.add_argument("--num-groups", type=int, default=None,
                    help="mask groups per step, 1..k+1 (default: the adapter's tuned layout, else k+1)")
     p.add_argument("--lookup-tokens", type=int, default=None,
@@ -374,10 +375,10 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     # resume keys (the kernel is pinned above)
     packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)
     compiled = compile_setup(args.compile)  # True: inductor's default, as older runs recorded
-    # the adapter's tuned layout (space_config.json "decode"), the flags given on top of it, then a
-    # dynamic tree priced by the curve the adapter stores for this run's setup (threads, kernels, compile mode, ...)
+    # the artifact's tuned layout (space_config.json "decode": the adapter's, or a full SAR-SFT checkpoint's
+    # given as --model), the flags given on top of it, then a dynamic tree priced by the curve the artifact
+    # stores for this run's setup (threads, kernels, compile mode, ...)
     threads = torch.get_num_threads()
-    # the adapter's, or a full SAR-SFT checkpoint's given as --model
     folder = artifact_folder(args.model, args.adapter)
     where = folder / SPACE_CONFIG if folder else None
     adapter_cfg = read_record(where) if where else {}
@@ -427,7 +428,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                       "100 MBPP questions kept out of training", stacklevel=2)
     meta = {"model": base, "model_files": model_files(base), "adapter": args.adapter,
             "adapter_sha256": adapter_sha256(args.adapter),
-            "trained_questions": len(trained),  # questions the adapter was trained on (MBPP's, trained_questions)
+            # questions the adapter or checkpoint was trained on (MBPP's, trained_questions)
+            "trained_questions": len(trained),
             "dataset": args.dataset, "limit": args.limit, "num_questions": len(tasks), "methods": methods,
             "mask_num": decode.mask_num, "num_groups": decode.groups, "lookup_tokens": decode.lookup_tokens,
             "lookup_ngram": decode.lookup_ngram, "tree": decode.to_dict()["tree"],

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
 from ..jsonl import append_jsonl, read_jsonl_resumable, save_figure_atomic, write_jsonl, write_text_atomic
-from .resume import adapter_sha256
+from .resume import adapter_sha256, model_files
 
 if TYPE_CHECKING:
     import torch
@@ -306,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     """Run the probe on the dev set (or ``--dataset``); returns the summary written to ``<out>/probe.json``.
 
-    ``<out>/ranks.jsonl`` opens with a ``{"meta": ...}`` line naming the base model and the adapter
-    (path and ``space.eval.resume.adapter_sha256``), which ``space-tree`` checks.
+    ``<out>/ranks.jsonl`` opens with a ``{"meta": ...}`` line naming the base model (name, and a
+    folder's files: ``space.eval.resume.model_files`` without a tuned layout) and the adapter (path
+    and ``space.eval.resume.adapter_sha256``), which ``space-tree`` checks.
 
     Raises:
         ValueError: bad --tree (a rank past the vocabulary too), --mask-num, --limit, --threads,
@@ -352,7 +353,10 @@ def main(argv: list[str] | None = None) -> dict:
                              mask_ids, k, spec.token_ids, a.chunk_groups)
         per_sample.append({"id": p["id"], "source": p["source"], "ranks": ranks.tolist()})
         ranks_by_source.setdefault(p["source"], []).append(ranks)
-    drafter = {"model": base, "adapter": a.adapter, "adapter_sha256": adapter_sha256(a.adapter), "mask_num": k}
+    # the model's files too: a full checkpoint retrained in place keeps its path (its layout left out,
+    # which space-tree --write-adapter stores there)
+    drafter = {"model": base, "model_files": model_files(base, layout=False), "adapter": a.adapter,
+               "adapter_sha256": adapter_sha256(a.adapter), "mask_num": k}
     write_jsonl(a.out / "ranks.jsonl", [{"meta": drafter}, *per_sample])
     everything = torch.cat([r for rs in ranks_by_source.values() for r in rs])
     summary = {"all": summarize(everything, tree),

@@ -42,14 +42,17 @@ OLD_DEFAULTS = {"model_files": None, "lookup_tokens": 0, "lookup_ngram": 2, "bas
                 "slot_buckets": None, "trunk": None, "sdpa": None}
 
 
-def model_files(model: str) -> str | None:
+def model_files(model: str, layout: bool = True) -> str | None:
     """A fingerprint (SHA-256 hex) of a model folder's files, so samples of a model retrained or
     overwritten in place (a full-mode ``final/`` evaluated with ``--model``) are not resumed as
     the old one's; None for a name that is not a folder (the embedded SmolLM2, the tiny model).
 
-    Files up to 16 MB (configs, tokenizer) count by their bytes, a full SAR-SFT checkpoint's
-    space_config.json without its tuned layout (as :func:`adapter_sha256`); larger ones (weights)
-    by name, size and modification time, which a rewrite changes and which costs no read of gigabytes.
+    Files up to 16 MB (configs, tokenizer) count by their bytes; larger ones (weights) by name,
+    size and modification time, which a rewrite changes and which costs no read of gigabytes.
+    ``layout=False`` leaves a full SAR-SFT checkpoint's tuned layout out of its space_config.json
+    (:func:`_drafts_only`, as :func:`adapter_sha256` does): which model a ranks file measured
+    (``space-probe``), the same after ``space-tree --write-adapter`` stored a layout in it. A
+    resume counts the file as it is (the fingerprint of runs before the layout could be stored).
     """
     root = Path(model).expanduser()
     if not root.is_dir():
@@ -58,8 +61,9 @@ def model_files(model: str) -> str | None:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         stat = path.stat()
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(_drafts_only(path, root) if stat.st_size <= 16 << 20
-                      else f"{stat.st_size} {stat.st_mtime_ns}".encode())
+        small = stat.st_size <= 16 << 20
+        digest.update(f"{stat.st_size} {stat.st_mtime_ns}".encode() if not small
+                      else path.read_bytes() if layout else _drafts_only(path, root))
     return digest.hexdigest()
 
 

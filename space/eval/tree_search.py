@@ -22,7 +22,7 @@ switch) prices rows with this machine's costs.
 
 The replay cannot play a dynamic tree (its tree is chosen each step from the drafts'
 probabilities, which the ranks do not hold): a current layout that is dynamic is not estimated,
-and ``--dynamic --write-adapter`` stores the dynamic tree (the adapter's trained k, capped by
+and ``--dynamic --write-adapter`` stores the dynamic tree (the artifact's trained k, capped by
 ``--max-mask-num``, k+1 groups, row budget ``--max-rows``, the curve) instead of the best static
 layout, unestimated: compare it with ``space-eval --tree dynamic``.
 
@@ -44,7 +44,7 @@ from ..choices import COMPILE_MODES
 from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
 from ..jsonl import write_text_atomic
 from .probe import base_model_name
-from .resume import adapter_sha256
+from .resume import adapter_sha256, model_files
 from .step_cost import adapter_cost, curve_points, curve_setup, step_cost_curve, step_cost_points
 
 if TYPE_CHECKING:
@@ -113,13 +113,16 @@ def load_ranks(path: Path, source: str | None = None) -> list[torch.Tensor]:
 
 
 def check_ranks_source(meta: dict | None, path: Path, model: str | None, adapter: Path | None) -> None:
-    """Refuse ranks another adapter or base model produced: their drafts are not this adapter's.
+    """Refuse ranks another adapter or model produced: their drafts are not this one's.
 
     ``meta`` is the ranks file's meta line (:func:`read_ranks_file`); a file without one (an
-    older space-probe) cannot be checked, which is said on stderr.
+    older space-probe) cannot be checked, which is said on stderr. A model folder (a full SAR-SFT
+    checkpoint) is compared by its files too (``resume.model_files`` without the tuned layout)
+    where the ranks record them: one retrained in place keeps its path.
 
     Raises:
-        ValueError: the ranks' adapter (by a hash of its files) or base model differs (both named).
+        ValueError: the ranks' adapter (by a hash of its files) or model (by name, and by its
+            files) differs (both named).
     """
     if meta is None:
         print(f"[space-tree] warning: {path} does not record which adapter produced it (an older space-probe); "
@@ -136,6 +139,9 @@ def check_ranks_source(meta: dict | None, path: Path, model: str | None, adapter
     if model_identity(str(meta.get("model"))) != model_identity(base):  # an alias and its folder are one model
         raise ValueError(f"{path} holds the ranks of base model {meta.get('model')!r}, not of {base!r}: "
                          "run space-probe with this model")
+    if meta.get("model_files") is not None and meta["model_files"] != model_files(base, layout=False):
+        raise ValueError(f"{path} holds the ranks of {base!r} as its files were then: the model has changed since "
+                         "(retrained or overwritten in place); run space-probe on it again")
 
 
 def _key(decode: dict) -> tuple:
@@ -277,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-adapter", action="store_true", help="store the best layout in the adapter's "
                    "space_config.json (a full SAR-SFT checkpoint's, given as --model), with the measured step-cost "
                    "curve (its current layout stays when it is already the best estimate; the curve is updated)")
-    p.add_argument("--dynamic", action="store_true", help="store the dynamic tree (tree 'dynamic': the adapter's "
+    p.add_argument("--dynamic", action="store_true", help="store the dynamic tree (tree 'dynamic': the artifact's "
                    "trained k capped by --max-mask-num, k+1 groups, the current lookup setting, row budget "
                    "--max-rows, 4 draft ranks, the measured step-cost curve) instead of the best static layout, "
                    "with --write-adapter; without it, only report it. The search cannot replay a dynamic tree, "
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"of {model.config.max_position_embeddings}")
     applied = apply_kernels(model, a.kernels)
     current = DecodeConfig.of_model(model, spec.mask_num) if folder else None
+    owner = "adapter" if a.adapter else "checkpoint"  # whose layout and curves (folder)
     points = curve_points(a.max_rows)
     graphs = None
     if a.capture:
@@ -386,11 +393,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[space-tree] best vs its chain: {best['tokens_per_step'] / chain['tokens_per_step']:.2f}x tokens/step, "
               f"{best['est_speedup'] / chain['est_speedup']:.2f}x est. speed")
     if current is not None and current.tree == "dynamic":
-        print("[space-tree] the adapter's current layout is the dynamic tree, which the replay cannot estimate: "
+        print(f"[space-tree] the {owner}'s current layout is the dynamic tree, which the replay cannot estimate: "
               "it is not among the layouts (compare them with space-eval --tree dynamic)")
     if current is not None and current.lookup_tokens:
         print(f"[space-tree] prompt lookup (lookup_tokens {current.lookup_tokens}) is not modelled by the replay: every "
-              "layout keeps the adapter's setting; time it with scripts/tune_layout.py --search")
+              f"layout keeps the {owner}'s setting; time it with scripts/tune_layout.py --search")
     if best["est_speedup"] < 1:
         print(f"[space-tree] warning: every layout is estimated slower than AR here (best {best['est_speedup']:.3f}x); "
               "check with space-eval before shipping one", file=sys.stderr, flush=True)
@@ -405,10 +412,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"this machine's step-cost curve in {where}; time it with space-eval --tree dynamic")
         elif best is mine:
             if current.to_dict()["step_cost"] == step_cost_points(curve):
-                print(f"[space-tree] the adapter's current layout is already the best estimate: {where} left unchanged")
+                print(f"[space-tree] the {owner}'s current layout is already the best estimate: {where} left unchanged")
             else:
                 write_decode(folder, current.to_dict(), curve, setup=setup)
-                print(f"[space-tree] the adapter's current layout is already the best estimate: kept it, with this "
+                print(f"[space-tree] the {owner}'s current layout is already the best estimate: kept it, with this "
                       f"machine's step-cost curve, in {where}")
         else:
             if mine:

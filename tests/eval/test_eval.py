@@ -269,6 +269,38 @@ def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(
         (2, 2, 6, [[0], [1], [0, 0]])
 
 
+def test_a_full_checkpoints_dynamic_tree_is_priced_by_its_curve_of_this_setup(tmp_path, monkeypatch):
+    """space-eval prices a full checkpoint's stored dynamic tree by the curve the checkpoint
+    stores for the run's setup (here 1 thread, stock kernels), not by the last one space-tree
+    wrote. Catches the checkpoint's step_costs left unread (the decode entry's own curve)."""
+    from space.adapter_layers import prepare_model
+    import space.eval.bench as bench
+    from space.artifact import save_artifact
+    from space.decoding import DecodeConfig
+    from space.eval.tree_search import write_decode
+    from space.models import TINY, tiny_random_llama
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(bench, "run_bench", stop)
+    model, tok = tiny_random_llama(seed=0)
+    full, spec = prepare_model(model, tok, "full", mask_num=3)
+    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    for threads, curve in ((1, {1: 0.001, 32: 0.002}), (2, {1: 0.003, 32: 0.009})):  # the 2-thread curve last
+        write_decode(ckpt, DecodeConfig(2, tree="dynamic").to_dict(), curve, setup={
+            "threads": threads, "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused"})
+    with pytest.raises(Stop):
+        eval_main(["--model", str(ckpt), "--limit", "1", "--max-new-tokens", "4", "--methods", "ar,space",
+                   "--threads", "1", "--kernels", "stock", "--step-cost", "stored", "--out", str(tmp_path / "run")])
+    record = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert (record["mask_num"], record["tree"]) == (2, "dynamic")
+    assert record["step_cost"] == [[1, 1.0], [32, 2.0]] and record["step_cost_setup"]["threads"] == 1
+
+
 def test_mt_bench_two_turns(tmp_path):
     s = eval_main(["--model", "tiny-random-llama", "--dataset", "mt-bench", "--limit", "2", "--max-new-tokens", "6",
                    "--methods", "ar,space", "--threads", "1", "--out", str(tmp_path)])

@@ -1,6 +1,7 @@
 """Resuming an evaluation folder (space/eval/resume.py): every setting that shapes the samples or
 their timings blocks a resume when it changes; the adapter counts by content, not by path; one run
 writes a samples file at a time, and a resume keeps no record twice."""
+import hashlib
 import json
 import os
 
@@ -289,3 +290,30 @@ def test_a_merged_run_resumes_on_any_device_of_its_ranks_type_and_on_their_machi
         (tmp_path / "run_config.json").write_text(json.dumps(merged))
         with pytest.raises(ValueError, match=rf"other settings .*'{key}'"):
             check_resume(tmp_path, {**meta(), "device": device, "machine": machine})
+
+
+def test_a_full_checkpoints_fingerprint_for_a_resume_is_its_bytes_and_for_ranks_leaves_its_layout_out(tmp_path):
+    """A full checkpoint's space_config.json counts by its bytes for a resume, as it did before a
+    checkpoint could store a tuned layout (a re-serialised config made every full checkpoint
+    another model to a run started before: resume refused on "model_files"); and without the
+    layout for ranks (``layout=False``), so ``space-tree --write-adapter`` storing one leaves the
+    checkpoint the model its ranks measured, while any other change still counts."""
+    from space.eval.tree_search import write_decode
+
+    model = tmp_path / "final"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    saved = json.dumps({"mode": "full", "base_model": "x", "mask_num": 3, "mask_diff": True,
+                        "mask_token_ids": [1, 2, 3]}, indent=2)  # as space.artifact.save_artifact writes it
+    (model / "space_config.json").write_text(saved)
+    digest = hashlib.sha256()
+    for name in ("config.json", "space_config.json"):
+        digest.update(name.encode() + b"\0" + (model / name).read_bytes())
+    assert model_files(str(model)) == digest.hexdigest()
+    drafts = model_files(str(model), layout=False)
+    write_decode(model, {"mask_num": 2, "tree": "dynamic"}, {1: 0.001, 32: 0.002}, setup={
+        "threads": 1, "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused"})
+    assert model_files(str(model)) != digest.hexdigest() and model_files(str(model), layout=False) == drafts
+    cfg = json.loads((model / "space_config.json").read_text())
+    (model / "space_config.json").write_text(json.dumps({**cfg, "mask_num": 4}))
+    assert model_files(str(model), layout=False) != drafts

@@ -110,7 +110,7 @@ def test_cli_writes_report_and_reuses_answers(tmp_path, capsys):
     assert report["meta"]["samples"] == 3 and report["meta"]["mask_num"] == 2 and "tree_bound" in report["summary"]["all"]
     assert (tmp_path / "probe.png").stat().st_size > 1000
     meta, *rows = [json.loads(r) for r in (tmp_path / "ranks.jsonl").read_text().splitlines()]
-    assert meta == {"meta": {"model": "tiny-random-llama", "adapter": None, "adapter_sha256": None, "mask_num": 2}}
+    assert meta == {"meta": {"model": "tiny-random-llama", "model_files": None, "adapter": None, "adapter_sha256": None, "mask_num": 2}}
     assert [r["source"] for r in rows] == ["mbpp", "lima", "general"]
     assert re.search(r"\d\.\d{5}", (tmp_path / "probe.json").read_text()) is None  # floats rounded to 4 decimals
     answers = (tmp_path / "answers.jsonl").read_text()

@@ -694,7 +694,7 @@ def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
     full, spec = prepare_model(model, tok, "full", mask_num=3)
     ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
     probe.main(["--model", str(ckpt), "--limit", "1", "--max-new-tokens", "12", "--out", str(tmp_path / "probe")])
-    before = model_files(str(ckpt))
+    before = model_files(str(ckpt), layout=False)
     report = main(["--model", str(ckpt), "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--max-mask-num", "3",
                    "--max-rows", "12", "--cache-len", "16", "--threads", "1", "--out", str(tmp_path / "tree"),
                    "--write-adapter"])
@@ -705,10 +705,16 @@ def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
     assert f"{ckpt / 'space_config.json'}" in capsys.readouterr().out
     loaded, _, spec = load_space(model=str(ckpt))
     assert SpaceDecoder(loaded, spec).config == DecodeConfig.from_dict(stored)
-    assert model_files(str(ckpt)) == before  # the layout is no part of the model
-    cfg = json.loads((ckpt / "space_config.json").read_text())
-    (ckpt / "space_config.json").write_text(json.dumps({**cfg, "mask_diff": not cfg["mask_diff"]}))
-    assert model_files(str(ckpt)) != before
+    assert model_files(str(ckpt), layout=False) == before  # the layout is no part of the model its ranks measured
+    again = ["--model", str(ckpt), "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--max-mask-num", "3",
+             "--max-rows", "12", "--cache-len", "16", "--threads", "1", "--out", str(tmp_path / "tree"),
+             "--write-adapter"]
+    assert main([*again, "--dynamic"])["dynamic"]["tree"] == "dynamic"  # its ranks still the checkpoint's
+    other, tok = tiny_random_llama(seed=1)  # retrained in place: the same path, other weights
+    other, spec = prepare_model(other, tok, "full", mask_num=3)
+    save_artifact(ckpt, other, tok, spec, "full", {"base_model": TINY})
+    with pytest.raises(ValueError, match="has changed since .*run space-probe on it again"):
+        main(again)
     with pytest.raises(SystemExit) as info:
         cli(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--write-adapter"])
     assert info.value.code == 2 and "needs --adapter, or a full SAR-SFT checkpoint" in capsys.readouterr().err
