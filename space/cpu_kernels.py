@@ -78,6 +78,12 @@ MKL_PACK_ROWS = 128
 # inputs), and padded to a multiple of 4 every count from 1 to 301 matched; on the AVX-512 Intel CPU
 # of issue 58 any count from 2 matched. The padding copies the rows when the count is not a multiple.
 ROW_MULTIPLE = {"mkl": 4, "onednn": 1}
+# The fewest rows a packed call is padded to, chosen among these by timing (:func:`choose_min_rows`):
+# a kernel's GEMM for 2 rows can cost more than for 4. On the 2-core Zen 4 EPYC (oneDNN, 2 threads)
+# SmolLM2 with the shipped adapter took 44.9 ms a 1-row step padded to 2 rows, 36.2 padded to 4 and
+# 41.6 to 8, and a 4-row step 37.9 (6 rounds in turns): AR's eager step was about a fifth slower than
+# it had to be. Rows never differ with the count here (any count from 2 rounds alike, ROW_MULTIPLE).
+MIN_ROWS_CHOICES = (2, 4, 8)
 
 
 def cpu_model() -> str:
@@ -129,6 +135,9 @@ class PackedLinear(nn.Module):
             ``extra`` with W in one call and drops it.
         kernel: ``"mkl"`` or ``"onednn"`` (:data:`PACKED_KERNELS`); None: :func:`packed_kernel`,
             MKL where torch has it.
+        min_rows: a packed call of fewer rows is padded with zero rows to this many (at least 2,
+            :data:`MIN_ROWS_CHOICES`, :func:`choose_min_rows`), then to a multiple of the kernel's
+            ``ROW_MULTIPLE``.
 
     ``forward(x (..., in)) -> (..., out)``; ``forward_extra(x) -> ((..., out), (..., r))``.
 
@@ -141,13 +150,17 @@ class PackedLinear(nn.Module):
     is r rows taller, which moved no crossover here.
 
     Raises:
-        ValueError: the linear is not fp32 on CPU, or this torch build lacks the kernel.
+        ValueError: the linear is not fp32 on CPU, or this torch build lacks the kernel, or
+            ``min_rows`` < 2 (one row takes another path, ROW_MULTIPLE).
     """
 
     def __init__(self, linear: nn.Linear, extra: torch.Tensor | None = None, stock_rows: int = 0,
-                 kernel: str | None = None):
+                 kernel: str | None = None, min_rows: int = 2):
         super().__init__()
-        self.stock_rows = stock_rows
+        if min_rows < 2:
+            raise ValueError(f"min_rows must be >= 2 (a 1-row call takes another path and rounds otherwise), "
+                             f"got {min_rows}")
+        self.stock_rows, self.min_rows = stock_rows, min_rows
         self.kernel = kernel or packed_kernel()
         w = linear.weight
         if w.device.type != "cpu" or w.dtype != torch.float32:
@@ -175,7 +188,7 @@ class PackedLinear(nn.Module):
     def _all(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         n = rows.shape[0]
-        padded = max(2, -(-n // ROW_MULTIPLE[self.kernel]) * ROW_MULTIPLE[self.kernel])
+        padded = max(self.min_rows, -(-n // ROW_MULTIPLE[self.kernel]) * ROW_MULTIPLE[self.kernel])
         if padded > n:  # other counts take other paths, whose rounding differs (ROW_MULTIPLE)
             rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])
         if self.kernel == "mkl":  # the call's row count as the pack's: MKL computes any count from one pack
@@ -219,11 +232,11 @@ def _median_us(fn, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _probe_linear(weight: torch.Tensor, kernel: str | None = None) -> PackedLinear:
+def _probe_linear(weight: torch.Tensor, kernel: str | None = None, min_rows: int = 2) -> PackedLinear:
     """A :class:`PackedLinear` over ``weight`` (out, in) alone, every call on the packed kernel."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)  # no copy of W besides the pack
-    return PackedLinear(linear, kernel=kernel)
+    return PackedLinear(linear, kernel=kernel, min_rows=min_rows)
 
 
 def choose_packed_kernel(weights: dict[str, tuple[torch.Tensor, int]], rows: tuple[int, ...] = KERNEL_PROBE_ROWS,
@@ -264,17 +277,44 @@ def choose_packed_kernel(weights: dict[str, tuple[torch.Tensor, int]], rows: tup
     return min(kernels, key=total.__getitem__), timings
 
 
+def choose_min_rows(weights: dict[str, tuple[torch.Tensor, int]], kernel: str | None = None,
+                    choices: tuple[int, ...] = MIN_ROWS_CHOICES, repeats: int = 10) -> tuple[int, dict]:
+    """Time the packed ``kernel`` (None: :func:`packed_kernel`) on a model's linears at each row
+    count of ``choices`` (ascending), on this machine, now, and choose the one with the least total
+    time: a call of fewer rows (AR's step, a small block) is padded to it (:data:`MIN_ROWS_CHOICES`).
+
+    Args:
+        weights: ``{"out x in": (a weight of that shape, how many linears of the model have it)}``.
+
+    Returns:
+        (min_rows, ``{"out x in": {rows: us}}`` medians): a tie goes to the fewer rows.
+    """
+    gen = torch.Generator().manual_seed(0)
+    timings: dict[str, dict] = {}
+    total = dict.fromkeys(choices, 0.0)
+    with torch.no_grad():
+        for key, (weight, count) in weights.items():
+            packed = _probe_linear(weight, kernel)
+            timings[key] = {}
+            for rows in choices:
+                x = torch.randn(rows, weight.shape[1], generator=gen)
+                timings[key][rows] = round(_median_us(lambda: packed(x), repeats), 1)
+                total[rows] += count * timings[key][rows]
+    return min(choices, key=total.__getitem__), timings
+
+
 def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 15,
-                      kernel: str | None = None) -> tuple[int, dict]:
-    """Time stock ``F.linear`` against the packed kernel ``kernel`` (None: :func:`packed_kernel`) on
-    ``weight`` (out, in) for each row count in ``rows`` (ascending), on this machine, now.
+                      kernel: str | None = None, min_rows: int = 2) -> tuple[int, dict]:
+    """Time stock ``F.linear`` against the packed kernel ``kernel`` (None: :func:`packed_kernel`),
+    its calls padded to ``min_rows``, on ``weight`` (out, in) for each row count in ``rows``
+    (ascending), on this machine, now.
 
     Returns:
         (stock_rows, timings): the largest probed row count up to which stock was faster at every
         probed count (0 if it lost at one row), and ``{rows: [stock_us, packed_us]}`` medians.
     """
     w = weight.detach()
-    packed = _probe_linear(w, kernel)  # stock_rows 0: every call takes the packed kernel
+    packed = _probe_linear(w, kernel, min_rows)  # stock_rows 0: every call takes the packed kernel
     gen = torch.Generator().manual_seed(0)
     timings, stock_rows, stock_wins = {}, 0, True
     with torch.no_grad():
@@ -288,7 +328,8 @@ def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, 
     return stock_rows, timings
 
 
-def pack_linears(model: nn.Module, choose: bool = False, kernel: str | None = None) -> tuple[int, str | None, dict]:
+def pack_linears(model: nn.Module, choose: bool = False,
+                 kernel: str | None = None) -> tuple[int, str | None, dict, int]:
     """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place. A
     linear under an accelerate hook (a model placed by a device map) is left alone: the replacement
     would drop the hook.
@@ -299,19 +340,21 @@ def pack_linears(model: nn.Module, choose: bool = False, kernel: str | None = No
     of a ~130 ms SPACE step on a 2-core CPU). Duck-typed, so this module imports nothing of ours.
 
     ``choose``: time the packed kernels on the model's linear shapes and take the faster
-    (:func:`choose_packed_kernel`), then time stock against it once per weight shape
+    (:func:`choose_packed_kernel`), the fewest rows its calls are padded to
+    (:func:`choose_min_rows`), then time stock against it once per weight shape
     (:func:`choose_stock_rows`) and give each packed linear its shape's ``stock_rows``; else the
-    build's default kernel (:func:`packed_kernel`) and every call on it. ``kernel``: this packed
-    kernel (:data:`PACKED_KERNELS`) instead of the timed or default one.
+    build's default kernel (:func:`packed_kernel`), calls padded to 2 rows, and every call on it.
+    ``kernel``: this packed kernel (:data:`PACKED_KERNELS`) instead of the timed or default one.
 
     Returns:
         (how many linears were packed, the packed kernel, ``{"out x in": {"stock_rows": n, "us":
-        timings, "kernel_us": {kernel: [us at KERNEL_PROBE_ROWS]}}}`` per shape when ``choose``).
-        0 packed (and kernel None) when the model has no fp32 CPU linear or torch has no packed
-        kernel, so callers can pack unconditionally and report the number.
+        timings, "kernel_us": {kernel: [us at KERNEL_PROBE_ROWS]}, "min_rows_us": {rows: us}}}``
+        per shape when ``choose``, the fewest rows a packed call is padded to). 0 packed (and
+        kernel None) when the model has no fp32 CPU linear or torch has no packed kernel, so
+        callers can pack unconditionally and report the number.
     """
     if not packing_available():
-        return 0, None, {}
+        return 0, None, {}, 2
 
     def packable(m: nn.Module | None) -> bool:  # a hooked one (device map, offload) keeps its hook: left alone
         return (type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
@@ -323,7 +366,7 @@ def pack_linears(model: nn.Module, choose: bool = False, kernel: str | None = No
     plain = [(name, m) for name, m in model.named_modules() if packable(m) and id(m) not in bases]
     linears = [m.base for m in gated] + [m for _, m in plain]
     if not linears:
-        return 0, None, {}
+        return 0, None, {}, 2
     shapes: dict[str, tuple[torch.Tensor, int]] = {}
     for linear in linears:  # stock_rows and the kernel are timed on W alone (the stacked [W; A] is r rows taller)
         key = "x".join(map(str, linear.weight.shape))
@@ -331,19 +374,21 @@ def pack_linears(model: nn.Module, choose: bool = False, kernel: str | None = No
     kernel, kernel_us = ((kernel, {}) if kernel else choose_packed_kernel(shapes) if choose
                          else (packed_kernel(), {}))
     choices: dict[str, dict] = {}
+    min_rows, min_rows_us = choose_min_rows(shapes, kernel) if choose else (2, {})
     if choose:
         for key, (weight, _) in shapes.items():
-            n, timings = choose_stock_rows(weight, kernel=kernel)
-            choices[key] = {"stock_rows": n, "us": timings, **({"kernel_us": kernel_us[key]} if kernel_us else {})}
+            n, timings = choose_stock_rows(weight, kernel=kernel, min_rows=min_rows)
+            choices[key] = {"stock_rows": n, "us": timings, **({"kernel_us": kernel_us[key]} if kernel_us else {}),
+                            "min_rows_us": min_rows_us[key]}
 
     def stock_rows(linear: nn.Linear) -> int:
         return choices["x".join(map(str, linear.weight.shape))]["stock_rows"] if choose else 0
 
     for m in gated:
-        m.base = PackedLinear(m.base, extra=m.lora_a, stock_rows=stock_rows(m.base), kernel=kernel)
+        m.base = PackedLinear(m.base, extra=m.lora_a, stock_rows=stock_rows(m.base), kernel=kernel, min_rows=min_rows)
     for name, m in plain:
-        model.set_submodule(name, PackedLinear(m, stock_rows=stock_rows(m), kernel=kernel))
-    return len(linears), kernel, choices
+        model.set_submodule(name, PackedLinear(m, stock_rows=stock_rows(m), kernel=kernel, min_rows=min_rows))
+    return len(linears), kernel, choices, min_rows
 
 
 def blockwise_lora(model: nn.Module) -> int:
@@ -361,27 +406,29 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
     """Apply the four changes to an fp32 CPU model in place (no-op on other devices / dtypes).
 
     The packed kernel is ``kernel``, or by default the faster one on this machine
-    (:func:`choose_packed_kernel`), and the
-    linears take stock ``F.linear`` up to the row count where it is faster than that kernel
-    (:func:`choose_stock_rows`); both timed here, a few seconds for SmolLM2.
+    (:func:`choose_packed_kernel`), its calls padded to the fewest rows where it is fastest
+    (:func:`choose_min_rows`), and the linears take stock ``F.linear`` up to the row count where
+    it is faster than that kernel (:func:`choose_stock_rows`); all timed here, a few seconds for SmolLM2.
 
     Returns:
         what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn" | None,
-        "attention": name, "rms_norms": swapped, "blockwise_lora": n, "stock_rows": {"out x in": {"stock_rows": n, "us":
-        {rows: [stock, packed]}, "kernel_us": {kernel: [us]}}}}`` (``"stock_rows"`` holds the
-        timings: a record keeps it apart from the settings).
+        "packed_min_rows": n, "attention": name, "rms_norms": swapped, "blockwise_lora": n, "stock_rows":
+        {"out x in": {"stock_rows": n, "us": {rows: [stock, packed]}, "kernel_us": {kernel: [us]},
+        "min_rows_us": {rows: us}}}}`` (``"stock_rows"`` holds the timings: a record keeps it apart
+        from the settings).
     """
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
         return {"packed_linears": 0, "attention": model.config._attn_implementation}
     from .decoding.backends import SDPA_GQA, register_attention  # the decoding package imports this module
 
-    packed, kernel, choices = pack_linears(model, choose=True, kernel=kernel)
+    packed, kernel, choices, min_rows = pack_linears(model, choose=True, kernel=kernel)
     if model.config._attn_implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
-    return {"packed_linears": packed, "packed_kernel": kernel, "attention": model.config._attn_implementation,
-            "rms_norms": swap_rms_norms(model), "blockwise_lora": blockwise_lora(model), "stock_rows": choices}
+    return {"packed_linears": packed, "packed_kernel": kernel, "packed_min_rows": min_rows,
+            "attention": model.config._attn_implementation, "rms_norms": swap_rms_norms(model),
+            "blockwise_lora": blockwise_lora(model), "stock_rows": choices}
 
 
 def apply_kernels(model: nn.Module, choice: str, kernel: str | None = None) -> dict:

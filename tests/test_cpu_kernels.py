@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from space.adapter_layers import fuse_frozen_base, prepare_model
-from space.cpu_kernels import (PACKED_KERNELS, PackedLinear, apply_kernels, has_kernel, optimize_for_cpu, packed_kernel,
-                               packing_available)
+from space.cpu_kernels import (MIN_ROWS_CHOICES, PACKED_KERNELS, PackedLinear, apply_kernels, has_kernel,
+                               optimize_for_cpu, packed_kernel, packing_available)
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.backends import SDPA_GQA, register_attention
 from space.masking import mask_rows, to_additive_4d
@@ -22,14 +22,17 @@ KERNELS = [k for k in PACKED_KERNELS if has_kernel(k)]  # MKL and oneDNN on x86 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [96, 1536])
-def test_packed_linear_matches_f_linear_and_ignores_row_count(bias, kernel, width):
+@pytest.mark.parametrize("min_rows", MIN_ROWS_CHOICES)
+def test_packed_linear_matches_f_linear_and_ignores_row_count(bias, kernel, width, min_rows):
     """Each kernel's rows do not depend on how many rows share the call: 1-6 rows, 14, and 300 (a
-    prefill, past MKL's pack of 128 rows). Some counts take another path in both kernels on some
-    shapes and CPUs, whose rounding differs: PackedLinear pads them (``ROW_MULTIPLE``)."""
+    prefill, past MKL's pack of 128 rows), whatever the fewest rows a call is padded to. Some counts
+    take another path in both kernels on some shapes and CPUs, whose rounding differs: PackedLinear
+    pads them (``ROW_MULTIPLE``)."""
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(width, 80, bias=bias)
     extra = torch.randn(16, width, generator=gen)
-    plain, with_extra = PackedLinear(lin, kernel=kernel), PackedLinear(lin, extra=extra, kernel=kernel)
+    plain = PackedLinear(lin, kernel=kernel, min_rows=min_rows)
+    with_extra = PackedLinear(lin, extra=extra, kernel=kernel, min_rows=min_rows)
     x = torch.randn(2, 7, width, generator=gen)
     with torch.no_grad():
         y = plain(x)
@@ -69,6 +72,63 @@ def test_mkl_calls_are_padded_to_a_multiple_of_4_rows(monkeypatch):
         for n in range(1, 14):
             assert torch.allclose(packed(x[:n]), lin(x[:n]), atol=1e-5)
     assert ROW_MULTIPLE["mkl"] == 4 and seen == [max(2, -(-n // 4) * 4) for n in range(1, 14)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_packed_call_is_padded_to_min_rows(monkeypatch, kernel):
+    """What the kernel is handed with ``min_rows`` 4: calls of 1-3 rows padded to 4 (AR's step on
+    the Zen 4 EPYC: 44.9 ms padded to 2 rows, 36.2 padded to 4), larger ones as before, the
+    padding dropped from the result; fewer than 2 refused (one row takes another path). Catches
+    ``min_rows`` not reaching the call."""
+    from space.cpu_kernels import ROW_MULTIPLE
+
+    op = (torch.ops.mkl, "_mkl_linear") if kernel == "mkl" else (torch.ops.mkldnn, "_linear_pointwise")
+    real, seen = getattr(*op), []
+
+    def spy(rows, *args):
+        seen.append(rows.shape[0])
+        return real(rows, *args)
+
+    monkeypatch.setattr(*op, spy)
+    lin = nn.Linear(32, 24)
+    packed = PackedLinear(lin, kernel=kernel, min_rows=4)
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        for n in range(1, 10):
+            assert torch.allclose(packed(x[:n]), lin(x[:n]), atol=1e-5)
+    mult = ROW_MULTIPLE[kernel]
+    assert seen == [max(4, -(-n // mult) * mult) for n in range(1, 10)]
+    with pytest.raises(ValueError, match="min_rows must be >= 2"):
+        PackedLinear(lin, kernel=kernel, min_rows=1)
+
+
+def test_choose_min_rows_weighs_each_shape_by_its_count_and_packs_with_it(monkeypatch):
+    """The fewest rows a packed call is padded to is the choice with the least total time over the
+    model's linears, each shape counted as often as the model has it; ``pack_linears`` gives it to
+    every packed linear and times stock against calls padded to it. Times are stubbed."""
+    import space.cpu_kernels as kernels
+
+    us = {(128, 2): 10.0, (128, 4): 30.0, (128, 8): 40.0, (32, 2): 5.0, (32, 4): 4.0, (32, 8): 6.0}
+
+    def probe(weight, kernel=None, min_rows=2):
+        return lambda x: us[weight.shape[0], x.shape[0]]
+
+    monkeypatch.setattr(kernels, "_probe_linear", probe)
+    monkeypatch.setattr(kernels, "_median_us", lambda fn, repeats: fn())
+    shapes = {"128x64": (torch.zeros(128, 64), 1), "32x64": (torch.zeros(32, 64), 30)}
+    rows, timings = kernels.choose_min_rows(shapes)
+    assert timings == {"128x64": {2: 10.0, 4: 30.0, 8: 40.0}, "32x64": {2: 5.0, 4: 4.0, 8: 6.0}}
+    assert rows == 4  # 2: 10 + 30 x 5 = 160 us, 4: 30 + 30 x 4 = 150, 8: 40 + 180 (unweighted: 2 wins)
+    shapes["32x64"] = (shapes["32x64"][0], 1)
+    assert kernels.choose_min_rows(shapes)[0] == 2
+    monkeypatch.undo()
+    stock_seen = []
+    monkeypatch.setattr(kernels, "choose_min_rows", lambda shapes, kernel=None: (8, {k: {} for k in shapes}))
+    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel=None, min_rows=2:
+                        stock_seen.append(min_rows) or (0, {}))
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    assert kernels.pack_linears(model, choose=True)[3] == 8 and stock_seen == [8, 8]
+    assert [m.min_rows for m in model] == [8, 8]
 
 
 def test_packed_linear_refuses_a_kernel_it_lacks(monkeypatch):
@@ -164,9 +224,11 @@ def test_kernels_flag(tiny):
     chosen = record["packed_kernel"]  # timed on this machine: the build's kernels, or its one
     assert chosen in PACKED_KERNELS and has_kernel(chosen)
     assert {m.kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {chosen}
+    min_rows = record["packed_min_rows"]  # timed too
+    assert min_rows in MIN_ROWS_CHOICES and {m.min_rows for m in fast.modules() if isinstance(m, PackedLinear)} == {min_rows}
     assert record.pop("stock_rows") and record == {"choice": "fast", "packed_linears": 15,
-                                                   "packed_kernel": chosen, "attention": SDPA_GQA,
-                                                   "rms_norms": norms, "blockwise_lora": 0}
+                                                   "packed_kernel": chosen, "packed_min_rows": min_rows,
+                                                   "attention": SDPA_GQA, "rms_norms": norms, "blockwise_lora": 0}
     with pytest.raises(ValueError, match="kernels"):
         apply_kernels(stock, "turbo")
 
@@ -181,6 +243,7 @@ def test_greedy_exact_on_optimized_model(tiny_varied, k, kernel):
     fast = copy.deepcopy(model)
     record = optimize_for_cpu(fast, kernel=kernel)
     assert {m.kernel for m in fast.modules() if isinstance(m, PackedLinear)} == {kernel}
+    assert record.pop("packed_min_rows") in MIN_ROWS_CHOICES
     assert record.pop("stock_rows") and record == {"packed_linears": 15, "packed_kernel": kernel,
                                                    "attention": SDPA_GQA,
                                                    "rms_norms": 2 * model.config.num_hidden_layers + 1,
@@ -477,7 +540,7 @@ def test_pack_linears_counts_each_shape_for_the_kernel_choice(monkeypatch):
         return kernels.packed_kernel(), {}
 
     monkeypatch.setattr(kernels, "choose_packed_kernel", choose)
-    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel=None: (0, {}))
+    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel=None, min_rows=2: (0, {}))
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(32, 64))
     assert kernels.pack_linears(model, choose=True)[0] == 4
     assert seen == {"64x64": 2, "32x64": 1, "64x32": 1}
@@ -526,7 +589,7 @@ def test_optimize_for_cpu_leaves_other_dtypes_and_eager_attention_alone(tiny, mo
     e.g. a logit soft-cap); only ``sdpa`` is replaced by the GQA attention."""
     import space.cpu_kernels as kernels
 
-    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel=None: (0, {}))  # no timing here
+    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel=None, min_rows=2: (0, {}))  # no timing here
     model, _, _ = tiny
     half = copy.deepcopy(model).to(torch.bfloat16)
     assert optimize_for_cpu(half) == {"packed_linears": 0, "attention": "sdpa"}

@@ -374,6 +374,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     # timed on this machine (the faster packed kernel, stock F.linear's rows per shape): recorded, not
     # resume keys (the kernel is pinned above)
     packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)
+    min_rows = kernels.pop("packed_min_rows", None)  # timed too (cpu_kernels.choose_min_rows): no sample differs
     compiled = compile_setup(args.compile)  # True: inductor's default, as older runs recorded
     # the artifact's tuned layout (space_config.json "decode": the adapter's, or a full SAR-SFT checkpoint's
     # given as --model), the flags given on top of it, then a dynamic tree priced by the curve the artifact
@@ -442,7 +443,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),
             "device_flag": getattr(args, "device_requested", args.device), "device_map": args.device_map,
             "ranks": 1, "threads": threads, "kernels": kernels, "packed_kernel": packed_kernel,
-            "kernel_paths": kernel_paths,
+            "kernel_paths": kernel_paths, "packed_min_rows": min_rows,
             "compile": compiled, "buckets": decoder.buckets,  # a static layout padded to row buckets
             "capture": capture and capture["slots"], "capture_ready": capture,  # captured steps (issue 58)
             # the slots a captured step attends over (space.decoding.graphs): None before they were bucketed
