@@ -174,3 +174,32 @@ def torn_writes(monkeypatch):
         return Torn(f) if any(c in mode for c in "wa") else f
 
     monkeypatch.setattr(io, "open", torn_open)  # pathlib opens through io.open
+
+
+def full_checkpoint(path, mask_num: int = 3, **meta):
+    """A tiny-model full SAR-SFT checkpoint saved at ``path`` (untrained masks), its
+    space_config.json holding ``meta`` beside the base model; returns its folder."""
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.models import TINY
+
+    model, tok = tiny_random_llama(seed=0)
+    full, spec = prepare_model(model, tok, "full", mask_num=mask_num)
+    return save_artifact(path, full, tok, spec, "full", {"base_model": TINY, **meta})
+
+
+class QuestionsNotRun(Exception):
+    """Raised by :func:`no_questions_run` where space-eval would start its questions."""
+
+
+@pytest.fixture
+def no_questions_run(monkeypatch):
+    """space-eval stops where its questions would start (``run_bench`` raises
+    :class:`QuestionsNotRun`), after its record and checks; returns the exception class."""
+    import space.eval.bench as bench
+
+    def stop(*args, **kwargs):
+        raise QuestionsNotRun
+
+    monkeypatch.setattr(bench, "run_bench", stop)
+    return QuestionsNotRun

@@ -229,15 +229,11 @@ def test_a_full_checkpoints_stored_curve_prices_its_chat(tmp_path, monkeypatch):
     unread (no stored curve: every GPU chat measured, and the curve of another setup priced it)."""
     import space.chat as chat_module
     import space.eval.step_cost as ts
-    from space.adapter_layers import prepare_model
-    from space.artifact import save_artifact
     from space.decoding import DecodeConfig
     from space.eval.tree_search import write_decode
-    from space.models import TINY, tiny_random_llama
+    from tests.conftest import full_checkpoint
 
-    model, tok = tiny_random_llama(seed=0)
-    full, spec = prepare_model(model, tok, "full", mask_num=3)
-    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    ckpt = full_checkpoint(tmp_path / "full")
     write_decode(ckpt, DecodeConfig(2, tree="dynamic", lookup_tokens=6).to_dict(), {1: 0.003, 32: 0.009},
                  setup={"threads": 2, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused"})
     write_decode(ckpt, DecodeConfig(2, tree="dynamic", lookup_tokens=6).to_dict(), {1: 0.001, 32: 0.002},

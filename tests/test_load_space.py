@@ -15,6 +15,7 @@ from space.loader import load_space
 from space.masking import mask_rows
 from space.models import TINY, load_model, tiny_random_llama
 from space.tokens import add_mask_tokens
+from tests.conftest import full_checkpoint
 
 
 def _artifact(path, mode):
@@ -372,9 +373,7 @@ def test_a_full_checkpoints_tuned_layout_travels_with_it(tmp_path, monkeypatch, 
     from space.decoding import SpaceDecoder
     from space.eval.tree_search import write_decode
 
-    model, tok = tiny_random_llama(seed=0)
-    full, spec = prepare_model(model, tok, "full", mask_num=3)
-    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    ckpt = full_checkpoint(tmp_path / "full")
     loaded, _, spec = load_space(model=str(ckpt))  # none stored: the trained k, k + 1 groups
     assert SpaceDecoder(loaded, spec).config == DecodeConfig(3)
     layout = DecodeConfig(2, 2, lookup_tokens=6, tree=[[0], [1], [0, 0]])
@@ -413,9 +412,7 @@ def test_a_full_checkpoint_compiles_its_trunk_and_an_adapter_outranks_it(tmp_pat
     from space.decoding import SpaceDecoder
     from space.eval.tree_search import write_decode
 
-    model, tok = tiny_random_llama(seed=0)
-    full, spec = prepare_model(model, tok, "full", mask_num=3)
-    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    ckpt = full_checkpoint(tmp_path / "full")
     write_decode(ckpt, DecodeConfig(2, 2).to_dict())
     compiled = []
     monkeypatch.setattr(loader, "compile_trunk", lambda m, mode=None: compiled.append(mode) or m)

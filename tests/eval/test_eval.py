@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import full_checkpoint
 from space.eval.__main__ import main as eval_main
 from space.eval.execute import check, estimate_pass_at_k
 from space.eval.report import summarize, to_markdown
@@ -199,7 +200,7 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
     assert price(gpu_curve, recorded=on_gpu, resuming=True)[0].step_cost == ((1, 7.0), (32, 8.0))
 
 
-def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp_path, monkeypatch):
+def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp_path, no_questions_run):
     """MBPP's first questions are the shipped drafter's training data (``tasks.trained_questions``):
     a run on them warns that tokens/step and speedups overstate held-out drafting, naming them, and
     records how many in run_config.json (a rank of a sharded run: of the whole run's questions);
@@ -208,15 +209,7 @@ def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp
     left out of the record. The questions are not run (run_bench stops)."""
     import warnings
 
-    import space.eval.bench as bench
-
-    class Stop(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Stop
-
-    monkeypatch.setattr(bench, "run_bench", stop)
+    Stop = no_questions_run
     shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
     args = ["--adapter", str(shipped), "--limit", "2", "--max-new-tokens", "4", "--methods", "ar",
             "--threads", "1"]
@@ -235,32 +228,19 @@ def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp
     assert json.loads((tmp_path / "dev" / "run_config.json").read_text())["trained_questions"] == 0
 
 
-def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(tmp_path, monkeypatch):
+def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(tmp_path, no_questions_run):
     """A full SAR-SFT checkpoint given as --model is the run's artifact, as an adapter is: the run
     decodes with the layout its space_config.json stores (it ran the default layout) and warns on
     the MBPP questions it was trained on (it never checked). The questions are not run."""
-    from space.adapter_layers import prepare_model
-    import space.eval.bench as bench
-    from space.artifact import save_artifact
     from space.decoding import DecodeConfig
     from space.eval.tree_search import write_decode
-    from space.models import TINY, tiny_random_llama
 
-    class Stop(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Stop
-
-    monkeypatch.setattr(bench, "run_bench", stop)
     shipped = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-space"
     trained_on = json.loads((shipped / "space_config.json").read_text())["train_config"]
-    model, tok = tiny_random_llama(seed=0)
-    full, spec = prepare_model(model, tok, "full", mask_num=3)
-    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY, "train_config": trained_on})
+    ckpt = full_checkpoint(tmp_path / "full", train_config=trained_on)
     write_decode(ckpt, DecodeConfig(2, 2, lookup_tokens=6, tree=[[0], [1], [0, 0]]).to_dict())
     with pytest.warns(UserWarning, match=r"2 of 2 questions of --dataset mbpp were in the checkpoint's training data"), \
-            pytest.raises(Stop):
+            pytest.raises(no_questions_run):
         eval_main(["--model", str(ckpt), "--dataset", "mbpp", "--limit", "2", "--max-new-tokens", "4",
                    "--methods", "ar,space", "--threads", "1", "--out", str(tmp_path / "run")])
     record = json.loads((tmp_path / "run" / "run_config.json").read_text())
@@ -269,31 +249,18 @@ def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(
         (2, 2, 6, [[0], [1], [0, 0]])
 
 
-def test_a_full_checkpoints_dynamic_tree_is_priced_by_its_curve_of_this_setup(tmp_path, monkeypatch):
+def test_a_full_checkpoints_dynamic_tree_is_priced_by_its_curve_of_this_setup(tmp_path, no_questions_run):
     """space-eval prices a full checkpoint's stored dynamic tree by the curve the checkpoint
     stores for the run's setup (here 1 thread, stock kernels), not by the last one space-tree
     wrote. Catches the checkpoint's step_costs left unread (the decode entry's own curve)."""
-    from space.adapter_layers import prepare_model
-    import space.eval.bench as bench
-    from space.artifact import save_artifact
     from space.decoding import DecodeConfig
     from space.eval.tree_search import write_decode
-    from space.models import TINY, tiny_random_llama
 
-    class Stop(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Stop
-
-    monkeypatch.setattr(bench, "run_bench", stop)
-    model, tok = tiny_random_llama(seed=0)
-    full, spec = prepare_model(model, tok, "full", mask_num=3)
-    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    ckpt = full_checkpoint(tmp_path / "full")
     for threads, curve in ((1, {1: 0.001, 32: 0.002}), (2, {1: 0.003, 32: 0.009})):  # the 2-thread curve last
         write_decode(ckpt, DecodeConfig(2, tree="dynamic").to_dict(), curve, setup={
             "threads": threads, "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused"})
-    with pytest.raises(Stop):
+    with pytest.raises(no_questions_run):
         eval_main(["--model", str(ckpt), "--limit", "1", "--max-new-tokens", "4", "--methods", "ar,space",
                    "--threads", "1", "--kernels", "stock", "--step-cost", "stored", "--out", str(tmp_path / "run")])
     record = json.loads((tmp_path / "run" / "run_config.json").read_text())

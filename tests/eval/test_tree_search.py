@@ -689,10 +689,9 @@ def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
     from space.eval.resume import model_files
     from space.loader import load_space
     from space.models import TINY, tiny_random_llama
+    from tests.conftest import full_checkpoint
 
-    model, tok = tiny_random_llama(seed=0)
-    full, spec = prepare_model(model, tok, "full", mask_num=3)
-    ckpt = save_artifact(tmp_path / "full", full, tok, spec, "full", {"base_model": TINY})
+    ckpt = full_checkpoint(tmp_path / "full")
     probe.main(["--model", str(ckpt), "--limit", "1", "--max-new-tokens", "12", "--out", str(tmp_path / "probe")])
     before = model_files(str(ckpt), layout=False)
     report = main(["--model", str(ckpt), "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--max-mask-num", "3",
