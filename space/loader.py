@@ -76,9 +76,10 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     ``model.space_trunk`` records it. On CUDA in bf16 / fp16, cuDNN attention is turned off
     (process-wide: ``space.decoding.backends``), recorded in ``model.space_sdpa``.
 
-    An adapter's tuned decode layout (``space_config.json`` ``"decode"``) is recorded on the
-    returned model as ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``;
-    a dynamic tree is priced by the step-cost curve the adapter stores for ``kernels``,
+    An adapter's tuned decode layout (``space_config.json`` ``"decode"``; a full SAR-SFT
+    checkpoint's, given as ``model``, alike) is recorded on the returned model as
+    ``model.config.space_decode``, the default of ``SpaceDecoder(model, spec)``; a dynamic tree is
+    priced by the step-cost curve the adapter (or checkpoint) stores for ``kernels``,
     ``torch.get_num_threads()`` at load, the device type, the packed kernel the fast kernels
     chose and ``compile`` (``space.artifact.priced_for_setup``), else by its own.
 
