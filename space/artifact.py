@@ -96,9 +96,10 @@ def _entry(state_dict: dict[str, torch.Tensor] | None, key: str) -> dict[str, to
     return {k.split(key, 1)[1]: v for k, v in state_dict.items() if key in k}
 
 
-def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathLike | str | None = None) -> None:
+def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathLike | str | None = None) -> dict:
     """Refuse an artifact whose weights are empty, do not fit its model (a ZeRO-3 partition
-    saved without gathering has tensors of shape (0,)), or are not finite.
+    saved without gathering has tensors of shape (0,)), or are not finite; return its
+    ``space_config.json`` (:func:`read_space_config`), read once here.
 
     Full checkpoints: every tensor against the shapes ``config.json`` gives
     (``space.zero3.check_saved_shapes``). Adapters: the LoRA pairs (``read_lora``) and the mask rows,
@@ -106,6 +107,7 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
     safetensors file finite (:func:`check_finite`).
 
     Raises:
+        FileNotFoundError / ValueError: no or a damaged space_config.json (:func:`read_space_config`).
         ValueError: an empty tensor, a wrong shape, or a NaN / inf value; the file is named (with
             ``where`` for a folder not yet in place).
     """
@@ -117,7 +119,7 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
         except ValueError as e:
             raise ValueError(str(e).replace(str(folder), str(where))) from None
         check_finite(folder, where)
-        return
+        return cfg
     read_lora(folder)
     check_finite(folder, where)
     rows = read_tensors(folder / MASK_EMBEDDING).get("mask_rows")
@@ -127,6 +129,7 @@ def check_artifact(folder: Path, hidden_size: int | None = None, where: os.PathL
         shape = None if rows is None else tuple(rows.shape)
         raise ValueError(f"{where / MASK_EMBEDDING}: mask rows of shape {shape}, expected ({n}, "
                          f"{hidden_size or 'hidden'}): saved while partitioned by ZeRO-3? refusing this artifact")
+    return cfg
 
 
 def check_finite(folder: Path, where: os.PathLike | str | None = None) -> None:

@@ -111,10 +111,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
                          "(minutes); measure it with space-tree --compile --write-adapter")
     if adapter is None:
         folder = artifact_folder(model, None)  # a full SAR-SFT artifact, else a plain model
-        cfg = None
-        if folder is not None:
-            check_artifact(folder)
-            cfg = read_space_config(folder)
+        cfg = check_artifact(folder) if folder is not None else None
         base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
         try:
             spec = mask_spec(base, tok)

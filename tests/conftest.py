@@ -176,14 +176,14 @@ def torn_writes(monkeypatch):
     monkeypatch.setattr(io, "open", torn_open)  # pathlib opens through io.open
 
 
-def full_checkpoint(path, mask_num: int = 3, **meta):
-    """A tiny-model full SAR-SFT checkpoint saved at ``path`` (untrained masks), its
-    space_config.json holding ``meta`` beside the base model; returns its folder."""
+def full_checkpoint(path, mask_num: int = 3, seed: int = 0, **meta):
+    """A tiny-model full SAR-SFT checkpoint (the tiny model of ``seed``, untrained masks) saved
+    at ``path``, its space_config.json holding ``meta`` beside the base model; returns its folder."""
     from space.adapter_layers import prepare_model
     from space.artifact import save_artifact
     from space.models import TINY
 
-    model, tok = tiny_random_llama(seed=0)
+    model, tok = tiny_random_llama(seed=seed)
     full, spec = prepare_model(model, tok, "full", mask_num=mask_num)
     return save_artifact(path, full, tok, spec, "full", {"base_model": TINY, **meta})
 

@@ -683,12 +683,9 @@ def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
     with it; the checkpoint's fingerprint for a resume (``model_files``) ignores the layout, as an
     adapter's hash does, and still counts any other change of the file. A plain model without
     --adapter is still refused."""
-    from space.adapter_layers import prepare_model
-    from space.artifact import save_artifact
     from space.decoding import SpaceDecoder
     from space.eval.resume import model_files
     from space.loader import load_space
-    from space.models import TINY, tiny_random_llama
     from tests.conftest import full_checkpoint
 
     ckpt = full_checkpoint(tmp_path / "full")
@@ -709,9 +706,7 @@ def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
              "--max-rows", "12", "--cache-len", "16", "--threads", "1", "--out", str(tmp_path / "tree"),
              "--write-adapter"]
     assert main([*again, "--dynamic"])["dynamic"]["tree"] == "dynamic"  # its ranks still the checkpoint's
-    other, tok = tiny_random_llama(seed=1)  # retrained in place: the same path, other weights
-    other, spec = prepare_model(other, tok, "full", mask_num=3)
-    save_artifact(ckpt, other, tok, spec, "full", {"base_model": TINY})
+    full_checkpoint(ckpt, seed=1)  # retrained in place: the same path, other weights
     with pytest.raises(ValueError, match="has changed since .*run space-probe on it again"):
         main(again)
     with pytest.raises(SystemExit) as info:
