@@ -99,6 +99,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_identity() -> str:
+    """This CPU as a step-cost curve records it (``space.artifact.setup_key``): its model
+    (:func:`cpu_model`) and the widest vector ISA torch's kernels use here
+    (``torch.backends.cpu.get_cpu_capability()``), e.g. "AMD EPYC (AVX512)". Two machines Linux
+    names alike can step differently: an AVX2 EPYC's 16-row SmolLM2 step cost 1.89x its 1-row step,
+    a Zen 4 EPYC's 1.56x, and the dynamic tree priced by the AVX2 curve decoded 1.10x slower on the
+    Zen 4 (``results/humaneval20_zen4_curve``)."""
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def has_kernel(kernel: str) -> bool:
     """Whether this torch build has the packed kernel ``kernel`` (one of :data:`PACKED_KERNELS`)."""
     if kernel == "mkl":

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from space.cpu_kernels import PACKED_KERNELS, packed_kernel
+from space.cpu_kernels import PACKED_KERNELS, cpu_identity, packed_kernel
 from space.decoding.config import DecodeConfig
 from space.decoding.dynamic import StepCost
 from space.decoding.tree import replay
@@ -254,9 +254,9 @@ def test_curves_are_stored_and_chosen_per_compile_mode(tmp_path):
     adapter = tmp_path / "adapter"
     shutil.copytree(SHIPPED, adapter)
     decode = json.loads((adapter / "space_config.json").read_text())["decode"]
-    write_decode(adapter, decode, {1: 0.024, 32: 0.050}, setup={**eager, "threads": torch.get_num_threads(),
-                                                                "compile": "frozen"})
-    write_decode(adapter, decode, {1: 0.050, 32: 0.090}, setup={**eager, "threads": torch.get_num_threads()})
+    here = {**eager, "threads": torch.get_num_threads(), "cpu": cpu_identity()}  # replaces the shipped curves
+    write_decode(adapter, decode, {1: 0.024, 32: 0.050}, setup={**here, "compile": "frozen"})
+    write_decode(adapter, decode, {1: 0.050, 32: 0.090}, setup=here)
     from space.loader import load_space
 
     model, _, _ = load_space(adapter=str(adapter), compile="frozen")
@@ -334,6 +334,48 @@ def test_curves_name_their_packed_kernel(tmp_path):
     write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.030, 16: 0.060}, setup=mkl)
     cfg = json.loads((tmp_path / "space_config.json").read_text())
     assert [e["step_cost"][0][1] for e in cfg["step_costs"]] == [30.0, 50.0]  # the same setup's curve replaced
+
+
+def test_curves_name_their_cpu(tmp_path):
+    """Two CPUs of one packed kernel step differently: the dynamic tree priced by an AVX2 EPYC's
+    oneDNN curve decoded 1.10x slower on a Zen 4 EPYC than by its own
+    (results/humaneval20_zen4_curve), and Linux names both "AMD EPYC". A curve keeps the CPU it
+    was timed on (``cpu_identity``: model and vector ISA), a write on another CPU keeps it beside
+    the first, a run is priced by its own CPU's curve, and space-eval's check names another CPU's
+    (an entry that names none is not compared)."""
+    from space.artifact import priced_for_setup, stored_step_costs
+    from space.eval.step_cost import curve_setup, step_cost_mismatch
+    from space.models import tiny_random_llama
+
+    assert curve_setup(tiny_random_llama(seed=0)[0], "fast", False)["cpu"] == cpu_identity()
+    assert cpu_identity().endswith(f"({torch.backends.cpu.get_cpu_capability()})")
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    base = {"threads": 2, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused",
+            "packed_kernel": "onednn"}
+    avx2, zen4 = {**base, "cpu": "AMD EPYC (AVX2)"}, {**base, "cpu": "AMD EPYC (AVX512)"}
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.097, 16: 0.183}, setup=avx2)
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.041, 16: 0.065}, setup=zen4)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert sorted(e["cpu"] for e in cfg["step_costs"]) == ["AMD EPYC (AVX2)", "AMD EPYC (AVX512)"]  # side by side
+    for setup, curve in ((avx2, ((1, 97.0), (16, 183.0))), (zen4, ((1, 41.0), (16, 65.0)))):
+        for _ in range(2):  # whichever of the two comes first in the file
+            layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast",
+                                              packed_kernel="onednn", cpu=setup["cpu"])
+            assert layout.step_cost == curve and priced == setup
+            assert step_cost_mismatch(priced, 2, "fast", packed_kernel="onednn", cpu=setup["cpu"]) is None
+            cfg["step_costs"].reverse()
+    _, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast", packed_kernel="onednn",
+                                 cpu="Intel Xeon (AVX512)")  # none of its own: another CPU's, and said so
+    assert f"cpu {priced['cpu']} (run: Intel Xeon (AVX512))" in step_cost_mismatch(
+        priced, 2, "fast", packed_kernel="onednn", cpu="Intel Xeon (AVX512)")
+    assert step_cost_mismatch(base, 2, "fast", packed_kernel="onednn", cpu="Intel Xeon (AVX512)") is None
+    assert step_cost_mismatch(avx2, 2, "fast", device="cuda") is not None  # a GPU run: the device differs
+    assert "cpu" not in (step_cost_mismatch({**avx2, "device": "cuda"}, 2, "fast", device="cuda") or "")
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.040, 16: 0.060}, setup=zen4)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert sorted(e["step_cost"][0][1] for e in cfg["step_costs"]) == [40.0, 97.0]  # its own CPU's replaced
+    with pytest.raises(ValueError, match="cpu"):
+        stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "cpu": 1}]})
 
 
 def test_load_ranks_by_source(tmp_path):
@@ -457,7 +499,8 @@ def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
     """space-eval on the shipped adapter with curves stored for 1 and 2 threads and the fast kernels:
     the run at 1 thread decodes with (and records) the 1-thread curve, and does not warn about a
     mismatch (load_space itself loads with the stock kernels, so the eval must choose the curve).
-    The curves are stored for each packed kernel (the run times its own), over the shipped ones."""
+    The curves are stored for each packed kernel (the run times its own) and this CPU, over the
+    shipped ones."""
     from space.eval.__main__ import main as eval_main
 
     adapter = tmp_path / "adapter"
@@ -465,7 +508,8 @@ def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
     decode = json.loads((adapter / "space_config.json").read_text())["decode"]
     for kernel in PACKED_KERNELS if packed_kernel() else (None,):
         for threads, curve in ((1, {1: 0.05, 32: 0.15}), (2, {1: 0.04, 32: 0.09})):
-            setup = {"threads": threads, "kernels": "fast", "trunk": "fused", **({"packed_kernel": kernel} if kernel else {})}
+            setup = {"threads": threads, "kernels": "fast", "trunk": "fused", "cpu": cpu_identity(),
+                     **({"packed_kernel": kernel} if kernel else {})}
             write_decode(adapter, {**decode, "adapter_cost": 5.0 * threads}, curve, setup=setup)
     eval_main(["--adapter", str(adapter), "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "8",
                "--methods", "space", "--threads", "1", "--out", str(tmp_path / "run")])
@@ -473,7 +517,7 @@ def test_eval_prices_rows_by_the_curve_of_its_threads(tmp_path, recwarn):
     assert meta["step_cost"] == [[1, 50.0], [32, 150.0]] and meta["adapter_cost"] == 5.0
     kernel = meta["packed_kernel"]  # the run's timed choice, recorded beside the settings
     assert meta["step_cost_setup"] == {"threads": 1, "kernels": "fast", "device": "cpu", "capture": False, "trunk": "fused",
-                                       **({"packed_kernel": kernel} if kernel else {})}
+                                       "cpu": cpu_identity(), **({"packed_kernel": kernel} if kernel else {})}
     assert not [w for w in recwarn if "step-cost curve" in str(w.message)]
 
 
@@ -535,11 +579,11 @@ def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     main([*args, "--dynamic", "--capture"])
     cfg = json.loads((adapter / "space_config.json").read_text())
     # each names the kernel its packed linears ran, timed on this CPU (None, no key: this torch has no
-    # packed kernel); the shipped curves of another CPU's kernel stay beside them
+    # packed kernel) and this CPU; the shipped curves of other CPUs stay beside them
     kernel = cfg["step_cost_setup"].get("packed_kernel")
     assert kernel in (PACKED_KERNELS if packed_kernel() else (None,))
     mine = [e for e in cfg["step_costs"] if e["threads"] == 1 and e["kernels"] == "fast"
-            and e.get("packed_kernel") == kernel]
+            and e.get("packed_kernel") == kernel and e["cpu"] == cpu_identity()]
     assert [(e["device"], e["capture"]) for e in mine] == [("cpu", False), ("cpu", True)]
     assert mine[1]["adapter_cost"] >= 0  # the gated graph against the plain one
     assert "[space-tree] captured 0 step graphs" in capsys.readouterr().out
