@@ -382,7 +382,7 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     compile = compile_setup(compile)
     alike = [e for e in stored_step_costs(cfg, where) if setup_key(e)[1:5] == (kernels, device, capture, compile)]
     alike = [e for e in alike if e.get("packed_kernel") == packed_kernel] or alike
-    if device == "cpu":  # another CPU's curve only when none is this CPU's (step_cost_mismatch says so)
+    if device == "cpu":  # another CPU's curve only when none is this CPU's (step_cost_mismatch names a named one)
         from .cpu_kernels import cpu_identity
 
         cpu = cpu or cpu_identity()

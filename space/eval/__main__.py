@@ -261,15 +261,16 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
         # how the samples this run resumes were priced: first, whatever the mode and the stored curves now
         kept = recorded.get("step_cost_setup") if resuming and "step_cost_setup" in recorded else False
         measured_before = isinstance(kept, dict) and bool(kept.get("measured"))
-        if measured_before and recorded.get("step_cost") \
-                and all(kept.get(k) == here[k] for k in ("device", "capture", "trunk", "kernels")):
+        # a curve measured before the CPU was recorded is taken as this CPU's
+        same = ("device", "capture", "trunk", "kernels", *(("cpu",) if "cpu" in here and "cpu" in (kept or {}) else ()))
+        if measured_before and recorded.get("step_cost") and all(kept.get(k) == here[k] for k in same):
             print("[space-eval] the step-cost curve measured when this run started prices its steps")
             return decode.override(step_cost=tuple(map(tuple, recorded["step_cost"])),
                                    adapter_cost=recorded.get("adapter_cost") or 0.0), kept
         if args.step_cost == "auto" and kept is not False and not measured_before:
             return decode, setup  # samples priced by a stored curve (or none), as before measuring at load
         if kept is not False and (measured_before or args.step_cost == "measure"):  # refused now, not after timing
-            how = (f"a curve measured at load on {', '.join(f'{k} {kept.get(k)}' for k in ('device', 'capture', 'trunk', 'kernels'))}"
+            how = (f"a curve measured at load on {', '.join(f'{k} {kept.get(k)}' for k in same)}"
                    if measured_before else "the adapter's stored curve" if kept else "the default curve")
             raise ValueError(f"the run folder (--out) holds samples whose dynamic tree was priced by {how}; a curve "
                              f"measured now would price the rest otherwise: resume with that setup and --step-cost, "

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import full_checkpoint
+from space.cpu_kernels import cpu_identity
 from space.eval.__main__ import main as eval_main
 from space.eval.execute import check, estimate_pass_at_k
 from space.eval.report import summarize, to_markdown
@@ -187,6 +188,15 @@ def test_auto_step_cost_measures_on_a_gpu_where_no_curve_of_its_device_is_stored
     for flags in (("--step-cost", "measure"), ()):  # refused before timing: the samples' curve would not do
         with pytest.raises(ValueError, match="priced by a curve measured at load on device cpu"):
             price(gpu_curve, gpu, *flags, recorded=earlier, resuming=True)
+    # on another CPU that Linux names alike (an AVX2 EPYC and a Zen 4 are both "AMD EPYC"): refused too;
+    # a curve measured before the CPU was recorded is taken as this CPU's
+    assert how["cpu"] == cpu_identity()
+    elsewhere = {**earlier, "step_cost_setup": {**earlier["step_cost_setup"], "cpu": "AMD EPYC (AVX2)"}}
+    with pytest.raises(ValueError, match=r"measured at load on device cpu, .*cpu AMD EPYC \(AVX2\)"):
+        price(gpu_curve, cpu, "--step-cost", "measure", recorded=elsewhere, resuming=True)
+    unnamed = {**earlier, "step_cost_setup": {k: v for k, v in earlier["step_cost_setup"].items() if k != "cpu"}}
+    assert price(gpu_curve, cpu, "--step-cost", "measure", recorded=unnamed, resuming=True)[0].step_cost == \
+        ((1, 7.0), (32, 8.0))
     # a run priced by a stored curve (or by none) before measuring at load resumes with it under auto
     stored = {"step_cost_setup": cpu_curve, "step_cost": [[1, 54.0], [32, 114.0]]}
     assert price(cpu_curve, recorded=stored, resuming=True) == (decode, cpu_curve)

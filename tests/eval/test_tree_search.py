@@ -254,7 +254,7 @@ def test_curves_are_stored_and_chosen_per_compile_mode(tmp_path):
     adapter = tmp_path / "adapter"
     shutil.copytree(SHIPPED, adapter)
     decode = json.loads((adapter / "space_config.json").read_text())["decode"]
-    here = {**eager, "threads": torch.get_num_threads(), "cpu": cpu_identity()}  # replaces the shipped curves
+    here = {**eager, "threads": torch.get_num_threads(), "cpu": cpu_identity()}  # this CPU's: chosen over the shipped ones
     write_decode(adapter, decode, {1: 0.024, 32: 0.050}, setup={**here, "compile": "frozen"})
     write_decode(adapter, decode, {1: 0.050, 32: 0.090}, setup=here)
     from space.loader import load_space
@@ -336,7 +336,7 @@ def test_curves_name_their_packed_kernel(tmp_path):
     assert [e["step_cost"][0][1] for e in cfg["step_costs"]] == [30.0, 50.0]  # the same setup's curve replaced
 
 
-def test_curves_name_their_cpu(tmp_path):
+def test_curves_name_their_cpu(tmp_path, monkeypatch):
     """Two CPUs of one packed kernel step differently: the dynamic tree priced by an AVX2 EPYC's
     oneDNN curve decoded 1.10x slower on a Zen 4 EPYC than by its own
     (results/humaneval20_zen4_curve), and Linux names both "AMD EPYC". A curve keeps the CPU it
@@ -364,13 +364,23 @@ def test_curves_name_their_cpu(tmp_path):
             assert layout.step_cost == curve and priced == setup
             assert step_cost_mismatch(priced, 2, "fast", packed_kernel="onednn", cpu=setup["cpu"]) is None
             cfg["step_costs"].reverse()
-    _, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast", packed_kernel="onednn",
-                                 cpu="Intel Xeon (AVX512)")  # none of its own: another CPU's, and said so
+    layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast", packed_kernel="onednn",
+                                      cpu="Intel Xeon (AVX512)")  # none of its own: another CPU's, and said so
+    assert layout.step_cost in (((1, 97.0), (16, 183.0)), ((1, 41.0), (16, 65.0))) and priced["threads"] == 2
     assert f"cpu {priced['cpu']} (run: Intel Xeon (AVX512))" in step_cost_mismatch(
         priced, 2, "fast", packed_kernel="onednn", cpu="Intel Xeon (AVX512)")
     assert step_cost_mismatch(base, 2, "fast", packed_kernel="onednn", cpu="Intel Xeon (AVX512)") is None
     assert step_cost_mismatch(avx2, 2, "fast", device="cuda") is not None  # a GPU run: the device differs
     assert "cpu" not in (step_cost_mismatch({**avx2, "device": "cuda"}, 2, "fast", device="cuda") or "")
+    # no cpu given: this machine's (faked as the Zen 4, the curve after the AVX2 one in the file), for the
+    # choice and for the check; none compared off a CPU, and a GPU's curve names none
+    monkeypatch.setattr("space.cpu_kernels.cpu_identity", lambda: zen4["cpu"])
+    layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "fast", packed_kernel="onednn")
+    assert layout.step_cost == ((1, 41.0), (16, 65.0)) and priced == zen4
+    assert step_cost_mismatch(zen4, 2, "fast", packed_kernel="onednn") is None
+    assert "cpu AMD EPYC (AVX2) (run: AMD EPYC (AVX512))" in step_cost_mismatch(avx2, 2, "fast", packed_kernel="onednn")
+    assert "cpu" not in (step_cost_mismatch({**avx2, "device": "cuda"}, 2, "fast", device="cuda") or "")
+    assert "cpu" not in curve_setup(torch.nn.Linear(1, 1, device="meta"), "fast", False)
     write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.040, 16: 0.060}, setup=zen4)
     cfg = json.loads((tmp_path / "space_config.json").read_text())
     assert sorted(e["step_cost"][0][1] for e in cfg["step_costs"]) == [40.0, 97.0]  # its own CPU's replaced
