@@ -26,7 +26,7 @@ class DraftOracle:
         self.generated: list[int] = []
         self.steps = 0
 
-    def propose(self, drafts: Drafts, found: list[int], cache_len: int) -> Proposal:
+    def propose(self, drafts: Drafts, found: list[list[int]], cache_len: int) -> Proposal:
         if self.steps:
             drafts = self._chosen(drafts)
         self.steps += 1

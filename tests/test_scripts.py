@@ -548,6 +548,23 @@ def test_compare_drafters_skips_a_layout_deeper_than_the_drafter_and_a_missing_s
         replay([torch.tensor(row["ranks"])], 5, 6, None)
 
 
+def test_replay_lookup_by_hand_and_on_a_committed_run(tmp_path):
+    """By hand: "1 2" recurs with "3 4 ..." first and "7 8 ..." last; the answer goes on with 7 8 9.
+    One branch (PLD's first occurrence) takes 2 steps, two branches 1. On a committed run's AR
+    answers the first branch alone replays to PLD's own tokens/step in that run (same answers)."""
+    script = load_script("replay_lookup")
+    pair = [([1, 2, 3, 4, 1, 2, 7, 8, 1, 2], [7, 8, 9])]
+    assert script.replay(pair, 1, 10, 2) == {"steps": 2, "tokens": 3, "tokens_per_step": 1.5}
+    assert script.replay(pair, 2, 10, 2) == {"steps": 1, "tokens": 3, "tokens_per_step": 3.0}
+    run = ROOT / "results" / "humaneval40_zen4_frozen"
+    out = tmp_path / "replay.json"
+    table = script.main([str(run), "--branches", "1,4", "--out", str(out)])
+    one, four = table[str(run)][1]["tokens_per_step"], table[str(run)][4]["tokens_per_step"]
+    pld = json.loads((run / "summary.json").read_text())
+    assert json.loads(out.read_text())["tokens_per_step"][str(run)]["1"]["tokens_per_step"] == one
+    assert abs(one - pld["methods"]["pld"]["tokens_per_step"]) < 0.01 and four > one
+
+
 def test_plot_mask_accuracy(tmp_path, capsys):
     png = tmp_path / "acc.png"
     load_script("plot_mask_accuracy").main([str(ROOT / "results/sweep/token_targets/log_history.json"), str(png),

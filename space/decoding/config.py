@@ -68,6 +68,10 @@ class DecodeConfig:
         adapter_cost: dynamic tree: what a step pays once for having mask rows (the frozen-base
             adapter's fixed cost), in the curve's unit; ``space-tree --dynamic`` measures it as 2
             rows with and without mask rows. 0 = not measured (``dynamic.StepCost.adapter``).
+        lookup_branches: dynamic tree: most prompt-lookup continuations a step may verify (>= 1):
+            the first occurrence's (prompt lookup decoding's, always in the tree), then the most
+            recent other occurrences' of the same n-gram, each priced like any node (our addition,
+            ``space.decoding.lookup``); a static layout verifies the first alone.
 
     Raises:
         ValueError: any field out of range or not an integer (NaN, inf and 2.0 included), at
@@ -84,6 +88,7 @@ class DecodeConfig:
     draft_ranks: int = 4
     step_cost: tuple[tuple[int, float], ...] | None = None
     adapter_cost: float = 0.0
+    lookup_branches: int = 1
 
     def __post_init__(self):
         check_mask_num(self.mask_num)
@@ -107,6 +112,7 @@ class DecodeConfig:
             check_int("num_groups", self.num_groups, 0 if lookup_alone else 1, self.mask_num + 1)
         check_int("lookup_tokens", self.lookup_tokens, 0)
         check_int("lookup_ngram", self.lookup_ngram, 1)
+        check_int("lookup_branches", self.lookup_branches, 1)
 
     @property
     def groups(self) -> int:

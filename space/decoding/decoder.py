@@ -70,8 +70,9 @@ Optional prompt lookup (``lookup_tokens``, our addition): when the last n-gram o
 (prompt + output) occurred earlier, the tokens that followed it (what transformers'
 ``PromptLookupCandidateGenerator`` finds, kept incrementally by ``lookup.PromptLookup``) are one
 more branch of the next step's tree, added to the mask drafts, so a failed lookup costs only its
-rows. Its candidates are deterministic, and the first step looks up the prompt, as prompt lookup
-decoding does. Each step records where its accepted tokens came from, the masks, lookup or both
+rows. The dynamic tree may add what followed the n-gram's other occurrences too
+(``lookup_branches``), priced like any node. The candidates are deterministic, and the first step
+looks up the prompt, as prompt lookup decoding does. Each step records where its accepted tokens came from, the masks, lookup or both
 (:func:`provenance`).
 """
 from __future__ import annotations
@@ -484,7 +485,8 @@ class SpaceDecoder:
         # prompt + output so far, kept on the host when prompt lookup or a logits processor needs it
         seq = ids.tolist() if self.lookup or logits_processor is not None else None
         cfg = self.config
-        lookup = PromptLookup(seq, cfg.lookup_tokens, cfg.lookup_ngram, self.context) if self.lookup else None
+        lookup = PromptLookup(seq, cfg.lookup_tokens, cfg.lookup_ngram, self.context,
+                              cfg.lookup_branches if self.dynamic else 1) if self.lookup else None
         # host clock only: each step ends by copying its result to the host, which waits for the
         # device, so step times add up without a synchronize of their own (on CUDA, two per step)
         t0 = time.perf_counter()
@@ -496,7 +498,7 @@ class SpaceDecoder:
         last = ids[-1:]
         drafts = self._no_drafts(pq)
         # the first step already verifies what the prompt repeats, as PLD's does
-        found = lookup.continuation() if lookup else []
+        found = lookup.continuations() if lookup else []
         # host time = a step minus the model (trunk, LM head, and the sampler head and its embedding)
         with model_time(self.decoder, self.head, *([self.sampler, self.embed] if self.sampler is not None else [])) as spent:
             while True:
@@ -510,7 +512,7 @@ class SpaceDecoder:
                 planner.observe(StepOutcome(emitted, path, lay))
                 if seq is not None:
                     seq.extend(emitted)
-                found = lookup.continuation() if lookup else []
+                found = lookup.continuations() if lookup else []
                 sources = provenance(lay.parents, block.sources, host_tokens, path)
                 step_s = time.perf_counter() - t0
                 if res.emit(emitted, step_s + prefill_s, accepted=len(path), candidates=max(lay.depth), rows=lay.rows,

@@ -19,7 +19,10 @@ on this machine:
     (:meth:`AcceptanceStats.calibration`), the others shrink so that a mask's row sums to at most 1
     (:func:`calibrated`);
   * for a lookup token at depth d, the running rate at which this sequence's lookup tokens were
-    right at depths 1..d.
+    right at depths 1..d;
+  * for a token of another lookup continuation (``DecodeConfig.lookup_branches``: what followed
+    the n-gram's other occurrences, the most recent first), its parent's value times the running
+    rate of such tokens at its distance past where the continuation leaves those before it.
   A lookup token equal to a mask draft at the same place is one node whose own probability is
   the larger of the two; its mask and lookup children are priced from that merged value.
 * **Mask groups.** Groups anchor on x_{n-1} and on the spine, the chain of most likely nodes. After
@@ -32,8 +35,9 @@ on this machine:
   groups maximizes the total. No group at all (the next step drafts by lookup alone), no mask
   node (only lookup, PLD's step) and a one-row AR step (when the best block does not pay the
   multi-row jump and lookup found nothing) are allowed outcomes.
-* **Prompt lookup is contained.** Every lookup token found is a node, as deep as the budget allows,
-  whatever its rate: the step verifies at least what prompt lookup decoding would.
+* **Prompt lookup is contained.** Every token of the first lookup continuation (prompt lookup
+  decoding's) is a node, as deep as the budget allows, whatever its rate: the step verifies at
+  least what prompt lookup decoding would. The other continuations are priced like mask drafts.
 * **Shapes.** Rows are rounded up to a bucket size (:data:`BUCKETS`, capped by the row budget). The
   bucket's free rows take the next-best nodes; only the rest is padding.
 
@@ -69,6 +73,9 @@ MASK_PRIOR = 0.5  # prior P(mask offset j's top draft is right | the drafts befo
 # prior P(a lookup token at depth d is right | the lookup tokens before it were): the first token of
 # a recurring n-gram's continuation is a guess, but once it matched, the copied span tends to go on
 LOOKUP_PRIOR = (0.3, 0.6)
+# the same for another occurrence's continuation, from where it leaves the paths before it: it is
+# tried only where the first occurrence's was not right, so it starts from a lower guess
+OTHER_PRIOR = (0.2, 0.6)
 RATE_PRIOR = (2.0, 8)  # prior λ: 2 tokens per step of 8 rows
 MASK, LOOKUP = 1, 2  # a node's sources (bits): a mask draft, a prompt-lookup token, or both (3)
 
@@ -185,6 +192,7 @@ class AcceptanceStats:
         self.ranked = [[PRIOR_WEIGHT * MASK_PRIOR, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, trials], top-R
         self.said = [[PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, sum of top-1 probabilities]
         self.lookup = [[PRIOR_WEIGHT * LOOKUP_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
+        self.other = [[PRIOR_WEIGHT * OTHER_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
         self.tokens, self.spent = PRIOR_WEIGHT * RATE_PRIOR[0], PRIOR_WEIGHT * cost(RATE_PRIOR[1])
 
     def alphas(self) -> list[float]:
@@ -210,6 +218,11 @@ class AcceptanceStats:
         copied span that matched so far is at least as likely to go on."""
         return monotone(self.lookup, increasing=True)
 
+    def other_rates(self) -> list[float]:
+        """P(another occurrence's continuation is right at d + 1 tokens past where it leaves the
+        branches before it | right so far), non-decreasing in d like :meth:`lookup_rates`."""
+        return monotone(self.other, increasing=True)
+
     def calibration(self, j: int) -> float:
         """How much more often mask offset j's top draft was right than its probability said
         (observed hits over the sum of top-1 probabilities; 1 = calibrated). A drafter trained on
@@ -223,7 +236,7 @@ class AcceptanceStats:
         return self.tokens / self.spent
 
     def observe(self, emitted: list[int], drafts: list[list[int]], top_probs: list[float], draft_offset: int,
-                found: list[int], rows: int) -> None:
+                found: list[int], rows: int, others: list[list[int]] = ()) -> None:
         """Learn from one step.
 
         Args:
@@ -233,6 +246,7 @@ class AcceptanceStats:
                 ``draft_offset`` on, the top-1 first; ``top_probs``: the top-1 drafts' probabilities.
             found: the step's prompt-lookup tokens.
             rows: the block's rows, padding included.
+            others: the step's other lookup continuations (:func:`_branch_points`).
         """
         if not drafts:  # no mask drafted this step: forget a little, towards the prior
             for cells, prior in ((self.mask, MASK_PRIOR), (self.ranked, MASK_PRIOR), (self.said, 1.0)):
@@ -259,6 +273,14 @@ class AcceptanceStats:
             if t != emitted[d]:
                 break
             self.lookup[d][0] += 1
+        for branch, start in _branch_points(found, others):
+            if branch[:start] != emitted[:start]:  # its shared part was wrong: never tried past it
+                continue
+            for d, t in enumerate(branch[start: min(len(emitted), start + len(self.other))]):
+                self.other[d][1] += 1
+                if t != emitted[start + d]:
+                    break
+                self.other[d][0] += 1
         self.tokens += len(emitted)
         self.spent += self.cost(rows)
 
@@ -302,8 +324,23 @@ def calibrated(probs: list[float], c: float) -> list[float]:
     return [top] + [p * shrink for p in probs[1:]]
 
 
+def _branch_points(found: list[int], others) -> list[tuple[list[int], int]]:
+    """(continuation, start) for each of ``others``, the lookup's other continuations: ``start`` is
+    where it leaves ``found`` and the ones before it (their longest common prefix), so its tokens
+    from ``start`` on are nodes of their own; one that leaves none of them is dropped."""
+    out, before = [], [found]
+    for branch in others:
+        start = max(next((i for i, (a, b) in enumerate(zip(branch, p)) if a != b), min(len(branch), len(p)))
+                    for p in before)
+        if start < len(branch):
+            out.append((branch, start))
+        before.append(branch)
+    return out
+
+
 def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
-                rates: list[float], limit: int, room: int, top1: list[int] | None, match: list[int]
+                rates: list[float], limit: int, room: int, top1: list[int] | None, match: list[int],
+                others: list[tuple[list[int], int]] = (), other_rates: list[float] = ()
                 ) -> Iterator[tuple[tuple[int, ...], float, int]]:
     """Up to ``limit`` distinct token paths (path, value, sources) in non-increasing value, each
     after its prefix; generated as they are asked for (a step keeps only its first few).
@@ -321,19 +358,35 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     (:func:`_merged_ranks`). Best-first: popping a node pushes its first mask child, its next
     mask sibling, and its merged or lookup child, so each node is pushed once and every push is
     worth at most what popped it.
+
+    ``others`` (:func:`_branch_points`): the lookup's other continuations. Each enters where it
+    leaves the paths before it, once that node is a candidate, and goes on token by token, each
+    worth ``other_rates[d]`` of its parent at d tokens past that point; their nodes get no mask
+    children (the masks draft after the first continuation and the drafts' own paths).
     """
     depth_cap = min(room, len(draft_ids))
     lookup_depth = min(len(found), room, len(rates))
     heap: list = []
     tick = 0
 
-    def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int, sibling) -> None:
+    def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int, sibling,
+             branch=None) -> None:
         # ranks: the mask ranks of the path (None off the mask tree); sibling: (parent value as
-        # its mask children see it, the merged rank the sibling chain skips) for a plain mask child
+        # its mask children see it, the merged rank the sibling chain skips) for a plain mask child;
+        # branch: (continuation, start) for another lookup continuation's node
         nonlocal tick
         if value > 0:
-            heapq.heappush(heap, (-value, tick, path, ranks, source, sibling))
+            heapq.heappush(heap, (-value, tick, path, ranks, source, sibling, branch))
             tick += 1
+
+    def push_other(value: float, branch, d: int) -> None:  # the continuation's token at depth d + 1
+        tokens, start = branch
+        if d < min(len(tokens), room) and d - start < len(other_rates):
+            push(value * other_rates[d - start], tuple(tokens[: d + 1]), None, LOOKUP, None, branch)
+
+    entries: dict[tuple[int, ...], list] = {}  # path -> the continuations that leave the others there
+    for branch in others:
+        entries.setdefault(tuple(branch[0][: branch[1]]), []).append(branch)
 
     def next_rank(d: int, r: int, skip: int) -> int | None:
         r += 1 + (r + 1 == skip)
@@ -362,16 +415,24 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
             push_mask_child(value * share, path, ranks, d, next_rank(d, -1, skip), skip)
 
     expand(1.0, (), (), LOOKUP)
+    for branch in entries.pop((), ()):
+        push_other(1.0, branch, branch[1])
     seen: set[tuple[int, ...]] = set()  # a row may repeat a token (a test hook's drafts)
     while heap and len(seen) < limit:
-        neg, _, path, ranks, source, sibling = heapq.heappop(heap)
+        neg, _, path, ranks, source, sibling, branch = heapq.heappop(heap)
         if sibling is not None:
             d = len(path) - 1
             push_mask_child(sibling[0], path[:-1], ranks[:-1], d, next_rank(d, ranks[-1], sibling[1]), sibling[1])
-        if path not in seen:
+        new = path not in seen
+        if new:
             seen.add(path)
             yield path, -neg, source
+        if branch is not None:  # goes on even where a mask draft made the same path
+            push_other(-neg, branch, len(path))
+        elif new:
             expand(-neg, path, ranks, source)
+        for entry in entries.pop(path, ()):
+            push_other(-neg, entry, entry[1])
 
 
 class _Kept:
@@ -420,7 +481,7 @@ def _lookup_chain(draft_probs: list[list[float]], found: list[int], rates: list[
 
 def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_offset: int, found: list[int],
               stats: AcceptanceStats, budget: int, mask_num: int, max_groups: int, room: int,
-              mask_rows_before: int, chained: bool = False) -> StepPlan:
+              mask_rows_before: int, chained: bool = False, others: list[list[int]] = ()) -> StepPlan:
     """Choose this step's nodes, mask groups and their lengths (module docstring).
 
     Prices (issue 44): a node pays its row's marginal cost; the groups pay their rows and, once,
@@ -447,6 +508,8 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
         mask_rows_before: mask rows of the previous step, to price this step's node rows.
         chained: the drafts come from a sampler head (offset d+1 drafted given offset d's top-1
             draft): only the top-1 path has mask children.
+        others: prompt lookup's other continuations (``PromptLookup.continuations`` after the
+            first), candidates priced by :meth:`AcceptanceStats.other_rates`, never forced.
 
     Returns:
         StepPlan with ``rows <= max(budget, 1)``.
@@ -460,7 +523,8 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     draft_probs = [[v for v, _, _ in row] for row in ranked]
     rates = stats.lookup_rates()
     match = _merged_ranks(draft_ids, found, min(len(found), room, len(rates), len(draft_ids)), top1)
-    cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match))
+    cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match,
+                              _branch_points(found, others), stats.other_rates()))
     forced = _lookup_chain(draft_probs, found, rates, min(len(found), room, len(rates), max(budget - 1, 0)), match)
 
     def nodes(cap: int, fill: int = 0) -> list[tuple[tuple[int, ...], float, int]]:

@@ -59,13 +59,14 @@ class StepOutcome:
 class StepPlanner(Protocol):
     """Proposes each step's block and learns from its outcome (one generation, batch size 1)."""
 
-    def propose(self, drafts: Drafts, found: list[int], cache_len: int) -> Proposal:
+    def propose(self, drafts: Drafts, found: list[list[int]], cache_len: int) -> Proposal:
         """The block of the next step.
 
         Args:
             drafts: the previous step's mask drafts (none on the first step, or when no group was
                 on the accepted path).
-            found: prompt lookup's continuation of the text so far (may be empty).
+            found: prompt lookup's continuations of the text so far, prompt lookup decoding's
+                first (``PromptLookup.continuations``; [] when none).
             cache_len: tokens in the KV cache (x_0..x_{n-2}): rows may reach depth
                 ``context - cache_len - 1``.
         """
@@ -83,8 +84,8 @@ class StaticPlanner:
     def __init__(self, decoder: SpaceDecoder):
         self.decoder = decoder
 
-    def propose(self, drafts: Drafts, found: list[int], cache_len: int) -> Proposal:
-        return Proposal(*self.decoder.static_block(cache_len, drafts, found))
+    def propose(self, drafts: Drafts, found: list[list[int]], cache_len: int) -> Proposal:
+        return Proposal(*self.decoder.static_block(cache_len, drafts, found[0] if found else []))
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
@@ -102,17 +103,19 @@ class DynamicPlanner:
         self.mask_rows_before = cfg.mask_num
         self.last: tuple | None = None  # what the last proposal was made from, for observe()
 
-    def propose(self, drafts: Drafts, found: list[int], cache_len: int) -> Proposal:
+    def propose(self, drafts: Drafts, found: list[list[int]], cache_len: int) -> Proposal:
         dec, cfg = self.decoder, self.decoder.config
         ids, probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
         ids = [[int(t) for t in row] for row in ids]
-        plan = plan_step(ids, probs, drafts.offset, found, self.stats, cfg.row_budget, cfg.mask_num, cfg.groups,
-                         dec.context - cache_len - 1, self.mask_rows_before, chained=dec.sampler is not None)
-        self.last = (ids, [p[0] for p in probs], drafts.offset, found)
+        first, others = (found[0], found[1:]) if found else ([], [])
+        plan = plan_step(ids, probs, drafts.offset, first, self.stats, cfg.row_budget, cfg.mask_num, cfg.groups,
+                         dec.context - cache_len - 1, self.mask_rows_before, chained=dec.sampler is not None,
+                         others=others)
+        self.last = (ids, [p[0] for p in probs], drafts.offset, first, others)
         lay, tokens = dec.block_layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
         return Proposal(lay, tokens, plan.sources)
 
     def observe(self, outcome: StepOutcome) -> None:
-        ids, top_probs, offset, found = self.last
-        self.stats.observe(outcome.emitted, ids, top_probs, offset, found, outcome.layout.rows)
+        ids, top_probs, offset, found, others = self.last
+        self.stats.observe(outcome.emitted, ids, top_probs, offset, found, outcome.layout.rows, others)
         self.mask_rows_before = sum(outcome.layout.group_len)

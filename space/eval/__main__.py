@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-tokens", type=int, default=None,
                    help="space: also try up to N prompt-lookup candidates per step when an n-gram recurs "
                         "(default: the adapter's tuned layout, else 0 = pure SPACE)")
+    p.add_argument("--lookup-branches", type=int, default=None,
+                   help="space, dynamic tree: most prompt-lookup continuations a step may verify, the first "
+                        "occurrence's (PLD's) then the most recent others', each priced like any node "
+                        "(default: the adapter's tuned layout, else 1)")
     p.add_argument("--tree", default=None,
                    help="space: 'chain' (verify the top-1 drafts), 'auto' (the adapter's tuned tree), 'dynamic' (a "
                         "tree chosen each step from draft confidence and the step cost), or a token "
@@ -146,7 +150,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError(f"--methods lists a method twice: {args.methods!r}")
     check_threads(args.threads)
     for name, minimum in (("mask_num", 1), ("num_groups", 1), ("max_new_tokens", 1), ("num_samples", 1),
-                          ("lookup_tokens", 0), ("top_k", 0), ("temperature", 0), ("top_p", 0)):
+                          ("lookup_tokens", 0), ("lookup_branches", 1), ("top_k", 0), ("temperature", 0), ("top_p", 0)):
         check_number(f"--{name.replace('_', '-')}", getattr(args, name), minimum)  # None: the adapter's default
     check_number("--top-p", args.top_p, maximum=1)
     if args.top_p == 0:
@@ -386,7 +390,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     adapter_cfg = read_record(where) if where else {}
     tuned = adapter_decode_config(adapter_cfg, where) if where else DecodeConfig.of_model(model, spec.mask_num)
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
-                            tree=tree_flag(args.tree, args.mask_num))
+                            lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num))
     on = next(model.parameters()).device.type
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
                                      packed_kernel, compiled)
@@ -439,6 +443,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             # the dynamic tree's own settings (None for static layouts, which do not use them)
             **{key: decode.to_dict()[key] if decode.tree == "dynamic" else None
                for key in ("row_budget", "draft_ranks", "step_cost", "adapter_cost")},
+            # prompt lookup's continuations a step may verify: the first alone in a static layout
+            "lookup_branches": decode.lookup_branches if decode.tree == "dynamic" else 1,
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),

@@ -184,7 +184,7 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
     ``current`` (the adapter's DecodeConfig, or None) is estimated too and flagged ``"current":
     True``, so the best is never estimated slower than it; that needs its k within the ranks' k
     and a static layout (the dynamic tree cannot be replayed: it is left out). Every layout keeps
-    ``current``'s prompt-lookup setting: the replay does not model lookup, so the search cannot
+    ``current``'s prompt-lookup settings: the replay does not model lookup, so the search cannot
     choose it (``scripts/tune_layout.py --search`` times it); and its row budget, draft ranks and
     step-cost prices (curve and adapter cost, a pair), which a later switch to the dynamic tree would use.
     """
@@ -193,6 +193,7 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
 
     fit, held = ranks[0::2], ranks[1::2] or ranks
     lookup = {} if current is None else {"lookup_tokens": current.lookup_tokens, "lookup_ngram": current.lookup_ngram,
+                                         "lookup_branches": current.lookup_branches,
                                          "row_budget": current.row_budget, "draft_ranks": current.draft_ranks,
                                          "step_cost": current.step_cost, "adapter_cost": current.adapter_cost}
     width = min(r.shape[1] for r in ranks)
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
         k = min(a.max_mask_num, spec.mask_num)
         lookup = DecodeConfig() if current is None else current
         dynamic = DecodeConfig(k, k + 1, lookup.lookup_tokens, lookup.lookup_ngram, tree="dynamic",
-                               row_budget=a.max_rows, draft_ranks=4,
+                               row_budget=a.max_rows, lookup_branches=lookup.lookup_branches, draft_ranks=4,
                                step_cost=tuple(map(tuple, step_cost_points(curve))),
                                adapter_cost=adapter_cost(model, a.cache_len, graphs=graphs, static=static)).to_dict()
     best, mine = results[0], next((r for r in results if r.get("current")), None)

@@ -42,7 +42,7 @@ def test_dynamic_greedy_exact(trained):
         budget = [4, 8, 32, int(torch.randint(2, 41, (1,), generator=gen))][case % 4]
         cfg = DecodeConfig(k, int(torch.randint(1, k + 2, (1,), generator=gen)), tree="dynamic",
                            lookup_tokens=[0, 4][(case // 4) % 2], row_budget=budget,
-                           draft_ranks=int(torch.randint(1, 5, (1,), generator=gen)))
+                           draft_ranks=int(torch.randint(1, 5, (1,), generator=gen)), lookup_branches=1 + case % 3 * 2)
         prompt = torch.tensor(language.sample(int(torch.randint(1, 30, (1,), generator=gen))))
         max_new = int(torch.randint(1, 60, (1,), generator=gen))
         stop = []
@@ -80,6 +80,33 @@ def test_row_budget(trained, lookup):
             assert out.num_steps == 40
         if budget >= 8:
             assert max(out.accept_lengths) >= 2  # not AR in disguise
+
+
+def test_other_lookup_continuation_is_verified_and_accepted(tiny_varied):
+    """A step's other lookup continuations are verified as branches of its tree: with the first
+    continuation always wrong and the true next tokens only in the second, steps accept through the
+    second (lookup tokens, deep paths) and the output is AR's token for token; the cache stays right."""
+    model, _, spec = tiny_varied
+    dec = SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=5, lookup_branches=2))
+    prompt = torch.tensor([12, 40, 77, 5, 19, 63, 8])
+    truth = ar_generate(model, prompt, 50, suppress_ids=spec.token_ids).new_ids
+    wrong = [t for t in range(11, 256) if t not in truth][:5]
+
+    class Second:  # the decoder's own planner, given a wrong first continuation and the truth second
+        def __init__(self):
+            self.inner, self.generated = dec.planner(), 0
+
+        def propose(self, drafts, found, cache_len):
+            return self.inner.propose(drafts, [wrong, truth[self.generated: self.generated + 5]], cache_len)
+
+        def observe(self, outcome):
+            self.generated += len(outcome.emitted)
+            self.inner.observe(outcome)
+
+    out = dec.generate(prompt, 50, planner=Second())
+    assert out.new_ids == truth
+    through = sum(src.count("l") for src in out.step_sources)
+    assert through >= 25 and max(out.accept_lengths) >= 4, (out.step_sources, out.accept_lengths)
 
 
 def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
@@ -378,6 +405,55 @@ def test_merged_node_prices_its_children_from_the_merged_value():
     assert source[(101,)] == MASK | LOOKUP and source[(101, 999)] == LOOKUP and source[(100,)] == MASK
 
 
+def test_other_lookup_continuations_are_priced_branches():
+    """The lookup's other continuations (PromptLookup.continuations after the first) hang where they
+    leave the first continuation and each other, each token worth the running rate of other
+    continuations past that point times its parent; they are kept only when they pay (never forced)."""
+    stats = fresh_stats(k=3, lookup=4)  # lookup rates 0.3, 0.6, ...; other rates 0.2, 0.6, ...
+    stats.tokens = 1e-6  # λ ~ 0: every node pays
+    found, others = [50, 51, 52, 53], [[60, 61, 62], [50, 51, 70, 71], [60, 61, 80], [50, 51, 52, 53]]
+    plan = plan_step([], [], 0, found, stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=0,
+                     others=others)
+    check_plan(plan, 64, 3, 0, 100)
+    by_path = dict(zip(node_paths(plan), plan.values))
+    source = dict(zip(node_paths(plan), plan.sources))
+    assert set(by_path) == {(50,), (50, 51), (50, 51, 52), (50, 51, 52, 53), (60,), (60, 61), (60, 61, 62),
+                            (50, 51, 70), (50, 51, 70, 71), (60, 61, 80)}  # the repeat of `found` adds nothing
+    assert by_path[(60,)] == pytest.approx(0.2) and by_path[(60, 61)] == pytest.approx(0.2 * 0.6)
+    assert by_path[(50, 51, 70)] == pytest.approx(by_path[(50, 51)] * 0.2)  # leaves `found` after 50 51
+    assert by_path[(60, 61, 80)] == pytest.approx(by_path[(60, 61)] * 0.2)  # leaves the first other after 60 61
+    assert all(source[p] == LOOKUP for p in by_path)
+    stats.tokens = 1e6  # λ huge: no node pays for its row; the first continuation is kept all the same
+    costly = plan_step([], [], 0, found, stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=0,
+                       others=others)
+    kept = node_paths(costly)  # the forced chain, then only what fills the block's bucket (6 rows)
+    assert kept[0] == (50,) and {(50, 51), (50, 51, 52), (50, 51, 52, 53)} <= set(kept)
+    assert costly.rows == bucket(5, 64) == 6 and len(kept) == 5
+    # an other continuation equal to a mask draft's path goes on past it, under that node
+    stats.tokens = 1e-6
+    ids, probs = drafts([0.5, 0.2], k=3)
+    both = plan_step(ids, probs, 0, [], stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=3,
+                     others=[[101, 7, 8]])
+    check_plan(both, 64, 3, 0, 100)
+    paths = node_paths(both)
+    assert paths.count((101,)) == 1 and (101, 7) in paths and (101, 7, 8) in paths
+
+
+def test_other_lookup_rates_learn_from_where_a_continuation_leaves():
+    """A step teaches the other continuations' rates only past where each leaves those before it,
+    and only when the text matched it up to there."""
+    stats = fresh_stats(k=3, lookup=4)
+    before = [list(c) for c in stats.other]
+    # the first continuation 5 6 7 is wrong at 7; the other, 5 6 9 9, leaves it after 5 6 and is right twice
+    stats.observe([5, 6, 9, 9, 1], [], [], 0, [5, 6, 7], 4, others=[[5, 6, 9, 9, 2], [8, 8]])
+    assert stats.other[0] == pytest.approx([before[0][0] + 1, before[0][1] + 2])  # [5,6,9..]: a hit; [8,8]: a miss
+    assert stats.other[1] == pytest.approx([before[1][0] + 1, before[1][1] + 1])
+    assert stats.other[2] == pytest.approx([before[2][0], before[2][1] + 1])  # 2 != 1
+    wrong = fresh_stats(k=3, lookup=4)
+    wrong.observe([4, 4, 4], [], [], 0, [5, 6], 4, others=[[5, 7]])  # its shared 5 was wrong: not tried
+    assert wrong.other == fresh_stats(k=3, lookup=4).other
+
+
 def test_reserve_for_the_first_group_returns_to_nodes_without_groups():
     """Rows held back for G_0 verify nodes when no group is chosen (drafts that never hit)."""
     stats = fresh_stats(k=4, lookup=8)
@@ -410,7 +486,10 @@ def test_plan_step_random_invariants():
         groups = int(torch.randint(0, k + 2, (1,), generator=gen))
         room = [1, 2, 3, 100][case % 4]
         offset = int(torch.randint(0, k, (1,), generator=gen))
-        plan = plan_step(ids, probs, offset, found, stats, budget, k, groups, room, k)
+        others = [torch.randint(20, 24, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+                  for _ in range(int(torch.randint(0, 4, (1,), generator=gen)))]  # other continuations, repeats too
+        stats.observe(torch.randint(20, 24, (3,), generator=gen).tolist(), [], [], 0, found, 8, others)
+        plan = plan_step(ids, probs, offset, found, stats, budget, k, groups, room, k, others=others)
         check_plan(plan, budget, k, groups, room)
         if budget == 1:
             assert plan.rows == 1

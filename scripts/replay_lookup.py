@@ -1,0 +1,98 @@
+"""Replay prompt lookup alone over a run's greedy AR answers: the tokens/step that lookup with 1..N
+continuations a step would reach (``space.decoding.lookup.PromptLookup.continuations``; a step
+accepts the longest prefix that any continuation shares with the answer, plus one token). No model
+and no timing: it bounds what more lookup branches can add, and the first branch alone is prompt
+lookup decoding's (its replay equals PLD's measured tokens/step on the same answers).
+
+    python scripts/replay_lookup.py results/humaneval40_zen4_frozen results/mt_bench40_zen4_frozen \\
+        --branches 1,2,4,8 --out results/lookup_branches/replay.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from space.data.prompts import chat_ids
+from space.decoding.lookup import PromptLookup
+from space.eval.tasks import load_tasks
+from space.jsonl import write_text_atomic
+from space.choices import SMOLLM2
+from space.models import smollm2_dir
+
+
+def answers(run: Path, tokenizer, data_root: str | None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of every turn of the run's ``ar`` records, the prompt rebuilt as
+    ``space-eval`` builds it (a later turn holds the earlier answers' text).
+
+    Raises:
+        ValueError: the run has no ``ar`` record, or was made on another model than SmolLM2.
+    """
+    meta = json.loads((run / "run_config.json").read_text())
+    if meta.get("model") != SMOLLM2:
+        raise ValueError(f"{run}: made on {meta.get('model')!r}; this replay tokenizes with {SMOLLM2}")
+    tasks = {t.question_id: t for t in load_tasks(meta["dataset"], data_root, meta.get("limit"))}
+    out = []
+    for line in (run / "samples.jsonl").open():
+        record = json.loads(line)
+        if record["model_id"] != "ar":
+            continue
+        messages, choice = [], record["choices"][0]
+        for turn, ids, text in zip(tasks[record["question_id"]].turns, choice["token_ids"], choice["turns"]):
+            messages.append({"role": "user", "content": turn})
+            out.append((chat_ids(tokenizer, messages), ids))
+            messages.append({"role": "assistant", "content": text})
+    if not out:
+        raise ValueError(f"{run}: no ar record to replay (run space-eval with --methods ar)")
+    return out
+
+
+def replay(pairs: list[tuple[list[int], list[int]]], branches: int, num_tokens: int, max_ngram: int) -> dict:
+    """Steps and tokens/step of lookup alone with up to ``branches`` continuations a step."""
+    steps = tokens = 0
+    for prompt, answer in pairs:
+        text = list(prompt)
+        lookup = PromptLookup(text, num_tokens, max_ngram, 1 << 30, branches)
+        i = 0
+        while i < len(answer):
+            accepted = 0
+            for found in lookup.continuations():
+                n = 0
+                while n < len(found) and i + n < len(answer) and found[n] == answer[i + n]:
+                    n += 1
+                accepted = max(accepted, n)
+            emitted = min(accepted + 1, len(answer) - i)
+            text.extend(answer[i: i + emitted])
+            i += emitted
+            steps += 1
+            tokens += emitted
+    return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps, 4)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="space-eval output folders with ar records")
+    p.add_argument("--branches", default="1,2,4,8", help="comma list of continuations per step")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="tokens per continuation (the shipped 10)")
+    p.add_argument("--lookup-ngram", type=int, default=2, help="longest n-gram matched (the shipped 2)")
+    p.add_argument("--data-root", default=None, help="the datasets' folder (default ../shared/data)")
+    p.add_argument("--out", type=Path, default=None, help="JSON file for the table")
+    a = p.parse_args(argv)
+    counts = [int(b) for b in a.branches.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    table = {}
+    for run in a.runs:
+        pairs = answers(run, tokenizer, a.data_root)
+        table[str(run)] = {b: replay(pairs, b, a.lookup_tokens, a.lookup_ngram) for b in counts}
+        print(run, " ".join(f"{b}: {r['tokens_per_step']:.3f}" for b, r in table[str(run)].items()))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(a.out, json.dumps({"lookup_tokens": a.lookup_tokens, "lookup_ngram": a.lookup_ngram,
+                                             "tokens_per_step": table}, indent=2) + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()
