@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "adapter's layout)")
     p.add_argument("--lookup-tokens", type=int, default=None, help="prompt-lookup candidates per step (default: "
                    "the adapter's layout)")
+    p.add_argument("--lookup-branches", type=int, default=None, help="dynamic tree: most prompt-lookup "
+                   "continuations per step, the first occurrence's then the most recent others' (default: the "
+                   "adapter's layout)")
     p.add_argument("--tree", default=None, help="'chain', 'auto' (the adapter's tuned tree), 'dynamic' (chosen each step) or a token tree "
                    "as JSON paths of ranks (default: the adapter's layout)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens (default: %(default)s)")
@@ -72,7 +75,8 @@ def check_args(args) -> None:
             --threads below 1, or a bad --tree (a rank past the vocabulary too).
     """
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--mask-num", args.mask_num, 1),
-                               ("--num-groups", args.num_groups, 1), ("--lookup-tokens", args.lookup_tokens, 0)):
+                               ("--num-groups", args.num_groups, 1), ("--lookup-tokens", args.lookup_tokens, 0),
+                               ("--lookup-branches", args.lookup_branches, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     check_number("--temperature", args.temperature, 0)
@@ -233,7 +237,7 @@ def load(args) -> tuple:
                                   device=args.device, kernels=args.kernels, step_cost="stored")  # priced below
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
-        tree=tree_flag(args.tree, args.mask_num))
+        lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num))
     # which stored curve priced it (None: none of this setup), for auto to tell whether to measure
     folder = artifact_folder(args.model, adapter)  # the adapter, or a full SAR-SFT checkpoint
     cfg = read_space_config(folder) if folder is not None else {}

@@ -418,6 +418,7 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     for branch in entries.pop((), ()):
         push_other(1.0, branch, branch[1])
     seen: set[tuple[int, ...]] = set()  # a row may repeat a token (a test hook's drafts)
+    expanded: set[tuple[int, ...]] = set()  # paths whose mask and first-lookup children were pushed
     while heap and len(seen) < limit:
         neg, _, path, ranks, source, sibling, branch = heapq.heappop(heap)
         if sibling is not None:
@@ -429,7 +430,8 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
             yield path, -neg, source
         if branch is not None:  # goes on even where a mask draft made the same path
             push_other(-neg, branch, len(path))
-        elif new:
+        elif path not in expanded:  # where another continuation made the path first, its mask tree goes on too
+            expanded.add(path)
             expand(-neg, path, ranks, source)
         for entry in entries.pop(path, ()):
             push_other(-neg, entry, entry[1])

@@ -29,7 +29,7 @@ class PromptLookup:
         max_length: the model's context: a continuation never reaches past it, and none is
             given when the text is one token short of it (as the generator does).
         branches: most continuations :meth:`continuations` gives (>= 1): the first occurrence's,
-            then the most recent other occurrences' of the same n-gram, distinct.
+            then the most recent other occurrences' of the same n-gram, none the start of another.
 
     Raises:
         ValueError: ``num_tokens``, ``max_ngram`` or ``branches`` below 1.
@@ -52,10 +52,11 @@ class PromptLookup:
         return found[0] if found else []
 
     def continuations(self, branches: int | None = None) -> list[list[int]]:
-        """Up to ``branches`` (default: the constructor's) distinct continuations of the text's
-        last n-gram, for the longest n that has a non-empty one: first :meth:`continuation`'s,
-        then those of the n-gram's other earlier occurrences, the most recent first (a text
-        repeats what it said last more often than what it said first). Each holds at most
+        """Up to ``branches`` (default: the constructor's) continuations of the text's last n-gram,
+        for the longest n that has a non-empty one: first :meth:`continuation`'s, then those of
+        the n-gram's other earlier occurrences, the most recent first (a text repeats what it
+        said last more often than what it said first), each skipped when it is the start of one
+        already given. Each holds at most
         ``num_tokens`` tokens, never past ``max_length``; [] when no n-gram recurs."""
         text, L = self.text, len(self.text)
         for end in range(self.indexed + 1, L + 1):  # n-grams ending at each new token
@@ -75,7 +76,9 @@ class PromptLookup:
                 if len(out) == branches:
                     break
                 more = self._after(where[i] + n, L)
-                if more and more not in out:
+                # a continuation cut short by the text's end is often the start of one already
+                # found: it would add no node, and takes no slot
+                if more and not any(have[: len(more)] == more for have in out):
                     out.append(more)
             return out
         return []

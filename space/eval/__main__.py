@@ -443,8 +443,9 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             # the dynamic tree's own settings (None for static layouts, which do not use them)
             **{key: decode.to_dict()[key] if decode.tree == "dynamic" else None
                for key in ("row_budget", "draft_ranks", "step_cost", "adapter_cost")},
-            # prompt lookup's continuations a step may verify: the first alone in a static layout
-            "lookup_branches": decode.lookup_branches if decode.tree == "dynamic" else 1,
+            # prompt lookup's continuations a step may verify: the first alone in a static layout (none
+            # without lookup: recorded as 1, which any folder made before the setting resumes with)
+            "lookup_branches": decode.lookup_branches if decode.tree == "dynamic" and decode.lookup_tokens else 1,
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),

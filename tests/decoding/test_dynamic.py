@@ -103,10 +103,40 @@ def test_other_lookup_continuation_is_verified_and_accepted(tiny_varied):
             self.generated += len(outcome.emitted)
             self.inner.observe(outcome)
 
-    out = dec.generate(prompt, 50, planner=Second())
+    planner = Second()
+    out = dec.generate(prompt, 50, planner=planner)
     assert out.new_ids == truth
+    assert planner.inner.stats.other[0][0] > fresh_stats(lookup=5).other[0][0] + 5  # the planner learned its rate
     through = sum(src.count("l") for src in out.step_sources)
     assert through >= 25 and max(out.accept_lengths) >= 4, (out.step_sources, out.accept_lengths)
+
+
+@pytest.mark.parametrize("branches,tree", [(3, "dynamic"), (1, "dynamic"), (3, None)])
+def test_decoder_looks_up_as_many_continuations_as_its_layout_says(tiny_varied, branches, tree):
+    """The decoder hands its planner up to ``lookup_branches`` continuations in the dynamic tree (a
+    prompt whose last 2-gram recurred with three continuations), the first alone in a static
+    layout; the output is AR's either way."""
+    model, _, spec = tiny_varied
+    dec = SpaceDecoder(model, spec, DecodeConfig(2, tree=tree, lookup_tokens=4, lookup_branches=branches))
+    prompt = torch.tensor([30, 31, 50, 51, 52, 30, 31, 60, 61, 30, 31, 70, 71, 9, 30, 31])
+    seen = []
+
+    class Recorded:
+        def __init__(self):
+            self.inner = dec.planner()
+
+        def propose(self, drafts, found, cache_len):
+            seen.append(found)
+            return self.inner.propose(drafts, found, cache_len)
+
+        def observe(self, outcome):
+            self.inner.observe(outcome)
+
+    out = dec.generate(prompt, 20, planner=Recorded())
+    assert out.new_ids == ar_generate(model, prompt, 20, suppress_ids=spec.token_ids).new_ids
+    want = branches if tree == "dynamic" else 1
+    assert seen[0] == [[50, 51, 52, 30], [70, 71, 9, 30], [60, 61, 30, 31]][:want]
+    assert all(len(found) <= want for found in seen)
 
 
 def test_oracle_accepts_siblings_and_cache_matches_fresh_forward(trained):
@@ -188,7 +218,8 @@ def test_dynamic_sampling_matches_ar_distribution(small_vocab_model, temperature
     prompt = [1, 3, 0, 2]
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1000
-    dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree="dynamic"))
+    # three lookup continuations where lookup is on: the other occurrences' are siblings too
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree="dynamic", lookup_branches=3))
     counts, outs = sampled(dec, prompt, n, temperature=temperature, top_p=top_p)
     accepts = [a for out in outs for a in out.accept_lengths[1:]]
     rows = [r for out in outs for r in out.step_rows]
@@ -437,6 +468,14 @@ def test_other_lookup_continuations_are_priced_branches():
     check_plan(both, 64, 3, 0, 100)
     paths = node_paths(both)
     assert paths.count((101,)) == 1 and (101, 7) in paths and (101, 7, 8) in paths
+    # the continuation's value (0.2) above the draft's (0.1): its path comes first, and the mask tree
+    # under that node goes on all the same
+    ids, probs = drafts([0.5, 0.1], k=3)
+    first = plan_step(ids, probs, 0, [], stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=3,
+                      others=[[101, 7]])
+    check_plan(first, 64, 3, 0, 100)
+    paths = node_paths(first)
+    assert paths.count((101,)) == 1 and (101, 7) in paths and (101, 110) in paths and (101, 111) in paths
 
 
 def test_other_lookup_rates_learn_from_where_a_continuation_leaves():
@@ -501,17 +540,19 @@ def test_plan_step_random_invariants():
 
 def test_decode_config_dynamic():
     """tree="dynamic" survives JSON, a k override, and validation; its cap is k + 1."""
-    cfg = DecodeConfig(4, 3, tree="dynamic", row_budget=24, draft_ranks=3, step_cost=[[1, 2.0], [8, 3.5]])
+    cfg = DecodeConfig(4, 3, tree="dynamic", row_budget=24, draft_ranks=3, step_cost=[[1, 2.0], [8, 3.5]],
+                       lookup_branches=3)
     assert cfg.step_cost == ((1, 2.0), (8, 3.5))
     d = json.loads(json.dumps(cfg.to_dict()))
-    assert d["tree"] == "dynamic" and d["step_cost"] == [[1, 2.0], [8, 3.5]]
+    assert d["tree"] == "dynamic" and d["step_cost"] == [[1, 2.0], [8, 3.5]] and d["lookup_branches"] == 3
     assert DecodeConfig.from_dict(d) == cfg
     assert DecodeConfig.from_dict(DecodeConfig(2, tree="dynamic").to_dict()) == DecodeConfig(2, tree="dynamic")
     small = cfg.override(mask_num=2)
     assert small.tree == "dynamic" and small.mask_num == 2 and small.num_groups == 3 and small.row_budget == 24
+    assert small.lookup_branches == 3 and cfg.override(lookup_branches=None).lookup_branches == 3
     assert cfg.override(tree="chain").tree is None
     for bad in (dict(tree="foo"), dict(row_budget=0), dict(draft_ranks=0), dict(step_cost=[[2, 1.0]]),
-                dict(row_budget=2.0), dict(step_cost=[[1, float("nan")]])):
+                dict(row_budget=2.0), dict(step_cost=[[1, float("nan")]]), dict(lookup_branches=0)):
         with pytest.raises(ValueError):
             DecodeConfig(3, **{"tree": "dynamic", **bad})
     for k in (1, 3, 5):

@@ -40,7 +40,8 @@ def test_lookup_refuses_bad_sizes():
 
 def reference_continuations(text, num_tokens, max_ngram, max_length, branches):
     """By brute force: the longest last n-gram with a non-empty first-occurrence continuation,
-    that continuation, then the other occurrences' (the most recent first), distinct, non-empty."""
+    that continuation, then the other occurrences' (the most recent first), non-empty, none the
+    start of one before it."""
     L = len(text)
     if L + 1 == max_length:
         return []
@@ -51,7 +52,7 @@ def reference_continuations(text, num_tokens, max_ngram, max_length, branches):
             continue
         out = [after[0]]
         for more in reversed(after[1:]):
-            if len(out) < branches and more and more not in out:
+            if len(out) < branches and more and all(have[: len(more)] != more for have in out):
                 out.append(more)
         return out
     return []
