@@ -4,7 +4,7 @@ accepts the longest prefix that any continuation shares with the answer, plus on
 and no timing: it bounds what more lookup branches can add, and the first branch alone is prompt
 lookup decoding's (its replay equals PLD's measured tokens/step on the same answers).
 
-    python scripts/replay_lookup.py results/humaneval40_zen4_frozen results/mt_bench40_zen4_frozen \\
+    python scripts/replay_lookup.py results/humaneval40_lookup_branches results/mt_bench40_lookup_branches \\
         --branches 1,2,4,8 --out results/lookup_branches/replay.json
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from space.decoding.lookup import PromptLookup
+from space.decoding.lookup import SCAN, PromptLookup
 
 
 @pytest.mark.parametrize("num_tokens,max_ngram,vocab", [(10, 2, 3), (10, 2, 20), (3, 1, 5), (7, 4, 4), (1, 3, 2)])
@@ -40,8 +40,8 @@ def test_lookup_refuses_bad_sizes():
 
 def reference_continuations(text, num_tokens, max_ngram, max_length, branches):
     """By brute force: the longest last n-gram with a non-empty first-occurrence continuation,
-    that continuation, then the other occurrences' (the most recent first), non-empty, none the
-    start of one before it."""
+    that continuation, then the other occurrences' (the SCAN most recent, the most recent first),
+    non-empty, none the start of one before it."""
     L = len(text)
     if L + 1 == max_length:
         return []
@@ -51,7 +51,7 @@ def reference_continuations(text, num_tokens, max_ngram, max_length, branches):
         if not after[0]:
             continue
         out = [after[0]]
-        for more in reversed(after[1:]):
+        for more in list(reversed(after[1:]))[:SCAN]:
             if len(out) < branches and more and all(have[: len(more)] != more for have in out):
                 out.append(more)
         return out
@@ -90,3 +90,12 @@ def test_continuations_are_the_first_then_the_most_recent_occurrences(num_tokens
 def test_lookup_refuses_no_branch():
     with pytest.raises(ValueError, match="branches"):
         PromptLookup([], 10, 2, 100, 0)
+
+
+def test_other_continuations_look_back_scan_occurrences_at_most():
+    """A text that repeats its n-gram a hundred times is searched back SCAN occurrences (its own last
+    one included), not to its start: a step's host time stays bounded."""
+    text = [t for i in range(100) for t in (1, 2, 100 + i)] + [1, 2]
+    found = PromptLookup(text, 3, 2, 10_000, branches=500).continuations()
+    assert len(found) == SCAN and found[0] == [100, 1, 2] and found[1] == [199, 1, 2]
+    assert found[-1] == [100 + 100 - (SCAN - 1), 1, 2]
