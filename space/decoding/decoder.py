@@ -72,8 +72,8 @@ Optional prompt lookup (``lookup_tokens``, our addition): when the last n-gram o
 more branch of the next step's tree, added to the mask drafts, so a failed lookup costs only its
 rows. The dynamic tree may add what followed the n-gram's other occurrences too
 (``lookup_branches``), priced like any node. The candidates are deterministic, and the first step
-looks up the prompt, as prompt lookup decoding does. Each step records where its accepted tokens came from, the masks, lookup or both
-(:func:`provenance`).
+looks up the prompt, as prompt lookup decoding does. Each step records where its accepted tokens
+came from, the masks, lookup or both (:func:`provenance`).
 """
 from __future__ import annotations
 

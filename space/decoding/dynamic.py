@@ -37,7 +37,7 @@ on this machine:
   multi-row jump and lookup found nothing) are allowed outcomes.
 * **Prompt lookup is contained.** Every token of the first lookup continuation (prompt lookup
   decoding's) is a node, as deep as the budget allows, whatever its rate: the step verifies at
-  least what prompt lookup decoding would. The other continuations are priced like mask drafts.
+  least what prompt lookup decoding would. The other continuations are priced like any node.
 * **Shapes.** Rows are rounded up to a bucket size (:data:`BUCKETS`, capped by the row budget). The
   bucket's free rows take the next-best nodes; only the rest is padding.
 
@@ -430,7 +430,7 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
             yield path, -neg, source
         if branch is not None:  # goes on even where a mask draft made the same path
             push_other(-neg, branch, len(path))
-        elif path not in expanded:  # where another continuation made the path first, its mask tree goes on too
+        elif path not in expanded:  # where another continuation came first, the mask tree goes on too
             expanded.add(path)
             expand(-neg, path, ranks, source)
         for entry in entries.pop(path, ()):
