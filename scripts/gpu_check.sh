@@ -100,15 +100,16 @@ elif [ "$phase" = g58b ]; then
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval)
   # 2026-12-04: eager fp32 took 75 s for 11 of 12 questions (its first 8: 52 s after 16-23 s of loading),
   # captured 51 s (fp32) and 37 s (bf16) for 12; a step cost measured at load adds a few seconds
-  stage eval_humaneval_fp32 85 python3 -m space.eval "${common[@]}" --limit 8 --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
+  stage eval_humaneval_fp32 95 python3 -m space.eval "${common[@]}" --limit 8 --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
   stage eval_humaneval_bf16 75 python3 -m space.eval "${common[@]}" --limit 8 --methods ar,space --dtype bfloat16 \
     --out "$stash/res/eval_humaneval_bf16"
   stage eval_humaneval_capture_fp32 70 python3 -m space.eval "${common[@]}" --methods ar,pld,space --capture \
     --capture-len 2048 --limit 12 --out "$stash/res/eval_humaneval_capture_fp32"
   stage eval_humaneval_capture_bf16 60 python3 -m space.eval "${common[@]}" --methods ar,space --capture \
     --capture-len 2048 --limit 12 --dtype bfloat16 --out "$stash/res/eval_humaneval_capture_bf16"
-  stage eval_humaneval_capture_fp32_stored 40 python3 -m space.eval "${common[@]}" --methods space --capture \
-    --capture-len 2048 --limit 12 --step-cost stored --out "$stash/res/eval_humaneval_capture_fp32_stored"
+  # the first 8 of the 12 above, SPACE alone (about 10 s of decoding after the load)
+  stage eval_humaneval_capture_fp32_stored 30 python3 -m space.eval "${common[@]}" --methods space --capture \
+    --capture-len 2048 --limit 8 --step-cost stored --out "$stash/res/eval_humaneval_capture_fp32_stored"
 else
   echo "unknown phase $phase"; exit 2
 fi

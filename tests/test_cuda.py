@@ -28,7 +28,9 @@ STATIC_TREE = ((0,), (1,), (0, 0), (0, 1))
 LAYOUTS = {"chain": DecodeConfig(K, K + 1), "chain 2 groups": DecodeConfig(K, 2),
            "static tree": DecodeConfig(2, 2, tree=STATIC_TREE),
            "lookup": DecodeConfig(2, 2, tree=STATIC_TREE, lookup_tokens=10),
-           "dynamic": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10)}
+           "dynamic": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10),
+           # the shipped adapter's layout verifies four lookup continuations
+           "dynamic, 4 continuations": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10, lookup_branches=4)}
 
 
 @pytest.fixture(autouse=True)
@@ -219,7 +221,7 @@ def test_captured_steps_exact_on_cuda(on_gpu):
 
     model, _, spec, lang = on_gpu
     model = sdpa_gqa_copy(model)  # reads the keys up to the mask's width, as every fused trunk
-    sizes = {q for layout in ("chain", "static tree", "lookup", "dynamic")
+    sizes = {q for layout in ("chain", "static tree", "lookup", "dynamic", "dynamic, 4 continuations")
              for q in SpaceDecoder(model, spec, LAYOUTS[layout], buckets=True).row_sizes}
     graphs = StepGraphs(model, slots=160, sizes=sizes, min_slots=32)
     assert graphs.slot_sizes == (40, 80, 160)
@@ -228,7 +230,7 @@ def test_captured_steps_exact_on_cuda(on_gpu):
     print(f"cuda captured: {made} graphs in {seconds:.2f} s")
     # a plain graph per row and slot bucket, a gated one above 1 row
     assert made == sum(1 + (q > 1) for q in graphs.sizes for n in graphs.slot_sizes if q <= n)
-    for layout in ("chain", "static tree", "lookup", "dynamic"):
+    for layout in ("chain", "static tree", "lookup", "dynamic", "dynamic, 4 continuations"):
         dec = SpaceDecoder(model, spec, LAYOUTS[layout], graphs=graphs)
         steps = tokens = 0
         for i in range(3):
