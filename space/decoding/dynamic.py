@@ -22,7 +22,10 @@ on this machine:
     right at depths 1..d;
   * for a token of another lookup continuation (``DecodeConfig.lookup_branches``: what followed
     the n-gram's other occurrences, the most recent first), its parent's value times the running
-    rate of such tokens at its distance past where the continuation leaves those before it.
+    rate of such tokens at its distance past where the continuation leaves those before it, the
+    parent's value being the larger one where a mask draft made the same path. These are not netted
+    against the node's other children, which can then sum above it (netting them cost 1 % of
+    tokens per step, results/lookup_branches).
   A lookup token equal to a mask draft at the same place is one node whose own probability is
   the larger of the two; its mask and lookup children are priced from that merged value.
 * **Mask groups.** Groups anchor on x_{n-1} and on the spine, the chain of most likely nodes. After
@@ -73,8 +76,8 @@ MASK_PRIOR = 0.5  # prior P(mask offset j's top draft is right | the drafts befo
 # prior P(a lookup token at depth d is right | the lookup tokens before it were): the first token of
 # a recurring n-gram's continuation is a guess, but once it matched, the copied span tends to go on
 LOOKUP_PRIOR = (0.3, 0.6)
-# the same for another occurrence's continuation, from where it leaves the paths before it: it is
-# tried only where the first occurrence's was not right, so it starts from a lower guess
+# the same for another occurrence's continuation, from where it leaves the paths before it: there
+# the first occurrence's next token is the likelier one, so it starts from a lower guess
 OTHER_PRIOR = (0.2, 0.6)
 RATE_PRIOR = (2.0, 8)  # prior λ: 2 tokens per step of 8 rows
 MASK, LOOKUP = 1, 2  # a node's sources (bits): a mask draft, a prompt-lookup token, or both (3)
@@ -347,94 +350,107 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
 
     A node's value is its parent's times its own conditional probability: a mask draft's, a lookup
     token's running rate ``rates[d]`` at its depth, or the larger of the two for a lookup token
-    that is also the mask draft at its place (one node, sources ``MASK | LOOKUP``, so its children
-    are priced from that merged value). The lookup child is tried first: its mask siblings share
-    what it leaves, ``v·(1-r)·p`` (for a merged child, the other drafts share ``1 - max(p, r)`` in
-    proportion), so siblings never sum above their parent and P(all rejected) stays > 0.
-    ``draft_probs`` rows come sorted in decreasing order. ``top1``: with a sampler head, the rank
-    of each mask's top-1 draft in its row; the head drafted offset d+1 given the top-1 draft at d,
-    so only the top-1 path has mask children (None: every path does, the drafts of plain masks
-    do not depend on each other). ``match``: where the lookup tokens are mask drafts
-    (:func:`_merged_ranks`). Best-first: popping a node pushes its first mask child, its next
-    mask sibling, and its merged or lookup child, so each node is pushed once and every push is
-    worth at most what popped it.
+    that is also the mask draft at its place (one node, so its children are priced from that merged
+    value). The lookup child comes first: its mask siblings share what it leaves, ``v·(1-r)·p``
+    (for a merged child, the other drafts share ``1 - max(p, r)`` in proportion). ``draft_probs``
+    rows come sorted in decreasing order. ``top1``: with a sampler head, the rank of each mask's
+    top-1 draft in its row; the head drafted offset d+1 given the top-1 draft at d, so only the
+    top-1 path has mask children (None: every path does, the drafts of plain masks do not depend on
+    each other). ``match``: where the lookup tokens are mask drafts (:func:`_merged_ranks`).
 
     ``others`` (:func:`_branch_points`): the lookup's other continuations. Each enters where it
-    leaves the paths before it, once that node is a candidate, and goes on token by token, each
-    worth ``other_rates[d]`` of its parent at d tokens past that point; their nodes get no mask
-    children (the masks draft after the first continuation and the drafts' own paths).
+    leaves the paths before it and goes on token by token, each worth ``other_rates[d]`` of its
+    parent at d tokens past that point; their nodes get no mask children of their own (the masks
+    draft after the first continuation and the drafts' own paths), but a path that is both a mask
+    draft and another continuation is one node with both kinds of children, priced from its larger
+    value. Beside the first continuation and the mask drafts, the other continuations' tokens can
+    make siblings sum above their parent (module docstring).
+
+    Best-first: a node's children are pushed when its first, most valuable copy pops (a path made
+    by two sources is pushed twice), and a popped mask draft pushes its next sibling, so every
+    push is worth at most what popped it.
     """
     depth_cap = min(room, len(draft_ids))
     lookup_depth = min(len(found), room, len(rates))
+    # the other continuations' nodes: parent path -> [(token, conditional), ...], and their paths
+    branch_kids: dict[tuple[int, ...], list[tuple[int, float]]] = {}
+    branch_paths: set[tuple[int, ...]] = set()
+    for tokens, start in others:
+        path = tuple(tokens[:start])
+        for d in range(start, min(len(tokens), room, start + len(other_rates))):
+            branch_kids.setdefault(path, []).append((tokens[d], other_rates[d - start]))
+            path += (tokens[d],)
+            branch_paths.add(path)
     heap: list = []
     tick = 0
+    opened: dict[tuple[int, ...], tuple[int, ...] | None] = {}  # the mask ranks of each opened node
 
-    def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int, sibling,
-             branch=None) -> None:
-        # ranks: the mask ranks of the path (None off the mask tree); sibling: (parent value as
-        # its mask children see it, the merged rank the sibling chain skips) for a plain mask child;
-        # branch: (continuation, start) for another lookup continuation's node
+    def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int, sibling=None) -> None:
+        # ranks: the mask ranks of the path, None off the mask tree or, with source 0, not yet known
+        # (another continuation's copy); sibling: for a mask draft, (the value its siblings share,
+        # the merged rank the sibling chain skips)
         nonlocal tick
         if value > 0:
-            heapq.heappush(heap, (-value, tick, path, ranks, source, sibling, branch))
+            heapq.heappush(heap, (-value, tick, path, ranks, source, sibling))
             tick += 1
 
-    def push_other(value: float, branch, d: int) -> None:  # the continuation's token at depth d + 1
-        tokens, start = branch
-        if d < min(len(tokens), room) and d - start < len(other_rates):
-            push(value * other_rates[d - start], tuple(tokens[: d + 1]), None, LOOKUP, None, branch)
-
-    entries: dict[tuple[int, ...], list] = {}  # path -> the continuations that leave the others there
-    for branch in others:
-        entries.setdefault(tuple(branch[0][: branch[1]]), []).append(branch)
+    def mask_ranks(path: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The mask ranks of ``path`` (its parent opened) if it is a node of the mask tree, else None."""
+        up, d = opened[path[:-1]], len(path) - 1
+        if up is None or d >= depth_cap or (top1 is not None and up != tuple(top1[:d])) \
+                or path[-1] not in draft_ids[d]:
+            return None
+        return up + (draft_ids[d].index(path[-1]),)
 
     def next_rank(d: int, r: int, skip: int) -> int | None:
         r += 1 + (r + 1 == skip)
         return r if r < len(draft_ids[d]) else None
 
-    def push_mask_child(value: float, path, ranks, d: int, r: int | None, skip: int) -> None:
+    def push_mask_child(shared: float, path, ranks, d: int, r: int | None, skip: int) -> None:
         if r is not None:
-            push(value * draft_probs[d][r], path + (draft_ids[d][r],), ranks + (r,), MASK, (value, skip))
+            push(shared * draft_probs[d][r], path + (draft_ids[d][r],), ranks + (r,), MASK, (shared, skip))
 
-    def expand(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int) -> None:
-        d, on_lookup = len(path), bool(source & LOOKUP)
-        merged = on_lookup and ranks is not None and d < len(match)  # the lookup child is a mask draft too
+    def open_node(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, on_first: bool) -> None:
+        """Push the children of the node at ``path`` (``ranks``: its mask ranks; ``on_first``: on the
+        first continuation), worth ``value``."""
+        d = len(path)
+        lead, skip, share = 0.0, -1, 1.0  # the first continuation's child; the masks' part of the rest
+        if on_first and d < lookup_depth:
+            if ranks is not None and d < len(match):  # the lookup child is a mask draft too
+                skip, p = match[d], draft_probs[d][match[d]]
+                lead = max(p, rates[d])
+                push(value * lead, path + (found[d],), ranks + (skip,), MASK | LOOKUP)
+                share = (1 - lead) / (1 - p) if p < 1 else 0.0
+            else:
+                lead = rates[d]
+                push(value * lead, path + (found[d],), None, LOOKUP)
+                share = 1 - lead
         has_masks = ranks is not None and d < depth_cap and (top1 is None or ranks == tuple(top1[:d]))
-        if merged:
-            p = draft_probs[d][match[d]]
-            own = max(p, rates[d])
-            push(value * own, path + (found[d],), ranks + (match[d],), MASK | LOOKUP, None)
-            share = (1 - own) / (1 - p) if p < 1 else 0.0
-        elif on_lookup and d < lookup_depth:
-            push(value * rates[d], path + (found[d],), None, LOOKUP, None)
-            share = 1 - rates[d]
-        else:
-            share = 1.0
+        if branch_kids:
+            opened[path] = ranks
+            for t, c in branch_kids.get(path, ()):
+                push(value * c, path + (t,), None, 0)
         if has_masks:
-            skip = match[d] if merged else -1
             push_mask_child(value * share, path, ranks, d, next_rank(d, -1, skip), skip)
 
-    expand(1.0, (), (), LOOKUP)
-    for branch in entries.pop((), ()):
-        push_other(1.0, branch, branch[1])
+    open_node(1.0, (), (), True)
     seen: set[tuple[int, ...]] = set()  # a row may repeat a token (a test hook's drafts)
-    expanded: set[tuple[int, ...]] = set()  # paths whose mask and first-lookup children were pushed
     while heap and len(seen) < limit:
-        neg, _, path, ranks, source, sibling, branch = heapq.heappop(heap)
+        neg, _, path, ranks, source, sibling = heapq.heappop(heap)
         if sibling is not None:
             d = len(path) - 1
             push_mask_child(sibling[0], path[:-1], ranks[:-1], d, next_rank(d, ranks[-1], sibling[1]), sibling[1])
-        new = path not in seen
-        if new:
-            seen.add(path)
-            yield path, -neg, source
-        if branch is not None:  # goes on even where a mask draft made the same path
-            push_other(-neg, branch, len(path))
-        elif path not in expanded:  # where another continuation came first, the mask tree goes on too
-            expanded.add(path)
-            expand(-neg, path, ranks, source)
-        for entry in entries.pop(path, ()):
-            push_other(-neg, entry, entry[1])
+        if path in seen:
+            continue
+        seen.add(path)
+        on_first = bool(source & LOOKUP)  # only the first continuation's copies are lookup's so far
+        if not source:  # another continuation's copy popped first: the path may be a mask draft's too
+            ranks = mask_ranks(path)
+            source = LOOKUP | (MASK if ranks is not None else 0)
+        elif branch_paths and path in branch_paths:
+            source |= LOOKUP
+        yield path, -neg, source
+        open_node(-neg, path, ranks, on_first)
 
 
 class _Kept:

@@ -460,14 +460,20 @@ def test_other_lookup_continuations_are_priced_branches():
     kept = node_paths(costly)  # the forced chain, then only what fills the block's bucket (6 rows)
     assert kept[0] == (50,) and {(50, 51), (50, 51, 52), (50, 51, 52, 53)} <= set(kept)
     assert costly.rows == bucket(5, 64) == 6 and len(kept) == 5
-    # an other continuation equal to a mask draft's path goes on past it, under that node
+    # an other continuation equal to a mask draft's path goes on past it, under that node, priced from
+    # the node's larger value: the draft's 0.3 (popped first) over the continuation's own 0.2; the node
+    # is both sources, and its mask drafts go on too
     stats.tokens = 1e-6
-    ids, probs = drafts([0.5, 0.2], k=3)
+    ids, probs = drafts([0.6, 0.3], k=3)
     both = plan_step(ids, probs, 0, [], stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=3,
                      others=[[101, 7, 8]])
     check_plan(both, 64, 3, 0, 100)
     paths = node_paths(both)
     assert paths.count((101,)) == 1 and (101, 7) in paths and (101, 7, 8) in paths
+    by_path = dict(zip(paths, both.values))
+    assert by_path[(101,)] == pytest.approx(0.3) and by_path[(101, 7)] == pytest.approx(0.3 * 0.6)
+    source = dict(zip(paths, both.sources))
+    assert source[(101,)] == MASK | LOOKUP and source[(101, 7)] == LOOKUP and (101, 110) in paths
     # the continuation's value (0.2) above the draft's (0.1): its path comes first, and the mask tree
     # under that node goes on all the same
     ids, probs = drafts([0.5, 0.1], k=3)
