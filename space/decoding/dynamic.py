@@ -22,10 +22,11 @@ on this machine:
     right at depths 1..d;
   * for a token of another lookup continuation (``DecodeConfig.lookup_branches``: what followed
     the n-gram's other occurrences, the most recent first), its parent's value times the running
-    rate of such tokens at its distance past where the continuation leaves those before it, the
-    parent's value being the larger one where a mask draft made the same path. These are not netted
-    against the node's other children, which can then sum above it (netting them cost 1 % of
-    tokens per step, results/lookup_branches).
+    rate of such tokens at its distance past where the continuation leaves those before it (the
+    first token's rate is the continuation's rank's own), the parent's value being the larger one
+    where a mask draft made the same path. These are not netted against the node's other children,
+    which can then sum above it (netting them cost about 1 % of tokens per step,
+    results/lookup_branches).
   A lookup token equal to a mask draft at the same place is one node whose own probability is
   the larger of the two; its mask and lookup children are priced from that merged value.
 * **Mask groups.** Groups anchor on x_{n-1} and on the spine, the chain of most likely nodes. After
@@ -196,6 +197,7 @@ class AcceptanceStats:
         self.said = [[PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(mask_num)]  # [hits, sum of top-1 probabilities]
         self.lookup = [[PRIOR_WEIGHT * LOOKUP_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
         self.other = [[PRIOR_WEIGHT * OTHER_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
+        self.other_first: list[list[float]] = []  # [hits, trials] of each continuation's first token, by rank
         self.tokens, self.spent = PRIOR_WEIGHT * RATE_PRIOR[0], PRIOR_WEIGHT * cost(RATE_PRIOR[1])
 
     def alphas(self) -> list[float]:
@@ -221,10 +223,16 @@ class AcceptanceStats:
         copied span that matched so far is at least as likely to go on."""
         return monotone(self.lookup, increasing=True)
 
-    def other_rates(self) -> list[float]:
+    def other_rates(self, rank: int | None = None) -> list[float]:
         """P(another occurrence's continuation is right at d + 1 tokens past where it leaves the
-        branches before it | right so far), non-decreasing in d like :meth:`lookup_rates`."""
-        return monotone(self.other, increasing=True)
+        branches before it | right so far), non-decreasing in d like :meth:`lookup_rates`; with
+        ``rank`` (its place among the other continuations, the most recent first), its first token's
+        rate is that rank's own."""
+        rates = monotone(self.other, increasing=True)
+        if rank is not None and rank < len(self.other_first) and rates:
+            hits, trials = self.other_first[rank]
+            rates[0] = min(hits / trials, rates[1]) if len(rates) > 1 else hits / trials
+        return rates
 
     def calibration(self, j: int) -> float:
         """How much more often mask offset j's top draft was right than its probability said
@@ -276,9 +284,14 @@ class AcceptanceStats:
             if t != emitted[d]:
                 break
             self.lookup[d][0] += 1
-        for branch, start in _branch_points(found, others):
+        for branch, start, rank in _branch_points(found, others):
             if branch[:start] != emitted[:start]:  # its shared part was wrong: never tried past it
                 continue
+            if start < len(emitted) and self.other:
+                while len(self.other_first) <= rank:
+                    self.other_first.append([PRIOR_WEIGHT * OTHER_PRIOR[0], PRIOR_WEIGHT])
+                self.other_first[rank][1] += 1
+                self.other_first[rank][0] += branch[start] == emitted[start]
             for d, t in enumerate(branch[start: min(len(emitted), start + len(self.other))]):
                 self.other[d][1] += 1
                 if t != emitted[start + d]:
@@ -327,23 +340,24 @@ def calibrated(probs: list[float], c: float) -> list[float]:
     return [top] + [p * shrink for p in probs[1:]]
 
 
-def _branch_points(found: list[int], others) -> list[tuple[list[int], int]]:
-    """(continuation, start) for each of ``others``, the lookup's other continuations: ``start`` is
-    where it leaves ``found`` and the ones before it (their longest common prefix), so its tokens
-    from ``start`` on are nodes of their own; one that leaves none of them is dropped."""
+def _branch_points(found: list[int], others) -> list[tuple[list[int], int, int]]:
+    """(continuation, start, rank) for each of ``others``, the lookup's other continuations: ``start``
+    is where it leaves ``found`` and the ones before it (their longest common prefix), so its tokens
+    from ``start`` on are nodes of their own; ``rank``, its place in ``others``; one that leaves none
+    of them is dropped."""
     out, before = [], [found]
-    for branch in others:
+    for rank, branch in enumerate(others):
         start = max(next((i for i, (a, b) in enumerate(zip(branch, p)) if a != b), min(len(branch), len(p)))
                     for p in before)
         if start < len(branch):
-            out.append((branch, start))
+            out.append((branch, start, rank))
         before.append(branch)
     return out
 
 
 def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
                 rates: list[float], limit: int, room: int, top1: list[int] | None, match: list[int],
-                others: list[tuple[list[int], int]] = (), other_rates: list[float] = ()
+                others: list[tuple[list[int], int, list[float]]] = ()
                 ) -> Iterator[tuple[tuple[int, ...], float, int]]:
     """Up to ``limit`` distinct token paths (path, value, sources) in non-increasing value, each
     after its prefix; generated as they are asked for (a step keeps only its first few).
@@ -358,9 +372,10 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     top-1 path has mask children (None: every path does, the drafts of plain masks do not depend on
     each other). ``match``: where the lookup tokens are mask drafts (:func:`_merged_ranks`).
 
-    ``others`` (:func:`_branch_points`): the lookup's other continuations. Each enters where it
-    leaves the paths before it and goes on token by token, each worth ``other_rates[d]`` of its
-    parent at d tokens past that point; their nodes get no mask children of their own (the masks
+    ``others``: the lookup's other continuations, (tokens, start, rates) each (:func:`_branch_points`,
+    :meth:`AcceptanceStats.other_rates` of its rank). Each enters where it leaves the paths before
+    it, at ``start``, and goes on token by token, each worth ``rates[d]`` of its parent at d tokens
+    past that point; their nodes get no mask children of their own (the masks
     draft after the first continuation and the drafts' own paths), but a path that is both a mask
     draft and another continuation is one node with both kinds of children, priced from its larger
     value. Beside the first continuation and the mask drafts, the other continuations' tokens can
@@ -375,7 +390,7 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     # the other continuations' nodes: parent path -> [(token, conditional), ...], and their paths
     branch_kids: dict[tuple[int, ...], list[tuple[int, float]]] = {}
     branch_paths: set[tuple[int, ...]] = set()
-    for tokens, start in others:
+    for tokens, start, other_rates in others:
         path = tuple(tokens[:start])
         for d in range(start, min(len(tokens), room, start + len(other_rates))):
             branch_kids.setdefault(path, []).append((tokens[d], other_rates[d - start]))
@@ -527,7 +542,8 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
         chained: the drafts come from a sampler head (offset d+1 drafted given offset d's top-1
             draft): only the top-1 path has mask children.
         others: prompt lookup's other continuations (``PromptLookup.continuations`` after the
-            first), candidates priced by :meth:`AcceptanceStats.other_rates`, never forced.
+            first, the most recent occurrence first), candidates priced by
+            :meth:`AcceptanceStats.other_rates` of their rank, never forced.
 
     Returns:
         StepPlan with ``rows <= max(budget, 1)``.
@@ -541,8 +557,8 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     draft_probs = [[v for v, _, _ in row] for row in ranked]
     rates = stats.lookup_rates()
     match = _merged_ranks(draft_ids, found, min(len(found), room, len(rates), len(draft_ids)), top1)
-    cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match,
-                              _branch_points(found, others), stats.other_rates()))
+    branches = [(b, start, stats.other_rates(rank)) for b, start, rank in _branch_points(found, others)]
+    cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match, branches))
     forced = _lookup_chain(draft_probs, found, rates, min(len(found), room, len(rates), max(budget - 1, 0)), match)
 
     def nodes(cap: int, fill: int = 0) -> list[tuple[tuple[int, ...], float, int]]:

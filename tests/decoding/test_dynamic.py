@@ -482,6 +482,18 @@ def test_other_lookup_continuations_are_priced_branches():
     check_plan(first, 64, 3, 0, 100)
     paths = node_paths(first)
     assert paths.count((101,)) == 1 and (101, 7) in paths and (101, 110) in paths and (101, 111) in paths
+    by_path, source = dict(zip(paths, first.values)), dict(zip(paths, first.sources))
+    assert by_path[(101,)] == pytest.approx(0.2) and source[(101,)] == MASK | LOOKUP
+    assert by_path[(101, 110)] == pytest.approx(0.2 * 0.5)  # the mask tree goes on from the node's value
+    # with a sampler head only the top-1 path has mask children: a continuation through another rank's
+    # draft is lookup's alone past it, and nothing of the mask tree hangs under it
+    ids, probs = drafts([0.6, 0.3], k=3)
+    head = plan_step(ids, probs, 0, [], stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=3,
+                     chained=True, others=[[101, 111, 5]])
+    check_plan(head, 64, 3, 0, 100)
+    source = dict(zip(node_paths(head), head.sources))
+    assert source[(101,)] == MASK | LOOKUP and source[(101, 111)] == LOOKUP and source[(101, 111, 5)] == LOOKUP
+    assert not any(p[:2] == (101, 111) and len(p) > 2 and p[2] != 5 for p in source) and (100, 110) in source
 
 
 def test_other_lookup_rates_learn_from_where_a_continuation_leaves():
@@ -497,6 +509,31 @@ def test_other_lookup_rates_learn_from_where_a_continuation_leaves():
     wrong = fresh_stats(k=3, lookup=4)
     wrong.observe([4, 4, 4], [], [], 0, [5, 6], 4, others=[[5, 7]])  # its shared 5 was wrong: not tried
     assert wrong.other == fresh_stats(k=3, lookup=4).other
+    assert wrong.other_first == []
+
+
+def test_each_other_continuation_rank_learns_its_first_token_rate():
+    """The most recent other occurrence's continuation can be right far more often than the next
+    one's: a continuation's first token is counted and priced by its rank's own rate, its deeper
+    tokens by the rate all ranks share."""
+    stats = fresh_stats(k=3, lookup=4)
+    found, others = [5, 6, 7], [[8, 1], [9, 1]]  # both leave the first continuation at the root
+    for _ in range(10):  # the text goes 8 1 2: the first other continuation is right, the second wrong
+        stats.observe([8, 1, 2], [], [], 0, found, 4, others=others)
+    assert [c for cell in stats.other_first for c in cell] == pytest.approx([0.4 + 10, 12, 0.4, 12])
+    pooled = stats.other_rates()
+    first, second = stats.other_rates(0), stats.other_rates(1)
+    assert pooled[0] == pytest.approx(10.4 / 22) and first[1:] == second[1:] == pooled[1:]
+    # never above the shared rate one token further (non-decreasing in depth): here it caps the first
+    assert pooled[1] == pytest.approx(13.6 / 16) and pooled[1] < 10.4 / 12 and first[0] == pytest.approx(pooled[1])
+    assert second[0] == pytest.approx(0.4 / 12)
+    assert stats.other_rates(2) == pooled  # a rank never seen: the shared rate
+    stats.tokens = 1e-6  # λ ~ 0: every node pays
+    plan = plan_step([], [], 0, found, stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=0,
+                     others=others)
+    by_path = dict(zip(node_paths(plan), plan.values))
+    assert by_path[(8,)] == pytest.approx(first[0]) and by_path[(9,)] == pytest.approx(second[0])
+    assert by_path[(8, 1)] == pytest.approx(first[0] * pooled[1])
 
 
 def test_reserve_for_the_first_group_returns_to_nodes_without_groups():
