@@ -221,8 +221,8 @@ def test_captured_steps_exact_on_cuda(on_gpu):
 
     model, _, spec, lang = on_gpu
     model = sdpa_gqa_copy(model)  # reads the keys up to the mask's width, as every fused trunk
-    sizes = {q for layout in ("chain", "static tree", "lookup", "dynamic", "dynamic, 4 continuations")
-             for q in SpaceDecoder(model, spec, LAYOUTS[layout], buckets=True).row_sizes}
+    layouts = ("chain", "static tree", "lookup", "dynamic", "dynamic, 4 continuations")
+    sizes = {q for layout in layouts for q in SpaceDecoder(model, spec, LAYOUTS[layout], buckets=True).row_sizes}
     graphs = StepGraphs(model, slots=160, sizes=sizes, min_slots=32)
     assert graphs.slot_sizes == (40, 80, 160)
     seconds = graphs.capture()
@@ -230,7 +230,7 @@ def test_captured_steps_exact_on_cuda(on_gpu):
     print(f"cuda captured: {made} graphs in {seconds:.2f} s")
     # a plain graph per row and slot bucket, a gated one above 1 row
     assert made == sum(1 + (q > 1) for q in graphs.sizes for n in graphs.slot_sizes if q <= n)
-    for layout in ("chain", "static tree", "lookup", "dynamic", "dynamic, 4 continuations"):
+    for layout in layouts:
         dec = SpaceDecoder(model, spec, LAYOUTS[layout], graphs=graphs)
         steps = tokens = 0
         for i in range(3):

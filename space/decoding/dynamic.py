@@ -398,20 +398,19 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
             branch_paths.add(path)
     heap: list = []
     tick = 0
-    opened: dict[tuple[int, ...], tuple[int, ...] | None] = {}  # the mask ranks of each opened node
 
     def push(value: float, path: tuple[int, ...], ranks: tuple[int, ...] | None, source: int, sibling=None) -> None:
-        # ranks: the mask ranks of the path, None off the mask tree or, with source 0, not yet known
-        # (another continuation's copy); sibling: for a mask draft, (the value its siblings share,
-        # the merged rank the sibling chain skips)
+        # ranks: the mask ranks of the path, None off the mask tree; with source 0 (another
+        # continuation's copy) its parent's, its own looked up only if it pops first; sibling: for a
+        # mask draft, (the value its siblings share, the merged rank the sibling chain skips)
         nonlocal tick
         if value > 0:
             heapq.heappush(heap, (-value, tick, path, ranks, source, sibling))
             tick += 1
 
-    def mask_ranks(path: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The mask ranks of ``path`` (its parent opened) if it is a node of the mask tree, else None."""
-        up, d = opened[path[:-1]], len(path) - 1
+    def mask_ranks(path: tuple[int, ...], up: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The mask ranks of ``path`` (``up``: its parent's) if it is a node of the mask tree, else None."""
+        d = len(path) - 1
         if up is None or d >= depth_cap or (top1 is not None and up != tuple(top1[:d])) \
                 or path[-1] not in draft_ids[d]:
             return None
@@ -441,10 +440,8 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
                 push(value * lead, path + (found[d],), None, LOOKUP)
                 share = 1 - lead
         has_masks = ranks is not None and d < depth_cap and (top1 is None or ranks == tuple(top1[:d]))
-        if branch_kids:
-            opened[path] = ranks
-            for t, c in branch_kids.get(path, ()):
-                push(value * c, path + (t,), None, 0)
+        for t, c in branch_kids.get(path, ()):
+            push(value * c, path + (t,), ranks, 0)
         if has_masks:
             push_mask_child(value * share, path, ranks, d, next_rank(d, -1, skip), skip)
 
@@ -460,7 +457,7 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
         seen.add(path)
         on_first = bool(source & LOOKUP)  # only the first continuation's copies are lookup's so far
         if not source:  # another continuation's copy popped first: the path may be a mask draft's too
-            ranks = mask_ranks(path)
+            ranks = mask_ranks(path, ranks)
             source = LOOKUP | (MASK if ranks is not None else 0)
         elif branch_paths and path in branch_paths:
             source |= LOOKUP

@@ -494,6 +494,13 @@ def test_other_lookup_continuations_are_priced_branches():
     source = dict(zip(node_paths(head), head.sources))
     assert source[(101,)] == MASK | LOOKUP and source[(101, 111)] == LOOKUP and source[(101, 111, 5)] == LOOKUP
     assert not any(p[:2] == (101, 111) and len(p) > 2 and p[2] != 5 for p in source) and (100, 110) in source
+    # one through the top-1 path, its copy popping first below the root (0.5 x 0.6 above 0.5 x 0.5): it
+    # is a mask draft there too, and the mask tree goes on under it
+    ids, probs = drafts([0.5, 0.3], k=3)
+    deep = plan_step(ids, probs, 0, [], stats, budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=3,
+                     chained=True, others=[[100, 110, 5]])
+    source = dict(zip(node_paths(deep), deep.sources))
+    assert source[(100, 110)] == MASK | LOOKUP and (100, 110, 120) in source
 
 
 def test_other_lookup_rates_learn_from_where_a_continuation_leaves():
