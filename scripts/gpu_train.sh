@@ -6,13 +6,15 @@
 #   t60b (carry .gpu2/): the GGUF joined and converted; the teacher's greedy answers (bf16, batches of 2,048) to
 #                        LIMA and MBPP, then to Magpie first turns it writes and their follow-ups
 #   t60c:                training, with final/ written
-# A session's 15 minutes of device time, the start included, hold one of two plans:
-#   a fresh run: caps 60 + 360 s for the sets and 300 s for training (3.5 minutes). It does not reach 40,000
-#     samples: on an H200 (results/gpu60) the Magpie stage was cut in its follow-ups (30,829 samples), and
-#     training saw 24,192 of them in 378 steps;
-#   a training session on the sets an earlier one brought back: `bash scripts/gpu_pack.sh --sets DIR` puts them
-#     in .gpu3/ and t60b carries .gpu2/ and .gpu3/. t60b restores them and finishes what was cut (caps 60 + 220 s),
-#     t60c trains the config's epoch (625 steps, at most 6.3 minutes; cap 460 s).
+# A session's 15 minutes of device time, the start included, do not hold both the sets and the training (on an
+# H200, results/gpu60: the Magpie stage needs about 450 s, one epoch of 40,000 samples about 6 minutes), so
+# the run takes two sessions, and the sets travel between them through a commit:
+#   a distilling session: t60a, then t60b (caps 60 + 390 s; cut, it resumes) and t60b again until both sets'
+#     manifests say complete; here, `python scripts/distilled_sets.py pack` makes them a folder under 10 MB
+#     to commit (data/distill/gpu60);
+#   a training session: `bash scripts/gpu_pack.sh --sets data/distill/gpu60` puts the sets in .gpu3/, and t60b
+#     carries .gpu2/ and .gpu3/: it restores them (space-distill finds them complete and does nothing), and
+#     t60c trains the config's epoch (625 steps, at most 6.3 minutes; cap 460 s). t60c refuses unfinished sets.
 # Every stage packs what exists so far into $OUT: gpu60.tar.xz.part* (each under 15 MiB: the distilled sets,
 # their .magpie turns and manifests, the training log and final/, every stage's log) and status.txt. A cut
 # stage keeps what it wrote: space-distill resumes it. t60b and t60c unpack carried parts (.gpu3/ or
@@ -45,13 +47,8 @@ restore() {  # the sets an earlier session brought back, on a machine that has n
   fi
 }
 
-plan() {  # the stages' caps and training time: a fresh run's, or a training session's on restored sets
-  if [ "$device" = cuda ] && [ -f "$runs/restored_from.txt" ]; then
-    caps=(60 220 460)  # seconds: LIMA + MBPP (done), what the Magpie stage left, the config's epoch
-  elif [ "$device" = cuda ]; then
-    caps=(60 360 300)
-    train_flags=(--max_train_minutes 3.5)  # what is left of the session once the sets are made
-  fi
+complete() {  # complete NAME: the set's manifest says it is finished
+  grep -q '"complete": true' "$runs/$1.manifest.json" 2>/dev/null
 }
 
 if [ "$phase" = local ] || [ "${SPACE_GPU_SCALE:-full}" = tiny ]; then  # the stages, tiny: 2 + 2 prompts, 8 new tokens,
@@ -64,7 +61,8 @@ else
   # 30,000 first turns kept (86 % of those sampled pass the filters) and a follow-up after each finished answer
   # (about a third): with LIMA and MBPP about 41,000 samples
   device=cuda dtype=bfloat16 batch=2048 new=256 lima=1000 mbpp="" magpie=30000 magpie_batch=2048 threads=8
-  train_flags=()  # caps: plan()
+  train_flags=()
+  caps=(60 390 460)  # seconds: LIMA + MBPP, the Magpie stage (t60b again resumes it), the config's epoch
 fi
 distill=(python3 -m space.distill --device "$device" --dtype "$dtype" --batch-size "$batch" --max-new-tokens "$new"
          --threads "$threads")
@@ -91,12 +89,13 @@ elif [ "$phase" = t60b ]; then
   cp -r .gpu2/data/. "$stash/data/" || exit 1
   join_model --no-adapter
   restore
-  plan
   answer_sets
 elif [ "$phase" = t60c ]; then
   restore
   [ -s "$runs/distill_magpie.jsonl" ] || { echo "t60c: no distilled set in $runs (run t60b first, or carry its parts in $carried)"; exit 1; }
-  plan
+  if ! { complete distill_lima_mbpp && complete distill_magpie; }; then
+    echo "t60c: the distilled sets in $runs are unfinished: run t60b again (it resumes them)"; exit 1
+  fi
   train
 elif [ "$phase" = local ]; then
   answer_sets

@@ -167,6 +167,7 @@ class Distiller:
                          "magpie": asdict(magpie) if "magpie" in sources else None, "dtype": dtype}
         self.turns_file, self.manifest_file = sibling(out, "magpie"), sibling(out, "manifest", ".json")
         old = self._check_resume()
+        self.old_manifest = old
         # every run's, a resumed set's too: a manifest from before the list names one device, one from
         # before --device was made on a CPU
         earlier = old.get("devices") or ([old["device"]] if "device" in old else ["cpu"] if old else [])
@@ -182,6 +183,13 @@ class Distiller:
             self.settings["magpie"] = old.get("settings", {}).get("magpie")
         self.filters: dict[str, dict] = dict(old.get("filter_verdicts") or {})
         self.new_rows, self.start = 0, time.monotonic()
+
+    def complete(self) -> bool:
+        """The set was finished with these sources and limits, every row its manifest counts in
+        place: a rerun has nothing to do (a set restored from ``space.data.set_archive`` comes
+        without its ``.magpie`` turns, which a rerun would otherwise sample again)."""
+        old = self.old_manifest
+        return bool(old.get("complete")) and old.get("sources") == self.sources and old.get("rows") == len(self.rows)
 
     def _check_resume(self) -> dict:
         """Refuse to resume a set made with other settings (they would mix two distributions), or
@@ -238,14 +246,11 @@ class Distiller:
         for batch in greedy_batches(self.model, self.tok, todo, self.batch_size, self.settings["max_new_tokens"], desc=desc):
             rows = []
             for p, ids, finished in batch:
-                text = self.tok.decode(ids, skip_special_tokens=True)
-                if not finished:  # cut inside a character: its bytes decode to U+FFFD, which the model never wrote
-                    text = text.rstrip("\ufffd")
-                if not text.strip():
+                row = answer_row(self.tok, p, ids, finished)
+                if not row["response"].strip():
                     self.skipped["empty answer"] += 1
                     continue
-                rows.append({"id": p["id"], "key": p["key"], "source": p["source"], "prompt": p["prompt"],
-                             "response": text, "response_ids": ids, "new_tokens": len(ids), "finished": finished})
+                rows.append(row)
                 self.done.add(p["key"])
             self._save(rows)
 
@@ -355,6 +360,17 @@ class Distiller:
         return manifest
 
 
+def answer_row(tok, prompt: dict, ids: list[int], finished: bool) -> dict:
+    """A set's row (module docstring) for a prompt row (``id``, ``key``, ``source``, ``prompt``) and
+    the answer's token ids, cut before the end id; ``response`` is their decoding, which is all
+    ``space.data.set_archive`` needs to rebuild a row from its ids."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    if not finished:  # cut inside a character: its bytes decode to U+FFFD, which the model never wrote
+        text = text.rstrip("\ufffd")
+    return {"id": prompt["id"], "key": prompt["key"], "source": prompt["source"], "prompt": prompt["prompt"],
+            "response": text, "response_ids": ids, "new_tokens": len(ids), "finished": finished}
+
+
 def _prompt_row(pid: str, source: str, context: list[dict]) -> dict:
     from .data.dev_set import prompt_key
 
@@ -371,7 +387,8 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
     The dtype is a resume key; the manifest records every run's device.
 
     Returns:
-        the manifest (also written beside ``out``).
+        the manifest (also written beside ``out``); for a set already complete with these sources
+        and limits, its manifest with this call's counts (nothing written, the model not loaded).
 
     Raises:
         ValueError: ``out`` was made with other settings, another run is writing it, or no row at
@@ -389,6 +406,9 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
         dtype = str(parse_dtype(dtype)).removeprefix("torch.")  # one name per dtype in the manifest
         run = Distiller(out, model_name, sources, batch_size, max_new_tokens, max_prompt_tokens, data_root,
                         magpie or MagpieSettings(), dtype, device)  # settings are checked before the model loads
+        if run.complete():  # the manifest stays as the run that finished it wrote it
+            print(f"[distill] complete: {len(run.rows)} rows in {out}; nothing to do", flush=True)
+            return {**run.old_manifest, "new_rows_this_run": 0, "skipped_this_run": {}, "seconds_this_run": 0.0}
         model, tok = load_model(model_name, dtype, device)
         if model.device.type == "cpu":
             from .cpu_kernels import optimize_for_cpu

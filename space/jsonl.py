@@ -66,6 +66,11 @@ def write_text_atomic(path: Path, text: str) -> None:
     _replace(path, text.encode("utf-8"))
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """:func:`write_text_atomic` for bytes."""
+    _replace(path, data)
+
+
 def save_figure_atomic(fig, path: Path, dpi: int = 110) -> None:
     """A matplotlib figure saved as a PNG, atomically (:func:`write_text_atomic`'s way): a full
     disk left a 0-byte plot under the real name."""

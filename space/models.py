@@ -94,10 +94,7 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
         model, tok = tiny_random_llama()
         model = model.to(dtype=torch_dtype)
     else:
-        path = smollm2_dir() if name == SMOLLM2 else Path(name)
-        if not path.is_dir():
-            known = "\n".join(f"  {k}: {v}" for k, v in ALIASES.items())
-            raise FileNotFoundError(f"unknown model {name!r}: not an alias and not a directory. Known aliases:\n{known}")
+        path = _model_dir(name)
         try:
             tok = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
@@ -114,6 +111,24 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
     # training collator and the samplers pad on their own
     tok.padding_side = "left"
     return model, tok
+
+
+def _model_dir(name: str) -> Path:
+    path = smollm2_dir() if name == SMOLLM2 else Path(name)
+    if not path.is_dir():
+        known = "\n".join(f"  {k}: {v}" for k, v in ALIASES.items())
+        raise FileNotFoundError(f"unknown model {name!r}: not an alias and not a directory. Known aliases:\n{known}")
+    return path
+
+
+def load_tokenizer(name: str = SMOLLM2):
+    """The tokenizer ``load_model(name)`` returns, without reading the weights (its padding left as
+    the folder sets it).
+
+    Raises:
+        FileNotFoundError: ``name`` is neither an alias nor an existing directory (lists aliases).
+    """
+    return tiny_tokenizer() if name == TINY else AutoTokenizer.from_pretrained(_model_dir(name))
 
 
 def model_identity(name: str) -> str:

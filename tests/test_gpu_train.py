@@ -22,34 +22,38 @@ SCRIPT = ROOT / "scripts" / "gpu_train.sh"
 
 def test_gpu_train_phase_caps_fit_a_call_and_the_device_time():
     """A call is cut at 600 s and a session has 900 s of device time, its start (about 35 s) and
-    t60a's copying (about 20 s) included, in both plans (a fresh run; a training session on restored
-    sets); the training stage must outlast its time budget (the config's, or the fresh run's flag)
-    plus what its clock leaves out (torchrun, loading, tokenizing about 40,000 rows at about 0.6 ms
-    each, saving: about 60 s), or the cap kills it before final/ is written."""
+    t60a's copying (about 20 s) included. A distilling session's t60b (the conversion, LIMA + MBPP,
+    the Magpie stage) fits one call; a training session (t60a, t60b on complete sets: the conversion,
+    each set's nothing-to-do check, then t60c) fits the device time, and the training stage must
+    outlast the config's time budget plus what its clock leaves out (torchrun, loading, tokenizing
+    about 40,000 rows at about 0.6 ms each, saving: about 60 s), or the cap kills it before final/
+    is written."""
     import yaml
 
     text = SCRIPT.read_text()
-    plan = "plan() {" + text.split("plan() {", 1)[1].split("\n}\n", 1)[0] + "\n}"
-    # t60b and t60c choose their plan before their first stage
-    for phase in ("t60b", "t60c"):
-        body = text.split(f'[ "$phase" = {phase} ]; then', 1)[1].split("\nel", 1)[0]
-        assert body.index("plan") < min(body.index(f) for f in ("answer_sets", "train") if f in body)
+    gpu = text.split('else\n  # 30,000 first turns', 1)[1].split("\nfi\n", 1)[0]
+    answers, magpie, train = (int(n) for n in re.search(r"caps=\((\d+) (\d+) (\d+)\)", gpu).groups())
+    assert "--max_train_minutes" not in gpu  # the config's epoch, in a session of its own
     config = yaml.safe_load((ROOT / "configs" / "train" / "smollm2_gpu_40k.yaml").read_text())
     convert = int(re.search(r"stage convert (\d+) ", (ROOT / "scripts" / "gpu_lib.sh").read_text())[1])
-    for restored in (False, True):
-        with tempfile.TemporaryDirectory() as runs:
-            if restored:
-                Path(runs, "restored_from.txt").write_text(".gpu3\n")
-            chosen = subprocess.run(["bash", "-c", f'runs={runs}; device=cuda; train_flags=(); {plan}\nplan; '
-                                     'echo "${caps[*]}"; echo "${train_flags[*]}"'],
-                                    capture_output=True, text=True, check=True).stdout.splitlines()
-        answers, magpie, train = (int(n) for n in chosen[0].split())
-        flag = re.search(r"--max_train_minutes ([\d.]+)", chosen[1])
-        minutes = float(flag[1]) if flag else config["max_train_minutes"]
-        assert (flag is None) == restored  # a training session trains the config's epoch
-        assert convert + answers + magpie <= 540  # t60b, with its transfer, inside one call
-        assert convert + answers + magpie + train <= 840
-        assert minutes * 60 + 80 <= train <= 540
+    assert convert + answers + magpie <= 540  # t60b, with its transfer, inside one call
+    assert 35 + 20 + convert + 2 * 20 + train <= 840
+    assert config["max_train_minutes"] * 60 + 80 <= train <= 540
+
+
+def test_gpu_train_t60c_refuses_unfinished_sets(tmp_path):
+    """A training call on sets a cut distillation left (a Magpie stage stopped at its cap) would train
+    on fewer samples than the run is for: it stops in one line and says what to run."""
+    runs = tmp_path / "stash" / "runs" / "gpu60"
+    runs.mkdir(parents=True)
+    (runs / "distill_magpie.jsonl").write_text('{"id": "magpie/0"}\n')
+    (runs / "distill_lima_mbpp.manifest.json").write_text(json.dumps({"complete": True}, indent=1))
+    (runs / "distill_magpie.manifest.json").write_text(json.dumps({"complete": False}, indent=1))
+    env = {**os.environ, "SPACE_GPU_STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out"),
+           "SPACE_GPU_CARRIED": str(tmp_path / "nothing carried")}
+    run = subprocess.run(["bash", str(SCRIPT), "t60c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "unfinished: run t60b again" in run.stdout, run.stdout + run.stderr
+    assert not (tmp_path / "out" / "status.txt").exists()  # no stage ran
 
 
 @pytest.mark.slow

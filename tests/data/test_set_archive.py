@@ -1,0 +1,134 @@
+"""space.data.set_archive: a distilled set packed small enough to commit and rebuilt byte for byte
+(issue 60's sets travel from the GPU session that distils them to the one that trains on them)."""
+import functools
+import json
+import lzma
+
+import pytest
+
+from space.data import set_archive
+from space.models import tiny_random_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def magpie_set(tmp_path_factory):
+    """A complete ``space-distill`` set of the tiny model with Magpie first turns and follow-ups (whose
+    context holds the first answer's text), written as a plain .jsonl, as the GPU run writes it."""
+    from space import distill as distill_mod
+    from space import models
+    from space.data import magpie
+
+    out = tmp_path_factory.mktemp("set") / "distill_magpie.jsonl"
+    with pytest.MonkeyPatch.context() as mp:  # as tests/data/test_magpie.py: the tiny model's text passes
+        mp.setattr(magpie, "PromptFilter", functools.partial(magpie.PromptFilter, min_chars=1, min_words=1))
+        mp.setattr(distill_mod.Distiller, "_leak_texts", lambda self: ["a planted evaluation prompt of several words"])
+        real = magpie.sample_user_turns
+        mp.setattr(magpie, "sample_user_turns", lambda *a, **k: [(t, True) for t, _ in real(*a, **k)])
+        answers = distill_mod.greedy_batches
+        # finished answers get follow-ups; one unfinished answer keeps its cut-character handling in play
+        mp.setattr(distill_mod, "greedy_batches", lambda *a, **k: (
+            [(p, ids, i != 1) for i, (p, ids, _) in enumerate(batch)] for batch in answers(*a, **k)))
+        mp.setattr(models, "load_model", lambda name, dtype="float32", device="cpu":
+                   tiny_random_llama(seed=0, initializer_range=0.3))
+        manifest = distill_mod.distill(out, "tiny-random-llama", {"magpie": 4}, batch_size=2, max_new_tokens=12,
+                                       magpie=distill_mod.MagpieSettings(max_new_tokens=8, batch_size=4))
+    assert manifest["complete"] and manifest["rows_by_source"].get("magpie-turn2")
+    return out
+
+
+def test_pack_then_unpack_rebuilds_the_set_byte_for_byte(magpie_set, tmp_path):
+    """Catches a rebuilt row that differs from the written one (field order, the response's decoding,
+    the key, a follow-up's context), a lean file that keeps the response text, and a follow-up whose
+    first answer is stored again as text."""
+    index = set_archive.pack([magpie_set], tmp_path / "archive")
+    lean = [json.loads(line) for line in lzma.open(tmp_path / "archive" / "distill_magpie.lean.jsonl.xz")]
+    assert all(set(r) == {"id", "source", "prompt", "response_ids", "finished"} for r in lean)
+    follow_ups = [r for r in lean if r["source"] == "magpie-turn2"]
+    assert follow_ups and all(r["prompt"][1].keys() == {"role", "answer_of"} for r in follow_ups)
+    assert index["sets"]["distill_magpie"]["rows"] == len(lean) and index["model"] == "tiny-random-llama"
+    written = set_archive.unpack(tmp_path / "archive", tmp_path / "back")
+    assert [p.name for p in written] == ["distill_magpie.jsonl"]
+    assert written[0].read_bytes() == magpie_set.read_bytes()
+    manifest = magpie_set.with_name("distill_magpie.manifest.json")
+    assert (tmp_path / "back" / manifest.name).read_bytes() == manifest.read_bytes()
+
+
+def test_a_set_that_does_not_rebuild_is_refused_at_both_ends(magpie_set, tmp_path):
+    """Catches packing a set another tokenizer made (its texts would come back otherwise), and an
+    unpack that writes a set whose rebuilt hash differs (a damaged or edited lean file)."""
+    other = tiny_tokenizer()
+    other.decode = lambda ids, **k: "x" * len(ids)  # another model's spelling of the same ids
+    with pytest.raises(ValueError, match="do not rebuild"):
+        set_archive.pack([magpie_set], tmp_path / "a", tok=other)
+    assert not (tmp_path / "a").exists()
+    set_archive.pack([magpie_set], tmp_path / "archive")
+    path = tmp_path / "archive" / "distill_magpie.lean.jsonl.xz"
+    rows = [json.loads(line) for line in lzma.open(path)]
+    rows[0]["response_ids"][0] ^= 1
+    path.write_bytes(lzma.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()))
+    with pytest.raises(ValueError, match="differs from the one packed"):
+        set_archive.unpack(tmp_path / "archive", tmp_path / "back")
+    assert not (tmp_path / "back" / "distill_magpie.jsonl").exists()
+
+
+def test_unfinished_or_oversized_sets_are_not_packed(magpie_set, tmp_path):
+    """Catches packing a set its manifest calls unfinished (it would resume without its .magpie turns
+    and sample them again), one with rows missing, and an archive over the size limit written anyway."""
+    import shutil
+
+    work = tmp_path / "set"
+    shutil.copytree(magpie_set.parent, work)
+    manifest_path = work / "distill_magpie.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(ValueError, match="unfinished"):
+        set_archive.pack([work / "distill_magpie.jsonl"], tmp_path / "a")
+    manifest_path.write_text(json.dumps({**manifest, "rows": manifest["rows"] + 1}))
+    with pytest.raises(ValueError, match="unfinished"):
+        set_archive.pack([work / "distill_magpie.jsonl"], tmp_path / "a")
+    with pytest.raises(ValueError, match="over 0.0 MB"):
+        set_archive.pack([magpie_set], tmp_path / "a", max_bytes=100)
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(FileNotFoundError, match="no archive.json"):
+        set_archive.unpack(tmp_path, tmp_path / "back")
+
+
+def test_space_distill_on_a_complete_set_does_nothing(magpie_set, monkeypatch):
+    """An archive leaves the .magpie turns out, so a rerun of a restored set must not sample or load
+    anything. Catches a rerun that loads the model, rewrites the manifest, or reports the first run's
+    new rows as its own."""
+    from space import distill as distill_mod
+    from space import models
+
+    magpie_set.with_name("distill_magpie.magpie.jsonl").rename(magpie_set.with_name("turns.moved"))
+    before = {p.name: p.read_bytes() for p in magpie_set.parent.iterdir()}
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    try:
+        again = distill_mod.distill(magpie_set, "tiny-random-llama", {"magpie": 4}, batch_size=2, max_new_tokens=12,
+                                    magpie=distill_mod.MagpieSettings(max_new_tokens=8, batch_size=4))
+        assert again["new_rows_this_run"] == 0 and again["complete"]
+        assert {p.name: p.read_bytes() for p in magpie_set.parent.iterdir()} == before
+        with pytest.raises(AssertionError, match="model was loaded"):  # more first turns: a real resume
+            distill_mod.distill(magpie_set, "tiny-random-llama", {"magpie": 5}, batch_size=2, max_new_tokens=12,
+                                magpie=distill_mod.MagpieSettings(max_new_tokens=8, batch_size=4))
+    finally:
+        magpie_set.with_name("turns.moved").rename(magpie_set.with_name("distill_magpie.magpie.jsonl"))
+
+
+def test_the_script_packs_and_unpacks(magpie_set, tmp_path, capsys):
+    """scripts/distilled_sets.py, the command the GPU run's README gives."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "_script_distilled_sets", Path(__file__).resolve().parents[2] / "scripts" / "distilled_sets.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["pack", str(magpie_set), "--out", str(tmp_path / "archive")])
+    assert "MB in all" in capsys.readouterr().out
+    script.main(["unpack", str(tmp_path / "archive"), "--out", str(tmp_path / "back")])
+    assert (tmp_path / "back" / "distill_magpie.jsonl").read_bytes() == magpie_set.read_bytes()
