@@ -6,6 +6,9 @@ lookup decoding's (its replay equals PLD's measured tokens/step on the same answ
 
     python scripts/replay_lookup.py results/humaneval40_lookup_branches results/mt_bench40_lookup_branches \\
         --branches 1,2,4,8 --out results/lookup_branches/replay.json
+
+``--datastore SETS`` adds up to ``--datastore-branches`` continuations from a datastore of those
+``space-distill`` sets' answers (``space.decoding.datastore``) after the text's own.
 """
 from __future__ import annotations
 
@@ -49,12 +52,14 @@ def answers(run: Path, tokenizer, data_root: str | None) -> list[tuple[list[int]
     return out
 
 
-def replay(pairs: list[tuple[list[int], list[int]]], branches: int, num_tokens: int, max_ngram: int) -> dict:
-    """Steps and tokens/step of lookup alone with up to ``branches`` continuations a step."""
+def replay(pairs: list[tuple[list[int], list[int]]], branches: int, num_tokens: int, max_ngram: int,
+           datastore=None, datastore_branches: int = 0) -> dict:
+    """Steps and tokens/step of lookup alone with up to ``branches`` continuations a step (and up to
+    ``datastore_branches`` from ``datastore``)."""
     steps = tokens = 0
     for prompt, answer in pairs:
         text = list(prompt)
-        lookup = PromptLookup(text, num_tokens, max_ngram, 1 << 30, branches)
+        lookup = PromptLookup(text, num_tokens, max_ngram, 1 << 30, branches, datastore, datastore_branches)
         i = 0
         while i < len(answer):
             accepted = 0
@@ -78,18 +83,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lookup-tokens", type=int, default=10, help="tokens per continuation (the shipped 10)")
     p.add_argument("--lookup-ngram", type=int, default=2, help="longest n-gram matched (the shipped 2)")
     p.add_argument("--data-root", default=None, help="the datasets' folder (default ../shared/data)")
+    p.add_argument("--datastore", default=None, help="comma list of space-distill sets whose answers are a datastore")
+    p.add_argument("--datastore-branches", type=int, default=1, help="datastore continuations a step, with --datastore")
     p.add_argument("--out", type=Path, default=None, help="JSON file for the table")
     a = p.parse_args(argv)
     counts = [int(b) for b in a.branches.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    store = None
+    if a.datastore:
+        from space.decoding.datastore import Datastore
+
+        store = Datastore.from_sets(a.datastore.split(","), tokenizer)
     table = {}
     for run in a.runs:
         pairs = answers(run, tokenizer, a.data_root)
-        table[str(run)] = {b: replay(pairs, b, a.lookup_tokens, a.lookup_ngram) for b in counts}
+        table[str(run)] = {b: replay(pairs, b, a.lookup_tokens, a.lookup_ngram, store, a.datastore_branches if store else 0)
+                           for b in counts}
         print(run, " ".join(f"{b}: {r['tokens_per_step']:.3f}" for b, r in table[str(run)].items()))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(a.out, json.dumps({"lookup_tokens": a.lookup_tokens, "lookup_ngram": a.lookup_ngram,
+                                             "datastore": a.datastore and {"sets": a.datastore, "tokens": len(store),
+                                                                           "branches": a.datastore_branches},
                                              "tokens_per_step": table}, indent=2) + "\n")
     return table
 

@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-branches", type=int, default=None, help="dynamic tree: most prompt-lookup "
                    "continuations per step, the first occurrence's then the most recent others' (default: the "
                    "adapter's layout)")
+    p.add_argument("--datastore", default=None, help="dynamic tree with lookup: comma list of space-distill sets "
+                   "whose answers are a datastore, their continuations of the text's last 3 tokens more branches "
+                   "(space.decoding.datastore; default: none)")
+    p.add_argument("--datastore-branches", type=int, default=None, help="with --datastore: most datastore "
+                   "continuations per step (default: 1)")
     p.add_argument("--tree", default=None, help="'chain', 'auto' (the adapter's tuned tree), 'dynamic' (chosen each step) or a token tree "
                    "as JSON paths of ranks (default: the adapter's layout)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens (default: %(default)s)")
@@ -72,13 +77,17 @@ def check_args(args) -> None:
     Raises:
         ValueError: a count below 1 (below 0 for --lookup-tokens), a --temperature that is not a
             finite number >= 0, a --top-p outside (0, 1], an unknown --kernels or --device,
-            --threads below 1, or a bad --tree (a rank past the vocabulary too).
+            --threads below 1, a bad --tree (a rank past the vocabulary too), or --datastore-branches
+            without --datastore.
     """
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--mask-num", args.mask_num, 1),
                                ("--num-groups", args.num_groups, 1), ("--lookup-tokens", args.lookup_tokens, 0),
-                               ("--lookup-branches", args.lookup_branches, 1)):
+                               ("--lookup-branches", args.lookup_branches, 1),
+                               ("--datastore-branches", args.datastore_branches, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.datastore_branches is not None and not args.datastore:
+        raise ValueError("--datastore-branches counts the continuations of a --datastore: give one")
     check_number("--temperature", args.temperature, 0)
     if not 0 < args.top_p <= 1:  # NaN fails too
         raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
@@ -221,7 +230,10 @@ def load(args) -> tuple:
     tree priced as ``--step-cost`` says (``space.eval.step_cost.price_at_load``).
 
     Raises:
-        ValueError: ``--step-cost measure`` with a static layout; as ``space.loader.load_space``.
+        ValueError: ``--step-cost measure`` with a static layout; a ``--datastore`` with a layout that
+            cannot take it (not a dynamic tree with lookup) or that is not a distilled set; as
+            ``space.loader.load_space``.
+        FileNotFoundError: a ``--datastore`` set is missing.
     """
     import torch
 
@@ -237,14 +249,20 @@ def load(args) -> tuple:
                                   device=args.device, kernels=args.kernels, step_cost="stored")  # priced below
     decode = DecodeConfig.of_model(model, spec.mask_num).override(
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
-        lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num))
+        lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num),
+        datastore_branches=(args.datastore_branches or 1) if args.datastore else None)
+    datastore = None
+    if args.datastore:
+        from .decoding.datastore import Datastore
+
+        datastore = Datastore.from_sets([p.strip() for p in args.datastore.split(",") if p.strip()], tok)
     # which stored curve priced it (None: none of this setup), for auto to tell whether to measure
     folder = artifact_folder(args.model, adapter)  # the adapter, or a full SAR-SFT checkpoint
     cfg = read_space_config(folder) if folder is not None else {}
     setup = priced_for_setup(decode, cfg, torch.get_num_threads(), args.kernels, Path(folder or ".") / SPACE_CONFIG,
                              next(model.parameters()).device.type)[1]
     decode = price_at_load(model, decode, setup, args.step_cost, args.kernels, tool="space-chat")[0]
-    return model, tok, SpaceDecoder(model, spec, decode)
+    return model, tok, SpaceDecoder(model, spec, decode, datastore=datastore)
 
 
 def read_line(interactive: bool) -> str | None:

@@ -556,6 +556,10 @@ def test_replay_lookup_by_hand_and_on_a_committed_run(tmp_path):
     pair = [([1, 2, 3, 4, 1, 2, 7, 8, 1, 2], [7, 8, 9])]
     assert script.replay(pair, 1, 10, 2) == {"steps": 2, "tokens": 3, "tokens_per_step": 1.5}
     assert script.replay(pair, 2, 10, 2) == {"steps": 1, "tokens": 3, "tokens_per_step": 3.0}
+    from space.decoding.datastore import Datastore  # what the text lacks, a datastore's answer holds
+
+    fresh, store = [([5, 6, 1, 2, 3], [4, 9, 9])], Datastore([[1, 2, 3, 4, 9, 9, 0]])
+    assert script.replay(fresh, 4, 10, 2)["steps"] == 3 and script.replay(fresh, 4, 10, 2, store, 1)["steps"] == 1
     run = ROOT / "results" / "humaneval40_zen4_frozen"
     out = tmp_path / "replay.json"
     table = script.main([str(run), "--branches", "1,4", "--out", str(out)])

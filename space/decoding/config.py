@@ -72,6 +72,10 @@ class DecodeConfig:
             the first occurrence's (prompt lookup decoding's, always in the tree), then the most
             recent other occurrences' of the same n-gram, each priced like any node (our addition,
             ``space.decoding.lookup``); a static layout verifies the first alone.
+        datastore_branches: dynamic tree with prompt lookup: most continuations a step takes from
+            a datastore of the model's own answers, when the decoder has one (``SpaceDecoder``'s
+            ``datastore``, ``space.decoding.datastore``; our addition, REST-style), each priced
+            like any node; 0 = none.
 
     Raises:
         ValueError: any field out of range or not an integer (NaN, inf and 2.0 included), at
@@ -89,6 +93,7 @@ class DecodeConfig:
     step_cost: tuple[tuple[int, float], ...] | None = None
     adapter_cost: float = 0.0
     lookup_branches: int = 1
+    datastore_branches: int = 0
 
     def __post_init__(self):
         check_mask_num(self.mask_num)
@@ -113,6 +118,10 @@ class DecodeConfig:
         check_int("lookup_tokens", self.lookup_tokens, 0)
         check_int("lookup_ngram", self.lookup_ngram, 1)
         check_int("lookup_branches", self.lookup_branches, 1)
+        check_int("datastore_branches", self.datastore_branches, 0)
+        if self.datastore_branches and (self.tree != "dynamic" or not self.lookup_tokens):
+            raise ValueError("datastore_branches are branches of the dynamic tree's lookup: they need tree='dynamic' "
+                             "and lookup_tokens > 0")
 
     @property
     def groups(self) -> int:

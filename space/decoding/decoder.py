@@ -71,9 +71,11 @@ Optional prompt lookup (``lookup_tokens``, our addition): when the last n-gram o
 ``PromptLookupCandidateGenerator`` finds, kept incrementally by ``lookup.PromptLookup``) are one
 more branch of the next step's tree, added to the mask drafts, so a failed lookup costs only its
 rows. The dynamic tree may add what followed the n-gram's other occurrences too
-(``lookup_branches``), priced like any node. The candidates are deterministic, and the first step
-looks up the prompt, as prompt lookup decoding does. Each step records where its accepted tokens
-came from, the masks, lookup or both (:func:`provenance`).
+(``lookup_branches``), priced like any node, and what followed the text's last tokens in a
+datastore of the model's own answers (``datastore_branches``, ``datastore.Datastore``). The
+candidates are deterministic, and the first step looks up the prompt, as prompt lookup decoding
+does. Each step records where its accepted tokens came from, the masks, lookup (the datastore's
+counted as lookup) or both (:func:`provenance`).
 """
 from __future__ import annotations
 
@@ -359,20 +361,23 @@ class SpaceDecoder:
         graphs: run each step's trunk forward through captured steps (``graphs.StepGraphs``, issue
             58: one CUDA graph per row and slot bucket on a GPU, the same buffers eagerly on the CPU), over
             their static cache; implies ``static_cache`` and ``buckets``. None: the eager trunk.
+        datastore: a ``datastore.Datastore`` of the model's own answers whose continuations join
+            prompt lookup's, ``config.datastore_branches`` a step (our addition); None: none.
 
     Raises:
         ValueError: k larger than the model's per-offset mask tokens (mask_diff), a tree rank at or
             above the vocabulary size, a model with attention layers other than full and
             sliding-window ones (``cache.attention_windows``), or a flash-attention model
             (:func:`check_attention`: the step's 4-D mask needs ``sdpa`` or ``eager``); ``graphs``
-            whose buckets stop below this layout's rows.
+            whose buckets stop below this layout's rows; a ``datastore`` with a layout that takes
+            no branch from it (``config.datastore_branches`` 0).
 
     The step's additive mask takes the trunk's dtype (:func:`attention_dtype`, ``mask_dtype``), and
     the LM head's input is cast to the head's dtype, so an fp32 head on a bf16 trunk decodes.
     """
 
     def __init__(self, model, mask: MaskSpec, config: DecodeConfig | None = None,
-                 static_cache: bool | None = None, buckets: bool | None = None, graphs=None):
+                 static_cache: bool | None = None, buckets: bool | None = None, graphs=None, datastore=None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_attention(base)
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
@@ -389,6 +394,9 @@ class SpaceDecoder:
         self.mask_ids = ids if len(ids) > 1 else ids * self.config.mask_num  # (k,) offset j's id, on the host
         self.suppress = torch.tensor(mask.token_ids, device=self.device)
         self.lookup = self.config.lookup_tokens > 0  # prompt lookup: one more branch of each step's tree
+        if datastore is not None and not self.config.datastore_branches:  # it would be left unread
+            raise ValueError("a datastore needs a layout with datastore_branches >= 1 (a dynamic tree with lookup)")
+        self.datastore = datastore
         self.dynamic = self.config.tree == "dynamic"
         # a static step verifies the configured tree, else the chain of top-1 drafts as a tree
         self.tree = None if self.dynamic else (
@@ -486,7 +494,8 @@ class SpaceDecoder:
         seq = ids.tolist() if self.lookup or logits_processor is not None else None
         cfg = self.config
         lookup = PromptLookup(seq, cfg.lookup_tokens, cfg.lookup_ngram, self.context,
-                              cfg.lookup_branches if self.dynamic else 1) if self.lookup else None
+                              cfg.lookup_branches if self.dynamic else 1, self.datastore,
+                              cfg.datastore_branches) if self.lookup else None
         # host clock only: each step ends by copying its result to the host, which waits for the
         # device, so step times add up without a synchronize of their own (on CUDA, two per step)
         t0 = time.perf_counter()

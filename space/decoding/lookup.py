@@ -34,17 +34,22 @@ class PromptLookup:
             given when the text is one token short of it (as the generator does).
         branches: most continuations :meth:`continuations` gives (>= 1): the first occurrence's,
             then the most recent other occurrences' of the same n-gram, none the start of another.
+        datastore: a :class:`space.decoding.datastore.Datastore` whose continuations of the text
+            :meth:`continuations` adds after the text's own, at most ``datastore_branches`` (>= 0).
 
     Raises:
-        ValueError: ``num_tokens``, ``max_ngram`` or ``branches`` below 1.
+        ValueError: ``num_tokens``, ``max_ngram`` or ``branches`` below 1, ``datastore_branches``
+            below 0.
     """
 
-    def __init__(self, text: list[int], num_tokens: int, max_ngram: int, max_length: int, branches: int = 1):
-        if num_tokens < 1 or max_ngram < 1 or branches < 1:
-            raise ValueError(f"prompt lookup needs num_tokens, max_ngram and branches >= 1, got {num_tokens}, "
-                             f"{max_ngram}, {branches}")
+    def __init__(self, text: list[int], num_tokens: int, max_ngram: int, max_length: int, branches: int = 1,
+                 datastore=None, datastore_branches: int = 0):
+        if num_tokens < 1 or max_ngram < 1 or branches < 1 or datastore_branches < 0:
+            raise ValueError(f"prompt lookup needs num_tokens, max_ngram and branches >= 1 and datastore_branches "
+                             f">= 0, got {num_tokens}, {max_ngram}, {branches}, {datastore_branches}")
         self.text, self.num_tokens, self.max_ngram, self.max_length = text, num_tokens, max_ngram, max_length
         self.branches = branches
+        self.datastore, self.datastore_branches = datastore, datastore_branches if datastore is not None else 0
         self.where: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of its occurrences, in order
         self.indexed = 0  # tokens of ``text`` whose n-grams ending there are in ``where``
 
@@ -52,16 +57,28 @@ class PromptLookup:
         """The tokens that followed the first earlier occurrence of the text's last n-gram (the
         longest n that has one), at most ``num_tokens`` and never past ``max_length``; empty when
         no n-gram recurs: prompt lookup decoding's candidates."""
-        found = self.continuations(1)
+        found = self.continuations(1, 0)
         return found[0] if found else []
 
-    def continuations(self, branches: int | None = None) -> list[list[int]]:
+    def continuations(self, branches: int | None = None, datastore_branches: int | None = None) -> list[list[int]]:
         """Up to ``branches`` (default: the constructor's) continuations of the text's last n-gram,
         for the longest n that has a non-empty one: first :meth:`continuation`'s, then those of
         the n-gram's other earlier occurrences, the most recent first (a text repeats what it
         said last more often than what it said first; the :data:`SCAN` most recent), each skipped
-        when it is the start of one already given. Each holds at most
-        ``num_tokens`` tokens, never past ``max_length``; [] when no n-gram recurs."""
+        when it is the start of one already given. Then up to ``datastore_branches`` (default: the
+        constructor's) from the datastore, the best first, skipped alike: where the text has none of
+        its own, the datastore's best is the first (the planner's lookup chain, which measured
+        3.48 tokens/step against 3.38 with it priced as another branch, HumanEval 20). Each holds
+        at most ``num_tokens`` tokens, never past ``max_length``; [] when nothing is found."""
+        found = self._own(branches)
+        more = self.datastore_branches if datastore_branches is None else datastore_branches
+        if more and self.datastore is not None and len(self.text) + 1 < self.max_length:
+            for c in self.datastore.continuations(self.text, more, self.num_tokens):
+                if not any(have[: len(c)] == c for have in found):
+                    found.append(c)
+        return found
+
+    def _own(self, branches: int | None) -> list[list[int]]:
         text, L = self.text, len(self.text)
         for end in range(self.indexed + 1, L + 1):  # n-grams ending at each new token
             for n in range(1, min(self.max_ngram, end) + 1):

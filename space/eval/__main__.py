@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="space, dynamic tree: most prompt-lookup continuations a step may verify, the first "
                         "occurrence's (PLD's) then the most recent others', each priced like any node "
                         "(default: the adapter's tuned layout, else 1)")
+    p.add_argument("--datastore", default=None,
+                   help="space, dynamic tree with lookup: comma list of space-distill sets (.jsonl or .jsonl.gz) "
+                        "whose answers are a datastore; what followed the text's last 3 tokens there joins prompt "
+                        "lookup's continuations (our addition, REST-style; default: none)")
+    p.add_argument("--datastore-branches", type=int, default=None,
+                   help="space, with --datastore: most datastore continuations a step may verify, each priced "
+                        "like any node (default: 1)")
     p.add_argument("--tree", default=None,
                    help="space: 'chain' (verify the top-1 drafts), 'auto' (the adapter's tuned tree), 'dynamic' (a "
                         "tree chosen each step from draft confidence and the step cost), or a token "
@@ -150,7 +157,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError(f"--methods lists a method twice: {args.methods!r}")
     check_threads(args.threads)
     for name, minimum in (("mask_num", 1), ("num_groups", 1), ("max_new_tokens", 1), ("num_samples", 1),
-                          ("lookup_tokens", 0), ("lookup_branches", 1), ("top_k", 0), ("temperature", 0), ("top_p", 0)):
+                          ("lookup_tokens", 0), ("lookup_branches", 1), ("datastore_branches", 1), ("top_k", 0),
+                          ("temperature", 0), ("top_p", 0)):
         check_number(f"--{name.replace('_', '-')}", getattr(args, name), minimum)  # None: the adapter's default
     check_number("--top-p", args.top_p, maximum=1)
     if args.top_p == 0:
@@ -158,6 +166,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
     check_number("--seed", args.seed, 0, 2**32 - 1)
     if args.num_samples > 1 and args.temperature == 0:
         raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    if args.datastore_branches is not None and not args.datastore:
+        raise ValueError("--datastore-branches counts the continuations of a --datastore: give one")
     if args.kernels is None:
         args.kernels = "stock" if args.compile else "fast"
     if args.kernels not in KERNEL_CHOICES:
@@ -390,7 +400,14 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     adapter_cfg = read_record(where) if where else {}
     tuned = adapter_decode_config(adapter_cfg, where) if where else DecodeConfig.of_model(model, spec.mask_num)
     decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
-                            lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num))
+                            lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num),
+                            datastore_branches=(args.datastore_branches or 1) if args.datastore else None)
+    datastore = None
+    if args.datastore:
+        from ..decoding.datastore import Datastore
+
+        datastore = Datastore.from_sets([p.strip() for p in args.datastore.split(",") if p.strip()], tok)
+        print(f"[space-eval] datastore: {len(datastore):,} tokens of answers from {args.datastore}")
     on = next(model.parameters()).device.type
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
                                      packed_kernel, compiled)
@@ -408,7 +425,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
               f"{len(graphs.slot_sizes)} slot buckets in {seconds:.1f} s")
     samples = out / (shard.samples if shard else "samples.jsonl")
     decode, setup = price_here(args, decode, setup, model, graphs, shard, methods, recorded, samples.is_file())
-    decoder = SpaceDecoder(model, spec, decode, graphs=graphs)
+    decoder = SpaceDecoder(model, spec, decode, graphs=graphs, datastore=datastore)
     pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
     from .step_cost import step_cost_mismatch, trunk_of
 
@@ -446,6 +463,10 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             # prompt lookup's continuations a step may verify: the first alone in a static layout (none
             # without lookup: recorded as 1, which any folder made before the setting resumes with)
             "lookup_branches": decode.lookup_branches if decode.tree == "dynamic" and decode.lookup_tokens else 1,
+            # the datastore's answers by the hash of their tokens, and its continuations a step
+            "datastore": datastore and {"sets": args.datastore, "tokens": len(datastore)},
+            "datastore_sha256": datastore and datastore.identity,
+            "datastore_branches": decode.datastore_branches if datastore else 0,
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),

@@ -219,15 +219,19 @@ def priced_by(meta: dict) -> str:
 
 def layout_text(meta: dict, rows_per_step: float | None = None, padding_per_step: float | None = None) -> str:
     """The decoding layout of a run's meta in words: k, groups, tree (chain, static tree, or dynamic),
-    lookup tokens, and the mean rows per step (with the padding among them) when given."""
+    lookup tokens and continuations (a datastore's too), and the mean rows per step (with the padding among
+    them) when given."""
     tree = meta.get("tree")
     rows = f", {rows_per_step:.1f} rows per step on average" if rows_per_step else ""
     if rows and padding_per_step:
         rows += f" ({padding_per_step:.1f} of them padding)"
     if tree == "dynamic":
+        store = meta.get("datastore")
         return (f"dynamic tree (k <= {meta.get('mask_num')}, <= {meta.get('num_groups')} mask group(s), "
                 f"<= {meta.get('row_budget')} rows{rows}{priced_by(meta)}), prompt lookup "
-                f"{meta.get('lookup_tokens') or 0} tokens")
+                f"{meta.get('lookup_tokens') or 0} tokens, {meta.get('lookup_branches') or 1} continuation(s)"
+                + (f", {meta.get('datastore_branches')} more from a datastore of {store['tokens']:,} tokens"
+                   if store else ""))
     shape = f"tree {json.dumps(tree, separators=(',', ':'))}" if tree else "chain of top-1 drafts"
     groups = meta.get("num_groups")
     return (f"k = {meta.get('mask_num')}, {groups if groups is not None else '?'} mask group(s), {shape}, "

@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
         k = min(a.max_mask_num, spec.mask_num)
         lookup = DecodeConfig() if current is None else current
         dynamic = DecodeConfig(k, k + 1, lookup.lookup_tokens, lookup.lookup_ngram, tree="dynamic",
-                               row_budget=a.max_rows, lookup_branches=lookup.lookup_branches, draft_ranks=4,
+                               row_budget=a.max_rows, lookup_branches=lookup.lookup_branches,
+                               datastore_branches=lookup.datastore_branches, draft_ranks=4,
                                step_cost=tuple(map(tuple, step_cost_points(curve))),
                                adapter_cost=adapter_cost(model, a.cache_len, graphs=graphs, static=static)).to_dict()
     best, mine = results[0], next((r for r in results if r.get("current")), None)

@@ -14,7 +14,7 @@ from space.eval.shard import Shard
 CHANGES = {
     "model": "other-model", "model_files": "e" * 64, "adapter_sha256": "f" * 64, "dataset": "mbpp", "methods": ["ar"], "num_samples": 2,
     "mask_num": 4, "num_groups": 2, "lookup_tokens": 8, "lookup_ngram": 3, "baselines_suppress_masks": False, "tree": [[0], [1]], "row_budget": 16,
-    "draft_ranks": 2, "lookup_branches": 4, "step_cost": [[1, 1.0], [8, 2.0]], "adapter_cost": 3.0, "max_new_tokens": 99,
+    "draft_ranks": 2, "lookup_branches": 4, "datastore_sha256": "d" * 16, "datastore_branches": 2, "step_cost": [[1, 1.0], [8, 2.0]], "adapter_cost": 3.0, "max_new_tokens": 99,
     "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 1, "dtype": "bfloat16", "kernels": "stock",
     "threads": 7, "device": "cuda:0", "device_map": "auto", "machine": "aarch64 64 cores", "torch": "9.9.9",
     "transformers": "9.9.9", "compile": True, "buckets": True, "capture": 2048, "slot_buckets": [1024, 2048],
@@ -25,7 +25,7 @@ CHANGES = {
 def meta() -> dict:
     return {"model": "tiny-random-llama", "model_files": None, "adapter": "adapters/a", "adapter_sha256": "0" * 64, "dataset": "humaneval",
             "methods": ["ar", "space"], "num_samples": 1, "mask_num": 3, "num_groups": 4, "lookup_tokens": 0,
-            "lookup_ngram": 2, "baselines_suppress_masks": True, "tree": None, "row_budget": None, "draft_ranks": None, "lookup_branches": 1, "step_cost": None, "adapter_cost": None, "max_new_tokens": 12,
+            "lookup_ngram": 2, "baselines_suppress_masks": True, "tree": None, "row_budget": None, "draft_ranks": None, "lookup_branches": 1, "datastore_sha256": None, "datastore_branches": 0, "step_cost": None, "adapter_cost": None, "max_new_tokens": 12,
             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
             "dtype": "float32", "kernels": "fast", "threads": 1, "device": "cpu", "device_map": None,
             "machine": "x86_64 2 cores", "torch": "2.13.0", "transformers": "5.23.0", "compile": False, "buckets": False,

@@ -580,7 +580,7 @@ def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     curve = [[q, ms] for q, ms in report["step_cost_ms"].items()]
     # the adapter's trained k (3) capped by --max-mask-num, its lookup settings, row budget = --max-rows
     assert after == {"mask_num": 2, "num_groups": 3, "lookup_tokens": 10, "lookup_ngram": 2, "lookup_branches": 4,
-                     "tree": "dynamic",
+                     "datastore_branches": 0, "tree": "dynamic",
                      "row_budget": 12, "draft_ranks": 4, "step_cost": curve,
                      "adapter_cost": after["adapter_cost"]} == report["dynamic"]
     assert after["adapter_cost"] >= 0  # 2 rows with a mask row minus without, measured (issue 44)

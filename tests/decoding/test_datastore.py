@@ -1,0 +1,141 @@
+"""Datastore lookup (space.decoding.datastore): what it finds, how it ranks, what it refuses, how
+prompt lookup adds it, and SPACE with it decoding AR's tokens while its continuations are accepted."""
+import gzip
+import json
+
+import pytest
+import torch
+
+from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+from space.decoding.datastore import Datastore
+from space.decoding.lookup import PromptLookup
+from space.models import tiny_tokenizer
+from tests.decoding.test_sampling import small_vocab_model  # noqa: F401  (a fixture)
+
+
+def test_the_longer_shared_context_and_more_occurrences_rank_first():
+    """The last 3 tokens (2, 3, 4) follow 1 in one answer (then 5, 6) and 9 and 0 in two others
+    (then 7, 8). Catches ranking by count alone, by store order, or ignoring the context."""
+    store = Datastore([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 8], [0, 2, 3, 4, 7, 8]])
+    assert store.continuations([1, 2, 3, 4], 2, 10) == [[5, 6], [7, 8]]  # 1 + 4 against 1 + 1
+    assert store.continuations([9, 2, 3, 4], 2, 10) == [[7, 8], [5, 6]]  # 5 + 1 against 1
+    assert store.continuations([7, 2, 3, 4], 2, 10) == [[7, 8], [5, 6]]  # 2 against 1
+    assert store.continuations([7, 2, 3, 4], 1, 10) == [[7, 8]]
+    assert store.continuations([1, 2, 3, 4], 2, 1) == [[5], [7]]
+    assert len(store) == 18
+
+
+def test_nothing_crosses_an_answer_and_unknown_text_finds_nothing():
+    """Catches a continuation that runs into the next answer (separators), an n-gram matched across
+    two answers, and a lookup on a text shorter than the n-gram."""
+    store = Datastore([[1, 2, 3, 4], [5, 6, 7, 8], [2, 3, 4, 9, 9]])
+    assert store.continuations([2, 3, 4], 3, 10) == [[9, 9]]  # the first answer ends after 4
+    assert store.continuations([3, 4, 5], 3, 10) == []  # 4 | 5 spans two answers
+    assert store.continuations([3, 4], 3, 10) == [] and store.continuations([6, 6, 6], 3, 10) == []
+    assert store.continuations([5, 6, 7], 0, 10) == []
+
+
+def test_bad_datastores_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="nothing to look up"):
+        Datastore([[1, 2, 3], [], [4]])  # no 3 tokens with one after them
+    with pytest.raises(ValueError, match="token ids must be in"):
+        Datastore([[1, 2, 3, 1 << 21]])
+    with pytest.raises(FileNotFoundError, match="not found"):
+        Datastore.from_sets([tmp_path / "none.jsonl"], tiny_tokenizer())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "q"}\n')
+    with pytest.raises(ValueError, match="not a distilled set"):
+        Datastore.from_sets([bad], tiny_tokenizer())
+
+
+def test_a_set_gives_its_ids_or_its_text_spelled(tmp_path):
+    """Catches the text tokenized where the model's own ids are given (another spelling of it), and
+    rows of older sets (text only) left out."""
+    tok = tiny_tokenizer()
+    new = tmp_path / "new.jsonl"
+    new.write_text(json.dumps({"response": "not these", "response_ids": [40, 41, 42, 43, 44]}) + "\n")
+    old = tmp_path / "old.jsonl.gz"
+    old.write_bytes(gzip.compress((json.dumps({"response": "abcdef"}) + "\n").encode()))
+    store = Datastore.from_sets([new, old], tok)
+    assert store.continuations([40, 41, 42], 1, 5) == [[43, 44]]
+    abc = tok("abcdef", add_special_tokens=False)["input_ids"]
+    assert store.continuations(abc[:3], 1, 5) == [abc[3:]]
+
+
+def test_prompt_lookup_adds_the_datastores_continuations_after_its_own():
+    """Catches datastore continuations placed before the text's own (PLD's is the first), one that
+    repeats or starts one already found kept, none offered when the text has none of its own, and
+    the single continuation (PLD's) changed by a datastore."""
+    store = Datastore([[7, 8, 9, 1, 2], [7, 8, 9, 5, 6], [3, 3, 3, 4, 4]])
+    text = [1, 7, 8, 9, 1, 2, 7, 8, 9]  # the text's own 2-gram (8, 9) recurs: [1, 2, 7, 8, 9]
+    lookup = PromptLookup(text, 5, 2, 100, branches=1, datastore=store, datastore_branches=2)
+    assert lookup.continuations() == [[1, 2, 7, 8, 9], [5, 6]]  # the datastore's [1, 2] starts the first
+    assert lookup.continuation() == [1, 2, 7, 8, 9] and lookup.continuations(1, 0) == [[1, 2, 7, 8, 9]]
+    alone = PromptLookup([6, 3, 3, 3], 5, 2, 100, branches=1, datastore=store, datastore_branches=1)
+    assert alone.continuations() == [[3], [4, 4]]  # its own (3, 3) recurs once, cut by the text's end
+    none = PromptLookup([0, 7, 8, 9], 5, 2, 100, datastore=store, datastore_branches=2)
+    assert none.continuations() == [[1, 2], [5, 6]] and none.continuation() == []
+    assert PromptLookup([0, 7, 8, 9], 5, 2, 5, datastore=store, datastore_branches=2).continuations() == []  # context full
+    with pytest.raises(ValueError, match="datastore_branches"):
+        PromptLookup([], 5, 2, 100, datastore=store, datastore_branches=-1)
+
+
+def test_a_datastore_needs_a_layout_that_reads_it(tiny_varied):
+    model, _, spec = tiny_varied
+    store = Datastore([[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="datastore_branches >= 1"):
+        SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=4), datastore=store)
+    with pytest.raises(ValueError, match="need tree='dynamic'"):
+        DecodeConfig(2, lookup_tokens=4, datastore_branches=1)  # a static layout
+    with pytest.raises(ValueError, match="need tree='dynamic'"):
+        DecodeConfig(2, tree="dynamic", datastore_branches=1)  # no lookup
+
+
+def test_space_with_a_datastore_decodes_ar_and_accepts_from_it(tiny_varied):
+    """A random drafter (its masks rarely right) and a datastore holding the AR answers to the
+    prompts (and wrong answers beside them): SPACE's output is AR's token for token for every
+    prompt and length, and steps accept deep through the datastore's branches, which a decoder
+    without it cannot. Catches a wrong token accepted from a branch, a bonus taken from the wrong
+    row, and a datastore that is never read."""
+    model, _, spec = tiny_varied
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(11, 250, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen)
+               for _ in range(6)]
+    truths = [ar_generate(model, p, 48, suppress_ids=spec.token_ids).new_ids for p in prompts]
+    noise = [torch.randint(11, 250, (60,), generator=gen).tolist() for _ in range(4)]
+    # the answers as the store holds them: each with the prompt's last tokens before it, as the text has them
+    store = Datastore([p.tolist()[-3:] + t for p, t in zip(prompts, truths)] + noise)
+    cfg = DecodeConfig(2, tree="dynamic", lookup_tokens=6, datastore_branches=2)
+    plain = SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=6))
+    with_store = SpaceDecoder(model, spec, cfg, datastore=store)
+    steps = plain_steps = 0
+    for p, truth in zip(prompts, truths):
+        for n in (1, 17, 48):
+            out = with_store.generate(p, n)
+            assert out.new_ids == truth[:n], (p.tolist(), n)
+        steps += out.num_steps
+        plain_steps += plain.generate(p, 48).num_steps
+        assert max(out.accept_lengths) >= 4
+    assert steps * 2 < plain_steps, (steps, plain_steps)
+
+
+def test_sampling_with_a_datastore_keeps_ar_sampling_s_distribution(small_vocab_model):
+    """Sampling (T = 1) with datastore continuations among the tree's siblings emits t1..t3 with AR
+    sampling's exact joint distribution; the datastore's branches were verified (deeper trees than
+    without it). Catches a deterministic candidate that biases what a sampled step keeps."""
+    from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, sampled
+
+    from space.decoding import SamplingConfig
+
+    model, spec = small_vocab_model
+    prompt = [1, 3, 0, 2]
+    exact = exact_distribution(model, prompt, SamplingConfig(1.0))
+    # several continuations of every 3-gram the samples can end with
+    gen = torch.Generator().manual_seed(0)
+    store = Datastore([torch.randint(0, 4, (40,), generator=gen).tolist() for _ in range(8)])
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=3, tree="dynamic", datastore_branches=2),
+                       datastore=store)
+    counts, outs = sampled(dec, prompt, 1000, temperature=1.0)
+    assert max(a for out in outs for a in out.accept_lengths) >= 2
+    assert sum(src.count("l") for out in outs for src in out.step_sources) > 50
+    assert chi2_pvalue(counts, exact, 1000) > ALPHA
