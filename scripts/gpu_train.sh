@@ -10,8 +10,9 @@
 # H200, results/gpu60: the Magpie stage needs about 450 s, one epoch of 40,000 samples about 6 minutes), so
 # the run takes two sessions, and the sets travel between them through a commit:
 #   a distilling session: t60a, then t60b (caps 60 + 390 s; cut, it resumes) and t60b again until both sets'
-#     manifests say complete; here, `python scripts/distilled_sets.py pack` makes them a folder under 10 MB
-#     to commit (data/distill/gpu60);
+#     manifests say complete (what the session's time leaves undone, a later one resumes from the parts,
+#     which hold the .magpie turns: `gpu_pack.sh --sets PARTS_FOLDER`); here, `python scripts/distilled_sets.py
+#     pack` makes the complete sets a folder under 10 MB to commit (data/distill/gpu60);
 #   a training session: `bash scripts/gpu_pack.sh --sets data/distill/gpu60` puts the sets in .gpu3/, and t60b
 #     carries .gpu2/ and .gpu3/: it restores them (space-distill finds them complete and does nothing), and
 #     t60c trains the config's epoch (625 steps, at most 6.3 minutes; cap 460 s). t60c refuses unfinished sets.
@@ -43,7 +44,6 @@ restore() {  # the sets an earlier session brought back, on a machine that has n
     # the sets alone: an earlier final/ without its checkpoints is no start for this run's training
     cat "$carried"/gpu60.tar.xz.part* | xz -d | tar -x -C "$stash" --wildcards 'runs/gpu60/distill_*' || exit 1
     echo "restored $(ls "$runs" | tr '\n' ' ')from $carried"
-    echo "$carried" > "$runs/restored_from.txt"
   fi
 }
 

@@ -183,6 +183,11 @@ class Distiller:
             self.settings["magpie"] = old.get("settings", {}).get("magpie")
         self.filters: dict[str, dict] = dict(old.get("filter_verdicts") or {})
         self.new_rows, self.start = 0, time.monotonic()
+        if "magpie" in sources and old.get("magpie_turns_sampled") and not self.turns and not self.complete():
+            # a set unpacked from an archive: sampling again from batch 0 would draw other turns under
+            # the ids its rows already hold
+            raise ValueError(f"{out} records sampled Magpie turns but {self.turns_file.name} is missing: it resumes "
+                             "only with them (an archived set is for training; finish a set before packing it)")
 
     def complete(self) -> bool:
         """The set was finished with these sources and limits, every row its manifest counts in
@@ -391,8 +396,8 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
         and limits, its manifest with this call's counts (nothing written, the model not loaded).
 
     Raises:
-        ValueError: ``out`` was made with other settings, another run is writing it, or no row at
-            all was written.
+        ValueError: ``out`` was made with other settings, another run is writing it, it is an
+            unfinished Magpie set without its ``.magpie`` turns, or no row at all was written.
         FileNotFoundError: a missing dataset or model.
     """
     sources = sources or {"mbpp": None, "lima": 400}

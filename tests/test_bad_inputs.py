@@ -512,6 +512,7 @@ EVAL_TRAIN_CASES = [
     ("space-eval", [*EVAL, "--lookup-branches", "0"], "--lookup-branches must be >= 1, got 0"),
     ("space-eval", [*EVAL, "--datastore-branches", "0"], "--datastore-branches must be >= 1, got 0"),
     ("space-eval", [*EVAL, "--datastore-branches", "2"], "--datastore-branches counts the continuations of a --datastore"),
+    ("space-eval", [*EVAL, "--datastore", "x.jsonl", "--methods", "ar,pld"], "--datastore drafts for the space method"),
     ("space-eval", [*EVAL, "--datastore", "no/such/set.jsonl", "--tree", "dynamic", "--lookup-tokens", "4"],
      "datastore set no/such/set.jsonl not found"),
     ("space-eval", [*EVAL, "--datastore", "no/such/set.jsonl", "--tree", "chain"],

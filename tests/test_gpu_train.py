@@ -54,6 +54,12 @@ def test_gpu_train_t60c_refuses_unfinished_sets(tmp_path):
     run = subprocess.run(["bash", str(SCRIPT), "t60c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "unfinished: run t60b again" in run.stdout, run.stdout + run.stderr
     assert not (tmp_path / "out" / "status.txt").exists()  # no stage ran
+    # the check itself, on manifests as space-distill writes them (json.dumps, indent=1)
+    check = "complete() {" + SCRIPT.read_text().split("complete() {", 1)[1].split("\n}\n", 1)[0] + "\n}"
+    for done, expected in ((True, 0), (False, 1)):
+        (runs / "distill_magpie.manifest.json").write_text(json.dumps({"file": "x", "complete": done, "rows": 1}, indent=1))
+        status = subprocess.run(["bash", "-c", f"runs={runs}; {check}\ncomplete distill_magpie"]).returncode
+        assert status == expected, done
 
 
 @pytest.mark.slow

@@ -10,8 +10,9 @@ xz-compressed, about 40 % smaller than the whole rows compressed the same way:
 
 * ``<name>.lean.jsonl.xz``: per row ``id``, ``source``, ``prompt``, ``response_ids``, ``finished``;
 * ``<name>.manifest.json``: the set's own manifest, as it was;
-* ``archive.json``: per set its file name, rows and the sha256 of its JSONL text (the file's bytes,
-  for a ``.jsonl``), and the model whose tokenizer rebuilds it.
+* ``archive.json``: per set its file name, rows and the sha256 of its JSONL text (a ``.jsonl``'s own
+  bytes, as ``space-distill`` writes it; a ``.jsonl.gz`` comes back gzipped without a timestamp), and
+  the model whose tokenizer rebuilds it.
 
 :func:`unpack` rebuilds each set with that tokenizer and refuses one whose hash differs. Only
 complete sets are packed: their ``.magpie`` turns (every sampled user turn) are left out, since
@@ -22,6 +23,7 @@ only an unfinished set's resume reads them, and ``space-distill`` on a complete 
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import lzma
@@ -36,6 +38,12 @@ MAX_BYTES = 10 * 10**6  # issue 60: the samples are committed only under 10 MB c
 
 def _lines(rows: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)  # as space.jsonl writes them
+
+
+def _rows(text: str) -> list[dict]:
+    # split at "\n" alone: ensure_ascii=False leaves U+2028, U+2029 and U+0085 raw inside strings,
+    # where str.splitlines() would cut a row
+    return [json.loads(line) for line in text.split("\n") if line]
 
 
 def _manifest_of(path: Path) -> Path:
@@ -82,7 +90,8 @@ def pack(sets: list[Path], out: Path, tok=None, max_bytes: int = MAX_BYTES) -> d
     into the folder ``out``; returns the index. ``tok`` defaults to the tokenizer of the model the
     manifests name (``space.models.load_tokenizer``).
 
-    Every set is rebuilt from its lean rows before anything is written, and must equal the file.
+    Every set is rebuilt from its lean rows as stored before anything is written, and must equal its
+    rows as ``space.jsonl`` writes them (a set ``space-distill`` wrote: its own bytes).
 
     Raises:
         FileNotFoundError: a set or its manifest is missing.
@@ -111,14 +120,16 @@ def pack(sets: list[Path], out: Path, tok=None, max_bytes: int = MAX_BYTES) -> d
 
             tok = load_tokenizer(model)
         text = _lines(rows)
-        lean = lean_rows(rows)
-        if _lines(rebuild(lean, tok)) != text:
+        lean = _lines(lean_rows(rows))
+        if _lines(rebuild(_rows(lean), tok)) != text:  # from the text stored, as unpack reads it
             raise ValueError(f"{path}: its rows do not rebuild from their token ids with this tokenizer (another "
                              "model's, or rows not written by space-distill)")
         name = path.name.removesuffix(".gz").removesuffix(".jsonl")
-        files[f"{name}.lean.jsonl.xz"] = lzma.compress(_lines(lean).encode(), preset=9 | lzma.PRESET_EXTREME)
+        if name in index["sets"]:
+            raise ValueError(f"two sets are named {name}: pack them into separate archives")
+        files[f"{name}.lean.jsonl.xz"] = lzma.compress(lean.encode(), preset=9 | lzma.PRESET_EXTREME)
         files[manifest_path.name] = manifest_path.read_bytes()
-        index["sets"][name] = {"file": path.name.removesuffix(".gz"), "rows": len(rows),
+        index["sets"][name] = {"file": path.name, "rows": len(rows),
                                "sha256": hashlib.sha256(text.encode()).hexdigest(),
                                "lean": f"{name}.lean.jsonl.xz", "lean_bytes": len(files[f"{name}.lean.jsonl.xz"])}
     total = sum(len(b) for b in files.values())
@@ -153,12 +164,13 @@ def unpack(archive: Path, out: Path, tok=None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, entry in index["sets"].items():
-        lean = [json.loads(line) for line in lzma.decompress((archive / entry["lean"]).read_bytes()).decode().splitlines()]
+        lean = _rows(lzma.decompress((archive / entry["lean"]).read_bytes()).decode())
         text = _lines(rebuild(lean, tok))
         if hashlib.sha256(text.encode()).hexdigest() != entry["sha256"] or len(lean) != entry["rows"]:
             raise ValueError(f"{archive / entry['lean']}: the rebuilt {entry['file']} differs from the one packed "
                              f"(sha256 or row count); another tokenizer than {index['model']!r}'s, or a damaged file")
-        write_text_atomic(out / entry["file"], text)
+        data = text.encode()  # a .gz set comes back gzipped, as write_jsonl writes one (no timestamp)
+        write_bytes_atomic(out / entry["file"], gzip.compress(data, mtime=0) if entry["file"].endswith(".gz") else data)
         manifest = f"{name}.manifest.json"
         write_bytes_atomic(out / manifest, (archive / manifest).read_bytes())
         written.append(out / entry["file"])

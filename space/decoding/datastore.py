@@ -5,8 +5,10 @@ other texts, here the model's own greedy answers to its training prompts (a ``sp
 set, DESIGN §5): a greedy model answers alike prompts alike, so what followed the same n-gram
 there is often what it says next here (He et al., "REST: Retrieval-Based Speculative Decoding",
 2023, with a corpus for a datastore). Its continuations join prompt lookup's in the dynamic tree
-as more branches, each priced like any node and never forced (``space.decoding.lookup``,
-``space.decoding.dynamic``): verification keeps the output AR's, whatever they hold.
+as more branches, each priced like any node; where the text has no continuation of its own, the
+datastore's best takes the place of prompt lookup decoding's, the step's lookup chain, which the
+planner always verifies (``space.decoding.lookup``, ``space.decoding.dynamic``). Verification
+keeps the output AR's, whatever they hold.
 
 Index: every position's n-gram (n = :data:`NGRAM`) packed into one int64 and sorted, so the
 occurrences of the text's last n-gram are one ``searchsorted`` away. Among them (the last
@@ -54,7 +56,7 @@ class Datastore:
             if seq:
                 parts += [seq, [SEPARATOR]]
         tokens = np.fromiter((t for part in parts for t in part), dtype=np.int64)
-        real = tokens[tokens != SEPARATOR]
+        real = np.fromiter((t for seq in sequences for t in seq), dtype=np.int64)  # a -1 among them is no separator
         if real.size and (real.min() < 0 or real.max() >= 1 << BITS):
             raise ValueError(f"datastore token ids must be in [0, {1 << BITS}), got {real.min()}..{real.max()}")
         starts = np.arange(max(tokens.size - NGRAM, 0))  # an n-gram with a token after it

@@ -73,7 +73,8 @@ class PromptLookup:
         found = self._own(branches)
         more = self.datastore_branches if datastore_branches is None else datastore_branches
         if more and self.datastore is not None and len(self.text) + 1 < self.max_length:
-            for c in self.datastore.continuations(self.text, more, self.num_tokens):
+            room = min(self.num_tokens, self.max_length - len(self.text) - 1)  # the last fits the context
+            for c in self.datastore.continuations(self.text, more, room):
                 if not any(have[: len(c)] == c for have in found):
                     found.append(c)
         return found

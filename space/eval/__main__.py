@@ -168,6 +168,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
     if args.datastore_branches is not None and not args.datastore:
         raise ValueError("--datastore-branches counts the continuations of a --datastore: give one")
+    if args.datastore and "space" not in methods:
+        raise ValueError("--datastore drafts for the space method: add space to --methods")
     if args.kernels is None:
         args.kernels = "stock" if args.compile else "fast"
     if args.kernels not in KERNEL_CHOICES:

@@ -53,6 +53,36 @@ def test_pack_then_unpack_rebuilds_the_set_byte_for_byte(magpie_set, tmp_path):
     assert (tmp_path / "back" / manifest.name).read_bytes() == manifest.read_bytes()
 
 
+def test_line_separators_inside_texts_and_gzipped_sets_round_trip(tmp_path):
+    """A prompt holding U+2028 / U+2029 / U+0085 (json.dumps with ensure_ascii=False leaves them raw,
+    and str.splitlines cuts there), a response that repeats another's (one answer_of for both), and a
+    .jsonl.gz set. Catches an unpack that splits rows at those characters, a .gz set written back
+    plain under its .gz name, and two sets of one name in one archive."""
+    import gzip
+
+    from space.data.dev_set import prompt_key
+    from space.distill import answer_row
+    from space.jsonl import write_jsonl
+
+    tok = tiny_tokenizer()
+    ids = tok("same answer", add_special_tokens=False)["input_ids"]
+    first = {"id": "a/0", "source": "lima", "prompt": [{"role": "user", "content": "one\u2028two\u2029three\x85"}]}
+    rows = [answer_row(tok, {**first, "key": prompt_key(first["prompt"])}, ids, True)]
+    context = first["prompt"] + [{"role": "assistant", "content": rows[0]["response"]}, {"role": "user", "content": "more"}]
+    rows.append(answer_row(tok, {"id": "a/0/turn2", "source": "magpie-turn2", "prompt": context,
+                                 "key": prompt_key(context)}, ids, False))
+    path = tmp_path / "s.jsonl.gz"
+    write_jsonl(path, rows)
+    (tmp_path / "s.manifest.json").write_text(json.dumps({"complete": True, "rows": 2,
+                                                          "settings": {"model": "tiny-random-llama"}}))
+    set_archive.pack([path], tmp_path / "archive")
+    back = set_archive.unpack(tmp_path / "archive", tmp_path / "back")
+    assert [p.name for p in back] == ["s.jsonl.gz"]
+    assert gzip.decompress(back[0].read_bytes()) == gzip.decompress(path.read_bytes())
+    with pytest.raises(ValueError, match="two sets are named s"):
+        set_archive.pack([path, path], tmp_path / "again")
+
+
 def test_a_set_that_does_not_rebuild_is_refused_at_both_ends(magpie_set, tmp_path):
     """Catches packing a set another tokenizer made (its texts would come back otherwise), and an
     unpack that writes a set whose rebuilt hash differs (a damaged or edited lean file)."""
@@ -112,11 +142,17 @@ def test_space_distill_on_a_complete_set_does_nothing(magpie_set, monkeypatch):
                                     magpie=distill_mod.MagpieSettings(max_new_tokens=8, batch_size=4))
         assert again["new_rows_this_run"] == 0 and again["complete"]
         assert {p.name: p.read_bytes() for p in magpie_set.parent.iterdir()} == before
-        with pytest.raises(AssertionError, match="model was loaded"):  # more first turns: a real resume
+        # more first turns would sample again from batch 0 without the turns (other turns under the same ids)
+        with pytest.raises(ValueError, match="magpie.jsonl is missing"):
+            distill_mod.distill(magpie_set, "tiny-random-llama", {"magpie": 5}, batch_size=2, max_new_tokens=12,
+                                magpie=distill_mod.MagpieSettings(max_new_tokens=8, batch_size=4))
+        magpie_set.with_name("turns.moved").rename(magpie_set.with_name("distill_magpie.magpie.jsonl"))
+        with pytest.raises(AssertionError, match="model was loaded"):  # with them: a real resume
             distill_mod.distill(magpie_set, "tiny-random-llama", {"magpie": 5}, batch_size=2, max_new_tokens=12,
                                 magpie=distill_mod.MagpieSettings(max_new_tokens=8, batch_size=4))
     finally:
-        magpie_set.with_name("turns.moved").rename(magpie_set.with_name("distill_magpie.magpie.jsonl"))
+        if magpie_set.with_name("turns.moved").exists():
+            magpie_set.with_name("turns.moved").rename(magpie_set.with_name("distill_magpie.magpie.jsonl"))
 
 
 def test_the_script_packs_and_unpacks(magpie_set, tmp_path, capsys):

@@ -40,6 +40,8 @@ def test_bad_datastores_are_refused(tmp_path):
         Datastore([[1, 2, 3], [], [4]])  # no 3 tokens with one after them
     with pytest.raises(ValueError, match="token ids must be in"):
         Datastore([[1, 2, 3, 1 << 21]])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        Datastore([[1, 2, -1, 3, 4, 5]])  # not a separator
     with pytest.raises(FileNotFoundError, match="not found"):
         Datastore.from_sets([tmp_path / "none.jsonl"], tiny_tokenizer())
     bad = tmp_path / "bad.jsonl"
