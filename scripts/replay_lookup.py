@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.datastore:
         from space.decoding.datastore import Datastore
 
-        store = Datastore.from_sets(a.datastore.split(","), tokenizer)
+        store = Datastore.from_sets(a.datastore, tokenizer)
     table = {}
     for run in a.runs:
         pairs = answers(run, tokenizer, a.data_root)

@@ -255,7 +255,7 @@ def load(args) -> tuple:
     if args.datastore:
         from .decoding.datastore import Datastore
 
-        datastore = Datastore.from_sets([p.strip() for p in args.datastore.split(",") if p.strip()], tok)
+        datastore = Datastore.from_sets(args.datastore, tok)
     # which stored curve priced it (None: none of this setup), for auto to tell whether to measure
     folder = artifact_folder(args.model, adapter)  # the adapter, or a full SAR-SFT checkpoint
     cfg = read_space_config(folder) if folder is not None else {}

@@ -46,11 +46,6 @@ def _rows(text: str) -> list[dict]:
     return [json.loads(line) for line in text.split("\n") if line]
 
 
-def _manifest_of(path: Path) -> Path:
-    name = path.name.removesuffix(".gz").removesuffix(".jsonl")
-    return path.with_name(f"{name}.manifest.json")
-
-
 def lean_rows(rows: list[dict]) -> list[dict]:
     """The fields of ``id``, ``source``, ``prompt``, ``response_ids`` and ``finished``; a prompt's assistant turn that is an earlier row's
     response (a follow-up's context) becomes ``{"role": "assistant", "answer_of": that row's id}``:
@@ -99,10 +94,12 @@ def pack(sets: list[Path], out: Path, tok=None, max_bytes: int = MAX_BYTES) -> d
             manifest's count), made with another model than the others, rebuilt unequal (another
             tokenizer than ``tok``'s), or the archive's compressed files exceed ``max_bytes``.
     """
+    from ..distill import sibling
+
     index: dict = {"model": None, "sets": {}}
     files: dict[str, bytes] = {}
     for path in sets:
-        manifest_path = _manifest_of(path)
+        manifest_path = sibling(path, "manifest", ".json")
         if not path.is_file() or not manifest_path.is_file():
             raise FileNotFoundError(f"{path} or its manifest {manifest_path.name} is missing")
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -124,7 +121,7 @@ def pack(sets: list[Path], out: Path, tok=None, max_bytes: int = MAX_BYTES) -> d
         if _lines(rebuild(_rows(lean), tok)) != text:  # from the text stored, as unpack reads it
             raise ValueError(f"{path}: its rows do not rebuild from their token ids with this tokenizer (another "
                              "model's, or rows not written by space-distill)")
-        name = path.name.removesuffix(".gz").removesuffix(".jsonl")
+        name = manifest_path.name.removesuffix(".manifest.json")
         if name in index["sets"]:
             raise ValueError(f"two sets are named {name}: pack them into separate archives")
         files[f"{name}.lean.jsonl.xz"] = lzma.compress(lean.encode(), preset=9 | lzma.PRESET_EXTREME)

@@ -78,9 +78,10 @@ class Datastore:
         return int((self.tokens != SEPARATOR).sum())
 
     @classmethod
-    def from_sets(cls, paths: list[str | Path], tokenizer) -> Datastore:
-        """The answers of ``space-distill`` sets (``.jsonl`` or ``.jsonl.gz``): each row's
-        ``response_ids``, or its ``response`` tokenized when it has none (sets made before them).
+    def from_sets(cls, paths: str | list[str | Path], tokenizer) -> Datastore:
+        """The answers of ``space-distill`` sets (``.jsonl`` or ``.jsonl.gz``; a list, or a comma
+        list as ``--datastore`` takes them): each row's ``response_ids``, or its ``response``
+        tokenized when it has none (sets made before them).
 
         Raises:
             FileNotFoundError: a set is missing.
@@ -88,6 +89,8 @@ class Datastore:
         """
         from ..jsonl import read_jsonl
 
+        if isinstance(paths, str):
+            paths = [p.strip() for p in paths.split(",") if p.strip()]
         sequences = []
         for path in paths:
             path = Path(path)

@@ -408,7 +408,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     if args.datastore:
         from ..decoding.datastore import Datastore
 
-        datastore = Datastore.from_sets([p.strip() for p in args.datastore.split(",") if p.strip()], tok)
+        datastore = Datastore.from_sets(args.datastore, tok)
         print(f"[space-eval] datastore: {len(datastore):,} tokens of answers from {args.datastore}")
     on = next(model.parameters()).device.type
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
