@@ -1,7 +1,8 @@
 """Compare the SPACE steps of space-eval runs folder by folder (issue 44): tokens/step, rows/step,
 steps without a candidate, steps starved after an all-rejected step, and tokens per unit of the
-adapter's step-cost curve (the planner's own price of a step, relative to an AR step); with
-prompt lookup (pld) in a run, its tokens/step and the provenance split.
+step-cost curve that priced the run (the planner's own price of a step, relative to an AR step;
+``--adapter``: that adapter's default curve for every run); with prompt lookup (pld) in a run, its
+tokens/step and the provenance split.
 
     python scripts/compare_planners.py results/planner_issue44/old_humaneval20 results/planner_issue44/new_humaneval20
 """
@@ -45,18 +46,20 @@ def describe(folder: Path, cost: StepCost) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="space-eval output folders")
-    p.add_argument("--adapter", type=Path, default=Path("adapters/smollm2-135m-space"),
-                   help="the adapter whose step-cost curve prices the rows (default: the shipped one)")
-    a = p.parse_args()
-    decode = json.loads((a.adapter / "space_config.json").read_text())["decode"]
-    if not decode.get("step_cost"):
-        p.error(f"{a.adapter} stores no step-cost curve (space-tree --dynamic --write-adapter measures one)")
-    cost = StepCost(tuple(map(tuple, decode["step_cost"])), decode.get("adapter_cost", 0.0))
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="price every run's rows by this adapter's default step-cost curve (default: each run "
+                        "by the curve its run_config.json records, the one its planner priced its steps by)")
+    a = p.parse_args(argv)
+    source = a.adapter / "space_config.json" if a.adapter else None
     for run in a.runs:
-        print(describe(run, cost))
+        record = json.loads(source.read_text())["decode"] if source else json.loads((run / "run_config.json").read_text())
+        if not record.get("step_cost"):
+            p.error(f"{source or run} records no step-cost curve (a static layout's run, or an adapter without one: "
+                    "give --adapter with a curve; space-tree --dynamic --write-adapter measures one)")
+        print(describe(run, StepCost(tuple(map(tuple, record["step_cost"])), record.get("adapter_cost") or 0.0)))
 
 
 if __name__ == "__main__":

@@ -55,25 +55,36 @@ def answers(run: Path, tokenizer, data_root: str | None) -> list[tuple[list[int]
 def replay(pairs: list[tuple[list[int], list[int]]], branches: int, num_tokens: int, max_ngram: int,
            datastore=None, datastore_branches: int = 0) -> dict:
     """Steps and tokens/step of lookup alone with up to ``branches`` continuations a step (and up to
-    ``datastore_branches`` from ``datastore``)."""
+    ``datastore_branches`` from ``datastore``), and how often the text's own continuations and the
+    datastore's are right: at their first token, and at each later token given the ones before it."""
     steps = tokens = 0
+    counts = {source: {"first": [0, 0], "later": [0, 0]} for source in ("text", "datastore")}  # [right, tried]
     for prompt, answer in pairs:
         text = list(prompt)
         lookup = PromptLookup(text, num_tokens, max_ngram, 1 << 30, branches, datastore, datastore_branches)
         i = 0
         while i < len(answer):
             accepted = 0
-            for found in lookup.continuations():
+            found_all = lookup.continuations()
+            for place, found in enumerate(found_all):
                 n = 0
                 while n < len(found) and i + n < len(answer) and found[n] == answer[i + n]:
                     n += 1
                 accepted = max(accepted, n)
+                count = counts["datastore" if place >= len(found_all) - found_all.stored else "text"]
+                count["first"][0] += n > 0
+                count["first"][1] += 1
+                # a later token is tried when every token before it was right, and right when it is too
+                count["later"][0] += max(n - 1, 0)
+                count["later"][1] += min(n, len(found) - 1, len(answer) - i - 1) if n else 0
             emitted = min(accepted + 1, len(answer) - i)
             text.extend(answer[i: i + emitted])
             i += emitted
             steps += 1
             tokens += emitted
-    return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps, 4)}
+    rates = {source: {part: round(right / tried, 4) if tried else None for part, (right, tried) in parts.items()}
+             for source, parts in counts.items() if parts["first"][1]}
+    return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps, 4), "right": rates}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -466,6 +466,23 @@ def test_compare_planners_on_committed_runs(monkeypatch, capsys):
     assert printed.count("tokens/step") >= len(runs) and "tokens per AR-step of modelled cost" in printed
 
 
+def test_compare_planners_prices_each_run_by_the_curve_it_was_planned_with(capsys):
+    """Without --adapter a run's rows are priced by the step-cost curve its run_config.json records
+    (this Zen 4's; the adapter's default curve is another machine's). Catches every run priced by
+    the adapter's default curve, which put the datastore runs' figures 0.03-0.15 lower."""
+    from space.decoding.dynamic import StepCost
+
+    script = load_script("compare_planners")
+    run = ROOT / "results" / "datastore" / "turns" / "humaneval40_new_r2"
+    recorded = json.loads((run / "run_config.json").read_text())
+    script.main([str(run)])
+    said = capsys.readouterr().out
+    assert script.describe(run, StepCost(tuple(map(tuple, recorded["step_cost"])), recorded["adapter_cost"])) in said
+    assert "tokens per AR-step of modelled cost 2.305" in said
+    script.main([str(run), "--adapter", str(ROOT / SHIPPED)])
+    assert "tokens per AR-step of modelled cost 2.305" not in capsys.readouterr().out
+
+
 def test_compare_planners_counts_the_questions_the_summary_counts(tmp_path, monkeypatch):
     """A space-eval run can hold skipped records, and a question skipped for one method leaves every
     method's numbers (``space.eval.report.summarize``). The script read every SPACE record's choices
@@ -550,16 +567,22 @@ def test_compare_drafters_skips_a_layout_deeper_than_the_drafter_and_a_missing_s
 
 def test_replay_lookup_by_hand_and_on_a_committed_run(tmp_path):
     """By hand: "1 2" recurs with "3 4 ..." first and "7 8 ..." last; the answer goes on with 7 8 9.
-    One branch (PLD's first occurrence) takes 2 steps, two branches 1. On a committed run's AR
-    answers the first branch alone replays to PLD's own tokens/step in that run (same answers)."""
+    One branch (PLD's first occurrence) takes 2 steps, two branches 1; how often each source's
+    first and later tokens were right is counted by source. On a committed run's AR answers the
+    first branch alone replays to PLD's own tokens/step in that run (same answers)."""
     script = load_script("replay_lookup")
     pair = [([1, 2, 3, 4, 1, 2, 7, 8, 1, 2], [7, 8, 9])]
-    assert script.replay(pair, 1, 10, 2) == {"steps": 2, "tokens": 3, "tokens_per_step": 1.5}
-    assert script.replay(pair, 2, 10, 2) == {"steps": 1, "tokens": 3, "tokens_per_step": 3.0}
+    # step 1 offers 3 4 1 2 7 8 1 2 (wrong); step 2, after 7, offers 8 1 2 7 (8 right, then 1 wrong)
+    assert script.replay(pair, 1, 10, 2) == {"steps": 2, "tokens": 3, "tokens_per_step": 1.5,
+                                             "right": {"text": {"first": 0.5, "later": 0.0}}}
+    # two branches: 3 4 ... wrong, then 7 8 1 2: 7 and 8 right, 1 wrong (the answer's 9)
+    assert script.replay(pair, 2, 10, 2) == {"steps": 1, "tokens": 3, "tokens_per_step": 3.0,
+                                             "right": {"text": {"first": 0.5, "later": 0.5}}}
     from space.decoding.datastore import Datastore  # what the text lacks, a datastore's answer holds
 
     fresh, store = [([5, 6, 1, 2, 3], [4, 9, 9])], Datastore([[1, 2, 3, 4, 9, 9, 0]])
     assert script.replay(fresh, 4, 10, 2)["steps"] == 3 and script.replay(fresh, 4, 10, 2, store, 1)["steps"] == 1
+    assert script.replay(fresh, 4, 10, 2, store, 1)["right"] == {"datastore": {"first": 1.0, "later": 1.0}}
     run = ROOT / "results" / "humaneval40_zen4_frozen"
     out = tmp_path / "replay.json"
     table = script.main([str(run), "--branches", "1,4", "--out", str(out)])

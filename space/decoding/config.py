@@ -75,8 +75,8 @@ class DecodeConfig:
         datastore_branches: dynamic tree with prompt lookup: most continuations a step takes from
             a datastore of the model's own answers, when the decoder has one (``SpaceDecoder``'s
             ``datastore``, ``space.decoding.datastore``; our addition, REST-style), each priced
-            like any node, the best one in place of prompt lookup's where the text has none of its
-            own (then always verified, as that one is); 0 = none.
+            like any node by the datastore's own running rates, the best one first where the text
+            has none of its own (then priced too, not always verified as prompt lookup's is); 0 = none.
 
     Raises:
         ValueError: any field out of range or not an integer (NaN, inf and 2.0 included), at

@@ -5,9 +5,8 @@ other texts, here the model's own greedy answers to its training prompts (a ``sp
 set, DESIGN §5): a greedy model answers alike prompts alike, so what followed the same n-gram
 there is often what it says next here (He et al., "REST: Retrieval-Based Speculative Decoding",
 2023, with a corpus for a datastore). Its continuations join prompt lookup's in the dynamic tree
-as more branches, each priced like any node; where the text has no continuation of its own, the
-datastore's best takes the place of prompt lookup decoding's, the step's lookup chain, which the
-planner always verifies (``space.decoding.lookup``, ``space.decoding.dynamic``). Verification
+as more branches, each priced like any node by the datastore's own running rates, which are
+lower than the text's own (``space.decoding.lookup``, ``space.decoding.dynamic``). Verification
 keeps the output AR's, whatever they hold.
 
 Index: every position's n-gram (n = :data:`NGRAM`) packed into one int64 and sorted, so the
@@ -20,8 +19,8 @@ continuation crosses.
 Replayed over SmolLM2's greedy answers with the two committed sets for a datastore (1.4 M tokens),
 prompt lookup alone with its four continuations and one from the datastore reaches 3.47 / 3.06
 tokens a step against 2.38 / 2.74 (HumanEval 40 / MT-Bench 40, ``scripts/replay_lookup.py
---datastore``); SPACE with it, eager on a 2-core CPU: 3.08 -> 3.48 and 3.09 -> 3.21 tokens/step
-(``results/datastore``).
+--datastore``); SPACE with it, eager on a 2-core CPU: 3.08 -> 3.40 tokens/step on HumanEval 40,
+3.20 -> 3.36 on MT-Bench 20 (``results/datastore``).
 """
 from __future__ import annotations
 
@@ -36,6 +35,13 @@ SCAN = 512  # most occurrences scored a step (host time)
 CONTEXT = 12  # most tokens before the n-gram compared with the text's
 CONTEXT_WEIGHT = 4  # what each of them adds to an occurrence's weight
 SEPARATOR = -1  # between answers
+
+
+def set_paths(paths: str | list[str | Path]) -> list[Path]:
+    """The sets of a datastore: a list, or a comma list as ``--datastore`` takes them."""
+    if isinstance(paths, str):
+        paths = [p.strip() for p in paths.split(",") if p.strip()]
+    return [Path(p) for p in paths]
 
 
 class Datastore:
@@ -89,11 +95,8 @@ class Datastore:
         """
         from ..jsonl import read_jsonl
 
-        if isinstance(paths, str):
-            paths = [p.strip() for p in paths.split(",") if p.strip()]
         sequences = []
-        for path in paths:
-            path = Path(path)
+        for path in set_paths(paths):
             if not path.is_file():
                 raise FileNotFoundError(f"datastore set {path} not found")
             rows = read_jsonl(path)

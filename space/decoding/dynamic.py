@@ -19,11 +19,13 @@ on this machine:
     (:meth:`AcceptanceStats.calibration`), the others shrink so that a mask's row sums to at most 1
     (:func:`calibrated`);
   * for a lookup token at depth d, the running rate at which this sequence's lookup tokens were
-    right at depths 1..d;
+    right at depths 1..d (a datastore's continuation in the first place, where the text has none
+    of its own: the datastore's rates, :meth:`AcceptanceStats.store_rates`);
   * for a token of another lookup continuation (``DecodeConfig.lookup_branches``: what followed
-    the n-gram's other occurrences, the most recent first), its parent's value times the running
-    rate of such tokens at its distance past where the continuation leaves those before it (the
-    first token's rate is the continuation's rank's own), the parent's value being the larger one
+    the n-gram's other occurrences, the most recent first; then a datastore's), its parent's value
+    times the running rate of such tokens at its distance past where the continuation leaves those
+    before it (the first token's rate is the continuation's rank's own; a datastore's tokens keep
+    rates of their own), the parent's value being the larger one
     where a mask draft made the same path. These are not netted against the node's other children,
     which can then sum above it (netting them cost about 1 % of tokens per step,
     results/lookup_branches).
@@ -38,10 +40,12 @@ on this machine:
   will need then. Each group takes the length k' <= k that maximizes its net value; the number of
   groups maximizes the total. No group at all (the next step drafts by lookup alone), no mask
   node (only lookup, PLD's step) and a one-row AR step (when the best block does not pay the
-  multi-row jump and lookup found nothing) are allowed outcomes.
+  multi-row jump and lookup found nothing in the text itself) are allowed outcomes.
 * **Prompt lookup is contained.** Every token of the first lookup continuation (prompt lookup
   decoding's) is a node, as deep as the budget allows, whatever its rate: the step verifies at
-  least what prompt lookup decoding would. The other continuations are priced like any node.
+  least what prompt lookup decoding would. The other continuations are priced like any node, and
+  a datastore's (``space.decoding.datastore``) by its own running rates, the first one too where
+  the text has no continuation of its own.
 * **Shapes.** Rows are rounded up to a bucket size (:data:`BUCKETS`, capped by the row budget). The
   bucket's free rows take the next-best nodes; only the rest is padding.
 
@@ -198,6 +202,10 @@ class AcceptanceStats:
         self.lookup = [[PRIOR_WEIGHT * LOOKUP_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
         self.other = [[PRIOR_WEIGHT * OTHER_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
         self.other_first: list[list[float]] = []  # [hits, trials] of each continuation's first token, by rank
+        # the same for the datastore's continuations (first tokens by place among all continuations):
+        # copied from other texts, they go wrong sooner than the text's own (results/datastore)
+        self.store = [[PRIOR_WEIGHT * OTHER_PRIOR[min(d, 1)], PRIOR_WEIGHT] for d in range(lookup_tokens)]
+        self.store_first: list[list[float]] = []
         self.tokens, self.spent = PRIOR_WEIGHT * RATE_PRIOR[0], PRIOR_WEIGHT * cost(RATE_PRIOR[1])
 
     def alphas(self) -> list[float]:
@@ -234,6 +242,16 @@ class AcceptanceStats:
             rates[0] = min(hits / trials, rates[1]) if len(rates) > 1 else hits / trials
         return rates
 
+    def store_rates(self, place: int) -> list[float]:
+        """:meth:`other_rates` for a datastore continuation at ``place`` among all the step's
+        continuations (0: the text has none of its own), from the datastore's own record: at d + 1
+        tokens past where it leaves the continuations before it (from its start at place 0)."""
+        rates = monotone(self.store, increasing=True)
+        if place < len(self.store_first) and rates:
+            hits, trials = self.store_first[place]
+            rates[0] = min(hits / trials, rates[1]) if len(rates) > 1 else hits / trials
+        return rates
+
     def calibration(self, j: int) -> float:
         """How much more often mask offset j's top draft was right than its probability said
         (observed hits over the sum of top-1 probabilities; 1 = calibrated). A drafter trained on
@@ -247,7 +265,7 @@ class AcceptanceStats:
         return self.tokens / self.spent
 
     def observe(self, emitted: list[int], drafts: list[list[int]], top_probs: list[float], draft_offset: int,
-                found: list[int], rows: int, others: list[list[int]] = ()) -> None:
+                found: list[int], rows: int, others: list[list[int]] = (), stored: int = 0) -> None:
         """Learn from one step.
 
         Args:
@@ -258,6 +276,7 @@ class AcceptanceStats:
             found: the step's prompt-lookup tokens.
             rows: the block's rows, padding included.
             others: the step's other lookup continuations (:func:`_branch_points`).
+            stored: how many of ``found`` and ``others`` together, at the end, are the datastore's.
         """
         if not drafts:  # no mask drafted this step: forget a little, towards the prior
             for cells, prior in ((self.mask, MASK_PRIOR), (self.ranked, MASK_PRIOR), (self.said, 1.0)):
@@ -279,24 +298,32 @@ class AcceptanceStats:
             if emitted[i] not in row:
                 break
             cell[0] += 1
-        for d, t in enumerate(found[: min(len(emitted), len(self.lookup))]):
-            self.lookup[d][1] += 1
-            if t != emitted[d]:
-                break
-            self.lookup[d][0] += 1
-        for branch, start, rank in _branch_points(found, others):
+        first_stored = bool(found) and stored > len(others)  # the text had none of its own
+        tried = [(found, 0, 0)] if first_stored else []
+        if not first_stored:
+            for d, t in enumerate(found[: min(len(emitted), len(self.lookup))]):
+                self.lookup[d][1] += 1
+                if t != emitted[d]:
+                    break
+                self.lookup[d][0] += 1
+        tried += [(branch, start, rank + 1) for branch, start, rank in _branch_points(found, others)]
+        for branch, start, place in tried:
             if branch[:start] != emitted[:start]:  # its shared part was wrong: never tried past it
                 continue
-            if start < len(emitted) and self.other:
-                while len(self.other_first) <= rank:
-                    self.other_first.append([PRIOR_WEIGHT * OTHER_PRIOR[0], PRIOR_WEIGHT])
-                self.other_first[rank][1] += 1
-                self.other_first[rank][0] += branch[start] == emitted[start]
-            for d, t in enumerate(branch[start: min(len(emitted), start + len(self.other))]):
-                self.other[d][1] += 1
+            if place > len(others) - stored:
+                deep, firsts, at = self.store, self.store_first, place
+            else:
+                deep, firsts, at = self.other, self.other_first, place - 1  # by rank among the others
+            if start < len(emitted) and deep:
+                while len(firsts) <= at:
+                    firsts.append([PRIOR_WEIGHT * OTHER_PRIOR[0], PRIOR_WEIGHT])
+                firsts[at][1] += 1
+                firsts[at][0] += branch[start] == emitted[start]
+            for d, t in enumerate(branch[start: min(len(emitted), start + len(deep))]):
+                deep[d][1] += 1
                 if t != emitted[start + d]:
                     break
-                self.other[d][0] += 1
+                deep[d][0] += 1
         self.tokens += len(emitted)
         self.spent += self.cost(rows)
 
@@ -373,7 +400,8 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     each other). ``match``: where the lookup tokens are mask drafts (:func:`_merged_ranks`).
 
     ``others``: the lookup's other continuations, (tokens, start, rates) each (:func:`_branch_points`,
-    :meth:`AcceptanceStats.other_rates` of its rank). Each enters where it leaves the paths before
+    :meth:`AcceptanceStats.other_rates` of its rank, or a datastore's :meth:`AcceptanceStats.store_rates`
+    of its place). Each enters where it leaves the paths before
     it, at ``start``, and goes on token by token, each worth ``rates[d]`` of its parent at d tokens
     past that point; their nodes get no mask children of their own (the masks
     draft after the first continuation and the drafts' own paths), but a path that is both a mask
@@ -511,15 +539,15 @@ def _lookup_chain(draft_probs: list[list[float]], found: list[int], rates: list[
 
 def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_offset: int, found: list[int],
               stats: AcceptanceStats, budget: int, mask_num: int, max_groups: int, room: int,
-              mask_rows_before: int, chained: bool = False, others: list[list[int]] = ()) -> StepPlan:
+              mask_rows_before: int, chained: bool = False, others: list[list[int]] = (), stored: int = 0) -> StepPlan:
     """Choose this step's nodes, mask groups and their lengths (module docstring).
 
     Prices (issue 44): a node pays its row's marginal cost; the groups pay their rows and, once,
     the adapter's fixed cost (:meth:`StepCost.adapter_overhead`); and the block pays the multi-row
     jump (:meth:`StepCost.multi_row`) once if it has more than one row. A one-row (AR) step is
-    chosen only when the best block's net value is below that jump and there is no lookup
-    continuation: every lookup token found is in the tree, as prompt lookup would verify it
-    (as deep as the budget allows), beside the mask drafts.
+    chosen only when the best block's net value is below that jump and the text has no lookup
+    continuation of its own: every token of its first is in the tree, as prompt lookup would
+    verify it (as deep as the budget allows), beside the mask drafts.
 
     Args:
         draft_ids: (r, R) the top-R draft tokens of the r masks the step drafts from.
@@ -541,6 +569,10 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
         others: prompt lookup's other continuations (``PromptLookup.continuations`` after the
             first, the most recent occurrence first), candidates priced by
             :meth:`AcceptanceStats.other_rates` of their rank, never forced.
+        stored: how many of ``found`` and ``others`` together, at the end, are a datastore's
+            (``PromptLookup.continuations``' ``stored``): priced by :meth:`AcceptanceStats.store_rates`
+            of their place; ``found`` itself is one when the text has none of its own, then priced
+            like any node, not forced.
 
     Returns:
         StepPlan with ``rows <= max(budget, 1)``.
@@ -552,11 +584,16 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     top1 = [[r for _, _, r in row].index(0) for row in ranked] if chained else None
     draft_ids = [[t for _, t, _ in row] for row in ranked]
     draft_probs = [[v for v, _, _ in row] for row in ranked]
-    rates = stats.lookup_rates()
+    own = len(others) + 1 - stored  # continuations before the datastore's
+    rates = stats.store_rates(0) if found and own < 1 else stats.lookup_rates()
     match = _merged_ranks(draft_ids, found, min(len(found), room, len(rates), len(draft_ids)), top1)
-    branches = [(b, start, stats.other_rates(rank)) for b, start, rank in _branch_points(found, others)]
+    branches = [(b, start, stats.store_rates(rank + 1) if rank + 1 >= own else stats.other_rates(rank))
+                for b, start, rank in _branch_points(found, others)]
     cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match, branches))
-    forced = _lookup_chain(draft_probs, found, rates, min(len(found), room, len(rates), max(budget - 1, 0)), match)
+    # prompt lookup decoding's chain is always verified; a datastore's, when the text has none of its
+    # own, is priced like any node (forced, it cost 1.3-2.2 % of modelled speed, results/datastore)
+    depth = min(len(found), room, len(rates), max(budget - 1, 0)) if own > 0 else 0
+    forced = _lookup_chain(draft_probs, found, rates, depth, match)
 
     def nodes(cap: int, fill: int = 0) -> list[tuple[tuple[int, ...], float, int]]:
         """The lookup chain and the candidates that pay for their row, at most ``cap`` nodes in

@@ -66,7 +66,7 @@ class StepPlanner(Protocol):
             drafts: the previous step's mask drafts (none on the first step, or when no group was
                 on the accepted path).
             found: prompt lookup's continuations of the text so far, prompt lookup decoding's
-                first (``PromptLookup.continuations``; [] when none).
+                first (``PromptLookup.continuations``, its ``stored`` the datastore's; [] when none).
             cache_len: tokens in the KV cache (x_0..x_{n-2}): rows may reach depth
                 ``context - cache_len - 1``.
         """
@@ -108,14 +108,15 @@ class DynamicPlanner:
         ids, probs = torch.stack([drafts.ids.double(), drafts.probs.double()]).tolist()  # one copy
         ids = [[int(t) for t in row] for row in ids]
         first, others = (found[0], found[1:]) if found else ([], [])
+        stored = getattr(found, "stored", 0)  # a plain list (a test's planner) holds none of a datastore's
         plan = plan_step(ids, probs, drafts.offset, first, self.stats, cfg.row_budget, cfg.mask_num, cfg.groups,
                          dec.context - cache_len - 1, self.mask_rows_before, chained=dec.sampler is not None,
-                         others=others)
-        self.last = (ids, [p[0] for p in probs], drafts.offset, first, others)
+                         others=others, stored=stored)
+        self.last = (ids, [p[0] for p in probs], drafts.offset, first, others, stored)
         lay, tokens = dec.block_layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)
         return Proposal(lay, tokens, plan.sources)
 
     def observe(self, outcome: StepOutcome) -> None:
-        ids, top_probs, offset, found, others = self.last
-        self.stats.observe(outcome.emitted, ids, top_probs, offset, found, outcome.layout.rows, others)
+        ids, top_probs, offset, found, others, stored = self.last
+        self.stats.observe(outcome.emitted, ids, top_probs, offset, found, outcome.layout.rows, others, stored)
         self.mask_rows_before = sum(outcome.layout.group_len)

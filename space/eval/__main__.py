@@ -27,7 +27,7 @@ from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOI
 from .bench import METHODS
 from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model_files, read_record, report
 from .shard import Shard, current_shard, join, wait_for_all
-from .tasks import DATASETS, load_tasks, trained_questions
+from .tasks import DATASETS, datastore_questions, load_tasks, trained_questions
 
 # torch, transformers and the model code are imported inside the functions that need them, so
 # that --help answers without loading them
@@ -451,6 +451,13 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                       f"training data (MBPP {', '.join(trained[:4])}, ...): its drafts learned their answers, so "
                       "tokens/step and speedups on them overstate held-out drafting; --dataset mbpp-dev holds the "
                       "100 MBPP questions kept out of training", stacklevel=2)
+    answered = datastore_questions(tasks, args.datastore) if datastore is not None else []
+    if answered:
+        warnings.warn(f"{len(answered)} of {len(tasks)} questions of --dataset {args.dataset} are answered in the "
+                      f"--datastore sets ({', '.join(answered[:4])}, ...): SPACE copies the model's own earlier answers "
+                      "to them, so tokens/step and speedups on them overstate what the datastore drafts for new "
+                      "questions" + ("; --dataset mbpp-dev holds the 100 MBPP questions no committed set answers"
+                                     if args.dataset == "mbpp" else ""), stacklevel=2)
     meta = {"model": base, "model_files": model_files(base), "adapter": args.adapter,
             "adapter_sha256": adapter_sha256(args.adapter),
             # questions the adapter or checkpoint was trained on (MBPP's, trained_questions)
@@ -469,6 +476,8 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "datastore": datastore and {"sets": args.datastore, "tokens": len(datastore)},
             "datastore_sha256": datastore and datastore.identity,
             "datastore_branches": decode.datastore_branches if datastore else 0,
+            # questions whose answer the datastore holds (datastore_questions)
+            "datastore_questions": len(answered),
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
             "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),

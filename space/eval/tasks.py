@@ -144,6 +144,34 @@ def trained_questions(tasks: list[EvalTask], adapter) -> list[str]:
     return [t.question_id for t in mbpp if prompt_key(to_example(t.problem).context) in keys]
 
 
+def datastore_questions(tasks: list[EvalTask], sets) -> list[str]:
+    """The ids of ``tasks`` whose first question a datastore's sets (``space-distill`` sets, as
+    ``--datastore`` names them, ``space.decoding.datastore.set_paths``) hold an answer to, in their
+    order: a step copies the model's own earlier answer to it, so tokens/step on it overstate what
+    the datastore drafts for a new question. A question matches a set's prompt when their first user
+    messages are equal up to whitespace (an MBPP question is asked in distillation as here,
+    ``space.data.prompts.mbpp_prompt``); the committed sets answer 873 MBPP questions and none of
+    HumanEval's or MT-Bench's.
+
+    Raises:
+        FileNotFoundError, ValueError: as ``Datastore.from_sets`` for a missing or unreadable set.
+    """
+    from ..decoding.datastore import set_paths
+    from ..jsonl import read_jsonl
+
+    def first_user(prompt) -> str | None:  # a prompt's messages, or its text (a set made by hand)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+        return " ".join(text.split()) if isinstance(text, str) else None
+
+    answered = set()
+    for path in set_paths(sets):
+        if not path.is_file():
+            raise FileNotFoundError(f"datastore set {path} not found")
+        answered.update(first_user(row.get("prompt") or []) for row in read_jsonl(path) if isinstance(row, dict))
+    return [t.question_id for t in tasks if first_user(t.turns[0]) in answered]
+
+
 # the fields a row must have, and their types: what the prompt and the executor read
 CODE_FIELDS = {"task_id": str, "prompt": str, "test": str}
 MBPP_FIELDS = {"task_id": (int, str), "text": str, "code": str, "test_list": list}

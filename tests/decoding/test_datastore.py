@@ -8,8 +8,10 @@ import torch
 
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.datastore import Datastore
+from space.decoding.dynamic import AcceptanceStats, StepCost, plan_step
 from space.decoding.lookup import PromptLookup
 from space.models import tiny_tokenizer
+from tests.decoding.test_dynamic import node_paths
 from tests.decoding.test_sampling import small_vocab_model  # noqa: F401  (a fixture)
 
 
@@ -66,17 +68,19 @@ def test_a_set_gives_its_ids_or_its_text_spelled(tmp_path):
 
 def test_prompt_lookup_adds_the_datastores_continuations_after_its_own():
     """Catches datastore continuations placed before the text's own (PLD's is the first), one that
-    repeats or starts one already found kept, none offered when the text has none of its own, and
-    the single continuation (PLD's) changed by a datastore."""
+    repeats or starts one already found kept, none offered when the text has none of its own, the
+    single continuation (PLD's) changed by a datastore, and the datastore's miscounted."""
     store = Datastore([[7, 8, 9, 1, 2], [7, 8, 9, 5, 6], [3, 3, 3, 4, 4]])
     text = [1, 7, 8, 9, 1, 2, 7, 8, 9]  # the text's own 2-gram (8, 9) recurs: [1, 2, 7, 8, 9]
     lookup = PromptLookup(text, 5, 2, 100, branches=1, datastore=store, datastore_branches=2)
     assert lookup.continuations() == [[1, 2, 7, 8, 9], [5, 6]]  # the datastore's [1, 2] starts the first
+    assert lookup.continuations().stored == 1 and lookup.continuations(1, 0).stored == 0
     assert lookup.continuation() == [1, 2, 7, 8, 9] and lookup.continuations(1, 0) == [[1, 2, 7, 8, 9]]
     alone = PromptLookup([6, 3, 3, 3], 5, 2, 100, branches=1, datastore=store, datastore_branches=1)
     assert alone.continuations() == [[3], [4, 4]]  # its own (3, 3) recurs once, cut by the text's end
     none = PromptLookup([0, 7, 8, 9], 5, 2, 100, datastore=store, datastore_branches=2)
     assert none.continuations() == [[1, 2], [5, 6]] and none.continuation() == []
+    assert none.continuations().stored == 2 and alone.continuations().stored == 1
     assert PromptLookup([0, 7, 8, 9], 5, 2, 5, datastore=store, datastore_branches=2).continuations() == []  # context full
     with pytest.raises(ValueError, match="datastore_branches"):
         PromptLookup([], 5, 2, 100, datastore=store, datastore_branches=-1)
@@ -93,12 +97,12 @@ def test_a_datastore_needs_a_layout_that_reads_it(tiny_varied):
         DecodeConfig(2, tree="dynamic", datastore_branches=1)  # no lookup
 
 
-def test_space_with_a_datastore_decodes_ar_and_accepts_from_it(tiny_varied):
+def test_space_with_a_datastore_decodes_ar_and_accepts_from_it(tiny_varied, monkeypatch):
     """A random drafter (its masks rarely right) and a datastore holding the AR answers to the
     prompts (and wrong answers beside them): SPACE's output is AR's token for token for every
     prompt and length, and steps accept deep through the datastore's branches, which a decoder
     without it cannot. Catches a wrong token accepted from a branch, a bonus taken from the wrong
-    row, and a datastore that is never read."""
+    row, a datastore that is never read, and its continuations not told apart to the planner."""
     model, _, spec = tiny_varied
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(11, 250, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen)
@@ -110,15 +114,25 @@ def test_space_with_a_datastore_decodes_ar_and_accepts_from_it(tiny_varied):
     cfg = DecodeConfig(2, tree="dynamic", lookup_tokens=6, datastore_branches=2)
     plain = SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=6))
     with_store = SpaceDecoder(model, spec, cfg, datastore=store)
+    told = []  # what the planner tells plan_step of the datastore's continuations
+
+    def plan_step_told(*args, stored=0, **kwargs):
+        told.append(stored)
+        return plan_step(*args, stored=stored, **kwargs)
+
+    monkeypatch.setattr("space.decoding.planner.plan_step", plan_step_told)
     steps = plain_steps = 0
     for p, truth in zip(prompts, truths):
         for n in (1, 17, 48):
-            out = with_store.generate(p, n)
+            planner = with_store.planner()
+            out = with_store.generate(p, n, planner=planner)
             assert out.new_ids == truth[:n], (p.tolist(), n)
         steps += out.num_steps
+        assert planner.stats.store[0][1] > 2 and planner.stats.store_first  # it learned which were the datastore's
         plain_steps += plain.generate(p, 48).num_steps
         assert max(out.accept_lengths) >= 4
     assert steps * 2 < plain_steps, (steps, plain_steps)
+    assert max(told) >= 1
 
 
 def test_sampling_with_a_datastore_keeps_ar_sampling_s_distribution(small_vocab_model):
@@ -141,3 +155,50 @@ def test_sampling_with_a_datastore_keeps_ar_sampling_s_distribution(small_vocab_
     assert max(a for out in outs for a in out.accept_lengths) >= 2
     assert sum(src.count("l") for out in outs for src in out.step_sources) > 50
     assert chi2_pvalue(counts, exact, 1000) > ALPHA
+
+
+def test_the_datastores_continuations_learn_and_are_priced_by_their_own_rates():
+    """Copied from other texts, the datastore's continuations go wrong sooner than the text's own
+    (results/datastore): a step teaches their own record, by place among the step's continuations,
+    never the text's lookup or other-continuation rates, and the planner prices them by it, the
+    first one too (the text has none of its own), which it does not force. Catches the datastore's
+    tokens counted, priced or forced as the text's own."""
+    stats = AcceptanceStats(3, 4, StepCost())
+    lookup, other, other_first = [list(c) for c in stats.lookup], [list(c) for c in stats.other], []
+    # the text has none of its own: the datastore's 5 6 7 is the first continuation, right twice
+    stats.observe([5, 6, 9], [], [], 0, [5, 6, 7], 4, others=[], stored=1)
+    assert stats.lookup == lookup and stats.other == other and stats.other_first == other_first
+    assert [c[1] for c in stats.store_first] == [2.0 + 1] and stats.store_first[0][0] == pytest.approx(0.4 + 1)
+    assert [c[1] - 2 for c in stats.store] == [1, 1, 1, 0]  # 5 right (after the first), 6 right, 7 wrong
+    # the text's own 5 6 7 is right; the datastore's 8 1, second, leaves it at the root and is wrong
+    stats.observe([5, 6, 7, 2], [], [], 0, [5, 6, 7], 4, others=[[8, 1]], stored=1)
+    assert [c[1] - 2 for c in stats.lookup] == [1, 1, 1, 0] and stats.other == other
+    assert len(stats.store_first) == 2 and stats.store_first[1] == pytest.approx([0.4, 3.0])
+    assert [c[1] - 2 for c in stats.store] == [2, 1, 1, 0]
+    # the text's own second continuation stays the text's
+    stats.observe([8, 1, 2], [], [], 0, [5, 6, 7], 4, others=[[8, 1]], stored=0)
+    assert stats.other_first[0] == pytest.approx([1.4, 3.0]) and stats.store_first[1] == pytest.approx([0.4, 3.0])
+
+    # priced: the datastore's record wrong, the text's right; lambda ~ 0, so every node pays
+    for cells in (stats.lookup, stats.other):
+        for c in cells:
+            c[:] = [100.0, 100.0]
+    stats.other_first = [[100.0, 100.0]]
+    stats.store = [[50.0, 100.0] for _ in range(4)]
+    stats.store_first = [[10.0, 100.0], [20.0, 100.0]]
+    stats.tokens = 1e-6
+    args = dict(budget=64, mask_num=3, max_groups=0, room=100, mask_rows_before=0)
+    assert stats.store_rates(1) == pytest.approx([0.2, 0.5, 0.5, 0.5]) and stats.store_rates(0)[0] == pytest.approx(0.1)
+    assert stats.store_rates(5) == pytest.approx([0.5] * 4)  # a place never seen: the deep rate
+    values = lambda plan: dict(zip(node_paths(plan), plan.values))
+    theirs = values(plan_step([], [], 0, [5, 6, 7], stats, others=[[8, 1]], stored=1, **args))
+    own = values(plan_step([], [], 0, [5, 6, 7], stats, others=[[8, 1]], stored=0, **args))
+    assert theirs[(8,)] == pytest.approx(0.2) and theirs[(8, 1)] == pytest.approx(0.1) and own[(8,)] == pytest.approx(1.0)
+    assert theirs[(5, 6, 7)] == own[(5, 6, 7)] == pytest.approx(1.0)
+    first = values(plan_step([], [], 0, [8, 1], stats, stored=1, **args))  # the datastore's is the first
+    assert first[(8,)] == pytest.approx(0.1) and first[(8, 1)] == pytest.approx(0.05)
+    # not forced as prompt lookup decoding's chain is: at a dear row it is left out, the text's own is not
+    stats.tokens = 1e6
+    assert plan_step([], [], 0, [8, 1], stats, stored=1, **args).tokens == ()
+    stats.lookup = [[1.0, 100.0] for _ in range(4)]
+    assert plan_step([], [], 0, [8, 1], stats, stored=0, **args).tokens == (8, 1)

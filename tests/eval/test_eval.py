@@ -238,6 +238,43 @@ def test_a_run_on_the_adapters_training_questions_warns_and_records_how_many(tmp
     assert json.loads((tmp_path / "dev" / "run_config.json").read_text())["trained_questions"] == 0
 
 
+def test_a_run_on_the_datastores_questions_warns_and_records_how_many(tmp_path, no_questions_run):
+    """The committed datastore sets hold the model's own answers to MBPP's first questions
+    (``tasks.datastore_questions``): a run on them with ``--datastore`` warns that tokens/step
+    overstate new questions, naming them, and records how many; on ``mbpp-dev`` it records 0 and
+    does not warn. A question matches up to whitespace, a set's prompt given as messages or as text.
+    Catches the check dropped or inverted, its count left out of the record, and a match on exact
+    text or on a later turn."""
+    import warnings
+
+    from space.eval.tasks import EvalTask, datastore_questions
+
+    Stop = no_questions_run
+    repo = Path(__file__).resolve().parents[2]
+    sets = str(repo / "data" / "distill" / "smollm2_lima_mbpp_stdlib.jsonl.gz")  # the committed set with MBPP's
+    args = ["--adapter", str(repo / "adapters" / "smollm2-135m-space"), "--limit", "2", "--max-new-tokens", "4",
+            "--methods", "space", "--threads", "1", "--datastore", sets]
+    with pytest.warns(UserWarning, match=r"2 of 2 questions of --dataset mbpp are answered in the --datastore sets "
+                                         r"\(1, 2, \.\.\.\)"), pytest.raises(Stop):
+        eval_main([*args, "--dataset", "mbpp", "--out", str(tmp_path / "mbpp")])
+    assert json.loads((tmp_path / "mbpp" / "run_config.json").read_text())["datastore_questions"] == 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*answered in the --datastore sets")
+        with pytest.raises(Stop):
+            eval_main([*args, "--dataset", "mbpp-dev", "--out", str(tmp_path / "dev")])
+    assert json.loads((tmp_path / "dev" / "run_config.json").read_text())["datastore_questions"] == 0
+    own = tmp_path / "set.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "Name  a\ncolour."}, {"role": "assistant", "content": "Red."},
+                        {"role": "user", "content": "Another."}], "response": "Blue."},
+            {"prompt": "Count to three.", "response": "1 2 3"}]
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    asked = [EvalTask("q1", "writing", ["Name a colour."]), EvalTask("q2", "writing", ["Name a colour!"]),
+             EvalTask("q3", "writing", ["Another."]), EvalTask("q4", "math", [" Count to\tthree. "])]
+    assert datastore_questions(asked, str(own)) == ["q1", "q4"]
+    with pytest.raises(FileNotFoundError, match="not found"):
+        datastore_questions(asked, str(tmp_path / "missing.jsonl"))
+
+
 def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(tmp_path, no_questions_run):
     """A full SAR-SFT checkpoint given as --model is the run's artifact, as an adapter is: the run
     decodes with the layout its space_config.json stores (it ran the default layout) and warns on
