@@ -74,8 +74,8 @@ rows. The dynamic tree may add what followed the n-gram's other occurrences too
 (``lookup_branches``), priced like any node, and what followed the text's last tokens in a
 datastore of the model's own answers (``datastore_branches``, ``datastore.Datastore``). The
 candidates are deterministic, and the first step looks up the prompt, as prompt lookup decoding
-does. Each step records where its accepted tokens came from, the masks, lookup (the datastore's
-counted as lookup) or both (:func:`provenance`).
+does. Each step records where its accepted tokens came from, the masks, lookup, the datastore or
+the masks and a lookup (:func:`provenance`).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ from ..tokens import MaskSpec, check_mask_num
 from .cache import SlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
-from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, StepCost, bucket
+from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, STORE, StepCost, bucket
 from .lookup import PromptLookup
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
@@ -139,26 +139,33 @@ def compact_cache(cache: Cache, start: int, rows: list[int], length: int | None 
 
 def provenance(parents: tuple[int, ...], sources: tuple[int, ...], tokens: list[int], path: list[int]
                ) -> tuple[str, int, int]:
-    """Where a step's accepted tokens came from (issue 44): the masks, prompt lookup, or both.
+    """Where a step's accepted tokens came from (issue 44): the masks, prompt lookup, a datastore,
+    or the masks and either lookup.
 
     Args:
         parents: (1+N,) parent row of each row of the block (-1 for x_{n-1}).
-        sources: (N,) each node's sources (``dynamic.MASK`` / ``LOOKUP`` bits).
+        sources: (N,) each node's sources (``dynamic.MASK`` / ``LOOKUP`` / ``STORE`` bits).
         tokens: (N,) node tokens on the host.
         path: the accepted rows, in depth order.
 
     Returns:
-        (one letter per accepted token, ``m`` mask draft, ``l`` lookup token, ``b`` both: the same
-        token path offered by both, as one node or as two branches; the deepest node offered by
-        the masks; the deepest offered by lookup).
+        (one letter per accepted token, ``m`` mask draft, ``l`` lookup token of the text's own (a
+        datastore's too where both offered it), ``d`` a datastore's alone, ``b`` the masks and
+        either lookup: the same token path offered by both, as one node or as two branches; the
+        deepest node offered by the masks; the deepest offered by lookup, the datastore's included).
     """
     by_path: dict[tuple[int, ...], int] = {}
     paths = [()]
     for r in range(1, len(parents)):
         paths.append(paths[parents[r]] + (tokens[r - 1],))
         by_path[paths[r]] = by_path.get(paths[r], 0) | sources[r - 1]
-    offered = [max((len(p) for p, s in by_path.items() if s & bit), default=0) for bit in (MASK, LOOKUP)]
-    return "".join(" mlb"[by_path[paths[r]]] for r in path), offered[0], offered[1]
+    offered = [max((len(p) for p, s in by_path.items() if s & bits), default=0) for bits in (MASK, LOOKUP | STORE)]
+    return "".join(_LETTER[by_path[paths[r]]] for r in path), offered[0], offered[1]
+
+
+# a node's sources (bits) -> its provenance letter (:func:`provenance`)
+_LETTER = {bits: "b" if bits & MASK and bits & (LOOKUP | STORE) else "l" if bits & LOOKUP else "d" if bits & STORE
+           else "m" for bits in range(1, 8)}
 
 
 def upload(values, device: torch.device) -> torch.Tensor:

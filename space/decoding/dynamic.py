@@ -85,7 +85,8 @@ LOOKUP_PRIOR = (0.3, 0.6)
 # the first occurrence's next token is the likelier one, so it starts from a lower guess
 OTHER_PRIOR = (0.2, 0.6)
 RATE_PRIOR = (2.0, 8)  # prior λ: 2 tokens per step of 8 rows
-MASK, LOOKUP = 1, 2  # a node's sources (bits): a mask draft, a prompt-lookup token, or both (3)
+# a node's sources (bits): a mask draft, a prompt-lookup token (the text's own), a datastore's token
+MASK, LOOKUP, STORE = 1, 2, 4
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,8 @@ class StepPlan:
         rows: the block's rows, padding included (a bucket size).
         values: (N,) each node's value, P(its path is right) as priced.
         sources: (N,) each node's sources: ``MASK`` (a mask draft), ``LOOKUP`` (a prompt-lookup
-            token) or both (the same token at the same place), for the provenance records.
+            token of the text's own), ``STORE`` (a datastore's), or several (the same token at the
+            same place), for the provenance records.
     """
 
     tokens: tuple[int, ...]
@@ -384,7 +386,7 @@ def _branch_points(found: list[int], others) -> list[tuple[list[int], int, int]]
 
 def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], found: list[int],
                 rates: list[float], limit: int, room: int, top1: list[int] | None, match: list[int],
-                others: list[tuple[list[int], int, list[float]]] = ()
+                others: list[tuple[list[int], int, list[float], int]] = (), first_source: int = LOOKUP
                 ) -> Iterator[tuple[tuple[int, ...], float, int]]:
     """Up to ``limit`` distinct token paths (path, value, sources) in non-increasing value, each
     after its prefix; generated as they are asked for (a step keeps only its first few).
@@ -399,9 +401,10 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     top-1 path has mask children (None: every path does, the drafts of plain masks do not depend on
     each other). ``match``: where the lookup tokens are mask drafts (:func:`_merged_ranks`).
 
-    ``others``: the lookup's other continuations, (tokens, start, rates) each (:func:`_branch_points`,
-    :meth:`AcceptanceStats.other_rates` of its rank, or a datastore's :meth:`AcceptanceStats.store_rates`
-    of its place). Each enters where it leaves the paths before
+    ``others``: the lookup's other continuations, (tokens, start, rates, source) each
+    (:func:`_branch_points`, :meth:`AcceptanceStats.other_rates` of its rank, or a datastore's
+    :meth:`AcceptanceStats.store_rates` of its place; ``LOOKUP``, or ``STORE`` for a datastore's).
+    ``first_source``: the first continuation's (``STORE`` where the text has none of its own). Each enters where it leaves the paths before
     it, at ``start``, and goes on token by token, each worth ``rates[d]`` of its parent at d tokens
     past that point; their nodes get no mask children of their own (the masks
     draft after the first continuation and the drafts' own paths), but a path that is both a mask
@@ -417,13 +420,13 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     lookup_depth = min(len(found), room, len(rates))
     # the other continuations' nodes: parent path -> [(token, conditional), ...], and their paths
     branch_kids: dict[tuple[int, ...], list[tuple[int, float]]] = {}
-    branch_paths: set[tuple[int, ...]] = set()
-    for tokens, start, other_rates in others:
+    branch_paths: dict[tuple[int, ...], int] = {}  # -> the sources of the continuations through it
+    for tokens, start, other_rates, bit in others:
         path = tuple(tokens[:start])
         for d in range(start, min(len(tokens), room, start + len(other_rates))):
             branch_kids.setdefault(path, []).append((tokens[d], other_rates[d - start]))
             path += (tokens[d],)
-            branch_paths.add(path)
+            branch_paths[path] = branch_paths.get(path, 0) | bit
     heap: list = []
     tick = 0
 
@@ -461,11 +464,11 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
             if ranks is not None and d < len(match):  # the lookup child is a mask draft too
                 skip, p = match[d], draft_probs[d][match[d]]
                 lead = max(p, rates[d])
-                push(value * lead, path + (found[d],), ranks + (skip,), MASK | LOOKUP)
+                push(value * lead, path + (found[d],), ranks + (skip,), MASK | first_source)
                 share = (1 - lead) / (1 - p) if p < 1 else 0.0
             else:
                 lead = rates[d]
-                push(value * lead, path + (found[d],), None, LOOKUP)
+                push(value * lead, path + (found[d],), None, first_source)
                 share = 1 - lead
         has_masks = ranks is not None and d < depth_cap and (top1 is None or ranks == tuple(top1[:d]))
         for t, c in branch_kids.get(path, ()):
@@ -483,12 +486,12 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
         if path in seen:
             continue
         seen.add(path)
-        on_first = bool(source & LOOKUP)  # only the first continuation's copies are lookup's so far
+        on_first = bool(source & first_source)  # only the first continuation's copies have its source so far
         if not source:  # another continuation's copy popped first: the path may be a mask draft's too
             ranks = mask_ranks(path, ranks)
-            source = LOOKUP | (MASK if ranks is not None else 0)
-        elif branch_paths and path in branch_paths:
-            source |= LOOKUP
+            source = branch_paths[path] | (MASK if ranks is not None else 0)
+        elif path in branch_paths:
+            source |= branch_paths[path]
         yield path, -neg, source
         open_node(-neg, path, ranks, on_first)
 
@@ -587,9 +590,10 @@ def plan_step(draft_ids: list[list[int]], draft_probs: list[list[float]], draft_
     own = len(others) + 1 - stored  # continuations before the datastore's
     rates = stats.store_rates(0) if found and own < 1 else stats.lookup_rates()
     match = _merged_ranks(draft_ids, found, min(len(found), room, len(rates), len(draft_ids)), top1)
-    branches = [(b, start, stats.store_rates(rank + 1) if rank + 1 >= own else stats.other_rates(rank))
+    branches = [(b, start, stats.store_rates(rank + 1), STORE) if rank + 1 >= own else (b, start, stats.other_rates(rank), LOOKUP)
                 for b, start, rank in _branch_points(found, others)]
-    cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match, branches))
+    cands = _Kept(_candidates(draft_ids, draft_probs, found, rates, max(budget - 1, 0), room, top1, match, branches,
+                              LOOKUP if own > 0 else STORE))
     # prompt lookup decoding's chain is always verified; a datastore's, when the text has none of its
     # own, is priced like any node (forced, it cost 1.3-2.2 % of modelled speed, results/datastore)
     depth = min(len(found), room, len(rates), max(budget - 1, 0)) if own > 0 else 0

@@ -47,7 +47,8 @@ class DecodeResult:
             device (the step's one read). Empty for AR.
         step_plan: per SPACE step, seconds of the planner and the block's layout (part of step_host).
         step_sources: per SPACE step, where each accepted token came from, a letter each: ``m`` a
-            mask draft, ``l`` a prompt-lookup token (a datastore's too), ``b`` both (``decoder.provenance``).
+            mask draft, ``l`` a prompt-lookup token, ``d`` a datastore's, ``b`` the masks and a lookup
+            (``decoder.provenance``).
         step_offered: per SPACE step, (deepest candidate from the masks, deepest from lookup).
         stop_reason: "eos", "length", or "stop" (``on_tokens`` raised :class:`StopDecoding`).
     """

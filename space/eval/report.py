@@ -82,18 +82,19 @@ def _acceptance(rows: list[dict], k: int) -> dict:
 
 def _sources(rows: list[dict]) -> dict | None:
     """Where SPACE's accepted tokens came from (issue 44), from the per-step records: how many came
-    from the mask drafts, from prompt lookup, or from both (the same token offered by both), and
-    per source the acceptance per offset j: over the steps whose deepest candidate from that source
-    is deeper than j, how often the first j+1 accepted tokens were all offered by it. None for
-    records written before the sources were stored."""
+    from the mask drafts, from prompt lookup, from a datastore (``space.decoding.datastore``; 0
+    without one), or from the masks and a lookup (the same token offered by both), and per source
+    (the datastore's counted as lookup) the acceptance per offset j: over the steps whose deepest
+    candidate from that source is deeper than j, how often the first j+1 accepted tokens were all
+    offered by it. None for records written before the sources were stored."""
     steps = [(src, off) for r in rows for c in r["choices"]
              for turn_src, turn_off in zip(c.get("sources") or [], c.get("offered") or []) for src, off in zip(turn_src, turn_off)]
     if not steps:
         return None
     counts = Counter(ch for src, _ in steps for ch in src)
-    out = {"accepted_from": {"mask": counts["m"], "lookup": counts["l"], "both": counts["b"]},
+    out = {"accepted_from": {"mask": counts["m"], "lookup": counts["l"], "datastore": counts["d"], "both": counts["b"]},
            "acceptance_per_offset_by_source": {}}
-    for name, letters, i in (("mask", "mb", 0), ("lookup", "lb", 1)):
+    for name, letters, i in (("mask", "mb", 0), ("lookup", "lbd", 1)):
         rates = []
         for j in range(max((o[i] for _, o in steps), default=0)):
             had = [src for src, o in steps if o[i] > j]
@@ -298,7 +299,8 @@ def to_markdown(s: dict) -> str:
             src, total = sm["accepted_from"], sum(sm["accepted_from"].values())
             lines.append("Accepted tokens by source: " + ", ".join(
                 f"{name} {n} ({_fmt(n / total if total else None, True)} %)" for name, n in
-                (("mask drafts", src["mask"]), ("prompt lookup", src["lookup"]), ("both", src["both"]))))
+                (("mask drafts", src["mask"]), ("prompt lookup", src["lookup"]),
+                 *((("datastore", src["datastore"]),) if src.get("datastore") else ()), ("both", src["both"]))))
             for name, rates in sm["acceptance_per_offset_by_source"].items():
                 lines.append(f"Acceptance per offset j of {name} candidates, over steps with one at j: "
                              + (", ".join(_fmt(a) for a in rates) or "none offered"))

@@ -2,13 +2,14 @@
 prompt lookup adds it, and SPACE with it decoding AR's tokens while its continuations are accepted."""
 import gzip
 import json
+from collections import Counter
 
 import pytest
 import torch
 
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.datastore import Datastore
-from space.decoding.dynamic import AcceptanceStats, StepCost, plan_step
+from space.decoding.dynamic import LOOKUP, MASK, STORE, AcceptanceStats, StepCost, plan_step
 from space.decoding.lookup import PromptLookup
 from space.models import tiny_tokenizer
 from tests.decoding.test_dynamic import node_paths
@@ -102,7 +103,8 @@ def test_space_with_a_datastore_decodes_ar_and_accepts_from_it(tiny_varied, monk
     prompts (and wrong answers beside them): SPACE's output is AR's token for token for every
     prompt and length, and steps accept deep through the datastore's branches, which a decoder
     without it cannot. Catches a wrong token accepted from a branch, a bonus taken from the wrong
-    row, a datastore that is never read, and its continuations not told apart to the planner."""
+    row, a datastore that is never read, and its continuations not told apart to the planner or in
+    the records of where accepted tokens came from."""
     model, _, spec = tiny_varied
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(11, 250, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen)
@@ -122,6 +124,7 @@ def test_space_with_a_datastore_decodes_ar_and_accepts_from_it(tiny_varied, monk
 
     monkeypatch.setattr("space.decoding.planner.plan_step", plan_step_told)
     steps = plain_steps = 0
+    letters = Counter()  # where the accepted tokens came from: the datastore's counted apart
     for p, truth in zip(prompts, truths):
         for n in (1, 17, 48):
             planner = with_store.planner()
@@ -129,10 +132,13 @@ def test_space_with_a_datastore_decodes_ar_and_accepts_from_it(tiny_varied, monk
             assert out.new_ids == truth[:n], (p.tolist(), n)
         steps += out.num_steps
         assert planner.stats.store[0][1] > 2 and planner.stats.store_first  # it learned which were the datastore's
-        plain_steps += plain.generate(p, 48).num_steps
+        plain_out = plain.generate(p, 48)
+        plain_steps += plain_out.num_steps
         assert max(out.accept_lengths) >= 4
+        letters.update("".join(out.step_sources))
+        assert "d" not in "".join(plain_out.step_sources)
     assert steps * 2 < plain_steps, (steps, plain_steps)
-    assert max(told) >= 1
+    assert max(told) >= 1 and letters["d"] > 20, letters
 
 
 def test_sampling_with_a_datastore_keeps_ar_sampling_s_distribution(small_vocab_model):
@@ -153,7 +159,7 @@ def test_sampling_with_a_datastore_keeps_ar_sampling_s_distribution(small_vocab_
                        datastore=store)
     counts, outs = sampled(dec, prompt, 1000, temperature=1.0)
     assert max(a for out in outs for a in out.accept_lengths) >= 2
-    assert sum(src.count("l") for out in outs for src in out.step_sources) > 50
+    assert sum(src.count("d") for out in outs for src in out.step_sources) > 50
     assert chi2_pvalue(counts, exact, 1000) > ALPHA
 
 
@@ -162,7 +168,7 @@ def test_the_datastores_continuations_learn_and_are_priced_by_their_own_rates():
     (results/datastore): a step teaches their own record, by place among the step's continuations,
     never the text's lookup or other-continuation rates, and the planner prices them by it, the
     first one too (the text has none of its own), which it does not force. Catches the datastore's
-    tokens counted, priced or forced as the text's own."""
+    tokens counted, priced, forced or recorded as the text's own."""
     stats = AcceptanceStats(3, 4, StepCost())
     lookup, other, other_first = [list(c) for c in stats.lookup], [list(c) for c in stats.other], []
     # the text has none of its own: the datastore's 5 6 7 is the first continuation, right twice
@@ -191,6 +197,10 @@ def test_the_datastores_continuations_learn_and_are_priced_by_their_own_rates():
     assert stats.store_rates(1) == pytest.approx([0.2, 0.5, 0.5, 0.5]) and stats.store_rates(0)[0] == pytest.approx(0.1)
     assert stats.store_rates(5) == pytest.approx([0.5] * 4)  # a place never seen: the deep rate
     values = lambda plan: dict(zip(node_paths(plan), plan.values))
+    sources = lambda plan: dict(zip(node_paths(plan), plan.sources))
+    assert sources(plan_step([], [], 0, [5, 6, 7], stats, others=[[8, 1]], stored=1, **args)) == {
+        (5,): LOOKUP, (5, 6): LOOKUP, (5, 6, 7): LOOKUP, (8,): STORE, (8, 1): STORE}
+    assert set(sources(plan_step([], [], 0, [8, 1], stats, stored=1, **args)).values()) == {STORE}
     theirs = values(plan_step([], [], 0, [5, 6, 7], stats, others=[[8, 1]], stored=1, **args))
     own = values(plan_step([], [], 0, [5, 6, 7], stats, others=[[8, 1]], stored=0, **args))
     assert theirs[(8,)] == pytest.approx(0.2) and theirs[(8, 1)] == pytest.approx(0.1) and own[(8,)] == pytest.approx(1.0)
@@ -202,3 +212,7 @@ def test_the_datastores_continuations_learn_and_are_priced_by_their_own_rates():
     assert plan_step([], [], 0, [8, 1], stats, stored=1, **args).tokens == ()
     stats.lookup = [[1.0, 100.0] for _ in range(4)]
     assert plan_step([], [], 0, [8, 1], stats, stored=0, **args).tokens == (8, 1)
+    # a mask draft (popped first, worth 0.9 x 0.5) that is the datastore's path too: one node of both
+    stats.tokens, stats.lookup = 1e-6, [[50.0, 100.0] for _ in range(4)]
+    assert sources(plan_step([[8, 9]], [[0.9, 0.05]], 0, [5, 6, 7], stats, others=[[8, 1]], stored=1,
+                             **args))[(8,)] == MASK | STORE

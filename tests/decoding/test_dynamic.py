@@ -881,7 +881,7 @@ def test_candidates_contain_prompt_lookups_and_provenance(trained):
                 zip(out.step_tokens, out.step_sources, out.step_offered)):
             found = pld.get_candidates(torch.tensor([text]))[0][0, len(text):].tolist()
             assert lookup_depth == len(found), (seed, i)  # the whole continuation, as PLD verifies it
-            assert len(src) == out.accept_lengths[i] and set(src) <= set("mlb")
+            assert len(src) == out.accept_lengths[i] and set(src) <= set("mlb")  # no datastore: no "d"
             assert out.accept_lengths[i] <= max(mask_depth, lookup_depth)
             accepted = out.new_ids[len(text) - len(prompt):][: len(src)]
             for d, ch in enumerate(src[: len(accepted)]):  # a lookup letter only on the found path

@@ -438,7 +438,7 @@ def test_provenance_split_and_acceptance_per_source():
     records = space + [rec("pld", "a", steps=5, wall=2.0), rec("pld", "b", steps=8, wall=1.0)]
     s = summarize(records, {"mask_num": 3, "lookup_tokens": 10})
     m = s["methods"]["space"]
-    assert m["accepted_from"] == {"mask": 3, "lookup": 2, "both": 3}
+    assert m["accepted_from"] == {"mask": 3, "lookup": 2, "datastore": 0, "both": 3}
     by = m["acceptance_per_offset_by_source"]
     # masks offered depth > 0 in 3 steps: "mm" and "bbm" start with a mask token, "" does not
     assert by["mask"] == pytest.approx([2 / 3, 2 / 2, 1 / 1], abs=1e-4)
@@ -454,6 +454,11 @@ def test_provenance_split_and_acceptance_per_source():
     old = summarize([{**space[0], "choices": [{k: v for k, v in space[0]["choices"][0].items()
                                                if k not in ("sources", "offered")}]}], {"mask_num": 3})
     assert "accepted_from" not in old["methods"]["space"]  # records from before sources were stored
+    # a datastore's tokens: counted apart, and among lookup's in the acceptance per offset
+    stored = summarize([rec("space", "a", ["dd", "ld", ""], [(0, 2), (0, 3), (0, 1)])], {"mask_num": 3})
+    assert stored["methods"]["space"]["accepted_from"] == {"mask": 0, "lookup": 1, "datastore": 3, "both": 0}
+    assert stored["methods"]["space"]["acceptance_per_offset_by_source"]["lookup"] == pytest.approx([2 / 3, 2 / 2, 0 / 1], abs=1e-4)
+    assert "prompt lookup 1 (25.0 %), datastore 3 (75.0 %), both 0" in to_markdown(stored)
 
 
 def _space_record(tokens: int, steps: int) -> dict:
