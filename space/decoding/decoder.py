@@ -163,8 +163,8 @@ def provenance(parents: tuple[int, ...], sources: tuple[int, ...], tokens: list[
     return "".join(_LETTER[by_path[paths[r]]] for r in path), offered[0], offered[1]
 
 
-# a node's sources (bits) -> its provenance letter (:func:`provenance`)
-_LETTER = {bits: "b" if bits & MASK and bits & (LOOKUP | STORE) else "l" if bits & LOOKUP else "d" if bits & STORE
+# a node's sources (bits) -> its provenance letter (:func:`provenance`); none (a custom planner's): " "
+_LETTER = {0: " "} | {bits: "b" if bits & MASK and bits & (LOOKUP | STORE) else "l" if bits & LOOKUP else "d" if bits & STORE
            else "m" for bits in range(1, 8)}
 
 

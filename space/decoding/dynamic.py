@@ -404,13 +404,14 @@ def _candidates(draft_ids: list[list[int]], draft_probs: list[list[float]], foun
     ``others``: the lookup's other continuations, (tokens, start, rates, source) each
     (:func:`_branch_points`, :meth:`AcceptanceStats.other_rates` of its rank, or a datastore's
     :meth:`AcceptanceStats.store_rates` of its place; ``LOOKUP``, or ``STORE`` for a datastore's).
-    ``first_source``: the first continuation's (``STORE`` where the text has none of its own). Each enters where it leaves the paths before
+    Each enters where it leaves the paths before
     it, at ``start``, and goes on token by token, each worth ``rates[d]`` of its parent at d tokens
     past that point; their nodes get no mask children of their own (the masks
     draft after the first continuation and the drafts' own paths), but a path that is both a mask
     draft and another continuation is one node with both kinds of children, priced from its larger
     value. Beside the first continuation and the mask drafts, the other continuations' tokens can
-    make siblings sum above their parent (module docstring).
+    make siblings sum above their parent (module docstring). ``first_source``: the first
+    continuation's source (``STORE`` where the text has none of its own).
 
     Best-first: a node's children are pushed when its first, most valuable copy pops (a path made
     by two sources is pushed twice), and a popped mask draft pushes its next sibling, so every

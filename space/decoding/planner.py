@@ -33,7 +33,7 @@ class Proposal:
     Attributes:
         layout: the block's layout (``SpaceDecoder.block_layout`` or ``static_block`` builds it).
         tokens: (N,) node tokens in block order, on the model's device.
-        sources: (N,) each node's sources (``dynamic.MASK`` / ``LOOKUP`` bits), for the records.
+        sources: (N,) each node's sources (``dynamic.MASK`` / ``LOOKUP`` / ``STORE`` bits), for the records.
     """
 
     layout: StepLayout

@@ -49,7 +49,8 @@ class DecodeResult:
         step_sources: per SPACE step, where each accepted token came from, a letter each: ``m`` a
             mask draft, ``l`` a prompt-lookup token, ``d`` a datastore's, ``b`` the masks and a lookup
             (``decoder.provenance``).
-        step_offered: per SPACE step, (deepest candidate from the masks, deepest from lookup).
+        step_offered: per SPACE step, (deepest candidate from the masks, deepest from lookup, the
+            datastore's included).
         stop_reason: "eos", "length", or "stop" (``on_tokens`` raised :class:`StopDecoding`).
     """
 

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from space.decoding import DecodeConfig, SpaceDecoder
 from space.decoding.cache import SlabCache, static_cache
 from space.decoding.decoder import Drafts, compact_cache
-from space.decoding.dynamic import LOOKUP, MASK
+from space.decoding.dynamic import LOOKUP, MASK, STORE
 from space.decoding.sampling import SamplingConfig, logits_to_probs
 
 LAYERS, HEADS, DIM = 3, 2, 4
@@ -198,6 +198,11 @@ def test_provenance_of_a_path_offered_by_the_masks_and_the_lookup_branch():
     assert provenance(parents, sources, [5, 6, 5, 7], [1, 2]) == ("bm", 2, 2)
     assert provenance((-1, 0, 1, 0), (MASK, MASK, LOOKUP), [5, 6, 8], [3]) == ("l", 2, 1)
     assert provenance((-1, 0), (MASK | LOOKUP,), [5], []) == ("", 1, 1)
+    # a datastore's token: its own letter alone, "b" with a mask draft, the text's "l" with the text's
+    assert provenance((-1, 0), (STORE,), [5], [1]) == ("d", 0, 1)
+    assert provenance((-1, 0), (MASK | STORE,), [5], [1]) == ("b", 1, 1)
+    assert provenance((-1, 0, 0), (LOOKUP, STORE), [5, 5], [2]) == ("l", 0, 1)
+    assert provenance((-1, 0), (0,), [5], [1]) == (" ", 0, 0)  # a custom planner's node of no source
 
 
 def test_step_times_count_the_prefill_once_and_host_time_leaves_the_model_out(tiny, monkeypatch):
