@@ -28,6 +28,15 @@ def test_the_longer_shared_context_and_more_occurrences_rank_first():
     assert len(store) == 18
 
 
+def test_equal_scores_keep_token_order_a_shorter_continuation_first():
+    """Three continuations of (1, 2, 3) with one occurrence each and no shared context: ties go in
+    token order, a continuation cut by the answer's end before a longer one it starts. Catches ties
+    in store order, in reverse, or with the end sorted after every token."""
+    store = Datastore([[1, 2, 3, 9, 1], [1, 2, 3, 5, 7], [1, 2, 3, 5]])
+    assert store.continuations([8, 1, 2, 3], 3, 10) == [[5], [5, 7], [9, 1]]
+    assert store.continuations([8, 1, 2, 3], 1, 10) == [[5]]
+
+
 def test_nothing_crosses_an_answer_and_unknown_text_finds_nothing():
     """Catches a continuation that runs into the next answer (separators), an n-gram matched across
     two answers, and a lookup on a text shorter than the n-gram."""
