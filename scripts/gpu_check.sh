@@ -31,7 +31,9 @@
 # on 12 in fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE).
 # space-eval prices the dynamic tree by a step-cost curve it measures at load on the GPU (--step-cost auto: the
 # shipped curves are the CPU's); the last stage runs captured fp32 SPACE again priced by the stored CPU curve, the
-# run before that change.
+# run before that change. Before it, captured fp32 SPACE with the datastore of the committed distilled sets
+# (.gpu2/distill/, results/datastore) on the same first 8 questions: never timed on a GPU, where its larger trees should
+# cost least.
 #   bash scripts/gpu_check.sh g58a ; bash scripts/gpu_check.sh g58b
 set -u
 phase=${1:?phase1, phase2, compiled, real1, real2, real3, g58a or g58b}
@@ -95,9 +97,10 @@ elif [ "$phase" = g58a ]; then
 elif [ "$phase" = g58b ]; then
   join_model
   # cut at 90 s last time, with nothing written: it now writes each layout as it is timed
-  stage host_time_smollm2_bf16 80 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 2 \
+  stage host_time_smollm2_bf16 75 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 2 \
     --new-tokens 64 --layouts ar,shipped --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval)
+  DATASTORE=.gpu2/distill/smollm2_selfdistill.jsonl.gz,.gpu2/distill/smollm2_lima_mbpp_stdlib.jsonl.gz
   # 2026-12-04: eager fp32 took 75 s for 11 of 12 questions (its first 8: 52 s after 16-23 s of loading),
   # captured 51 s (fp32) and 37 s (bf16) for 12; a step cost measured at load adds a few seconds
   stage eval_humaneval_fp32 95 python3 -m space.eval "${common[@]}" --limit 8 --methods ar,pld,space --out "$stash/res/eval_humaneval_fp32"
@@ -107,8 +110,11 @@ elif [ "$phase" = g58b ]; then
     --capture-len 2048 --limit 12 --out "$stash/res/eval_humaneval_capture_fp32"
   stage eval_humaneval_capture_bf16 60 python3 -m space.eval "${common[@]}" --methods ar,space --capture \
     --capture-len 2048 --limit 12 --dtype bfloat16 --out "$stash/res/eval_humaneval_capture_bf16"
+  # the first 8 of the 12 above, SPACE alone with the datastore (about 7 s of decoding after the load)
+  stage eval_humaneval_capture_fp32_datastore 40 python3 -m space.eval "${common[@]}" --methods space --capture \
+    --capture-len 2048 --limit 8 --datastore "$DATASTORE" --out "$stash/res/eval_humaneval_capture_fp32_datastore"
   # the first 8 of the 12 above, SPACE alone (about 10 s of decoding after the load)
-  stage eval_humaneval_capture_fp32_stored 30 python3 -m space.eval "${common[@]}" --methods space --capture \
+  stage eval_humaneval_capture_fp32_stored 25 python3 -m space.eval "${common[@]}" --methods space --capture \
     --capture-len 2048 --limit 8 --step-cost stored --out "$stash/res/eval_humaneval_capture_fp32_stored"
 else
   echo "unknown phase $phase"; exit 2

