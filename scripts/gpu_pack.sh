@@ -52,7 +52,8 @@ rm -rf .gpu .gpu2 .gpu3 && mkdir -p .gpu/whl .gpu/data .gpu2/data
   -d .gpu/whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 datasketch==2.0.0
 cp -r "$data/humaneval-x" "$data/mt-bench" .gpu/data/
 cp -r "$data/lima" "$data/mbpp" .gpu2/data/
-xz -T2 -6 -c "$gguf" | split -b 44M -d -a 2 - .gpu/gguf.xz.part
+# 45M: the two calls' margins under 64 MiB about equal (1.4 and 1.8 MB with the tree in 2026-12)
+xz -T2 -6 -c "$gguf" | split -b 45M -d -a 2 - .gpu/gguf.xz.part
 mv .gpu/gguf.xz.part01 .gpu2/
 adapter=adapters/smollm2-135m-space
 if [ -z "$sets" ]; then
@@ -65,3 +66,10 @@ fi
 # .gpu3/: the sets of --sets, carried back to a later session
 for d in .gpu/ .gpu2/ .gpu3/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 du -sh .gpu .gpu2 ${sets:+.gpu3}
+# what a call carries, with the tree that travels every time (results/, adapters/ and data/ left out of it)
+tree=$(git ls-files -z | grep -zvE '^(results|adapters|data)/' | xargs -0 cat | wc -c)
+for carry in .gpu ".gpu2${sets:+ .gpu3}"; do
+  bytes=$(( $(du -sbc $carry | tail -1 | cut -f1) + tree ))
+  echo "a call carrying $carry: $bytes bytes with the tree, of 67108864 (64 MiB)"
+  [ "$bytes" -le 67108864 ] || { echo "gpu_pack: over 64 MiB: move something out of $carry" >&2; exit 1; }
+done
