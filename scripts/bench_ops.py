@@ -9,9 +9,13 @@ groups) and the shipped layout (the adapter's dynamic tree + prompt lookup 10), 
 GPU's); ``--attention sdpa`` keeps transformers' attention and swaps in the one-call RMSNorm, the
 trunk CUDA loads (GQA through ``repeat_kv`` copies when a mask is given; each norm one kernel),
 where the default is the CPU's at load.
-``tests/decoding/test_op_budget.py`` holds the same budget on a tiny model::
+``--capture`` counts what a captured step launches besides its graph (``space.decoding.graphs``:
+on a GPU the trunk is one replay; here it runs eagerly, its forward hooks pausing the counter), for
+AR, prompt lookup (PLD, HF's settings, over the same captured steps as ``space-eval --capture``) and
+the layouts. ``tests/decoding/test_op_budget.py`` holds the same budgets on a tiny model::
 
     python scripts/bench_ops.py --out results/op_budget/smollm2.json
+    python scripts/bench_ops.py --capture --dtype float32 --out results/op_budget/smollm2_captured.json
 """
 from __future__ import annotations
 
@@ -28,26 +32,37 @@ import torch  # noqa: E402
 
 from space.data.prompts import chat_ids, code_prompt  # noqa: E402
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate  # noqa: E402
+from space.decoding.graphs import StepGraphs  # noqa: E402
 from space.decoding.op_count import OpCounter  # noqa: E402
+from space.eval.bench import PLD_NGRAM, PLD_TOKENS  # noqa: E402
 from space.eval.tasks import load_tasks  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
 from space.loader import load_space  # noqa: E402
 from space.rms_norm import swap_rms_norms  # noqa: E402
 
 ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
+WARM_TOKENS = 8  # each method's warm-up generation
 
 
-def count(generate, prompts) -> tuple[float, int, dict]:
-    """(ops per step, steps counted, ops per step by op) over ``prompts``, after a warm-up."""
-    generate(prompts[0], 8, None)
+def count(generate, prompts, trunk=None) -> tuple[float, int, dict]:
+    """(ops per step, steps counted, ops per step by op) over ``prompts``, after a warm-up; with
+    ``trunk``, none of the ops inside its forward (a captured step's graph)."""
+    generate(prompts[0], WARM_TOKENS, None)
     total = steps = 0
     by_op = {}
     for ids in prompts:
         with OpCounter() as ops:
-            generate(ids, None, ops.mark)
-        total, steps = total + ops.marks[-1] - ops.marks[0], steps + len(ops.marks) - 1
-        for name, n in ops.by_op.items():
-            by_op[name] = by_op.get(name, 0) + n
+            hooks = [] if trunk is None else [trunk.register_forward_pre_hook(lambda *_: ops.pause()),
+                                              trunk.register_forward_hook(lambda *_: ops.resume())]
+            try:
+                generate(ids, None, ops.mark)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        n = len(ops.marks) - 1
+        total, steps = total + ops.marks[-1] - ops.marks[0], steps + n
+        for name, per in ops.per_step_by_op().items():
+            by_op[name] = by_op.get(name, 0) + per * n
     return total / steps, steps, by_op
 
 
@@ -60,13 +75,15 @@ def main(argv=None) -> dict:
                    help="load: what load_space sets on this device; sdpa: the trunk CUDA loads (transformers' own "
                         "attention, the one-call RMSNorm of space.rms_norm)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--capture", action="store_true",
+                   help="count the ops of captured steps outside their graph (AR, PLD and the layouts)")
     p.add_argument("--out", help="JSON file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True).stdout.strip(),
               "torch": torch.__version__, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-              "attention": args.attention, "ops_per_step": {}, "steps": {}, "by_op": {}}
+              "attention": args.attention, "capture": args.capture, "ops_per_step": {}, "steps": {}, "by_op": {}}
     for dtype in args.dtype:
         model, tok, spec = load_space(adapter=ADAPTER, dtype=dtype)
         trunk = dict(getattr(model, "space_trunk", None) or {})
@@ -77,17 +94,23 @@ def main(argv=None) -> dict:
         prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
                    for t in load_tasks("humaneval", limit=args.prompts)]
         n = args.max_new_tokens
+        configs = {"chain": DecodeConfig(3, 4), "static tree": DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+                   "dynamic tree (shipped)": SpaceDecoder(model, spec).config}
+        graphs = None
+        if args.capture:  # PLD as space-eval --capture runs it: the SPACE decoder with no mask group
+            configs = {"PLD": DecodeConfig(3, 0, lookup_tokens=PLD_TOKENS, lookup_ngram=PLD_NGRAM), **configs}
+            decoders = [SpaceDecoder(model, spec, c, buckets=True) for c in configs.values()]
+            sizes = {q for d in decoders for q in d.row_sizes}
+            rows = max(d.max_rows for d in decoders)
+            graphs = StepGraphs(model, max(p.numel() for p in prompts) + max(n, WARM_TOKENS) + rows, sizes)
         methods = {"AR": lambda ids, m, cb: ar_generate(model, ids, m or n, stop_token_ids=[tok.eos_token_id],
-                                                        suppress_ids=spec.token_ids, on_tokens=cb)}
-        shipped = SpaceDecoder(model, spec)
-        layouts = {"chain": SpaceDecoder(model, spec, DecodeConfig(3, 4)),
-                   "static tree": SpaceDecoder(model, spec, DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])),
-                   "dynamic tree (shipped)": shipped}
-        for name, dec in layouts.items():
+                                                        suppress_ids=spec.token_ids, on_tokens=cb, graphs=graphs)}
+        for name, config in configs.items():
+            dec = SpaceDecoder(model, spec, config, graphs=graphs)
             methods[name] = lambda ids, m, cb, dec=dec: dec.generate(ids, m or n, stop_token_ids=[tok.eos_token_id],
                                                                      on_tokens=cb)
         for name, generate in methods.items():
-            per_step, steps, by_op = count(generate, prompts)
+            per_step, steps, by_op = count(generate, prompts, graphs.trunk if graphs is not None else None)
             record["ops_per_step"].setdefault(name, {})[dtype] = round(per_step, 1)
             record["steps"].setdefault(name, {})[dtype] = steps
             record["by_op"].setdefault(name, {})[dtype] = {k: round(v / steps, 1) for k, v in

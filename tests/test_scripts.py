@@ -436,6 +436,23 @@ def test_bench_ops_cuda_attention_both_dtypes(tiny_adapter, tmp_path, monkeypatc
     assert written["attention"] == "sdpa" and set(written["trunk"]) == {"float32", "bfloat16"}
 
 
+
+def test_bench_ops_capture_counts_outside_the_graph(tiny_adapter, tmp_path, monkeypatch):
+    """bench_ops --capture: PLD joins the methods, and each count leaves the trunk's forward out
+    (the tiny trunk dispatches hundreds of ops a step; outside it AR dispatches 8)."""
+    ops = load_script("bench_ops")
+    monkeypatch.setattr(ops, "ADAPTER", tiny_adapter)
+    out = tmp_path / "ops.json"
+    ops.main(["--prompts", "1", "--max-new-tokens", "6", "--dtype", "float32", "--capture", "--threads", "1",
+              "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["capture"] is True
+    assert list(written["ops_per_step"]) == ["AR", "PLD", "chain", "static tree", "dynamic tree (shipped)"]
+    assert written["ops_per_step"]["AR"] == {"float32": 8.0}
+    assert all(0 < v["float32"] < 40 for v in written["ops_per_step"].values()), written["ops_per_step"]
+    assert "sub_" not in written["by_op"]["AR"]["float32"]
+
+
 # ---- the CPU benchmarks ----
 
 def test_bench_kernels(tiny_adapter, tmp_path):

@@ -1,7 +1,7 @@
 """KV-cache plumbing shared by decoding, training and evaluation: the name under which a cache goes
 into a model's forward (on both sides of a transformers rename), cropping it, the full-attention
 cache plus per-layer attention windows that SPACE steps need on sliding-window models, and the
-one-tensor cache eager decoding uses (:class:`SlabCache`).
+one-tensor caches eager decoding and captured steps use (:class:`SlabCache`, :class:`StaticSlabCache`).
 
 transformers 5.24 renamed the forward input ``past_key_values`` to ``cache``; the old name still works
 there with a FutureWarning on every call and goes away in 5.40. We support transformers 5.x from 5.0
@@ -169,11 +169,89 @@ class SlabCache(Cache):
         self.slab = Slab(num_layers, slots)
         super().__init__(layers=[SlabLayer(self.slab, i) for i in range(num_layers)])
 
+    @property
+    def device(self) -> torch.device:
+        return self.slab.tensor.device
+
     def gather(self, start: int, index: torch.Tensor) -> None:
         """Write slots ``index`` (a (n,) long tensor on the slab's device) of every layer to slots
         ``start..start+n``, in one gather and one copy."""
         t = self.slab.tensor
         t[..., start: start + index.numel(), :] = t.index_select(-2, index)
+
+
+class _SlabStaticLayer(StaticLayer):
+    """One layer of a :class:`StaticSlabCache`: a transformers ``StaticLayer`` (a step writes its
+    block with ``index_copy_`` at its length and advances the length on the device, as a captured
+    graph records it) whose keys, values and length are views of its cache's slab and lengths."""
+
+    def __init__(self, owner: StaticSlabCache, index: int):
+        super().__init__(max_cache_len=owner.slots)
+        self.owner, self.index = owner, index
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slab = self.owner.allocate(key_states, value_states)
+        self.device = slab.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim = self.v_head_dim = key_states.shape[-1]
+        self.keys, self.values = slab[self.index, 0], slab[self.index, 1]
+        self.cumulative_length = self.owner.lengths[self.index]
+        self.is_initialized = True
+
+
+class StaticSlabCache(Cache):
+    """The captured steps' cache (``space.decoding.graphs.StepGraphs``, issue 58): a static cache
+    whose layers' keys and values are views of one slab (layers, 2, batch, kv_heads, slots,
+    head_dim) and whose lengths are the elements of one (layers,) long tensor on the device. Inside
+    a graph each layer updates as a ``StaticLayer`` does; what a decode step does to the cache
+    outside the graph touches every layer in one op: a crop is one ``sub_`` of the lengths, and
+    moving an accepted tree path (:meth:`gather`) one gather and one copy. Separate
+    ``StaticLayer``s take 30 ``sub_`` a step and 120 gathers and copies a compacted step on
+    SmolLM2: 84 ops outside the graph a shipped-layout SPACE step against AR's 8 (counted on the
+    CPU), each a kernel launch and a Python loop turn on a GPU. Every layer holds the same number
+    of tokens (one decoder's cache).
+
+    Args:
+        num_layers: the trunk's decoder layers; slots: tokens each holds.
+
+    Raises:
+        ValueError: slots < 1; at the first write (``early_initialization``), keys and values of
+            different shapes.
+    """
+
+    def __init__(self, num_layers: int, slots: int):
+        if slots < 1:
+            raise ValueError(f"a static cache needs at least 1 slot, got {slots}")
+        self.slots, self.slab = slots, None
+        self.lengths = torch.zeros(num_layers, dtype=torch.long)
+        super().__init__(layers=[_SlabStaticLayer(self, i) for i in range(num_layers)])
+
+    def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The slab, allocated at the first layer's initialization (its shapes, dtype, device)."""
+        if self.slab is None:
+            if keys.shape[:2] != values.shape[:2] or keys.shape[-1] != values.shape[-1]:
+                raise ValueError(f"a slab cache needs keys and values of one shape, got {tuple(keys.shape)} and "
+                                 f"{tuple(values.shape)}")
+            b, h, _, d = keys.shape
+            self.slab = keys.new_zeros(len(self.layers), 2, b, h, self.slots, d)
+            self.lengths = self.lengths.to(keys.device)
+        return self.slab
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths.device
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every layer, on the device (a negative
+        count, as transformers' crop)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        self.lengths.sub_(-tokens_to_remove)
+
+    def gather(self, start: int, index: torch.Tensor) -> None:
+        """Write slots ``index`` (a (n,) long tensor on the slab's device) of every layer to slots
+        ``start..start+n``, in one gather and one copy."""
+        self.slab[..., start: start + index.numel(), :] = self.slab.index_select(-2, index)
 
 
 def eager_cache(trunk: torch.nn.Module, slots: int) -> Cache:

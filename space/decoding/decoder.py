@@ -93,7 +93,7 @@ from ..masking import (check_parents, host_block, in_window, mask_rows, pack_row
                        unpack_rows)
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num
-from .cache import SlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache, static_cache
+from .cache import SlabCache, StaticSlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, STORE, StepCost, bucket
@@ -112,7 +112,8 @@ def compact_cache(cache: Cache, start: int, rows: list[int], length: int | None 
     """Move the keys and values of block rows ``rows`` (the accepted path of a token tree) to the
     contiguous slots ``start + 1, start + 2, ...`` right after x_{n-1} (slot ``start``), then crop
     after them. A chain's path is already in place and is only cropped. A ``SlabCache`` (eager
-    decoding on one device) moves every layer at once: one gather and one copy (issue 58). Other
+    decoding on one device) or a ``StaticSlabCache`` (captured steps) moves every layer at once:
+    one gather and one copy (issue 58), and the latter crops every layer in one op. Other
     caches (dynamic, static, a model spread over devices) move inside each layer's tensors, one
     gather per layer, its slots uploaded once per device; uploads never wait (:func:`upload`).
 
@@ -124,8 +125,8 @@ def compact_cache(cache: Cache, start: int, rows: list[int], length: int | None 
     """
     if any(r != i for i, r in enumerate(rows, 1)):
         slots = [start + r for r in (0, *rows)]
-        if isinstance(cache, SlabCache):
-            cache.gather(start, upload(slots, cache.slab.tensor.device))
+        if isinstance(cache, SlabCache | StaticSlabCache):
+            cache.gather(start, upload(slots, cache.device))
         else:
             on: dict[torch.device, torch.Tensor] = {}  # the slots to gather, once per device (not per layer)
             for layer in cache.layers:

@@ -14,7 +14,7 @@ What a graph fixes, and how a step fits it:
 
 * **Shapes.** One graph per row count and slot bucket: a step's block is padded to a row bucket
   (``dynamic.bucket``; ``SpaceDecoder.row_sizes`` lists a decoder's), and the cache is one
-  ``cache.static_cache`` of ``slots`` slots, kept from one generation to the next
+  ``cache.StaticSlabCache`` of ``slots`` slots, kept from one generation to the next
   (:meth:`StepGraphs.reset` only sets its lengths to 0; stale slots are always masked). A step
   attends over the smallest slot bucket that holds the cache and its block (``slots`` halved
   while at least :data:`MIN_SLOTS`; the 4-D mask hides the slots past the block) where the
@@ -24,8 +24,11 @@ What a graph fixes, and how a step fits it:
   memory-efficient kernel walks a query row's keys in one block of threads.
 * **Addresses.** The inputs are fixed buffers (:class:`_Inputs`): ids, position ids, the mask and
   the mask-row gate, written in place before each replay; the output is the graph's own tensor,
-  read before the next replay. The cache's tensors are allocated before capture and never again;
-  its lengths (``StaticLayer.cumulative_length``) are device tensors the graph advances.
+  read before the next replay. The cache's tensors are allocated before capture and never again:
+  every layer's keys and values are views of one slab, and its length an element of one (layers,)
+  tensor on the device, which the graph advances. So what the decoder does to the cache between
+  replays is one op for every layer: a crop, one ``sub_``; a tree path's compaction, one gather
+  and one copy (84 -> 20 ops outside the graph a shipped-layout SPACE step, AR 8).
 * **The first mask row.** It changes from step to step, so the frozen-base LoRA reads it as a
   (rows, 1) gate (``space.masking.mask_rows`` with a tensor; 1 on mask rows, 0 elsewhere) instead
   of a Python integer a graph would freeze: the update is computed on every row and multiplied by
@@ -56,7 +59,7 @@ import torch
 
 from ..masking import mask_rows
 from .backends import attends_mask_width
-from .cache import attention_dtype, attention_windows, cache_input, static_cache
+from .cache import StaticSlabCache, attention_dtype, attention_windows, cache_input
 
 MIN_SLOTS = 256  # the smallest slot bucket's least size: the buckets halve the cache's slots down to it
 
@@ -138,7 +141,7 @@ class StepGraphs:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         with torch.no_grad():  # built outside inference mode, normal tensors: writable in and out of it
-            self.cache = static_cache(len(self.trunk.layers), slots)
+            self.cache = StaticSlabCache(len(self.trunk.layers), slots)
             # allocated now, once: a graph holds the addresses it was captured with
             self.cache.early_initialization(1, kv_heads, head_dim, self.dtype, self.device)
             # a block of q rows fits a bucket of at least q slots (it starts at slot 0 at the earliest)
@@ -179,8 +182,7 @@ class StepGraphs:
 
     def reset(self) -> None:
         """An empty cache for the next generation (its lengths to 0; the slots stay, always masked)."""
-        for layer in self.cache.layers:
-            layer.cumulative_length.zero_()
+        self.cache.lengths.zero_()
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -196,9 +198,7 @@ class StepGraphs:
                 buf.positions.copy_(torch.arange(q, device=self.device)[None])
                 buf.gate.fill_(1.0)
                 self._graph(q, n, g)
-            for layer in self.cache.layers:  # what the warm-ups wrote is never read, but start clean
-                layer.keys.zero_()
-                layer.values.zero_()
+            self.cache.slab.zero_()  # what the warm-ups wrote is never read, but start clean
         self.reset()
         return time.perf_counter() - t0
 
@@ -219,11 +219,10 @@ class StepGraphs:
         capture, which records the advance without running it."""
         key = (q, slots, gated)
         if key not in self._graphs:
-            lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+            lengths = self.cache.lengths.clone()
 
             def put_back():
-                for layer, length in zip(self.cache.layers, lengths):
-                    layer.cumulative_length.copy_(length)
+                self.cache.lengths.copy_(lengths)
 
             with torch.cuda.device(self.device), torch.inference_mode():  # no autograd in a graph
                 side = torch.cuda.Stream()

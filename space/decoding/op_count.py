@@ -21,7 +21,11 @@ depth and attention layout counts what the real one counts per layer.
 
 Per step: :meth:`OpCounter.mark` is the decoders' ``on_tokens`` callback, called once per step
 after its tokens are known; :meth:`OpCounter.per_step` averages the ops between the first mark
-and the last (the first step, which holds the prompt's forward, is left out).
+and the last (the first step, which holds the prompt's forward, is left out), and
+:meth:`OpCounter.per_step_by_op` splits them by op. :meth:`OpCounter.pause` and
+:meth:`OpCounter.resume` leave a region out: a captured step's trunk (``space.decoding.graphs``),
+one graph replay on a GPU, runs eagerly on the CPU, so what a captured step launches besides it
+is counted with the trunk's forward hooks pausing the counter.
 """
 from __future__ import annotations
 
@@ -73,6 +77,8 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.total, self.by_op, self.marks = 0, Counter(), []
+        self._by_op_at_marks: tuple[Counter, Counter] | None = None  # by_op at the first mark and the last
+        self._paused = 0
         self._uploads = _Uploads(self)
 
     def __enter__(self):
@@ -86,8 +92,24 @@ class OpCounter(TorchDispatchMode):
             self._uploads.__exit__(*exc)
 
     def count(self, name: str) -> None:
+        if self._paused:
+            return
         self.total += 1
         self.by_op[name] += 1
+
+    def pause(self) -> None:
+        """Count nothing until the matching :meth:`resume` (pairs nest)."""
+        self._paused += 1
+
+    def resume(self) -> None:
+        """End the latest :meth:`pause`.
+
+        Raises:
+            ValueError: no pause to end.
+        """
+        if not self._paused:
+            raise ValueError("resume without a pause")
+        self._paused -= 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,6 +128,8 @@ class OpCounter(TorchDispatchMode):
 
     def mark(self, _tokens=None) -> None:
         """Record the count at the end of a step (signature of the decoders' ``on_tokens``)."""
+        now = Counter(self.by_op)
+        self._by_op_at_marks = (self._by_op_at_marks[0] if self.marks else now, now)
         self.marks.append(self.total)
 
     def per_step(self) -> float:
@@ -117,3 +141,15 @@ class OpCounter(TorchDispatchMode):
         if len(self.marks) < 2:
             raise ValueError(f"need at least 2 steps to count ops per step, got {len(self.marks)}")
         return (self.marks[-1] - self.marks[0]) / (len(self.marks) - 1)
+
+    def per_step_by_op(self) -> dict[str, float]:
+        """Mean ops per step between the first mark and the last, by op name, most first.
+
+        Raises:
+            ValueError: fewer than two marks.
+        """
+        steps = len(self.marks) - 1
+        if steps < 1:
+            raise ValueError(f"need at least 2 steps to count ops per step, got {len(self.marks)}")
+        first, last = self._by_op_at_marks
+        return {name: n / steps for name, n in (last - first).most_common()}

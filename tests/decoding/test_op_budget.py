@@ -21,11 +21,13 @@ import torch
 from space.adapter_layers import fuse_frozen_base, mask_embedding, prepare_model
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.fused import fuse_trunk
+from space.decoding.graphs import StepGraphs
 from space.decoding.op_count import OpCounter
 from space.models import tiny_random_llama
 
 SPACE_OVER_AR = 1.15
 BF16_OVER_FP32 = 1.2  # HF's RMSNorm and rotary casts alone add about 11 % in bf16
+CAPTURED_OUTSIDE_OVER_AR = 3  # a captured SPACE step's ops besides its graph: AR's 8 and a few more
 METHODS = {"chain": DecodeConfig(3, 4),
            "static tree": DecodeConfig(3, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
            "dynamic tree": DecodeConfig(3, 4, tree="dynamic", lookup_tokens=10)}
@@ -95,6 +97,70 @@ def test_bf16_step_dispatches_about_an_fp32_step():
     fp32, bf16 = step_ops(torch.float32), step_ops(torch.bfloat16)
     over = {name: round(bf16[name] / fp32[name], 3) for name in fp32}
     assert all(r <= BF16_OVER_FP32 for r in over.values()), (fp32, bf16, over)
+
+
+def test_a_captured_step_launches_a_few_ops_besides_its_graph():
+    """On a GPU a captured step's trunk is one replay, and what the decoder launches besides it (the
+    buffers' writes, the LM head, verification, the cache's crop and compaction, drafting, uploads)
+    is its host's share. Counted with the trunk's forward paused (on the CPU it runs eagerly): every
+    SPACE method and PLD over captured steps within 3x AR's 8 ops. Catches the cache touched one
+    layer at a time: 30 ``sub_`` a step for the crop and 4 ops a layer for a tree's compaction
+    (chain 46, static tree 165, dynamic tree 49.5, PLD 21 before ``cache.StaticSlabCache``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, spec = frozen_base_model(torch.float32)
+        configs = {**METHODS, "PLD": DecodeConfig(3, 0, lookup_tokens=10, lookup_ngram=2)}
+        sizes = {q for c in configs.values() for q in SpaceDecoder(model, spec, c, buckets=True).row_sizes}
+        graphs = StepGraphs(model, 128, sizes)
+
+        def outside(generate) -> float:
+            generate(6, None)
+            with OpCounter() as ops:
+                hooks = [graphs.trunk.register_forward_pre_hook(lambda *_: ops.pause()),
+                         graphs.trunk.register_forward_hook(lambda *_: ops.resume())]
+                try:
+                    generate(12, ops.mark)
+                finally:
+                    for hook in hooks:
+                        hook.remove()
+            return ops.per_step()
+
+        ar = outside(lambda n, cb: ar_generate(model, PROMPT, n, suppress_ids=spec.token_ids, on_tokens=cb, graphs=graphs))
+        ops = {}
+        for name, config in configs.items():
+            decoder = SpaceDecoder(model, spec, config, graphs=graphs)
+            ops[name] = outside(lambda n, cb: decoder.generate(PROMPT, n, on_tokens=cb))
+    finally:
+        torch.set_num_threads(threads)
+    assert ar <= 8, ar
+    assert all(n <= CAPTURED_OUTSIDE_OVER_AR * ar for n in ops.values()), (ar, ops)
+
+
+def test_the_counter_pauses_and_splits_whole_steps_by_op():
+    """Ops between a pause and its resume are not counted, pairs nest, and a resume without a pause
+    is refused; ``per_step_by_op`` counts between the first mark and the last, not the prompt's
+    step before the first nor anything after the last."""
+    x = torch.randn(4, 8)
+    with OpCounter() as ops:
+        x + 1  # before the first mark: the prompt's step
+        ops.mark()
+        ops.pause()
+        ops.pause()
+        x * 2
+        ops.resume()
+        x * 2
+        ops.resume()
+        x - 1
+        ops.mark()
+        x - 1
+        x.neg()
+        ops.mark()
+        x / 2  # after the last mark
+    assert ops.per_step() == 1.5
+    assert ops.per_step_by_op() == {"sub": 1.0, "neg": 0.5}
+    with pytest.raises(ValueError, match="without a pause"):
+        ops.resume()
 
 
 def test_counter_counts_kernels_not_views():

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from space.decoding import DecodeConfig, SpaceDecoder
-from space.decoding.cache import SlabCache, static_cache
+from space.decoding.cache import SlabCache, StaticSlabCache, static_cache
 from space.decoding.decoder import Drafts, compact_cache
 from space.decoding.dynamic import LOOKUP, MASK, STORE
 from space.decoding.sampling import SamplingConfig, logits_to_probs
@@ -18,14 +18,14 @@ def filled(kind: str, tokens: int):
     """A cache of ``kind`` holding ``tokens`` tokens whose keys are layer * 1000 + slot and
     values the negatives, so every kept slot names where it came from."""
     cache = {"slab": lambda: SlabCache(LAYERS, 32), "dynamic": DynamicCache,
-             "static": lambda: static_cache(LAYERS, 32)}[kind]()
+             "static": lambda: static_cache(LAYERS, 32), "static slab": lambda: StaticSlabCache(LAYERS, 32)}[kind]()
     slot = torch.arange(tokens, dtype=torch.float32)[None, None, :, None].expand(1, HEADS, tokens, DIM)
     for layer in range(LAYERS):
         cache.update(layer * 1000 + slot, -(layer * 1000 + slot), layer)
     return cache
 
 
-@pytest.mark.parametrize("kind", ["slab", "dynamic", "static"])
+@pytest.mark.parametrize("kind", ["slab", "dynamic", "static", "static slab"])
 @pytest.mark.parametrize("rows", [[2, 5], [1, 3, 4], [1, 2], [4], [], [2, 3]])
 def test_compaction_keeps_the_accepted_path(kind, rows):
     """Block of 7 rows after 10 cached tokens: x_{n-1} (slot 10) stays, the path's rows move to
@@ -44,20 +44,41 @@ def test_compaction_keeps_the_accepted_path(kind, rows):
         assert values[0, :, :kept, 0].tolist() == [[-(layer * 1000 + s) for s in want]] * HEADS
 
 
+@pytest.mark.parametrize("kind", ["slab", "static slab"])
 @pytest.mark.parametrize("rows", [[1, 2, 3], [1], []])
-def test_compaction_of_a_chain_path_only_crops(monkeypatch, rows):
+def test_compaction_of_a_chain_path_only_crops(monkeypatch, kind, rows):
     """A chain's accepted path already sits right after x_{n-1}: compaction crops and moves nothing
     (issue 58: a gather over every layer for nothing each step). The content is the same either way,
     so only the missing gather tells."""
     start, block = 10, 7
-    cache = filled("slab", start + block)
+    cache = filled(kind, start + block)
 
     def no_gather(*args):
         raise AssertionError("a chain path was gathered")
 
     monkeypatch.setattr(cache, "gather", no_gather)
     compact_cache(cache, start, rows, start + block)
-    assert cache.get_seq_length() == start + 1 + len(rows)
+    assert [int(cache.get_seq_length(i)) for i in range(LAYERS)] == [start + 1 + len(rows)] * LAYERS
+
+
+def test_static_slab_cache_layers_are_views_of_one_slab_and_one_lengths_tensor():
+    """What lets a captured step touch every layer in one op: each layer's keys, values and length
+    are views of the cache's slab and lengths (a write through a layer lands in the slab, a crop of
+    the lengths crops every layer), and the cache is refused without a slot."""
+    cache = StaticSlabCache(LAYERS, 8)
+    cache.early_initialization(1, HEADS, DIM, torch.float32, torch.device("cpu"))
+    assert cache.slab.shape == (LAYERS, 2, 1, HEADS, 8, DIM) and cache.lengths.tolist() == [0] * LAYERS
+    for layer in range(LAYERS):
+        cache.update(torch.full((1, HEADS, 3, DIM), layer + 1.0), torch.full((1, HEADS, 3, DIM), -1.0), layer)
+    assert cache.lengths.tolist() == [3] * LAYERS
+    assert [float(cache.slab[i, 0, 0, 0, 2, 0]) for i in range(LAYERS)] == [1.0, 2.0, 3.0]
+    assert float(cache.slab[:, 1, ..., :3, :].sum()) == -LAYERS * HEADS * 3 * DIM
+    cache.crop(-2)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [1] * LAYERS
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(1)
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        StaticSlabCache(LAYERS, 0)
 
 
 def test_slab_cache_grows_and_crops():
