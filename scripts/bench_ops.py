@@ -60,6 +60,8 @@ def count(generate, prompts, trunk=None) -> tuple[float, int, dict]:
                 for hook in hooks:
                     hook.remove()
         n = len(ops.marks) - 1
+        if n < 1:  # the prompt's step was its only one (an end of sequence at once): no whole step
+            continue
         total, steps = total + ops.marks[-1] - ops.marks[0], steps + n
         for name, per in ops.per_step_by_op().items():
             by_op[name] = by_op.get(name, 0) + per * n
@@ -103,6 +105,7 @@ def main(argv=None) -> dict:
             sizes = {q for d in decoders for q in d.row_sizes}
             rows = max(d.max_rows for d in decoders)
             graphs = StepGraphs(model, max(p.numel() for p in prompts) + max(n, WARM_TOKENS) + rows, sizes)
+            graphs.capture()  # on a GPU every graph now, none inside a count (nothing to do on the CPU)
         methods = {"AR": lambda ids, m, cb: ar_generate(model, ids, m or n, stop_token_ids=[tok.eos_token_id],
                                                         suppress_ids=spec.token_ids, on_tokens=cb, graphs=graphs)}
         for name, config in configs.items():

@@ -114,7 +114,7 @@ elif [ "$phase" = g58b ]; then
   stage eval_humaneval_capture_fp32_datastore 40 python3 -m space.eval "${common[@]}" --methods space --capture \
     --capture-len 2048 --limit 8 --datastore "$DATASTORE" --out "$stash/res/eval_humaneval_capture_fp32_datastore"
   # the first 8 of the 12 above, SPACE alone (about 10 s of decoding after the load)
-  stage eval_humaneval_capture_fp32_stored 25 python3 -m space.eval "${common[@]}" --methods space --capture \
+  stage eval_humaneval_capture_fp32_stored 30 python3 -m space.eval "${common[@]}" --methods space --capture \
     --capture-len 2048 --limit 8 --step-cost stored --out "$stash/res/eval_humaneval_capture_fp32_stored"
 else
   echo "unknown phase $phase"; exit 2

@@ -49,5 +49,5 @@ join_model() {  # the GGUF from its two parts, converted; the shipped adapter fr
   fi
   sha256sum "$GGUF" $([ "$adapter" = 1 ] && echo "$ADAPTER/adapter_model.safetensors") | tee "$stash/res/sha256.txt"
   # 28 s on an H200 (results/gpu60)
-  stage convert 60 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())" || exit 1
+  stage convert 55 python3 -c "from space.models import smollm2_dir; print(smollm2_dir())" || exit 1
 }

@@ -67,7 +67,7 @@ fi
 for d in .gpu/ .gpu2/ .gpu3/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 du -sh .gpu .gpu2 ${sets:+.gpu3}
 # what a call carries, with the tree that travels every time (results/, adapters/ and data/ left out of it)
-tree=$(git ls-files -z | grep -zvE '^(results|adapters|data)/' | xargs -0 cat | wc -c)
+tree=$({ git ls-files -z | grep -zvE '^(results|adapters|data)/' | xargs -0 cat 2>/dev/null || true; } | wc -c)
 for carry in .gpu ".gpu2${sets:+ .gpu3}"; do
   bytes=$(( $(du -sbc $carry | tail -1 | cut -f1) + tree ))
   echo "a call carrying $carry: $bytes bytes with the tree, of 67108864 (64 MiB)"

@@ -448,9 +448,10 @@ def test_bench_ops_capture_counts_outside_the_graph(tiny_adapter, tmp_path, monk
     written = json.loads(out.read_text())
     assert written["capture"] is True
     assert list(written["ops_per_step"]) == ["AR", "PLD", "chain", "static tree", "dynamic tree (shipped)"]
-    assert written["ops_per_step"]["AR"] == {"float32": 8.0}
+    assert 0 < written["ops_per_step"]["AR"]["float32"] <= 10  # 8 on torch 2.13
     assert all(0 < v["float32"] < 40 for v in written["ops_per_step"].values()), written["ops_per_step"]
-    assert "sub_" not in written["by_op"]["AR"]["float32"]
+    assert "index_copy_" not in written["by_op"]["AR"]["float32"]  # the trunk's cache writes: paused
+    assert written["by_op"]["chain"]["float32"].get("sub_", 0) <= 1  # the crop: one op for every layer
 
 
 # ---- the CPU benchmarks ----

@@ -194,6 +194,7 @@ class _SlabStaticLayer(StaticLayer):
         self.device = slab.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim = self.v_head_dim = key_states.shape[-1]
+        self.dtype = slab.dtype
         self.keys, self.values = slab[self.index, 0], slab[self.index, 1]
         self.cumulative_length = self.owner.lengths[self.index]
         self.is_initialized = True
@@ -207,8 +208,8 @@ class StaticSlabCache(Cache):
     outside the graph touches every layer in one op: a crop is one ``sub_`` of the lengths, and
     moving an accepted tree path (:meth:`gather`) one gather and one copy. Separate
     ``StaticLayer``s take 30 ``sub_`` a step and 120 gathers and copies a compacted step on
-    SmolLM2: 84 ops outside the graph a shipped-layout SPACE step against AR's 8 (counted on the
-    CPU), each a kernel launch and a Python loop turn on a GPU. Every layer holds the same number
+    SmolLM2: 86 ops outside the graph a shipped-layout SPACE step against AR's 8 (counted on the
+    CPU, ``results/op_budget``), each a kernel launch and a Python loop turn on a GPU. Every layer holds the same number
     of tokens (one decoder's cache).
 
     Args:

@@ -28,7 +28,7 @@ What a graph fixes, and how a step fits it:
   every layer's keys and values are views of one slab, and its length an element of one (layers,)
   tensor on the device, which the graph advances. So what the decoder does to the cache between
   replays is one op for every layer: a crop, one ``sub_``; a tree path's compaction, one gather
-  and one copy (84 -> 20 ops outside the graph a shipped-layout SPACE step, AR 8).
+  and one copy (86 -> 23 ops outside the graph a shipped-layout SPACE step on SmolLM2, AR 8).
 * **The first mask row.** It changes from step to step, so the frozen-base LoRA reads it as a
   (rows, 1) gate (``space.masking.mask_rows`` with a tensor; 1 on mask rows, 0 elsewhere) instead
   of a Python integer a graph would freeze: the update is computed on every row and multiplied by

@@ -133,7 +133,7 @@ def test_a_captured_step_launches_a_few_ops_besides_its_graph():
             ops[name] = outside(lambda n, cb: decoder.generate(PROMPT, n, on_tokens=cb))
     finally:
         torch.set_num_threads(threads)
-    assert ar <= 8, ar
+    assert ar <= 10, ar  # 8 on torch 2.13
     assert all(n <= CAPTURED_OUTSIDE_OVER_AR * ar for n in ops.values()), (ar, ops)
 
 

@@ -81,6 +81,21 @@ def test_static_slab_cache_layers_are_views_of_one_slab_and_one_lengths_tensor()
         StaticSlabCache(LAYERS, 0)
 
 
+def test_static_slab_layers_set_what_a_static_layer_sets_and_follow_the_lengths_device():
+    """A layer of the slab cache, initialized, has every attribute transformers' own StaticLayer
+    has then (what the model's forward may read), and its length is a view of the lengths as they
+    stand on the slab's device (built on the CPU, moved at allocation: a layer left on the CPU
+    tensor would advance a copy no one reads)."""
+    own = static_cache(LAYERS, 8)
+    own.early_initialization(1, HEADS, DIM, torch.float32, torch.device("cpu"))
+    cache = StaticSlabCache(LAYERS, 8)
+    cache.early_initialization(1, HEADS, DIM, torch.float32, torch.device("meta"))
+    assert set(vars(own.layers[0])) <= set(vars(cache.layers[0])), set(vars(own.layers[0])) - set(vars(cache.layers[0]))
+    assert cache.lengths.device.type == "meta"
+    assert all(layer.cumulative_length._base is cache.lengths and layer.keys._base is cache.slab
+               for layer in cache.layers)
+
+
 def test_slab_cache_grows_and_crops():
     cache = SlabCache(LAYERS, 4)
     for _ in range(2):  # 6 tokens into 4 slots: the first write past them grows every layer
