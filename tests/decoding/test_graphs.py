@@ -11,6 +11,7 @@ import torch
 from space.adapter_layers import GatedLoraLinear
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import cache_input, full_cache
+from space.decoding.datastore import Datastore
 from space.decoding.decoder import with_cache
 from space.decoding.fused import fuse_trunk
 from space.decoding.graphs import StepGraphs
@@ -52,6 +53,27 @@ def test_captured_steps_equal_ar_and_the_eager_steps(captured, name):
         assert out.accept_lengths == eager.accept_lengths  # the same steps, not only the same text
         assert set(out.step_rows) <= set(graphs.sizes)  # every block is a bucket
         assert max(out.accept_lengths) >= 2
+
+
+def test_captured_steps_with_a_datastore_decode_ar_and_accept_from_it(tiny_varied):
+    """The datastore's branches over captured steps (``space-eval --capture --datastore``, timed by
+    gpu_check.sh g58b): a random drafter and a store holding the AR answers, so steps accept deep
+    through the datastore's paths, which move inside the one-slab cache. Catches a wrong slot kept
+    there, or blocks outside the buckets."""
+    model, _, spec = tiny_varied
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(11, 250, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen)
+               for _ in range(4)]
+    truths = [ar_generate(model, p, 40, suppress_ids=spec.token_ids).new_ids for p in prompts]
+    store = Datastore([p.tolist()[-3:] + t for p, t in zip(prompts, truths)])
+    cfg = DecodeConfig(2, tree="dynamic", lookup_tokens=6, datastore_branches=2)
+    graphs = StepGraphs(model, slots=128, sizes=SpaceDecoder(model, spec, cfg, buckets=True).row_sizes)
+    decoder = SpaceDecoder(model, spec, cfg, graphs=graphs, datastore=store)
+    for p, truth in zip(prompts, truths):
+        out = decoder.generate(p, 40)
+        assert out.new_ids == truth, p.tolist()
+        assert set(out.step_rows) <= set(graphs.sizes)
+        assert max(out.accept_lengths) >= 4 and "d" in "".join(out.step_sources)
 
 
 def _block(q: int):
