@@ -254,6 +254,14 @@ class StaticSlabCache(Cache):
         ``start..start+n``, in one gather and one copy."""
         self.slab[..., start: start + index.numel(), :] = self.slab.index_select(-2, index)
 
+    def _refused(self, *args, **kwargs):
+        # transformers' versions assign each layer a new keys / values tensor: the layer would then
+        # read a copy while crops, compaction and the captured graphs go on writing the slab
+        raise NotImplementedError("a StaticSlabCache holds one sequence in one slab: reordering, repeating, "
+                                  "selecting or offloading its batch is not supported")
+
+    reorder_cache = batch_repeat_interleave = batch_select_indices = offload = prefetch = _refused
+
 
 def eager_cache(trunk: torch.nn.Module, slots: int) -> Cache:
     """The cache an eager decode step runs on: a :class:`SlabCache` of ``slots`` when every

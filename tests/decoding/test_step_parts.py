@@ -81,6 +81,23 @@ def test_static_slab_cache_layers_are_views_of_one_slab_and_one_lengths_tensor()
         StaticSlabCache(LAYERS, 0)
 
 
+@pytest.mark.parametrize("call", [lambda c: c.reorder_cache(torch.tensor([0])),
+                                  lambda c: c.batch_repeat_interleave(2), lambda c: c.batch_select_indices(torch.tensor([0])),
+                                  lambda c: c.offload(0), lambda c: c.prefetch(0)],
+                         ids=["reorder_cache", "batch_repeat_interleave", "batch_select_indices", "offload", "prefetch"])
+def test_static_slab_cache_refuses_what_would_unlink_a_layer_from_the_slab(call):
+    """transformers' beam, batch and offload methods give each layer new keys / values tensors: a
+    layer would then read a copy while crops, compaction and the captured graphs write the slab.
+    They are refused, and the layers still view the slab after the refusal."""
+    cache = StaticSlabCache(LAYERS, 8)
+    cache.early_initialization(1, HEADS, DIM, torch.float32, torch.device("cpu"))
+    for layer in range(LAYERS):
+        cache.update(torch.ones(1, HEADS, 2, DIM), torch.ones(1, HEADS, 2, DIM), layer)
+    with pytest.raises(NotImplementedError, match="one slab"):
+        call(cache)
+    assert all(layer.keys._base is cache.slab and layer.values._base is cache.slab for layer in cache.layers)
+
+
 def test_static_slab_layers_set_what_a_static_layer_sets_and_follow_the_lengths_device():
     """A layer of the slab cache, initialized, has every attribute transformers' own StaticLayer
     has then (what the model's forward may read), and its length is a view of the lengths as they
