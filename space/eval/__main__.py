@@ -140,8 +140,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
             GPUs, ``--compile reduce-overhead`` without a CUDA device or ``--compile frozen``
             off the CPU (loader.check_compile),
             ``--capture`` with ``--compile`` or ``--device-map``, ``--capture-len`` < 1 or without
-            ``--capture``, ``--step-cost measure`` with ``--compile`` or a shard, or ``--out`` that is
-            a file.
+            ``--capture``, ``--step-cost measure`` with ``--compile`` or a shard, ``--out`` that is
+            a file or lies inside the ``--adapter`` or ``--model`` folder.
     """
     import torch  # lazy: --help stays fast
 
@@ -207,7 +207,19 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
                          "CUDA_VISIBLE_DEVICES")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file; pass a folder")
+    out = args.out or default_out(args.dataset)
+    for flag, folder in (("--adapter", args.adapter), ("--model", args.model)):
+        # the folder's files are fingerprinted (resume keys): the run's own files would change them every run
+        if folder and Path(folder).is_dir() and out.resolve().is_relative_to(Path(folder).resolve()):
+            raise ValueError(f"--out {out} lies inside {flag} {folder}, whose files fingerprint the run's "
+                             "samples: its own files would change that at every run, and no run would resume; "
+                             "pass a folder outside it")
     return methods, placement
+
+
+def default_out(dataset: str) -> Path:
+    """Where a run without ``--out`` writes: ``runs/eval/<dataset>``."""
+    return Path("runs/eval") / dataset.replace(":", "-").replace("/", "_")
 
 
 def make_out(out: Path) -> Path:
@@ -319,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     methods, placement = check_args(args, shard)
     tasks = load_tasks(args.dataset, args.data_root, args.limit)
     mine = shard.select(tasks) if shard else tasks
-    out = make_out(args.out or Path("runs/eval") / args.dataset.replace(":", "-").replace("/", "_"))
+    out = make_out(args.out or default_out(args.dataset))
     with hold_samples(out / (shard.samples if shard else "samples.jsonl")), compile_progress(bool(args.compile)):
         return evaluate(args, shard, methods, placement, tasks, mine, out)
 
@@ -362,7 +374,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
 
     from ..artifact import (SPACE_CONFIG, adapter_decode_config, artifact_folder, compile_setup, git_commit,
                             priced_for_setup)
-    from ..cpu_kernels import apply_kernels
+    from ..cpu_kernels import PACKED_KERNELS, apply_kernels
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
     from ..decoding.tree import tree_flag
     from ..loader import load_space
@@ -387,7 +399,9 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     # its samples were made with: the timed choice could go the other way on a near-tie, and the kernel
     # picks the step-cost curve (a resume key)
     recorded = recorded_run(out, shard)
-    kernels = apply_kernels(model, args.kernels, kernel=recorded.get("packed_kernel"))
+    # a merged record of ranks that timed different kernels names them all ("mkl; onednn"): timed again
+    pinned = recorded.get("packed_kernel") if recorded.get("packed_kernel") in PACKED_KERNELS else None
+    kernels = apply_kernels(model, args.kernels, kernel=pinned)
     # timed on this machine (the faster packed kernel, stock F.linear's rows per shape): recorded, not
     # resume keys (the kernel is pinned above)
     packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from ..data.prompts import chat_ids
 from ..jsonl import append_jsonl, read_jsonl_resumable
 from .execute import check
-from .tasks import EvalTask
+from .tasks import EvalTask, question_sha256
 
 if TYPE_CHECKING:  # torch and the decoders load in the functions below: space-eval --help needs only METHODS
     from ..decoding import SamplingConfig, SpaceDecoder
@@ -217,8 +217,21 @@ def context_overflow(target: Target, task: EvalTask, max_new_tokens: int) -> str
 
 def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_file: Path, max_new_tokens: int,
               sampling: SamplingConfig, num_samples: int = 1) -> list[dict]:
-    """Run every method on every task (resuming ``out_file``); returns all records, skipped ones included."""
+    """Run every method on every task (resuming ``out_file``); returns all records, skipped ones included.
+    Each new record holds its question's fingerprint (``tasks.question_sha256``).
+
+    Raises:
+        ValueError: ``out_file`` holds records of a question asked now whose fingerprint differs (its
+            text or tests changed since), naming them; records written before fingerprints pass.
+    """
     rows = read_jsonl_resumable(out_file)
+    asked = {t.question_id: question_sha256(t) for t in tasks}
+    changed = sorted({r["question_id"] for r in rows if r.get("question_sha256")
+                      and r["question_sha256"] != asked.get(r["question_id"], r["question_sha256"])})
+    if changed:
+        raise ValueError(f"{out_file} holds answers to another text of {len(changed)} of this run's questions "
+                         f"({', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''}): the dataset changed "
+                         "since they were made; use another --out, or delete it to start over")
     done = {(r["question_id"], r["model_id"]) for r in rows}
     if done:
         mine = sum((t.question_id, m) in done for t in tasks for m in methods)
@@ -237,12 +250,13 @@ def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_fil
         for m in methods:
             if (task.question_id, m) in done:
                 continue
-            head = {"question_id": task.question_id, "category": task.category, "model_id": m}
+            head = {"question_id": task.question_id, "category": task.category, "model_id": m,
+                    "question_sha256": asked[task.question_id]}
             if why:
                 new.append({**head, "skipped": why})
                 continue
             try:
-                new.append(warm_question(m, target, task, max_new_tokens, sampling, num_samples))
+                new.append({**head, **warm_question(m, target, task, max_new_tokens, sampling, num_samples)})
             except ContextOverflow as e:  # skipped, not a stop: a resume would stop at it again
                 tqdm.write(f"[space-eval] {task.question_id}: {m} skipped, {e}")
                 new.append({**head, "skipped": f"{m}: {e}"})

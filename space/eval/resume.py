@@ -109,11 +109,25 @@ def _drafts_only(path: Path, root: Path) -> bytes:
 
 
 def read_record(path: Path) -> dict:
-    """A run_config / summary JSON file. Raises ValueError (file named) when it is not UTF-8 JSON."""
+    """A run_config / summary JSON file. Raises ValueError (file named) when it is not UTF-8 JSON or
+    not a JSON object."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: damaged run record ({e}); fix or delete it") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: damaged run record (a JSON {type(record).__name__}, not an object); fix or delete it")
+    return record
+
+
+def _shard_of(meta: dict, path: Path) -> dict:
+    """A rank's ``shard`` entry (rank, world_size, questions) from its record ``path``; ValueError
+    naming the file when it has none of that shape."""
+    shard = meta.get("shard")
+    if not (isinstance(shard, dict) and isinstance(shard.get("world_size"), int) and shard["world_size"] >= 1
+            and isinstance(shard.get("questions"), list)):
+        raise ValueError(f"{path}: not a rank's record (no shard entry with world_size and questions); fix or delete it")
+    return shard
 
 
 def hold_samples(samples: Path) -> AbstractContextManager[None]:
@@ -134,16 +148,22 @@ def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
     A rank of a sharded run records them in its own ``run_config.rank{i}.json`` (``meta`` then
     holds its ``shard`` entry) and is checked against its own samples and the merged ones.
     ``meta["commits"]`` becomes the list of every code commit that wrote samples in the file
-    resumed (the recorded list, plus the current commit when it is new).
+    resumed (the recorded list, plus the current commit when it is new). A plain run resuming a
+    merged one keeps its ``ranks`` and adds its device and machine to theirs, so the record still
+    names every device and machine its samples came from and resumes on each of them.
 
     Raises:
         ValueError: ``out`` holds samples but no record of their settings (run_config.json, or the
             meta of an older summary.json), or settings that differ from ``meta`` in a RESUME_KEYS
             entry (each named, with both values).
     """
-    commits = _recorded_commits(out, meta, "samples.jsonl", ("run_config.json", "summary.json"))
+    commits, old = _recorded_commits(out, meta, "samples.jsonl", ("run_config.json", "summary.json"))
     if shard is not None:
-        commits = _recorded_commits(out, meta, shard.samples, (shard.config,))
+        commits = _recorded_commits(out, meta, shard.samples, (shard.config,))[0]
+    elif old and old.get("ranks", 1) > 1:  # resuming a merged run: its samples came from every rank
+        meta["ranks"] = old["ranks"]
+        for key in ("device", "machine"):
+            meta[key] = "; ".join(dict.fromkeys([*str(old[key]).split("; "), str(meta[key])]))
     meta["commits"] = commits + [c for c in meta["commits"] if c not in commits]
     name = shard.config if shard is not None else "run_config.json"
     write_text_atomic(out / name, json.dumps(meta, indent=2))
@@ -165,11 +185,12 @@ def _drop_duplicates(samples: Path) -> None:
               "kept the first of each", flush=True)
 
 
-def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, ...]) -> list[str]:
-    """The commits that wrote ``out/samples`` ([] when there is none), once its recorded settings
-    (the first of ``records`` present) are found equal to ``meta``'s. Raises as check_resume."""
+def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, ...]) -> tuple[list[str], dict | None]:
+    """The commits that wrote ``out/samples`` ([] when there is none) and the record read (None
+    then), once its recorded settings (the first of ``records`` present) are found equal to
+    ``meta``'s. Raises as check_resume."""
     if not (out / samples).is_file():
-        return []
+        return [], None
     recorded = next((out / name for name in records if (out / name).is_file()), None)
     if recorded is None:
         raise ValueError(f"{out} holds {samples} but no {records[0]} saying how they were made; "
@@ -192,7 +213,7 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
     if diff:
         raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
                          f"(theirs, now): {diff}. Use another --out, or delete it to start over")
-    return old.get("commits") or ([old["commit"]] if old.get("commit") else [])  # older runs kept one
+    return old.get("commits") or ([old["commit"]] if old.get("commit") else []), old  # older runs kept one
 
 
 def merge_run(out: Path) -> dict:
@@ -243,7 +264,7 @@ def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
     first = out / "run_config.rank0.json"
     if not first.is_file():
         raise FileNotFoundError(f"{out} holds no run_config.rank0.json: no sharded run to merge there")
-    n = read_record(first)["shard"]["world_size"]
+    n = _shard_of(read_record(first), first)["world_size"]
     metas = []
     for rank in range(n):
         path = out / Shard(rank, n).config
@@ -251,6 +272,7 @@ def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
             raise ValueError(f"rank {rank} of {n} has not run in {out} (no {path.name}); "
                              f"run it with --shard {rank}/{n}")
         metas.append(read_record(path))
+        _shard_of(metas[-1], path)
     for key in (*keys, "num_questions", "shard.world_size"):
         values = [m["shard"]["world_size"] if key == "shard.world_size" else m.get(key) for m in metas]
         if any(v != values[0] for v in values):

@@ -10,6 +10,7 @@ first answer) and, for code, what the executor needs to run its tests.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,6 +40,13 @@ class EvalTask:
     language: str | None = None
     problem: dict = field(default_factory=dict)
 
+
+def question_sha256(task: EvalTask) -> str:
+    """SHA-256 (hex) of what a question asks and is tested on (its turns and the problem its tests
+    come from): a samples file's record made for another text of the question (an edited JSONL,
+    another ``--data-root``) is not resumed as this one's (``bench.run_bench``)."""
+    asked = json.dumps([task.turns, task.problem], sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(asked.encode()).hexdigest()
 
 def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]:
     """Tasks of a dataset name (see DATASETS) or a .jsonl file.
@@ -160,6 +168,8 @@ def datastore_questions(tasks: list[EvalTask], sets) -> list[str]:
     from ..jsonl import read_jsonl
 
     def first_user(prompt) -> str | None:  # a prompt's messages, or its text (a set made by hand)
+        if not isinstance(prompt, str | list):  # a malformed row answers no question
+            return None
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
         return " ".join(text.split()) if isinstance(text, str) else None

@@ -8,7 +8,8 @@ import torch
 import space.eval.bench as bench
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder
 from space.eval.bench import STEP_KEYS, Target, context_overflow, generate, run_question
-from space.eval.tasks import EvalTask
+from space.eval.tasks import EvalTask, question_sha256
+from space.jsonl import write_jsonl
 from space.models import tiny_random_llama
 from space.tokens import add_mask_tokens
 
@@ -132,6 +133,27 @@ def test_a_later_turn_that_outgrows_the_estimate_is_skipped_not_a_stop(monkeypat
     assert bench.run_bench(target, [two, one], ["ar", "space"], tmp_path / "samples.jsonl", 30,
                            SamplingConfig()) == rows  # a resume finds every record done
 
+
+
+def test_a_resume_refuses_answers_to_another_text_of_a_question(monkeypatch, tmp_path):
+    """A question edited between two runs into one --out (a JSONL fixed by hand, another
+    --data-root) keeps its id: its old answers were resumed as the new question's, one samples file
+    mixing two datasets. Records hold the question's fingerprint; a resume whose question changed is
+    refused naming it, whether its text or its tests changed, and one whose questions are the same
+    (or whose records predate fingerprints) resumes."""
+    target, calls = _overflow_target(monkeypatch, lambda method, seed, n: n)
+    samples = tmp_path / "samples.jsonl"
+    one, two = EvalTask("q0", "writing", ["a"]), EvalTask("q1", "writing", ["c"])
+    rows = bench.run_bench(target, [one, two], ["ar"], samples, 30, SamplingConfig())
+    assert all(r["question_sha256"] == question_sha256(t) for r, t in zip(rows, [one, two]))
+    edited = [EvalTask("q0", "writing", ["a, edited"]), EvalTask("q0", "python", ["a"], "python", {"test": "new"})]
+    for changed in edited:
+        with pytest.raises(ValueError, match=r"another text of 1 of this run's questions \(q0\)"):
+            bench.run_bench(target, [changed, two], ["ar"], samples, 30, SamplingConfig())
+    ran = len(calls)
+    assert bench.run_bench(target, [one, two], ["ar"], samples, 30, SamplingConfig()) == rows and len(calls) == ran
+    write_jsonl(samples, [{k: v for k, v in r.items() if k != "question_sha256"} for r in rows])  # an older run's
+    assert len(bench.run_bench(target, edited[:1] + [two], ["ar"], samples, 30, SamplingConfig())) == 2
 
 def test_a_sample_that_overflows_skips_its_whole_record(monkeypatch):
     """With several samples, one whose second turn overflows after another sample ran whole raises,

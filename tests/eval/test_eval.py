@@ -101,6 +101,12 @@ def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "run_config.json").read_text())["packed_kernel"] == "mkl"
     run(tmp_path / "new", "--methods", "ar,space", "--limit", "1")
     assert json.loads((tmp_path / "new" / "run_config.json").read_text())["packed_kernel"] == "onednn"
+    # a merged record of ranks that timed different kernels names both: pinning that string raised
+    # "no packed linear kernel 'mkl; onednn'" after the model loaded; the resume times its own
+    record = json.loads((tmp_path / "run_config.json").read_text())
+    (tmp_path / "run_config.json").write_text(json.dumps({**record, "packed_kernel": "mkl; onednn"}))
+    run(tmp_path, "--methods", "ar,space", "--limit", "3")
+    assert json.loads((tmp_path / "run_config.json").read_text())["packed_kernel"] == "onednn"
 
 
 def test_a_measured_step_cost_prices_the_dynamic_tree_and_is_kept_on_resume(tmp_path, monkeypatch):
@@ -271,6 +277,9 @@ def test_a_run_on_the_datastores_questions_warns_and_records_how_many(tmp_path, 
     asked = [EvalTask("q1", "writing", ["Name a colour."]), EvalTask("q2", "writing", ["Name a colour!"]),
              EvalTask("q3", "writing", ["Another."]), EvalTask("q4", "math", [" Count to\tthree. "])]
     assert datastore_questions(asked, str(own)) == ["q1", "q4"]
+    with own.open("a") as f:  # a malformed prompt answers nothing (it raised a TypeError traceback)
+        f.write(json.dumps({"prompt": 7, "response": "x"}) + "\n" + json.dumps({"prompt": None, "response": "y"}) + "\n")
+    assert datastore_questions(asked, str(own)) == ["q1", "q4"]
     with pytest.raises(FileNotFoundError, match="not found"):
         datastore_questions(asked, str(tmp_path / "missing.jsonl"))
 
@@ -388,6 +397,14 @@ def test_bad_input_raises_for_python_callers(tmp_path):
         eval_main(["--model", "no/such/model", "--limit", "1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="unknown method"):
         eval_main(["--model", "tiny-random-llama", "--methods", "ar,medusa", "--out", str(tmp_path)])
+    # an --out inside the adapter or model folder: the run's own files changed its fingerprint, and
+    # every rerun was refused as another adapter's (also where the default runs/eval/<dataset> lands inside)
+    (tmp_path / "adapter").mkdir()
+    for flag, out in (("--adapter", tmp_path / "adapter" / "eval"), ("--model", tmp_path / "adapter" / "x" / "eval")):
+        with pytest.raises(ValueError, match=f"lies inside {flag}"):
+            eval_main([flag, str(tmp_path / "adapter"), "--limit", "1", "--out", str(out)])
+    with pytest.raises(ValueError, match="lies inside --adapter"):
+        eval_main(["--adapter", ".", "--limit", "1"])
 
 
 def test_median_question_speedup_resists_an_outlier():

@@ -290,6 +290,13 @@ def test_a_merged_run_resumes_on_any_device_of_its_ranks_type_and_on_their_machi
         (tmp_path / "run_config.json").write_text(json.dumps(merged))
         with pytest.raises(ValueError, match=rf"other settings .*'{key}'"):
             check_resume(tmp_path, {**meta(), "device": device, "machine": machine})
+    # resumed in turn, the record unchanged between them: a plain resume on host a rewrote it as one
+    # device and machine, and host b was then refused samples it had made
+    (tmp_path / "run_config.json").write_text(json.dumps(merged))
+    for device, machine in (("cuda:0", "host a"), ("cuda:1", "host b"), ("cuda", "host a")):
+        check_resume(tmp_path, {**meta(), "device": device, "machine": machine})
+    kept = json.loads((tmp_path / "run_config.json").read_text())
+    assert (kept["ranks"], kept["device"], kept["machine"]) == (2, "cuda:0; cuda:1; cuda", "host a; host b")
 
 
 def test_a_full_checkpoints_fingerprint_for_a_resume_is_its_bytes_and_for_ranks_leaves_its_layout_out(tmp_path):
@@ -317,3 +324,24 @@ def test_a_full_checkpoints_fingerprint_for_a_resume_is_its_bytes_and_for_ranks_
     cfg = json.loads((model / "space_config.json").read_text())
     (model / "space_config.json").write_text(json.dumps({**cfg, "mask_num": 4}))
     assert model_files(str(model), layout=False) != drafts
+
+
+def test_damaged_records_name_their_file_instead_of_a_traceback(tmp_path):
+    """A run record that is JSON but not an object, or a rank's record without its shard entry, gave
+    an AttributeError or KeyError traceback (exit 1) where every other damaged record says which
+    file and exits 2 (``space-eval: error``)."""
+    from space.eval.resume import merge_run
+
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    for damaged in ("null", "[]", "7"):
+        (tmp_path / "run_config.json").write_text(damaged)
+        with pytest.raises(ValueError, match="run_config.json: damaged run record"):
+            check_resume(tmp_path, meta())
+    for rank0 in ({}, {"shard": {"world_size": "2"}}, {"shard": {"world_size": 1}}):
+        (tmp_path / "run_config.rank0.json").write_text(json.dumps(rank0))
+        with pytest.raises(ValueError, match="run_config.rank0.json: not a rank's record"):
+            merge_run(tmp_path)
+    (tmp_path / "run_config.rank0.json").write_text(json.dumps({"shard": {"world_size": 2, "questions": []}}))
+    (tmp_path / "run_config.rank1.json").write_text(json.dumps({}))
+    with pytest.raises(ValueError, match="run_config.rank1.json: not a rank's record"):
+        merge_run(tmp_path)
