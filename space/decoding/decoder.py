@@ -377,7 +377,7 @@ class SpaceDecoder:
             above the vocabulary size, a model with attention layers other than full and
             sliding-window ones (``cache.attention_windows``), or a flash-attention model
             (:func:`check_attention`: the step's 4-D mask needs ``sdpa`` or ``eager``); ``graphs``
-            whose buckets stop below this layout's rows; a ``datastore`` with a layout that takes
+            captured from another model, or whose buckets stop below this layout's rows; a ``datastore`` with a layout that takes
             no branch from it (``config.datastore_branches`` 0).
 
     The step's additive mask takes the trunk's dtype (:func:`attention_dtype`, ``mask_dtype``), and
@@ -412,6 +412,9 @@ class SpaceDecoder:
         # R: drafts kept per mask
         self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
         self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
+        if graphs is not None and graphs.trunk is not base.get_decoder():  # another model's trunk would replay
+            raise ValueError("these captured steps (StepGraphs) were made for another model's trunk: capture them "
+                             "from this model")
         self.graphs = graphs  # a captured step's buffers and cache (space.decoding.graphs)
         self.static_cache = graphs is not None or (is_compiled(base) if static_cache is None else static_cache)
         self.buckets = not self.dynamic and (graphs is not None or (is_compiled(base) if buckets is None else buckets))

@@ -152,6 +152,7 @@ class StepGraphs:
         # hooks (result.model_time) time in an eager forward but never see in a replay; on the CPU
         # the trunk runs eagerly and its hooks see it, so this stays 0
         self.step_s = 0.0
+        self.capture_s = 0.0  # seconds spent capturing graphs, in capture() or at a bucket's first step
 
     def _buffers(self, q: int, slots: int) -> _Inputs:
         dev = self.device
@@ -190,6 +191,7 @@ class StepGraphs:
         bucket, the plain graph and, above 1 row, the gated one (a block's row 0 is always a real
         row). Leaves the cache empty. Returns the seconds it took."""
         t0 = time.perf_counter()
+        self.reset()  # the warm-ups write from the cache's length: from slot 0, whatever ran before
         if self.use_graphs:
             keys = [(q, n, g) for q, n in self._inputs for g in (False, True) if q > 1 or not g]
             for q, n, g in keys:
@@ -219,6 +221,7 @@ class StepGraphs:
         capture, which records the advance without running it."""
         key = (q, slots, gated)
         if key not in self._graphs:
+            t0 = time.perf_counter()
             lengths = self.cache.lengths.clone()
 
             def put_back():
@@ -240,6 +243,7 @@ class StepGraphs:
                     put_back()
             self._pool = graph.pool()
             self._graphs[key] = (graph, out)
+            self.capture_s += time.perf_counter() - t0
         return self._graphs[key]
 
     def step(self, ids: torch.Tensor, position_ids: torch.Tensor | None, block_mask: torch.Tensor | None,
@@ -259,11 +263,13 @@ class StepGraphs:
 
         Raises:
             ValueError: q not a bucket size, or the block past the cache's slots.
+            RuntimeError: on the CPU, ``cache_len`` is not the tokens the cache holds (checked only
+                there: reading the device's count on a GPU is a sync).
         """
-        t0 = time.perf_counter()
+        t0, captured = time.perf_counter(), self.capture_s
         hidden = self._step(ids, position_ids, block_mask, cache_len, mask_start)
-        if self.use_graphs:
-            self.step_s += time.perf_counter() - t0
+        if self.use_graphs:  # a graph captured lazily in it: its runs fired the trunk's hooks, timed there
+            self.step_s += time.perf_counter() - t0 - (self.capture_s - captured)
         return hidden
 
     def _step(self, ids, position_ids, block_mask, cache_len: int, mask_start: int | None) -> torch.Tensor:
@@ -273,6 +279,11 @@ class StepGraphs:
         if cache_len + q > self.slots:
             raise ValueError(f"a block of {q} rows after {cache_len} cached tokens overflows the captured cache's "
                              f"{self.slots} slots")
+        if not self.use_graphs and int(self.cache.lengths[0]) != cache_len:  # free on the CPU (a sync on a GPU)
+            # the block would be written at the cache's length and masked at cache_len: rows attending
+            # to the wrong slots, which a confident model can survive with AR's tokens
+            raise RuntimeError(f"the captured cache holds {int(self.cache.lengths[0])} tokens, the step was given "
+                               f"{cache_len}: the cache was written outside the decoder, or its count drifted")
         # the smallest slot bucket that holds the cache and the block
         slots = next(n for n in self.slot_sizes if cache_len + q <= n)
         buf = self._inputs[q, slots]

@@ -8,7 +8,10 @@ kernel, or one library call, on CUDA) and counts those that would launch a kerne
 
 * an op that writes a tensor (in-place or ``out=``: ``addmm_``, ``index_copy_``, ``copy_``);
 * an op that returns a tensor with storage of its own (``mm``, ``cat``, ``to`` a new dtype);
-* a host read (``_local_scalar_dense``: ``item``, ``tolist``), a device-to-host copy on CUDA;
+* a host read (``_local_scalar_dense``: ``item``), a device-to-host copy on CUDA. ``tolist`` of a
+  CPU tensor dispatches nothing and is not counted (on CUDA it is a ``_to_copy``, counted): the
+  counts made on the CPU leave out a step's host copies (AR's one, SPACE's one or two:
+  verification's, and the dynamic tree's drafts for its planner);
 * a non-blocking ``Tensor.to``: on the CPU it returns its input before any dispatch, on CUDA it
   is the host-to-device copy of ``space.decoding.decoder.upload``, so a ``TorchFunctionMode`` the
   counter enters with itself counts each one that dispatched nothing (a copying one is counted

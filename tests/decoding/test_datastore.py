@@ -35,6 +35,10 @@ def test_equal_scores_keep_token_order_a_shorter_continuation_first():
     store = Datastore([[1, 2, 3, 9, 1], [1, 2, 3, 5, 7], [1, 2, 3, 5]])
     assert store.continuations([8, 1, 2, 3], 3, 10) == [[5], [5, 7], [9, 1]]
     assert store.continuations([8, 1, 2, 3], 1, 10) == [[5]]
+    # the same answers in another order, where reverse store order gives [5, 7], [9, 1], [5] (above
+    # it gives the token order)
+    store = Datastore([[1, 2, 3, 5], [1, 2, 3, 9, 1], [1, 2, 3, 5, 7]])
+    assert store.continuations([8, 1, 2, 3], 3, 10) == [[5], [5, 7], [9, 1]]
 
 
 def test_nothing_crosses_an_answer_and_unknown_text_finds_nothing():

@@ -318,7 +318,9 @@ def test_bucket_sizes_and_cache_bounds_at_their_edges():
         out = ar_generate(model, torch.tensor([5, 6, 7]), 12, graphs=graphs).new_ids  # 3 + 12 + its row: 16 slots
         assert out == ar_generate(model, torch.tensor([5, 6, 7]), 12).new_ids
         graphs.reset()
+        graphs.cache.lengths.fill_(12)  # 12 cached tokens, as a decoder's prefill leaves them
         assert graphs.step(torch.zeros(4, dtype=torch.long), *_block(4), 12, None).shape == (4, 64)
+        graphs.cache.lengths.fill_(13)
         with pytest.raises(ValueError, match="a block of 4 rows after 13 cached tokens overflows"):
             graphs.step(torch.zeros(4, dtype=torch.long), *_block(4), 13, None)
 
@@ -442,3 +444,21 @@ def test_a_block_as_large_as_the_smallest_slot_bucket_fits_it_on_an_empty_cache(
     assert graphs.slot_sizes == (16, 32, 64)
     with torch.inference_mode():
         assert graphs.step(torch.zeros(16, dtype=torch.long), *_block(16), 0, None).shape == (16, 64)
+
+
+def test_captured_steps_refuse_another_models_trunk_and_a_count_that_drifted(tiny):
+    """Captured steps of model B given to a decoder of model A replayed B's trunk under A's head
+    without an error; and a step told another cache length than the cache holds writes its block
+    at one slot and masks at the other (rows attending to the wrong slots, which a confident model
+    survives with AR's tokens). Both are refused: the first at construction, the second on the CPU
+    at the step (reading the device's count on a GPU would be a sync)."""
+    model, _, spec = tiny
+    other, _ = tiny_random_llama(seed=7)
+    graphs = StepGraphs(other, slots=64, sizes=[1, 4])
+    with pytest.raises(ValueError, match="another model's trunk"):
+        SpaceDecoder(model, spec, DecodeConfig(3, 1), graphs=graphs)
+    with pytest.raises(ValueError, match="another model's trunk"):
+        ar_generate(model, torch.tensor([5, 6, 7]), 4, graphs=graphs)
+    graphs.reset()
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="holds 0 tokens, the step was given 3"):
+        graphs.step(torch.zeros(4, dtype=torch.long), *_block(4), 3, None)
