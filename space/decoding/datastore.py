@@ -12,8 +12,8 @@ keeps the output AR's, whatever they hold.
 Index: every position's n-gram (n = :data:`NGRAM`) packed into one int64 and sorted, so the
 occurrences of the text's last n-gram are one ``searchsorted`` away. Among them (the last
 :data:`SCAN` in store order), a continuation scores 1 plus :data:`CONTEXT_WEIGHT` for each
-token before the n-gram that also matches the text (up to :data:`CONTEXT`), summed over the
-occurrences it follows; the best ``k`` are given. Answers are kept apart by a separator that no
+token of the unbroken run just before the n-gram that matches the text's (up to :data:`CONTEXT`),
+summed over the occurrences it follows; the best ``k`` are given. Answers are kept apart by a separator that no
 continuation crosses.
 
 Replayed over SmolLM2's greedy answers with the two committed sets for a datastore (1.4 M tokens),

@@ -276,7 +276,8 @@ class AcceptanceStats:
                 ``draft_offset`` on, the top-1 first; ``top_probs``: the top-1 drafts' probabilities.
             found: the step's prompt-lookup tokens.
             rows: the block's rows, padding included.
-            others: the step's other lookup continuations (:func:`_branch_points`).
+            others: the step's other lookup continuations, as the planner got them (their branch
+                points into ``found`` are found here, :func:`_branch_points`).
             stored: how many of ``found`` and ``others`` together, at the end, are the datastore's.
         """
         if not drafts:  # no mask drafted this step: forget a little, towards the prior

@@ -41,8 +41,10 @@ class PromptLookup:
             the index reads what was appended at the next :meth:`continuation`.
         num_tokens: most tokens a continuation holds (``DecodeConfig.lookup_tokens``), >= 1.
         max_ngram: longest n-gram matched (``DecodeConfig.lookup_ngram``), >= 1.
-        max_length: the model's context: a continuation never reaches past it, and none is
-            given when the text is one token short of it (as the generator does).
+        max_length: the model's context: none is given when the text is one token short of it
+            (as the generator does). The text's own continuations end at the text's end, as the
+            generator's do, and may reach past the context (the planner cuts every path to the
+            room left, ``dynamic.plan_step``); the datastore's are cut to the context.
         branches: most continuations :meth:`continuations` gives (>= 1): the first occurrence's,
             then the most recent other occurrences' of the same n-gram, none the start of another.
         datastore: a :class:`space.decoding.datastore.Datastore` whose continuations of the text
@@ -66,7 +68,7 @@ class PromptLookup:
 
     def continuation(self) -> list[int]:
         """The tokens that followed the first earlier occurrence of the text's last n-gram (the
-        longest n that has one), at most ``num_tokens`` and never past ``max_length``; empty when
+        longest n that has one), at most ``num_tokens`` and never past the text's end; empty when
         no n-gram recurs: prompt lookup decoding's candidates."""
         found = self.continuations(1, 0)
         return found[0] if found else []
@@ -79,11 +81,14 @@ class PromptLookup:
         when it is the start of one already given. Then up to ``datastore_branches`` (default: the
         constructor's) from the datastore, the best first, skipped alike, counted in the result's
         ``stored`` (all of them where the text has none of its own). Each holds at most
-        ``num_tokens`` tokens, never past ``max_length``; empty when nothing is found."""
+        ``num_tokens`` tokens, the text's own never past the text's end, the datastore's never past
+        the context's last position but one (a node there never pays: prompt + new tokens fit the
+        context); empty when nothing is found."""
         found = Continuations(self._own(branches))
         more = self.datastore_branches if datastore_branches is None else datastore_branches
         if more and self.datastore is not None and len(self.text) + 1 < self.max_length:
-            room = min(self.num_tokens, self.max_length - len(self.text) - 1)  # the last fits the context
+            # ends one position short of the context, where a node could never pay
+            room = min(self.num_tokens, self.max_length - len(self.text) - 1)
             for c in self.datastore.continuations(self.text, more, room):
                 if not any(have[: len(c)] == c for have in found):
                     found.append(c)

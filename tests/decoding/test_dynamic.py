@@ -10,7 +10,7 @@ import torch
 
 import space.decoding.decoder as decoder_mod
 from space.decoding import DecodeConfig, SamplingConfig, SpaceDecoder, ar_generate
-from space.decoding.dynamic import LOOKUP, MASK, BUCKETS, AcceptanceStats, StepCost, bucket, calibrated, plan_step
+from space.decoding.dynamic import LOOKUP, MASK, STORE, BUCKETS, AcceptanceStats, StepCost, bucket, calibrated, plan_step
 from space.masking import build_layout, tree_ancestors
 from tests.conftest import TRAINED_K, assert_cache_matches_fresh
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, sampled, small_vocab_model  # noqa: F401
@@ -577,11 +577,25 @@ def test_plan_step_random_invariants():
         offset = int(torch.randint(0, k, (1,), generator=gen))
         others = [torch.randint(20, 24, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
                   for _ in range(int(torch.randint(0, 4, (1,), generator=gen)))]  # other continuations, repeats too
-        stats.observe(torch.randint(20, 24, (3,), generator=gen).tolist(), [], [], 0, found, 8, others)
-        plan = plan_step(ids, probs, offset, found, stats, budget, k, groups, room, k, others=others)
+        # the last `stored` of found and others are a datastore's (all of them: the text has none of its own)
+        stored = int(torch.randint(0, len(others) + 2, (1,), generator=gen)) if found else 0
+        stats.observe(torch.randint(20, 24, (3,), generator=gen).tolist(), [], [], 0, found, 8, others, stored)
+        plan = plan_step(ids, probs, offset, found, stats, budget, k, groups, room, k, others=others, stored=stored)
         check_plan(plan, budget, k, groups, room)
         if budget == 1:
             assert plan.rows == 1
+        # sources: a node marked the datastore's lies on one of its continuations, one marked the
+        # text's own lookup on one of those; prompt lookup's own chain is verified as deep as it fits
+        lookups = [found, *others]
+        own = len(lookups) - stored
+        for path, source in zip(node_paths(plan), plan.sources):
+            if source & STORE:
+                assert any(tuple(c[: len(path)]) == path for c in lookups[own:]), (case, path)
+            if source & LOOKUP:
+                assert any(tuple(c[: len(path)]) == path for c in lookups[:own]), (case, path)
+        if own > 0:
+            depth = min(len(found), room, 4, budget - 1)  # 4: the stats' lookup tokens
+            assert {tuple(found[:d]) for d in range(1, depth + 1)} <= set(node_paths(plan)), case
 
 
 # ---------------------------------------------------------------------------------------------
