@@ -35,6 +35,8 @@
 # (.gpu2/distill/, results/datastore) on the same first 8 questions: never timed on a GPU, where its larger trees should
 # cost least.
 #   bash scripts/gpu_check.sh g58a ; bash scripts/gpu_check.sh g58b
+# With SPACE_GPU_BUDGET set to a call's timeout_s, each stage is also cut 30 s before the call would be, so
+# it packs what it made (scripts/gpu_lib.sh): SPACE_GPU_BUDGET=530 bash scripts/gpu_check.sh g58b.
 set -u
 phase=${1:?phase1, phase2, compiled, real1, real2, real3, g58a or g58b}
 source "$(dirname "$0")/gpu_lib.sh"  # $stash, $out, $GGUF, $ADAPTER; stage, stash_part, join_model
@@ -97,7 +99,7 @@ elif [ "$phase" = g58a ]; then
 elif [ "$phase" = g58b ]; then
   join_model
   # cut at 90 s last time, with nothing written: it now writes each layout as it is timed
-  stage host_time_smollm2_bf16 75 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 2 \
+  stage host_time_smollm2_bf16 65 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 2 \
     --new-tokens 64 --layouts ar,shipped --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval)
   DATASTORE=.gpu2/distill/smollm2_selfdistill.jsonl.gz,.gpu2/distill/smollm2_lima_mbpp_stdlib.jsonl.gz
@@ -113,8 +115,9 @@ elif [ "$phase" = g58b ]; then
   # the first 8 of the 12 above, SPACE alone with the datastore (about 7 s of decoding after the load)
   stage eval_humaneval_capture_fp32_datastore 40 python3 -m space.eval "${common[@]}" --methods space --capture \
     --capture-len 2048 --limit 8 --datastore "$DATASTORE" --out "$stash/res/eval_humaneval_capture_fp32_datastore"
-  # the first 8 of the 12 above, SPACE alone (about 10 s of decoding after the load)
-  stage eval_humaneval_capture_fp32_stored 30 python3 -m space.eval "${common[@]}" --methods space --capture \
+  # the first 8 of the 12 above, SPACE alone (about 10 s of decoding after 16-23 s of loading and the capture;
+  # 30 s left no margin for its summary, the baseline of the measured pricing)
+  stage eval_humaneval_capture_fp32_stored 40 python3 -m space.eval "${common[@]}" --methods space --capture \
     --capture-len 2048 --limit 8 --step-cost stored --out "$stash/res/eval_humaneval_capture_fp32_stored"
 else
   echo "unknown phase $phase"; exit 2

@@ -15,9 +15,23 @@ pack() {  # what comes back: every stage's log so far (a script may define its o
 }
 
 failed=0  # a script exits 1 if any stage failed or hit its cap, after the stages that follow it ran
+# SPACE_GPU_BUDGET: the seconds this call may run (the run tool's timeout_s, less its copying). A call the
+# tool cuts loses what its running stage had not packed, so each stage is cut first: at its cap or where
+# the budget leaves PACK_MARGIN seconds to pack, whichever comes first; a stage with no time left is skipped.
+budget=${SPACE_GPU_BUDGET:-}
+PACK_MARGIN=30
 stage() {  # stage NAME SECONDS COMMAND...: capped, logged, packed; returns the command's status
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
+  if [ -n "$budget" ]; then
+    local left=$((budget - SECONDS - PACK_MARGIN))
+    [ "$left" -lt "$secs" ] && secs=$left
+    if [ "$secs" -le 0 ]; then
+      echo "$name rc=124 seconds=0 skipped: the call's budget of ${budget} s is spent" | tee -a "$stash/res/status.txt"
+      failed=1
+      return 124
+    fi
+  fi
   timeout "$secs" "$@" > "$stash/res/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$stash/res/status.txt"

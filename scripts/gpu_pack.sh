@@ -62,12 +62,15 @@ if [ -z "$sets" ]; then
   mkdir -p .gpu2/distill && cp data/distill/smollm2_selfdistill.jsonl.gz data/distill/smollm2_lima_mbpp_stdlib.jsonl.gz .gpu2/distill/
 else
   mkdir -p .gpu3 && tar -C "$tmp" -cf - runs | xz -T2 -6 | split -b 15M -d -a 1 - .gpu3/gpu60.tar.xz.part
+  # gpu_train.sh t60b refuses to distil again when this .gpu2/ travels without .gpu3/
+  echo "the sets travel in .gpu3/ (gpu_pack.sh --sets $sets)" > .gpu2/sets_in_gpu3
 fi
 # .gpu3/: the sets of --sets, carried back to a later session
 for d in .gpu/ .gpu2/ .gpu3/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 du -sh .gpu .gpu2 ${sets:+.gpu3}
-# what a call carries, with the tree that travels every time (results/, adapters/ and data/ left out of it)
-tree=$({ git ls-files -z | grep -zvE '^(results|adapters|data)/' | xargs -0 cat 2>/dev/null || true; } | wc -c)
+# what a call carries, with the tree that travels every time (results/, adapters/ and data/ left out of it):
+# tracked files and the untracked ones git does not ignore
+tree=$({ git ls-files -z -co --exclude-standard | grep -zvE '^(results|adapters|data)/' | xargs -0 cat 2>/dev/null || true; } | wc -c)
 for carry in .gpu ".gpu2${sets:+ .gpu3}"; do
   bytes=$(( $(du -sbc $carry | tail -1 | cut -f1) + tree ))
   echo "a call carrying $carry: $bytes bytes with the tree, of 67108864 (64 MiB)"

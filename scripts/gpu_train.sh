@@ -9,13 +9,18 @@
 # A session's 15 minutes of device time, the start included, do not hold both the sets and the training (on an
 # H200, results/gpu60: the Magpie stage needs about 450 s, one epoch of 40,000 samples about 6 minutes), so
 # the run takes two sessions, and the sets travel between them through a commit:
-#   a distilling session: t60a, then t60b (caps 60 + 390 s; cut, it resumes) and t60b again until both sets'
+#   a distilling session: t60a, then t60b (caps 75 + 375 s; cut, it resumes) and t60b again until both sets'
 #     manifests say complete (what the session's time leaves undone, a later one resumes from the parts,
 #     which hold the .magpie turns: `gpu_pack.sh --sets PARTS_FOLDER`); here, `python scripts/distilled_sets.py
 #     pack` makes the complete sets a folder under 10 MB to commit (data/distill/gpu60);
 #   a training session: `bash scripts/gpu_pack.sh --sets data/distill/gpu60` puts the sets in .gpu3/, and t60b
 #     carries .gpu2/ and .gpu3/: it restores them (space-distill finds them complete and does nothing), and
 #     t60c trains the config's epoch (625 steps, at most 6.3 minutes; cap 460 s). t60c refuses unfinished sets.
+# Give each call SPACE_GPU_BUDGET, the seconds the run tool lets it run (its timeout_s): a stage is cut 30 s
+# before that, so it packs what it made instead of losing it (scripts/gpu_lib.sh), e.g.
+#   SPACE_GPU_BUDGET=530 bash scripts/gpu_train.sh t60b     (run with timeout_s 540)
+# t60b refuses to run where gpu_pack.sh --sets built .gpu2/ and no .gpu3/ parts are carried (it would distil
+# again). t60c writes `train steps=N of 625` to status.txt, `short_of_epoch` when its clock stopped it early.
 # Every stage packs what exists so far into $OUT: gpu60.tar.xz.part* (each under 15 MiB: the distilled sets,
 # their .magpie turns and manifests, the training log and final/, every stage's log) and status.txt. A cut
 # stage keeps what it wrote: space-distill resumes it. t60b and t60c unpack carried parts (.gpu3/ or
@@ -32,11 +37,40 @@ runs=$stash/runs/gpu60
 carried=${SPACE_GPU_CARRIED:-.gpu3}
 mkdir -p "$runs"
 
-pack() {  # everything made so far, a checkpoint's optimizer excepted (tens of MB, and the run resumes without it)
-  rm -f "$out"/gpu60.tar.xz.part*
+pack() {  # everything made so far, a checkpoint's optimizer excepted (tens of MB, and the run resumes without it);
+  # in t60c not the sets (restored from an earlier session's parts, which it brought back). The new parts replace
+  # the old only once whole: a call cut while packing keeps the last pack.
+  local sets=()
+  [ "$phase" = t60c ] && sets=(--exclude='runs/gpu60/distill_*')
+  rm -rf "$out/.pack" && mkdir -p "$out/.pack"
   cp "$stash/res/status.txt" "$out/" 2>/dev/null
-  tar -C "$stash" -cf - --exclude='*checkpoint-*' --exclude='*.lock' --exclude='*.held' res runs/gpu60 \
-    | xz -T0 -3 | split -b 15M -d -a 1 - "$out/gpu60.tar.xz.part"
+  if tar -C "$stash" -cf - --exclude='*checkpoint-*' --exclude='*.lock' --exclude='*.held' ${sets[@]+"${sets[@]}"} \
+       res runs/gpu60 | xz -T0 -3 | split -b 15M -d -a 1 - "$out/.pack/gpu60.tar.xz.part"; then
+    rm -f "$out"/gpu60.tar.xz.part* && mv "$out/.pack"/gpu60.tar.xz.part* "$out/"
+  fi
+  rm -rf "$out/.pack"
+  local bytes
+  bytes=$(du -sb "$out" | cut -f1)
+  [ "$bytes" -le 62914560 ] || echo "pack: $bytes bytes in \$OUT, near the 64 MiB a call brings back" | tee -a "$stash/res/status.txt"
+}
+
+expect_sets() {  # a training session's t60b on no carried sets would distil them again (about 450 s): refused
+  if [ -f .gpu2/sets_in_gpu3 ] && ! compgen -G "$carried/gpu60.tar.xz.part*" > /dev/null; then
+    echo "t60b: .gpu2/ was packed for a training session (gpu_pack.sh --sets) but no sets are carried in $carried:" \
+      "carry .gpu3/ too"
+    exit 1
+  fi
+}
+
+epoch_status() {  # epoch_status MAX_STEPS: how far training got (a run its clock stopped is short of its epoch)
+  python3 - "$runs/train/log_history.json" "$1" <<'PY' | tee -a "$stash/res/status.txt"
+import json, sys
+try:
+    steps = max((int(e.get("step", 0)) for e in json.load(open(sys.argv[1]))), default=0)
+except (OSError, ValueError):
+    steps = 0
+print(f"train steps={steps} of {sys.argv[2]}" + ("" if steps >= int(sys.argv[2]) else " short_of_epoch"))
+PY
 }
 
 restore() {  # the sets an earlier session brought back, on a machine that has none yet
@@ -54,7 +88,8 @@ complete() {  # complete NAME: the set's manifest says it is finished
 if [ "$phase" = local ] || [ "${SPACE_GPU_SCALE:-full}" = tiny ]; then  # the stages, tiny: 2 + 2 prompts, 8 new tokens,
   # 2 steps of batch 2, fp32 on the CPU
   device=cpu dtype=float32 batch=4 new=8 lima=2 mbpp=2 magpie=2 magpie_batch=2 threads=2
-  train_flags=(--use_cpu true --bf16 false --per_device_train_batch_size 2 --max_steps 2 --save_steps 1 --logging_steps 1
+  max_steps=2
+  train_flags=(--use_cpu true --bf16 false --per_device_train_batch_size 2 --max_steps "$max_steps" --save_steps 1 --logging_steps 1
                --dataloader_num_workers 0 --spans_per_sample 2 --max_length 128)
   caps=(300 300 300)
 else
@@ -62,7 +97,9 @@ else
   # (about a third): with LIMA and MBPP about 41,000 samples
   device=cuda dtype=bfloat16 batch=2048 new=256 lima=1000 mbpp="" magpie=30000 magpie_batch=2048 threads=8
   train_flags=()
-  caps=(60 390 460)  # seconds: LIMA + MBPP, the Magpie stage (t60b again resumes it), the config's epoch
+  max_steps=$(sed -n 's/^max_steps: *\([0-9]*\).*/\1/p' configs/train/smollm2_gpu_40k.yaml)
+  # 75: LIMA + MBPP took 56 s (results/gpu60), and a cut loses the MBPP batch; the Magpie stage is cut anyway
+  caps=(75 375 460)  # seconds: LIMA + MBPP, the Magpie stage (t60b again resumes it), the config's epoch
 fi
 distill=(python3 -m space.distill --device "$device" --dtype "$dtype" --batch-size "$batch" --max-new-tokens "$new"
          --threads "$threads")
@@ -78,6 +115,10 @@ train() {
   stage train "${caps[2]}" bash run_sft_multi_node.sh configs/train/smollm2_gpu_40k.yaml \
     --datasets "$runs/distill_magpie.jsonl,$runs/distill_lima_mbpp.jsonl" --output_dir "$runs/train" \
     ${train_flags[@]+"${train_flags[@]}"}
+  local rc=$?
+  epoch_status "$max_steps"
+  cp "$stash/res/status.txt" "$out/"  # the packed parts hold the log; status.txt beside them says it at once
+  return "$rc"
 }
 
 if [ "$phase" = t60a ]; then
@@ -86,6 +127,7 @@ if [ "$phase" = t60a ]; then
   echo "t60a rc=0 seconds=$((SECONDS - t0))" >> "$stash/res/status.txt"
   pack
 elif [ "$phase" = t60b ]; then
+  expect_sets
   cp -r .gpu2/data/. "$stash/data/" || exit 1
   join_model --no-adapter
   restore

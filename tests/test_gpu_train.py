@@ -41,14 +41,16 @@ def test_gpu_train_phase_caps_fit_a_call_and_the_device_time():
     assert config["max_train_minutes"] * 60 + 80 <= train <= 540
 
 
-def test_gpu_train_t60c_refuses_unfinished_sets(tmp_path):
-    """A training call on sets a cut distillation left (a Magpie stage stopped at its cap) would train
-    on fewer samples than the run is for: it stops in one line and says what to run."""
+@pytest.mark.parametrize("unfinished", ["distill_magpie", "distill_lima_mbpp"])
+def test_gpu_train_t60c_refuses_unfinished_sets(tmp_path, unfinished):
+    """A training call on sets a cut distillation left (a Magpie stage stopped at its cap, or LIMA +
+    MBPP cut at theirs) would train on fewer samples than the run is for: it stops in one line and
+    says what to run."""
     runs = tmp_path / "stash" / "runs" / "gpu60"
     runs.mkdir(parents=True)
     (runs / "distill_magpie.jsonl").write_text('{"id": "magpie/0"}\n')
-    (runs / "distill_lima_mbpp.manifest.json").write_text(json.dumps({"complete": True}, indent=1))
-    (runs / "distill_magpie.manifest.json").write_text(json.dumps({"complete": False}, indent=1))
+    for name in ("distill_lima_mbpp", "distill_magpie"):
+        (runs / f"{name}.manifest.json").write_text(json.dumps({"complete": name != unfinished}, indent=1))
     env = {**os.environ, "SPACE_GPU_STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out"),
            "SPACE_GPU_CARRIED": str(tmp_path / "nothing carried")}
     run = subprocess.run(["bash", str(SCRIPT), "t60c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -60,6 +62,65 @@ def test_gpu_train_t60c_refuses_unfinished_sets(tmp_path):
         (runs / "distill_magpie.manifest.json").write_text(json.dumps({"file": "x", "complete": done, "rows": 1}, indent=1))
         status = subprocess.run(["bash", "-c", f"runs={runs}; {check}\ncomplete distill_magpie"]).returncode
         assert status == expected, done
+
+
+def _function(name: str) -> str:
+    """A bash function of gpu_train.sh, as text to define it in a shell of a test's own."""
+    return f"{name}() {{" + SCRIPT.read_text().split(f"{name}() {{", 1)[1].split("\n}\n", 1)[0] + "\n}"
+
+
+def test_a_training_sessions_t60b_refuses_to_run_without_its_carried_sets(tmp_path):
+    """A training session's .gpu2/ (gpu_pack.sh --sets) carried without .gpu3/ made t60b distil the
+    sets again, about 450 s of a 900 s session, leaving too little for training. It now stops at
+    once; with the parts carried, or with a distilling session's .gpu2/, it goes on."""
+    (tmp_path / ".gpu2").mkdir()
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    script = f"carried={carried}\n{_function('expect_sets')}\nexpect_sets; echo went on"
+    run = lambda: subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)  # noqa: E731
+    assert run().stdout.strip() == "went on"  # a distilling session's .gpu2/
+    (tmp_path / ".gpu2" / "sets_in_gpu3").write_text("the sets travel in .gpu3/\n")
+    refused = run()
+    assert refused.returncode == 1 and "carry .gpu3/ too" in refused.stdout
+    (carried / "gpu60.tar.xz.part0").write_bytes(b"x")
+    assert run().stdout.strip() == "went on"
+    assert "sets_in_gpu3" in (ROOT / "scripts" / "gpu_pack.sh").read_text()  # where the marker is made
+
+
+@pytest.mark.parametrize("steps, said", [(378, "train steps=378 of 625 short_of_epoch"), (625, "train steps=625 of 625"),
+                                         (None, "train steps=0 of 625 short_of_epoch")])
+def test_t60c_says_when_its_clock_stopped_training_short_of_the_epoch(tmp_path, steps, said):
+    """t60c exits 0 when max_train_minutes ends the run early (the last run saw 0.78 of an epoch,
+    which discounted its verdict): status.txt says how far it got."""
+    runs = tmp_path / "runs"
+    (runs / "train").mkdir(parents=True)
+    (tmp_path / "res").mkdir()
+    if steps is not None:
+        log = [{"loss": 1.0, "step": s} for s in range(10, steps + 1, 10)] + [{"train_runtime": 1.0, "step": steps}]
+        (runs / "train" / "log_history.json").write_text(json.dumps(log))
+    script = f"runs={runs}; stash={tmp_path}\n{_function('epoch_status')}\nepoch_status 625"
+    run = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert run.stdout.strip() == said and (tmp_path / "res" / "status.txt").read_text().strip() == said
+
+
+def test_a_stage_is_cut_before_the_calls_budget_and_a_spent_one_skips(tmp_path):
+    """A call the run tool cuts at its timeout loses what its running stage had not packed. With
+    SPACE_GPU_BUDGET a stage is cut PACK_MARGIN (30) seconds before the budget ends, whatever its
+    own cap, and a stage with no time left is skipped (rc 124, the call then fails); without one
+    the caps alone hold."""
+    lib = ROOT / "scripts" / "gpu_lib.sh"
+    script = (f"source {lib}; pack() {{ :; }}\n"
+              "stage slow 60 sleep 20; echo \"slow=$?\"; stage next 60 true; echo \"next=$? failed=$failed\"")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SPACE_GPU_STASH": str(tmp_path / "stash"),
+           "SPACE_GPU_BUDGET": "32"}
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "slow=124" in run.stdout and "next=124 failed=1" in run.stdout, run.stdout + run.stderr
+    status = (tmp_path / "stash" / "res" / "status.txt").read_text()
+    assert re.search(r"^slow rc=124 seconds=[12]$", status, re.M) and "next rc=124 seconds=0 skipped" in status, status
+    env.pop("SPACE_GPU_BUDGET")
+    script = f"source {lib}; pack() {{ :; }}\nstage quick 60 sleep 1; echo \"quick=$? failed=$failed\""
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "quick=0 failed=0" in run.stdout, run.stdout + run.stderr
 
 
 @pytest.mark.slow
@@ -111,6 +172,12 @@ def test_gpu_train_local_phase_packs_sets_and_an_exact_adapter(tmp_path):
     assert (restored / "distill_magpie.jsonl").read_bytes() == (runs / "distill_magpie.jsonl").read_bytes()
     assert (restored / "train" / "final" / "adapter_model.safetensors").is_file()
     assert "train rc=0" in (tmp_path / "out2" / "status.txt").read_text()
+    assert "train steps=2 of 2" in (tmp_path / "out2" / "status.txt").read_text()
+    parts = sorted((tmp_path / "out2").glob("gpu60.tar.xz.part*"))
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(b"".join(p.read_bytes() for p in parts)))) as tar:
+        names = tar.getnames()  # t60c brings back its training, not the sets it restored (committed already)
+    assert "runs/gpu60/train/final/adapter_model.safetensors" in names and not [n for n in names if "distill_" in n]
+    assert not (tmp_path / "out2" / ".pack").exists()
     # the sets alone: an earlier train/ restored too would leave its final/ in place of this run's
     line = next(line for line in run.stdout.splitlines() if line.startswith("restored "))
     assert set(line.split(" from ")[0].split()[1:]) == {

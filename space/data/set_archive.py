@@ -91,8 +91,9 @@ def pack(sets: list[Path], out: Path, tok=None, max_bytes: int = MAX_BYTES) -> d
     Raises:
         FileNotFoundError: a set or its manifest is missing.
         ValueError: a set is unfinished (its manifest not ``complete``, or its rows not the
-            manifest's count), made with another model than the others, rebuilt unequal (another
-            tokenizer than ``tok``'s), or the archive's compressed files exceed ``max_bytes``.
+            manifest's count), made with another model than the others, whose bytes are not its rows
+            as ``space.jsonl`` writes them, rebuilt unequal (another tokenizer than ``tok``'s), or the
+            archive's compressed files exceed ``max_bytes``.
     """
     from ..distill import sibling
 
@@ -117,6 +118,11 @@ def pack(sets: list[Path], out: Path, tok=None, max_bytes: int = MAX_BYTES) -> d
 
             tok = load_tokenizer(model)
         text = _lines(rows)
+        raw = path.read_bytes()
+        if (gzip.decompress(raw) if path.name.endswith(".gz") else raw) != text.encode():
+            # the sha256 stands for the file: unpack writes `text`, which must be the file's own bytes
+            raise ValueError(f"{path}: its bytes are not its rows as space-distill writes them (edited or "
+                             "reformatted); the archive would rebuild another file under its sha256")
         lean = _lines(lean_rows(rows))
         if _lines(rebuild(_rows(lean), tok)) != text:  # from the text stored, as unpack reads it
             raise ValueError(f"{path}: its rows do not rebuild from their token ids with this tokenizer (another "

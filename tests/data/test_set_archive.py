@@ -101,6 +101,30 @@ def test_a_set_that_does_not_rebuild_is_refused_at_both_ends(magpie_set, tmp_pat
     assert not (tmp_path / "back" / "distill_magpie.jsonl").exists()
 
 
+def test_a_set_whose_bytes_are_not_space_distills_is_refused(magpie_set, tmp_path):
+    """The archive's sha256 stands for the file: a set edited or reformatted by hand (the same rows,
+    other bytes: ASCII-escaped, spaced otherwise, a missing last newline) packed, and unpack then
+    wrote another file than the one whose hash the GPU run recorded, saying "sha256 as packed"."""
+    import shutil
+
+    from space.distill import sibling
+
+    copy = tmp_path / "set" / magpie_set.name
+    copy.parent.mkdir()
+    shutil.copy(sibling(magpie_set, "manifest", ".json"), sibling(copy, "manifest", ".json"))
+    text = magpie_set.read_bytes().decode("utf-8")
+    rows = [json.loads(line) for line in text.splitlines()]
+    others = {text.rstrip("\n"), "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows),
+              "".join(json.dumps(r, ensure_ascii=True) + "\n" for r in rows)} - {text}
+    assert len(others) >= 2
+    for other in others:
+        copy.write_bytes(other.encode())
+        with pytest.raises(ValueError, match="bytes are not its rows as space-distill writes them"):
+            set_archive.pack([copy], tmp_path / "a")
+    copy.write_bytes(text.encode())
+    set_archive.pack([copy], tmp_path / "a")
+
+
 def test_unfinished_or_oversized_sets_are_not_packed(magpie_set, tmp_path):
     """Catches packing a set its manifest calls unfinished (it would resume without its .magpie turns
     and sample them again), one with rows missing, and an archive over the size limit written anyway."""
