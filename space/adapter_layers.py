@@ -26,6 +26,7 @@ The artifact's files are ``space.artifact``'s; ``space.loader.load_space`` puts 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -317,8 +318,17 @@ def apply_lora(model: nn.Module, updates: dict[str, tuple[torch.Tensor, torch.Te
     its layer's device and dtype (a device map included).
 
     Raises:
-        ValueError: an update for a module the model lacks or of another shape (``where`` named).
+        ValueError: an update for a module the model lacks or of another shape, or none for a module
+            the updates hold in other layers (a damaged or truncated file: the model would load
+            without that layer's update, silently), ``where`` named.
     """
+    # every layer's linear of each kind the updates hold: model.layers.{}.self_attn.q_proj, ...
+    kinds = {re.sub(r"\.\d+\.", ".{}.", name) for name in updates}
+    missing = sorted(name for name, m in model.named_modules()
+                     if type(m) is nn.Linear and name not in updates and re.sub(r"\.\d+\.", ".{}.", name) in kinds)
+    if missing:
+        raise ValueError(f"{where}: no LoRA for {len(missing)} modules of kinds it holds in other layers "
+                         f"({', '.join(missing[:3])}, ...): a damaged or truncated file")
     for name, (a, b) in updates.items():
         linear = model.get_submodule(name) if _has_module(model, name) else None
         if type(linear) is not nn.Linear or a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:

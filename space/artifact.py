@@ -258,7 +258,7 @@ def read_lora(adapter: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     Raises:
         FileNotFoundError: adapter_config.json or adapter_model.safetensors missing.
         ValueError: either file damaged, a LoRA variant other than plain LoRA (DoRA, per-layer
-            ranks, biases), or weights that do not pair up (the file is named).
+            ranks, biases, some layers only), or weights that do not pair up (the file is named).
     """
     where = adapter / LORA_CONFIG
     cfg = read_json(where)
@@ -268,8 +268,8 @@ def read_lora(adapter: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         raise ValueError(f"{where}: not a valid LoRA config (bad or missing r / lora_alpha: {e})") from None
     if r < 1:
         raise ValueError(f"{where}: not a valid LoRA config (r must be >= 1, got {r})")
-    variant = {k: cfg[k] for k in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "lora_bias")
-               if cfg.get(k)}
+    variant = {k: cfg[k] for k in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "lora_bias",
+                                   "layers_to_transform", "layers_pattern") if cfg.get(k)}
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none" or variant:
         raise ValueError(f"{where}: only plain LoRA adapters load here, not peft_type={cfg.get('peft_type')!r} "
                          f"bias={cfg.get('bias')!r} {variant}")

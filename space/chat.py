@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -127,13 +128,13 @@ class Chat:
 
     def __init__(self, model, tokenizer, decoder: SpaceDecoder, sampling: SamplingConfig, max_new_tokens: int,
                  out=sys.stdout):
+        from .models import stop_ids
+
         self.model, self.tok, self.decoder, self.out = model, tokenizer, decoder, out
         self.sampling, self.max_new_tokens = sampling, max_new_tokens
         self.messages: list[dict] = []
         self.turn = 0
-        eos = model.generation_config.eos_token_id
-        ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
-        self.stop_ids = sorted(i for i in ids if i is not None)
+        self.stop_ids = stop_ids(model, tokenizer)  # as space-eval stops
 
     def reply(self, text: str) -> tuple[list[int], DecodeResult | None, bool]:
         """Add the user's ``text``, stream the reply, keep it in the history.
@@ -261,7 +262,14 @@ def load(args) -> tuple:
     cfg = read_space_config(folder) if folder is not None else {}
     setup = priced_for_setup(decode, cfg, torch.get_num_threads(), args.kernels, Path(folder or ".") / SPACE_CONFIG,
                              next(model.parameters()).device.type)[1]
-    decode = price_at_load(model, decode, setup, args.step_cost, args.kernels, tool="space-chat")[0]
+    decode, setup = price_at_load(model, decode, setup, args.step_cost, args.kernels, tool="space-chat")
+    if decode.tree == "dynamic":  # priced by another setup's curve: said, as space-eval says it
+        from .eval.step_cost import step_cost_mismatch, trunk_of
+
+        mismatch = step_cost_mismatch(setup, torch.get_num_threads(), args.kernels, False, trunk_of(model),
+                                      next(model.parameters()).device.type)
+        if mismatch:
+            warnings.warn(mismatch, stacklevel=2)
     return model, tok, SpaceDecoder(model, spec, decode, datastore=datastore)
 
 

@@ -112,6 +112,9 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     if adapter is None:
         folder = artifact_folder(model, None)  # a full SAR-SFT artifact, else a plain model
         cfg = check_artifact(folder) if folder is not None else None
+        if cfg is not None and cfg["mode"] != "full":  # the mirror of a full checkpoint given as the adapter
+            raise ValueError(f"{model} is a {cfg['mode']} adapter, not a model: pass it as the adapter "
+                             f"(--adapter {model}), with its base model ({cfg.get('base_model')}) as the model")
         base, tok = load_model(model or SMOLLM2, dtype, device, device_map)
         try:
             spec = mask_spec(base, tok)
@@ -178,6 +181,13 @@ def _with_tuned_layout(base, cfg: dict, folder: Path, kernels: str, applied: dic
     mode = "stored" if step_cost == "auto" and decode.tree != "dynamic" else step_cost
     dynamic, model.space_step_cost_setup = price_at_load(model, decode.as_dynamic(), setup, mode, kernels,
                                                          compiled=compile, tool="load_space")
+    if step_cost != "stored" and decode.tree == "dynamic":  # "stored": space-eval and space-chat warn themselves
+        from .eval.step_cost import step_cost_mismatch, trunk_of
+
+        mismatch = step_cost_mismatch(model.space_step_cost_setup, threads, kernels, compile, trunk_of(model), on,
+                                      packed_kernel=packed)
+        if mismatch:
+            warnings.warn(mismatch, stacklevel=3)
     model.config.space_decode = decode.override(step_cost=dynamic.step_cost, adapter_cost=dynamic.adapter_cost).to_dict()
     return model
 

@@ -247,3 +247,11 @@ def test_a_full_checkpoints_stored_curve_prices_its_chat(tmp_path, monkeypatch):
     config = chat_module.load(args)[2].config
     assert calls == [] and config.step_cost == ((1, 3.0), (32, 9.0))  # this setup's curve (2 threads), not the last
     assert (config.mask_num, config.tree, config.lookup_tokens) == (2, "dynamic", 6)
+    # at 3 threads no curve of this setup is stored: another one prices the tree, and the chat says so, as
+    # space-eval does (it said nothing)
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ())
+    args = chat_module.build_parser().parse_args(["--model", str(ckpt), "--kernels", "fast", "--threads", "3"])
+    chat_module.check_args(args)
+    with pytest.warns(UserWarning, match=r"step-cost curve was measured with threads \d \(run: 3\)"):
+        chat_module.load(args)
+    torch.set_num_threads(2)

@@ -1,5 +1,6 @@
 """load_space: adapters read without peft, their recorded base model checked, CPU kernels on request."""
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -198,6 +199,32 @@ def test_a_full_checkpoint_passed_as_adapter_says_so(tmp_path):
         load_space(adapter=out)
 
 
+@pytest.mark.parametrize("mode", ["frozen-base", "lora"])
+def test_an_adapter_passed_as_the_model_says_so(tmp_path, mode):
+    """The mirror case: an adapter given as the model failed deep in the tokenizer's load ("Couldn't
+    instantiate the backend tokenizer"), naming neither the mistake nor the fix."""
+    adapter = _artifact(tmp_path / "a", mode)
+    with pytest.raises(ValueError, match=f"is a {mode} adapter, not a model: pass it as the adapter"):
+        load_space(model=str(adapter))
+
+
+@pytest.mark.parametrize("mode", ["frozen-base", "lora"])
+def test_an_adapter_missing_a_layers_lora_is_refused(tmp_path, mode):
+    """An adapter file with every tensor of one layer gone (a truncated copy, a bad merge) loaded
+    silently: that layer kept the base weights, and in lora mode the merged model was not the one
+    trained. Refused, naming the file and the modules; a peft layers_to_transform adapter (some
+    layers on purpose) is refused as a variant this loader does not read."""
+    adapter = _artifact(tmp_path / "a", mode)
+    raw = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v for k, v in raw.items() if ".layers.1." not in k}, adapter / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: no LoRA for \d+ modules .*layers\.1\."):
+        load_space(adapter=adapter)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "layers_to_transform": [0]}))
+    with pytest.raises(ValueError, match="only plain LoRA adapters"):
+        load_space(adapter=adapter)
+
+
 def test_rslora_scaling_is_alpha_over_sqrt_r(tmp_path):
     """Catches read_lora ignoring use_rslora (B scaled by alpha / r instead of alpha / sqrt(r))."""
     adapter = _artifact(tmp_path / "a", "frozen-base")
@@ -331,12 +358,31 @@ def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, 
     decode = DecodeConfig(3, tree="dynamic").to_dict()
     write_decode(adapter, decode, {1: 0.010, 32: 0.020}, setup={
         "threads": torch.get_num_threads(), "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused"})
-    model = load_space(adapter=adapter)[0]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = load_space(adapter=adapter)[0]
+    assert not [w for w in said if "step-cost curve" in str(w.message)]
     assert len(calls) == 1 and model.config.space_decode["step_cost"] == [[1, 10.0], [32, 20.0]]
     assert model.space_step_cost_setup["threads"] == torch.get_num_threads() and "measured" not in \
         model.space_step_cost_setup
     assert load_space(adapter=adapter, step_cost="measure")[0].config.space_decode["step_cost"] == [[1, 2.0], [32, 3.0]]
     assert len(calls) == 2
+    # only another setup's curve stored (other threads): it prices the tree, and a Python user is told
+    # so, as space-eval tells its runs (load_space said nothing); "stored" leaves it to its caller
+    other = tmp_path / "b"
+    shutil.copytree(adapter, other)
+    cfg = json.loads((other / "space_config.json").read_text())
+    cfg["step_costs"] = [{**e, "threads": torch.get_num_threads() + 1} for e in cfg["step_costs"]]
+    cfg["step_cost_setup"]["threads"] = torch.get_num_threads() + 1
+    (other / "space_config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ())
+    with pytest.warns(UserWarning, match=rf"step-cost curve was measured with threads {torch.get_num_threads() + 1}"):
+        load_space(adapter=other)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        load_space(adapter=other, step_cost="stored")
+    assert not [w for w in said if "step-cost curve" in str(w.message)]
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ("cpu",))
     # a stored layout of prompt lookup alone (no mask group) loads, and carries its curve as the others
     write_decode(adapter, DecodeConfig(3, 0, lookup_tokens=8).to_dict())
     model, _, spec = load_space(adapter=adapter, step_cost="measure")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -183,7 +182,8 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
 
     ``current`` (the adapter's DecodeConfig, or None) is estimated too and flagged ``"current":
     True``, so the best is never estimated slower than it; that needs its k within the ranks' k
-    and a static layout (the dynamic tree cannot be replayed: it is left out). Every layout keeps
+    and a static layout with a mask group (the dynamic tree and prompt lookup alone cannot be replayed:
+    they are left out). Every layout keeps
     ``current``'s prompt-lookup settings: the replay does not model lookup, so the search cannot
     choose it (``scripts/tune_layout.py --search`` times it); and its row budget, draft ranks and
     step-cost prices (curve and adapter cost, a pair), which a later switch to the dynamic tree would use.
@@ -207,7 +207,8 @@ def search(ranks: list[torch.Tensor], curve: dict[int, float], max_mask_num: int
                 cfg = DecodeConfig(k, groups, tree=tree, **lookup)
                 if cfg.max_rows() - cfg.lookup_tokens <= max_rows:  # the replay plays no lookup branch
                     results.append(estimate(held, cfg, curve, buckets))
-    if current is not None and current.tree != "dynamic" and current.mask_num <= width:
+    # prompt lookup alone (no mask group) is not replayed either: the replay plays mask drafts only
+    if current is not None and current.tree != "dynamic" and current.groups > 0 and current.mask_num <= width:
         mine = next((r for r in results if _key(r["decode"]) == _key(current.to_dict())), None)
         if mine is None:
             mine = estimate(held, current, curve, buckets)
@@ -222,10 +223,11 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     ``curve`` (measured {rows: seconds}), as its ``"step_cost"`` (:func:`step_cost_points`).
 
     ``setup`` (threads and kernels the curve was measured with) goes beside it as
-    ``"step_cost_setup"`` when the stored layout prices rows by a curve (the dynamic tree), so
-    ``space-eval`` can warn when a run's setup differs (issue 44); else any old one is dropped.
+    ``"step_cost_setup"`` whenever the stored layout holds a curve (the dynamic tree's prices; a
+    static layout's, for a ``tree="dynamic"`` override), so ``space-eval`` can warn when a run's
+    setup differs (issue 44); else any old one is dropped.
 
-    A dynamic layout's curve and adapter cost are also kept in ``"step_costs"``, one entry per
+    The curve and adapter cost are also kept in ``"step_costs"``, one entry per
     setup (threads, kernels, device type, captured steps, compile mode, packed kernel, CPU:
     ``artifact.setup_key``), replacing only the entry of the same setup: a curve written at 2
     threads leaves the 1-thread one, one measured on oneDNN leaves MKL's, a compiled trunk's the
@@ -240,7 +242,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     path = adapter / SPACE_CONFIG
     cfg = json.loads(path.read_text())
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
-    if setup is not None and cfg["decode"].get("tree") == "dynamic" and cfg["decode"].get("step_cost"):
+    if setup is not None and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
         keys = ("threads", "kernels", "device", "capture", "compile", "trunk", "packed_kernel", "cpu")
         entry = {**{k: setup[k] for k in keys if k in setup},
@@ -251,9 +253,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
                                    key=lambda e: (*map(str, setup_key(e)[2:]), e["kernels"], e["threads"]))
     else:
         cfg.pop("step_cost_setup", None)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(cfg, indent=2) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[space-tree] wrote {a.out / 'tree_search.json'}")
     if a.write_adapter:
         where = folder / SPACE_CONFIG
+        # a static layout stores the curve for a tree="dynamic" override: the adapter cost is measured
+        # with it, not the one the adapter was priced with at load (another setup's)
+        fixed = adapter_cost(model, a.cache_len, graphs=graphs, static=static) if dynamic is None else None
         if dynamic is not None:
             write_decode(folder, dynamic, setup=setup)
             print(f"[space-tree] stored the dynamic tree (k = {dynamic['mask_num']}, row budget {a.max_rows}) with "
@@ -416,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
             if current.to_dict()["step_cost"] == step_cost_points(curve):
                 print(f"[space-tree] the {owner}'s current layout is already the best estimate: {where} left unchanged")
             else:
-                write_decode(folder, current.to_dict(), curve, setup=setup)
+                write_decode(folder, {**current.to_dict(), "adapter_cost": fixed}, curve, setup=setup)
                 print(f"[space-tree] the {owner}'s current layout is already the best estimate: kept it, with this "
                       f"machine's step-cost curve, in {where}")
         else:
@@ -424,10 +427,12 @@ def main(argv: list[str] | None = None) -> dict:
                 was = f"current layout est. {mine['est_speedup']:.3f}x"
             elif current is not None and current.tree == "dynamic":
                 was = "replaces the current dynamic tree, not estimated"
+            elif current is not None and current.groups == 0:
+                was = "replaces the current layout of prompt lookup alone, not estimated"
             else:
                 was = (f"current layout (k = {current.mask_num}) not estimated: the ranks have k = "
                        f"{min(r.shape[1] for r in ranks)}")
-            write_decode(folder, best["decode"], curve, setup=setup)
+            write_decode(folder, {**best["decode"], "adapter_cost": fixed}, curve, setup=setup)
             print(f"[space-tree] stored the best layout (est. {best['est_speedup']:.3f}x; {was}) with this machine's "
                   f"step-cost curve in {where}")
     return report

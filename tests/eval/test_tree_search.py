@@ -158,9 +158,10 @@ def test_write_decode_keeps_other_keys(tmp_path):
 
 
 def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
-    """Issue 44: the threads and kernels a stored curve was measured with travel with it (only
-    when the layout prices rows by it), leave the adapter's hash alone, and space-eval's check
-    names what differs from the run."""
+    """Issue 44: the threads and kernels a stored curve was measured with travel with it (a static
+    layout's too: it prices a tree="dynamic" override, and without its setup no run was warned of
+    another setup's curve), leave the adapter's hash alone, and space-eval's check names what
+    differs from the run; a layout stored without a curve drops the setup."""
     from space.eval.resume import adapter_sha256
     from space.eval.step_cost import step_cost_mismatch
 
@@ -172,8 +173,15 @@ def test_step_cost_setup_is_stored_with_a_dynamic_curve_and_checked(tmp_path):
     cfg = json.loads((tmp_path / "space_config.json").read_text())
     assert cfg["step_cost_setup"] == setup and DecodeConfig.from_dict(cfg["decode"]).tree == "dynamic"
     assert adapter_sha256(tmp_path) == before  # tuning metadata, like "decode": not the drafter
-    write_decode(tmp_path, DecodeConfig(3, 2, tree=[[0], [1]]).to_dict(), {1: 0.002}, setup=setup)
-    assert "step_cost_setup" not in json.loads((tmp_path / "space_config.json").read_text())  # static: no curve use
+    static = {**setup, "threads": 2}
+    write_decode(tmp_path, {**DecodeConfig(3, 2, tree=[[0], [1]]).to_dict(), "adapter_cost": 1.5}, {1: 0.002},
+                 setup=static)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert cfg["step_cost_setup"] == static and [(e["threads"], e["step_cost"], e["adapter_cost"]) for e in
+                                                 cfg["step_costs"]] == [(1, [[1, 2.0], [8, 3.0]], 0.0), (2, [[1, 2.0]], 1.5)]
+    write_decode(tmp_path, DecodeConfig(3, 2, tree=[[0], [1]]).to_dict(), setup=static)  # no curve
+    assert "step_cost_setup" not in json.loads((tmp_path / "space_config.json").read_text())
+    assert not list(tmp_path.glob("*.tmp*"))  # written atomically, nothing left beside it
     assert step_cost_mismatch(setup, 1, "fast") is None and step_cost_mismatch(None, 2, "stock") is None
     msg = step_cost_mismatch(setup, 2, "fast")
     assert "threads 1 (run: 2)" in msg and "kernels" not in msg
@@ -432,7 +440,14 @@ def test_write_adapter_keeps_lookup_and_refuses_another_adapters_ranks(tmp_path,
         {q: ms / 1e3 for q, ms in curve})
     kept = report["best"] is report["current"]
     layout = DecodeConfig.from_dict(before).to_dict() if kept else report["best"]["decode"]
-    assert after == {**layout, "step_cost": curve}
+    assert {**after, "adapter_cost": None} == {**layout, "step_cost": curve, "adapter_cost": None}
+    # the adapter cost is measured with the curve: the one stored was that of the setup the adapter was
+    # priced with at load (the shipped 2-thread fast kernels' 7.468 ms), a pair no setup measured
+    assert after["adapter_cost"] != layout["adapter_cost"] and after["adapter_cost"] >= 0
+    written = json.loads((adapter / "space_config.json").read_text())
+    entry = next(e for e in written["step_costs"] if e.get("threads") == 1 and e["kernels"] == "fast"
+                 and e["step_cost"] == curve)
+    assert entry["adapter_cost"] == after["adapter_cost"] and written["step_cost_setup"]["threads"] == 1
     other = dict(meta, adapter="adapters/other", adapter_sha256="0" * 64)
     ranks.write_text("".join(json.dumps(r) + "\n" for r in [{"meta": other}, *rows]))
     with pytest.raises(SystemExit) as info:
@@ -455,6 +470,16 @@ def test_search_leaves_out_a_current_dynamic_tree():
     assert _key(current.to_dict()) == (2, 3, "dynamic", 10, 2)
     with pytest.raises(ValueError, match="cannot estimate the dynamic tree"):
         estimate(ranks, current, {1: 1.0, 64: 2.0})
+
+
+def test_search_leaves_out_a_current_layout_of_prompt_lookup_alone():
+    """A stored layout without a mask group (prompt lookup alone, which load_space decodes) crashed
+    space-tree in the replay ("anchored_group needs >= 1 group"): left out as the dynamic tree is."""
+    ranks = [torch.tensor([[j % 3, 0] for j in range(40)]) for _ in range(6)]
+    current = DecodeConfig(2, 0, lookup_tokens=10)
+    found = search(ranks, {1: 1.0, 2: 1.5, 64: 30.0}, 2, 64, current)
+    assert found and not any(r.get("current") for r in found)
+    assert {r["decode"]["lookup_tokens"] for r in found} == {10}
 
 
 def test_one_stored_curve_per_threads_and_kernels(tmp_path):
@@ -601,7 +626,8 @@ def test_write_adapter_dynamic_then_static_over_it(tmp_path, capsys):
     report = main(args)
     assert report["current"] is None and report["dynamic"] is None
     after = json.loads((adapter / "space_config.json").read_text())["decode"]
-    assert after["tree"] != "dynamic" and after == {**report["best"]["decode"], "step_cost": after["step_cost"]}
+    assert after["tree"] != "dynamic" and after == {**report["best"]["decode"], "step_cost": after["step_cost"],
+                                                    "adapter_cost": after["adapter_cost"]}
     assert (after["lookup_tokens"], after["row_budget"]) == (10, 12)  # kept from the dynamic layout
     assert "replaces the current dynamic tree" in capsys.readouterr().out
 
@@ -699,21 +725,24 @@ def test_ranks_of_another_base_model_are_refused(tmp_path, capsys):
 
 def test_write_decode_leaves_the_config_whole_when_the_write_fails(tmp_path, monkeypatch):
     """space_config.json is replaced atomically: a write cut short (disk full, Ctrl-C) leaves the
-    old file, not a torn one that no longer loads the adapter."""
+    old file, not a torn one that no longer loads the adapter, and no temporary file beside it (a
+    file left in the adapter's folder changes its fingerprint, and its ranks files were refused)."""
+    import space.jsonl
+    from space.eval.resume import adapter_sha256
+
     config = tmp_path / "space_config.json"
     config.write_text(json.dumps({"mode": "frozen-base", "decode": {"mask_num": 1}}))
-    before = config.read_text()
+    before, fingerprint = config.read_text(), adapter_sha256(tmp_path)
 
-    def torn(self, text, *args, **kwargs):
-        with open(self, "w") as f:
-            f.write(text[: len(text) // 2])
+    def full(fd):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(Path, "write_text", torn)
+    monkeypatch.setattr(space.jsonl.os, "fsync", full)
     with pytest.raises(OSError, match="No space left"):
         write_decode(tmp_path, DecodeConfig(3, 2).to_dict(), {1: 0.002})
     monkeypatch.undo()
-    assert config.read_text() == before
+    assert config.read_text() == before and adapter_sha256(tmp_path) == fingerprint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["space_config.json"]
 
 
 def test_a_curve_measured_over_captured_steps_is_timed_at_their_row_buckets(tiny):
@@ -752,7 +781,7 @@ def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
     assert report["current"] is not None and report["current"]["decode"]["mask_num"] == 3
     stored = json.loads((ckpt / "space_config.json").read_text())["decode"]
     curve = [[q, ms] for q, ms in report["step_cost_ms"].items()]
-    assert stored == {**report["best"]["decode"], "step_cost": curve}
+    assert stored == {**report["best"]["decode"], "step_cost": curve, "adapter_cost": stored["adapter_cost"]}
     assert f"{ckpt / 'space_config.json'}" in capsys.readouterr().out
     loaded, _, spec = load_space(model=str(ckpt))
     assert SpaceDecoder(loaded, spec).config == DecodeConfig.from_dict(stored)
