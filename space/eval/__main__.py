@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "probability mass, in (0, 1]; 1 = all")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, >= 0; 0 = all")
     p.add_argument("--num-samples", type=int, default=1, help="samples per question (pass@n needs temperature > 0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of sample 0 (sample i uses seed + i), "
-                   "the same on every rank")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of sample 0's first turn (sample i's turn t "
+                   "uses seed + i + (t - 1) x num-samples), the same on every rank")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (fp32 is fastest on CPU; "
                    "greedy SPACE equals AR exactly only in fp32, lower precision can flip near-ties)")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N or mps; auto = cuda when "
@@ -494,7 +494,9 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
             "datastore_questions": len(answered),
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "num_samples": args.num_samples,
-            "seed": args.seed, "dtype": args.dtype, "device": ", ".join(devices),
+            "seed": args.seed,
+            # each (sample, turn) sampled with a seed of its own (bench.run_question); before, one per sample
+            "turn_seeds": True if args.temperature > 0 else None, "dtype": args.dtype, "device": ", ".join(devices),
             "device_flag": getattr(args, "device_requested", args.device), "device_map": args.device_map,
             "ranks": 1, "threads": threads, "kernels": kernels, "packed_kernel": packed_kernel,
             "kernel_paths": kernel_paths, "packed_min_rows": min_rows,

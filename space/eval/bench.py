@@ -158,7 +158,9 @@ def _context(target: Target) -> tuple[int, str]:
 
 def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: int, sampling: SamplingConfig,
                  num_samples: int) -> dict:
-    """All turns of one question, ``num_samples`` times, as a Spec-Bench style record.
+    """All turns of one question, ``num_samples`` times, as a Spec-Bench style record. Sample i's
+    turn t samples with seed ``sampling.seed + i + (t - 1) * num_samples`` (mod 2**64): every
+    (sample, turn) its own stream, the first turns' seeds those of a single-turn run.
 
     Raises:
         ContextOverflow: a turn's prompt (a later turn's holds the earlier answers' text, tokenized
@@ -169,7 +171,6 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
     context, where = _context(target)
     choices = []
     for index in range(num_samples):
-        cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + index)
         messages, choice = [], {"index": index, "turns": [], "new_tokens": [], "wall_time": [], "steps": [],
                                 **{key: [] for key in STEP_KEYS}, "token_ids": []}
         for number, turn in enumerate(task.turns, 1):
@@ -179,6 +180,10 @@ def run_question(method: str, target: Target, task: EvalTask, max_new_tokens: in
                 raise ContextOverflow(f"turn {number}'s prompt ({len(ids)} tokens, the earlier answers tokenized "
                                       f"again) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
                                       f"exceeds {where}")
+            # a seed of its own per (sample, turn): one seed for every turn restarted the same random
+            # stream each turn, so a later turn's draws followed the first's (first turns keep seed + index)
+            cfg = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p,
+                                 (sampling.seed + index + (number - 1) * num_samples) % 2**64)
             out = generate(method, target, ids, max_new_tokens, cfg)
             text = target.tokenizer.decode(out["ids"], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": text})

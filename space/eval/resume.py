@@ -25,7 +25,7 @@ from .shard import Shard
 # folder makes other tokens, and a moved one the same; a model folder by its files' fingerprint.
 SAMPLE_KEYS = ("model", "model_files", "adapter_sha256", "dataset", "methods", "num_samples", "mask_num", "num_groups",
                "lookup_tokens", "lookup_ngram", "baselines_suppress_masks", "tree", "row_budget", "draft_ranks", "lookup_branches", "datastore_sha256", "datastore_branches", "step_cost", "adapter_cost", "max_new_tokens", "temperature",
-               "top_p", "top_k", "seed", "dtype", "kernels")
+               "top_p", "top_k", "seed", "turn_seeds", "dtype", "kernels")
 # what shapes the timings: a speedup over samples timed on two setups compares nothing. The ranks of
 # one sharded run differ in device (each its GPU) and may differ in machine; the merge allows that,
 # since every question's methods run in one process. The trunk (fused groups, attention, one-kernel
@@ -40,7 +40,7 @@ MERGE_KEYS = tuple(k for k in RESUME_KEYS if k not in ("device", "machine"))
 OLD_DEFAULTS = {"model_files": None, "lookup_tokens": 0, "lookup_ngram": 2, "baselines_suppress_masks": False, "tree": None, "adapter_sha256": None, "row_budget": None, "draft_ranks": None,
                 "lookup_branches": 1, "datastore_sha256": None, "datastore_branches": 0,
                 "step_cost": None, "adapter_cost": None, "compile": False, "buckets": False, "capture": None,
-                "slot_buckets": None, "trunk": None, "sdpa": None}
+                "slot_buckets": None, "trunk": None, "sdpa": None, "turn_seeds": None}
 
 
 def model_files(model: str, layout: bool = True) -> str | None:
