@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 import yaml
@@ -287,8 +288,13 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             ddp_find_unused_parameters true, init_adapter with mode full, an output_dir that is a
             file, dataloader_persistent_workers with workers, or DeepSpeed settings
             :func:`check_deepspeed` refuses, or a ``sources`` list naming no source; a non-zero
-            label_smoothing_factor (HF's smoother never sees SAR-SFT's loss).
+            label_smoothing_factor (HF's smoother never sees SAR-SFT's loss); neftune_noise_alpha in
+            frozen-base.
         FileNotFoundError: a resume_from_checkpoint that is not a checkpoint folder.
+
+    Warns (UserWarning) of a setting the run ignores, set away from its default: LoRA settings or
+    mask_chunk_rows in mode full, mask_chunk_rows in lora, teacher_topk with mask_target token,
+    sampler_width without sampler_head.
     """
     SpaceSettings.from_args(model_args, mask_args, train_args)
     data_lists(data_args.datasets, data_args.sources)
@@ -319,6 +325,22 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")
+    # settings this run ignores, set away from their defaults: said, not refused (a sweep's arm in mode full
+    # inherits its base config's LoRA settings)
+    defaults = {f.name: f.default for cls in (ModelArgs, MaskArgs) for f in dataclasses.fields(cls)}
+    ignored = {"full": ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "mask_chunk_rows"),
+               "lora": ("mask_chunk_rows",)}.get(model_args.mode, ())
+    ignored += ("teacher_topk",) if mask_args.mask_target == "token" else ()
+    ignored += ("sampler_width",) if not mask_args.sampler_head else ()
+    set_ = [n for n in ignored if getattr(model_args, n, getattr(mask_args, n, None)) != defaults[n]]
+    if set_:
+        warnings.warn(f"{', '.join(set_)} set, but mode {model_args.mode} with mask_target {mask_args.mask_target}"
+                      f"{'' if mask_args.sampler_head else ' and no sampler_head'} never reads "
+                      f"{'it' if len(set_) == 1 else 'them'}: this run ignores {'it' if len(set_) == 1 else 'them'}",
+                      stacklevel=2)
+    if getattr(train_args, "neftune_noise_alpha", None) and model_args.mode == "frozen-base":
+        raise ValueError("neftune_noise_alpha with mode frozen-base: HF's NEFTune noises the embedding output of the "
+                         "frozen real pass too (its KV cache and the teacher), which decoding never sees; drop it")
     if getattr(train_args, "label_smoothing_factor", 0):
         raise ValueError("label_smoothing_factor is not supported: SAR-SFT's loss is its own (space.train.loss), "
                          "which HF's label smoother never sees; set it to 0")

@@ -126,6 +126,8 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-train", [*TRAIN, "--no_such_flag", "1"], 2, "not used by the HfArgumentParser"),
     # HF options SAR-SFT's own loss or resume would ignore (it trained without smoothing, or from scratch)
     ("space-train", [*TRAIN, "--label_smoothing_factor", "0.1"], 2, "label_smoothing_factor is not supported"),
+    # NEFTune noised the frozen real pass (its KV cache and the teacher) of frozen-base training (tiny_smoke's mode)
+    ("space-train", [*TRAIN, "--neftune_noise_alpha", "5"], 2, "neftune_noise_alpha with mode frozen-base"),
     ("space-train", [*TRAIN, "--resume_from_checkpoint", "{tmp}"], 2, "not a checkpoint folder"),
     # --debug is taken off before the HfArgumentParser sees it (it would refuse it as an unused argument)
     ("space-train", [*TRAIN, "--mask_num", "0", "--debug"], 2, "mask_num (k) must be an integer >= 1, got 0"),

@@ -106,3 +106,22 @@ def test_sweep_arms_parse(path, tmp_path):
     sweep = yaml.safe_load(path.read_text())
     for name, flags in sweep["arms"].items():
         parse_train_args(["--config", str(ROOT / sweep["base_config"]), "--output_dir", str(tmp_path / name), *flags])
+
+
+def test_settings_a_run_ignores_are_said(tmp_path):
+    """LoRA settings in mode full, mask_chunk_rows outside frozen-base, teacher_topk with token targets
+    and sampler_width without a sampler head were accepted without a word, the run never reading
+    them: a warning names them (not an error: a sweep's arm in mode full inherits its base config's
+    LoRA settings). At their defaults, or where they are read, nothing is said."""
+    import warnings
+
+    base = ["--config", str(ROOT / "configs/train/tiny_smoke.yaml"), "--output_dir", str(tmp_path)]
+    for flags, named in (([ "--mode", "full", "--lora_r", "4", "--mask_chunk_rows", "64"], "lora_r, mask_chunk_rows"),
+                         (["--mode", "lora", "--mask_chunk_rows", "64"], "mask_chunk_rows"),
+                         (["--teacher_topk", "5"], "teacher_topk"), (["--sampler_width", "32"], "sampler_width")):
+        with pytest.warns(UserWarning, match=f"^{named} set, but mode .* never reads"):
+            parse_train_args([*base, *flags])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_train_args([*base, "--mode", "full"])
+        parse_train_args([*base, "--lora_r", "4", "--mask_chunk_rows", "64", "--mask_target", "teacher", "--teacher_topk", "5"])

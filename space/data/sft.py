@@ -231,29 +231,44 @@ def tokenize(examples: list[Example], tokenizer, max_length: int):
 
     Returns:
         a ``datasets.Dataset`` (imported here: loading it costs about 1.5 s, which ``--help`` skips).
+
+    Raises:
+        ValueError: the tokenizer's chat template refuses an example's conversation (two user turns
+            in a row under a template that enforces alternation), naming the example.
     """
     from datasets import Dataset
+    from jinja2 import TemplateError  # what a chat template raises (raise_exception) on a conversation it refuses
 
     rows = []
     for i, ex in enumerate(examples):
-        prompt = chat_ids(tokenizer, ex.context)
-        ids = own_ids(ex, tokenizer)
-        if ids is not None:
-            # the model's own tokens, then the EOS its generation stopped at (none after a cut)
-            full = prompt + ids + ([tokenizer.eos_token_id] if ex.finished else [])
-        elif not ex.finished:
-            # a response cut at max_new_tokens: the prompt and the tokens generated after it, as the
-            # teacher produced them, with no end of turn (or template text) after the cut that would
-            # teach the masks to close the turn there; whatever token the template ends a turn with.
-            # An answer cut inside a multi-byte character ends in U+FFFD (its bytes, decoded alone),
-            # which the model never wrote: dropped (15 committed rows)
-            full = prompt + tokenizer(ex.response.rstrip("\ufffd"), add_special_tokens=False)["input_ids"]
-        else:
-            full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
-            # no template (chat_ids' "role: content" lines end a turn with a newline, not EOS: the model
-            # would never learn to stop), or one that re-renders the prompt once an answer follows it
-            if not tokenizer.chat_template or full[: len(prompt)] != prompt:
-                full = prompt + tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if len(prompt) + 2 <= max_length:
-            rows.append({"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i, "own_ids": ids is not None})
+        try:
+            rows += _tokenized(i, ex, tokenizer, max_length)
+        except TemplateError as e:  # e.g. two user turns in a row under a template that enforces alternation
+            raise ValueError(f"training example {i}: the tokenizer's chat template refused its conversation "
+                             f"({e}); fix or drop that row") from None
     return Dataset.from_list(rows)
+
+
+def _tokenized(i: int, ex: Example, tokenizer, max_length: int) -> list[dict]:
+    """:func:`tokenize`'s row of example ``i``, or none (a response left without 2 tokens)."""
+    prompt = chat_ids(tokenizer, ex.context)
+    ids = own_ids(ex, tokenizer)
+    if ids is not None:
+        # the model's own tokens, then the EOS its generation stopped at (none after a cut)
+        full = prompt + ids + ([tokenizer.eos_token_id] if ex.finished else [])
+    elif not ex.finished:
+        # a response cut at max_new_tokens: the prompt and the tokens generated after it, as the
+        # teacher produced them, with no end of turn (or template text) after the cut that would
+        # teach the masks to close the turn there; whatever token the template ends a turn with.
+        # An answer cut inside a multi-byte character ends in U+FFFD (its bytes, decoded alone),
+        # which the model never wrote: dropped (15 committed rows)
+        full = prompt + tokenizer(ex.response.rstrip("\ufffd"), add_special_tokens=False)["input_ids"]
+    else:
+        full = chat_ids(tokenizer, ex.context + [{"role": "assistant", "content": ex.response}], add_generation_prompt=False)
+        # no template (chat_ids' "role: content" lines end a turn with a newline, not EOS: the model
+        # would never learn to stop), or one that re-renders the prompt once an answer follows it
+        if not tokenizer.chat_template or full[: len(prompt)] != prompt:
+            full = prompt + tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if len(prompt) + 2 <= max_length:
+        return [{"input_ids": full[:max_length], "prompt_len": len(prompt), "idx": i, "own_ids": ids is not None}]
+    return []

@@ -44,7 +44,12 @@ SETTINGS_BEFORE = {"chain_weight": 0.0, "consistency_weight": 0.0, "sampler_head
 # another learning rate was ignored and other data was trained from a misaligned point, while the
 # artifact named the new data. A checkpoint saved before these were recorded is not compared on them
 RUN_KEYS = ("data", "max_length", "mask_prob", "mask_loss_weight", "teacher_topk", "seed", "learning_rate",
-            "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "batch", "lora_dropout")
+            "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "batch", "lora_dropout",
+            # the shuffle HF's skip over seen batches relies on, and the optimizer's own settings
+            "data_seed", "max_grad_norm", "optim", "adam_beta1", "adam_beta2", "adam_epsilon")
+# the schedule's length: a resume that extends a run is allowed, but HF rebuilds the schedule for the
+# new total (scheduler.pt holds the step count only), so the learning rate jumps there: said, not refused
+SCHEDULE_KEYS = ("max_steps", "num_train_epochs")
 # the files a checkpoint holds its optimizer and learning-rate schedule in: HF's, or DeepSpeed's engine's
 OPTIMIZER_FILES = {False: ("optimizer.pt", "scheduler.pt"), True: ("latest",)}
 
@@ -65,7 +70,9 @@ def run_settings(model_args, data_args, mask_args, train_args, examples: list) -
     """The rest of what a resume must match (:data:`RUN_KEYS`): the training examples (count and a
     hash of their text and ids, in order), ``max_length``, the loss settings, the seed, the optimizer's
     learning rate, schedule and weight decay, the batch (per device x accumulation x processes) and
-    the LoRA dropout. (transformers 5 folds ``warmup_ratio`` into a fractional ``warmup_steps``.)"""
+    the LoRA dropout, the data seed, gradient clipping and the optimizer's settings; and the
+    schedule's length (:data:`SCHEDULE_KEYS`, warned of, not refused). (transformers 5 folds
+    ``warmup_ratio`` into a fractional ``warmup_steps``.)"""
     import hashlib
 
     digest = hashlib.sha256()
@@ -79,7 +86,10 @@ def run_settings(model_args, data_args, mask_args, train_args, examples: list) -
             "warmup_steps": train_args.warmup_steps, "warmup_ratio": getattr(train_args, "warmup_ratio", None),
             "weight_decay": train_args.weight_decay,
             "batch": train_args.per_device_train_batch_size * train_args.gradient_accumulation_steps
-            * train_args.world_size, "lora_dropout": model_args.lora_dropout}
+            * train_args.world_size, "lora_dropout": model_args.lora_dropout,
+            "data_seed": train_args.data_seed, "max_grad_norm": train_args.max_grad_norm,
+            "optim": str(getattr(train_args.optim, "value", train_args.optim)),
+            **{k: getattr(train_args, k) for k in ("adam_beta1", "adam_beta2", "adam_epsilon", *SCHEDULE_KEYS)}}
 
 
 def check_optimizer_state(last: str, settings: dict) -> None:
@@ -122,6 +132,31 @@ def last_whole_checkpoint(output_dir: str, main_process: bool) -> str | None:
     return None
 
 
+def agree_on_checkpoint(last: str | None) -> str | None:
+    """``last`` (this rank's newest whole checkpoint) when every rank of the process group found the
+    same one. Each rank looks in its own filesystem: with an output_dir local to each node, node 0
+    resumed while the others, holding only their ZeRO shards, started afresh, and the job hung or
+    trained on a mix. Without a process group (one process), ``last`` as it is.
+
+    Raises:
+        ValueError: on every rank, when any rank found another checkpoint (or none), naming rank 0's
+            and this rank's.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return last
+    chosen = [last]
+    dist.broadcast_object_list(chosen, src=0)
+    same = torch.tensor([int(chosen[0] == last)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)  # every rank stops, or none: one alone would leave the rest waiting
+    if not same.item():
+        raise ValueError(f"the ranks see different checkpoints in output_dir (rank 0: {chosen[0]}, rank "
+                         f"{dist.get_rank()}: {last}): every node must see the same output_dir (a shared "
+                         "filesystem) to resume")
+    return last
+
+
 def check_checkpoint(last: str, settings: dict) -> None:
     """Refuse to resume from checkpoint ``last`` unless it was trained with ``settings``.
 
@@ -142,7 +177,12 @@ def check_checkpoint(last: str, settings: dict) -> None:
         saved["zero_stage"] = (settings["zero_stage"] if settings["zero_stage"] is not None else "DeepSpeed") \
             if deepspeed else None
     diff = {k: (saved.get(k), v) for k, v in settings.items()
-            if saved.get(k) != v and (k in recorded or k not in RUN_KEYS)}
+            if saved.get(k) != v and (k in recorded or k not in RUN_KEYS) and k not in SCHEDULE_KEYS}
+    schedule = {k: (saved[k], settings[k]) for k in SCHEDULE_KEYS if k in recorded and k in settings
+                and saved[k] != settings[k]}
+    if schedule and not diff:
+        warnings.warn(f"resuming {last} with another schedule length (checkpoint, now): {schedule}; HF rebuilds the "
+                      "learning-rate schedule for the new total, so the rate jumps at this step", stacklevel=2)
     if diff:
         raise ValueError(f"{last} was trained with other SPACE settings or data; (checkpoint, now): {diff}. "
                          + ("zero_stage None is a run without DeepSpeed: the optimizer state resumes only under "
@@ -224,7 +264,11 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
     examples, held_out = drop_dev_set(examples, data_args.data_root)
     settings = {**space_settings(model_args, mask_args, train_args),
                 **run_settings(model_args, data_args, mask_args, train_args, examples)}
-    last = last_whole_checkpoint(train_args.output_dir, train_args.process_index == 0)
+    # the process group (TrainingArguments creates it lazily, on first use of its device): the ranks agree
+    # on the checkpoint through it; the load below needs it too (under ZeRO-3, from_pretrained partitions
+    # the weights as they load, deepspeed.zero.Init, which needs the world size)
+    train_args.device  # noqa: B018
+    last = agree_on_checkpoint(last_whole_checkpoint(train_args.output_dir, train_args.process_index == 0))
     if train_args.resume_from_checkpoint and not last:
         # a checkpoint the user names, perhaps of another run, starts this one; once this run has
         # checkpoints of its own, a rerun (preempted, the key still in its config) goes on from them
@@ -244,10 +288,6 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
             read_space_config(Path(model_args.init_adapter))
         except FileNotFoundError as e:
             raise FileNotFoundError(f"init_adapter: {e}") from None
-    # the process group must exist before the load: under ZeRO-3, from_pretrained partitions the
-    # weights as they load (deepspeed.zero.Init), which needs the world size (TrainingArguments
-    # creates the group lazily, on first use of its device)
-    train_args.device  # noqa: B018
     if train_args.deepspeed and torch.distributed.is_initialized():
         # on GPUs accelerate does this; on CPU (use_cpu) DeepSpeed's own communicator must be told
         # of the group, else zero.Init counts a world of 1 and rejects the batch size

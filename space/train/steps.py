@@ -19,6 +19,7 @@ import torch
 from ..config import SpaceSettings
 from ..decoding.cache import cache_input
 from ..decoding.decoder import check_attention
+from ..decoding.sampling import logit_transform
 from ..masking import IGNORE_INDEX, mask_rows, previous_ids, to_additive_4d
 from ..sampler_head import sampler_head
 from .loss import consistency_loss, space_loss, teacher_targets
@@ -102,8 +103,8 @@ def frozen_base_step(model, inputs: dict, settings: SpaceSettings, unwrapped=Non
     cache, hidden = real_pass(unwrapped, inputs)
     teacher = None
     if settings.mask_target == "teacher":
-        head = unwrapped.get_base_model().get_output_embeddings()
-        teacher = teacher_targets(head, hidden, inputs, settings.teacher_topk, settings.suppress_ids)
+        teacher = teacher_targets(causal_lm_head(unwrapped), hidden, inputs, settings.teacher_topk,
+                                  settings.suppress_ids)
     chunks = mask_chunks(offsets, settings.mask_chunk_rows)
     scored = (labels != IGNORE_INDEX) & (offsets >= 0)  # (batch, M)
     total = scored.sum() if totals is None else totals[1]  # on the device: no read back
@@ -148,6 +149,17 @@ def forward_mask(allowed: torch.Tensor, model) -> torch.Tensor:
     return to_additive_4d(allowed, dtype)
 
 
+def causal_lm_head(unwrapped) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The base's LM head as its causal-LM forward applies it, (..., hidden) -> (..., vocab): the
+    head, then the model's own logit scaling or soft-capping (``sampling.logit_transform``:
+    Granite, Cohere, Gemma 2+), which the decoders apply to every row they score. The teacher's
+    targets and the sampler head's logits are made through it: without it a Granite teacher was 8x
+    sharper than the model (logits_scaling 8), a distribution no mask row can reach or decode."""
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    head, transform = base.get_output_embeddings(), logit_transform(base.config)
+    return head if transform is None else (lambda hidden: transform(head(hidden)))
+
+
 def real_pass(unwrapped, inputs: dict) -> tuple[PrefixCache, torch.Tensor]:
     """The real columns ``:T`` without gradients and without the adapter (the frozen base).
 
@@ -188,7 +200,7 @@ def mask_pass(model, unwrapped, inputs: dict, cache: PrefixCache, rows: slice, h
                     use_cache=True, output_hidden_states=hidden_states or head is not None, **skip)
     if head is not None:  # teacher-forced: the true token before each mask's target (issue 34)
         prev = unwrapped.get_input_embeddings()(previous_ids(ids[:, :T], pos[:, q]))
-        out.logits = unwrapped.get_base_model().get_output_embeddings()(head(out.hidden_states[-1], prev))
+        out.logits = causal_lm_head(unwrapped)(head(out.hidden_states[-1], prev))
     return out
 
 

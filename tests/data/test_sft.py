@@ -159,6 +159,22 @@ def test_tokenize_falls_back_when_the_template_rerenders_the_prompt():
     assert row["input_ids"] == prompt + tok("Hello", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
+def test_a_conversation_the_chat_template_refuses_names_its_example():
+    """A template that enforces alternating roles (Mistral-Instruct's, Llama-2-chat's) raises a jinja2
+    TemplateError on two user turns in a row: it escaped tokenize and the CLI's error handling as a
+    traceback on every rank. Now a ValueError naming the example (the CLI's one line, exit 2)."""
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('roles must alternate') }}{% endif %}"
+                         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    good = to_example({"prompt": "Hi", "response": "Hello"})
+    bad = to_example({"prompt": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "response": "c"})
+    assert len(tokenize([good], tok, max_length=64)) == 1
+    with pytest.raises(ValueError, match=r"training example 1: the tokenizer's chat template refused .*alternate"):
+        tokenize([good, bad], tok, max_length=64)
+
+
 @pytest.mark.parametrize("response", ["  two spaces", "\ndef f(): pass", " def f(): pass", "\tx = 1"])
 def test_without_a_chat_template_every_answer_ends_with_eos(response):
     """A base checkpoint without a chat template: chat_ids writes "role: content" lines, whose end

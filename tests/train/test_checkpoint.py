@@ -86,6 +86,40 @@ def test_a_checkpoint_from_before_the_run_keys_resumes_and_one_with_them_is_comp
         check_checkpoint(str(tmp_path), now)
 
 
+@pytest.mark.parametrize("key, value", [("data_seed", 7), ("max_grad_norm", 0.5), ("optim", "sgd"),
+                                        ("adam_beta2", 0.95), ("adam_epsilon", 1e-6)])
+def test_a_resume_with_another_shuffle_or_optimizer_is_refused(tmp_path, key, value):
+    """The data seed (HF's skip over the seen batches replays the shuffle), gradient clipping and the
+    optimizer's own settings resumed without a word: the run went on from a misaligned batch, or
+    with another optimizer than the checkpoint's state was made by."""
+    from space.train.run import RUN_KEYS
+
+    now = {**SETTINGS, "data_seed": None, "max_grad_norm": 1.0, "optim": "adamw_torch", "adam_beta1": 0.9,
+           "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps(now))
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    assert key in RUN_KEYS
+    check_checkpoint(str(tmp_path), now)
+    with pytest.raises(ValueError, match=f"other SPACE settings or data.*'{key}'"):
+        check_checkpoint(str(tmp_path), {**now, key: value})
+
+
+def test_a_resume_that_extends_the_schedule_is_said_not_refused(tmp_path):
+    """A resume with a larger max_steps is how a run is extended, but HF rebuilds the learning-rate
+    schedule for the new total, so the rate jumps there: warned, not refused; the same length says
+    nothing."""
+    import warnings
+
+    now = {**SETTINGS, "max_steps": 100, "num_train_epochs": 3.0}
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps(now))
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_checkpoint(str(tmp_path), now)
+    with pytest.warns(UserWarning, match=r"another schedule length .*'max_steps': \(100, 200\)"):
+        check_checkpoint(str(tmp_path), {**now, "max_steps": 200})
+
+
 @pytest.mark.parametrize("zero_stage, files", [(None, ("optimizer.pt", "scheduler.pt")), (2, ("latest",))])
 def test_a_checkpoint_without_its_optimizer_state_is_refused(tmp_path, zero_stage, files):
     """HF's optimizer and scheduler files, or DeepSpeed's engine's ``latest``: without them a resume
@@ -290,3 +324,35 @@ def test_a_resume_with_another_effective_batch_or_other_token_ids_is_refused(tmp
     for changed in (Example(examples[0].context, "a b", True, [5, 7]), Example(examples[0].context, "a b", False, [5, 6])):
         with pytest.raises(ValueError, match="other SPACE settings or data.*'data'"):
             check_checkpoint(str(tmp_path), settings(examples=[changed]))
+
+
+def _agree(rank, world, init, lasts, out):
+    """One rank of test_ranks_that_see_different_checkpoints_all_stop (module level: spawned)."""
+    import torch.distributed as dist
+
+    from space.train.run import agree_on_checkpoint
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        out[rank] = ("resumes", agree_on_checkpoint(lasts[rank]))
+    except ValueError as e:
+        out[rank] = ("refused", str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lasts", [["out/checkpoint-4", "out/checkpoint-4"], ["out/checkpoint-4", None]])
+def test_ranks_that_see_different_checkpoints_all_stop(tmp_path, lasts):
+    """Each rank looked for the last checkpoint in its own filesystem: with an output_dir local to each
+    node, node 0 resumed while the others, holding only their ZeRO shards, started afresh, and the
+    job hung or trained on a mix. The ranks now agree on rank 0's, and all stop, naming both, when
+    any rank sees another (two gloo processes on this CPU)."""
+    import torch.multiprocessing as mp
+
+    out = mp.Manager().dict()
+    mp.spawn(_agree, args=(2, f"file://{tmp_path / 'rendezvous'}", lasts, out), nprocs=2, join=True)
+    if lasts[0] == lasts[1]:
+        assert dict(out) == {0: ("resumes", lasts[0]), 1: ("resumes", lasts[1])}
+    else:
+        assert [out[r][0] for r in (0, 1)] == ["refused", "refused"]
+        assert f"rank 0: {lasts[0]}, rank 1: {lasts[1]}" in out[1][1] and "shared" in out[0][1]

@@ -113,6 +113,41 @@ def test_teacher_rows_are_the_base_at_row_e_plus_j(frozen):
     assert checked > 40
 
 
+@pytest.mark.parametrize("arch, overrides", [("Granite", dict(logits_scaling=8.0)), ("Cohere", dict(logit_scale=0.0625))])
+def test_teacher_rows_are_the_models_own_distribution_where_it_scales_its_logits(arch, overrides):
+    """The teacher was softmax(lm_head(h)), skipping what the causal-LM forward does after the head
+    (Granite divides by logits_scaling, Cohere scales, Gemma 2+ soft-caps), which the decoders apply:
+    a Granite teacher 8x sharper than the model, which frozen mask rows cannot match. It is now the
+    model's own logits' top-K (``steps.causal_lm_head``)."""
+    import transformers
+
+    from space.models import tiny_tokenizer
+    from space.train.steps import causal_lm_head
+
+    config = getattr(transformers, f"{arch}Config")(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        initializer_range=0.2, **overrides)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    tok = tiny_tokenizer()
+    model, spec = prepare_model(model, tok, "frozen-base", K)
+    col = SpaceCollator(spec.ids_for(K), K, tok.pad_token_id, span_density=1.0)
+    g = torch.Generator().manual_seed(1)
+    batch = col([{"input_ids": torch.randint(11, 250, (24,), generator=g).tolist(), "prompt_len": 5, "idx": 0}])
+    T = batch["num_real"]
+    _, hidden = real_pass(model, batch)
+    ids, probs = teacher_targets(causal_lm_head(model), hidden, batch, topk=4, suppress_ids=spec.token_ids)
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=batch["input_ids"][:, :T]).logits  # the forward's own scaling included
+    base[..., list(spec.token_ids)] = float("-inf")
+    for b, m in ((batch["labels"][:, T:] != IGNORE_INDEX) & (batch["mask_offset"][:, T:] >= 0)).nonzero().tolist():
+        top = base[b, int(batch["position_ids"][b, T + m])].topk(4)
+        assert torch.equal(ids[b, m], top.indices)
+        assert torch.allclose(probs[b, m], torch.softmax(top.values, -1), atol=1e-5), (b, m)
+
+
 @pytest.mark.parametrize("target,chain,consistency", [("token", 0, 0), ("teacher", 0, 0), ("teacher", 0.5, 1.0),
                                                       ("token", 1.0, 0.3)])
 def test_chunked_loss_and_gradients_equal_unchunked(frozen, tmp_path, target, chain, consistency):
