@@ -424,7 +424,7 @@ def run_smoke(config_path: str, work_dir: str | None = None, keep: bool = False,
     reason = refusal(effective, cuda)
     if reason:
         raise Refused(f"{name}: {reason}")
-    note = check_init_adapter(config)
+    note = check_init_adapter(effective)  # the flags on top: --mode lora over a frozen-base config's adapter
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="space-smoke-"))
     work.mkdir(parents=True, exist_ok=True)
     kept = bool(work_dir or keep)
@@ -432,7 +432,8 @@ def run_smoke(config_path: str, work_dir: str | None = None, keep: bool = False,
         stand_in, run_dir = work / "stand-in", work / "run"
         shutil.rmtree(run_dir, ignore_errors=True)  # a smoke always trains its 2 steps from scratch
         arch = build_stand_in(str(effective.get("model_name_or_path", "smollm2-135m-instruct")), stand_in)
-        smoke, changes, replaced = smoke_config(config, stand_in, run_dir, cuda)
+        # sized from the settings as run (an overridden batch size sizes the smoke's rows)
+        smoke, changes, replaced = smoke_config(effective, stand_in, run_dir, cuda)
         for line in changes:
             print(line, flush=True)
         (work / "config.yaml").write_text(yaml.safe_dump(smoke, sort_keys=False))

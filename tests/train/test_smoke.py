@@ -83,6 +83,17 @@ def test_refusal_reads_the_overrides(override, reason, capsys):
     assert out.count("\n") == 1
 
 
+def test_the_init_adapter_check_reads_the_overrides(tmp_path):
+    """The smoke checked init_adapter against the YAML's mode and k, not the flags on top of it:
+    ``--smoke --mode lora`` over a frozen-base config whose init_adapter is a frozen-base adapter
+    passed the check and failed in the training run instead."""
+    config = tmp_path / "stage2.yaml"
+    config.write_text((ROOT / "configs/train/tiny_smoke.yaml").read_text()
+                      + "\ninit_adapter: adapters/smollm2-135m-space\n")
+    with pytest.raises(ValueError, match=r"trained with mode frozen-base, k=3: it does not fit this config \(mode lora"):
+        main([str(config), "--mode", "lora"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs any DeepSpeed file: the smoke does not read it")
 def test_a_broken_deepspeed_override_is_named(tmp_path, capsys):
     from space.train.smoke import cli
