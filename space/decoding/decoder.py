@@ -443,10 +443,12 @@ class SpaceDecoder:
         needs a graph for (``graphs.StepGraphs``)."""
         return tuple(sorted({bucket(r, self.max_rows) for r in range(1, self.max_rows + 1)}))
 
-    def planner(self) -> StepPlanner:
+    def planner(self, end: int | None = None) -> StepPlanner:
         """A fresh planner for one generation, from this decoder's layout: the dynamic tree's
-        (running rates, step-cost prices) or the static tree's (``space.decoding.planner``)."""
-        return DynamicPlanner(self) if self.dynamic else StaticPlanner(self)
+        (running rates, step-cost prices) or the static tree's (``space.decoding.planner``).
+        ``end``: the sequence length the generation may reach (prompt + max_new_tokens), past which
+        a dynamic tree plans no node or mask (None: the model's context)."""
+        return DynamicPlanner(self, end) if self.dynamic else StaticPlanner(self)
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
@@ -491,7 +493,7 @@ class SpaceDecoder:
         if planner is not None and pq:
             raise ValueError("a sampled chain (temperature > 0, no tree, no lookup) verifies the drafts it drew with "
                              "the p/q rule, so it takes no planner: use greedy, a token tree or prompt lookup")
-        planner = planner if planner is not None else self.planner()
+        planner = planner if planner is not None else self.planner(end=ids.numel() + max_new_tokens)
         size = ids.numel() + max_new_tokens + self.max_rows  # the most tokens a generation caches
         if self.graphs is not None:  # the captured steps' own cache, emptied
             self.graphs.check_fits(ids.numel() + max_new_tokens, self.max_rows)

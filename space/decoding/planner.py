@@ -96,9 +96,12 @@ class DynamicPlanner:
     lengths priced from the drafts' probabilities, this sequence's running rates and the step-cost
     curve. Copies the drafts' top-R ids and probabilities to the host once per step."""
 
-    def __init__(self, decoder: SpaceDecoder):
+    def __init__(self, decoder: SpaceDecoder, end: int | None = None):
         cfg = decoder.config
         self.decoder = decoder
+        # the sequence length the generation may reach: at its last steps a node past what it can
+        # still emit is a row that never pays (nor are masks drafted for a step that will not come)
+        self.end = end
         self.stats = AcceptanceStats(cfg.mask_num, cfg.lookup_tokens, decoder.cost)
         self.mask_rows_before = cfg.mask_num
         self.last: tuple | None = None  # what the last proposal was made from, for observe()
@@ -109,8 +112,14 @@ class DynamicPlanner:
         ids = [[int(t) for t in row] for row in ids]
         first, others = (found[0], found[1:]) if found else ([], [])
         stored = getattr(found, "stored", 0)  # a plain list (a test's planner) holds none of a datastore's
+        # depth d sits at position cache_len + d < context; the step emits its d accepted tokens and a
+        # bonus, and the sequence (cache_len + 1 tokens now) ends at self.end. Never below 1 while the
+        # context allows: a 1-row block is a shape of its own for a compiled trunk (a graph of minutes)
+        room = dec.context - cache_len - 1
+        if self.end is not None:
+            room = max(min(room, self.end - cache_len - 2), min(room, 1))
         plan = plan_step(ids, probs, drafts.offset, first, self.stats, cfg.row_budget, cfg.mask_num, cfg.groups,
-                         dec.context - cache_len - 1, self.mask_rows_before, chained=dec.sampler is not None,
+                         room, self.mask_rows_before, chained=dec.sampler is not None,
                          others=others, stored=stored)
         self.last = (ids, [p[0] for p in probs], drafts.offset, first, others, stored)
         lay, tokens = dec.block_layout(plan.parents, plan.group_rows, plan.group_len, plan.rows, plan.tokens)

@@ -57,6 +57,29 @@ def test_dynamic_greedy_exact(trained):
     assert max(accepted) >= 3 and sum(a >= 2 for a in accepted) >= 10  # deep paths were verified
 
 
+def test_the_last_steps_plan_no_node_past_what_they_can_emit(trained):
+    """The dynamic tree planned full blocks up to the model's context even when a generation had one
+    or two tokens left: rows (and the next step's masks) that could never pay. A step now plans no
+    node deeper than the tokens it may still emit less its bonus, and never less than 1 deep (a
+    1-row block is a graph of its own for a compiled trunk); the output stays AR's, and the same
+    generation capped by the context alone (a planner of its own) plans deeper."""
+    model, _, spec, language = trained
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 4, tree="dynamic", lookup_tokens=4))
+    gen = torch.Generator().manual_seed(3)
+    for max_new in (1, 2, 3, 5, 9, 17):
+        prompt = torch.tensor(language.sample(int(torch.randint(4, 20, (1,), generator=gen))))
+        out = dec.generate(prompt, max_new)
+        assert out.new_ids == ar_generate(model, prompt, max_new, suppress_ids=spec.token_ids).new_ids
+        emitted = 0
+        for depth, tokens in zip(out.step_candidates, out.step_tokens):
+            assert depth <= max(max_new - emitted - 1, 1), (max_new, out.step_candidates, out.step_tokens)
+            emitted += tokens
+    prompt = torch.tensor(language.sample(10) * 2)  # repeated: prompt lookup offers its 4 tokens at once
+    capped = dec.generate(prompt, 1)
+    unbounded = dec.generate(prompt, 1, planner=dec.planner())  # the context's end alone: a full block
+    assert unbounded.new_ids == capped.new_ids and capped.step_candidates == [1] and unbounded.step_candidates[0] > 1
+
+
 @pytest.mark.parametrize("lookup", [0, 4])
 def test_row_budget(trained, lookup):
     """Every step's block has at most ``row_budget`` rows, padding included, and its rows are a
@@ -213,17 +236,23 @@ def test_dynamic_context_end(tiny, tail, lookup):
 def test_dynamic_sampling_matches_ar_distribution(small_vocab_model, temperature, top_p, lookup):
     """Sampling with the dynamic tree (siblings chosen from the drafts' processed distributions,
     lookup tokens merged in) emits t1..t3 with AR sampling's exact joint distribution. Top-p runs
-    at T = 1.5: this model is nearly deterministic at T = 1 with top-p 0.9 (test_sampling)."""
+    at T = 1.5: this model is nearly deterministic at T = 1 with top-p 0.9 (test_sampling). Both
+    with full blocks to the context's end (a planner without the generation's end: deep trees after
+    the first step, accepted past the 3 tokens and cut) and with the decoder's own, which plans no
+    node past what the generation can still emit."""
     model, spec = small_vocab_model
     prompt = [1, 3, 0, 2]
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1000
     # three lookup continuations where lookup is on: the other occurrences' are siblings too
     dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree="dynamic", lookup_branches=3))
-    counts, outs = sampled(dec, prompt, n, temperature=temperature, top_p=top_p)
+    counts, outs = sampled(dec, prompt, n, planner=dec.planner, temperature=temperature, top_p=top_p)
     accepts = [a for out in outs for a in out.accept_lengths[1:]]
     rows = [r for out in outs for r in out.step_rows]
     assert max(accepts) >= 2 and max(rows) > 4  # trees with several nodes were verified and accepted
+    assert chi2_pvalue(counts, exact, n) > ALPHA
+    counts, outs = sampled(dec, prompt, n, temperature=temperature, top_p=top_p)
+    assert max(a for out in outs for a in out.accept_lengths) >= 1  # drafts accepted on this path too
     assert chi2_pvalue(counts, exact, n) > ALPHA
 
 
@@ -869,8 +898,10 @@ def test_never_starve_after_all_rejected(trained):
         prompt = torch.tensor(language.sample(int(torch.randint(4, 20, (1,), generator=gen))))
         out = dec.generate(prompt, 60)
         assert out.new_ids == ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
+        emitted = [sum(out.step_tokens[:i]) for i in range(len(out.step_tokens))]  # before each step
         for i in range(1, len(out.accept_lengths)):
-            if out.step_candidates[i - 1] and out.accept_lengths[i - 1] == 0:
+            # a step with a token or none left to emit has no candidate to verify (nothing it can accept)
+            if out.step_candidates[i - 1] and out.accept_lengths[i - 1] == 0 and 60 - emitted[i] > 1:
                 rejected += 1
                 assert out.step_candidates[i] > 0, (prompt.tolist(), i)
     assert rejected >= 3  # the case was exercised
@@ -894,7 +925,10 @@ def test_candidates_contain_prompt_lookups_and_provenance(trained):
         for i, (emitted, src, (mask_depth, lookup_depth)) in enumerate(
                 zip(out.step_tokens, out.step_sources, out.step_offered)):
             found = pld.get_candidates(torch.tensor([text]))[0][0, len(text):].tolist()
-            assert lookup_depth == len(found), (seed, i)  # the whole continuation, as PLD verifies it
+            # the whole continuation, as PLD verifies it, up to the tokens the generation can still emit
+            # less its bonus (the planner plans no node past them)
+            found = found[: 50 - (len(text) - len(prompt)) - 1]
+            assert lookup_depth == len(found), (seed, i)
             assert len(src) == out.accept_lengths[i] and set(src) <= set("mlb")  # no datastore: no "d"
             assert out.accept_lengths[i] <= max(mask_depth, lookup_depth)
             accepted = out.new_ids[len(text) - len(prompt):][: len(src)]

@@ -80,11 +80,12 @@ def small_vocab_model():
     return model, spec
 
 
-def sampled(dec, prompt, n, length=3, processor=None, **sampling):
+def sampled(dec, prompt, n, length=3, processor=None, planner=None, **sampling):
     """``n`` SPACE generations of ``length`` tokens after ``prompt``, seeds 0..n-1 of
-    ``SamplingConfig(**sampling)``: (how often each emitted sequence came out, the results)."""
+    ``SamplingConfig(**sampling)``: (how often each emitted sequence came out, the results).
+    ``planner``: a function giving each generation's planner (None: the decoder's own)."""
     outs = [dec.generate(torch.tensor(prompt), length, sampling=SamplingConfig(**sampling, seed=seed),
-                         logits_processor=processor) for seed in range(n)]
+                         logits_processor=processor, planner=planner and planner()) for seed in range(n)]
     return Counter(tuple(out.new_ids) for out in outs), outs
 
 
