@@ -131,15 +131,20 @@ def small_headed(small_vocab_model):
 def test_sampling_with_head_matches_ar_distribution(small_headed, temperature, top_p, lookup, tree):
     """A sampled chain draws each offset from the head given the token drawn before it (the p/q
     rule with those distributions); trees verify the head's deterministic candidates. Either way
-    t1..t3 follow AR sampling's exact joint distribution."""
+    t1..t3 follow AR sampling's exact joint distribution. The dynamic tree runs with full blocks to
+    the context's end (its own planner stops at what 3 tokens can emit: no 2-deep tree after the
+    first step) and with its own."""
     model, spec = small_headed
     prompt = [1, 3, 0, 2]
     exact = exact_distribution(model, prompt, SamplingConfig(temperature, top_p=top_p))
     n = 1000
     dec = SpaceDecoder(model, spec, DecodeConfig(3, lookup_tokens=lookup, tree=tree))
-    counts, outs = sampled(dec, prompt, n, temperature=temperature, top_p=top_p)
+    full = dec.planner if tree == "dynamic" else None  # a sampled chain takes no planner
+    counts, outs = sampled(dec, prompt, n, planner=full, temperature=temperature, top_p=top_p)
     assert max(a for out in outs for a in out.accept_lengths[1:]) >= 2
     assert chi2_pvalue(counts, exact, n) > ALPHA
+    if full is not None:
+        assert chi2_pvalue(sampled(dec, prompt, n, temperature=temperature, top_p=top_p)[0], exact, n) > ALPHA
 
 
 def test_sampled_chain_with_head_one_group_shifts(small_vocab_model):
