@@ -323,9 +323,10 @@ def apply_lora(model: nn.Module, updates: dict[str, tuple[torch.Tensor, torch.Te
             without that layer's update, silently), ``where`` named.
     """
     # every layer's linear of each kind the updates hold: model.layers.{}.self_attn.q_proj, ...
-    kinds = {re.sub(r"\.\d+\.", ".{}.", name) for name in updates}
+    layer_index = re.compile(r"\.\d+\.")
+    kinds = {layer_index.sub(".{}.", name) for name in updates}
     missing = sorted(name for name, m in model.named_modules()
-                     if type(m) is nn.Linear and name not in updates and re.sub(r"\.\d+\.", ".{}.", name) in kinds)
+                     if type(m) is nn.Linear and name not in updates and layer_index.sub(".{}.", name) in kinds)
     if missing:
         raise ValueError(f"{where}: no LoRA for {len(missing)} modules of kinds it holds in other layers "
                          f"({', '.join(missing[:3])}, ...): a damaged or truncated file")

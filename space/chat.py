@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -264,12 +263,9 @@ def load(args) -> tuple:
                              next(model.parameters()).device.type)[1]
     decode, setup = price_at_load(model, decode, setup, args.step_cost, args.kernels, tool="space-chat")
     if decode.tree == "dynamic":  # priced by another setup's curve: said, as space-eval says it
-        from .eval.step_cost import step_cost_mismatch, trunk_of
+        from .eval.step_cost import warn_step_cost_mismatch
 
-        mismatch = step_cost_mismatch(setup, torch.get_num_threads(), args.kernels, False, trunk_of(model),
-                                      next(model.parameters()).device.type)
-        if mismatch:
-            warnings.warn(mismatch, stacklevel=2)
+        warn_step_cost_mismatch(setup, model, torch.get_num_threads(), args.kernels)
     return model, tok, SpaceDecoder(model, spec, decode, datastore=datastore)
 
 

@@ -182,12 +182,10 @@ def _with_tuned_layout(base, cfg: dict, folder: Path, kernels: str, applied: dic
     dynamic, model.space_step_cost_setup = price_at_load(model, decode.as_dynamic(), setup, mode, kernels,
                                                          compiled=compile, tool="load_space")
     if step_cost != "stored" and decode.tree == "dynamic":  # "stored": space-eval and space-chat warn themselves
-        from .eval.step_cost import step_cost_mismatch, trunk_of
+        from .eval.step_cost import warn_step_cost_mismatch
 
-        mismatch = step_cost_mismatch(model.space_step_cost_setup, threads, kernels, compile, trunk_of(model), on,
-                                      packed_kernel=packed)
-        if mismatch:
-            warnings.warn(mismatch, stacklevel=3)
+        warn_step_cost_mismatch(model.space_step_cost_setup, model, threads, kernels, compile,
+                                packed_kernel=packed, stacklevel=3)
     model.config.space_decode = decode.override(step_cost=dynamic.step_cost, adapter_cost=dynamic.adapter_cost).to_dict()
     return model
 

@@ -55,10 +55,7 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     slots = ids.numel() + max_new_tokens
     static = False  # the preallocated cache's steps pass their own mask (below)
     if graphs is not None:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if graphs.trunk is not base.get_decoder():  # another model's trunk would replay
-            raise ValueError("these captured steps (StepGraphs) were made for another model's trunk: capture them "
-                             "from this model")
+        graphs.check_model(model)
         graphs.check_fits(slots, 1)
         graphs.reset()
         cache, head, transform = graphs.cache, model.get_output_embeddings(), logit_transform(model.config)

@@ -412,9 +412,8 @@ class SpaceDecoder:
         # R: drafts kept per mask
         self.draft_ranks = self.config.draft_ranks if self.dynamic else 1 + max(max(p) for p in self.tree)
         self.cost = StepCost(self.config.step_cost or DEFAULT_STEP_COST, self.config.adapter_cost) if self.dynamic else None
-        if graphs is not None and graphs.trunk is not base.get_decoder():  # another model's trunk would replay
-            raise ValueError("these captured steps (StepGraphs) were made for another model's trunk: capture them "
-                             "from this model")
+        if graphs is not None:
+            graphs.check_model(base)
         self.graphs = graphs  # a captured step's buffers and cache (space.decoding.graphs)
         self.static_cache = graphs is not None or (is_compiled(base) if static_cache is None else static_cache)
         self.buckets = not self.dynamic and (graphs is not None or (is_compiled(base) if buckets is None else buckets))

@@ -166,6 +166,18 @@ class StepGraphs:
         """Graphs captured so far (0 on the CPU, which has none)."""
         return len(self._graphs)
 
+    def check_model(self, model) -> None:
+        """Refuse ``model`` (a HF causal LM, a peft model unwrapped) unless these steps were captured
+        from its trunk: another model's trunk would replay.
+
+        Raises:
+            ValueError: ``model``'s decoder is not :attr:`trunk`.
+        """
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if self.trunk is not base.get_decoder():
+            raise ValueError("these captured steps (StepGraphs) were made for another model's trunk: capture them "
+                             "from this model")
+
     def check_fits(self, tokens: int, rows: int) -> None:
         """Refuse a generation that could outgrow the cache or the buckets.
 

@@ -443,14 +443,10 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     decode, setup = price_here(args, decode, setup, model, graphs, shard, methods, recorded, samples.is_file())
     decoder = SpaceDecoder(model, spec, decode, graphs=graphs, datastore=datastore)
     pld = SpaceDecoder(model, spec, pld, graphs=graphs) if graphs is not None else None
-    from .step_cost import step_cost_mismatch, trunk_of
+    if decode.tree == "dynamic":
+        from .step_cost import warn_step_cost_mismatch
 
-    trunk = trunk_of(model)
-    mismatch = (step_cost_mismatch(setup, threads, args.kernels, compiled, trunk, on, args.capture,
-                                   packed_kernel)
-                if decode.tree == "dynamic" else None)
-    if mismatch:
-        warnings.warn(mismatch, stacklevel=2)
+        warn_step_cost_mismatch(setup, model, threads, args.kernels, compiled, args.capture, packed_kernel)
     context = model.config.max_position_embeddings
     if args.max_new_tokens >= context:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model "

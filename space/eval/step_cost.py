@@ -196,6 +196,20 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
             "rows by it; re-measure with space-tree --write-adapter under this run's setup")
 
 
+def warn_step_cost_mismatch(setup: dict | None, model, threads: int, kernels: str, compiled: bool | str = False,
+                            capture: bool = False, packed_kernel: str | None = None, stacklevel: int = 2) -> None:
+    """Warn (``UserWarning``, at the caller's caller for the default ``stacklevel``) when the curve
+    that priced ``model``'s dynamic tree was measured with another setup than this run's
+    (:func:`step_cost_mismatch`; the trunk and the device read from ``model``). ``space-eval``,
+    ``space-chat`` and ``load_space`` call it."""
+    import warnings
+
+    mismatch = step_cost_mismatch(setup, threads, kernels, compiled, trunk_of(model),
+                                  next(model.parameters()).device.type, capture, packed_kernel)
+    if mismatch:
+        warnings.warn(mismatch, stacklevel=stacklevel + 1)
+
+
 def curve_setup(model, kernels: str, capture: bool) -> dict:
     """What a step-cost curve measured now on ``model`` is measured with (``artifact.setup_key``'s
     fields): this process's torch threads, the ``kernels`` choice, the device type, ``capture``

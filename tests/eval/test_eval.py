@@ -4,6 +4,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import full_checkpoint
 from space.cpu_kernels import cpu_identity
@@ -322,6 +323,13 @@ def test_a_full_checkpoints_dynamic_tree_is_priced_by_its_curve_of_this_setup(tm
     record = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert (record["mask_num"], record["tree"]) == (2, "dynamic")
     assert record["step_cost"] == [[1, 1.0], [32, 2.0]] and record["step_cost_setup"]["threads"] == 1
+    # at 3 threads no curve of this setup is stored: the nearest one prices the tree, and the run says so
+    threads = torch.get_num_threads()
+    with pytest.warns(UserWarning, match=r"step-cost curve was measured with threads 2 \(run: 3\)"), \
+            pytest.raises(no_questions_run):
+        eval_main(["--model", str(ckpt), "--limit", "1", "--max-new-tokens", "4", "--methods", "ar,space",
+                   "--threads", "3", "--kernels", "stock", "--step-cost", "stored", "--out", str(tmp_path / "run3")])
+    torch.set_num_threads(threads)
 
 
 def test_mt_bench_two_turns(tmp_path):
