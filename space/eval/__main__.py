@@ -289,8 +289,9 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
         # how the samples this run resumes were priced: first, whatever the mode and the stored curves now
         kept = recorded.get("step_cost_setup") if resuming and "step_cost_setup" in recorded else False
         measured_before = isinstance(kept, dict) and bool(kept.get("measured"))
-        # a curve measured before the CPU was recorded is taken as this CPU's
-        same = ("device", "capture", "trunk", "kernels", *(("cpu",) if "cpu" in here and "cpu" in (kept or {}) else ()))
+        # a curve measured before the CPU (the GPU) was recorded is taken as this CPU's (GPU's)
+        same = ("device", "capture", "trunk", "kernels",
+                *(chip for chip in ("cpu", "gpu") if chip in here and chip in (kept or {})))
         if measured_before and recorded.get("step_cost") and all(kept.get(k) == here[k] for k in same):
             print("[space-eval] the step-cost curve measured when this run started prices its steps")
             return decode.override(step_cost=tuple(map(tuple, recorded["step_cost"])),

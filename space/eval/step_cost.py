@@ -161,7 +161,7 @@ def step_cost_points(curve: dict[int, float]) -> list[list]:
 
 def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool | str = False,
                        trunk: str = "fused", device: str = "cpu", capture: bool = False,
-                       packed_kernel: str | None = None, cpu: str | None = None) -> str | None:
+                       packed_kernel: str | None = None, cpu: str | None = None, gpu: str | None = None) -> str | None:
     """Why a stored step-cost curve may not price this run's rows: the threads, kernels,
     compilation, trunk, device type or captured steps it was measured with differ from the run's
     (a curve at 1 thread prices rows wrong at 2; space-tree measures eagerly unless given ``--compile``,
@@ -172,14 +172,18 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
     CPU kernel, timed on its CPU (``cpu_kernels.choose_packed_kernel``; on an AVX-512 Intel CPU a
     16-row step cost 1.65x a 1-row one on MKL's, 1.88x on oneDNN's), compared when both it and the
     curve name one. ``cpu``: the run's CPU (None: this machine's, ``cpu_kernels.cpu_identity``),
-    compared on a CPU when the curve names one (an AVX2 EPYC's curve cost a Zen 4 EPYC 10 %). None
-    when they agree or nothing was recorded."""
+    compared on a CPU when the curve names one (an AVX2 EPYC's curve cost a Zen 4 EPYC 10 %); ``gpu``
+    likewise on a CUDA GPU (None: this machine's, ``models.gpu_identity``). None when they agree or
+    nothing was recorded."""
     if not setup:
         return None
     from ..artifact import compile_setup
     from ..cpu_kernels import cpu_identity
 
+    from ..models import gpu_identity
+
     cpu = (cpu or cpu_identity()) if device == "cpu" else None
+    gpu = (gpu or gpu_identity()) if device == "cuda" else None
 
     # a curve recorded without a compile mode is eager; one recorded before issue 58 was measured on a CPU
     recorded = {"compile": False, "trunk": "unfused", "device": "cpu", "capture": False, **setup}
@@ -187,9 +191,10 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
     off_cpu = device != "cpu" and recorded["device"] != "cpu"  # a GPU's steps barely depend on the host's threads
     diff = [f"{key} {recorded[key]} (run: {now})"
             for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk),
-                             ("device", device), ("capture", capture), ("packed_kernel", packed_kernel), ("cpu", cpu))
+                             ("device", device), ("capture", capture), ("packed_kernel", packed_kernel), ("cpu", cpu),
+                             ("gpu", gpu))
             if key in recorded and recorded[key] != now and not (key == "threads" and off_cpu)
-            and not (key in ("packed_kernel", "cpu") and now is None)]
+            and not (key in ("packed_kernel", "cpu", "gpu") and now is None)]
     if not diff:
         return None
     return ("the adapter's step-cost curve was measured with " + ", ".join(diff) + ": the dynamic tree prices "
@@ -214,14 +219,17 @@ def curve_setup(model, kernels: str, capture: bool) -> dict:
     """What a step-cost curve measured now on ``model`` is measured with (``artifact.setup_key``'s
     fields): this process's torch threads, the ``kernels`` choice, the device type, ``capture``
     (captured steps), the trunk (:func:`trunk_of`) and, on a CPU, which CPU
-    (``cpu_kernels.cpu_identity``)."""
+    (``cpu_kernels.cpu_identity``), on a CUDA GPU which GPU (``models.gpu_identity``)."""
     import torch
 
     from ..cpu_kernels import cpu_identity
 
-    device = next(model.parameters()).device.type
-    return {"threads": torch.get_num_threads(), "kernels": kernels, "device": device,
-            "capture": capture, "trunk": trunk_of(model), **({"cpu": cpu_identity()} if device == "cpu" else {})}
+    device = next(model.parameters()).device
+    chip = {"cpu": cpu_identity()} if device.type == "cpu" else {}
+    if device.type == "cuda":
+        chip = {"gpu": torch.cuda.get_device_name(device)}  # the model's GPU, not the current one
+    return {"threads": torch.get_num_threads(), "kernels": kernels, "device": device.type,
+            "capture": capture, "trunk": trunk_of(model), **chip}
 
 
 # devices whose step cost ``auto`` measures at load when the adapter stores no curve for them: a
@@ -262,7 +270,7 @@ def price_at_load(model, decode: DecodeConfig, setup: dict | None, mode: str, ke
     here = curve_setup(model, kernels, capture)
     if mode == "auto" and (here["device"] not in AUTO_MEASURED or compiled or sharded or (
             setup and not step_cost_mismatch(setup, here["threads"], kernels, False, here["trunk"], here["device"],
-                                             capture))):
+                                             capture, cpu=here.get("cpu"), gpu=here.get("gpu")))):
         return decode, setup
     # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
     # the captured cache, and short of a sliding window (the timed steps' masks do not slide)

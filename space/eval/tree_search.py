@@ -228,7 +228,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     setup differs (issue 44); else any old one is dropped.
 
     The curve and adapter cost are also kept in ``"step_costs"``, one entry per
-    setup (threads, kernels, device type, captured steps, compile mode, packed kernel, CPU:
+    setup (threads, kernels, device type, captured steps, compile mode, packed kernel, CPU or GPU:
     ``artifact.setup_key``), replacing only the entry of the same setup: a curve written at 2
     threads leaves the 1-thread one, one measured on oneDNN leaves MKL's, a compiled trunk's the
     eager one's, and ``load_space`` / ``space-eval`` price rows by the
@@ -244,7 +244,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
     if setup is not None and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
-        keys = ("threads", "kernels", "device", "capture", "compile", "trunk", "packed_kernel", "cpu")
+        keys = ("threads", "kernels", "device", "capture", "compile", "trunk", "packed_kernel", "cpu", "gpu")
         entry = {**{k: setup[k] for k in keys if k in setup},
                  "step_cost": cfg["decode"]["step_cost"], "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
         others = [e for e in stored_step_costs(cfg, path) if setup_key(e) != setup_key(entry)]

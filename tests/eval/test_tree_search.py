@@ -396,6 +396,44 @@ def test_curves_name_their_cpu(tmp_path, monkeypatch):
         stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "cpu": 1}]})
 
 
+def test_curves_name_their_gpu(tmp_path, monkeypatch):
+    """A GPU's eager step is launch-bound, so its curve follows the GPU (and its host): a CUDA
+    curve keeps the GPU it was timed on (``models.gpu_identity``), a write on another GPU keeps it
+    beside the first, a run is priced by its own GPU's curve, and the check names another GPU's (an
+    entry that names none, written before the GPU was recorded, is not compared). Fails with the GPU
+    left out of ``setup_key``, of the choice, of the check or of ``write_decode``'s keys."""
+    from space.artifact import priced_for_setup, stored_step_costs
+    from space.eval.step_cost import step_cost_mismatch
+
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    base = {"threads": 2, "kernels": "stock", "device": "cuda", "capture": True, "trunk": "fused"}
+    h100, a10 = {**base, "gpu": "NVIDIA H100 80GB HBM3"}, {**base, "gpu": "NVIDIA A10"}
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.004, 16: 0.005}, setup=h100)
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.006, 16: 0.011}, setup=a10)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert sorted(e["gpu"] for e in cfg["step_costs"]) == [a10["gpu"], h100["gpu"]]  # side by side
+    for setup, curve in ((h100, ((1, 4.0), (16, 5.0))), (a10, ((1, 6.0), (16, 11.0)))):
+        for _ in range(2):  # whichever of the two comes first in the file
+            layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", device="cuda",
+                                              capture=True, gpu=setup["gpu"])
+            assert layout.step_cost == curve and priced == setup
+            assert step_cost_mismatch(priced, 2, "stock", device="cuda", capture=True, gpu=setup["gpu"]) is None
+            cfg["step_costs"].reverse()
+    assert "gpu NVIDIA A10 (run: NVIDIA H100 80GB HBM3)" in step_cost_mismatch(
+        a10, 2, "stock", device="cuda", capture=True, gpu=h100["gpu"])
+    assert step_cost_mismatch(base, 2, "stock", device="cuda", capture=True, gpu=h100["gpu"]) is None
+    # no gpu given: this machine's (faked as the A10, the curve after the H100's in the file)
+    monkeypatch.setattr("space.models.gpu_identity", lambda: a10["gpu"])
+    layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", device="cuda", capture=True)
+    assert layout.step_cost == ((1, 6.0), (16, 11.0)) and priced == a10
+    assert "gpu NVIDIA H100" in step_cost_mismatch(h100, 2, "stock", device="cuda", capture=True)
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.003, 16: 0.004}, setup=h100)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert sorted(e["step_cost"][0][1] for e in cfg["step_costs"]) == [3.0, 6.0]  # its own GPU's replaced
+    with pytest.raises(ValueError, match="gpu"):
+        stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "gpu": 1}]})
+
+
 def test_load_ranks_by_source(tmp_path):
     path = tmp_path / "ranks.jsonl"
     path.write_text('{"source": "mbpp", "ranks": [[0, 1]]}\n{"source": "lima", "ranks": [[2, 3]]}\n'
