@@ -175,6 +175,11 @@ class Distiller:
         out.parent.mkdir(parents=True, exist_ok=True)
         self.rows = read_jsonl(out) if out.suffix == ".gz" else read_jsonl_resumable(out)
         self.turns = read_jsonl(self.turns_file) if self.turns_file.is_file() else []
+        # what sampled the set's Magpie turns, kept by a rerun without them (an unpacked set, or one
+        # whose .magpie file is gone): erased, a later magpie run would sample again from batch 0 under
+        # the ids its rows already hold
+        self.turns_sampled = (dict(Counter(f"turn {t['turn']}" for t in self.turns)) if self.turns
+                              else dict(old.get("magpie_turns_sampled") or {}))
         self.done = {row["key"] for row in self.rows}
         self.skipped: Counter = Counter()
         # a rerun without magpie keeps what sampled the turns already in the set, and their verdicts
@@ -183,7 +188,7 @@ class Distiller:
             self.settings["magpie"] = old.get("settings", {}).get("magpie")
         self.filters: dict[str, dict] = dict(old.get("filter_verdicts") or {})
         self.new_rows, self.start = 0, time.monotonic()
-        if "magpie" in sources and old.get("magpie_turns_sampled") and not self.turns and not self.complete():
+        if "magpie" in sources and self.turns_sampled and not self.turns and not self.complete():
             # a set unpacked from an archive: sampling again from batch 0 would draw other turns under
             # the ids its rows already hold
             raise ValueError(f"{out} records sampled Magpie turns but {self.turns_file.name} is missing: it resumes "
@@ -207,6 +212,9 @@ class Distiller:
                                  "so the settings that made them are unknown: delete it or pass another --out")
             return {}
         manifest = json.loads(self.manifest_file.read_text(encoding="utf-8"))
+        if manifest.get("file", self.out.name) != self.out.name:  # x.jsonl and x.jsonl.gz share x.manifest.json
+            raise ValueError(f"{self.manifest_file} records the set {manifest['file']}, not {self.out.name}: the two "
+                             "share a manifest (and the .magpie turns); pass an --out of another stem")
         old = manifest.get("settings", {})
 
         def same(key: str) -> bool:
@@ -354,7 +362,7 @@ class Distiller:
             "devices": self.devices,
             "rows": len(self.rows), "rows_by_source": dict(Counter(r["source"] for r in self.rows)),
             "unfinished_answers": sum(not r["finished"] for r in self.rows),
-            "magpie_turns_sampled": dict(Counter(f"turn {t['turn']}" for t in self.turns)),
+            "magpie_turns_sampled": dict(Counter(f"turn {t['turn']}" for t in self.turns)) or self.turns_sampled,
             "filter_verdicts": self.filters, "skipped_this_run": dict(self.skipped),
             "new_rows_this_run": self.new_rows, "seconds_this_run": round(time.monotonic() - self.start, 1),
             "commit": git_commit(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -2,6 +2,7 @@
 skipped, single-turn prompts only, and a plain .jsonl output that resumes after a torn append
 without losing or repeating a row."""
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -123,10 +124,12 @@ def test_distill_jsonl_skips_and_resumes_after_a_torn_append(tmp_path):
 
 
 def test_distill_resume_checks_hold_before_the_first_row_and_across_sources(tmp_path):
-    """Catches three gaps in the resume check: rows written before the first manifest (a run killed
+    """Catches five gaps in the resume check: rows written before the first manifest (a run killed
     then, resumed with other settings, mixed them silently); a rerun without magpie erasing the
-    magpie settings and verdicts (a later magpie resume was refused); an alias refused against its
-    own folder."""
+    magpie settings and verdicts (a later magpie resume was refused) or the count of turns sampled
+    (with the .magpie file gone, as an unpacked set has it, a later magpie run sampled again from
+    batch 0 under ids the rows hold); an alias refused against its own folder; x.jsonl.gz resumed
+    from x.jsonl's manifest (the two share it: the finished set's record was overwritten)."""
     from space.models import SMOLLM2, cache_dir
 
     tok = tiny_tokenizer()
@@ -145,12 +148,18 @@ def test_distill_resume_checks_hold_before_the_first_row_and_across_sources(tmp_
     out.unlink()
     distiller().run(StubModel(tok, answers), tok)
     manifest = json.loads(manifest_file.read_text())
-    manifest["settings"]["magpie"], manifest["filter_verdicts"] = {"seed": 7}, {"first turn": {"ok": 3}}
-    manifest["settings"]["model"] = SMOLLM2
+    magpie = asdict(MagpieSettings(seed=7))
+    manifest["settings"]["magpie"], manifest["filter_verdicts"] = magpie, {"first turn": {"ok": 3}}
+    manifest["settings"]["model"], manifest["magpie_turns_sampled"] = SMOLLM2, {"turn 1": 3}
     manifest_file.write_text(json.dumps(manifest))  # a set that also holds magpie turns, made with the alias
     distiller(str(cache_dir() / SMOLLM2)).run(StubModel(tok, answers), tok)  # the other sources again, by folder
     kept = json.loads(manifest_file.read_text())
-    assert kept["settings"]["magpie"] == {"seed": 7} and kept["filter_verdicts"] == {"first turn": {"ok": 3}}
+    assert kept["settings"]["magpie"] == magpie and kept["filter_verdicts"] == {"first turn": {"ok": 3}}
+    assert kept["magpie_turns_sampled"] == {"turn 1": 3}  # its .magpie file is gone: a magpie resume is refused
+    with pytest.raises(ValueError, match="records sampled Magpie turns"):
+        Distiller(out, SMOLLM2, {"magpie": 2}, 2, 16, 64, None, MagpieSettings(seed=7))
+    with pytest.raises(ValueError, match=r"records the set set.jsonl, not set.jsonl.gz"):
+        Distiller(tmp_path / "set.jsonl.gz", "stub", {str(source): None}, 2, 16, 64, None, MagpieSettings())
 
 
 def test_a_run_stopped_right_after_its_first_rows_resumes(tmp_path, monkeypatch):

