@@ -22,7 +22,9 @@ stopped (a ``.gz`` output is what a repository commits):
 * ``OUT`` (``.jsonl`` or ``.jsonl.gz``): one row per answer, ``id``, ``key``, ``source``,
   ``prompt`` (messages), ``response``, ``response_ids`` (the generated token ids, cut before EOS:
   training uses them rather than the text tokenized again, ``space.data.sft.tokenize``),
-  ``new_tokens``, ``finished``;
+  ``new_tokens``, ``finished`` and, on a finished answer, ``stop_id`` (the end id the model
+  generated: Llama-3-Instruct ends a turn with ``<|eot_id|>``, not its tokenizer's EOS, and training
+  appends this one);
 * ``<OUT stem>.magpie.jsonl[.gz]``: every sampled user turn, kept or not, so the filters can be
   replayed and nothing is sampled twice;
 * ``<OUT stem>.manifest.json``: settings, sources, counts, filter verdicts, skips, commit and
@@ -93,7 +95,8 @@ def collect_prompts(sources: dict[str, int | None], data_root=None, exclude_dev:
 
 
 def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_new_tokens: int = 256,
-                   suppress_ids: tuple[int, ...] = (), desc: str = "generate") -> Iterator[list[tuple[dict, list[int], bool]]]:
+                   suppress_ids: tuple[int, ...] = (),
+                   desc: str = "generate") -> Iterator[list[tuple[dict, list[int], int | None]]]:
     """Greedy answers of ``model`` with batched HF ``generate`` (left padding, attention mask).
 
     Args:
@@ -101,14 +104,14 @@ def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_ne
         suppress_ids: token ids never generated (a SPACE model's mask tokens).
 
     Yields:
-        per batch, (prompt row, new token ids cut before the first end id, finished: one was reached).
+        per batch, (prompt row, new token ids cut before the first end id, that end id: None when
+        none was reached, an answer cut at ``max_new_tokens``).
         The end ids are the tokenizer's and the model's (``space.models.stop_ids``), as space-eval
         stops; the model's other generation settings are left out (``space.models.plain_generate``):
         the answers are its greedy AR output, the decoders' own.
     """
     import torch
 
-    from .data.magpie import cut_at_stop
     from .models import plain_generate, stop_ids
 
     stops = stop_ids(model, tok)
@@ -121,7 +124,10 @@ def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_ne
             with torch.inference_mode():
                 gen = plain_generate(model, enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
                                      pad_token_id=tok.pad_token_id, suppress_tokens=list(suppress_ids) or None)
-            yield [(p, *cut_at_stop(row, stops)) for p, row in zip(batch, gen[:, enc["input_ids"].shape[1]:].tolist())]
+            rows = gen[:, enc["input_ids"].shape[1]:].tolist()
+            ends = [next((i for i, t in enumerate(row) if t in stops), None) for row in rows]
+            yield [(p, row if end is None else row[:end], None if end is None else row[end])
+                   for p, row, end in zip(batch, rows, ends)]
     finally:
         tok.padding_side = side
 
@@ -258,8 +264,8 @@ class Distiller:
                 todo.append(p)
         for batch in greedy_batches(self.model, self.tok, todo, self.batch_size, self.settings["max_new_tokens"], desc=desc):
             rows = []
-            for p, ids, finished in batch:
-                row = answer_row(self.tok, p, ids, finished)
+            for p, ids, stop in batch:
+                row = answer_row(self.tok, p, ids, stop is not None, stop)
                 if not row["response"].strip():
                     self.skipped["empty answer"] += 1
                     continue
@@ -373,15 +379,17 @@ class Distiller:
         return manifest
 
 
-def answer_row(tok, prompt: dict, ids: list[int], finished: bool) -> dict:
+def answer_row(tok, prompt: dict, ids: list[int], finished: bool, stop_id: int | None = None) -> dict:
     """A set's row (module docstring) for a prompt row (``id``, ``key``, ``source``, ``prompt``) and
-    the answer's token ids, cut before the end id; ``response`` is their decoding, which is all
+    the answer's token ids, cut before the end id ``stop_id`` (recorded on a finished answer when
+    given; sets made before it name none); ``response`` is their decoding, which is all
     ``space.data.set_archive`` needs to rebuild a row from its ids."""
     text = tok.decode(ids, skip_special_tokens=True)
     if not finished:  # cut inside a character: its bytes decode to U+FFFD, which the model never wrote
         text = text.rstrip("\ufffd")
     return {"id": prompt["id"], "key": prompt["key"], "source": prompt["source"], "prompt": prompt["prompt"],
-            "response": text, "response_ids": ids, "new_tokens": len(ids), "finished": finished}
+            "response": text, "response_ids": ids, "new_tokens": len(ids), "finished": finished,
+            **({"stop_id": stop_id} if finished and stop_id is not None else {})}
 
 
 def _prompt_row(pid: str, source: str, context: list[dict]) -> dict:

@@ -40,8 +40,8 @@ class StubModel:
 
 
 def test_greedy_batches_cut_at_eos_shortest_first():
-    """Catches keeping the EOS (or anything after it) in an answer, a wrong ``finished`` flag, and
-    the tokenizer's padding side left changed."""
+    """Catches keeping the EOS (or anything after it) in an answer, a wrong end id (None: cut at the
+    length limit), and the tokenizer's padding side left changed."""
     tok = tiny_tokenizer()
     model = StubModel(tok, {"a longer question": "one", "q": "two", "mid q": "three"}, unfinished={"mid q"})
     prompts = [{"text": t, "ids": chat_ids(tok, [{"role": "user", "content": t}])} for t in model.answers]
@@ -49,7 +49,8 @@ def test_greedy_batches_cut_at_eos_shortest_first():
     batches = list(greedy_batches(model, tok, prompts, batch_size=2))
     assert [[p["text"] for p, _, _ in b] for b in batches] == [["q", "mid q"], ["a longer question"]]
     got = {p["text"]: (tok.decode(ids), done) for b in batches for p, ids, done in b}
-    assert got == {"q": ("two", True), "mid q": ("three", False), "a longer question": ("one", True)}
+    eos = tok.eos_token_id
+    assert got == {"q": ("two", eos), "mid q": ("three", None), "a longer question": ("one", eos)}
     assert tok.padding_side == side
 
 
@@ -71,8 +72,8 @@ def test_greedy_batches_are_the_models_greedy_output_whatever_its_generation_con
     assert model.generation_config.repetition_penalty == 1.5  # set aside for the call only
     end = truth["hi"][3]  # an end id the model lists, the tokenizer does not
     model.generation_config.eos_token_id = [tok.eos_token_id, end]
-    (p, ids, finished), = [row for b in greedy_batches(model, tok, prompts[:1], 2, 24) for row in b]
-    assert ids == truth["hi"][: truth["hi"].index(end)] and finished
+    (p, ids, stop), = [row for b in greedy_batches(model, tok, prompts[:1], 2, 24) for row in b]
+    assert ids == truth["hi"][: truth["hi"].index(end)] and stop == end
 
 
 def test_collect_prompts_takes_single_turn_prompts_once(tmp_path):
@@ -111,6 +112,7 @@ def test_distill_jsonl_skips_and_resumes_after_a_torn_append(tmp_path):
     assert {r["prompt"][0]["content"]: r["response"] for r in rows} == {"Hiya": "Hello", "Why?": "Because.", "How?": "Like so."}
     assert all(r["finished"] and r["new_tokens"] == len(tok(r["response"])["input_ids"]) for r in rows)
     assert all(r["response_ids"] == tok(r["response"])["input_ids"] for r in rows)
+    assert all(r["stop_id"] == tok.eos_token_id for r in rows)  # the end id generated, which training appends
     assert first["skipped_this_run"] == {"prompt over --max-prompt-tokens": 1, "empty answer": 1}
     lines = out.read_text().splitlines(keepends=True)
     out.write_text(lines[0] + lines[1][:10])  # killed during the second append: one row whole, one torn

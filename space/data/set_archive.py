@@ -47,7 +47,7 @@ def _rows(text: str) -> list[dict]:
 
 
 def lean_rows(rows: list[dict]) -> list[dict]:
-    """The fields of ``id``, ``source``, ``prompt``, ``response_ids`` and ``finished``; a prompt's assistant turn that is an earlier row's
+    """The fields of ``id``, ``source``, ``prompt``, ``response_ids``, ``finished`` and ``stop_id`` (where a row has one); a prompt's assistant turn that is an earlier row's
     response (a follow-up's context) becomes ``{"role": "assistant", "answer_of": that row's id}``:
     the text would be stored again beside the ids it decodes from."""
     said: dict[str, str] = {}
@@ -57,7 +57,7 @@ def lean_rows(rows: list[dict]) -> list[dict]:
                   if m.get("role") == "assistant" and set(m) == {"role", "content"} and m["content"] in said else m
                   for m in r["prompt"]]
         out.append({"id": r["id"], "source": r["source"], "prompt": prompt, "response_ids": r["response_ids"],
-                    "finished": r["finished"]})
+                    "finished": r["finished"], **({"stop_id": r["stop_id"]} if "stop_id" in r else {})})
         said.setdefault(r["response"], r["id"])
     return out
 
@@ -74,7 +74,7 @@ def rebuild(lean: list[dict], tok) -> list[dict]:
         prompt = [{"role": "assistant", "content": answers[m["answer_of"]]} if "answer_of" in m else m
                   for m in r["prompt"]]
         row = answer_row(tok, {"id": r["id"], "key": prompt_key(prompt), "source": r["source"], "prompt": prompt},
-                         r["response_ids"], r["finished"])
+                         r["response_ids"], r["finished"], r.get("stop_id"))
         answers.setdefault(r["id"], row["response"])
         rows.append(row)
     return rows

@@ -48,13 +48,15 @@ class Example:
     """One training pair: ``context`` messages (role/content) and the assistant ``response``;
     ``finished`` False for a response cut at a length limit (``space-distill``'s rows record it):
     the model never ended its turn there, so :func:`tokenize` adds no end of turn.
-    ``response_ids``: the token ids the model generated for ``response`` (cut before its EOS), or
-    None when the row has only text."""
+    ``response_ids``: the token ids the model generated for ``response`` (cut before its end id), or
+    None when the row has only text; ``stop_id``: that end id (None: not recorded, the tokenizer's
+    EOS is taken)."""
 
     context: list[dict]
     response: str
     finished: bool = True
     response_ids: list[int] | None = None
+    stop_id: int | None = None
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -122,7 +124,11 @@ def to_example(row: dict) -> Example:
         ids = row.get("response_ids")
         if ids is not None and not (isinstance(ids, list) and ids and all(type(i) is int for i in ids)):
             raise ValueError("'response_ids' must be a non-empty list of token ids (integers)")
-        return _checked(context, row["response"], finished, ids)
+        stop = row.get("stop_id")
+        if stop is not None and (type(stop) is not int or not finished):
+            raise ValueError(f"'stop_id' must be the token id a finished answer ended with, got {stop!r}"
+                             f"{'' if finished else ' on an unfinished one'}")
+        return _checked(context, row["response"], finished, ids, stop)
     raise ValueError(f"unknown row format with keys {sorted(row)}; expected instruction/output, "
                      "conversations, text/code or prompt/response")
 
@@ -136,7 +142,8 @@ def _sharegpt_role(turn: dict) -> str:
     return _ROLES[str(role).lower()]
 
 
-def _checked(context: list[dict], response, finished: bool = True, response_ids: list[int] | None = None) -> Example:
+def _checked(context: list[dict], response, finished: bool = True, response_ids: list[int] | None = None,
+             stop_id: int | None = None) -> Example:
     if not isinstance(response, str) or not response.strip():
         raise ValueError("empty or non-string response")
     if not context or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in context):
@@ -146,7 +153,7 @@ def _checked(context: list[dict], response, finished: bool = True, response_ids:
     bad = [m.get("role") for m in context if m.get("role") not in CHAT_ROLES]
     if bad:
         raise ValueError(f"prompt message role {bad[0]!r} is not one of {', '.join(CHAT_ROLES)}")
-    return Example(context, response, finished, response_ids)
+    return Example(context, response, finished, response_ids, stop_id)
 
 
 def data_lists(datasets: str | None, sources: str | None = None) -> tuple[list[str], list[str] | None]:
@@ -254,8 +261,11 @@ def _tokenized(i: int, ex: Example, tokenizer, max_length: int) -> list[dict]:
     prompt = chat_ids(tokenizer, ex.context)
     ids = own_ids(ex, tokenizer)
     if ids is not None:
-        # the model's own tokens, then the EOS its generation stopped at (none after a cut)
-        full = prompt + ids + ([tokenizer.eos_token_id] if ex.finished else [])
+        # the model's own tokens, then the end id its generation stopped at (none after a cut): on a
+        # model whose turns end otherwise than its tokenizer's EOS (Llama-3-Instruct's <|eot_id|>),
+        # the EOS would teach an end the model never writes
+        end = tokenizer.eos_token_id if ex.stop_id is None else ex.stop_id
+        full = prompt + ids + ([end] if ex.finished else [])
     elif not ex.finished:
         # a response cut at max_new_tokens: the prompt and the tokens generated after it, as the
         # teacher produced them, with no end of turn (or template text) after the cut that would

@@ -158,8 +158,8 @@ def cached_answers(model, tok, prompts: list[dict], path: Path, target: str, max
     todo = [{**p, "ids": chat_ids(tok, p["prompt"])} for p in prompts if p["key"] not in have]
     for batch in greedy_batches(model, tok, todo, batch_size, max_new_tokens, suppress_ids, desc="target answers"):
         new = [{"id": p["id"], "key": p["key"], "source": p["source"], "target": target,
-                "max_new_tokens": max_new_tokens, "dtype": dtype, "prompt_ids": p["ids"], "finished": done,
-                "answer_ids": ids + ([tok.eos_token_id] if done else [])} for p, ids, done in batch]
+                "max_new_tokens": max_new_tokens, "dtype": dtype, "prompt_ids": p["ids"], "finished": stop is not None,
+                "answer_ids": ids + ([] if stop is None else [stop])} for p, ids, stop in batch]
         append_jsonl(path, new)
         have.update((r["key"], r) for r in new)
     return have

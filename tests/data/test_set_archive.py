@@ -27,7 +27,8 @@ def magpie_set(tmp_path_factory):
         answers = distill_mod.greedy_batches
         # finished answers get follow-ups; one unfinished answer keeps its cut-character handling in play
         mp.setattr(distill_mod, "greedy_batches", lambda *a, **k: (
-            [(p, ids, i != 1) for i, (p, ids, _) in enumerate(batch)] for batch in answers(*a, **k)))
+            [(p, ids, None if i == 1 else a[1].eos_token_id) for i, (p, ids, _) in enumerate(batch)]
+            for batch in answers(*a, **k)))
         mp.setattr(models, "load_model", lambda name, dtype="float32", device="cpu":
                    tiny_random_llama(seed=0, initializer_range=0.3))
         manifest = distill_mod.distill(out, "tiny-random-llama", {"magpie": 4}, batch_size=2, max_new_tokens=12,
@@ -42,7 +43,8 @@ def test_pack_then_unpack_rebuilds_the_set_byte_for_byte(magpie_set, tmp_path):
     first answer is stored again as text."""
     index = set_archive.pack([magpie_set], tmp_path / "archive")
     lean = [json.loads(line) for line in lzma.open(tmp_path / "archive" / "distill_magpie.lean.jsonl.xz")]
-    assert all(set(r) == {"id", "source", "prompt", "response_ids", "finished"} for r in lean)
+    assert all(set(r) == {"id", "source", "prompt", "response_ids", "finished", *(("stop_id",) * r["finished"])}
+               for r in lean)
     follow_ups = [r for r in lean if r["source"] == "magpie-turn2"]
     assert follow_ups and all(r["prompt"][1].keys() == {"role", "answer_of"} for r in follow_ups)
     assert index["sets"]["distill_magpie"]["rows"] == len(lean) and index["model"] == "tiny-random-llama"

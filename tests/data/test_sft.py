@@ -211,7 +211,9 @@ def test_a_distilled_answer_trains_on_the_model_s_own_token_ids():
     tokenized again (the merged "ĊĊ" where the model generated two "Ċ"), a finished answer
     without the EOS its generation stopped at (or with the template's text after it), an EOS
     after an unfinished one, a cut character's byte dropped from the ids, and ids that do not
-    spell the text in this tokenizer (another model's) used instead of the text."""
+    spell the text in this tokenizer (another model's) used instead of the text; and the tokenizer's
+    EOS after an answer that ended at another end id (``stop_id``: Llama-3-Instruct's ``<|eot_id|>``),
+    or a bad ``stop_id`` accepted."""
     tok = _merging_tokenizer()
     nl, a, b = tok.convert_tokens_to_ids(["Ċ", "a", "b"])
     assert tok("a\n\nb", add_special_tokens=False)["input_ids"] == [a, 256, b]  # the text's own spelling
@@ -222,7 +224,8 @@ def test_a_distilled_answer_trains_on_the_model_s_own_token_ids():
             {"prompt": "Hi", "response": "a", "response_ids": [a, tok.convert_tokens_to_ids("Ã")], "finished": False},
             {"prompt": "Hi", "response": "a\n\nb", "response_ids": [b, nl, nl, a]},  # another tokenizer's ids
             {"prompt": "Hi", "response": "a\n\nb", "response_ids": [a, 10_000]},  # outside the vocabulary
-            {"prompt": "Hi", "response": "a\n\nb"}]
+            {"prompt": "Hi", "response": "a\n\nb"},
+            {"prompt": "Hi", "response": "a\n\nb", "response_ids": generated, "stop_id": nl}]  # ended at "Ċ"
     data = tokenize([to_example(r) for r in rows], tok, max_length=64)
     prompt = chat_ids(tok, [{"role": "user", "content": "Hi"}])
     assert all(row["prompt_len"] == len(prompt) for row in data)
@@ -232,7 +235,11 @@ def test_a_distilled_answer_trains_on_the_model_s_own_token_ids():
     text_spelling = chat_ids(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a\n\nb"}],
                              add_generation_prompt=False)
     assert data[3]["input_ids"] == data[4]["input_ids"] == data[5]["input_ids"] == text_spelling
-    assert data["own_ids"] == [True, True, True, False, False, False]
+    assert data[6]["input_ids"] == prompt + generated + [nl]
+    assert data["own_ids"] == [True, True, True, False, False, False, True]
+    for bad in ({"stop_id": "2"}, {"stop_id": True}, {"stop_id": 2, "finished": False}):
+        with pytest.raises(ValueError, match="'stop_id' must be"):
+            to_example({"prompt": "Hi", "response": "a", **bad})
 
 
 def test_an_id_at_the_tokenizer_s_length_is_not_an_own_id():

@@ -175,8 +175,9 @@ def test_deep_tree_nodes_are_over_the_anchors_that_have_their_offset():
 
 
 def test_cached_answers_keep_the_eos_and_refuse_another_targets_file(tmp_path, monkeypatch):
-    """A finished greedy answer ends with its EOS (the drafts of the token that ends a reply count,
-    as in decoding), an unfinished one does not; a rerun generates only what is missing; and a
+    """A finished greedy answer ends with the end id it generated (the drafts of the token that ends
+    a reply count, as in decoding; not the tokenizer's EOS where the model ends a turn with another
+    id), an unfinished one with none; a rerun generates only what is missing; and a
     file of another target, max_new_tokens or dtype is refused (its answers are not this model's:
     a bf16 rerun reused float32 answers silently), as is a file that holds no answers (a
     KeyError traceback)."""
@@ -191,7 +192,7 @@ def test_cached_answers_keep_the_eos_and_refuse_another_targets_file(tmp_path, m
     def greedy_batches(model, tok, todo, batch_size, max_new_tokens, suppress_ids, desc=""):
         asked.append([p["key"] for p in todo])
         if todo:
-            yield [(p, [5, 6], p["key"] == "a") for p in todo]
+            yield [(p, [5, 6], 7 if p["key"] == "a" else None) for p in todo]  # "a" ended at id 7
 
     monkeypatch.setattr(space.distill, "greedy_batches", greedy_batches)
     monkeypatch.setattr(space.data.prompts, "chat_ids", lambda tok, messages: [1, 2, 3])
@@ -200,7 +201,7 @@ def test_cached_answers_keep_the_eos_and_refuse_another_targets_file(tmp_path, m
                for i, key in enumerate("ab")]
     path = tmp_path / "answers.jsonl"
     have = cached_answers(None, tok, prompts, path, "tiny", 8, 4, ())
-    assert have["a"]["answer_ids"] == [5, 6, 2] and have["a"]["finished"]
+    assert have["a"]["answer_ids"] == [5, 6, 7] and have["a"]["finished"]
     assert have["b"]["answer_ids"] == [5, 6] and not have["b"]["finished"]
     assert have["a"]["prompt_ids"] == [1, 2, 3]
     again = cached_answers(None, tok, prompts, path, "tiny", 8, 4, ())
