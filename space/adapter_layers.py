@@ -49,7 +49,9 @@ class MaskEmbedding(nn.Module):
         mask_ids: contiguous mask token ids.
 
     ``forward(input_ids (batch, seq)) -> (batch, seq, hidden)``: the base embedding, with the
-    trainable row of each mask token in its place. It records nothing: which rows are masks
+    trainable row of each mask token in its place, scaled as the base scales its rows (Gemma's
+    embeddings multiply by ``embed_scale``, sqrt(hidden): unscaled, a mask token entered 1/sqrt(hidden)
+    of the mean embedding DESIGN §3.7 starts it at). It records nothing: which rows are masks
     travels through :func:`space.masking.mask_rows`.
 
     Raises:
@@ -76,6 +78,9 @@ class MaskEmbedding(nn.Module):
         # an embedding lookup, not mask_rows[idx]: advanced indexing's backward adds up in a varying
         # order on a multi-threaded CPU, so two identical runs trained apart by 1e-8 (issue 59)
         rows = nn.functional.embedding((input_ids - self.first_id).clamp(0, self.num - 1), self.mask_rows)
+        scale = getattr(self.base, "embed_scale", None)  # a Gemma-style scaled embedding's factor
+        if scale is not None:
+            rows = rows * (scale.to(rows.dtype) if torch.is_tensor(scale) else scale)
         return torch.where(is_mask[..., None], rows.to(out.dtype), out)
 
 

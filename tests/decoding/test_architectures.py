@@ -185,6 +185,31 @@ def test_the_models_own_logit_scaling_and_soft_capping(arch, overrides):
 
 
 
+@pytest.mark.parametrize("mode", ["lora", "frozen-base"])
+def test_a_mask_embedding_starts_as_the_models_own_embedding_of_its_row(mode):
+    """A mask token enters the trunk as the model embeds its row (DESIGN §3.7), in every mode.
+    Gemma's embedding multiplies by sqrt(hidden): the trainable mask rows, unscaled, entered
+    1/sqrt(hidden) of it in lora and frozen-base (8x too small here, 45x at Gemma 2 2B's size),
+    where full mode's went through the scaled embedding."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from space.adapter_layers import prepare_model
+
+    config = Gemma2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          layer_types=["full_attention"] * 2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Gemma2ForCausalLM(config)
+    model, spec = prepare_model(model, tiny_tokenizer(), mode, 3)
+    embedding = model.get_input_embeddings()
+    assert embedding.base.embed_scale == 8.0  # sqrt(64)
+    ids = torch.arange(embedding.base.num_embeddings)[None]  # every token, the masks among them
+    with torch.no_grad():
+        torch.testing.assert_close(embedding(ids), embedding.base(ids))  # mask rows start as the rows copied
+    assert all(0 <= i < ids.shape[1] for i in spec.token_ids)
+
+
 def test_a_field_of_the_same_name_in_another_model_is_not_read():
     """MPT's logit_scale (a number or "inv_sqrt_d_model") is never applied by transformers: read
     by name alone it scaled MPT's logits, or failed to build the decoder."""
