@@ -161,7 +161,9 @@ def causal_lm_head(unwrapped) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def real_pass(unwrapped, inputs: dict) -> tuple[PrefixCache, torch.Tensor]:
-    """The real columns ``:T`` without gradients and without the adapter (the frozen base).
+    """The real columns ``:T`` without gradients and without the adapter (the frozen base), in eval
+    mode: a base with dropout (OPT, GPT-2, Phi-2) would otherwise give the masks a random draw of
+    the cache they attend to and of the teacher's targets, not the clean base that decoding runs.
 
     Returns:
         (frozen KV cache of the T real tokens, last hidden states (batch, T, hidden)).
@@ -169,10 +171,16 @@ def real_pass(unwrapped, inputs: dict) -> tuple[PrefixCache, torch.Tensor]:
     T = inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
     cache = PrefixCache(config=unwrapped.config)
-    with torch.no_grad(), unwrapped.disable_adapter():
-        hidden = unwrapped.get_base_model().get_decoder()(
-            input_ids=ids[:, :T], position_ids=pos[:, :T], attention_mask=forward_mask(attn[:, :, :T, :T], unwrapped),
-            **cache_input(cache), use_cache=True).last_hidden_state
+    decoder = unwrapped.get_base_model().get_decoder()
+    training = decoder.training
+    try:
+        decoder.eval()
+        with torch.no_grad(), unwrapped.disable_adapter():
+            hidden = decoder(input_ids=ids[:, :T], position_ids=pos[:, :T],
+                             attention_mask=forward_mask(attn[:, :, :T, :T], unwrapped),
+                             **cache_input(cache), use_cache=True).last_hidden_state
+    finally:
+        decoder.train(training)
     cache.frozen = True
     return cache, hidden
 

@@ -38,6 +38,25 @@ def test_previous_ids_is_the_real_token_before_each_target():
     assert previous_ids(ids[0], torch.tensor([3, 4]), cache_len=2).tolist() == [6, 7]
 
 
+def test_the_real_pass_is_the_clean_frozen_base_under_dropout():
+    """The frozen real pass is what decoding runs: no dropout, whatever the base's config (OPT,
+    GPT-2 and Phi-2 have some) and the model's train mode, which it leaves as it was. Catches a
+    real pass in train mode: two calls drew two caches and teacher targets."""
+    from space.models import tiny_random_llama
+
+    torch.manual_seed(0)
+    base, tok = tiny_random_llama(seed=0, attention_dropout=0.5)
+    model, spec = prepare_model(base, tok, "frozen-base", 3)
+    collator = SpaceCollator(spec.ids_for(3), 3, pad_id=0, spans_per_sample=4)
+    batch = collator([{"input_ids": torch.randint(11, 250, (20,)).tolist(), "prompt_len": 2, "idx": 0}])
+    model.train()
+    (_, first), (_, second) = real_pass(model, batch), real_pass(model, batch)
+    assert model.get_base_model().get_decoder().training
+    model.eval()
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(first, real_pass(model, batch)[1])
+
+
 def test_untrained_head_is_the_identity_and_mask_pass_feeds_it_the_true_previous_token():
     """A fresh head changes nothing (W2 = 0); with weights, the mask pass's logits are the LM head
     of the head's output given each mask's hidden state and previous_ids, computed here by hand."""
