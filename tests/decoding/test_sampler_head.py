@@ -216,13 +216,21 @@ def test_a_sampler_head_of_another_width_is_refused_naming_the_file(tmp_path):
     load_sampler_head(head, path)  # the same width loads
 
 
-def test_the_head_takes_the_models_dtype_and_device():
-    """On a bf16 model the head is bf16 too: an fp32 head would feed fp32 hidden states to the
-    bf16 LM head (a dtype error, or a silent upcast of every draft)."""
+def test_the_head_trains_in_fp32_and_returns_the_models_dtype():
+    """On a bf16 model the head's weights are fp32, as the mask rows are (a bf16 head lost Adam's
+    late small updates to rounding), and its output takes the hidden states' dtype: an fp32 output
+    fed the bf16 LM head a dtype error. Its gradient reaches fp32 weights through bf16 inputs."""
     from space.models import tiny_random_llama
 
     model, _ = tiny_random_llama(seed=0)
     model = model.to(torch.bfloat16)
     head = add_sampler_head(model, 8)
-    assert {p.dtype for p in head.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in head.parameters()} == {torch.float32}
     assert sampler_head(model) is head
+    with torch.no_grad():
+        head.fc2.weight.normal_(0, 0.5)
+    hidden = torch.randn(2, 3, model.config.hidden_size, dtype=torch.bfloat16)
+    out = head(hidden, torch.randn_like(hidden))
+    assert out.dtype == torch.bfloat16
+    model.get_output_embeddings()(out).float().sum().backward()
+    assert head.fc1.weight.grad.dtype == torch.float32 and head.fc1.weight.grad.abs().sum() > 0
