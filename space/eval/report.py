@@ -270,7 +270,8 @@ def to_markdown(s: dict) -> str:
                      f"{_fmt(1.0 if name == 'hf' else sp.get(f'{name}_vs_hf'))} | "
                      f"{_fmt(1.0 if name == 'pld' else sp.get(f'{name}_vs_pld'))} | {_fmt(p1.get(name), True)} |")
     if s.get("tests_not_run"):
-        lines += ["", "pass@1 over the samples whose tests ran; not run (no toolchain when made): "
+        lines += ["", "pass@1 over the samples whose tests ran; not run (\"n/a\": no toolchain, or no test runner for "
+                  "the language, as Go's, when made): "
                   + ", ".join(f"{k} {v}" for k, v in s["tests_not_run"].items())]
     med = s.get("median_question_speedup", {})
     if med:
