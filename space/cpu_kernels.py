@@ -338,8 +338,8 @@ def choose_stock_rows(weight: torch.Tensor, rows: tuple[int, ...] = PROBE_ROWS, 
     return stock_rows, timings
 
 
-def pack_linears(model: nn.Module, choose: bool = False,
-                 kernel: str | None = None) -> tuple[int, str | None, dict, int]:
+def pack_linears(model: nn.Module, choose: bool = False, kernel: str | None = None, min_rows: int | None = None,
+                 paths: dict[str, dict] | None = None) -> tuple[int, str | None, dict, int]:
     """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place. A
     linear under an accelerate hook (a model placed by a device map) is left alone: the replacement
     would drop the hook.
@@ -354,7 +354,10 @@ def pack_linears(model: nn.Module, choose: bool = False,
     (:func:`choose_min_rows`), then time stock against it once per weight shape
     (:func:`choose_stock_rows`) and give each packed linear its shape's ``stock_rows``; else the
     build's default kernel (:func:`packed_kernel`), calls padded to 2 rows, and every call on it.
-    ``kernel``: this packed kernel (:data:`PACKED_KERNELS`) instead of the timed or default one.
+    ``kernel``: this packed kernel (:data:`PACKED_KERNELS`) instead of the timed or default one;
+    ``min_rows`` and ``paths`` (a record's per-shape entries, ``{"out x in": {"stock_rows": n,
+    ...}}``): these instead of the timed ones, each shape of ``paths`` keeping its entry (a resumed
+    run's, whose samples were timed with them); a shape it lacks is timed.
 
     Returns:
         (how many linears were packed, the packed kernel, ``{"out x in": {"stock_rows": n, "us":
@@ -384,12 +387,15 @@ def pack_linears(model: nn.Module, choose: bool = False,
     kernel, kernel_us = ((kernel, {}) if kernel else choose_packed_kernel(shapes) if choose
                          else (packed_kernel(), {}))
     choices: dict[str, dict] = {}
-    min_rows, min_rows_us = choose_min_rows(shapes, kernel) if choose else (2, {})
+    min_rows, min_rows_us = (min_rows, {}) if min_rows else choose_min_rows(shapes, kernel) if choose else (2, {})
     if choose:
         for key, (weight, _) in shapes.items():
+            if key in (paths or {}):
+                choices[key] = paths[key]
+                continue
             n, timings = choose_stock_rows(weight, kernel=kernel, min_rows=min_rows)
             choices[key] = {"stock_rows": n, "us": timings, **({"kernel_us": kernel_us[key]} if kernel_us else {}),
-                            "min_rows_us": min_rows_us[key]}
+                            **({"min_rows_us": min_rows_us[key]} if key in min_rows_us else {})}
 
     def stock_rows(linear: nn.Linear) -> int:
         return choices["x".join(map(str, linear.weight.shape))]["stock_rows"] if choose else 0
@@ -412,13 +418,15 @@ def blockwise_lora(model: nn.Module) -> int:
     return len(fused)
 
 
-def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
+def optimize_for_cpu(model: nn.Module, kernel: str | None = None, min_rows: int | None = None,
+                     paths: dict[str, dict] | None = None) -> dict:
     """Apply the four changes to an fp32 CPU model in place (no-op on other devices / dtypes).
 
     The packed kernel is ``kernel``, or by default the faster one on this machine
     (:func:`choose_packed_kernel`), its calls padded to the fewest rows where it is fastest
     (:func:`choose_min_rows`), and the linears take stock ``F.linear`` up to the row count where
-    it is faster than that kernel (:func:`choose_stock_rows`); all timed here, a few seconds for SmolLM2.
+    it is faster than that kernel (:func:`choose_stock_rows`); all timed here, a few seconds for
+    SmolLM2, except what ``min_rows`` and ``paths`` pin (:func:`pack_linears`).
 
     Returns:
         what was done, for run records: ``{"packed_linears": n, "packed_kernel": "mkl" | "onednn" | None,
@@ -432,7 +440,7 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
         return {"packed_linears": 0, "attention": model.config._attn_implementation}
     from .decoding.backends import SDPA_GQA, register_attention  # the decoding package imports this module
 
-    packed, kernel, choices, min_rows = pack_linears(model, choose=True, kernel=kernel)
+    packed, kernel, choices, min_rows = pack_linears(model, choose=True, kernel=kernel, min_rows=min_rows, paths=paths)
     if model.config._attn_implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(SDPA_GQA)
@@ -441,9 +449,11 @@ def optimize_for_cpu(model: nn.Module, kernel: str | None = None) -> dict:
             "blockwise_lora": blockwise_lora(model), "stock_rows": choices}
 
 
-def apply_kernels(model: nn.Module, choice: str, kernel: str | None = None) -> dict:
+def apply_kernels(model: nn.Module, choice: str, kernel: str | None = None, min_rows: int | None = None,
+                  paths: dict[str, dict] | None = None) -> dict:
     """The ``--kernels`` flag of space-eval and the scripts: ``fast`` runs :func:`optimize_for_cpu`
-    (with the packed ``kernel``, None: timed), ``stock`` keeps transformers' own kernels. Returns the run-record entry
+    (with the packed ``kernel``, ``min_rows`` and per-shape ``paths``, None: timed), ``stock`` keeps
+    transformers' own kernels. Returns the run-record entry
     ``{"choice": choice, "packed_linears": n, "attention": name}``, plus ``"packed_kernel"``,
     ``"rms_norms"`` (norms swapped), ``"blockwise_lora"`` (fused updates made blockwise) and ``"stock_rows"`` (the timed path per weight shape,
     :func:`optimize_for_cpu`) for ``fast`` on an fp32 CPU model.
@@ -453,6 +463,6 @@ def apply_kernels(model: nn.Module, choice: str, kernel: str | None = None) -> d
     """
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
-    done = (optimize_for_cpu(model, kernel) if choice == "fast"
+    done = (optimize_for_cpu(model, kernel, min_rows, paths) if choice == "fast"
             else {"packed_linears": 0, "attention": model.config._attn_implementation})
     return {"choice": choice, **done}

@@ -254,6 +254,17 @@ def recorded_run(out: Path, shard: Shard | None) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def recorded_paths(recorded: dict) -> dict:
+    """The fast kernels' timed choices a run record holds beside its packed kernel, as
+    ``cpu_kernels.apply_kernels`` pins them: ``{"min_rows": n, "paths": {"out x in": {"stock_rows":
+    n, ...}}}``, each left out where the record has none or a malformed one (timed again)."""
+    min_rows, paths = recorded.get("packed_min_rows"), recorded.get("kernel_paths")
+    good = isinstance(paths, dict) and all(isinstance(e, dict) and type(e.get("stock_rows")) is int
+                                           and e["stock_rows"] >= 0 for e in paths.values())
+    return {**({"min_rows": min_rows} if type(min_rows) is int and min_rows >= 1 else {}),
+            **({"paths": paths} if good else {})}
+
+
 def price_here(args: argparse.Namespace, decode, setup: dict | None, model, graphs, shard: Shard | None,
                methods: list[str], recorded: dict, resuming: bool):
     """The dynamic tree priced by this machine's measured step cost where ``--step-cost`` asks for it
@@ -396,17 +407,17 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     except UnicodeDecodeError as e:  # a config file of the model or adapter holds other bytes
         raise ValueError(f"--model {args.model} / --adapter {args.adapter}: a config file is not UTF-8 text "
                          f"({e.reason} at byte {e.start})") from None
-    # --compile takes stock kernels: nothing to pack under the graph. A resumed run packs for the kernel
-    # its samples were made with: the timed choice could go the other way on a near-tie, and the kernel
-    # picks the step-cost curve (a resume key)
+    # --compile takes stock kernels: nothing to pack under the graph. A resumed run packs as its samples
+    # were made: the timed choices could go the other way on a near-tie (one run's timings would mix two
+    # setups, and stock and packed rows round apart), and the kernel picks the step-cost curve (a resume key)
     recorded = recorded_run(out, shard)
     # a merged record of ranks that timed different kernels names them all ("mkl; onednn"): timed again
     pinned = recorded.get("packed_kernel") if recorded.get("packed_kernel") in PACKED_KERNELS else None
-    kernels = apply_kernels(model, args.kernels, kernel=pinned)
-    # timed on this machine (the faster packed kernel, stock F.linear's rows per shape): recorded, not
-    # resume keys (the kernel is pinned above)
+    kernels = apply_kernels(model, args.kernels, kernel=pinned, **(recorded_paths(recorded) if pinned else {}))
+    # timed on this machine (the faster packed kernel, its fewest rows, stock F.linear's rows per shape):
+    # recorded, not resume keys (pinned above)
     packed_kernel, kernel_paths = kernels.pop("packed_kernel", None), kernels.pop("stock_rows", None)
-    min_rows = kernels.pop("packed_min_rows", None)  # timed too (cpu_kernels.choose_min_rows): no sample differs
+    min_rows = kernels.pop("packed_min_rows", None)
     compiled = compile_setup(args.compile)  # True: inductor's default, as older runs recorded
     # the artifact's tuned layout (space_config.json "decode": the adapter's, or a full SAR-SFT checkpoint's
     # given as --model), the flags given on top of it, then a dynamic tree priced by the curve the artifact

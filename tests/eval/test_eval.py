@@ -88,18 +88,26 @@ def test_a_rerun_with_a_smaller_limit_reports_only_its_questions(tmp_path):
 
 
 def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
-    """The fast kernels' timed choice of packed kernel can go the other way on a resume (a near-tie),
-    and the kernel picks the step-cost curve, a resume key: a resumed run packs for the kernel its
-    samples were made with, a new run times its own (here the timing is stubbed)."""
+    """The fast kernels' timed choices (packed kernel, the fewest rows a call is padded to, stock
+    F.linear's rows per shape) can go the other way on a resume (a near-tie), and the kernel picks
+    the step-cost curve, a resume key: a resumed run packs as its samples were made (one run's
+    timings would mix two setups, unsaid), a new run times its own (here the timing is stubbed)."""
     import space.cpu_kernels as kernels
 
     if not all(kernels.has_kernel(k) for k in kernels.PACKED_KERNELS):
         pytest.skip("needs both packed kernels")
     monkeypatch.setattr(kernels, "choose_packed_kernel", lambda shapes: ("mkl", {}))
+    monkeypatch.setattr(kernels, "choose_min_rows", lambda shapes, kernel: (4, {k: {} for k in shapes}))
+    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel, min_rows: (1, {"timed": "first"}))
     run(tmp_path, "--methods", "ar,space", "--limit", "1")
+    first = json.loads((tmp_path / "run_config.json").read_text())
     monkeypatch.setattr(kernels, "choose_packed_kernel", lambda shapes: ("onednn", {}))
+    monkeypatch.setattr(kernels, "choose_min_rows", lambda shapes, kernel: (2, {k: {} for k in shapes}))
+    monkeypatch.setattr(kernels, "choose_stock_rows", lambda weight, kernel, min_rows: (0, {"timed": "again"}))
     run(tmp_path, "--methods", "ar,space", "--limit", "2")
-    assert json.loads((tmp_path / "run_config.json").read_text())["packed_kernel"] == "mkl"
+    resumed = json.loads((tmp_path / "run_config.json").read_text())
+    assert resumed["packed_kernel"] == "mkl" and resumed["packed_min_rows"] == 4
+    assert resumed["kernel_paths"] == first["kernel_paths"] and {e["stock_rows"] for e in first["kernel_paths"].values()} == {1}
     run(tmp_path / "new", "--methods", "ar,space", "--limit", "1")
     assert json.loads((tmp_path / "new" / "run_config.json").read_text())["packed_kernel"] == "onednn"
     # a merged record of ranks that timed different kernels names both: pinning that string raised
