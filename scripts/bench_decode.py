@@ -74,16 +74,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--gen-tokens", type=int, default=128, help="new tokens for the AR vs HF comparison")
     ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids the steps are timed on")
     ap.add_argument("--out", type=Path, default=Path("results/bench_decode.json"))
     a = ap.parse_args()
+    torch.manual_seed(a.seed)
     model, tok = load_model(a.model)
     spec = add_mask_tokens(model, tok, 8)
     kernels = apply_kernels(model, a.kernels)
     mid = spec.token_ids[0]
     prefix = random_ids(model, a.cache)
     res = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
-           "transformers": transformers.__version__, "model": a.model, "cache": a.cache,
-           "kernels": kernels}
+           "transformers": transformers.__version__, "model": a.model, "dtype": "float32", "device": "cpu",
+           "cache": a.cache, "repeats": a.repeats, "seed": a.seed, "gen_tokens": a.gen_tokens,
+           "gen_prompt": "humaneval HumanEval/0 (code prompt, chat template)", "kernels": kernels}
 
     # 1. latency vs query tokens: a causal block of q real tokens (attention shape is what matters)
     res["latency_vs_query_tokens_ms"] = {}
@@ -109,11 +112,11 @@ def main() -> None:
     task = load_tasks("humaneval", limit=1)[0]
     ids = torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(task.problem["prompt"])}]))
     cfg = GenerationConfig(max_new_tokens=a.gen_tokens, min_new_tokens=a.gen_tokens, do_sample=False,
-                           pad_token_id=tok.pad_token_id)
+                           pad_token_id=tok.pad_token_id, suppress_tokens=list(spec.token_ids))
     ar_t, hf_t, sp_t = [], [], []
     dec = SpaceDecoder(model, spec, DecodeConfig())
     for _ in range(3):
-        r = ar_generate(model, ids, a.gen_tokens, suppress_ids=spec.token_ids)  # as generate's config does
+        r = ar_generate(model, ids, a.gen_tokens, suppress_ids=spec.token_ids)  # as cfg's suppress_tokens
         ar_t.append(len(r.new_ids) / r.wall_time)
         t0 = time.perf_counter()
         with torch.inference_mode():

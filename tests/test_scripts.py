@@ -500,6 +500,8 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
     assert all(v > 0 for v in finite_numbers(written["latency_vs_query_tokens_ms"]))
     assert written["space_step_ms"] and all(r["needed_rows_ms"] > 0 for r in written["space_step_ms"])
     assert set(written["tokens_per_s"]) == {"ar_loop", "hf_generate", "space_untrained_k5"}
+    # DESIGN §6: a result records what makes it (the seed of its random ids, dtype, device, tokens)
+    assert (written["seed"], written["dtype"], written["device"], written["gen_tokens"]) == (0, "float32", "cpu", 2)
 
 
 def test_bench_train_tiny(tmp_path, monkeypatch):
