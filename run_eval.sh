@@ -12,7 +12,9 @@
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,11p' "$0"; exit 0; fi
 here=$(cd "$(dirname "$0")" && pwd)
-py=$here/.venv/bin/python
+venv=${VENV:-.venv}  # scripts/setup.sh's VENV (relative to the repository), which it is handed on to
+[[ "$venv" == /* ]] || venv=$here/$venv
+py=$venv/bin/python
 [ -x "$py" ] || bash "$here/scripts/setup.sh"
 if [ -n "${ADAPTER:-}" ] && [ "$ADAPTER" != none ] && [ ! -f "$ADAPTER/space_config.json" ]; then
   echo "run_eval.sh: ADAPTER=$ADAPTER is not a SPACE adapter (no space_config.json there); ADAPTER=none runs without one" >&2

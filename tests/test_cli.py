@@ -24,12 +24,18 @@ def test_shell_wrappers_help():
 
 
 def test_run_eval_sh_on_another_model(tmp_path):
-    """The shipped adapter is for SmolLM2: run_eval.sh leaves it out for another --model."""
+    """The shipped adapter is for SmolLM2: run_eval.sh leaves it out for another --model. It runs
+    the python of setup.sh's VENV when one is given (it ran .venv's, or set up again)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho ran >> {tmp_path / "used"}\nexec {sys.executable} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
     out = subprocess.run(["bash", "run_eval.sh", "--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "4",
-                          "--methods", "ar,space", "--threads", "1", "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--methods", "ar,space", "--threads", "1", "--out", str(tmp_path / "run")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "VENV": str(venv)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads((tmp_path / "run_config.json").read_text())["adapter"] is None
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["adapter"] is None
+    assert (tmp_path / "used").is_file()
 
 
 def test_run_eval_sh_reads_paths_from_where_it_runs_and_refuses_a_wrong_adapter(tmp_path):
