@@ -34,7 +34,9 @@ the call still ends within it. Each row's processors and
 stopping criteria see the row as HF's batched loop holds it, left padding included, so
 length-dependent ones (``min_length``, ``min_new_tokens``, ``forced_eos_token_id``,
 ``exponential_decay_length_penalty``) fire at the same step; rows are then right-padded with
-``pad_token_id`` as HF pads finished rows.
+``pad_token_id`` as HF pads finished rows. Without an EOS criterion HF pads none: a row whose
+criteria stopped it decodes on to the longest row's length, and so it does here. A streamer takes
+one prompt (a batch is refused).
 
 Near the end of the context, where plain ``generate`` warns and goes on past the model's
 ``max_position_embeddings``, SPACE warns and stops each row at the context.
@@ -122,12 +124,40 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
 
     Raises:
         ValueError: an unsupported option (named in the message), a flash-attention model, a model
-            without mask tokens, a prompt that fills the whole context, right padding.
+            without mask tokens, a prompt that fills the whole context, right padding, a streamer
+            with a batch (SPACE streams one row after another, HF a (batch,) tensor per step).
+        Whatever it raises, the streamer is ended first: ``generate`` has put the prompt, and a
+        ``TextIteratorStreamer`` reader would wait for the end forever.
     """
     outer = _generate_locals()  # why: see _generate_locals
     streamer = streamer if streamer is not None else outer.get("streamer")
-    check_supported(generation_config, logits_processor, model_kwargs, outer.get("assistant_model"),
-                    synced_gpus or outer.get("synced_gpus"))
+    try:
+        return _space_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                               synced_gpus or _synced_gpus(model, outer.get("synced_gpus")), streamer,
+                               outer.get("assistant_model"), (mask_num, num_groups, lookup_tokens, tree), model_kwargs)
+    finally:
+        if streamer is not None:
+            streamer.end()
+
+
+def _synced_gpus(model, given: bool | None) -> bool:
+    """``generate``'s ``synced_gpus`` as it decides it when not given (ZeRO-3 or FSDP over several
+    processes), which a callable ``custom_generate`` never receives (``_generate_locals``)."""
+    if given is not None:
+        return bool(given)
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and world > 1
+
+
+def _space_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool,
+                    streamer, assistant_model, settings: tuple, model_kwargs: dict):
+    """:func:`space_generate`'s loop; ``settings``: its (mask_num, num_groups, lookup_tokens, tree)."""
+    mask_num, num_groups, lookup_tokens, tree = settings
+    check_supported(generation_config, logits_processor, model_kwargs, assistant_model, synced_gpus)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     check_attention(base, "space_generate")
     spec = mask_spec(base)
@@ -151,22 +181,33 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
     max_new = max(1, min(lengths or [generation_config.max_length]) - input_ids.shape[1])
     rows = _prompt_rows(input_ids, model_kwargs.get("attention_mask"))
     check_positions(model_kwargs.get("position_ids"), rows, input_ids.shape[1])
+    if len(rows) > 1 and streamer is not None:  # HF's own streamers refuse a batch when given the prompt
+        raise ValueError(f"space_generate streams one prompt at a time: a streamer with a batch of {len(rows)} rows "
+                         "would get each row's tokens after the other's, where generate gives it a (batch,) tensor a step")
     if len(rows) > 1:
         warnings.warn(f"space_generate decodes the {len(rows)} prompts of a batch one after another "
                       "(SPACE is batch-1)", stacklevel=3)
     room = _room(rows, max_new, decoder.context)
-    results = []
+    results, samplings = [], []
     for b, ids in enumerate(rows):
         sampling = SamplingConfig()
         if generation_config.do_sample:  # temperature/top-k/top-p are HF warpers among the processors
             # a seed per row: rows drawn with one seed were copies of each other for equal prompts
             sampling = SamplingConfig(temperature=1.0, seed=int(torch.randint(2**62, (1,))))
         pad = input_ids[b, : input_ids.shape[1] - len(ids)]  # the row's left padding
-        watch = _watcher(input_ids[b].tolist(), _row_criteria(stopping_criteria, len(rows)), streamer)
+        samplings.append(sampling)
+        watch = _watcher(input_ids[b].tolist(), _row_criteria(stopping_criteria, len(rows)), streamer, input_ids.device)
         results.append(decoder.generate(ids, min(max_new, room[b]), sampling, stop_ids, on_tokens=watch,
                                         logits_processor=_padded(logits_processor, pad, b)))
-    if streamer is not None:
-        streamer.end()
+    longest = max(len(r.new_ids) for r in results)
+    if not eos_criteria and eos is None:
+        # without an EOS criterion HF pads no row: one that met its criteria decodes on while another runs
+        # (to the longest row's length); the same seed draws the same tokens up to where it stopped
+        for b, ids in enumerate(rows):
+            if len(results[b].new_ids) < min(longest, room[b]):
+                pad = input_ids[b, : input_ids.shape[1] - len(ids)]
+                results[b] = decoder.generate(ids, min(longest, room[b]), samplings[b], stop_ids,
+                                              logits_processor=_padded(logits_processor, pad, b))
     sequences = _pad_outputs(input_ids, results, generation_config._pad_token_tensor)
     if not generation_config.return_dict_in_generate:
         return sequences
@@ -365,10 +406,11 @@ def _prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return rows
 
 
-def _watcher(prompt: list[int], criteria, streamer):
+def _watcher(prompt: list[int], criteria, streamer, device: torch.device | str = "cpu"):
     """The ``on_tokens`` callback of one row: checks the stopping criteria after every new token
     (HF's loop checks them after each token it appends) and streams the tokens it keeps.
-    ``prompt``: the row as HF holds it, left padding included.
+    ``prompt``: the row as HF holds it, left padding included; ``device``: the input ids' (a
+    criterion compares on the model's device, as in HF's loop).
 
     EOS and max length are left to the decoder, which cuts a step at them (``space_generate`` reads
     them from these criteria); only other criteria (stop strings, max_time, user ones) are
@@ -381,8 +423,9 @@ def _watcher(prompt: list[int], criteria, streamer):
         keep, stop = len(tokens), False
         for i, t in enumerate(tokens if extra else ()):
             seq.append(t)
-            ids = torch.tensor([seq])  # (1, seq): criteria look at the tail they need
-            if any(bool(c(ids, None).any()) for c in extra):
+            ids = torch.tensor([seq], device=device)  # (1, seq): criteria look at the tail they need
+            # a criterion may return a bool, as HF's StoppingCriteriaList broadcasts it
+            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in extra):
                 keep, stop = i + 1, True  # HF keeps the token that met the criterion
                 break
         if streamer is not None:

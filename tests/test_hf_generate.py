@@ -666,3 +666,87 @@ def test_a_users_repetition_penalty_tensor_gives_each_row_of_a_batch_its_own_ski
     with pytest.warns(UserWarning, match="one after another"):
         got = _space(model, ids, max_new_tokens=20, logits_processor=penalty(skip), pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_a_refusal_after_the_prompt_was_streamed_ends_the_streamer(tiny):
+    """generate puts the prompt into the streamer before it calls space_generate, so a refusal
+    there (an option HF takes and SPACE does not) left a TextIteratorStreamer's reader waiting for
+    an end that never came: the usual chat pattern (generate in a thread) hung. Ended first now."""
+    from transformers import TextIteratorStreamer
+
+    model, tok, _ = tiny
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    streamer = TextIteratorStreamer(tok, timeout=5, skip_prompt=True)
+    with pytest.raises(ValueError, match="output_scores"):
+        _space(model, ids, max_new_tokens=4, output_scores=True, return_dict_in_generate=True, streamer=streamer)
+    assert "".join(streamer) == ""  # ends at once (without the end: queue.Empty after 5 s)
+    recorder = Recorder()
+    _space(model, ids, max_new_tokens=4, streamer=recorder)
+    assert recorder.ends == 1  # once, on success too
+
+
+def test_a_streamer_with_a_batch_is_refused(trained):
+    """HF gives a streamer one (batch,) tensor a step; SPACE decodes the rows one after another,
+    so a batch-aware streamer read row 0's tokens as the batch's: refused (HF's own text streamers
+    refuse a batch when given the prompt)."""
+    model, tok = trained[0], trained[1]
+    a, b = (p[0].tolist() for p in _prompts(trained, n=2))
+    recorder = Recorder()
+    with pytest.raises(ValueError, match="streams one prompt at a time"):
+        model.generate(torch.tensor([a, b]), attention_mask=torch.ones(2, len(a), dtype=torch.long),
+                       custom_generate=space_generate, max_new_tokens=4, pad_token_id=tok.pad_token_id,
+                       streamer=recorder)
+    assert recorder.ends == 1
+
+
+class StopAfterToken:
+    """A user's stopping criterion (not a StoppingCriteria subclass) that returns a Python bool,
+    as HF's StoppingCriteriaList accepts: stop once the last token is ``token``."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return bool(input_ids[0, -1] == self.token) if input_ids.shape[0] == 1 else input_ids[:, -1] == self.token
+
+
+def test_without_eos_a_row_stopped_by_its_criteria_decodes_on_as_in_plain_generate(trained):
+    """Without an EOS criterion HF pads no row: a row whose own criteria stopped it decodes on to
+    the longest row's length (SPACE padded it, or raised without a pad id). A criterion that
+    returns a bool works as in HF (SPACE called .any() on it)."""
+    from transformers import StoppingCriteriaList
+
+    model, tok = trained[0], trained[1]
+    prompts = [p[0].tolist() for p in _prompts(trained, n=4)]
+    plain = [_hf(model, torch.tensor([row]), max_new_tokens=16, eos_token_id=None)[0, len(row):].tolist()
+             for row in prompts]
+    # a row b that meets the stop token early and a row a that never does
+    (a, b, stop), = [(prompts[i], prompts[j], t) for i in range(4) for j in range(4) if i != j
+                     for t in plain[j][1:8] if t not in plain[i]][:1]
+    ids = torch.tensor([a, b])
+    for pad in (tok.pad_token_id, None):
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, eos_token_id=None, pad_token_id=pad,
+                      stopping_criteria=StoppingCriteriaList([StopAfterToken(stop)]), do_sample=False)
+        want = model.generate(ids, **kwargs)
+        with pytest.warns(UserWarning, match="one after another"):
+            got = model.generate(ids, custom_generate=space_generate, **kwargs)
+        assert got.tolist() == want.tolist()
+        assert stop in got[1, len(b):].tolist()[:8] and got.shape[1] == len(a) + 16  # b went on past its stop
+
+
+def test_synced_gpus_as_generate_decides_it_is_refused(tiny, monkeypatch):
+    """generate sets synced_gpus itself under ZeRO-3 or FSDP over several processes, and a callable
+    custom_generate never gets it: SPACE decoded each rank on its own where HF keeps them in step
+    (a deadlock). It is decided here as generate decides it, and refused."""
+    import transformers.integrations.deepspeed as ds
+
+    model, tok, _ = tiny
+    ids = tok("hello", return_tensors="pt")["input_ids"]
+    monkeypatch.setattr(ds, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    from space.hf import _synced_gpus
+
+    assert _synced_gpus(model, None) and not _synced_gpus(model, False)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
+    assert not _synced_gpus(model, None)
