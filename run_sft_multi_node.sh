@@ -90,7 +90,7 @@ from_caller() {
         out+="$sep$item"; sep=,
       done
       printf '%s\n' "$out" ;;
-    __init_adapter|__deepspeed|__resume_from_checkpoint|__data_root)
+    __init_adapter|__deepspeed|__resume_from_checkpoint|__data_root|__model_name_or_path)
       [[ "$2" != /* && -e "$CALLER/$2" ]] && printf '%s\n' "$CALLER/$2" || printf '%s\n' "$2" ;;
     *) printf '%s\n' "$2" ;;  # printf, not echo: a value such as -n or -e is kept
   esac

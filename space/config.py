@@ -289,12 +289,16 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             file, dataloader_persistent_workers with workers, or DeepSpeed settings
             :func:`check_deepspeed` refuses, or a ``sources`` list naming no source; a non-zero
             label_smoothing_factor (HF's smoother never sees SAR-SFT's loss); neftune_noise_alpha in
-            frozen-base.
+            frozen-base; settings that train nothing (max_steps 0, or no epoch and no max_steps; in
+            frozen-base, mask_prob 0, or mask_loss_weight and consistency_weight both 0);
+            gradient_accumulation_steps or per_device_train_batch_size below 1; mode full with bf16 /
+            fp16 weights and no DeepSpeed (no fp32 master copy: Adam's small updates round away).
         FileNotFoundError: a resume_from_checkpoint that is not a checkpoint folder.
 
     Warns (UserWarning) of a setting the run ignores, set away from its default: LoRA settings or
     mask_chunk_rows in mode full, mask_chunk_rows in lora, teacher_topk with mask_target token,
-    sampler_width without sampler_head.
+    sampler_width without sampler_head; learning_rate 0 (nothing changes: a way to compare
+    initializations, never a trained model).
     """
     SpaceSettings.from_args(model_args, mask_args, train_args)
     data_lists(data_args.datasets, data_args.sources)
@@ -341,6 +345,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     if getattr(train_args, "neftune_noise_alpha", None) and model_args.mode == "frozen-base":
         raise ValueError("neftune_noise_alpha with mode frozen-base: HF's NEFTune noises the embedding output of the "
                          "frozen real pass too (its KV cache and the teacher), which decoding never sees; drop it")
+    _check_trains_something(model_args, mask_args, train_args)
     if getattr(train_args, "label_smoothing_factor", 0):
         raise ValueError("label_smoothing_factor is not supported: SAR-SFT's loss is its own (space.train.loss), "
                          "which HF's label smoother never sees; set it to 0")
@@ -353,6 +358,37 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
                          "from the epoch the main process sets, which persistent workers never see (they would "
                          "keep epoch 0's spans)")
     check_deepspeed(getattr(train_args, "deepspeed", None), mask_args)
+
+
+def _check_trains_something(model_args, mask_args, train_args) -> None:
+    """Refuse settings under which a run exits 0 with an artifact that no step trained (each wrote
+    a final/ whose LoRA B were all still zero), or trained with updates rounded away; warn of a
+    learning rate of 0 (:func:`check_train_args`)."""
+    for name in ("gradient_accumulation_steps", "per_device_train_batch_size"):
+        value = getattr(train_args, name, 1)
+        if not isinstance(value, int) or value < 1:  # 0 failed after the model loaded (a ZeroDivisionError)
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    max_steps = getattr(train_args, "max_steps", -1)
+    if max_steps == 0 or (max_steps < 0 and getattr(train_args, "num_train_epochs", 1) == 0):
+        raise ValueError(f"max_steps {max_steps} with num_train_epochs {getattr(train_args, 'num_train_epochs', 1)} "
+                         "trains no step (the run would write an untrained artifact): set max_steps > 0 or "
+                         "num_train_epochs > 0")
+    if model_args.mode == "frozen-base":  # only the masks train: without them nothing does
+        if mask_args.mask_prob == 0:
+            raise ValueError("mask_prob 0 in mode frozen-base: no sample gets mask groups, and frozen-base trains "
+                             "only the masks (the run would write an untrained adapter)")
+        if mask_args.mask_loss_weight == 0 and mask_args.consistency_weight == 0:
+            raise ValueError("mask_loss_weight 0 (and no consistency_weight) in mode frozen-base: no loss reaches the "
+                             "masks (the run would write an untrained adapter)")
+    half = str(model_args.dtype).removeprefix("torch.") in ("bfloat16", "bf16", "float16", "fp16", "half")
+    if model_args.mode == "full" and half and not getattr(train_args, "deepspeed", None):
+        raise ValueError(f"mode full with dtype {model_args.dtype} and no DeepSpeed: the trained weights are "
+                         f"{model_args.dtype} with no fp32 master copy, and Adam's small updates round away (43 % "
+                         "of a tiny model's weights unchanged after 2 steps at lr 5e-5); load with dtype float32 "
+                         "and bf16: true (autocast), or give a deepspeed config (fp32 master weights)")
+    if getattr(train_args, "learning_rate", 1) == 0:
+        warnings.warn("learning_rate 0: no weight changes (the artifact is the initialization, not a trained model)",
+                      stacklevel=3)
 
 
 def check_deepspeed(deepspeed, mask_args) -> None:

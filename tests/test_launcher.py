@@ -272,3 +272,9 @@ def test_paths_given_to_the_launcher_are_read_from_where_it_runs(tmp_path):
     words = launch({}, "--output-dir", "out", "--datasets", "mbpp", "--run_name", "-n", "--seed", "-e", cwd=tmp_path)
     assert words[words.index(CONFIG) + 1:] == ["--output-dir", f"{tmp_path}/out", "--datasets", "mbpp",
                                                 "--run_name", "-n", "--seed", "-e"]
+    # a model folder of the caller's (read from the repository, a folder of that name there was loaded
+    # instead); a model name that is no folder here stays a name
+    (tmp_path / "mymodel").mkdir()
+    words = launch({}, "--model_name_or_path", "mymodel", cwd=tmp_path)
+    assert words[-2:] == ["--model_name_or_path", f"{tmp_path}/mymodel"]
+    assert launch({}, "--model_name_or_path", "tiny-random-llama", cwd=tmp_path)[-1] == "tiny-random-llama"

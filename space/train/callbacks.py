@@ -88,6 +88,10 @@ class SpaceCheckpointCallback(TrainerCallback):
         self.settings, self.emb, self.sampler = settings, mask_embedding, sampler
 
     def on_save(self, args, state, control, **kwargs):
+        # every rank's own checkpoint files (rng_state_{rank}.pth) are written before rank 0 marks the
+        # checkpoint whole below: a kill in between left a checkpoint a resume took, without a rank's RNG
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
         # every rank gathers (ZeRO-3 partitions the mask rows and the head too); rank 0 writes
         params = ([self.emb.mask_rows] if self.emb is not None else []) + \
             (list(self.sampler.parameters()) if self.sampler is not None else [])

@@ -40,3 +40,24 @@ def test_the_time_budget_counts_from_the_first_step(monkeypatch):
             assert control.should_save
             stopped.append(step)
     assert stopped[:1] == [3]
+
+
+def test_a_checkpoint_is_marked_whole_only_after_every_rank_wrote_its_files(tmp_path, monkeypatch):
+    """HF writes each rank's rng_state_{rank}.pth before on_save, with no barrier: rank 0 marked the
+    checkpoint whole (space_settings.json) while another rank could still be writing, so a kill in
+    between left a checkpoint a resume took without that rank's RNG. on_save waits for every rank
+    first (faked here: two ranks, the barrier recording whether the mark was already there)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from space.train.callbacks import SETTINGS_FILE, SpaceCheckpointCallback
+
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    marked_at_barrier = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: marked_at_barrier.append((ckpt / SETTINGS_FILE).exists()))
+    SpaceCheckpointCallback({"mask_num": 3}).on_save(SimpleNamespace(output_dir=str(tmp_path)),
+                                                     SimpleNamespace(is_world_process_zero=True, global_step=3), None)
+    assert marked_at_barrier == [False] and (ckpt / SETTINGS_FILE).is_file()

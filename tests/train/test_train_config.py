@@ -67,12 +67,32 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
     (["--weight_decay", "-0.1"], "weight_decay must be >= 0"),
     (["--max_grad_norm", "-1"], "max_grad_norm must be >= 0"),
     (["--max_nonfinite_steps", "-1"], "max_nonfinite_steps must be >= 0, got -1"),
+    # settings under which a run exited 0 with an artifact no step trained (a review, 2026-12-06)
+    (["--max_steps", "0"], "trains no step"),
+    (["--max_steps", "-1", "--num_train_epochs", "0"], "trains no step"),
+    (["--mode", "frozen-base", "--mask_prob", "0"], "mask_prob 0 in mode frozen-base"),
+    (["--mode", "frozen-base", "--mask_loss_weight", "0"], "mask_loss_weight 0"),
+    # a ZeroDivisionError after the model loaded; a clear error, also after it
+    (["--gradient_accumulation_steps", "0"], "gradient_accumulation_steps must be an integer >= 1"),
+    (["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be an integer >= 1"),
+    # bf16 weights without DeepSpeed's fp32 master copy: 43 % of a tiny model's weights never moved
+    (["--mode", "full", "--dtype", "bfloat16"], "mode full with dtype bfloat16 and no DeepSpeed"),
 ])
 def test_out_of_range_values_are_refused_while_parsing(tmp_path, flags, match):
     """Each range check of check_train_args / SpaceSettings fires on its own (a dropped one let the
     value through to the model load or the trainer)."""
     with pytest.raises(ValueError, match=match):
         parse(tmp_path, *flags)
+
+
+def test_what_trains_nothing_only_in_one_mode_passes_in_the_others(tmp_path):
+    """The frozen-base refusals leave lora (its LoRA trains every token) alone, full mode in bf16
+    passes with DeepSpeed's fp32 master weights, and a learning rate of 0 (a way to compare
+    initializations, as the ZeRO-2 / ZeRO-3 test does) is said, not refused."""
+    parse(tmp_path, "--mode", "lora", "--mask_prob", "0")
+    parse(tmp_path, "--mode", "full", "--dtype", "bfloat16", "--deepspeed", "configs/deepspeed/zero2.json")
+    with pytest.warns(UserWarning, match="learning_rate 0"):
+        parse(tmp_path, "--learning_rate", "0")
 
 
 def test_output_dir_given_as_key_equals_value_or_with_an_empty_yaml(tmp_path):
