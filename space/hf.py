@@ -18,8 +18,9 @@ it is refused). Processors (with sampling, HF's temperature / top-k / top-p
 warpers among them; greedy or not) are applied once, by ``SpaceDecoder``, to every verification row
 with the row's own prefix and to the draft rows, and sampling then draws from softmax(processed
 scores) as HF does: in fp32, greedy output equals plain ``generate`` token for token and sampled
-output has its distribution. In bf16 / fp16 a verification step scores several rows in one
-forward, whose rounding differs from one-row AR steps, so near-ties can flip a token.
+output has its distribution. A verification step scores several rows in one forward, whose
+rounding differs from one-row AR steps (about 1e-7 of a logit in fp32, far more in bf16 / fp16),
+so a near-tie closer than that can flip a token: in fp32 no run here has met one.
 The mask tokens are never emitted (nor by plain ``generate``: ``space.tokens.suppress_in_generate``).
 Sampling is seeded from torch's global RNG, so ``torch.manual_seed`` makes a call reproducible, as
 with plain ``generate``.
@@ -35,8 +36,9 @@ stopping criteria see the row as HF's batched loop holds it, left padding includ
 length-dependent ones (``min_length``, ``min_new_tokens``, ``forced_eos_token_id``,
 ``exponential_decay_length_penalty``) fire at the same step; rows are then right-padded with
 ``pad_token_id`` as HF pads finished rows. Without an EOS criterion HF pads none: a row whose
-criteria stopped it decodes on to the longest row's length, and so it does here. A streamer takes
-one prompt (a batch is refused).
+criteria are met decodes on until the last row stops, and so it does here (every row decodes past
+its criteria, then all are cut where the last one stopped). A streamer takes one prompt (a batch
+is refused).
 
 Near the end of the context, where plain ``generate`` warns and goes on past the model's
 ``max_position_embeddings``, SPACE warns and stops each row at the context.
@@ -100,8 +102,9 @@ def space_generate(model, input_ids: torch.LongTensor, logits_processor, stoppin
                    num_groups: int | None = None, lookup_tokens: int | None = None, tree=None, **model_kwargs):
     """The decoding loop for ``model.generate(..., custom_generate=space_generate)``.
 
-    In fp32, greedy output equals plain ``generate`` token for token (bf16 / fp16 multi-row
-    verification can flip near-ties); sampled output has plain ``generate``'s distribution.
+    In fp32, greedy output equals plain ``generate`` token for token (multi-row verification
+    rounds otherwise: a near-tie closer than that can flip, in bf16 / fp16 often); sampled output
+    has plain ``generate``'s distribution.
 
     Args:
         model: a causal LM with SPACE mask tokens (``space.loader.load_space``).
@@ -188,27 +191,26 @@ def _space_generate(model, input_ids, logits_processor, stopping_criteria, gener
         warnings.warn(f"space_generate decodes the {len(rows)} prompts of a batch one after another "
                       "(SPACE is batch-1)", stacklevel=3)
     room = _room(rows, max_new, decoder.context)
-    results, samplings = [], []
+    # without an EOS criterion HF pads no row: one that met its criteria decodes on until the last row
+    # stops, so each row decodes on past its criteria (its first stop recorded), all cut at the last
+    # row's stop afterwards (a second decode of the row with a shorter budget planned other dynamic
+    # trees, whose sampled draws differ)
+    decode_on = len(rows) > 1 and not eos_criteria and eos is None
+    results, stops = [], []
     for b, ids in enumerate(rows):
         sampling = SamplingConfig()
         if generation_config.do_sample:  # temperature/top-k/top-p are HF warpers among the processors
             # a seed per row: rows drawn with one seed were copies of each other for equal prompts
             sampling = SamplingConfig(temperature=1.0, seed=int(torch.randint(2**62, (1,))))
         pad = input_ids[b, : input_ids.shape[1] - len(ids)]  # the row's left padding
-        samplings.append(sampling)
-        watch = _watcher(input_ids[b].tolist(), _row_criteria(stopping_criteria, len(rows)), streamer, input_ids.device)
+        met: list[int] = []
+        watch = _watcher(input_ids[b].tolist(), _row_criteria(stopping_criteria, len(rows)), streamer,
+                         input_ids.device, met if decode_on else None)
         results.append(decoder.generate(ids, min(max_new, room[b]), sampling, stop_ids, on_tokens=watch,
                                         logits_processor=_padded(logits_processor, pad, b)))
-    longest = max(len(r.new_ids) for r in results)
-    if not eos_criteria and eos is None:
-        # without an EOS criterion HF pads no row: one that met its criteria decodes on while another runs
-        # (to the longest row's length); the same seed draws the same tokens up to where it stopped
-        for b, ids in enumerate(rows):
-            if len(results[b].new_ids) < min(longest, room[b]):
-                pad = input_ids[b, : input_ids.shape[1] - len(ids)]
-                results[b] = decoder.generate(ids, min(longest, room[b]), samplings[b], stop_ids,
-                                              logits_processor=_padded(logits_processor, pad, b))
-    sequences = _pad_outputs(input_ids, results, generation_config._pad_token_tensor)
+        stops.append(met[0] if met else len(results[-1].new_ids))
+    lengths = [min(len(r.new_ids), max(stops)) for r in results] if decode_on else None
+    sequences = _pad_outputs(input_ids, results, generation_config._pad_token_tensor, lengths)
     if not generation_config.return_dict_in_generate:
         return sequences
     return SpaceGenerateOutput(sequences=sequences, accept_lengths=[r.accept_lengths for r in results],
@@ -406,11 +408,13 @@ def _prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return rows
 
 
-def _watcher(prompt: list[int], criteria, streamer, device: torch.device | str = "cpu"):
+def _watcher(prompt: list[int], criteria, streamer, device: torch.device | str = "cpu", met: list | None = None):
     """The ``on_tokens`` callback of one row: checks the stopping criteria after every new token
     (HF's loop checks them after each token it appends) and streams the tokens it keeps.
     ``prompt``: the row as HF holds it, left padding included; ``device``: the input ids' (a
-    criterion compares on the model's device, as in HF's loop).
+    criterion compares on the model's device, as in HF's loop); ``met``: given, the row decodes on
+    past its criteria and the new-token count where they were first met is appended to it (only
+    ``max_time`` still stops it).
 
     EOS and max length are left to the decoder, which cuts a step at them (``space_generate`` reads
     them from these criteria); only other criteria (stop strings, max_time, user ones) are
@@ -424,8 +428,13 @@ def _watcher(prompt: list[int], criteria, streamer, device: torch.device | str =
         for i, t in enumerate(tokens if extra else ()):
             seq.append(t)
             ids = torch.tensor([seq], device=device)  # (1, seq): criteria look at the tail they need
+            # once met, a row that decodes on asks the clock alone
+            asked = [c for c in extra if isinstance(c, MaxTimeCriteria)] if met else extra
             # a criterion may return a bool, as HF's StoppingCriteriaList broadcasts it
-            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in extra):
+            hit = [c for c in asked if bool(torch.as_tensor(c(ids, None)).any())]
+            if hit and met is not None and not met:
+                met.append(len(seq) - len(prompt))
+            if hit and (met is None or any(isinstance(c, MaxTimeCriteria) for c in hit)):
                 keep, stop = i + 1, True  # HF keeps the token that met the criterion
                 break
         if streamer is not None:
@@ -436,16 +445,19 @@ def _watcher(prompt: list[int], criteria, streamer, device: torch.device | str =
     return on_tokens
 
 
-def _pad_outputs(input_ids: torch.Tensor, results: list[DecodeResult], pad: torch.Tensor | None) -> torch.Tensor:
-    """Each row = its input row (padding kept) + new tokens, right-padded to the longest, as HF
-    pads finished rows. Returns (batch, seq + max new) on ``input_ids.device``."""
-    longest = max(len(r.new_ids) for r in results)
-    if pad is None and any(len(r.new_ids) < longest for r in results):
+def _pad_outputs(input_ids: torch.Tensor, results: list[DecodeResult], pad: torch.Tensor | None,
+                 lengths: list[int] | None = None) -> torch.Tensor:
+    """Each row = its input row (padding kept) + new tokens (the first ``lengths[b]`` of row b's,
+    None: all), right-padded to the longest, as HF pads finished rows. Returns (batch, seq + max
+    new) on ``input_ids.device``."""
+    new = [r.new_ids if lengths is None else r.new_ids[:n] for r, n in zip(results, lengths or results)]
+    longest = max(map(len, new))
+    if pad is None and any(len(ids) < longest for ids in new):
         raise ValueError("rows finished at different lengths and there is no pad_token_id to pad them with")
     fill = int(pad.flatten()[0]) if pad is not None else 0
     out = torch.full((input_ids.shape[0], input_ids.shape[1] + longest), fill, dtype=input_ids.dtype,
                      device=input_ids.device)
     out[:, : input_ids.shape[1]] = input_ids
-    for b, r in enumerate(results):
-        out[b, input_ids.shape[1]: input_ids.shape[1] + len(r.new_ids)] = torch.tensor(r.new_ids)
+    for b, ids in enumerate(new):
+        out[b, input_ids.shape[1]: input_ids.shape[1] + len(ids)] = torch.tensor(ids, dtype=input_ids.dtype)
     return out
