@@ -378,7 +378,7 @@ class SpaceDecoder:
             sliding-window ones (``cache.attention_windows``), or a flash-attention model
             (:func:`check_attention`: the step's 4-D mask needs ``sdpa`` or ``eager``); ``graphs``
             captured from another model, or whose buckets stop below this layout's rows; a ``datastore`` with a layout that takes
-            no branch from it (``config.datastore_branches`` 0).
+            no branch from it (``config.datastore_branches`` 0), or holding a token id outside the model's vocabulary.
 
     The step's additive mask takes the trunk's dtype (:func:`attention_dtype`, ``mask_dtype``), and
     the LM head's input is cast to the head's dtype, so an fp32 head on a bf16 trunk decodes.
@@ -404,6 +404,10 @@ class SpaceDecoder:
         self.lookup = self.config.lookup_tokens > 0  # prompt lookup: one more branch of each step's tree
         if datastore is not None and not self.config.datastore_branches:  # it would be left unread
             raise ValueError("a datastore needs a layout with datastore_branches >= 1 (a dynamic tree with lookup)")
+        vocab = self.head.weight.shape[0]
+        if datastore is not None and int(datastore.tokens.max()) >= vocab:  # an IndexError mid-generation
+            raise ValueError(f"the datastore holds token id {int(datastore.tokens.max())}, outside this model's "
+                             f"vocabulary of {vocab}: its answers were tokenized for another model")
         self.datastore = datastore
         self.dynamic = self.config.tree == "dynamic"
         # a static step verifies the configured tree, else the chain of top-1 drafts as a tree

@@ -105,6 +105,11 @@ def test_a_datastore_needs_a_layout_that_reads_it(tiny_varied):
     store = Datastore([[1, 2, 3, 4]])
     with pytest.raises(ValueError, match="datastore_branches >= 1"):
         SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=4), datastore=store)
+    # answers tokenized for another model: an IndexError mid-generation (a device assert on CUDA)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with pytest.raises(ValueError, match=f"token id {vocab + 5}, outside this model's vocabulary of {vocab}"):
+        SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=4, datastore_branches=1),
+                     datastore=Datastore([[1, 2, 3, vocab + 5]]))
     with pytest.raises(ValueError, match="need tree='dynamic'"):
         DecodeConfig(2, lookup_tokens=4, datastore_branches=1)  # a static layout
     with pytest.raises(ValueError, match="need tree='dynamic'"):
