@@ -127,7 +127,7 @@ def test_distill_magpie_source_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr(magpie, "sample_user_turns", lambda *a, **k: [(t, True) for t, _ in real(*a, **k)])
     answers = distill_mod.greedy_batches  # and the answers too: follow-ups are asked after finished answers
     monkeypatch.setattr(distill_mod, "greedy_batches",
-                        lambda *a, **k: ([(p, ids, True) for p, ids, _ in batch] for batch in answers(*a, **k)))
+                        lambda *a, **k: ([(p, ids, a[1].eos_token_id) for p, ids, _ in batch] for batch in answers(*a, **k)))
     # the default tiny model (init std 0.02) repeats one whitespace token, an empty answer: more spread
     from space import models
 
@@ -144,6 +144,9 @@ def test_distill_magpie_source_end_to_end(tmp_path, monkeypatch):
     for r in turn2:  # the first turn is the context of the second
         assert [m["role"] for m in r["prompt"]] == ["user", "assistant", "user"]
     assert manifest["filter_verdicts"]["first turn"]["ok"] >= 3
+    from space.data.sft import to_example
+
+    assert all(to_example(r).stop_id == tiny_random_llama()[1].eos_token_id for r in rows)  # the set trains as written
     again = distill_mod.distill(out, "tiny-random-llama", {"magpie": 3}, batch_size=2, max_new_tokens=6, magpie=settings)
     assert again["new_rows_this_run"] == 0 and again["rows"] == manifest["rows"]
     with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
