@@ -750,3 +750,39 @@ def test_synced_gpus_as_generate_decides_it_is_refused(tiny, monkeypatch):
     assert _synced_gpus(model, None) and not _synced_gpus(model, False)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
     assert not _synced_gpus(model, None)
+
+
+class StopAtLength:
+    """Stops each row after its own number of new tokens, told apart by its prompt (the first
+    ``width`` ids): a batch criterion, as HF calls it with (batch, seq) ids."""
+
+    def __init__(self, width, limits):
+        self.width, self.limits = width, limits
+
+    def __call__(self, input_ids, scores, **kwargs):
+        new = input_ids.shape[1] - self.width
+        return torch.tensor([new >= self.limits[tuple(row[: self.width].tolist())] for row in input_ids])
+
+
+def test_without_eos_a_sampled_row_decodes_on_with_the_draws_it_makes_alone(trained):
+    """Sampled, on the dynamic tree: without an EOS criterion, a row of a batch whose criterion is met
+    (a after 4 tokens) goes on until the other row stops (b after 12), and its tokens are those it
+    draws alone with the same seed and max_new_tokens. A second decode of the row with the shorter
+    budget (12) planned other trees near its end and drew other tokens (2 of 20 seeds in a review)."""
+    from transformers import StoppingCriteriaList
+
+    model, tok = trained[0], trained[1]
+    prompts = [p[0].tolist() for p in _prompts(trained, n=2)]
+    a, b = prompts[0], prompts[1][: len(prompts[0])]
+    stop = StoppingCriteriaList([StopAtLength(len(a), {tuple(a): 4, tuple(b): 12})])
+    kwargs = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=tok.pad_token_id, do_sample=True,
+                  tree="dynamic", custom_generate=space_generate)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        alone = model.generate(torch.tensor([a]), attention_mask=torch.ones(1, len(a), dtype=torch.long), **kwargs)
+        torch.manual_seed(seed)
+        with pytest.warns(UserWarning, match="one after another"):
+            both = model.generate(torch.tensor([a, b]), attention_mask=torch.ones(2, len(a), dtype=torch.long),
+                                  stopping_criteria=stop, **kwargs)
+        assert both.shape[1] == len(a) + 12, seed  # the batch ends when b stops
+        assert both[0].tolist() == alone[0, : len(a) + 12].tolist(), seed
