@@ -161,7 +161,8 @@ def plain_generate(model, inputs: dict, **settings) -> torch.Tensor:
     """HF ``model.generate(**inputs, **settings)`` with only these settings: the model's own
     ``generation_config`` (a repetition penalty, beams, a minimum length, ...) is set aside for the
     call, else HF fills every setting not given from it and a "greedy" answer is another model's.
-    Its bos / eos / pad ids stay.
+    Its bos / eos / pad ids stay, and a SPACE model's mask tokens stay suppressed (never emitted,
+    DESIGN §3.7: a SAR-SFT checkpoint's distilled answers are its decoders' own).
 
     Returns:
         (batch, prompt + new tokens) ids, as ``generate``.
@@ -171,6 +172,9 @@ def plain_generate(model, inputs: dict, **settings) -> torch.Tensor:
     own = model.generation_config
     model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
                                                pad_token_id=own.pad_token_id)
+    masks = (getattr(getattr(model, "config", None), "space_mask", None) or {}).get("token_ids") or ()
+    if masks:
+        settings = {**settings, "suppress_tokens": sorted(set(settings.get("suppress_tokens") or ()) | set(masks))}
     try:
         return model.generate(**inputs, **settings)
     finally:

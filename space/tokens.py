@@ -63,6 +63,7 @@ def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) ->
     """
     check_mask_num(mask_num)
     names = mask_token_names(mask_num, mask_diff)
+    known = set(tokenizer.get_vocab())
     tokenizer.add_special_tokens({"additional_special_tokens": names}, replace_extra_special_tokens=False)
     ids = tokenizer.convert_tokens_to_ids(names)
     # under ZeRO-3 the weights are partitioned at load (shape (0,) on every rank): read the real
@@ -72,11 +73,14 @@ def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) ->
     if max(ids) >= old_rows:
         model.resize_token_embeddings(max(ids) + 1, mean_resizing=False)  # transformers gathers under ZeRO-3
     real = min(min(ids), old_rows)  # rows below the first mask id are real tokens
+    # only new rows start at the mean: a model that has them (a SAR-SFT checkpoint trained on, a warm
+    # start) keeps its trained rows (they were reset, silently)
+    new = [i for name, i in zip(names, ids) if name not in known or i >= old_rows]
     mats = list({id(m): m for m in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)}.values())
     with gathered(mats, modifier_rank=0), torch.no_grad():  # rank 0's rows go to every rank
-        for mat in mats:
-            mat[ids] = mat[:real].mean(dim=0, keepdim=True).to(mat.dtype)
-            if not torch.isfinite(mat[ids]).all():
+        for mat in mats if new else ():
+            mat[new] = mat[:real].mean(dim=0, keepdim=True).to(mat.dtype)
+            if not torch.isfinite(mat[new]).all():
                 raise ValueError(f"the new mask rows are not finite (vocabulary {real} real rows of {mat.shape[0]}): "
                                  "are the model's embeddings finite?")
     spec = MaskSpec(tuple(ids), mask_num, mask_diff)

@@ -39,6 +39,12 @@ def test_mask_token_added_once_and_recorded(tmp_path):
     assert mask_spec(again, tok2) == spec
     diff = add_mask_tokens(*load_model("tiny-random-llama"), 4, mask_diff=True)
     assert len(diff.token_ids) == 4 and diff.ids_for(3).tolist() == list(diff.token_ids[:3])
+    # a model that has its mask rows (a SAR-SFT checkpoint trained on, a warm start) keeps them: a
+    # second call reset them to the mean, silently
+    with torch.no_grad():
+        again.get_input_embeddings().weight[mid] = 7.0
+    assert add_mask_tokens(again, tok2, 5) == spec
+    assert torch.equal(again.get_input_embeddings().weight[mid], torch.full_like(emb[mid], 7.0))
 
 
 def test_bad_mask_num():
@@ -171,6 +177,16 @@ def test_plain_generate_sets_the_models_settings_aside_and_puts_them_back():
     assert not torch.equal(model.generate(**inputs, max_new_tokens=12, do_sample=False), plain)  # it matters
     assert torch.equal(plain_generate(model, inputs, max_new_tokens=12, do_sample=False), plain)
     assert model.generation_config is own and own.repetition_penalty == 50.0
+    # a SPACE model's mask tokens stay suppressed (its distilled answers are its decoders' own): here a
+    # mask row rigged to win every step of HF's greedy decoding
+    from space.tokens import add_mask_tokens
+
+    spec = add_mask_tokens(model, tiny_random_llama(seed=0)[1], 2)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[spec.token_ids[0]] = 5 * model.get_output_embeddings().weight.abs().max()
+    got = plain_generate(model, inputs, max_new_tokens=12, do_sample=False)[0, 30:].tolist()
+    assert not set(got) & set(spec.token_ids)
+    assert set(model.generate(**inputs, max_new_tokens=12, do_sample=False, suppress_tokens=None)[0, 30:].tolist()) & set(spec.token_ids)
 
 
 def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
