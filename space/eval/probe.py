@@ -67,7 +67,7 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
     import torch
     from transformers import DynamicCache
 
-    from ..decoding.cache import cache_input, crop_cache, refuse_sliding_window
+    from ..decoding.cache import attention_dtype, cache_input, crop_cache, refuse_sliding_window
     from ..masking import IGNORE_INDEX, mask_rows, previous_ids, targets, to_additive_4d, train_layout
     from ..sampler_head import sampler_head
 
@@ -86,7 +86,8 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
         for start in range(0, len(anchors), chunk_groups):
             groups = anchors[start:start + chunk_groups]
             lay = train_layout(n, groups, k)  # rows :n are the cached real tokens, n: the groups
-            attn = to_additive_4d(lay.allowed[n:], head.weight.dtype).to(device)  # (1, 1, G*k, n + G*k)
+            # the trunk's dtype, not the LM head's (an fp32 head on a bf16 trunk), as SpaceDecoder's mask
+            attn = to_additive_4d(lay.allowed[n:], attention_dtype(decoder)).to(device)  # (1, 1, G*k, n + G*k)
             with mask_rows(0):
                 hidden = decoder(input_ids=lay.input_ids(ids, mask_ids.to(device))[None, n:],
                                  position_ids=lay.position_ids[None, n:].to(device), attention_mask=attn,
@@ -94,7 +95,7 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
             crop_cache(cache, n)
             if sampler is not None:  # teacher-forced: given the true token before each target
                 hidden = sampler(hidden, base.get_input_embeddings()(previous_ids(ids, lay.position_ids[n:].to(device))))
-            logits = head(hidden).float()  # (G*k, vocab)
+            logits = head(hidden.to(head.weight.dtype)).float()  # (G*k, vocab)
             logits[:, list(suppress_ids)] = float("-inf")
             tgt = targets(lay, ids)[n:].to(device)  # (G*k,) x_{e+j+1}, IGNORE_INDEX past the end
             true = logits.gather(1, tgt.clamp(min=0)[:, None])  # (G*k, 1)
@@ -231,13 +232,18 @@ def base_model_name(model: str | None, adapter: str | Path | None) -> str:
 
 def target_name(model: str | None, adapter: str | None) -> str:
     """Which model's greedy answers are probed: the base for a frozen-base adapter (its real-token
-    logits are the base's), else base + adapter (a merged lora adapter is a new model)."""
+    logits are the base's), else base + adapter (a merged lora adapter is a new model). A model
+    folder and a lora adapter are named with their weights' fingerprints too
+    (``resume.model_files``, ``resume.adapter_sha256``): retrained in place, they keep their paths,
+    and the cached answers of the old weights were reused silently."""
     from ..artifact import read_space_config
 
     base = base_model_name(model, adapter)
+    files = model_files(base, layout=False)  # None for a name (the embedded SmolLM2)
+    name = base if files is None else f"{base}@{files[:16]}"
     if adapter is None or read_space_config(Path(adapter))["mode"] == "frozen-base":
-        return base
-    return f"{base}+{Path(adapter).resolve()}"
+        return name
+    return f"{name}+{Path(adapter).resolve()}@{adapter_sha256(adapter)[:16]}"
 
 
 def check_tree_vocab(tree, model: str | None, adapter: str | Path | None) -> None:

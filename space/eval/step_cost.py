@@ -52,7 +52,7 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
     """
     import torch
     from tqdm import tqdm
-    from ..decoding.cache import cache_input, crop_cache, eager_cache, refuse_sliding_window, static_cache
+    from ..decoding.cache import attention_dtype, cache_input, crop_cache, eager_cache, refuse_sliding_window, static_cache
     from ..decoding.compiled import eager
     from ..decoding.decoder import mask_slots
     from ..masking import mask_rows, to_additive_4d
@@ -87,7 +87,8 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
             # strides, and a view into the longer ``ids`` built a graph of its own (minutes, frozen)
             inputs[q] = dict(input_ids=ids[cache_len:cache_len + q].clone()[None],
                              position_ids=torch.arange(cache_len, cache_len + q, device=device)[None],
-                             attention_mask=to_additive_4d(causal, head.weight.dtype).to(device) if q > 1 or static else None)
+                             attention_mask=to_additive_4d(causal, attention_dtype(decoder)).to(device)
+                             if q > 1 or static else None)
         times = {shape: [] for shape in shapes}
         for round_ in tqdm(range(repeats + 1), desc="step cost", unit="round"):  # round 0 warms every shape up
             for q, masks in shapes if round_ % 2 else shapes[::-1]:
@@ -101,7 +102,7 @@ def time_steps(model, shapes: list[tuple[int, bool]], cache_len: int = 300, repe
                     # the head on the rows as each method calls it: AR's causal LM on (1, 1, hidden),
                     # a SPACE block's on (rows, hidden) (a compiled head guards on the rank)
                     hidden = hidden if q == 1 and not masks else hidden[0]
-                head(hidden)
+                head(hidden.to(head.weight.dtype))  # an fp32 head on a bf16 trunk, as the decoders cast
                 if device.type == "cuda":  # the head's device: the current one may be another GPU
                     torch.cuda.synchronize(device)
                 elif device.type == "mps":

@@ -219,3 +219,46 @@ def test_cached_answers_keep_the_eos_and_refuse_another_targets_file(tmp_path, m
     ranks.write_text(json.dumps({"key": "a", "ranks": [[0, 1]]}) + "\n")
     with pytest.raises(ValueError, match="ranks.jsonl: line 1 is not a space-probe answer"):
         cached_answers(None, tok, prompts, ranks, "tiny", 8, 4, ())
+
+
+def test_the_answers_target_names_the_weights_of_a_checkpoint_or_lora_adapter(tmp_path):
+    """A full checkpoint or a lora adapter retrained in place keeps its path, and its cached greedy
+    answers (answers.jsonl, keyed by the target) were reused silently for the new weights: the
+    target names their fingerprints. A frozen-base adapter's target stays the base (its real-token
+    logits are the base's), and the embedded model's its name."""
+    from safetensors.torch import load_file, save_file
+
+    from space.eval.probe import target_name
+    from space.models import TINY
+    from tests.conftest import full_checkpoint
+    from tests.test_load_space import _artifact
+
+    ckpt = full_checkpoint(tmp_path / "full")
+    before = target_name(str(ckpt), None)
+    weights = load_file(ckpt / "model.safetensors")
+    save_file({k: v * 1.5 for k, v in weights.items()}, ckpt / "model.safetensors", metadata={"format": "pt"})
+    assert before.startswith(f"{ckpt}@") and target_name(str(ckpt), None) != before  # retrained in place
+    lora = _artifact(tmp_path / "lora", "lora")
+    first = target_name(None, str(lora))
+    lora_weights = load_file(lora / "adapter_model.safetensors")
+    save_file({k: v * 2 for k, v in lora_weights.items()}, lora / "adapter_model.safetensors")
+    assert first.startswith(f"{TINY}+{lora.resolve()}@") and target_name(None, str(lora)) != first
+    assert target_name(None, str(_artifact(tmp_path / "frozen", "frozen-base"))) == TINY
+
+
+def test_the_probe_and_the_step_cost_run_an_fp32_head_on_a_bf16_trunk():
+    """The decoders take an fp32 LM head on a bf16 trunk (the mask in the trunk's dtype, the head's
+    input cast); the probe and the step-cost curve made the mask in the head's dtype and fed it bf16
+    rows: a dtype error in each."""
+    from space.eval.probe import anchor_ranks
+    from space.eval.step_cost import step_cost_curve
+    from space.models import tiny_random_llama
+    from space.tokens import add_mask_tokens
+
+    model, tok = tiny_random_llama(seed=0, tie_word_embeddings=False)
+    spec = add_mask_tokens(model, tok, 3)
+    model = model.to(torch.bfloat16)
+    model.lm_head.float()
+    assert set(step_cost_curve(model, [1, 4], cache_len=20, repeats=1)) == {1, 4}
+    ids = torch.randint(10, 250, (30,), generator=torch.Generator().manual_seed(0))
+    assert anchor_ranks(model, ids, 10, spec.ids_for(3), 3, spec.token_ids, 8).shape == (19, 3)
