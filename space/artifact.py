@@ -311,9 +311,9 @@ def compile_setup(compile: bool | str | None) -> bool | str:
     return True if compile in (True, "default") else (compile or False)
 
 
-def setup_key(entry: dict) -> tuple[int, str, str, bool, bool | str, str, str, str]:
+def setup_key(entry: dict) -> tuple[int, str, str, bool, bool | str, str, str, str, str]:
     """What tells two step-cost setups apart: (threads, kernels, device type, captured steps,
-    compile mode, packed kernel, CPU, GPU). An entry written before issue 58 names no device, capture or
+    compile mode, packed kernel, CPU, GPU, dtype). An entry written before issue 58 names no device, capture or
     compile: it was measured eagerly on a CPU. A compiled trunk's steps cost otherwise (a frozen
     trunk on a 2-core Zen 4: 20 ms at 1 row, 36 ms at 16, adapter cost 0,
     ``results/tree_search/zen4_frozen_threads2``). The packed kernel ("" when none is named) is
@@ -322,16 +322,18 @@ def setup_key(entry: dict) -> tuple[int, str, str, bool, bool | str, str, str, s
     by their ``"cpu"`` (``cpu_kernels.cpu_identity``; "" for an entry written before it): an AVX2
     EPYC's and a Zen 4 EPYC's oneDNN curves differ (``results/humaneval20_zen4_curve``). A CUDA
     curve's ``"gpu"`` (``models.gpu_identity``; "" for an entry written before it) keeps two GPUs'
-    curves apart the same way."""
+    curves apart the same way, and the trunk's ``"dtype"`` (an entry written before it was fp32's:
+    on a 2-core Zen 4 SmolLM2's 32-row step cost 2.6x a 1-row one in fp32, 2.07x in bf16)."""
     return (entry["threads"], entry["kernels"], entry.get("device", "cpu"), bool(entry.get("capture", False)),
             compile_setup(entry.get("compile", False)), entry.get("packed_kernel") or "", entry.get("cpu") or "",
-            entry.get("gpu") or "")
+            entry.get("gpu") or "", entry.get("dtype") or "float32")
 
 
 def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> list[dict]:
     """The step-cost curves of an adapter's ``space_config.json`` (``"step_costs"``: one
     ``{"threads", "kernels", "device", "capture", "compile", "step_cost", "adapter_cost"}`` per setup
-    (:func:`setup_key`, with the fast kernels' ``"packed_kernel"``, the ``"cpu"`` or ``"gpu"`` where recorded), plus
+    (:func:`setup_key`, with the fast kernels' ``"packed_kernel"``, the ``"cpu"`` or ``"gpu"`` and the ``"dtype"``
+    where recorded), plus
     ``"trunk"``; written by ``space-tree --write-adapter --dynamic`` (issue 44). [] when it has none.
 
     Raises:
@@ -344,11 +346,12 @@ def stored_step_costs(cfg: dict, where: os.PathLike | str = SPACE_CONFIG) -> lis
         and isinstance(e.get("device", "cpu"), str) and type(e.get("capture", False)) is bool
         and isinstance(e.get("compile", False), (bool, str)) and isinstance(e.get("packed_kernel", ""), str)
         and isinstance(e.get("cpu", ""), str) and isinstance(e.get("gpu", ""), str)
+        and isinstance(e.get("dtype", ""), str)
         for e in entries)
     if not good:
         raise ValueError(f"{where}: bad step_costs: expected a list of {{\"threads\": n >= 1, \"kernels\": str, "
                          f"\"device\": str, \"capture\": bool, \"compile\": bool or mode (optional), "
-                         f"\"packed_kernel\": str (optional), \"cpu\" or \"gpu\": str (optional), "
+                         f"\"packed_kernel\": str (optional), \"cpu\" or \"gpu\", \"dtype\": str (optional), "
                          f"\"step_cost\": [[rows, ms], ...], "
                          f"\"adapter_cost\": ms}}, got {entries!r:.200}")
     return entries
@@ -358,7 +361,7 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
                      where: os.PathLike | str = SPACE_CONFIG, device: str = "cpu",
                      capture: bool = False, packed_kernel: str | None = None,
                      compile: bool | str = False, cpu: str | None = None,
-                     gpu: str | None = None) -> tuple[DecodeConfig, dict | None]:
+                     gpu: str | None = None, dtype: str = "float32") -> tuple[DecodeConfig, dict | None]:
     """A dynamic tree priced by the step-cost curve the adapter stores for ``threads`` CPU threads,
     ``kernels``, the ``device`` type, ``capture`` (captured steps, ``space.decoding.graphs``) and
     ``compile`` (the trunk's compile mode, :func:`compile_setup`; :func:`stored_step_costs`): a
@@ -369,7 +372,8 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     Which curve: among those of the same kernels, device, capture and compile mode, the ones of the run's
     ``packed_kernel`` (the fast kernels' choice on this CPU) if any; of those, on a CPU, the ones of
     ``cpu`` (None: this machine's, ``cpu_kernels.cpu_identity``) if any, on a CUDA GPU the ones of
-    ``gpu`` (None: this machine's, ``models.gpu_identity``) if any; of those, the one of this
+    ``gpu`` (None: this machine's, ``models.gpu_identity``) if any; of those, the ones of the trunk's
+    ``dtype`` if any (an entry naming none was fp32's); of those, the one of this
     thread count (off a CPU, whatever its threads: a GPU's steps barely depend on the host's), else
     the nearest; with none of the same kernels, device, capture and compile mode, the decode entry's own (which
     may be another device's, the last ``space-tree`` wrote).
@@ -397,6 +401,7 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
 
         gpu = gpu or gpu_identity()
         alike = [e for e in alike if e.get("gpu") == gpu] or alike
+    alike = [e for e in alike if (e.get("dtype") or "float32") == dtype] or alike
     entry = next((e for e in alike if device != "cpu" or e["threads"] == threads),
                  min(alike, key=lambda e: abs(e["threads"] - threads), default=None))
     if entry is None:
@@ -412,16 +417,16 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
     return priced, {"threads": entry["threads"], "kernels": kernels, "device": device, "capture": capture,
                     "trunk": entry.get("trunk", "unfused"), **({"compile": compile} if compile else {}),
                     **({"packed_kernel": entry["packed_kernel"]} if "packed_kernel" in entry else {}),
-                    **{key: entry[key] for key in ("cpu", "gpu") if key in entry}}
+                    **{key: entry[key] for key in ("cpu", "gpu", "dtype") if key in entry}}
 
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
                           kernels: str | None = None, device: str = "cpu", packed_kernel: str | None = None,
-                          compile: bool | str = False) -> DecodeConfig:
+                          compile: bool | str = False, dtype: str = "float32") -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
     trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, its step-cost curve
-    the one stored for that setup on the ``device`` type, ``packed_kernel`` and ``compile`` mode,
-    steps not captured (:func:`priced_for_setup`), else the entry's own: a dynamic tree's prices,
+    the one stored for that setup on the ``device`` type, ``packed_kernel``, ``compile`` mode and
+    trunk ``dtype``, steps not captured (:func:`priced_for_setup`), else the entry's own: a dynamic tree's prices,
     which a static layout carries for a ``tree="dynamic"`` override.
 
     Raises:
@@ -440,7 +445,7 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
     # prices nothing there), so --tree dynamic over it in space-chat or space.hf.generate is priced
     # for this setup, as space-eval prices it after its flags
     priced = priced_for_setup(decode.as_dynamic(), cfg, threads, kernels, where, device,
-                              packed_kernel=packed_kernel, compile=compile)[0]
+                              packed_kernel=packed_kernel, compile=compile, dtype=dtype)[0]
     return decode.override(step_cost=priced.step_cost, adapter_cost=priced.adapter_cost)
 
 

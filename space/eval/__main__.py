@@ -302,7 +302,7 @@ def price_here(args: argparse.Namespace, decode, setup: dict | None, model, grap
         measured_before = isinstance(kept, dict) and bool(kept.get("measured"))
         # a curve measured before the CPU (the GPU) was recorded is taken as this CPU's (GPU's)
         same = ("device", "capture", "trunk", "kernels",
-                *(chip for chip in ("cpu", "gpu") if chip in here and chip in (kept or {})))
+                *(key for key in ("cpu", "gpu", "dtype") if key in here and key in (kept or {})))
         if measured_before and recorded.get("step_cost") and all(kept.get(k) == here[k] for k in same):
             print("[space-eval] the step-cost curve measured when this run started prices its steps")
             return decode.override(step_cost=tuple(map(tuple, recorded["step_cost"])),
@@ -392,6 +392,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     from ..loader import load_space
     from ..models import SMOLLM2
     from .bench import PLD_NGRAM, PLD_TOKENS, Target, run_bench
+    from .step_cost import trunk_dtype
 
     # one seed for every rank: sample i of a question is the same whichever rank draws it
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
@@ -438,7 +439,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         print(f"[space-eval] datastore: {len(datastore):,} tokens of answers from {args.datastore}")
     on = next(model.parameters()).device.type
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
-                                     packed_kernel, compiled)
+                                     packed_kernel, compiled, dtype=trunk_dtype(model))
     graphs = capture = pld = None
     if args.capture:  # one graph per row and slot bucket (on a GPU), ready before the first question
         from ..decoding.graphs import StepGraphs

@@ -162,7 +162,8 @@ def step_cost_points(curve: dict[int, float]) -> list[list]:
 
 def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled: bool | str = False,
                        trunk: str = "fused", device: str = "cpu", capture: bool = False,
-                       packed_kernel: str | None = None, cpu: str | None = None, gpu: str | None = None) -> str | None:
+                       packed_kernel: str | None = None, cpu: str | None = None, gpu: str | None = None,
+                       dtype: str | None = None) -> str | None:
     """Why a stored step-cost curve may not price this run's rows: the threads, kernels,
     compilation, trunk, device type or captured steps it was measured with differ from the run's
     (a curve at 1 thread prices rows wrong at 2; space-tree measures eagerly unless given ``--compile``,
@@ -174,8 +175,9 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
     16-row step cost 1.65x a 1-row one on MKL's, 1.88x on oneDNN's), compared when both it and the
     curve name one. ``cpu``: the run's CPU (None: this machine's, ``cpu_kernels.cpu_identity``),
     compared on a CPU when the curve names one (an AVX2 EPYC's curve cost a Zen 4 EPYC 10 %); ``gpu``
-    likewise on a CUDA GPU (None: this machine's, ``models.gpu_identity``). None when they agree or
-    nothing was recorded."""
+    likewise on a CUDA GPU (None: this machine's, ``models.gpu_identity``); ``dtype``: the trunk's
+    (:func:`trunk_dtype`; None: not compared), a curve naming none being fp32's. None when they
+    agree or nothing was recorded."""
     if not setup:
         return None
     from ..artifact import compile_setup
@@ -187,15 +189,15 @@ def step_cost_mismatch(setup: dict | None, threads: int, kernels: str, compiled:
     gpu = (gpu or gpu_identity()) if device == "cuda" else None
 
     # a curve recorded without a compile mode is eager; one recorded before issue 58 was measured on a CPU
-    recorded = {"compile": False, "trunk": "unfused", "device": "cpu", "capture": False, **setup}
+    recorded = {"compile": False, "trunk": "unfused", "device": "cpu", "capture": False, "dtype": "float32", **setup}
     recorded["compile"], compiled = compile_setup(recorded["compile"]), compile_setup(compiled)  # "default" is True
     off_cpu = device != "cpu" and recorded["device"] != "cpu"  # a GPU's steps barely depend on the host's threads
     diff = [f"{key} {recorded[key]} (run: {now})"
             for key, now in (("threads", threads), ("kernels", kernels), ("compile", compiled), ("trunk", trunk),
                              ("device", device), ("capture", capture), ("packed_kernel", packed_kernel), ("cpu", cpu),
-                             ("gpu", gpu))
+                             ("gpu", gpu), ("dtype", dtype))
             if key in recorded and recorded[key] != now and not (key == "threads" and off_cpu)
-            and not (key in ("packed_kernel", "cpu", "gpu") and now is None)]
+            and not (key in ("packed_kernel", "cpu", "gpu", "dtype") and now is None)]
     if not diff:
         return None
     return ("the adapter's step-cost curve was measured with " + ", ".join(diff) + ": the dynamic tree prices "
@@ -211,7 +213,7 @@ def warn_step_cost_mismatch(setup: dict | None, model, threads: int, kernels: st
     import warnings
 
     mismatch = step_cost_mismatch(setup, threads, kernels, compiled, trunk_of(model),
-                                  next(model.parameters()).device.type, capture, packed_kernel)
+                                  next(model.parameters()).device.type, capture, packed_kernel, dtype=trunk_dtype(model))
     if mismatch:
         warnings.warn(mismatch, stacklevel=stacklevel + 1)
 
@@ -220,7 +222,8 @@ def curve_setup(model, kernels: str, capture: bool) -> dict:
     """What a step-cost curve measured now on ``model`` is measured with (``artifact.setup_key``'s
     fields): this process's torch threads, the ``kernels`` choice, the device type, ``capture``
     (captured steps), the trunk (:func:`trunk_of`) and, on a CPU, which CPU
-    (``cpu_kernels.cpu_identity``), on a CUDA GPU which GPU (``models.gpu_identity``)."""
+    (``cpu_kernels.cpu_identity``), on a CUDA GPU which GPU (``models.gpu_identity``), and the
+    trunk's dtype (:func:`trunk_dtype`)."""
     import torch
 
     from ..cpu_kernels import cpu_identity
@@ -230,7 +233,7 @@ def curve_setup(model, kernels: str, capture: bool) -> dict:
     if device.type == "cuda":
         chip = {"gpu": torch.cuda.get_device_name(device)}  # the model's GPU, not the current one
     return {"threads": torch.get_num_threads(), "kernels": kernels, "device": device.type,
-            "capture": capture, "trunk": trunk_of(model), **chip}
+            "capture": capture, "trunk": trunk_of(model), **chip, "dtype": trunk_dtype(model)}
 
 
 # devices whose step cost ``auto`` measures at load when the adapter stores no curve for them: a
@@ -271,7 +274,7 @@ def price_at_load(model, decode: DecodeConfig, setup: dict | None, mode: str, ke
     here = curve_setup(model, kernels, capture)
     if mode == "auto" and (here["device"] not in AUTO_MEASURED or compiled or sharded or (
             setup and not step_cost_mismatch(setup, here["threads"], kernels, False, here["trunk"], here["device"],
-                                             capture, cpu=here.get("cpu"), gpu=here.get("gpu")))):
+                                             capture, cpu=here.get("cpu"), gpu=here.get("gpu"), dtype=here["dtype"]))):
         return decode, setup
     # a typical cache behind the timed rows (HumanEval's prompts and answers), within the context or
     # the captured cache, and short of a sliding window (the timed steps' masks do not slide)
@@ -287,6 +290,17 @@ def price_at_load(model, decode: DecodeConfig, setup: dict | None, mode: str, ke
           flush=True)
     return (decode.override(step_cost=tuple(map(tuple, measured["step_cost"])), adapter_cost=measured["adapter_cost"]),
             {**here, "measured": "at load", "seconds": measured["seconds"]})
+
+
+def trunk_dtype(model) -> str:
+    """The dtype ``model``'s trunk computes in, as a step-cost curve records it (``"float32"``,
+    ``"bfloat16"``; ``cache.attention_dtype``: not an fp32 LM head's on a bf16 trunk; a module
+    without a decoder: its first parameter's)."""
+    from ..decoding.cache import attention_dtype
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = attention_dtype(base.get_decoder()) if hasattr(base, "get_decoder") else next(base.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def trunk_of(model) -> str:

@@ -228,7 +228,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     setup differs (issue 44); else any old one is dropped.
 
     The curve and adapter cost are also kept in ``"step_costs"``, one entry per
-    setup (threads, kernels, device type, captured steps, compile mode, packed kernel, CPU or GPU:
+    setup (threads, kernels, device type, captured steps, compile mode, packed kernel, CPU or GPU, dtype:
     ``artifact.setup_key``), replacing only the entry of the same setup: a curve written at 2
     threads leaves the 1-thread one, one measured on oneDNN leaves MKL's, a compiled trunk's the
     eager one's, and ``load_space`` / ``space-eval`` price rows by the
@@ -244,7 +244,7 @@ def write_decode(adapter: Path, decode: dict, curve: dict[int, float] | None = N
     cfg["decode"] = decode if curve is None else {**decode, "step_cost": step_cost_points(curve)}
     if setup is not None and cfg["decode"].get("step_cost"):
         cfg["step_cost_setup"] = setup
-        keys = ("threads", "kernels", "device", "capture", "compile", "trunk", "packed_kernel", "cpu", "gpu")
+        keys = ("threads", "kernels", "device", "capture", "compile", "trunk", "packed_kernel", "cpu", "gpu", "dtype")
         entry = {**{k: setup[k] for k in keys if k in setup},
                  "step_cost": cfg["decode"]["step_cost"], "adapter_cost": cfg["decode"].get("adapter_cost", 0.0)}
         others = [e for e in stored_step_costs(cfg, path) if setup_key(e) != setup_key(entry)]
@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", action="store_true", help="measure the curve through captured steps (one CUDA graph "
                    "per row count, space/decoding/graphs.py), as space-eval --capture runs them, and store it for that "
                    "setup")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16: the trunk's dtype, as the "
+                   "space-eval runs this curve prices (a bf16 trunk's steps cost otherwise; stored per dtype); "
+                   "default: %(default)s")
     add_threads_flag(p)
     add_device_flag(p)
     p.add_argument("--out", type=Path, default=Path("runs/tree"), help="folder for tree_search.json (default: %(default)s)")
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ..decoding.config import DecodeConfig
     from ..loader import load_space
 
-    model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, device=a.device, compile=a.compile or False,
+    model, _, spec = load_space(a.model, a.adapter, a.max_mask_num, a.dtype, device=a.device, compile=a.compile or False,
                                 step_cost="stored")  # this tool measures the curves itself
     if a.cache_len + a.max_rows > model.config.max_position_embeddings:
         raise ValueError(f"--cache-len + --max-rows = {a.cache_len + a.max_rows} exceeds the model's context "
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
     chain = next((r for r in results if r["decode"]["tree"] is None
                   and _key(r["decode"])[:2] == _key(best["decode"])[:2]), None)
     report = {"adapter": a.adapter and str(a.adapter), "model": a.model, "ranks": str(a.ranks), "ranks_meta": meta,
-              "samples": len(ranks), "threads": torch.get_num_threads(), "buckets": buckets, "capture": a.capture,
+              "samples": len(ranks), "threads": torch.get_num_threads(), "dtype": setup["dtype"], "buckets": buckets, "capture": a.capture,
               "compile": mode, "step_cost_setup": setup,
               "step_cost_ms": {q: round(s * 1e3, 3) for q, s in curve.items()}, "best": best, "current": mine,
               "chain_same_layout": chain, "lookup_modelled": False, "dynamic": dynamic, "layouts": results}

@@ -72,6 +72,10 @@ def test_cli_on_probe_ranks_and_bad_input(tmp_path, capsys):
                 "--max-mask-num", "2", "--max-rows", "12", "--cache-len", "16", "--out", str(tmp_path / "tree")])
     saved = json.loads((tmp_path / "tree" / "tree_search.json").read_text())
     assert saved["best"] == out["best"] and set(saved["step_cost_ms"]) == {"1", "2", "4", "8", "12"}
+    assert saved["dtype"] == "float32"
+    bf16 = main(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--dtype",
+                 "bfloat16", "--max-mask-num", "2", "--max-rows", "4", "--cache-len", "16", "--out", str(tmp_path / "bf16")])
+    assert bf16["dtype"] == "bfloat16"  # the curve a bf16 space-eval run is priced by
     assert all(r["decode"]["mask_num"] <= 2 for r in saved["layouts"])
     for args, msg in ((["--ranks", str(tmp_path / "nope.jsonl")], "no such ranks file"),
                       (["--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--write-adapter"], "needs --adapter")):
@@ -432,6 +436,43 @@ def test_curves_name_their_gpu(tmp_path, monkeypatch):
     assert sorted(e["step_cost"][0][1] for e in cfg["step_costs"]) == [3.0, 6.0]  # its own GPU's replaced
     with pytest.raises(ValueError, match="gpu"):
         stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "gpu": 1}]})
+
+
+def test_curves_name_their_dtype(tmp_path):
+    """A bf16 trunk's steps cost otherwise than fp32's (SmolLM2 on a Zen 4: 32 rows 2.07x one row
+    in bf16, 2.6x in fp32), and a bf16 run was priced by the fp32 curve without a word: a curve
+    records its trunk's dtype (one naming none was fp32's), the two are kept side by side, a run
+    is priced by its own dtype's, and the check names another's. Fails with the dtype left out of
+    ``setup_key``, the choice, the check, ``curve_setup`` or ``write_decode``'s keys."""
+    from space.artifact import priced_for_setup, stored_step_costs
+    from space.eval.step_cost import curve_setup, step_cost_mismatch
+    from space.models import tiny_random_llama
+
+    model = tiny_random_llama(seed=0)[0]
+    assert curve_setup(model, "stock", False)["dtype"] == "float32"
+    assert curve_setup(model.to(torch.bfloat16), "stock", False)["dtype"] == "bfloat16"
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    old = {"threads": 2, "kernels": "stock", "device": "cpu", "capture": False, "trunk": "fused",
+           "cpu": cpu_identity()}  # written before the dtype was recorded: fp32's
+    bf16 = {**old, "dtype": "bfloat16"}
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.040, 32: 0.104}, setup=old)
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.065, 32: 0.135}, setup=bf16)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert sorted(e.get("dtype", "-") for e in cfg["step_costs"]) == ["-", "bfloat16"]  # side by side
+    for dtype, curve, setup in (("float32", ((1, 40.0), (32, 104.0)), old), ("bfloat16", ((1, 65.0), (32, 135.0)), bf16)):
+        for _ in range(2):  # whichever comes first in the file
+            layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", dtype=dtype)
+            assert layout.step_cost == curve and priced == setup
+            assert step_cost_mismatch(priced, 2, "stock", trunk="fused", cpu=setup["cpu"], dtype=dtype) is None
+            cfg["step_costs"].reverse()
+    assert "dtype float32 (run: bfloat16)" in step_cost_mismatch(old, 2, "stock", trunk="fused", dtype="bfloat16")
+    assert step_cost_mismatch(old, 2, "stock", trunk="fused") is None  # no dtype given: not compared
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.039, 32: 0.100},
+                 setup={**old, "dtype": "float32"})  # fp32 re-timed: replaces the entry that named none
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    assert sorted(e["step_cost"][0][1] for e in cfg["step_costs"]) == [39.0, 65.0]
+    with pytest.raises(ValueError, match="dtype"):
+        stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "dtype": 16}]})
 
 
 def test_load_ranks_by_source(tmp_path):
