@@ -63,7 +63,9 @@ def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) ->
     """
     check_mask_num(mask_num)
     names = mask_token_names(mask_num, mask_diff)
-    known = set(tokenizer.get_vocab())
+    # the mask rows this model already has (recorded in its config: a SAR-SFT checkpoint, a second
+    # call); a tokenizer that knows the token says nothing of a model's rows (one tokenizer, two models)
+    had = set((getattr(model.config, "space_mask", None) or {}).get("token_ids") or ())
     tokenizer.add_special_tokens({"additional_special_tokens": names}, replace_extra_special_tokens=False)
     ids = tokenizer.convert_tokens_to_ids(names)
     # under ZeRO-3 the weights are partitioned at load (shape (0,) on every rank): read the real
@@ -75,7 +77,7 @@ def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) ->
     real = min(min(ids), old_rows)  # rows below the first mask id are real tokens
     # only new rows start at the mean: a model that has them (a SAR-SFT checkpoint trained on, a warm
     # start) keeps its trained rows (they were reset, silently)
-    new = [i for name, i in zip(names, ids) if name not in known or i >= old_rows]
+    new = [i for i in ids if i not in had or i >= old_rows]
     mats = list({id(m): m for m in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)}.values())
     with gathered(mats, modifier_rank=0), torch.no_grad():  # rank 0's rows go to every rank
         for mat in mats if new else ():
