@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from .adapter_layers import MODES, MaskEmbedding, mask_embedding
 from .decoding.config import DecodeConfig
-from .jsonl import publish_permissions
+from .jsonl import publish_folder
 from .sampler_head import SAMPLER_ATTR, SamplerHead, sampler_head
 from .tokens import MaskSpec
 from .zero3 import check_saved_shapes
@@ -74,15 +74,7 @@ def save_artifact(out_dir: str | os.PathLike, model, tokenizer, spec: MaskSpec, 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    publish_permissions(tmp)
-    old = None
-    if out.exists():  # moved aside, deleted only once the new one is in place: a run stopped
-        # between the two renames leaves the old artifact whole, as .old-<name>-*/ beside it
-        old = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
-        os.replace(out, old)  # over the empty folder mkdtemp made
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
+    publish_folder(tmp, out)
     return out
 
 

