@@ -11,6 +11,14 @@ ids and 30 of LIMA's single-turn rows (no ``history``), seed 13; both lists are 
 ``python -m space.data.dev_set`` redraws it and checks that it equals the recorded file
 (``--write`` rewrites it). The test suite checks the same.
 
+Held out means the prompt itself (:func:`held_out_key`), not its near-variants: MBPP holds many of
+its own tasks twice over in other words (404 and 970 both ask for the minimum of two numbers, 130
+and 658 for the most frequent item of a list), and 72 of the 874 training tasks share at least 80 %
+of their words with a dev task (word sets, "python" left out). So the MBPP dev score measures drafts
+on MBPP-style tasks whose variants the drafter saw; the LIMA and general prompts are the stricter
+held-out signal. No word-overlap rule separates the copies from the variants ("minimum" against
+"maximum") that a drafter is meant to generalise to, so none is applied.
+
 The general prompts (``general_prompts``, source ``general``) were written by SmolLM2 itself
 (``space.data.magpie``, seed :data:`GENERAL_SEED`, which self-distillation never uses) and are
 stored verbatim, since redrawing them needs the model: ``python -m space.data.dev_set --general 50
