@@ -52,7 +52,7 @@ if [ "$phase" = phase1 ]; then
   stage train_1b_full 90 python3 scripts/gpu_bench.py train --mode full --out "$stash/res/train_1b_full.json"
 elif [ "$phase" = phase2 ]; then
   join_model
-  stage pytest_cuda 200 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+  stage pytest_cuda 200 python3 -m pytest -m cuda -v -rA -s -p no:cacheprovider tests/test_cuda.py
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128)
   stage eval_humaneval_fp32 170 python3 -m space.eval "${common[@]}" --dataset humaneval --limit 20 --out "$stash/res/eval_humaneval_fp32"
   stage host_time_smollm2 90 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype float32 --prompts 3 --new-tokens 128 --out "$stash/res/host_time_smollm2.json"
@@ -63,7 +63,7 @@ elif [ "$phase" = compiled ]; then
   rm -rf "$stash/data" && cp -r .gpu/data "$stash/data" || exit 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$stash/res/nvidia_smi.txt"
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee "$stash/res/versions.txt"
-  stage pytest_cuda 210 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+  stage pytest_cuda 210 python3 -m pytest -m cuda -v -rA -s -p no:cacheprovider tests/test_cuda.py
   # a compiled 7B-shaped trunk takes about 80 s per setup here (2 graphs: 1 row and 16 rows)
   stage step_cost_llama2_7b 200 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,16 --caches 512 \
     --repeats 10 --compile --out "$stash/res/step_cost_7b_compiled.json"
@@ -73,10 +73,10 @@ elif [ "$phase" = compiled ]; then
     --compile reduce-overhead --layouts "ar,chain k3 4 groups" --out "$stash/res/host_time_llama2_7b.json"
 elif [ "$phase" = real1 ]; then
   stash_part
-  stage pytest_cuda 210 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py
+  stage pytest_cuda 210 python3 -m pytest -m cuda -v -rA -s -p no:cacheprovider tests/test_cuda.py
 elif [ "$phase" = real2 ]; then
   join_model
-  stage pytest_cuda_real 90 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py -k shipped
+  stage pytest_cuda_real 90 python3 -m pytest -m cuda -v -rA -s -p no:cacheprovider tests/test_cuda.py -k shipped
   # 2026-11-26: with 5 prompts, the warm-up had not compiled the first prompt's graphs after 300 s
   stage compile_default 420 "${bench[@]}" --setups eager,compiled --methods ar,pld,space --out "$stash/res/compile_default"
 elif [ "$phase" = real3 ]; then  # after real2, on the same warm machine: CUDA graphs
@@ -87,7 +87,7 @@ elif [ "$phase" = real3 ]; then  # after real2, on the same warm machine: CUDA g
 elif [ "$phase" = g58a ]; then
   stash_part
   # the compiled-trunk tests (issue 43) passed before and take most of 150 s: the captured ones run instead
-  stage pytest_cuda 120 python3 -m pytest -m cuda -rA -s -p no:cacheprovider tests/test_cuda.py -k "not compiled_trunk"
+  stage pytest_cuda 120 python3 -m pytest -m cuda -v -rA -s -p no:cacheprovider tests/test_cuda.py -k "not compiled_trunk"
   stage step_cost_7b_fused 60 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
     --repeats 10 --capture --out "$stash/res/step_cost_7b_fused.json"
   # a captured fp32 SmolLM2-shaped step spent 7.6 of its 9.9 ms after 2,048 tokens in the memory-efficient attention
@@ -98,9 +98,11 @@ elif [ "$phase" = g58a ]; then
     --layouts "ar,chain k3 4 groups" --cudnn-sdp both --out "$stash/res/host_time_7b_cudnn.json"
 elif [ "$phase" = g58b ]; then
   join_model
-  # cut at 90 s last time, with nothing written: it now writes each layout as it is timed
+  # cut at 90 s last time, with nothing written: it now writes each layout as it is timed, SPACE's first (cuDNN on,
+  # then off: the comparison this stage is for; AR's two came first and the cap took SPACE's). Each setting's
+  # warm_s holds its first generations, where cuDNN builds an execution plan per new shape
   stage host_time_smollm2_bf16 65 python3 scripts/gpu_bench.py host-time --adapter "$ADAPTER" --dtype bfloat16 --prompts 2 \
-    --new-tokens 64 --layouts ar,shipped --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
+    --new-tokens 64 --layouts shipped,ar --cudnn-sdp both --out "$stash/res/host_time_smollm2_bf16.json"
   common=(--adapter "$ADAPTER" --device cuda --kernels stock --max-new-tokens 128 --dataset humaneval)
   DATASTORE=.gpu2/distill/smollm2_selfdistill.jsonl.gz,.gpu2/distill/smollm2_lima_mbpp_stdlib.jsonl.gz
   # 2026-12-04: eager fp32 took 75 s for 11 of 12 questions (its first 8: 52 s after 16-23 s of loading),

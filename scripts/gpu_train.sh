@@ -15,7 +15,8 @@
 #     pack` makes the complete sets a folder under 10 MB to commit (data/distill/gpu60);
 #   a training session: `bash scripts/gpu_pack.sh --sets data/distill/gpu60` puts the sets in .gpu3/, and t60b
 #     carries .gpu2/ and .gpu3/: it restores them (space-distill finds them complete and does nothing), and
-#     t60c trains the config's epoch (625 steps, at most 6.3 minutes; cap 460 s). t60c refuses unfinished sets.
+#     t60c trains the config's epoch (625 steps, at most 6.3 minutes: less where SPACE_GPU_BUDGET shortens its
+#     460 s cap, so final/ is still written). t60c refuses unfinished sets.
 # Give each call SPACE_GPU_BUDGET, the seconds the run tool lets it run (its timeout_s): a stage is cut 30 s
 # before that, so it packs what it made instead of losing it (scripts/gpu_lib.sh), e.g.
 #   SPACE_GPU_BUDGET=530 bash scripts/gpu_train.sh t60b     (run with timeout_s 540)
@@ -35,17 +36,19 @@ phase=${1:?t60a, t60b, t60c or local}
 source "$(dirname "$0")/gpu_lib.sh"  # $stash, $out; stage, stash_part, join_model
 runs=$stash/runs/gpu60
 carried=${SPACE_GPU_CARRIED:-.gpu3}
+TRAIN_CONFIG=configs/train/smollm2_gpu_40k.yaml TRAIN_MARGIN=82
 mkdir -p "$runs"
 
-pack() {  # everything made so far, a checkpoint's optimizer excepted (tens of MB, and the run resumes without it);
+pack() {  # everything made so far, checkpoints excepted (final/ is what is judged; t60c's clock ends training in time to write it);
   # in t60c not the sets (restored from an earlier session's parts, which it brought back). The new parts replace
   # the old only once whole: a call cut while packing keeps the last pack.
   local sets=()
   [ "$phase" = t60c ] && sets=(--exclude='runs/gpu60/distill_*')
   rm -rf "$out/.pack" && mkdir -p "$out/.pack"
   cp "$stash/res/status.txt" "$out/" 2>/dev/null
-  if tar -C "$stash" -cf - --exclude='*checkpoint-*' --exclude='*.lock' --exclude='*.held' ${sets[@]+"${sets[@]}"} \
-       res runs/gpu60 | xz -T0 -3 | split -b 15M -d -a 1 - "$out/.pack/gpu60.tar.xz.part"; then
+  if (set -o pipefail  # a failed tar or xz, not split's status alone, keeps the last pack
+      tar -C "$stash" -cf - --exclude='*checkpoint-*' --exclude='*.lock' --exclude='*.held' ${sets[@]+"${sets[@]}"} \
+       res runs/gpu60 | xz -T0 -3 | split -b 15M -d -a 1 - "$out/.pack/gpu60.tar.xz.part"); then
     rm -f "$out"/gpu60.tar.xz.part* && mv "$out/.pack"/gpu60.tar.xz.part* "$out/"
   fi
   rm -rf "$out/.pack"
@@ -54,8 +57,10 @@ pack() {  # everything made so far, a checkpoint's optimizer excepted (tens of M
   [ "$bytes" -le 62914560 ] || echo "pack: $bytes bytes in \$OUT, near the 64 MiB a call brings back" | tee -a "$stash/res/status.txt"
 }
 
-expect_sets() {  # a training session's t60b on no carried sets would distil them again (about 450 s): refused
-  if [ -f .gpu2/sets_in_gpu3 ] && ! compgen -G "$carried/gpu60.tar.xz.part*" > /dev/null; then
+expect_sets() {  # a training session's t60b on no carried sets would distil them again (about 450 s): refused,
+  # unless an earlier call on this warm machine restored them
+  if [ -f .gpu2/sets_in_gpu3 ] && ! compgen -G "$carried/gpu60.tar.xz.part*" > /dev/null \
+     && ! { set_complete distill_lima_mbpp && set_complete distill_magpie; }; then
     echo "t60b: .gpu2/ was packed for a training session (gpu_pack.sh --sets) but no sets are carried in $carried:" \
       "carry .gpu3/ too"
     exit 1
@@ -81,7 +86,7 @@ restore() {  # the sets an earlier session brought back, on a machine that has n
   fi
 }
 
-complete() {  # complete NAME: the set's manifest says it is finished
+set_complete() {  # set_complete NAME: the set's manifest says it is finished
   grep -q '"complete": true' "$runs/$1.manifest.json" 2>/dev/null
 }
 
@@ -97,7 +102,7 @@ else
   # (about a third): with LIMA and MBPP about 41,000 samples
   device=cuda dtype=bfloat16 batch=2048 new=256 lima=1000 mbpp="" magpie=30000 magpie_batch=2048 threads=8
   train_flags=()
-  max_steps=$(sed -n 's/^max_steps: *\([0-9]*\).*/\1/p' configs/train/smollm2_gpu_40k.yaml)
+  max_steps=$(sed -n 's/^max_steps: *\([0-9]*\).*/\1/p' "$TRAIN_CONFIG")
   # 75: LIMA + MBPP took 56 s (results/gpu60), and a cut loses the MBPP batch; the Magpie stage is cut anyway
   caps=(75 375 460)  # seconds: LIMA + MBPP, the Magpie stage (t60b again resumes it), the config's epoch
 fi
@@ -111,10 +116,22 @@ answer_sets() {
     --magpie-batch-size "$magpie_batch" --out "$runs/distill_magpie.jsonl"
 }
 
+train_minutes() {  # the trainer's clock for a stage of SECONDS: the config's, or less where the call's budget
+  # shortens the stage, so that final/ is still written before the cap (loading, tokenizing and saving take
+  # the stage's last TRAIN_MARGIN seconds: a 460 s cap holds the config's 6.3 minutes)
+  local secs=$1
+  if [ -n "$budget" ]; then
+    local left=$((budget - SECONDS - PACK_MARGIN))
+    [ "$left" -lt "$secs" ] && secs=$left
+  fi
+  awk -v s="$secs" -v m="$TRAIN_MARGIN" -v c="$(sed -n 's/^max_train_minutes: *\([0-9.]*\).*/\1/p' "$TRAIN_CONFIG")" \
+    'BEGIN { t = (s - m) / 60; if (t > c) t = c; if (t < 0.1) t = 0.1; printf "%.2f\n", t }'
+}
+
 train() {
-  stage train "${caps[2]}" bash run_sft_multi_node.sh configs/train/smollm2_gpu_40k.yaml \
+  stage train "${caps[2]}" bash run_sft_multi_node.sh "$TRAIN_CONFIG" \
     --datasets "$runs/distill_magpie.jsonl,$runs/distill_lima_mbpp.jsonl" --output_dir "$runs/train" \
-    ${train_flags[@]+"${train_flags[@]}"}
+    --max_train_minutes "$(train_minutes "${caps[2]}")" ${train_flags[@]+"${train_flags[@]}"}
   local rc=$?
   epoch_status "$max_steps"
   cp "$stash/res/status.txt" "$out/"  # the packed parts hold the log; status.txt beside them says it at once
@@ -135,7 +152,7 @@ elif [ "$phase" = t60b ]; then
 elif [ "$phase" = t60c ]; then
   restore
   [ -s "$runs/distill_magpie.jsonl" ] || { echo "t60c: no distilled set in $runs (run t60b first, or carry its parts in $carried)"; exit 1; }
-  if ! { complete distill_lima_mbpp && complete distill_magpie; }; then
+  if ! { set_complete distill_lima_mbpp && set_complete distill_magpie; }; then
     echo "t60c: the distilled sets in $runs are unfinished: run t60b again (it resumes them)"; exit 1
   fi
   train

@@ -57,10 +57,10 @@ def test_gpu_train_t60c_refuses_unfinished_sets(tmp_path, unfinished):
     assert run.returncode == 1 and "unfinished: run t60b again" in run.stdout, run.stdout + run.stderr
     assert not (tmp_path / "out" / "status.txt").exists()  # no stage ran
     # the check itself, on manifests as space-distill writes them (json.dumps, indent=1)
-    check = "complete() {" + SCRIPT.read_text().split("complete() {", 1)[1].split("\n}\n", 1)[0] + "\n}"
+    check = _function("set_complete")  # not "complete", a bash builtin: a test without the function passed
     for done, expected in ((True, 0), (False, 1)):
         (runs / "distill_magpie.manifest.json").write_text(json.dumps({"file": "x", "complete": done, "rows": 1}, indent=1))
-        status = subprocess.run(["bash", "-c", f"runs={runs}; {check}\ncomplete distill_magpie"]).returncode
+        status = subprocess.run(["bash", "-c", f"runs={runs}; {check}\nset_complete distill_magpie"]).returncode
         assert status == expected, done
 
 
@@ -76,7 +76,8 @@ def test_a_training_sessions_t60b_refuses_to_run_without_its_carried_sets(tmp_pa
     (tmp_path / ".gpu2").mkdir()
     carried = tmp_path / "carried"
     carried.mkdir()
-    script = f"carried={carried}\n{_function('expect_sets')}\nexpect_sets; echo went on"
+    runs = tmp_path / "runs"
+    script = f"carried={carried}; runs={runs}\n{_function('expect_sets')}\n{_function('set_complete')}\nexpect_sets; echo went on"
     run = lambda: subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)  # noqa: E731
     assert run().stdout.strip() == "went on"  # a distilling session's .gpu2/
     (tmp_path / ".gpu2" / "sets_in_gpu3").write_text("the sets travel in .gpu3/\n")
@@ -85,6 +86,29 @@ def test_a_training_sessions_t60b_refuses_to_run_without_its_carried_sets(tmp_pa
     (carried / "gpu60.tar.xz.part0").write_bytes(b"x")
     assert run().stdout.strip() == "went on"
     assert "sets_in_gpu3" in (ROOT / "scripts" / "gpu_pack.sh").read_text()  # where the marker is made
+    # a second t60b on the warm machine, .gpu2/ alone carried: the first call restored the sets, so it goes on
+    (carried / "gpu60.tar.xz.part0").unlink()
+    runs.mkdir()
+    for name in ("distill_lima_mbpp", "distill_magpie"):
+        assert run().returncode == 1  # a set not restored yet (or unfinished): still refused
+        (runs / f"{name}.manifest.json").write_text(json.dumps({"complete": True}, indent=1))
+    assert run().stdout.strip() == "went on"
+
+
+@pytest.mark.parametrize("budget, minutes", [("", "6.30"), ("530", "6.30"), ("400", "4.80"), ("100", "0.10")])
+def test_t60c_trains_for_what_its_stage_has_left(budget, minutes):
+    """The trainer's clock was the config's 6.3 minutes whatever the call's budget: a budget that cut the
+    460 s stage shorter killed torchrun before final/ was written, and 6 minutes of training came back as
+    logs alone. Its clock is now the stage's seconds (its cap, or what the budget leaves) less the 82 s
+    that loading and saving take, at most the config's."""
+    lib = ROOT / "scripts" / "gpu_lib.sh"
+    script = (f"out=/tmp; stash=/tmp; budget={budget}; PACK_MARGIN=30\n"
+              f"TRAIN_CONFIG=configs/train/smollm2_gpu_40k.yaml TRAIN_MARGIN=82\n{_function('train_minutes')}\n"
+              "train_minutes 460")
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert run.stdout.strip() == minutes, run.stdout + run.stderr
+    assert "PACK_MARGIN=30" in lib.read_text() and "TRAIN_MARGIN=82" in SCRIPT.read_text()
+    assert '--max_train_minutes "$(train_minutes "${caps[2]}")"' in SCRIPT.read_text()
 
 
 @pytest.mark.parametrize("steps, said", [(378, "train steps=378 of 625 short_of_epoch"), (625, "train steps=625 of 625"),

@@ -199,10 +199,13 @@ def check_checkpoint(last: str, settings: dict) -> None:
 def drop_dev_set(examples: list, root) -> tuple[list, int]:
     """Keep the probe's dev prompts (configs/data/dev_set.json) out of training, whatever file they
     come from (MBPP, LIMA or a self-distilled JSONL). Returns (kept examples, how many were dropped);
-    without the shared MBPP/LIMA files there is no dev set to hold out."""
+    without the shared MBPP/LIMA files there is no dev set to hold out, which a warning says (a JSONL
+    of their prompts would then train on the probe's)."""
     try:
         keys = dev_keys(root)
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        warnings.warn(f"the drafter dev set cannot be held out of training ({e}): the acceptance probe's "
+                      "dev prompts may be trained on; give --data_root the shared data", stacklevel=2)
         return examples, 0
     kept = [ex for ex in examples if held_out_key(ex.context) not in keys]
     return kept, len(examples) - len(kept)

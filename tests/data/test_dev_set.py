@@ -1,4 +1,6 @@
 """The drafter dev set: recorded, reproducible, kept out of self-distillation (issue 13)."""
+import pytest
+
 from space.data.dev_set import build_dev_set, dev_keys, dev_prompts, load_dev_set
 from space.distill import collect_prompts
 
@@ -33,6 +35,18 @@ def test_training_holds_the_dev_set_out():
     examples = load_examples("mbpp") + load_examples("lima")
     kept, dropped = drop_dev_set(examples, None)
     assert dropped == 130 and len(kept) == len(examples) - 130
+
+
+def test_training_says_when_no_dev_set_can_be_held_out(tmp_path):
+    """Without the shared MBPP/LIMA files the dev set was silently not held out: a JSONL holding its
+    prompts trained on them, and the probe's numbers were no longer held out."""
+    from space.data.sft import Example
+    from space.train.run import drop_dev_set
+
+    examples = [Example([{"role": "user", "content": "hi"}], "answer")]
+    with pytest.warns(UserWarning, match="dev set cannot be held out"):
+        kept, dropped = drop_dev_set(examples, tmp_path / "no data here")
+    assert kept == examples and dropped == 0
 
 
 def test_copies_of_a_dev_prompt_with_other_spacing_or_a_system_turn_are_held_out():
