@@ -92,16 +92,26 @@ def parse_overrides(overrides: list[str]) -> dict:
     Raises:
         ValueError: a word that is neither ``--key`` nor the value after one.
     """
-    values, words = {}, list(overrides)
+    return {key: yaml.safe_load(value) for key, value, _ in override_pairs(overrides)}
+
+
+def override_pairs(overrides: list[str]) -> list[tuple[str, str, list[str]]]:
+    """``(key, value as written, the words that gave it)`` per ``--key value`` / ``--key=value`` /
+    ``--flag`` of ``overrides``, the key spelt with underscores. Raises ValueError as :func:`parse_overrides`."""
+    pairs, words = [], list(overrides)
     while words:
         word = words.pop(0)
         if not word.startswith("--"):
             raise ValueError(f"smoke: expected --key value after the config, got {word!r}")
         key, eq, value = word[2:].partition("=")
+        given = [word]
         if not eq:
-            value = words.pop(0) if words and not words[0].startswith("--") else "true"
-        values[key] = yaml.safe_load(value)
-    return values
+            value = "true"
+            if words and not words[0].startswith("--"):
+                value = words.pop(0)
+                given.append(value)
+        pairs.append((key.replace("-", "_"), value, given))  # --output-dir is --output_dir, as the run reads it
+    return pairs
 
 
 def deepspeed_settings(deepspeed) -> dict:
@@ -402,8 +412,9 @@ def run_smoke(config_path: str, work_dir: str | None = None, keep: bool = False,
     """Smoke-test one training config (module docstring); returns its summary.
 
     Args:
-        overrides: ``--key value`` pairs passed to the training run after the smoke's changes
-            (e.g. ``--deepspeed configs/deepspeed/zero3.json``).
+        overrides: ``--key value`` pairs passed to the training run after the smoke's config (e.g.
+            ``--deepspeed configs/deepspeed/zero3.json``), except those of settings the smoke
+            changes (its output_dir, stand-in model, steps, ...), which it keeps and says so.
         timeout: seconds the training run may take before it is killed (a failure).
 
     Raises:
@@ -439,7 +450,15 @@ def run_smoke(config_path: str, work_dir: str | None = None, keep: bool = False,
         (work / "config.yaml").write_text(yaml.safe_dump(smoke, sort_keys=False))
         env = smoke_env(effective, cuda)
         log_path = work / "train.log" if kept else smoke_log(config_path)
-        code, log = launch([str(work / "config.yaml"), *overrides], env, log_path, timeout)
+        # the overrides after the smoke's config, as the real run takes them, but not those of what the smoke
+        # sets itself: a --output_dir of the real run's got the stand-in's checkpoints and final/
+        kept_overrides, unset = [], object()
+        for key, value, given in override_pairs(overrides):
+            if smoke.get(key, unset) != effective.get(key, unset):
+                print(f"smoke keeps {key}: {smoke.get(key, '(left out)')} (--{key} {value} is the real run's)", flush=True)
+            else:
+                kept_overrides += given
+        code, log = launch([str(work / "config.yaml"), *kept_overrides], env, log_path, timeout)
         if code != 0:
             # our own one-line error when a rank printed one, else the end of the log (a traceback)
             first = next((line for line in log.splitlines() if "space-train: error:" in line), None)

@@ -196,3 +196,29 @@ def test_a_smoke_whose_space_output_differs_from_ar_fails(tmp_path, monkeypatch)
         smoke.run_smoke("configs/train/tiny_smoke.yaml", work_dir=str(tmp_path / "work"))
     monkeypatch.setattr(smoke, "decode_check", lambda stand_in, artifact, mode: (True, 16))
     assert smoke.run_smoke("configs/train/tiny_smoke.yaml", work_dir=str(tmp_path / "work"))["exact"]
+
+
+def test_overrides_of_what_the_smoke_sets_stay_out_of_its_run(tmp_path, monkeypatch, capsys):
+    """The overrides went to the launcher after the smoke's config, so they won: ``--smoke --output_dir
+    <the real run's>`` wrote the stand-in's checkpoints and final/ there, and ``--model_name_or_path`` or
+    ``--max_steps`` made the smoke train the real model or run long. Overrides of what the smoke sets
+    are now kept out, and said; the others still reach the run as given."""
+    from space.train import smoke
+
+    launched = []
+
+    def fake_launch(args, env, log_path, timeout):
+        launched.append(args)
+        return 1, "space-train: error: stopped by the test"
+
+    monkeypatch.setattr(smoke, "launch", fake_launch)
+    real = tmp_path / "the real run"
+    with pytest.raises(ValueError, match="stopped by the test"):
+        smoke.run_smoke("configs/train/tiny_smoke.yaml", str(tmp_path / "work"),
+                        overrides=["--output-dir", str(real), "--max_steps=900", "--learning_rate", "5e-4", "--bf16"])
+    [args] = launched
+    assert args[1:] == ["--learning_rate", "5e-4", "--bf16"], args
+    out = capsys.readouterr().out
+    assert f"smoke keeps output_dir: {tmp_path / 'work' / 'run'} (--output_dir {real} is the real run's)" in out  # either spelling
+    assert "smoke keeps max_steps: 2 (--max_steps 900 is the real run's)" in out
+    assert not real.exists()
