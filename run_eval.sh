@@ -7,10 +7,11 @@
 #   bash run_eval.sh --dataset mt-bench --limit 80
 #   ADAPTER=none bash run_eval.sh              # untrained mask token: exact, but accepts little
 # Flags: python -m space.eval --help. The adapter is added only for its own base model (not for
-# --model tiny-random-llama) and not when you pass --adapter. Writes samples.jsonl, summary.*, plots.
+# --model tiny-random-llama) and not when you pass --adapter. Writes samples.jsonl, summary.*, plots
+# to runs/eval/main_<dataset>[_<model>][_no_adapter] unless you pass --out.
 # Relative paths (--out, --dataset, ADAPTER) are read from where you run it.
 set -euo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,11p' "$0"; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,12p' "$0"; exit 0; fi
 here=$(cd "$(dirname "$0")" && pwd)
 venv=${VENV:-.venv}  # scripts/setup.sh's VENV (relative to the repository), which it is handed on to
 [[ "$venv" == /* ]] || venv=$here/$venv
@@ -21,14 +22,21 @@ if [ -n "${ADAPTER:-}" ] && [ "$ADAPTER" != none ] && [ ! -f "$ADAPTER/space_con
   exit 2
 fi
 ADAPTER=${ADAPTER:-$here/adapters/smollm2-135m-space}
-model=""; prev=""
-for a in "$@"; do  # the user's --model, and whether they chose an adapter themselves
-  case "$prev" in --model) model=$a;; esac; case "$a" in --model=*) model=${a#--model=};; --adapter|--adapter=*) ADAPTER=none;; esac; prev=$a
+model=""; dataset=humaneval; prev=""
+for a in "$@"; do  # the user's --model and --dataset, and whether they chose an adapter themselves
+  case "$prev" in --model) model=$a;; --dataset) dataset=$a;; esac
+  case "$a" in --model=*) model=${a#--model=};; --dataset=*) dataset=${a#--dataset=};; --adapter|--adapter=*) ADAPTER=none;; esac
+  prev=$a
 done
 base=$([ -f "$ADAPTER/space_config.json" ] && "$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model"])' "$ADAPTER/space_config.json" || true)
 [ -n "$model" ] && [ "$model" != "$base" ] && ADAPTER=none  # another model: the adapter does not fit it
 # --device auto: the GPU when there is one (space-eval records the device it chose)
-args=(--dataset humaneval --limit 5 --max-new-tokens 128 --device auto --out runs/eval/main)
+# a folder per dataset (a .jsonl's by its name), model and adapter: a folder's samples resume only a run with the
+# same settings, and a second dataset there stopped at the first's
+name=$(basename "$dataset"); name=${name%.jsonl}; name=${name//:/_}
+[ -n "$model" ] && name+=_$(basename "$model")
+[ -f "$ADAPTER/space_config.json" ] || name+=_no_adapter
+args=(--dataset humaneval --limit 5 --max-new-tokens 128 --device auto --out "runs/eval/main_$name")
 # the adapter decodes with its own tuned layout (space_config.json "decode"); --mask-num etc. override it
 [ -f "$ADAPTER/space_config.json" ] && args+=(--adapter "$ADAPTER")
 exec "$py" -m space.eval "${args[@]}" "$@"

@@ -53,6 +53,22 @@ def test_run_eval_sh_reads_paths_from_where_it_runs_and_refuses_a_wrong_adapter(
     assert bad.returncode == 2 and "ADAPTER=adapters/typo is not a SPACE adapter" in bad.stderr
 
 
+def test_run_eval_sh_keeps_each_datasets_run_in_its_own_folder(tmp_path):
+    """Every run_eval.sh wrote to runs/eval/main: after the README's first command, its own example
+    ``--dataset mt-bench`` stopped there ("holds samples made with other settings"). The default folder
+    is now named for the dataset, the model and whether an adapter runs."""
+    for name in ("q", "r"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"prompt": f"Say {name}."}) + "\n")
+    common = ["bash", str(ROOT / "run_eval.sh"), "--model", "tiny-random-llama", "--limit", "1",
+              "--max-new-tokens", "4", "--methods", "ar", "--threads", "1"]
+    for name in ("q", "r"):
+        out = subprocess.run([*common, "--dataset", f"{name}.jsonl"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "runs" / "eval").iterdir()) == [
+        "main_q_tiny-random-llama_no_adapter", "main_r_tiny-random-llama_no_adapter"]
+
+
 def test_reproduce_table1_tiny(tmp_path):
     # from another folder with a relative --out: training (run from the repo root) and evaluation
     # must both use tmp_path/table

@@ -3,7 +3,7 @@
 Example (the main job, what ``run_eval.sh`` runs: the default methods, the adapter's tuned layout)::
 
     python -m space.eval --adapter adapters/smollm2-135m-space --dataset humaneval --limit 5 \\
-        --max-new-tokens 128 --device auto --out runs/eval/main
+        --max-new-tokens 128 --device auto --out runs/eval/main_humaneval
 
 At paper scale (docs/evaluation_at_scale.md): ``torchrun --nproc_per_node 8 -m space.eval
 ... --device cuda`` shards the questions over 8 GPUs (space/eval/shard.py), ``--shard i/n`` does
