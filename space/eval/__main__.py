@@ -231,13 +231,14 @@ def make_out(out: Path) -> Path:
 
 
 def machine(device: str) -> str:
-    """The machine record: CPU architecture, cores and model (the fast kernels' choice and every CPU
-    timing depend on it), plus the GPU's name on CUDA."""
+    """The machine record: CPU architecture, cores, model and vector ISA (the fast kernels' choice and
+    every CPU timing depend on them; ``cpu_kernels.cpu_identity``), plus the GPU's name on CUDA, e.g.
+    "x86_64 2 cores, AMD EPYC (AVX512)". A resume compares it (``resume.same_machine``)."""
     import torch
 
-    from ..cpu_kernels import cpu_model
+    from ..cpu_kernels import cpu_identity
 
-    desc = f"{platform.machine()} {os.cpu_count()} cores, {cpu_model()}"
+    desc = f"{platform.machine()} {os.cpu_count()} cores, {cpu_identity()}"
     if torch.device(device).type == "cuda":
         desc += f", {torch.cuda.get_device_name(torch.device(device))}"
     return desc

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -203,17 +204,30 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
     # repeats: a run resuming it must be on one of those machines, on a device of their type
     merged = old.get("ranks", 1) > 1
     keys = MERGE_KEYS if merged else RESUME_KEYS
-    diff = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k]}
+    diff = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k] and k != "machine"}
+    machines = str(old.get("machine")).split("; ") if merged else [old.get("machine")]
+    if not any(same_machine(m, meta["machine"]) for m in machines):
+        diff["machine"] = (old.get("machine"), meta["machine"])
     if merged:
-        devices, machines = str(old.get("device")).split("; "), str(old.get("machine")).split("; ")
+        devices = str(old.get("device")).split("; ")
         if str(meta["device"]).split(":")[0] not in {d.split(":")[0] for d in devices}:
             diff["device"] = (old.get("device"), meta["device"])
-        if str(meta["machine"]) not in machines:
-            diff["machine"] = (old.get("machine"), meta["machine"])
     if diff:
         raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
                          f"(theirs, now): {diff}. Use another --out, or delete it to start over")
     return old.get("commits") or ([old["commit"]] if old.get("commit") else []), old  # older runs kept one
+
+
+def same_machine(recorded, now: str) -> bool:
+    """Whether a run's recorded machine (``space.eval.__main__.machine``) is this one. A record made
+    before it named the CPU's vector ISA ("x86_64 2 cores, AMD EPYC", which an AVX2 and a Zen 4 EPYC
+    share) matches on the rest of the name."""
+    if recorded == now:
+        return True
+    return isinstance(recorded, str) and not _ISA.search(recorded) and recorded == _ISA.sub("", now)
+
+
+_ISA = re.compile(r" \((?:DEFAULT|[A-Z]+[0-9]*(?:_[A-Z0-9]+)*)\)(?=,|$)")  # "(AVX512)": get_cpu_capability()'s names
 
 
 def merge_run(out: Path) -> dict:

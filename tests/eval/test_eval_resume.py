@@ -3,6 +3,7 @@ their timings blocks a resume when it changes; the adapter counts by content, no
 writes a samples file at a time, and a resume keeps no record twice."""
 import hashlib
 import json
+import re
 import os
 
 import pytest
@@ -345,3 +346,24 @@ def test_damaged_records_name_their_file_instead_of_a_traceback(tmp_path):
     (tmp_path / "run_config.rank1.json").write_text(json.dumps({}))
     with pytest.raises(ValueError, match="run_config.rank1.json: not a rank's record"):
         merge_run(tmp_path)
+
+
+def test_a_resume_tells_two_cpus_of_one_name_apart_by_their_vector_isa(tmp_path):
+    """The machine record named the CPU by its model alone ("x86_64 2 cores, AMD EPYC"), which an
+    AVX2 and a Zen 4 EPYC share although their steps cost 1.10x apart: a rerun on the other resumed
+    and mixed their timings. It now names the ISA too; a record made before that resumes on the
+    rest of the name."""
+    from space.eval.__main__ import machine
+
+    here = machine("cpu")
+    assert re.search(r" cores, .+ \((AVX512|AVX2|DEFAULT|[A-Z0-9_]+)\)$", here), here
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    older = re.sub(r" \([A-Z0-9_]+\)$", "", here)
+    for recorded, resumes in ((here, True), (older, True), (older + " (AVX2)" if "(AVX2)" not in here else older + " (AVX512)", False),
+                              (older + ", NVIDIA H200", False)):
+        (tmp_path / "run_config.json").write_text(json.dumps({**meta(), "machine": recorded}))
+        if resumes:
+            check_resume(tmp_path, {**meta(), "machine": here})
+        else:
+            with pytest.raises(ValueError, match=r"other settings .*'machine'"):
+                check_resume(tmp_path, {**meta(), "machine": here})
