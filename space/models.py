@@ -97,8 +97,8 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
         FileNotFoundError: ``name`` is neither an alias nor an existing directory (lists aliases).
         ModuleNotFoundError: the embedded model's package is missing (prints the install command).
         ValueError: a device map that names modules the model lacks, misses some, or offloads
-            (see :func:`dispatch`); a folder whose model does not load (no weights, a damaged
-            config.json or weights file).
+            (see :func:`dispatch`); a folder whose model does not load (no config.json, no weights,
+            a damaged config.json or weights file).
     """
     torch_dtype = parse_dtype(dtype)
     if name == TINY:
@@ -129,6 +129,8 @@ def _model_dir(name: str) -> Path:
     if not path.is_dir():
         known = "\n".join(f"  {k}: {v}" for k, v in ALIASES.items())
         raise FileNotFoundError(f"unknown model {name!r}: not an alias and not a directory. Known aliases:\n{known}")
+    if not (path / "config.json").is_file():  # else the tokenizer's load fails first, blaming sentencepiece
+        raise ValueError(f"model folder {path} holds no config.json: not a HF model folder")
     return path
 
 

@@ -56,6 +56,7 @@ def _files(tmp: Path) -> None:
         tok.save_pretrained(tmp / name)
         model.config.save_pretrained(tmp / name)
     (tmp / "badconfig" / "config.json").write_text('{"model_type": "llama", ')
+    (tmp / "emptydir").mkdir()  # a folder that is no model: the tokenizer's load blamed sentencepiece
 
 
 CASES = [  # (command, args, exit code, fragment of stderr)
@@ -100,6 +101,8 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-eval", ["--model", "{tmp}/noweights", "--limit", "1", "--out", "{tmp}/out"], 2,
      "noweights does not load: Error no file named model.safetensors"),
     ("space-eval", ["--model", "{tmp}/badconfig", "--limit", "1", "--out", "{tmp}/out"], 2, "badconfig does not load"),
+    ("space-eval", ["--model", "{tmp}/emptydir", "--limit", "1", "--out", "{tmp}/out"], 2,
+     "emptydir holds no config.json: not a HF model folder"),
     ("space-eval", [*EVAL, "--max-new-tokens", "abc"], 2, "invalid int value: 'abc'"),  # argparse's own
     ("space-eval", [*EVAL, "--mask-num", "0", "--debug"], 2, "Traceback"),
     # space-train
