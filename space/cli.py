@@ -89,8 +89,9 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def add_device_flag(parser: argparse.ArgumentParser, help: str = "torch device: cpu, cuda, cuda:N or mps") -> None:
-    """``--device``, checked by :func:`check_device`."""
+def add_device_flag(parser: argparse.ArgumentParser, help: str = "torch device: cpu, cuda, cuda:N, mps or auto "
+                                                                  "(CUDA when there is a GPU, else the CPU)") -> None:
+    """``--device``, resolved by ``models.resolve_device`` ("auto") and checked by :func:`check_device`."""
     parser.add_argument("--device", default="cpu", help=f"{help} (default: cpu)")
 
 

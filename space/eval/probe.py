@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(a, name) is not None and getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     set_threads(a.threads)
+    from ..models import resolve_device
+
+    a.device = resolve_device(a.device)  # "auto": the GPU when there is one, as space-eval takes it
     check_device(a.device)
     import torch
     import transformers

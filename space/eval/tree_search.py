@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
     if a.write_adapter and folder is None:
         raise ValueError("--write-adapter needs --adapter, or a full SAR-SFT checkpoint as --model")
     set_threads(a.threads)
+    from ..models import resolve_device
+
+    a.device = resolve_device(a.device)  # "auto": the GPU when there is one, as space-eval takes it
     check_device(a.device)
     from ..choices import KERNEL_CHOICES
     from ..loader import check_compile

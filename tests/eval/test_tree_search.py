@@ -66,7 +66,8 @@ def test_search_prefers_trees_when_runner_ups_are_right_and_rows_are_cheap():
 
 
 def test_cli_on_probe_ranks_and_bad_input(tmp_path, capsys):
-    probe.main(["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "12", "-k", "2",
+    # --device auto, as space-eval takes it (both tools refused it): the CPU here
+    probe.main(["--model", "tiny-random-llama", "--limit", "1", "--max-new-tokens", "12", "-k", "2", "--device", "auto",
                 "--out", str(tmp_path / "probe")])
     out = main(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"),
                 "--max-mask-num", "2", "--max-rows", "12", "--cache-len", "16", "--out", str(tmp_path / "tree")])
@@ -74,7 +75,7 @@ def test_cli_on_probe_ranks_and_bad_input(tmp_path, capsys):
     assert saved["best"] == out["best"] and set(saved["step_cost_ms"]) == {"1", "2", "4", "8", "12"}
     assert saved["dtype"] == "float32"
     bf16 = main(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--dtype",
-                 "bfloat16", "--max-mask-num", "2", "--max-rows", "4", "--cache-len", "16", "--out", str(tmp_path / "bf16")])
+                 "bfloat16", "--device", "auto", "--max-mask-num", "2", "--max-rows", "4", "--cache-len", "16", "--out", str(tmp_path / "bf16")])
     assert bf16["dtype"] == "bfloat16"  # the curve a bf16 space-eval run is priced by
     assert all(r["decode"]["mask_num"] <= 2 for r in saved["layouts"])
     for args, msg in ((["--ranks", str(tmp_path / "nope.jsonl")], "no such ranks file"),
