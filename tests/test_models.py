@@ -242,3 +242,21 @@ def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match=f"model folder {tmp_path} does not load"):
         load_model(str(tmp_path))
+
+
+def test_a_k_past_the_trained_one_is_warned_of():
+    """``--mask-num 5`` on the shipped adapter (its one mask token trained for k = 3) ran without a
+    word: offsets 4 and 5 drafted untrained. Now a warning says so; the trained k and below do not."""
+    import warnings
+
+    from space.decoding import DecodeConfig, SpaceDecoder
+    from space.models import tiny_random_llama
+
+    model, tok = tiny_random_llama()
+    spec = add_mask_tokens(model, tok, 3)
+    with pytest.warns(UserWarning, match=r"mask_num \(k\) = 5 exceeds the k = 3 .* offsets 4..5 draft untrained"):
+        SpaceDecoder(model, spec, DecodeConfig(5, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SpaceDecoder(model, spec, DecodeConfig(3, 2))
+        SpaceDecoder(model, spec, DecodeConfig(2, 2))
