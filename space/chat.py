@@ -251,6 +251,7 @@ def load(args) -> tuple:
         mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
         lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num),
         datastore_branches=(args.datastore_branches or 1) if args.datastore else None)
+    decode.check_lookup_branches(args.lookup_branches)
     datastore = None
     if args.datastore:
         from .decoding.datastore import Datastore

@@ -452,6 +452,8 @@ TREE_CASES = [
     ("space-chat", [*TINY_CHAT, "--lookup-branches", "0"], "--lookup-branches must be >= 1, got 0"),
     ("space-chat", [*TINY_CHAT, "--datastore-branches", "0"], "--datastore-branches must be >= 1, got 0"),
     ("space-chat", [*TINY_CHAT, "--datastore-branches", "1"], "--datastore-branches counts the continuations"),
+    # read by the dynamic tree with lookup alone: a static layout left it unread and recorded 1
+    ("space-chat", [*TINY_CHAT, "--lookup-branches", "2"], "--lookup-branches 2 needs the dynamic tree with prompt lookup"),
     ("space-chat", [*TINY_CHAT, "--threads", "0"], "--threads must be >= 1, got 0"),
     ("space-chat", [*TINY_CHAT, "--device", "gpu7"], "unknown --device 'gpu7'"),
     ("space-chat", [*TINY_CHAT, "--kernels", "turbo"], "--kernels must be one of fast, stock"),
@@ -517,6 +519,8 @@ EVAL_TRAIN_CASES = [
     ("space-eval", [*EVAL, "--lookup-branches", "0"], "--lookup-branches must be >= 1, got 0"),
     ("space-eval", [*EVAL, "--datastore-branches", "0"], "--datastore-branches must be >= 1, got 0"),
     ("space-eval", [*EVAL, "--datastore-branches", "2"], "--datastore-branches counts the continuations of a --datastore"),
+    ("space-eval", [*EVAL, "--tree", "dynamic", "--lookup-tokens", "0", "--lookup-branches", "3"],
+     "--lookup-branches 3 needs the dynamic tree with prompt lookup (this layout: tree dynamic, lookup_tokens 0)"),
     ("space-eval", [*EVAL, "--datastore", "x.jsonl", "--methods", "ar,pld"], "--datastore drafts for the space method"),
     ("space-eval", [*EVAL, "--datastore", "no/such/set.jsonl", "--tree", "dynamic", "--lookup-tokens", "4"],
      "datastore set no/such/set.jsonl not found"),

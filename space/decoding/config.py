@@ -160,6 +160,15 @@ class DecodeConfig:
             values["tree"] = prune(self.tree, values["mask_num"]) or None
         return replace(self, **values)
 
+    def check_lookup_branches(self, given: int | None) -> None:
+        """Raises ValueError when ``--lookup-branches`` was ``given`` above 1 for a layout that verifies
+        one lookup continuation at most (a static tree or chain, or no prompt lookup): the flag was
+        left unread, and the run recorded 1."""
+        if given is not None and given > 1 and not (self.tree == "dynamic" and self.lookup_tokens):
+            raise ValueError(f"--lookup-branches {given} needs the dynamic tree with prompt lookup (this layout: tree "
+                             f"{'chain' if self.tree is None else self.tree}, lookup_tokens {self.lookup_tokens}); "
+                             "a static layout verifies one continuation")
+
     def to_dict(self) -> dict:
         """JSON-ready (the tree as lists of ranks)."""
         d = asdict(self)
