@@ -26,7 +26,8 @@
 #     under a GPU are not counted: CUDA sees them only through CUDA_VISIBLE_DEVICES); without nvidia-smi,
 #     torch.cuda.device_count(). The count chosen is printed (one line, stderr).
 #   PYTHON [.venv/bin/python when present, else python3]
-#   SPACE_LAUNCH_DRY_RUN=1: print the command (one line) instead of running it, to see what would run.
+#   SPACE_LAUNCH_DRY_RUN=1: print the command (one line) instead of running it, to see what would run (its
+#     relative paths are the repository's: it reruns as printed from there).
 # A failed training ends with one line (the failing rank's own error is above it) and its exit code; nodes
 # that never meet (a node that did not start) end with one line and exit 1.
 # Examples:
@@ -104,7 +105,7 @@ if [[ -n "${NPROC_PER_NODE+set}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; the
 fi
 
 run() {  # exec the command, or print it with SPACE_LAUNCH_DRY_RUN=1
-  if [[ "${SPACE_LAUNCH_DRY_RUN:-0}" == 1 ]]; then printf "%q " "$@"; echo; exit 0; fi  # %q: a path with spaces reruns as printed
+  if [[ "${SPACE_LAUNCH_DRY_RUN:-0}" == 1 ]]; then printf "%q " "$@"; echo; exit 0; fi  # %q: a path with spaces reruns as printed (from the repository)
   exec "$@"
 }
 
