@@ -25,7 +25,7 @@ from ..data.sft import data_lists, load_examples, tokenize
 from ..decoding.cache import refuse_sliding_window
 from ..jsonl import held, write_text_atomic
 from ..loader import warm_start
-from ..models import load_model
+from ..models import load_model, stop_ids
 from ..sampler_head import add_sampler_head
 from .curves import plot_training_curves
 from .callbacks import (SETTINGS_FILE, EpochSeedCallback, NothingToTrain, SpaceCheckpointCallback,
@@ -77,7 +77,10 @@ def run_settings(model_args, data_args, mask_args, train_args, examples: list) -
 
     digest = hashlib.sha256()
     for ex in examples:
-        digest.update(json.dumps([ex.context, ex.response, ex.finished, ex.response_ids]).encode())
+        # the end id the answer's last trained token is (``stop_id``), when a row names one: rows without
+        # keep the fingerprint they had before rows named it
+        end = [] if ex.stop_id is None else [ex.stop_id]
+        digest.update(json.dumps([ex.context, ex.response, ex.finished, ex.response_ids, *end]).encode())
     return {"data": {"samples": len(examples), "sha256": digest.hexdigest()[:16]},
             "max_length": data_args.max_length, "mask_prob": mask_args.mask_prob,
             "mask_loss_weight": mask_args.mask_loss_weight, "teacher_topk": mask_args.teacher_topk,
@@ -196,6 +199,18 @@ def check_checkpoint(last: str, settings: dict) -> None:
                          "or use another output_dir")
 
 
+def warn_unnamed_ends(examples: list, model, tok) -> None:
+    """Warn when finished distilled rows name no end id (sets made before rows carried ``stop_id``):
+    they train the tokenizer's EOS, which a model whose turns end with other ids too
+    (``models.stop_ids``: Llama-3-Instruct's ``<|eot_id|>``) may never write. SmolLM2's end is its EOS."""
+    unnamed = sum(ex.response_ids is not None and ex.stop_id is None and ex.finished for ex in examples)
+    others = sorted(set(stop_ids(model, tok)) - {tok.eos_token_id})
+    if unnamed and others:
+        warnings.warn(f"{unnamed} distilled rows name no end id (made before sets recorded one): they train the "
+                      f"tokenizer's EOS {tok.eos_token_id}, while this model also ends turns with {others}; "
+                      "distil them again to train the end the model writes", stacklevel=2)
+
+
 def drop_dev_set(examples: list, root) -> tuple[list, int]:
     """Keep the probe's dev prompts (configs/data/dev_set.json) out of training, whatever file they
     come from (MBPP, LIMA or a self-distilled JSONL). Returns (kept examples, how many were dropped);
@@ -308,6 +323,7 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
     sampler = add_sampler_head(model, mask_args.sampler_width) if mask_args.sampler_head else None
     if model_args.init_adapter:
         warm_start(model, model_args.init_adapter, model_args.mode, spec)
+    warn_unnamed_ends(examples, model, tok)
     dataset = tokenize(examples, tok, data_args.max_length)
     if len(dataset) == 0:
         raise ValueError(f"no sample of {names} fits max_length={data_args.max_length} (each prompt leaves its response fewer than 2 tokens)")

@@ -321,9 +321,16 @@ def test_a_resume_with_another_effective_batch_or_other_token_ids_is_refused(tmp
     check_checkpoint(str(tmp_path), settings())  # the same run resumes
     with pytest.raises(ValueError, match=r"other SPACE settings or data.*'batch': \(4, 8\)"):
         check_checkpoint(str(tmp_path), settings("--gradient_accumulation_steps", "2"))
-    for changed in (Example(examples[0].context, "a b", True, [5, 7]), Example(examples[0].context, "a b", False, [5, 6])):
+    # ... or the same ids re-distilled with the end id the model wrote (stop_id), which its last trained token is
+    for changed in (Example(examples[0].context, "a b", True, [5, 7]), Example(examples[0].context, "a b", False, [5, 6]),
+                    Example(examples[0].context, "a b", True, [5, 6], stop_id=9)):
         with pytest.raises(ValueError, match="other SPACE settings or data.*'data'"):
             check_checkpoint(str(tmp_path), settings(examples=[changed]))
+    # rows naming no end keep the fingerprint they had before rows could name one
+    import hashlib
+
+    before = hashlib.sha256(json.dumps([examples[0].context, "a b", True, [5, 6]]).encode()).hexdigest()[:16]
+    assert settings()["data"]["sha256"] == before
 
 
 def _agree(rank, world, init, lasts, out):
@@ -356,3 +363,26 @@ def test_ranks_that_see_different_checkpoints_all_stop(tmp_path, lasts):
     else:
         assert [out[r][0] for r in (0, 1)] == ["refused", "refused"]
         assert f"rank 0: {lasts[0]}, rank 1: {lasts[1]}" in out[1][1] and "shared" in out[0][1]
+
+
+def test_distilled_rows_that_name_no_end_are_warned_of_where_the_model_ends_otherwise():
+    """Sets distilled before rows carried ``stop_id`` train the tokenizer's EOS as every answer's
+    end: on a model whose turns also end with another id (Llama-3-Instruct's <|eot_id|>) that teaches
+    an end it may never write. Training now says so; rows naming their end, or a model ending with
+    its EOS alone (SmolLM2), pass without a word."""
+    import warnings
+
+    from space.data.sft import Example
+    from space.models import tiny_random_llama
+    from space.train.run import warn_unnamed_ends
+
+    model, tok = tiny_random_llama()
+    old = [Example([{"role": "user", "content": "q"}], "a b", True, [5, 6])]
+    named = [Example([{"role": "user", "content": "q"}], "a b", True, [5, 6], stop_id=tok.eos_token_id)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unnamed_ends(old, model, tok)  # the EOS is the model's only end
+        model.generation_config.eos_token_id = [tok.eos_token_id, 300]
+        warn_unnamed_ends(named, model, tok)
+    with pytest.warns(UserWarning, match=r"1 distilled rows name no end id .* also ends turns with \[300\]"):
+        warn_unnamed_ends(old, model, tok)
