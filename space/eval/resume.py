@@ -315,6 +315,11 @@ def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
         meta[key] = "; ".join(dict.fromkeys(str(m.get(key)) for m in metas))
     # each rank's packed CPU kernel, timed on its machine (None: none packed on any)
     meta["packed_kernel"] = "; ".join(dict.fromkeys(m["packed_kernel"] for m in metas if m.get("packed_kernel"))) or None
+    # the kernels' timed choices pin a resume's packing (recorded_paths) only where every rank chose alike: rank
+    # 0's alone would pin another machine's on a resume there
+    for key in ("packed_min_rows", "kernel_paths"):
+        if any(m.get(key) != metas[0].get(key) for m in metas):
+            meta.pop(key, None)
     return records + _beyond_ranks(out, records, meta, keys), meta
 
 

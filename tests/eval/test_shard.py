@@ -296,3 +296,24 @@ def test_rank_0_s_refused_merge_says_how_to_merge_later(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=hint):
             eval_main([*ARGS, "--limit", "2", "--methods", "ar", "--out", str(tmp_path)])
     assert [r["question_id"] for r in rows(tmp_path / "samples.rank0.jsonl")] == ["HumanEval/0"]
+
+
+def test_merge_keeps_the_kernels_timed_choices_only_where_the_ranks_agree(tmp_path):
+    """A merged record copied rank 0's timed kernel choices (``kernel_paths``, ``packed_min_rows``),
+    which a resume pins (``recorded_paths``): resumed on rank 1's machine, it packed as rank 0's
+    machine had timed. They are kept now only where every rank chose alike."""
+    short = [*ARGS, "--limit", "2", "--out", str(tmp_path)]
+    for rank in (0, 1):
+        eval_main([*short, "--shard", f"{rank}/2"])
+    ranks = [json.loads((tmp_path / f"run_config.rank{r}.json").read_text()) for r in (0, 1)]
+    alike = {"packed_min_rows": 4, "kernel_paths": {"576 x 576": {"stock_rows": 2}}}
+    for r in (0, 1):
+        (tmp_path / f"run_config.rank{r}.json").write_text(json.dumps({**ranks[r], **alike}))
+    eval_main(["--merge", str(tmp_path)])
+    merged = json.loads((tmp_path / "run_config.json").read_text())
+    assert {k: merged.get(k) for k in alike} == alike
+    (tmp_path / "run_config.rank1.json").write_text(json.dumps(
+        {**ranks[1], "packed_min_rows": 8, "kernel_paths": {"576 x 576": {"stock_rows": 6}}}))
+    eval_main(["--merge", str(tmp_path)])
+    merged = json.loads((tmp_path / "run_config.json").read_text())
+    assert "packed_min_rows" not in merged and "kernel_paths" not in merged
