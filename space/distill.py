@@ -218,8 +218,11 @@ class Distiller:
                                  "so the settings that made them are unknown: delete it or pass another --out")
             return {}
         manifest = json.loads(self.manifest_file.read_text(encoding="utf-8"))
-        if manifest.get("file", self.out.name) != self.out.name:  # x.jsonl and x.jsonl.gz share x.manifest.json
-            raise ValueError(f"{self.manifest_file} records the set {manifest['file']}, not {self.out.name}: the two "
+        recorded = manifest.get("file", self.out.name)
+        # x.jsonl and x.jsonl.gz share x.manifest.json: the other one's manifest is refused; a set copied or
+        # renamed with its manifest (which names the old file) is the same set, and resumes
+        if recorded != self.out.name and sibling(self.out.with_name(recorded), "manifest", ".json") == self.manifest_file:
+            raise ValueError(f"{self.manifest_file} records the set {recorded}, not {self.out.name}: the two "
                              "share a manifest (and the .magpie turns); pass an --out of another stem")
         old = manifest.get("settings", {})
 

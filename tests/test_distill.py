@@ -162,6 +162,11 @@ def test_distill_resume_checks_hold_before_the_first_row_and_across_sources(tmp_
         Distiller(out, SMOLLM2, {"magpie": 2}, 2, 16, 64, None, MagpieSettings(seed=7))
     with pytest.raises(ValueError, match=r"records the set set.jsonl, not set.jsonl.gz"):
         Distiller(tmp_path / "set.jsonl.gz", "stub", {str(source): None}, 2, 16, 64, None, MagpieSettings())
+    # a set copied under another stem with its manifest (which names set.jsonl) is the same set: it resumes
+    # (it was refused as sharing a manifest)
+    for name in ("set.jsonl", "set.manifest.json"):
+        (tmp_path / name.replace("set", "mine")).write_bytes((tmp_path / name).read_bytes())
+    Distiller(tmp_path / "mine.jsonl", str(cache_dir() / SMOLLM2), {str(source): None}, 2, 16, 64, None, MagpieSettings())
 
 
 def test_a_run_stopped_right_after_its_first_rows_resumes(tmp_path, monkeypatch):
