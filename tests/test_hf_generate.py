@@ -748,6 +748,9 @@ def test_synced_gpus_as_generate_decides_it_is_refused(tiny, monkeypatch):
     from space.hf import _synced_gpus
 
     assert _synced_gpus(model, None) and not _synced_gpus(model, False)
+    # through generate itself, which never hands its synced_gpus to a callable custom_generate
+    with pytest.raises(ValueError, match="synced_gpus"):
+        model.generate(ids, custom_generate=space_generate, max_new_tokens=4, do_sample=False)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
     assert not _synced_gpus(model, None)
 
