@@ -19,6 +19,9 @@ failed=0  # a script exits 1 if any stage failed or hit its cap, after the stage
 # SPACE_GPU_BUDGET: the seconds this call may run (the run tool's timeout_s, less its copying). A call the
 # tool cuts loses what its running stage had not packed, so each stage is cut first: at its cap or where
 # the budget leaves PACK_MARGIN seconds to pack, whichever comes first; a stage with no time left is skipped.
+# The tool's limit is the smaller of timeout_s and the session's device time left (a slow or failed start
+# spends some): read budget_left_s from its status just before a call, and give timeout_s and this budget
+# min(the plan's seconds, budget_left_s - 20).
 budget=${SPACE_GPU_BUDGET:-}
 PACK_MARGIN=30
 stage() {  # stage NAME SECONDS COMMAND...: capped, logged, packed; returns the command's status
