@@ -86,9 +86,10 @@ def verify_tree_sampling(p: torch.Tensor, tokens: list[int], children: list[list
     is accepted the bonus is drawn from p'. Why this is exact: at one row, the first child is
     emitted with probability p(c_1); the second with (1 - p(c_1)) p(c_2) / (1 - p(c_1)) = p(c_2); a
     residual token t with (1 - sum_i p(c_i)) p(t) / (1 - sum_i p(c_i)) = p(t); so the row's token
-    is distributed as p (a repeated token has p' = 0 and is never accepted twice). Given the
-    token, the next one comes from the child's row, the target distribution after it: by
-    induction the emitted sequence is distributed as sampling from the target one token at a time.
+    is distributed as p (a token is tried once per row: siblings that repeat it are one candidate,
+    whose children are all of theirs). Given the token, the next one comes from the child's row, the
+    target distribution after it: by induction the emitted sequence is distributed as sampling from
+    the target one token at a time.
 
     Args:
         p: (1+N, vocab) target probabilities of x_{n-1}'s row and each node's row.
@@ -97,30 +98,41 @@ def verify_tree_sampling(p: torch.Tensor, tokens: list[int], children: list[list
         generator: for the uniforms and the bonus draw (on p's device).
 
     Returns:
-        (best, bonus): the accepted row (0 = none) and the bonus token, a 0-d long tensor.
-        The walk reads p at the node tokens and the uniforms with one host copy.
+        (best, bonus): the accepted row (0 = none; of repeated siblings, their first, or a node
+        under any of them) and the bonus token, a 0-d long tensor. The walk reads p at the node
+        tokens and the uniforms with one host copy.
     """
-    n = len(tokens)
-    if n:
-        parent = [0] * n
-        for r, kids in enumerate(children):
-            for c in kids:
-                parent[c - 1] = r
-        idx = torch.tensor(tokens, device=p.device)
-        rows = torch.tensor(parent, device=p.device)
-        u = torch.rand(n, generator=generator, device=p.device)
-        p_tok, u = torch.stack([p[rows, idx].double(), u.double()]).tolist()  # one host copy
+    # Siblings that repeat a token (a lookup branch whose first token is the top mask draft) are one
+    # candidate: their rows see the same tokens, so the walk goes over classes of (the parent's class,
+    # token), a class's children being all its members' (the first member's row scores them). Walked
+    # over the first member alone, a repeated sibling's deeper candidates were never tried.
+    klass, kids, first_of, parent = [0] * (len(tokens) + 1), {0: []}, {}, [0] * (len(tokens) + 1)
+    todo = [0]
+    while todo:  # parents before children, each row's children in the order given
+        r = todo.pop()
+        for c in children[r]:
+            parent[c] = r
+            rep = first_of.setdefault((klass[r], tokens[c - 1]), c)
+            klass[c] = rep
+            if rep == c:
+                kids[klass[r]].append(c)
+                kids[c] = []
+        todo.extend(reversed(children[r]))
+    reps = [c for c in range(1, len(tokens) + 1) if klass[c] == c]
+    if reps:
+        idx = torch.tensor([tokens[c - 1] for c in reps], device=p.device)
+        rows = torch.tensor([klass[parent[c]] for c in reps], device=p.device)
+        u = torch.rand(len(reps), generator=generator, device=p.device)
+        p_tok, u = (dict(zip(reps, v)) for v in torch.stack([p[rows, idx].double(), u.double()]).tolist())  # one host copy
     row, rejected, mass = 0, set(), 1.0
     while True:
-        for c in children[row]:
+        for c in kids[row]:
             t = tokens[c - 1]
-            if t in rejected:
-                continue
-            if u[c - 1] * mass < p_tok[c - 1]:  # u < p(t) / (1 - p(rejected))
+            if u[c] * mass < p_tok[c]:  # u < p(t) / (1 - p(rejected))
                 row, rejected, mass = c, set(), 1.0
                 break
             rejected.add(t)
-            mass -= p_tok[c - 1]
+            mass -= p_tok[c]
         else:
             break
     dist = p[row].clone()
