@@ -22,10 +22,11 @@ if [ -n "${ADAPTER:-}" ] && [ "$ADAPTER" != none ] && [ ! -f "$ADAPTER/space_con
   exit 2
 fi
 ADAPTER=${ADAPTER:-$here/adapters/smollm2-135m-space}
-model=""; dataset=humaneval; prev=""
-for a in "$@"; do  # the user's --model and --dataset, and whether they chose an adapter themselves
-  case "$prev" in --model) model=$a;; --dataset) dataset=$a;; esac
-  case "$a" in --model=*) model=${a#--model=};; --dataset=*) dataset=${a#--dataset=};; --adapter|--adapter=*) ADAPTER=none;; esac
+model=""; dataset=humaneval; chosen=""; prev=""
+for a in "$@"; do  # the user's --model, --dataset and --adapter (then the default adapter is not added)
+  case "$prev" in --model) model=$a;; --dataset) dataset=$a;; --adapter) chosen=$a;; esac
+  case "$a" in --model=*) model=${a#--model=};; --dataset=*) dataset=${a#--dataset=};; --adapter=*) chosen=${a#--adapter=};; esac
+  case "$a" in --adapter|--adapter=*) ADAPTER=none;; esac
   prev=$a
 done
 base=$([ -f "$ADAPTER/space_config.json" ] && "$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model"])' "$ADAPTER/space_config.json" || true)
@@ -33,9 +34,11 @@ base=$([ -f "$ADAPTER/space_config.json" ] && "$py" -c 'import json, sys; print(
 # --device auto: the GPU when there is one (space-eval records the device it chose)
 # a folder per dataset (a .jsonl's by its name), model and adapter: a folder's samples resume only a run with the
 # same settings, and a second dataset there stopped at the first's
-name=$(basename "$dataset"); name=${name%.jsonl}; name=${name//:/_}
+name=$(basename "$dataset"); name=${name%.gz}; name=${name%.jsonl}; name=${name//:/_}
 [ -n "$model" ] && name+=_$(basename "$model")
-[ -f "$ADAPTER/space_config.json" ] || name+=_no_adapter
+if [ -n "$chosen" ] && [ "$chosen" != none ]; then name+=_$(basename "$chosen")
+elif [ ! -f "$ADAPTER/space_config.json" ]; then name+=_no_adapter
+fi
 args=(--dataset humaneval --limit 5 --max-new-tokens 128 --device auto --out "runs/eval/main_$name")
 # the adapter decodes with its own tuned layout (space_config.json "decode"); --mask-num etc. override it
 [ -f "$ADAPTER/space_config.json" ] && args+=(--adapter "$ADAPTER")

@@ -67,6 +67,18 @@ def test_run_eval_sh_keeps_each_datasets_run_in_its_own_folder(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "runs" / "eval").iterdir()) == [
         "main_q_tiny-random-llama_no_adapter", "main_r_tiny-random-llama_no_adapter"]
+    # an adapter of the user's own is named (it was "_no_adapter", the folder of a run without one)
+    from space.adapter_layers import prepare_model
+    from space.artifact import save_artifact
+    from space.models import tiny_random_llama
+
+    model, tok = tiny_random_llama(seed=0)
+    peft_model, spec = prepare_model(model, tok, "frozen-base", mask_num=3)
+    save_artifact(tmp_path / "mine", peft_model, tok, spec, "frozen-base", {"base_model": "tiny-random-llama"})
+    out = subprocess.run([*common, "--dataset", "q.jsonl", "--adapter", "mine"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "runs" / "eval" / "main_q_tiny-random-llama_mine" / "summary.json").is_file()
 
 
 def test_reproduce_table1_tiny(tmp_path):
