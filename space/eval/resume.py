@@ -165,6 +165,9 @@ def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
         meta["ranks"] = old["ranks"]
         for key in ("device", "machine"):
             meta[key] = "; ".join(dict.fromkeys([*str(old[key]).split("; "), str(meta[key])]))
+        for key in ("packed_min_rows", "kernel_paths"):  # one machine's timed choices, pinned by a later resume
+            if meta.get(key) != old.get(key):             # on any of the record's machines: kept where they agree
+                meta.pop(key, None)
     meta["commits"] = commits + [c for c in meta["commits"] if c not in commits]
     name = shard.config if shard is not None else "run_config.json"
     write_text_atomic(out / name, json.dumps(meta, indent=2))

@@ -317,3 +317,10 @@ def test_merge_keeps_the_kernels_timed_choices_only_where_the_ranks_agree(tmp_pa
     eval_main(["--merge", str(tmp_path)])
     merged = json.loads((tmp_path / "run_config.json").read_text())
     assert "packed_min_rows" not in merged and "kernel_paths" not in merged
+    # a plain run resuming the merged record keeps its own choices out of it too (it names two machines)
+    config = tmp_path / "run_config.json"
+    config.write_text(json.dumps({**merged, **alike}))
+    eval_main([*ARGS, "--limit", "3", "--out", str(tmp_path), "--kernels", "fast"])
+    resumed = json.loads(config.read_text())
+    assert resumed["ranks"] == 2
+    assert all(resumed.get(k) in (None, alike[k]) for k in alike), {k: resumed.get(k) for k in alike}
