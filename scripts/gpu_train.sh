@@ -46,9 +46,12 @@ pack() {  # everything made so far, checkpoints excepted (final/ is what is judg
   [ "$phase" = t60c ] && sets=(--exclude='runs/gpu60/distill_*')
   rm -rf "$out/.pack" && mkdir -p "$out/.pack"
   cp "$stash/res/status.txt" "$out/" 2>/dev/null
-  if (set -o pipefail  # a failed tar or xz, not split's status alone, keeps the last pack
-      tar -C "$stash" -cf - --exclude='*checkpoint-*' --exclude='*.lock' --exclude='*.held' ${sets[@]+"${sets[@]}"} \
-       res runs/gpu60 | xz -T0 -3 | split -b 15M -d -a 1 - "$out/.pack/gpu60.tar.xz.part"); then
+  # a failed tar or xz, not split's status alone, keeps the last pack; tar's 1 ("a file changed as it was read":
+  # a cut stage's workers still writing their log) leaves a whole archive
+  tar -C "$stash" -cf - --exclude='*checkpoint-*' --exclude='*.lock' --exclude='*.held' ${sets[@]+"${sets[@]}"} \
+    res runs/gpu60 | xz -T0 -3 | split -b 15M -d -a 1 - "$out/.pack/gpu60.tar.xz.part"
+  local made=("${PIPESTATUS[@]}")
+  if [ "${made[0]}" -le 1 ] && [ "${made[1]}" -eq 0 ] && [ "${made[2]}" -eq 0 ]; then
     rm -f "$out"/gpu60.tar.xz.part* && mv "$out/.pack"/gpu60.tar.xz.part* "$out/"
   fi
   rm -rf "$out/.pack"

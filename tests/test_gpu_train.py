@@ -215,3 +215,21 @@ def test_gpu_train_t60c_without_sets_says_what_to_run_first(tmp_path):
            "SPACE_GPU_CARRIED": str(tmp_path / "nothing carried")}
     run = subprocess.run(["bash", str(SCRIPT), "t60c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "no distilled set" in run.stdout and "run t60b first, or carry its parts" in run.stdout
+
+
+@pytest.mark.parametrize("tar_rc, replaced", [(0, True), (1, True), (2, False)])
+def test_a_pack_replaces_the_last_only_when_tar_made_a_whole_archive(tmp_path, tar_rc, replaced):
+    """The pipe's status was split's alone: a failed tar replaced the last good parts with a torn
+    archive. Now a tar failure keeps them, while tar's 1 ("a file changed as it was read", a cut
+    stage's workers still writing their log) is a whole archive and replaces them."""
+    out, stash = tmp_path / "out", tmp_path / "stash"
+    (stash / "res").mkdir(parents=True)
+    (stash / "res" / "status.txt").write_text("x rc=0\n")
+    out.mkdir()
+    (out / "gpu60.tar.xz.part0").write_text("the last pack")
+    script = (f"out={out}; stash={stash}; phase=t60b\n"
+              f"tar() {{ echo new archive; return {tar_rc}; }}\nxz() {{ cat; }}\n{_function('pack')}\npack")
+    run = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert (out / "gpu60.tar.xz.part0").read_text() == ("new archive\n" if replaced else "the last pack")
+    assert not (out / ".pack").exists()
