@@ -25,7 +25,7 @@ if ! "$PY" -c "import sys, torch; sys.exit(tuple(map(int, torch.__version__.spli
 fi
 # the versions CI passed with (constraints.txt, whose first line names the Python they were resolved on)
 pins=()
-if [ -z "${SPACE_UNPINNED:-}" ] && "$PY" -c "import sys; sys.exit(open('constraints.txt').readline().split()[-1] != '%d.%d' % sys.version_info[:2])"; then
+if [ "${SPACE_UNPINNED:-0}" != 1 ] && "$PY" -c "import sys; sys.exit(open('constraints.txt').readline().split()[-1] != '%d.%d' % sys.version_info[:2])"; then
   pins=(-c constraints.txt)
 fi
 echo "[setup] installing requirements.txt${pins[*]:+ at the versions in constraints.txt}"

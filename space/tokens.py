@@ -41,19 +41,22 @@ def mask_token_names(mask_num: int, mask_diff: bool) -> list[str]:
 
 
 def check_mask_num(k: int, spec: MaskSpec | None = None) -> None:
-    """Raise ValueError unless 1 <= k <= MAX_MASK_NUM (and k <= the trained k with mask_diff); warn
-    when k exceeds the k a shared mask token was trained for (its offsets past that draft untrained:
-    exact still, but fewer drafts are accepted)."""
+    """Raise ValueError unless 1 <= k <= MAX_MASK_NUM (and k <= the trained k with mask_diff)."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:  # True is an int to Python
         raise ValueError(f"mask_num (k) must be an integer >= 1, got {k!r}")
     if k > MAX_MASK_NUM:
         raise ValueError(f"mask_num (k) = {k} exceeds the maximum {MAX_MASK_NUM}")
     if spec is not None and spec.mask_diff and k > len(spec.token_ids):
         raise ValueError(f"this model has {len(spec.token_ids)} per-offset mask tokens (mask_diff); k = {k} is too large")
-    if spec is not None and 0 < spec.mask_num < k:
+
+
+def warn_untrained_offsets(k: int, spec: MaskSpec, stacklevel: int = 3) -> None:
+    """Warn when k exceeds the k a shared mask token was trained for: its offsets past that draft
+    untrained (the output is the same, fewer drafts are accepted)."""
+    if 0 < spec.mask_num < k:
         warnings.warn(f"mask_num (k) = {k} exceeds the k = {spec.mask_num} this model's mask token was trained for: "
                       f"offsets {spec.mask_num + 1}..{k} draft untrained (the output is the same, fewer drafts are "
-                      "accepted)", stacklevel=3)
+                      "accepted)", stacklevel=stacklevel)
 
 
 def add_mask_tokens(model, tokenizer, mask_num: int, mask_diff: bool = False) -> MaskSpec:

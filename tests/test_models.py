@@ -276,8 +276,9 @@ def test_a_k_past_the_trained_one_is_warned_of():
 
     model, tok = tiny_random_llama()
     spec = add_mask_tokens(model, tok, 3)
-    with pytest.warns(UserWarning, match=r"mask_num \(k\) = 5 exceeds the k = 3 .* offsets 4..5 draft untrained"):
+    with pytest.warns(UserWarning, match=r"mask_num \(k\) = 5 exceeds the k = 3 .* offsets 4..5 draft untrained") as said:
         SpaceDecoder(model, spec, DecodeConfig(5, 2))
+    assert len([w for w in said if "exceeds the k" in str(w.message)]) == 1  # once per decoder
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SpaceDecoder(model, spec, DecodeConfig(3, 2))

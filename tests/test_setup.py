@@ -38,7 +38,8 @@ def test_setup_replaces_a_torch_older_than_2_11(tmp_path, version, replaced):
     assert any("-r requirements.txt" in c for c in calls) and calls[-1].endswith("-e .")
 
 
-@pytest.mark.parametrize("lock_python, unpinned, pinned", [("this", "", True), ("this", "1", False), ("other", "", False)])
+@pytest.mark.parametrize("lock_python, unpinned, pinned", [("this", "", True), ("this", "0", True), ("this", "1", False),
+                                                           ("other", "", False)])
 def test_setup_installs_the_pinned_versions_on_their_python(tmp_path, lock_python, unpinned, pinned):
     """requirements.txt gives ranges: each fresh machine got the newest versions its index had, not
     the set the suite passed with. setup.sh now pins them with constraints.txt, on the Python named in

@@ -92,7 +92,7 @@ from .backends import attends_mask_width
 from ..masking import (check_parents, host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents,
                        unpack_rows)
 from ..sampler_head import sampler_head
-from ..tokens import MaskSpec, check_mask_num
+from ..tokens import MaskSpec, check_mask_num, warn_untrained_offsets
 from .cache import SlabCache, StaticSlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache, static_cache
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
@@ -390,6 +390,7 @@ class SpaceDecoder:
         check_attention(base)
         self.config = config if config is not None else DecodeConfig.of_model(base, mask.mask_num)
         check_mask_num(self.config.mask_num, mask)
+        warn_untrained_offsets(self.config.mask_num, mask)
         self.model, self.decoder, self.head = model, base.get_decoder(), base.get_output_embeddings()
         self.head_transform = logit_transform(base.config)  # the model's own scaling / soft-capping, if any
         self.sampler, self.embed = sampler_head(base), base.get_input_embeddings()  # issue 34's optional head
