@@ -147,6 +147,11 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-layout", ["--tree", "[[0],[1]]", "--num-groups", "-3"], 2, "--num-groups must lie in 1..k + 1"),
     ("space-layout", ["--tree", "[[0],[1]]", "--num-groups", "0"], 2, "--num-groups must lie in 1..k + 1"),
     ("space-layout", ["--mode", "train", "--spans", "9"], 2, "group context lengths must lie in 1..6"),
+    # flags another mode or layout does not read (they were left unread)
+    ("space-layout", ["--mode", "train", "--tree", "[[0]]"], 2, "--tree: only for --mode decode"),
+    ("space-layout", ["--mode", "truncate", "--num-groups", "2"], 2, "--num-groups: only for --mode decode"),
+    ("space-layout", ["--tree", "[[0],[1]]", "--num-candidates", "1"], 2, "--num-candidates: the chain's"),
+    ("space-layout", ["--mode", "truncate", "--spans", "2", "3"], 2, "draws one span start: give one --spans"),
     ("space-layout", ["--tree", "dynamic", "--draft-probs", "[[0.5,0.6]]"], 2,
      "--draft-probs: each mask's probabilities must be its top drafts in decreasing order"),
     ("space-layout", ["--tree", "dynamic", "--draft-probs", "[[0.7,0.6]]"], 2,  # decreasing, but sums to 1.3
