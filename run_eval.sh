@@ -8,7 +8,7 @@
 #   ADAPTER=none bash run_eval.sh              # untrained mask token: exact, but accepts little
 # Flags: python -m space.eval --help. The adapter is added only for its own base model (not for
 # --model tiny-random-llama) and not when you pass --adapter. Writes samples.jsonl, summary.*, plots
-# to runs/eval/main_<dataset>[_<model>][_no_adapter] unless you pass --out.
+# to runs/eval/main_<dataset>[_<model>][_<adapter>|_no_adapter] unless you pass --out.
 # Relative paths (--out, --dataset, ADAPTER) are read from where you run it.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,12p' "$0"; exit 0; fi
@@ -38,6 +38,7 @@ name=$(basename "$dataset"); name=${name%.gz}; name=${name%.jsonl}; name=${name/
 [ -n "$model" ] && name+=_$(basename "$model")
 if [ -n "$chosen" ] && [ "$chosen" != none ]; then name+=_$(basename "$chosen")
 elif [ ! -f "$ADAPTER/space_config.json" ]; then name+=_no_adapter
+elif [ "$ADAPTER" != "$here/adapters/smollm2-135m-space" ]; then name+=_$(basename "$ADAPTER")  # ADAPTER=...
 fi
 args=(--dataset humaneval --limit 5 --max-new-tokens 128 --device auto --out "runs/eval/main_$name")
 # the adapter decodes with its own tuned layout (space_config.json "decode"); --mask-num etc. override it

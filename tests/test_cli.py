@@ -79,6 +79,11 @@ def test_run_eval_sh_keeps_each_datasets_run_in_its_own_folder(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "runs" / "eval" / "main_q_tiny-random-llama_mine" / "summary.json").is_file()
+    # ... or through ADAPTER= (for its own base model; the tiny one here)
+    out = subprocess.run([*common, "--dataset", "r.jsonl"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ADAPTER": "mine"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "runs" / "eval" / "main_r_tiny-random-llama_mine" / "summary.json").is_file()
 
 
 def test_reproduce_table1_tiny(tmp_path):
