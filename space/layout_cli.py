@@ -109,13 +109,13 @@ def main(argv: list[str] | None = None) -> str:
     Raises:
         ValueError: k < 1, more candidates than k (each comes from one mask), sizes the layout
             cannot hold (groups, cache length, span starts) or a drawing cannot (past ``MAX_DRAWN``), dynamic-tree flags without
-            ``--tree dynamic`` or out of range (see :func:`dynamic_example`), decode flags in another mode,
+            ``--tree dynamic`` or out of range (see :func:`dynamic_example`), a flag of another mode,
             ``--num-candidates`` with a tree, several ``--spans`` to truncate.
     """
     p = argparse.ArgumentParser(prog="space-layout", description="Print a SPACE mask-token layout (DESIGN §3).")
     p.add_argument("--mode", choices=["decode", "train", "truncate"], default="decode")
     p.add_argument("--mask-num", "-k", type=int, default=2, help="masks per group (k)")
-    p.add_argument("--cache-len", type=int, default=2, help="decode: tokens in the KV cache (n-1)")
+    p.add_argument("--cache-len", type=int, default=None, help="decode: tokens in the KV cache (n-1; default 2)")
     p.add_argument("--num-candidates", type=int, default=None, help="decode: candidates m (default k)")
     p.add_argument("--num-groups", type=int, default=None, help="decode: groups attached (default m+1; "
                    "dynamic: most groups, default k+1)")
@@ -129,14 +129,22 @@ def main(argv: list[str] | None = None) -> str:
                    "(default: DecodeConfig's)")
     p.add_argument("--step-cost", default=None, help="dynamic: step-cost curve, JSON [[rows, cost], ...] with rows "
                    "ascending from 1 (default: space.decoding.dynamic.DEFAULT_STEP_COST)")
-    p.add_argument("--seq-len", type=int, default=6, help="train: sample length")
+    p.add_argument("--seq-len", type=int, default=None, help="train: sample length (default 6)")
     p.add_argument("--spans", type=int, nargs="+", default=None,
                    help="train: span starts s (default 2 4); truncate: one span start (default 2)")
     add_debug_flag(p)
     a = p.parse_args(argv)
+    # flags another mode does not read: refused, not left unread
+    for flag, value, modes in (("--cache-len", a.cache_len, ("decode",)), ("--seq-len", a.seq_len, ("train",)),
+                               ("--spans", a.spans, ("train", "truncate")), ("--tree", a.tree, ("decode",)),
+                               ("--num-candidates", a.num_candidates, ("decode",)),
+                               ("--num-groups", a.num_groups, ("decode",))):
+        if value is not None and a.mode not in modes:
+            raise ValueError(f"{flag}: only for --mode {' or '.join(modes)}")
     if a.mode == "truncate" and a.spans is not None and len(a.spans) > 1:
         raise ValueError(f"--mode truncate draws one span start: give one --spans, got {a.spans}")
     a.spans = a.spans or ([2] if a.mode == "truncate" else [2, 4])
+    a.cache_len, a.seq_len = 2 if a.cache_len is None else a.cache_len, 6 if a.seq_len is None else a.seq_len
     from .tokens import check_mask_num
 
     check_mask_num(a.mask_num)  # every mode: a k of thousands asked for terabytes
@@ -147,11 +155,6 @@ def main(argv: list[str] | None = None) -> str:
             raise ValueError(f"{flag} must lie in {low}..{MAX_DRAWN} (a drawing), got {value}")
     if a.num_groups is not None and not 1 <= a.num_groups <= a.mask_num + 1:
         raise ValueError(f"--num-groups must lie in 1..k + 1 = 1..{a.mask_num + 1}, got {a.num_groups}")
-    # flags another mode or layout does not read: refused, not left unread
-    decode_only = [f for f, v in (("--tree", a.tree), ("--num-candidates", a.num_candidates),
-                                  ("--num-groups", a.num_groups)) if v is not None]
-    if a.mode != "decode" and decode_only:
-        raise ValueError(f"{', '.join(decode_only)}: only for --mode decode")
     if a.num_candidates is not None and a.tree not in (None, "chain"):
         raise ValueError("--num-candidates: the chain's (a --tree sets its own nodes)")
     dynamic = a.mode == "decode" and a.tree == "dynamic"

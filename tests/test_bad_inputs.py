@@ -152,6 +152,9 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-layout", ["--mode", "truncate", "--num-groups", "2"], 2, "--num-groups: only for --mode decode"),
     ("space-layout", ["--tree", "[[0],[1]]", "--num-candidates", "1"], 2, "--num-candidates: the chain's"),
     ("space-layout", ["--mode", "truncate", "--spans", "2", "3"], 2, "draws one span start: give one --spans"),
+    ("space-layout", ["--spans", "3"], 2, "--spans: only for --mode train or truncate"),
+    ("space-layout", ["--seq-len", "8"], 2, "--seq-len: only for --mode train"),
+    ("space-layout", ["--mode", "train", "--cache-len", "4"], 2, "--cache-len: only for --mode decode"),
     ("space-layout", ["--tree", "dynamic", "--draft-probs", "[[0.5,0.6]]"], 2,
      "--draft-probs: each mask's probabilities must be its top drafts in decreasing order"),
     ("space-layout", ["--tree", "dynamic", "--draft-probs", "[[0.7,0.6]]"], 2,  # decreasing, but sums to 1.3
