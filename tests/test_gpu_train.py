@@ -233,3 +233,19 @@ def test_a_pack_replaces_the_last_only_when_tar_made_a_whole_archive(tmp_path, t
     assert run.returncode == 0, run.stderr
     assert (out / "gpu60.tar.xz.part0").read_text() == ("new archive\n" if replaced else "the last pack")
     assert not (out / ".pack").exists()
+
+
+@pytest.mark.parametrize("tar_rc, replaced", [(0, True), (1, True), (2, False)])
+def test_gpu_lib_pack_keeps_the_last_whole_archive(tmp_path, tar_rc, replaced):
+    """gpu_check.sh's pack wrote gpu_results.tgz in place: a call cut while packing left a torn archive
+    under the last good one's name. It writes beside and renames, taking tar's 1 (a file changed as it
+    was read) as whole, and leaves no part behind on a failure."""
+    lib = ROOT / "scripts" / "gpu_lib.sh"
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SPACE_GPU_STASH": str(tmp_path / "stash")}
+    script = (f"source {lib}\nprintf 'the last pack' > \"$out/gpu_results.tgz\"\n"
+              f"tar() {{ printf 'new archive' > \"$2\"; return {tar_rc}; }}\npack")
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert (out / "gpu_results.tgz").read_text() == ("new archive" if replaced else "the last pack")
+    assert not (out / "gpu_results.tgz.part").exists()

@@ -43,7 +43,7 @@ def test_setup_replaces_a_torch_older_than_2_11(tmp_path, version, replaced):
 def test_setup_installs_the_pinned_versions_on_their_python(tmp_path, lock_python, unpinned, pinned):
     """requirements.txt gives ranges: each fresh machine got the newest versions its index had, not
     the set the suite passed with. setup.sh now pins them with constraints.txt, on the Python named in
-    its first line, unless SPACE_UNPINNED is set. A copy of the repo's setup files plays the repo, its
+    its first line, unless SPACE_UNPINNED is 1. A copy of the repo's setup files plays the repo, its
     lock naming this suite's Python or another."""
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)

@@ -306,14 +306,14 @@ def test_merge_keeps_the_kernels_timed_choices_only_where_the_ranks_agree(tmp_pa
     for rank in (0, 1):
         eval_main([*short, "--shard", f"{rank}/2"])
     ranks = [json.loads((tmp_path / f"run_config.rank{r}.json").read_text()) for r in (0, 1)]
-    alike = {"packed_min_rows": 4, "kernel_paths": {"576 x 576": {"stock_rows": 2}}}
+    alike = {"packed_min_rows": 4, "kernel_paths": {"576x576": {"stock_rows": 2}}}
     for r in (0, 1):
         (tmp_path / f"run_config.rank{r}.json").write_text(json.dumps({**ranks[r], **alike}))
     eval_main(["--merge", str(tmp_path)])
     merged = json.loads((tmp_path / "run_config.json").read_text())
     assert {k: merged.get(k) for k in alike} == alike
     (tmp_path / "run_config.rank1.json").write_text(json.dumps(
-        {**ranks[1], "packed_min_rows": 8, "kernel_paths": {"576 x 576": {"stock_rows": 6}}}))
+        {**ranks[1], "packed_min_rows": 8, "kernel_paths": {"576x576": {"stock_rows": 6}}}))
     eval_main(["--merge", str(tmp_path)])
     merged = json.loads((tmp_path / "run_config.json").read_text())
     assert "packed_min_rows" not in merged and "kernel_paths" not in merged
