@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .choices import STEP_COST_CHOICES
-from .cli import add_debug_flag, add_threads_flag, check_device, check_number, console, set_threads
+from .cli import add_debug_flag, add_threads_flag, check_number, console, device_flag, set_threads
 
 if TYPE_CHECKING:
     from .decoding import DecodeResult, SamplingConfig, SpaceDecoder
@@ -99,10 +99,7 @@ def check_args(args) -> None:
     if args.kernels not in KERNEL_CHOICES:
         raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {args.kernels!r}")
     set_threads(args.threads)
-    from .models import resolve_device
-
-    args.device = resolve_device(args.device)
-    check_device(args.device)
+    args.device = device_flag(args.device)
     tree = tree_flag(args.tree, args.mask_num or MAX_MASK_NUM)  # a non-UTF-8 tree file is a ValueError there
     if tree not in (None, "chain", "dynamic"):
         check_tree_vocab(tree, args.model, adapter_path(args))

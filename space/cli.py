@@ -91,7 +91,7 @@ def set_threads(threads: int | None) -> None:
 
 def add_device_flag(parser: argparse.ArgumentParser, help: str = "torch device: cpu, cuda, cuda:N, mps or auto "
                                                                   "(CUDA when there is a GPU, else the CPU)") -> None:
-    """``--device``, resolved by ``models.resolve_device`` ("auto") and checked by :func:`check_device`."""
+    """``--device``, resolved and checked by :func:`device_flag`."""
     parser.add_argument("--device", default="cpu", help=f"{help} (default: cpu)")
 
 
@@ -110,6 +110,16 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
+
+
+def device_flag(device: str) -> str:
+    """``--device`` as a run uses it: ``"auto"`` resolved (``models.resolve_device``: the GPU when
+    there is one), then checked (:func:`check_device`, which raises)."""
+    from .models import resolve_device  # lazy: --help stays fast
+
+    device = resolve_device(device)
+    check_device(device)
+    return device
 
 
 def _terminate(signum, frame) -> None:

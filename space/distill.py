@@ -493,12 +493,11 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = sorted(set(names) - set(SOURCES))
     if unknown or not names:
         raise ValueError(f"--sources: unknown {unknown or 'empty list'}; choose from {', '.join(SOURCES)}")
-    from .cli import check_device
-    from .models import parse_dtype, resolve_device
+    from .cli import device_flag
+    from .models import parse_dtype
 
     parse_dtype(a.dtype)
-    device = resolve_device(a.device)
-    check_device(device)
+    device = device_flag(a.device)
     set_threads(a.threads)
     magpie = MagpieSettings(seed=a.magpie_seed, batch_size=a.magpie_batch_size, follow_ups=not a.no_follow_ups)
     summary = distill(a.out, a.model, {n: limits[n] for n in names}, a.batch_size, a.max_new_tokens,

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..cli import (HelpFormatter, add_debug_flag, add_threads_flag, check_device, check_number,
-                   check_threads, console, set_threads)
+                   check_threads, console, device_flag, set_threads)
 from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2, STEP_COST_CHOICES
 from .bench import METHODS
 from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model_files, read_record, report
@@ -147,7 +147,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
 
     from ..decoding.tree import tree_flag
     from ..loader import check_compile
-    from ..models import parse_device_map, parse_dtype, resolve_device
+    from ..models import parse_device_map, parse_dtype
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -190,8 +190,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError(f"--compile takes --kernels stock (torch.compile packs the linears itself), got "
                          f"--kernels {args.kernels}")
     parse_dtype(args.dtype)
-    args.device_requested, args.device = args.device, resolve_device(args.device)
-    check_device(args.device)
+    args.device_requested, args.device = args.device, device_flag(args.device)
     check_compile(args.compile or False, args.device, args.device_map)
     tree_flag(args.tree, args.mask_num)  # a bad --tree fails here; rechecked against the adapter's k later
     try:

@@ -35,7 +35,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
+from ..cli import add_debug_flag, add_device_flag, add_threads_flag, console, device_flag, set_threads
 from ..jsonl import append_jsonl, read_jsonl_resumable, save_figure_atomic, write_jsonl, write_text_atomic
 from .resume import adapter_sha256, model_files
 
@@ -326,10 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(a, name) is not None and getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     set_threads(a.threads)
-    from ..models import resolve_device
-
-    a.device = resolve_device(a.device)  # "auto": the GPU when there is one, as space-eval takes it
-    check_device(a.device)
+    a.device = device_flag(a.device)
     import torch
     import transformers
     from tqdm import tqdm

@@ -36,6 +36,9 @@ SETUP_KEYS = ("threads", "device", "device_map", "machine", "torch", "transforme
               "slot_buckets", "trunk", "sdpa")
 RESUME_KEYS = SAMPLE_KEYS + SETUP_KEYS
 MERGE_KEYS = tuple(k for k in RESUME_KEYS if k not in ("device", "machine"))
+# the fast kernels' timed choices a record holds (``__main__.recorded_paths`` pins them on a resume): a record
+# naming several machines keeps them only where those machines chose alike
+TIMED_CHOICES = ("packed_min_rows", "kernel_paths")
 # what older run_config.json files lack, as those runs had it: chain, no lookup (an adapter's hash
 # is not known: such a folder resumes only without an adapter)
 OLD_DEFAULTS = {"model_files": None, "lookup_tokens": 0, "lookup_ngram": 2, "baselines_suppress_masks": False, "tree": None, "adapter_sha256": None, "row_budget": None, "draft_ranks": None,
@@ -165,8 +168,8 @@ def check_resume(out: Path, meta: dict, shard: Shard | None = None) -> None:
         meta["ranks"] = old["ranks"]
         for key in ("device", "machine"):
             meta[key] = "; ".join(dict.fromkeys([*str(old[key]).split("; "), str(meta[key])]))
-        for key in ("packed_min_rows", "kernel_paths"):  # one machine's timed choices, pinned by a later resume
-            if meta.get(key) != old.get(key):             # on any of the record's machines: kept where they agree
+        for key in TIMED_CHOICES:  # one machine's, pinned by a later resume on any of the record's machines
+            if meta.get(key) != old.get(key):
                 meta.pop(key, None)
     meta["commits"] = commits + [c for c in meta["commits"] if c not in commits]
     name = shard.config if shard is not None else "run_config.json"
@@ -318,9 +321,8 @@ def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
         meta[key] = "; ".join(dict.fromkeys(str(m.get(key)) for m in metas))
     # each rank's packed CPU kernel, timed on its machine (None: none packed on any)
     meta["packed_kernel"] = "; ".join(dict.fromkeys(m["packed_kernel"] for m in metas if m.get("packed_kernel"))) or None
-    # the kernels' timed choices pin a resume's packing (recorded_paths) only where every rank chose alike: rank
-    # 0's alone would pin another machine's on a resume there
-    for key in ("packed_min_rows", "kernel_paths"):
+    # rank 0's alone would pin another machine's on a resume there
+    for key in TIMED_CHOICES:
         if any(m.get(key) != metas[0].get(key) for m in metas):
             meta.pop(key, None)
     return records + _beyond_ranks(out, records, meta, keys), meta

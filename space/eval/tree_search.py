@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..choices import COMPILE_MODES
-from ..cli import add_debug_flag, add_device_flag, add_threads_flag, check_device, console, set_threads
+from ..cli import add_debug_flag, add_device_flag, add_threads_flag, console, device_flag, set_threads
 from ..jsonl import write_text_atomic
 from .probe import base_model_name
 from .resume import adapter_sha256, model_files
@@ -318,10 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.write_adapter and folder is None:
         raise ValueError("--write-adapter needs --adapter, or a full SAR-SFT checkpoint as --model")
     set_threads(a.threads)
-    from ..models import resolve_device
-
-    a.device = resolve_device(a.device)  # "auto": the GPU when there is one, as space-eval takes it
-    check_device(a.device)
+    a.device = device_flag(a.device)
     from ..choices import KERNEL_CHOICES
     from ..loader import check_compile
 
