@@ -414,11 +414,11 @@ def priced_for_setup(decode: DecodeConfig, cfg: dict, threads: int, kernels: str
 
 def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, threads: int | None = None,
                           kernels: str | None = None, device: str = "cpu", packed_kernel: str | None = None,
-                          compile: bool | str = False, dtype: str = "float32") -> DecodeConfig:
+                          compile: bool | str = False, dtype: str = "float32", gpu: str | None = None) -> DecodeConfig:
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
     trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, its step-cost curve
-    the one stored for that setup on the ``device`` type, ``packed_kernel``, ``compile`` mode and
-    trunk ``dtype``, steps not captured (:func:`priced_for_setup`), else the entry's own: a dynamic tree's prices,
+    the one stored for that setup on the ``device`` type, ``packed_kernel``, ``compile`` mode,
+    trunk ``dtype`` and ``gpu`` (a CUDA device's name; None: the current one's), steps not captured (:func:`priced_for_setup`), else the entry's own: a dynamic tree's prices,
     which a static layout carries for a ``tree="dynamic"`` override.
 
     Raises:
@@ -437,7 +437,7 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
     # prices nothing there), so --tree dynamic over it in space-chat or space.hf.generate is priced
     # for this setup, as space-eval prices it after its flags
     priced = priced_for_setup(decode.as_dynamic(), cfg, threads, kernels, where, device,
-                              packed_kernel=packed_kernel, compile=compile, dtype=dtype)[0]
+                              packed_kernel=packed_kernel, compile=compile, gpu=gpu, dtype=dtype)[0]
     return decode.override(step_cost=priced.step_cost, adapter_cost=priced.adapter_cost)
 
 

@@ -239,6 +239,7 @@ def load(args) -> tuple:
     from .decoding.tree import tree_flag
     from .eval.step_cost import price_at_load, trunk_dtype
     from .loader import load_space
+    from .models import model_gpu
 
     # the kernels at load: a dynamic tree is priced by the adapter's curve for these kernels and threads
     adapter = adapter_path(args)
@@ -258,7 +259,7 @@ def load(args) -> tuple:
     folder = artifact_folder(args.model, adapter)  # the adapter, or a full SAR-SFT checkpoint
     cfg = read_space_config(folder) if folder is not None else {}
     setup = priced_for_setup(decode, cfg, torch.get_num_threads(), args.kernels, Path(folder or ".") / SPACE_CONFIG,
-                             next(model.parameters()).device.type, dtype=trunk_dtype(model))[1]
+                             next(model.parameters()).device.type, gpu=model_gpu(model), dtype=trunk_dtype(model))[1]
     decode, setup = price_at_load(model, decode, setup, args.step_cost, args.kernels, tool="space-chat")
     if decode.tree == "dynamic":  # priced by another setup's curve: said, as space-eval says it
         from .eval.step_cost import warn_step_cost_mismatch

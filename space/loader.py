@@ -28,7 +28,7 @@ from .decoding.backends import choose_sdpa
 from .decoding.cache import attention_dtype
 from .decoding.fused import fuse_trunk
 from .eval.step_cost import price_at_load, trunk_dtype
-from .models import SMOLLM2, dispatch, load_model, model_identity
+from .models import SMOLLM2, dispatch, load_model, model_gpu, model_identity
 from .sampler_head import add_sampler_head, sampler_head
 from .tokens import MaskSpec, add_mask_tokens, mask_spec, suppress_in_generate
 
@@ -171,10 +171,11 @@ def _with_tuned_layout(base, cfg: dict, folder: Path, kernels: str, applied: dic
     on = next(base.parameters()).device.type  # a CPU's curve prices a GPU's steps wrong
     threads, packed = torch.get_num_threads(), applied.get("packed_kernel")
     dtype = trunk_dtype(base)  # a bf16 trunk's steps cost otherwise than fp32's
-    decode = adapter_decode_config(cfg, folder / SPACE_CONFIG, threads, kernels, on, packed, compile, dtype)
+    gpu = model_gpu(base)  # on a host with two kinds of GPU, the model's, not the current one
+    decode = adapter_decode_config(cfg, folder / SPACE_CONFIG, threads, kernels, on, packed, compile, dtype, gpu)
     # which stored curve priced it (None: none of this setup), for "auto" to tell whether to measure
     setup = priced_for_setup(decode.as_dynamic(), cfg, threads, kernels, folder / SPACE_CONFIG, on,
-                             packed_kernel=packed, compile=compile, dtype=dtype)[1]
+                             packed_kernel=packed, compile=compile, gpu=gpu, dtype=dtype)[1]
     model = compile_trunk(base, None if compile is True else compile) if compile else base
     # priced as a dynamic tree whatever the stored layout: a static one carries the curve for a
     # tree="dynamic" override (space-chat, space.hf.generate), as adapter_decode_config prices it

@@ -81,6 +81,13 @@ def gpu_identity(device: torch.device | None = None) -> str | None:
     return torch.cuda.get_device_name(device) if torch.cuda.is_available() else None
 
 
+def model_gpu(model) -> str | None:
+    """:func:`gpu_identity` of the GPU ``model``'s (first) parameters are on; None off CUDA. A host
+    with two kinds of GPU prices a model on its second by that GPU's curve, not the current one's."""
+    device = next(model.parameters()).device
+    return gpu_identity(device) if device.type == "cuda" else None
+
+
 def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu",
                device_map: str | dict | None = None):
     """Load a causal LM and its tokenizer by alias or local path.

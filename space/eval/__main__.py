@@ -390,7 +390,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
     from ..decoding.tree import tree_flag
     from ..loader import load_space
-    from ..models import SMOLLM2
+    from ..models import SMOLLM2, model_gpu
     from .bench import PLD_NGRAM, PLD_TOKENS, Target, run_bench
     from .step_cost import trunk_dtype
 
@@ -440,7 +440,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
         print(f"[space-eval] datastore: {len(datastore):,} tokens of answers from {args.datastore}")
     on = next(model.parameters()).device.type
     decode, setup = priced_for_setup(decode, adapter_cfg, threads, args.kernels, where or "", on, args.capture,
-                                     packed_kernel, compiled, dtype=trunk_dtype(model))
+                                     packed_kernel, compiled, gpu=model_gpu(model), dtype=trunk_dtype(model))
     graphs = capture = pld = None
     if args.capture:  # one graph per row and slot bucket (on a GPU), ready before the first question
         from ..decoding.graphs import StepGraphs

@@ -212,8 +212,11 @@ def warn_step_cost_mismatch(setup: dict | None, model, threads: int, kernels: st
     ``space-chat`` and ``load_space`` call it."""
     import warnings
 
+    from ..models import model_gpu
+
     mismatch = step_cost_mismatch(setup, threads, kernels, compiled, trunk_of(model),
-                                  next(model.parameters()).device.type, capture, packed_kernel, dtype=trunk_dtype(model))
+                                  next(model.parameters()).device.type, capture, packed_kernel,
+                                  gpu=model_gpu(model), dtype=trunk_dtype(model))
     if mismatch:
         warnings.warn(mismatch, stacklevel=stacklevel + 1)
 
@@ -227,12 +230,12 @@ def curve_setup(model, kernels: str, capture: bool) -> dict:
     import torch
 
     from ..cpu_kernels import cpu_identity
-    from ..models import gpu_identity
+    from ..models import model_gpu
 
     device = next(model.parameters()).device
     chip = {"cpu": cpu_identity()} if device.type == "cpu" else {}
     if device.type == "cuda":
-        chip = {"gpu": gpu_identity(device)}  # the model's GPU, not the current one
+        chip = {"gpu": model_gpu(model)}  # the model's GPU, not the current one
     return {"threads": torch.get_num_threads(), "kernels": kernels, "device": device.type,
             "capture": capture, "trunk": trunk_of(model), **chip, "dtype": trunk_dtype(model)}
 

@@ -439,6 +439,40 @@ def test_curves_name_their_gpu(tmp_path, monkeypatch):
         stored_step_costs({"step_costs": [{**cfg["step_costs"][0], "gpu": 1}]})
 
 
+def test_a_model_on_a_second_kind_of_gpu_is_priced_by_its_own_gpus_curve(tmp_path, monkeypatch):
+    """On a host with two kinds of GPU, a model on the second (an A10 beside a current H100) is priced
+    and checked by the A10's curve (``models.model_gpu``): the stored curve was chosen, and the check
+    compared, by the current device's name. Fails with ``model_gpu`` reading the current GPU, or
+    with ``warn_step_cost_mismatch`` or ``adapter_decode_config`` left without the model's GPU."""
+    import types
+    import warnings
+
+    from space.artifact import adapter_decode_config
+    from space.eval.step_cost import curve_setup, warn_step_cost_mismatch
+    from space.models import model_gpu
+
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA A10"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: names[0 if device is None else torch.device(device).index or 0])
+    param = types.SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.float32)
+    on_a10 = types.SimpleNamespace(parameters=lambda: iter([param]))
+    assert model_gpu(on_a10) == names[1] and curve_setup(on_a10, "stock", True)["gpu"] == names[1]
+    (tmp_path / "space_config.json").write_text(json.dumps({"mode": "frozen-base", "mask_num": 3}))
+    base = {"threads": 2, "kernels": "stock", "device": "cuda", "capture": False, "trunk": "unfused"}
+    h100, a10 = {**base, "gpu": names[0]}, {**base, "gpu": names[1]}
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.004, 16: 0.005}, setup=h100)
+    write_decode(tmp_path, DecodeConfig(3, 4, tree="dynamic").to_dict(), {1: 0.006, 16: 0.011}, setup=a10)
+    cfg = json.loads((tmp_path / "space_config.json").read_text())
+    decode = adapter_decode_config(cfg, tmp_path / "space_config.json", 2, "stock", "cuda", gpu=model_gpu(on_a10))
+    assert decode.step_cost == ((1, 6.0), (16, 11.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_step_cost_mismatch(a10, on_a10, 2, "stock")  # its own GPU's curve: no warning
+    with pytest.warns(UserWarning, match=r"gpu NVIDIA H100 80GB HBM3 \(run: NVIDIA A10\)"):
+        warn_step_cost_mismatch(h100, on_a10, 2, "stock")
+
+
 def test_curves_name_their_dtype(tmp_path):
     """A bf16 trunk's steps cost otherwise than fp32's (SmolLM2 on a Zen 4: 32 rows 2.07x one row
     in bf16, 2.6x in fp32), and a bf16 run was priced by the fp32 curve without a word: a curve
