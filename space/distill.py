@@ -178,6 +178,11 @@ class Distiller:
         # before --device was made on a CPU
         earlier = old.get("devices") or ([old["device"]] if "device" in old else ["cpu"] if old else [])
         self.devices = sorted({*earlier, device})
+        # likewise every run's answer batch size: a batch's padding moves fp32 greedy answers at near-ties
+        # as a device does, so a set resumed at another size says it did (a manifest from before the
+        # list names the last run's)
+        sizes = old.get("answer_batch_sizes") or ([old["answer_batch_size"]] if "answer_batch_size" in old else [])
+        self.batch_sizes = sorted({*sizes, batch_size})
         out.parent.mkdir(parents=True, exist_ok=True)
         self.rows = read_jsonl(out) if out.suffix == ".gz" else read_jsonl_resumable(out)
         self.turns = read_jsonl(self.turns_file) if self.turns_file.is_file() else []
@@ -367,7 +372,7 @@ class Distiller:
 
         manifest = {
             "file": self.out.name, "complete": complete, "settings": self.settings,
-            "sources": {k: v for k, v in self.sources.items()}, "answer_batch_size": self.batch_size,
+            "sources": {k: v for k, v in self.sources.items()}, "answer_batch_sizes": self.batch_sizes,
             "devices": self.devices,
             "rows": len(self.rows), "rows_by_source": dict(Counter(r["source"] for r in self.rows)),
             "unfinished_answers": sum(not r["finished"] for r in self.rows),

@@ -234,6 +234,28 @@ def test_a_second_run_into_the_same_out_is_refused(tmp_path):
 
 
 
+def test_a_set_records_every_runs_answer_batch_size(tmp_path):
+    """A batch's padding moves fp32 greedy answers at near-ties as a device does, so a set resumed
+    at another answer batch size (a GPU's 512 after a CPU's 16) records both; it recorded the last
+    run's alone. A manifest from before the list names one size, kept."""
+    tok = tiny_tokenizer()
+    answers = {"Hiya": "Hello", "Why?": "Because."}
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": q, "response": "-"}) + "\n" for q in answers))
+    out, manifest_file = tmp_path / "set.jsonl", tmp_path / "set.manifest.json"
+
+    def run(batch_size):
+        Distiller(out, "stub", {str(source): None}, batch_size, 16, 64, None, MagpieSettings()).run(
+            StubModel(tok, answers), tok)
+        return json.loads(manifest_file.read_text())
+
+    assert run(2)["answer_batch_sizes"] == [2]
+    assert run(16)["answer_batch_sizes"] == [2, 16]
+    older = {k: v for k, v in run(16).items() if k != "answer_batch_sizes"}
+    manifest_file.write_text(json.dumps({**older, "answer_batch_size": 8}))
+    assert run(2)["answer_batch_sizes"] == [2, 8]
+
+
 def test_a_set_records_its_dtype_and_device_and_resumes_only_in_its_dtype(tmp_path, monkeypatch):
     """``--dtype`` and ``--device`` (issue 60: self-distillation in large batches on a GPU). bf16
     greedy answers part from fp32 ones at near-ties, so a set resumed in another dtype would mix two
