@@ -255,3 +255,22 @@ def test_a_full_checkpoints_stored_curve_prices_its_chat(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=r"step-cost curve was measured with threads \d \(run: 3\)"):
         chat_module.load(args)
     torch.set_num_threads(2)
+
+
+def test_a_datastore_reaches_the_chats_decoder(tmp_path):
+    """``--datastore`` gives the decoder the sets' answers and one datastore branch a step unless
+    ``--datastore-branches`` says more (a decoder built without it, or with no branch, drafted
+    nothing from it, unsaid)."""
+    import json
+
+    import space.chat as chat_module
+
+    sets = tmp_path / "set.jsonl"
+    sets.write_text(json.dumps({"prompt": "Count.", "response": "one two three four five"}) + "\n")
+    flags = ["--model", "tiny-random-llama", "--tree", "dynamic", "--lookup-tokens", "4", "--datastore", str(sets)]
+    for extra, branches in (((), 1), (("--datastore-branches", "3"), 3)):
+        args = chat_module.build_parser().parse_args([*flags, *extra])
+        chat_module.check_args(args)
+        decoder = chat_module.load(args)[2]
+        assert decoder.datastore is not None and len(decoder.datastore) > 0
+        assert decoder.config.datastore_branches == branches

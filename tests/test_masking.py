@@ -198,6 +198,14 @@ def test_space_layout_draws_up_to_its_largest_drawing():
     assert "x0    pos 0" in main(["-k", "1", "--cache-len", "0"])  # the low end: no cached token, the block alone
 
 
+def test_space_layout_takes_num_candidates_with_the_chain_named():
+    """``--tree chain`` is the default layout named: ``--num-candidates`` sizes it as without the flag
+    (only a token tree, which sets its own nodes, refuses it)."""
+    from space.layout_cli import main
+
+    assert main(["--tree", "chain", "-k", "2", "--num-candidates", "1"]) == main(["-k", "2", "--num-candidates", "1"])
+
+
 def test_render_labels_padding_and_groups_of_different_lengths():
     lay = build_layout(2, 2, [1, 2], [1, 2], parents=[-1, 0], pad_to=7)
     names = [line.split()[3] for line in render(lay).splitlines()[1:]]

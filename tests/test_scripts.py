@@ -676,6 +676,30 @@ def test_replay_lookup_by_hand_and_on_a_committed_run(tmp_path):
     assert abs(one - pld["methods"]["pld"]["tokens_per_step"]) < 0.01 and four > one
 
 
+def test_replay_lookup_emits_no_token_past_the_answers_end():
+    """A step whose continuation holds the whole rest of the answer emits that rest, not one token more
+    (the bonus token lies past the answer's end): the over-count inflated tokens/step on every answer a
+    lookup finished."""
+    from space.decoding.datastore import Datastore
+
+    script = load_script("replay_lookup")
+    fresh, store = [([5, 6, 1, 2, 3], [4, 9, 9])], Datastore([[1, 2, 3, 4, 9, 9, 0]])
+    assert script.replay(fresh, 4, 10, 2, store, 1)["tokens"] == 3  # the answer's 3, in one step
+    assert script.replay([([1, 2, 3, 1, 2], [3])], 1, 10, 2) == {
+        "steps": 1, "tokens": 1, "tokens_per_step": 1.0, "right": {"text": {"first": 1.0, "later": None}}}
+
+
+def test_compare_planners_refuses_a_run_without_a_curve(tmp_path, capsys):
+    """A static layout's run records no step-cost curve: without --adapter it is a usage error naming
+    the run (not a TypeError traceback on its missing curve)."""
+    run = tmp_path / "static_run"
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps({"tree": None, "step_cost": None}))
+    with pytest.raises(SystemExit) as info:
+        load_script("compare_planners").main([str(run)])
+    assert info.value.code == 2 and f"{run} records no step-cost curve" in capsys.readouterr().err
+
+
 def test_plot_mask_accuracy(tmp_path, capsys):
     png = tmp_path / "acc.png"
     load_script("plot_mask_accuracy").main([str(ROOT / "results/sweep/token_targets/log_history.json"), str(png),

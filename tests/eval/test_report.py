@@ -155,3 +155,15 @@ def test_the_layout_says_a_curve_of_another_device_type_priced_the_steps(device,
     assert ("steps priced by a cuda step-cost curve" in layout_text(cuda_curve)) == (not other)
     measured = {**meta, "step_cost_setup": {**meta["step_cost_setup"], "measured": "at load", "seconds": 2.5}}
     assert "steps priced by this machine's step cost, measured at load in 2.5 s" in layout_text(measured)
+
+
+def test_the_dynamic_layout_names_its_lookup_and_datastore_branches():
+    """The dynamic tree's words give prompt lookup's continuations a step and the datastore's (its own
+    ``datastore_branches``, not lookup's count), with the datastore's size; none without one."""
+    from space.eval.report import layout_text
+
+    meta = {"tree": "dynamic", "mask_num": 3, "num_groups": 4, "row_budget": 32, "lookup_tokens": 10,
+            "lookup_branches": 4, "datastore_branches": 2, "datastore": {"sets": "a.jsonl", "tokens": 12345}}
+    said = layout_text(meta)
+    assert "prompt lookup 10 tokens, 4 continuation(s), 2 more from a datastore of 12,345 tokens" in said
+    assert layout_text({**meta, "datastore": None}).endswith("prompt lookup 10 tokens, 4 continuation(s)")

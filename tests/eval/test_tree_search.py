@@ -910,3 +910,38 @@ def test_write_adapter_stores_a_full_checkpoints_layout(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli(["--model", "tiny-random-llama", "--ranks", str(tmp_path / "probe" / "ranks.jsonl"), "--write-adapter"])
     assert info.value.code == 2 and "needs --adapter, or a full SAR-SFT checkpoint" in capsys.readouterr().err
+
+
+def test_auto_measures_a_trunk_of_another_dtype_than_its_stored_curve(monkeypatch):
+    """``auto`` on a GPU takes a stored curve of the run's setup, dtype included: a bf16 trunk priced by
+    an fp32 curve of the same device is measured at load (the dtype left out of that check kept the
+    fp32 curve). The meta device stands for the GPU, the measurement is stubbed."""
+    import space.eval.step_cost as ts
+
+    monkeypatch.setattr(ts, "AUTO_MEASURED", ("meta",))
+    monkeypatch.setattr(ts, "measure_step_cost", lambda model, max_rows, cache_len=300, graphs=None: {
+        "step_cost": [[1, 2.0], [32, 3.0]], "adapter_cost": 0.5, "seconds": 1.0})
+    model = torch.nn.Linear(1, 1, device="meta", dtype=torch.bfloat16)
+    model.config = type("Config", (), {"max_position_embeddings": 2048})()
+    stored = {"threads": torch.get_num_threads(), "kernels": "stock", "device": "meta", "capture": False,
+              "trunk": "unfused"}
+    decode = DecodeConfig(3, 4, tree="dynamic")
+    assert ts.price_at_load(model, decode, {**stored, "dtype": "bfloat16"}, "auto", "stock")[0] == decode
+    priced, how = ts.price_at_load(model, decode, {**stored, "dtype": "float32"}, "auto", "stock")
+    assert priced.step_cost == ((1, 2.0), (32, 3.0)) and how["measured"] == "at load" and how["dtype"] == "bfloat16"
+
+
+def test_ranks_recorded_before_the_models_files_are_taken_as_its(tmp_path):
+    """Ranks of a model folder written before space-probe recorded the folder's files (no
+    ``model_files`` in their meta) are checked by the model's name alone, as before: comparing the
+    missing fingerprint refused every such file. Recorded files that differ are still refused."""
+    from space.eval.resume import model_files
+    from space.eval.tree_search import check_ranks_source
+    from tests.conftest import full_checkpoint
+
+    ckpt = str(full_checkpoint(tmp_path / "full"))
+    older = {"model": ckpt, "adapter": None, "adapter_sha256": None, "mask_num": 3}
+    check_ranks_source(older, tmp_path / "ranks.jsonl", ckpt, None)
+    check_ranks_source({**older, "model_files": model_files(ckpt, layout=False)}, tmp_path / "ranks.jsonl", ckpt, None)
+    with pytest.raises(ValueError, match="has changed since"):
+        check_ranks_source({**older, "model_files": "0" * 64}, tmp_path / "ranks.jsonl", ckpt, None)
