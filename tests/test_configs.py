@@ -121,6 +121,8 @@ def test_settings_a_run_ignores_are_said(tmp_path):
     base = ["--config", str(ROOT / "configs/train/tiny_smoke.yaml"), "--output_dir", str(tmp_path)]
     for flags, named in (([ "--mode", "full", "--lora_r", "4", "--mask_chunk_rows", "64"], "lora_r, mask_chunk_rows"),
                          (["--mode", "lora", "--mask_chunk_rows", "64"], "mask_chunk_rows"),
+                         # every LoRA setting in mode full (catches one left out of the list)
+                         (["--mode", "full", "--lora_alpha", "7", "--lora_dropout", "0.3"], "lora_alpha, lora_dropout"),
                          (["--teacher_topk", "5"], "teacher_topk"), (["--sampler_width", "32"], "sampler_width")):
         with pytest.warns(UserWarning, match=f"^{named} set, but mode .* never reads"):
             parse_train_args([*base, *flags])

@@ -54,6 +54,18 @@ def test_greedy_batches_cut_at_eos_shortest_first():
     assert tok.padding_side == side
 
 
+
+def test_greedy_batches_record_the_end_id_each_answer_generated():
+    """Catches recording the smallest end id (``stop_ids`` is sorted) in place of the one an answer
+    ended with: a row ended by the tokenizer's EOS where the model also lists a lower end id."""
+    tok = tiny_tokenizer()
+    other = 7  # an end id the model lists beside the EOS, below it
+    model = StubModel(tok, {"q": "two", "mid q": [83, other, 86]})
+    model.generation_config.eos_token_id = [tok.eos_token_id, other]
+    prompts = [{"text": t, "ids": chat_ids(tok, [{"role": "user", "content": t}])} for t in model.answers]
+    got = {p["text"]: (ids, stop) for b in greedy_batches(model, tok, prompts, batch_size=2) for p, ids, stop in b}
+    assert got == {"q": (tok("two", add_special_tokens=False)["input_ids"], tok.eos_token_id), "mid q": ([83], other)}
+
 def test_greedy_batches_are_the_models_greedy_output_whatever_its_generation_config():
     """The answers are the teacher's greedy AR output (``ar_generate``, what the decoders emit), so
     the model's own ``generation_config`` settings stay out (HF fills every setting a call leaves

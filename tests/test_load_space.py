@@ -321,6 +321,24 @@ def test_an_artifact_replaced_by_a_run_stopped_part_way_is_kept(tmp_path, monkey
     assert len(list(tmp_path.glob(".old-final-*"))) == 1
 
 
+
+def test_a_bf16_load_is_priced_by_the_adapters_bf16_curve(tmp_path):
+    """Catches load_space pricing a bf16 trunk with the fp32 curve (the trunk's dtype not passed to
+    the curve's choice): an adapter storing both curves of one setup decodes each load with its own."""
+    from space.cpu_kernels import cpu_identity
+    from space.eval.tree_search import write_decode
+
+    adapter = _artifact(tmp_path / "a", "frozen-base")
+    setup = {"threads": torch.get_num_threads(), "kernels": "stock", "device": "cpu", "capture": False,
+             "trunk": "fused", "cpu": cpu_identity()}
+    decode = DecodeConfig(3, tree="dynamic").to_dict()
+    write_decode(adapter, decode, {1: 0.010, 32: 0.020}, setup=setup)  # naming no dtype: fp32's
+    write_decode(adapter, decode, {1: 0.030, 32: 0.050}, setup={**setup, "dtype": "bfloat16"})
+    for dtype, curve in (("float32", [[1, 10.0], [32, 20.0]]), ("bfloat16", [[1, 30.0], [32, 50.0]])):
+        model = load_space(adapter=adapter, dtype=dtype, step_cost="stored")[0]
+        assert model.config.space_decode["step_cost"] == curve
+        assert model.space_step_cost_setup.get("dtype", "float32") == dtype
+
 def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, monkeypatch, capsys):
     """``load_space(step_cost=...)`` (issue 58): a Python user's dynamic tree on a GPU was priced by
     the adapter's stored CPU curve (14 rows at 1.6x one, where an H200's eager step pays about 1.3x).

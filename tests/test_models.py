@@ -202,6 +202,26 @@ def test_smollm2_cache_is_converted_again_when_the_gguf_changes(tmp_path, monkey
     assert models.smollm2_dir() == target and len(conversions) == 3
 
 
+
+def test_a_damaged_source_record_is_converted_again(tmp_path, monkeypatch):
+    """Catches ``_read_source`` letting a damaged SOURCE.json's JSON error through: smollm2_dir
+    crashed, where a cache without a readable record of its GGUF is converted again."""
+    from space import models
+
+    gguf = tmp_path / "pkg" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"release 1")
+    model, tok = models.tiny_random_llama(seed=1)
+    conversions = []
+    monkeypatch.setenv("SPACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_embedded_gguf", lambda: gguf)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: conversions.append(1) or model)
+    target = models.smollm2_dir()
+    (target / "SOURCE.json").write_text("{damaged")
+    assert models.smollm2_dir() == target and len(conversions) == 2
+    assert json.loads((target / "SOURCE.json").read_text())["gguf_sha256"]
+
 def test_processes_converting_at_once_convert_once(tmp_path, monkeypatch):
     """Every rank of a job found the cache stale at once and converted it, each replacing the last one's
     folder while the others loaded from it. One converts now, behind a lock beside the cache; the others
@@ -291,6 +311,9 @@ def test_plain_generate_sets_the_models_settings_aside_and_puts_them_back():
         model.get_output_embeddings().weight[spec.token_ids[0]] = 5 * model.get_output_embeddings().weight.abs().max()
     got = plain_generate(model, inputs, max_new_tokens=12, do_sample=False)[0, 30:].tolist()
     assert not set(got) & set(spec.token_ids)
+    # the caller's own suppress_tokens stay beside the masks (catches the masks replacing them)
+    again = plain_generate(model, inputs, max_new_tokens=12, do_sample=False, suppress_tokens=[got[0]])[0, 30:].tolist()
+    assert got[0] not in again and not set(again) & set(spec.token_ids)
     assert set(model.generate(**inputs, max_new_tokens=12, do_sample=False, suppress_tokens=None)[0, 30:].tolist()) & set(spec.token_ids)
 
 
@@ -307,6 +330,17 @@ def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
     with pytest.raises(ValueError, match=f"model folder {tmp_path} does not load"):
         load_model(str(tmp_path))
 
+
+
+def test_a_folder_without_config_json_is_named_as_no_model_folder(tmp_path):
+    """Catches dropping ``_model_dir``'s config.json check: a folder holding only a tokenizer (or
+    nothing) failed later in the tokenizer or the weights' load, blaming another cause."""
+    from space.models import load_model, load_tokenizer, tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path)
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ValueError, match=f"model folder {tmp_path} holds no config.json"):
+            load(str(tmp_path))
 
 def test_a_k_past_the_trained_one_is_warned_of():
     """``--mask-num 5`` on the shipped adapter (its one mask token trained for k = 3) ran without a

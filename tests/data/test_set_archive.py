@@ -194,3 +194,104 @@ def test_the_script_packs_and_unpacks(magpie_set, tmp_path, capsys):
     assert "MB in all" in capsys.readouterr().out
     script.main(["unpack", str(tmp_path / "archive"), "--out", str(tmp_path / "back")])
     assert (tmp_path / "back" / "distill_magpie.jsonl").read_bytes() == magpie_set.read_bytes()
+
+
+def _small_set(folder, name="s.jsonl.gz", model="tiny-random-llama", turn_keys=None):
+    """A complete two-row set written by ``space.jsonl`` (a first answer and a follow-up whose context
+    repeats it) with a manifest naming ``model``; ``turn_keys``: extra keys of the repeated turn."""
+    from space.data.dev_set import prompt_key
+    from space.distill import answer_row
+    from space.jsonl import write_jsonl
+
+    tok = tiny_tokenizer()
+    ids = tok("an answer", add_special_tokens=False)["input_ids"]
+    first = {"id": "a/0", "source": "lima", "prompt": [{"role": "user", "content": "a question"}]}
+    rows = [answer_row(tok, {**first, "key": prompt_key(first["prompt"])}, ids, True, tok.eos_token_id)]
+    context = first["prompt"] + [{"role": "assistant", "content": rows[0]["response"], **(turn_keys or {})},
+                                 {"role": "user", "content": "more"}]
+    rows.append(answer_row(tok, {"id": "a/0/turn2", "source": "magpie-turn2", "prompt": context,
+                                 "key": prompt_key(context)}, ids, False))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    write_jsonl(path, rows)
+    stem = name.removesuffix(".gz").removesuffix(".jsonl")
+    (folder / f"{stem}.manifest.json").write_text(json.dumps({"complete": True, "rows": 2,
+                                                               "settings": {"model": model}}))
+    return path
+
+
+def test_a_gzipped_set_comes_back_with_its_own_bytes(tmp_path):
+    """Catches a .gz set rebuilt with gzip's timestamp (unpack's gzip.compress without mtime=0): the
+    file differs from the one packed, byte for byte, though its text is the same."""
+    path = _small_set(tmp_path / "set")
+    set_archive.pack([path], tmp_path / "archive", tok=tiny_tokenizer())
+    back = set_archive.unpack(tmp_path / "archive", tmp_path / "back", tok=tiny_tokenizer())
+    assert back[0].read_bytes() == path.read_bytes()
+
+
+def test_an_archive_of_exactly_the_limit_is_written(tmp_path):
+    """Catches an off-by-one in the size limit (an archive of max_bytes refused: the limit is "at most")."""
+    path = _small_set(tmp_path / "set")
+    index = set_archive.pack([path], tmp_path / "a", tok=tiny_tokenizer())
+    assert set_archive.pack([path], tmp_path / "b", tok=tiny_tokenizer(), max_bytes=index["bytes"]) == index
+    with pytest.raises(ValueError, match="not written"):
+        set_archive.pack([path], tmp_path / "c", tok=tiny_tokenizer(), max_bytes=index["bytes"] - 1)
+
+
+def test_sets_of_two_models_are_not_packed_together(tmp_path):
+    """Catches an archive that records one model for sets made with two (unpack rebuilds every set
+    with that one model's tokenizer)."""
+    one = _small_set(tmp_path / "one")
+    two = _small_set(tmp_path / "two", name="t.jsonl.gz", model="another-model")
+    with pytest.raises(ValueError, match="made with 'another-model', the other sets with 'tiny-random-llama'"):
+        set_archive.pack([one, two], tmp_path / "a", tok=tiny_tokenizer())
+    assert not (tmp_path / "a").exists()
+
+
+def test_an_earlier_answer_in_a_turn_with_more_keys_is_kept_as_it_is(tmp_path):
+    """Catches lean_rows replacing an assistant turn that holds more than role and content by an
+    ``answer_of`` (its other keys lost): the set then failed its own rebuild check and was refused."""
+    path = _small_set(tmp_path / "set", turn_keys={"name": "bot"})
+    set_archive.pack([path], tmp_path / "archive", tok=tiny_tokenizer())
+    lean = [json.loads(line) for line in lzma.open(tmp_path / "archive" / "s.lean.jsonl.xz")]
+    assert lean[1]["prompt"][1] == {"role": "assistant", "content": "an answer", "name": "bot"}
+    back = set_archive.unpack(tmp_path / "archive", tmp_path / "back", tok=tiny_tokenizer())
+    assert back[0].read_bytes() == path.read_bytes()
+
+
+def test_the_scripts_max_mb_is_in_megabytes(magpie_set, tmp_path):
+    """Catches scripts/distilled_sets.py converting --max-mb with the wrong unit (a limit the archive
+    is over by one byte let through)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "_script_distilled_sets", Path(__file__).resolve().parents[2] / "scripts" / "distilled_sets.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    size = set_archive.pack([magpie_set], tmp_path / "sized")["bytes"]
+    with pytest.raises(ValueError, match="not written"):
+        script.main(["pack", str(magpie_set), "--out", str(tmp_path / "a"), "--max-mb", str((size - 1) / 1e6)])
+    assert script.main(["pack", str(magpie_set), "--out", str(tmp_path / "b"), "--max-mb", str((size + 1) / 1e6)])["bytes"] == size
+
+
+def test_space_distill_on_a_set_missing_rows_resumes(magpie_set, tmp_path, monkeypatch):
+    """Catches a set taken as complete on its manifest alone: a row lost after the manifest was
+    written (a set with fewer rows than it counts) must be made again, not left out."""
+    import shutil
+
+    from space import distill as distill_mod
+    from space import models
+
+    work = tmp_path / "set"
+    shutil.copytree(magpie_set.parent, work)
+    out = work / magpie_set.name
+    out.write_text("".join(out.read_text(encoding="utf-8").splitlines(keepends=True)[:-1]), encoding="utf-8")
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    with pytest.raises(AssertionError, match="model was loaded"):  # a resume, which loads the model
+        distill_mod.distill(out, "tiny-random-llama", {"magpie": 4}, batch_size=2, max_new_tokens=12,
+                            magpie=distill_mod.MagpieSettings(max_new_tokens=8, batch_size=4))

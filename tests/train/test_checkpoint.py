@@ -319,6 +319,9 @@ def test_a_resume_with_another_effective_batch_or_other_token_ids_is_refused(tmp
     (tmp_path / SETTINGS_FILE).write_text(json.dumps(settings()))
     (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
     check_checkpoint(str(tmp_path), settings())  # the same run resumes
+    # a longer schedule, as run_settings records it: said, not refused (catches its length left out of the record)
+    with pytest.warns(UserWarning, match=r"another schedule length .*'max_steps': \(4, 8\)"):
+        check_checkpoint(str(tmp_path), settings("--max_steps", "8"))
     with pytest.raises(ValueError, match=r"other SPACE settings or data.*'batch': \(4, 8\)"):
         check_checkpoint(str(tmp_path), settings("--gradient_accumulation_steps", "2"))
     # ... or the same ids re-distilled with the end id the model wrote (stop_id), which its last trained token is
@@ -384,5 +387,7 @@ def test_distilled_rows_that_name_no_end_are_warned_of_where_the_model_ends_othe
         warn_unnamed_ends(old, model, tok)  # the EOS is the model's only end
         model.generation_config.eos_token_id = [tok.eos_token_id, 300]
         warn_unnamed_ends(named, model, tok)
+        # an answer cut at the length limit has no end to name (counting it warned of every unfinished row)
+        warn_unnamed_ends([Example([{"role": "user", "content": "q"}], "a b", False, [5, 6])], model, tok)
     with pytest.warns(UserWarning, match=r"1 distilled rows name no end id .* also ends turns with \[300\]"):
         warn_unnamed_ends(old, model, tok)

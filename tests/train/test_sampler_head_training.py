@@ -87,6 +87,31 @@ def test_untrained_head_is_the_identity_and_mask_pass_feeds_it_the_true_previous
     assert head.fc1.weight.grad is not None and head.fc1.weight.grad.abs().sum() > 0
 
 
+
+def test_a_fresh_head_changes_nothing_on_a_model_that_scales_its_logits():
+    """Catches the sampler head's logits made by the bare LM head (``causal_lm_head`` skipped): on
+    Granite (logits divided by logits_scaling 8) a fresh head's logits were 8x the model's own."""
+    import transformers
+
+    from space.models import tiny_tokenizer
+
+    config = transformers.GraniteConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        initializer_range=0.2, logits_scaling=8.0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        base = transformers.GraniteForCausalLM(config).eval()
+    model, spec = prepare_model(base, tiny_tokenizer(), "frozen-base", 3)
+    collator = SpaceCollator(spec.ids_for(3), 3, pad_id=0, spans_per_sample=4)
+    g = torch.Generator().manual_seed(1)
+    batch = collator([{"input_ids": torch.randint(11, 250, (20,), generator=g).tolist(), "prompt_len": 2, "idx": 0}])
+    cache, _ = real_pass(model, batch)
+    rows = slice(0, batch["input_ids"].shape[1] - batch["num_real"])
+    plain = mask_pass(model, model, batch, cache, rows)
+    add_sampler_head(model, 16)
+    torch.testing.assert_close(mask_pass(model, model, batch, cache, rows).logits, plain.logits)
+
 def test_train_save_resume_and_load(tmp_path, capsys):
     out = train(tmp_path / "run", steps=2)
     cfg = json.loads((out / "space_config.json").read_text())

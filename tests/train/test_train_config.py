@@ -77,6 +77,8 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
     (["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be an integer >= 1"),
     # bf16 weights without DeepSpeed's fp32 master copy: 43 % of a tiny model's weights never moved
     (["--mode", "full", "--dtype", "bfloat16"], "mode full with dtype bfloat16 and no DeepSpeed"),
+    # fp16 weights alike (a check of bf16 names alone let fp16 through)
+    (["--mode", "full", "--dtype", "float16"], "mode full with dtype float16 and no DeepSpeed"),
 ])
 def test_out_of_range_values_are_refused_while_parsing(tmp_path, flags, match):
     """Each range check of check_train_args / SpaceSettings fires on its own (a dropped one let the
@@ -90,6 +92,8 @@ def test_what_trains_nothing_only_in_one_mode_passes_in_the_others(tmp_path):
     passes with DeepSpeed's fp32 master weights, and a learning rate of 0 (a way to compare
     initializations, as the ZeRO-2 / ZeRO-3 test does) is said, not refused."""
     parse(tmp_path, "--mode", "lora", "--mask_prob", "0")
+    # the consistency loss alone reaches the masks (a refusal of mask_loss_weight 0 whatever it is caught)
+    parse(tmp_path, "--mode", "frozen-base", "--mask_loss_weight", "0", "--consistency_weight", "0.5")
     parse(tmp_path, "--mode", "full", "--dtype", "bfloat16", "--deepspeed", "configs/deepspeed/zero2.json")
     with pytest.warns(UserWarning, match="learning_rate 0"):
         parse(tmp_path, "--learning_rate", "0")
