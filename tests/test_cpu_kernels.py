@@ -121,6 +121,8 @@ def test_choose_min_rows_weighs_each_shape_by_its_count_and_packs_with_it(monkey
     assert rows == 4  # 2: 10 + 30 x 5 = 160 us, 4: 30 + 30 x 4 = 150, 8: 40 + 180 (unweighted: 2 wins)
     shapes["32x64"] = (shapes["32x64"][0], 1)
     assert kernels.choose_min_rows(shapes)[0] == 2
+    us.update({(128, 4): 10.0, (32, 4): 5.0})  # 2 and 4 tie at 15 us: the fewer rows (the docstring's rule)
+    assert kernels.choose_min_rows(shapes)[0] == 2
     monkeypatch.undo()
     stock_seen = []
     monkeypatch.setattr(kernels, "choose_min_rows", lambda shapes, kernel=None: (8, {k: {} for k in shapes}))

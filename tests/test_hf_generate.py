@@ -575,11 +575,34 @@ def test_max_time_is_split_over_the_rows_of_a_batch(tiny_varied):
     model, _, _ = tiny_varied
     ids = torch.tensor([[20, 30, 40, 50], [21, 31, 41, 51]])
     with pytest.warns(UserWarning, match="one after another"):
-        out = _space(model, ids, max_time=0.4, max_new_tokens=2000, eos_token_id=None, pad_token_id=0)
+        # 0.5 s a row: a loaded machine gave a 0.2 s share one token
+        out = _space(model, ids, max_time=1.0, max_new_tokens=2000, eos_token_id=None, pad_token_id=0)
     assert out.shape[1] - ids.shape[1] < 2000  # the clock stopped it
     assert (out[1, ids.shape[1]:] != 0).sum() > 1
     [share] = _row_criteria([MaxTimeCriteria(0.4, initial_timestamp=0.0)], 2)
     assert share.max_time == 0.2 and share.initial_timestamp > 0.0
+
+
+def test_max_time_stops_a_row_that_decodes_on_past_its_criteria(tiny_varied, monkeypatch):
+    """Without EOS a batch's rows decode on past their criteria, but max_time still stops each (as
+    HF's loop stops the batch). Catches the clock's hit only recorded as the row's stop: the rows
+    were cut there afterwards, the output alike, but each decoded all of max_new_tokens first."""
+    from space.decoding import SpaceDecoder
+
+    model, _, _ = tiny_varied
+    decoded = []
+    generate = SpaceDecoder.generate
+
+    def counted(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        decoded.append(len(out.new_ids))
+        return out
+
+    monkeypatch.setattr(SpaceDecoder, "generate", counted)
+    ids = torch.tensor([[20, 30, 40, 50], [21, 31, 41, 51]])
+    with pytest.warns(UserWarning, match="one after another"):
+        out = _space(model, ids, max_time=0.0, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    assert decoded == [1, 1] and out.shape[1] == ids.shape[1] + 1  # each row's clock ran out at its first token
 
 
 def test_position_ids_other_than_the_default_are_refused(tiny):

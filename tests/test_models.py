@@ -106,6 +106,22 @@ def test_mask_rows_resized_and_set_to_the_mean_in_both_untied_matrices(tmp_path)
     assert mask_spec(load_model(str(tmp_path))[0]) == spec
 
 
+def test_mask_rows_a_config_names_but_the_model_lacks_start_at_the_mean():
+    """A config that records mask ids (copied from a SAR-SFT checkpoint) over weights without those
+    rows: the rows are new, so they start at the mean. Catches "the model has them" read from the
+    config alone, which left the resized rows as the resize initialized them."""
+    from space.models import tiny_random_llama
+
+    model, tok = tiny_random_llama(vocab_size=1, tie_word_embeddings=False)
+    rows = model.get_input_embeddings().weight.shape[0]
+    model.config.space_mask = {"token_ids": [rows, rows + 1]}  # what the checkpoint's config says
+    spec = add_mask_tokens(model, tok, 2, mask_diff=True)
+    assert spec.token_ids == (rows, rows + 1)
+    for mat in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        for i in spec.token_ids:
+            torch.testing.assert_close(mat[i], mat[:rows].mean(0))
+
+
 def test_non_finite_embeddings_give_no_mask_rows():
     """Catches add_mask_tokens dropping its finiteness check (a NaN embedding row made NaN mask rows)."""
     model, tok = load_model("tiny-random-llama")

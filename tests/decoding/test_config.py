@@ -33,3 +33,15 @@ def test_unknown_decode_settings_are_a_value_error():
     with pytest.raises(ValueError, match=r"unknown decode settings \['groups'\]"):
         DecodeConfig.from_dict({"mask_num": 3, "groups": 2})
     assert DecodeConfig.from_dict(DecodeConfig(3, 2, tree=[[0], [1]]).to_dict()) == DecodeConfig(3, 2, tree=[[0], [1]])
+
+
+def test_lookup_branches_above_one_need_the_dynamic_tree_with_lookup():
+    """``--lookup-branches`` is read by the dynamic tree with prompt lookup alone. Catches the check
+    passing a dynamic tree without lookup (the flag left unread, 1 recorded) or refusing 1 / unset."""
+    with pytest.raises(ValueError, match="needs the dynamic tree with prompt lookup"):
+        DecodeConfig(2, tree="dynamic").check_lookup_branches(3)
+    with pytest.raises(ValueError, match="this layout: tree chain, lookup_tokens 4"):
+        DecodeConfig(2, lookup_tokens=4).check_lookup_branches(2)
+    DecodeConfig(2, tree="dynamic", lookup_tokens=4).check_lookup_branches(3)
+    for given in (None, 1):
+        DecodeConfig(2).check_lookup_branches(given)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
-from space.decoding.datastore import Datastore
+from space.decoding.datastore import SCAN, Datastore
 from space.decoding.dynamic import LOOKUP, MASK, STORE, AcceptanceStats, StepCost, plan_step
 from space.decoding.lookup import PromptLookup
 from space.models import tiny_tokenizer
@@ -41,6 +41,23 @@ def test_equal_scores_keep_token_order_a_shorter_continuation_first():
     assert store.continuations([8, 1, 2, 3], 3, 10) == [[5], [5, 7], [9, 1]]
 
 
+def test_an_occurrence_at_the_stores_start_has_no_context_before_it():
+    """(1, 2, 3) opens the store, then follows 8 in another answer; the text has 1 before its own
+    (1, 2, 3). Catches the token "before" the store's first position read from index 0 (the
+    n-gram's own first token, 1 here), which scored a context match no text precedes it with."""
+    store = Datastore([[1, 2, 3, 9], [8, 1, 2, 3, 7]])
+    assert store.continuations([4, 1, 1, 2, 3], 2, 10) == [[7], [9]]  # 1 against 1: token order
+
+
+def test_only_the_last_scan_occurrences_are_scored():
+    """SCAN + 1 occurrences of (1, 2, 3): the first (then 5) is past the SCAN scored, the last SCAN
+    in store order (then 6) are. Catches the first SCAN scored instead of the last."""
+    store = Datastore([[1, 2, 3, 5]] + [[1, 2, 3, 6]] * SCAN)
+    assert store.continuations([1, 2, 3], 2, 1) == [[6]]
+    store = Datastore([[1, 2, 3, 6]] * SCAN + [[1, 2, 3, 5]])  # the other way round: both scored
+    assert store.continuations([1, 2, 3], 2, 1) == [[6], [5]]
+
+
 def test_nothing_crosses_an_answer_and_unknown_text_finds_nothing():
     """Catches a continuation that runs into the next answer (separators), an n-gram matched across
     two answers, and a lookup on a text shorter than the n-gram."""
@@ -49,6 +66,18 @@ def test_nothing_crosses_an_answer_and_unknown_text_finds_nothing():
     assert store.continuations([3, 4, 5], 3, 10) == []  # 4 | 5 spans two answers
     assert store.continuations([3, 4], 3, 10) == [] and store.continuations([6, 6, 6], 3, 10) == []
     assert store.continuations([5, 6, 7], 0, 10) == []
+
+
+def test_a_datastores_identity_names_its_answers_and_where_they_part():
+    """``identity`` (a resumed space-eval's ``datastore_sha256``) is the same for the same answers and
+    differs for other tokens or the same tokens split into other answers, which continue otherwise.
+    Catches an identity of the tokens alone (separators dropped), of the index, or of nothing."""
+    one = Datastore([[1, 2, 3, 4, 5], [6, 7, 8, 9]])
+    assert one.identity == Datastore([[1, 2, 3, 4, 5], [6, 7, 8, 9]]).identity and len(one.identity) == 64
+    split = Datastore([[1, 2, 3, 4, 5, 6], [7, 8, 9]])  # the same tokens, parted elsewhere
+    assert one.identity != split.identity  # what follows (4, 5) differs, and so does the identity
+    assert one.continuations([3, 4, 5], 1, 2) == [] and split.continuations([3, 4, 5], 1, 2) == [[6]]
+    assert one.identity != Datastore([[1, 2, 3, 4, 5], [6, 7, 8, 8]]).identity
 
 
 def test_bad_datastores_are_refused(tmp_path):
@@ -78,6 +107,11 @@ def test_a_set_gives_its_ids_or_its_text_spelled(tmp_path):
     assert store.continuations([40, 41, 42], 1, 5) == [[43, 44]]
     abc = tok("abcdef", add_special_tokens=False)["input_ids"]
     assert store.continuations(abc[:3], 1, 5) == [abc[3:]]
+    # one set mixing both: a text row after an ids row is spelled from its own text
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"response": "zzzzzz", "response_ids": [40, 41, 42, 43, 44]}) + "\n"
+                     + json.dumps({"response": "abcdef"}) + "\n")
+    assert Datastore.from_sets([mixed], tok).continuations(abc[:3], 1, 5) == [abc[3:]]
 
 
 def test_prompt_lookup_adds_the_datastores_continuations_after_its_own():
@@ -96,6 +130,9 @@ def test_prompt_lookup_adds_the_datastores_continuations_after_its_own():
     assert none.continuations() == [[1, 2], [5, 6]] and none.continuation() == []
     assert none.continuations().stored == 2 and alone.continuations().stored == 1
     assert PromptLookup([0, 7, 8, 9], 5, 2, 5, datastore=store, datastore_branches=2).continuations() == []  # context full
+    # a context of 7 positions, 4 taken: the datastore's end one short of its last (2 tokens, not 3)
+    near_end = PromptLookup([0, 7, 8, 9], 5, 2, 7, datastore=Datastore([[7, 8, 9, 1, 2, 3, 4]]), datastore_branches=1)
+    assert near_end.continuations() == [[1, 2]]
     with pytest.raises(ValueError, match="datastore_branches"):
         PromptLookup([], 5, 2, 100, datastore=store, datastore_branches=-1)
 
@@ -110,6 +147,9 @@ def test_a_datastore_needs_a_layout_that_reads_it(tiny_varied):
     with pytest.raises(ValueError, match=f"token id {vocab + 5}, outside this model's vocabulary of {vocab}"):
         SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=4, datastore_branches=1),
                      datastore=Datastore([[1, 2, 3, vocab + 5]]))
+    with pytest.raises(ValueError, match=f"token id {vocab}, outside"):  # the first id past it (off by one)
+        SpaceDecoder(model, spec, DecodeConfig(2, tree="dynamic", lookup_tokens=4, datastore_branches=1),
+                     datastore=Datastore([[1, 2, 3, vocab]]))
     with pytest.raises(ValueError, match="need tree='dynamic'"):
         DecodeConfig(2, lookup_tokens=4, datastore_branches=1)  # a static layout
     with pytest.raises(ValueError, match="need tree='dynamic'"):

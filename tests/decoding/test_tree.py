@@ -238,6 +238,30 @@ def test_tree_sampling_exact_when_repeated_siblings_have_children_of_their_own()
     assert chi2_pvalue(dict(enumerate(after_2.tolist())), dict(enumerate(c.tolist())), m) > ALPHA
 
 
+def test_tree_sampling_tries_a_token_once_under_repeated_siblings():
+    """Repeated siblings c1 and c2 (token 2) each with a child of token 0, d1 and d2: under the one
+    candidate they make, 0 is one candidate too. Catches the children's classes keyed by their own
+    parent row instead of its class: 0 was tried twice after a 2, emitted with 2 p(0) (0.6, not 0.3)."""
+    gen = torch.Generator().manual_seed(0)
+    V = 4
+    x, c = torch.tensor([0.2, 0.2, 0.5, 0.1]), torch.tensor([0.3, 0.3, 0.2, 0.2])
+    leaf = torch.full((V,), 1 / V)
+    p = torch.stack([x, c, c, leaf, leaf])  # x, c1, c2, d1, d2
+    tokens, children = [2, 2, 0, 0], [[1, 2], [3], [4], [], []]
+    paths = {0: [], 1: [1], 2: [2], 3: [1, 3], 4: [2, 4]}
+    n = 6000
+    first, after_2 = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        row, bonus = verify_tree_sampling(p, tokens, children, gen)
+        emitted = [tokens[r - 1] for r in paths[row]] + [int(bonus)]
+        first[emitted[0]] += 1
+        if emitted[0] == 2:
+            after_2[emitted[1]] += 1
+    assert chi2_pvalue(dict(enumerate(first.tolist())), dict(enumerate(x.tolist())), n) > ALPHA
+    m = int(after_2.sum())
+    assert chi2_pvalue(dict(enumerate(after_2.tolist())), dict(enumerate(c.tolist())), m) > ALPHA
+
+
 def test_tree_sampling_with_three_siblings_and_grandchildren():
     """x's children c1, c2, c3 (distinct tokens), and c2's children d1, d2. Two bugs the one-level
     test above (two distinct siblings, no grandchildren) cannot see: c3 must be tried against the
