@@ -1,7 +1,9 @@
 """The sampler head in training (issue 34): teacher-forced on the true previous token, saved with the
 adapter and in checkpoints, resumed, refused outside frozen-base; an adapter without it is unchanged."""
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,7 @@ def test_trains_under_torchrun(tmp_path):
     done = subprocess.run(["bash", "run_sft_multi_node.sh", "configs/train/tiny_smoke.yaml", "--output_dir",
                            str(tmp_path), "--limit", "2", "--max_steps", "2", "--save_steps", "2",
                            "--sampler_head", "true", "--sampler_width", "24"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+                          cwd=root, env={**os.environ, "PYTHON": sys.executable},  # this test's python, venv or not
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "final" / SAMPLER_HEAD).is_file()
