@@ -413,7 +413,7 @@ def distill(out: Path, model_name: str = SMOLLM2, sources: dict[str, int | None]
 
     ``dtype`` (``space.models.parse_dtype`` names) and ``device`` (a torch device string) are the
     model's: on a GPU, a batch of hundreds of answers costs about what one answer costs (issue 60).
-    The dtype is a resume key; the manifest records every run's device.
+    The dtype is a resume key; the manifest records every run's device and answer batch size.
 
     Returns:
         the manifest (also written beside ``out``); for a set already complete with these sources

@@ -312,7 +312,6 @@ def test_native_rms_norm_gives_transformers_bits():
     assert swap_rms_norms(model) == 0  # already swapped
 
 
-
 def test_an_exact_swap_refuses_a_norm_one_ulp_off(monkeypatch):
     """The fast kernels keep the output transformers' to the bit: a native norm that is one ulp off
     on the probe (close by any tolerance) is not swapped in with ``exact`` (the default)."""
@@ -325,6 +324,7 @@ def test_an_exact_swap_refuses_a_norm_one_ulp_off(monkeypatch):
     assert swap_rms_norms(model) == 0 and type(model[0]).__name__ == "LlamaRMSNorm"
     monkeypatch.setattr(torch.nn.functional, "rms_norm", native)
     assert swap_rms_norms(model) == 1  # the same bits: swapped
+
 
 def test_gqa_attention_equals_sdpa_with_a_4d_mask(tiny):
     model, _, _ = tiny

@@ -54,7 +54,6 @@ def test_greedy_batches_cut_at_eos_shortest_first():
     assert tok.padding_side == side
 
 
-
 def test_greedy_batches_record_the_end_id_each_answer_generated():
     """Catches recording the smallest end id (``stop_ids`` is sorted) in place of the one an answer
     ended with: a row ended by the tokenizer's EOS where the model also lists a lower end id."""
@@ -65,6 +64,7 @@ def test_greedy_batches_record_the_end_id_each_answer_generated():
     prompts = [{"text": t, "ids": chat_ids(tok, [{"role": "user", "content": t}])} for t in model.answers]
     got = {p["text"]: (ids, stop) for b in greedy_batches(model, tok, prompts, batch_size=2) for p, ids, stop in b}
     assert got == {"q": (tok("two", add_special_tokens=False)["input_ids"], tok.eos_token_id), "mid q": ([83], other)}
+
 
 def test_greedy_batches_are_the_models_greedy_output_whatever_its_generation_config():
     """The answers are the teacher's greedy AR output (``ar_generate``, what the decoders emit), so
@@ -134,7 +134,6 @@ def test_distill_jsonl_skips_and_resumes_after_a_torn_append(tmp_path):
     assert sorted(resumed, key=lambda r: r["id"]) == sorted(rows, key=lambda r: r["id"])
     with pytest.raises(ValueError, match="other settings.*model"):
         run("another-model")
-
 
 
 def test_distill_resume_checks_hold_before_the_first_row_and_across_sources(tmp_path):
@@ -243,7 +242,6 @@ def test_a_second_run_into_the_same_out_is_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"{out} is being written by another run \(pid \d+\); wait for it"):
             distill(out, "tiny-random-llama", {"mbpp": 1}, max_new_tokens=2)
     assert not out.exists()
-
 
 
 def test_a_set_records_every_runs_answer_batch_size(tmp_path):

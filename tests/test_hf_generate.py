@@ -309,7 +309,6 @@ def test_generation_config_object(tiny):
     assert torch.equal(_space(model, ids, generation_config=cfg, mask_num=2), _hf(model, ids, generation_config=cfg))
 
 
-
 def _left_padded(trained, short=7, pad=None):
     """Two prompts of the trained model's language, the second cut to ``short`` tokens and
     left-padded with ``pad`` (default: the tokenizer's pad id): (ids (2, seq), attention_mask
@@ -383,7 +382,6 @@ def test_a_users_eos_and_max_length_criteria_stop_as_in_plain_generate(trained):
         assert torch.equal(_space(model, ids, max_new_tokens=30, stopping_criteria=criteria), ref), criteria
 
 
-
 def test_several_max_length_criteria_stop_at_the_shortest_as_in_plain_generate(trained):
     """Two ``MaxLengthCriteria`` given (the first takes the place of generate's own, the second is
     added): HF's loop stops at the first one met, the shorter. Catches SPACE decoding to the
@@ -397,6 +395,7 @@ def test_several_max_length_criteria_stop_at_the_shortest_as_in_plain_generate(t
         ref = _hf(model, ids, max_new_tokens=30, stopping_criteria=criteria)
         assert ref.shape[1] == ids.shape[1] + 5
         assert torch.equal(_space(model, ids, max_new_tokens=30, stopping_criteria=criteria), ref), lengths
+
 
 def test_a_users_repetition_penalty_with_a_tensor_to_skip_is_kept():
     """HF documents ``prompt_ignore_length`` as a (batch,) tensor too: the ids each row leaves out of
@@ -565,18 +564,25 @@ def test_batch_rows_sample_with_seeds_of_their_own(tiny_varied):
     assert len({tuple(row) for row in out.tolist()}) == 4 and torch.equal(out, draw())
 
 
-def test_max_time_is_split_over_the_rows_of_a_batch(tiny_varied):
+def test_max_time_is_split_over_the_rows_of_a_batch(tiny_varied, monkeypatch):
     """Rows are decoded one after another: with one clock for the batch the first row took all of
     max_time and every later row stopped after one token. Each row now gets an even share, from
-    its own start."""
+    its own start. The clock is faked (10 ms a reading): on a loaded machine one step of wall time
+    took a row's whole share."""
+    import itertools
+    import types
+
+    import transformers.generation.stopping_criteria as stopping
     from space.hf import _row_criteria
     from transformers.generation.stopping_criteria import MaxTimeCriteria
 
     model, _, _ = tiny_varied
+    ticks = itertools.count()
+    monkeypatch.setattr(stopping, "time", types.SimpleNamespace(time=lambda: next(ticks) * 0.01))
     ids = torch.tensor([[20, 30, 40, 50], [21, 31, 41, 51]])
     with pytest.warns(UserWarning, match="one after another"):
-        # 0.5 s a row: a loaded machine gave a 0.2 s share one token
-        out = _space(model, ids, max_time=1.0, max_new_tokens=2000, eos_token_id=None, pad_token_id=0)
+        out = _space(model, ids, max_time=0.4, max_new_tokens=2000, eos_token_id=None, pad_token_id=0)
+    monkeypatch.undo()  # the criteria below read the real clock
     assert out.shape[1] - ids.shape[1] < 2000  # the clock stopped it
     assert (out[1, ids.shape[1]:] != 0).sum() > 1
     [share] = _row_criteria([MaxTimeCriteria(0.4, initial_timestamp=0.0)], 2)

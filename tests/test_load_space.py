@@ -321,7 +321,6 @@ def test_an_artifact_replaced_by_a_run_stopped_part_way_is_kept(tmp_path, monkey
     assert len(list(tmp_path.glob(".old-final-*"))) == 1
 
 
-
 def test_a_bf16_load_is_priced_by_the_adapters_bf16_curve(tmp_path):
     """Catches load_space pricing a bf16 trunk with the fp32 curve (the trunk's dtype not passed to
     the curve's choice): an adapter storing both curves of one setup decodes each load with its own."""
@@ -338,6 +337,7 @@ def test_a_bf16_load_is_priced_by_the_adapters_bf16_curve(tmp_path):
         model = load_space(adapter=adapter, dtype=dtype, step_cost="stored")[0]
         assert model.config.space_decode["step_cost"] == curve
         assert model.space_step_cost_setup.get("dtype", "float32") == dtype
+
 
 def test_step_cost_prices_an_adapters_tree_at_load_as_space_eval_does(tmp_path, monkeypatch, capsys):
     """``load_space(step_cost=...)`` (issue 58): a Python user's dynamic tree on a GPU was priced by

@@ -222,7 +222,6 @@ def test_train_layout_checks_tensor_span_starts():
             train_layout(5, bad, 2)
 
 
-
 def test_anchored_group_is_the_group_shift_rule():
     """DESIGN §3.5 with k+1 groups on the chain: an all-chain path of depth a drafts from G_a,
     offset 0; fewer groups shift; a path that leaves the chain after c nodes drafts from G_c."""

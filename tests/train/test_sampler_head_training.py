@@ -89,7 +89,6 @@ def test_untrained_head_is_the_identity_and_mask_pass_feeds_it_the_true_previous
     assert head.fc1.weight.grad is not None and head.fc1.weight.grad.abs().sum() > 0
 
 
-
 def test_a_fresh_head_changes_nothing_on_a_model_that_scales_its_logits():
     """Catches the sampler head's logits made by the bare LM head (``causal_lm_head`` skipped): on
     Granite (logits divided by logits_scaling 8) a fresh head's logits were 8x the model's own."""
@@ -113,6 +112,7 @@ def test_a_fresh_head_changes_nothing_on_a_model_that_scales_its_logits():
     plain = mask_pass(model, model, batch, cache, rows)
     add_sampler_head(model, 16)
     torch.testing.assert_close(mask_pass(model, model, batch, cache, rows).logits, plain.logits)
+
 
 def test_train_save_resume_and_load(tmp_path, capsys):
     out = train(tmp_path / "run", steps=2)
