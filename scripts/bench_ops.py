@@ -46,7 +46,10 @@ WARM_TOKENS = 8  # each method's warm-up generation
 
 def count(generate, prompts, trunk=None) -> tuple[float, int, dict]:
     """(ops per step, steps counted, ops per step by op) over ``prompts``, after a warm-up; with
-    ``trunk``, none of the ops inside its forward (a captured step's graph)."""
+    ``trunk``, none of the ops inside its forward (a captured step's graph).
+
+    Raises:
+        ValueError: every prompt took one step (nothing between two steps to count)."""
     generate(prompts[0], WARM_TOKENS, None)
     total = steps = 0
     by_op = {}
@@ -65,6 +68,8 @@ def count(generate, prompts, trunk=None) -> tuple[float, int, dict]:
         total, steps = total + ops.marks[-1] - ops.marks[0], steps + n
         for name, per in ops.per_step_by_op().items():
             by_op[name] = by_op.get(name, 0) + per * n
+    if not steps:
+        raise ValueError("every prompt took a single step: raise --max-new-tokens to count whole steps")
     return total / steps, steps, by_op
 
 

@@ -779,6 +779,8 @@ def test_bench_ops_count_weighs_each_prompt_by_its_steps_and_skips_one_step_prom
                                                   {"steps": 0, "adds": 0}])
     assert steps == 4 and per_step == pytest.approx(10 / 4)
     assert sum(by_op.values()) == pytest.approx(10)
+    with pytest.raises(ValueError, match="every prompt took a single step"):  # was a ZeroDivisionError
+        ops.count(generate, [{"steps": 0, "adds": 0}])
 
 
 def test_gpu_check_g58b_times_spaces_layout_before_ar():
