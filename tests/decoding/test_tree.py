@@ -214,6 +214,23 @@ def test_tree_sampling_walks_into_a_repeated_siblings_children():
         assert (row, int(bonus)) == (5, 0)
 
 
+def assert_first_then_after_2(p, tokens, children, paths, first_dist, after_2_dist, n, gen):
+    """Over ``n`` sampled verifications of the tree (``paths``: node -> the rows from the root), the
+    first emitted token follows ``first_dist`` and, after a 2, the second follows ``after_2_dist``
+    (chi-square)."""
+    V = p.shape[1]
+    first, after_2 = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        row, bonus = verify_tree_sampling(p, tokens, children, gen)
+        emitted = [tokens[r - 1] for r in paths[row]] + [int(bonus)]
+        first[emitted[0]] += 1
+        if emitted[0] == 2:
+            after_2[emitted[1]] += 1
+    assert chi2_pvalue(dict(enumerate(first.tolist())), dict(enumerate(first_dist.tolist())), n) > ALPHA
+    m = int(after_2.sum())
+    assert chi2_pvalue(dict(enumerate(after_2.tolist())), dict(enumerate(after_2_dist.tolist())), m) > ALPHA
+
+
 def test_tree_sampling_exact_when_repeated_siblings_have_children_of_their_own():
     """Repeated siblings c1 and c3 (token 2; same row distribution, as the same tokens precede them)
     with children of their own, d1 (0) under c1 and d3 (1) under c3: the first token follows x's row,
@@ -226,16 +243,7 @@ def test_tree_sampling_exact_when_repeated_siblings_have_children_of_their_own()
     tokens, children = [2, 1, 2, 0, 1], [[1, 2, 3], [4], [], [5], [], []]
     paths = {0: [], 1: [1], 2: [2], 3: [3], 4: [1, 4], 5: [3, 5]}
     n = 20_000
-    first, after_2 = torch.zeros(V), torch.zeros(V)
-    for _ in range(n):
-        row, bonus = verify_tree_sampling(p, tokens, children, gen)
-        emitted = [tokens[r - 1] for r in paths[row]] + [int(bonus)]
-        first[emitted[0]] += 1
-        if emitted[0] == 2:
-            after_2[emitted[1]] += 1
-    assert chi2_pvalue(dict(enumerate(first.tolist())), dict(enumerate(x.tolist())), n) > ALPHA
-    m = int(after_2.sum())
-    assert chi2_pvalue(dict(enumerate(after_2.tolist())), dict(enumerate(c.tolist())), m) > ALPHA
+    assert_first_then_after_2(p, tokens, children, paths, x, c, n, gen)
 
 
 def test_tree_sampling_tries_a_token_once_under_repeated_siblings():
@@ -250,16 +258,7 @@ def test_tree_sampling_tries_a_token_once_under_repeated_siblings():
     tokens, children = [2, 2, 0, 0], [[1, 2], [3], [4], [], []]
     paths = {0: [], 1: [1], 2: [2], 3: [1, 3], 4: [2, 4]}
     n = 6000
-    first, after_2 = torch.zeros(V), torch.zeros(V)
-    for _ in range(n):
-        row, bonus = verify_tree_sampling(p, tokens, children, gen)
-        emitted = [tokens[r - 1] for r in paths[row]] + [int(bonus)]
-        first[emitted[0]] += 1
-        if emitted[0] == 2:
-            after_2[emitted[1]] += 1
-    assert chi2_pvalue(dict(enumerate(first.tolist())), dict(enumerate(x.tolist())), n) > ALPHA
-    m = int(after_2.sum())
-    assert chi2_pvalue(dict(enumerate(after_2.tolist())), dict(enumerate(c.tolist())), m) > ALPHA
+    assert_first_then_after_2(p, tokens, children, paths, x, c, n, gen)
 
 
 def test_tree_sampling_with_three_siblings_and_grandchildren():
