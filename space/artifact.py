@@ -418,8 +418,9 @@ def adapter_decode_config(cfg: dict, where: os.PathLike | str = SPACE_CONFIG, th
     """The decode layout an adapter's ``space_config.json`` records (``"decode"``), else k = its
     trained k with the paper's k+1 groups; with ``threads`` and ``kernels``, its step-cost curve
     the one stored for that setup on the ``device`` type, ``packed_kernel``, ``compile`` mode,
-    trunk ``dtype`` and ``gpu`` (a CUDA device's name; None: the current one's), steps not captured (:func:`priced_for_setup`), else the entry's own: a dynamic tree's prices,
-    which a static layout carries for a ``tree="dynamic"`` override.
+    trunk ``dtype`` and ``gpu`` (a CUDA device's name; None: the current one's), steps not captured
+    (:func:`priced_for_setup`), else the entry's own: a dynamic tree's prices, which a static layout
+    carries for a ``tree="dynamic"`` override.
 
     Raises:
         ValueError: a malformed ``decode`` or ``step_costs`` entry, or a ``decode`` k above the

@@ -429,7 +429,8 @@ def test_curves_name_their_gpu(tmp_path, monkeypatch):
     assert step_cost_mismatch(base, 2, "stock", device="cuda", capture=True, gpu=h100["gpu"]) is None
     # no gpu given: this machine's (faked as the A10)
     monkeypatch.setattr("space.models.gpu_identity", lambda: a10["gpu"])
-    for _ in range(2):  # whichever comes first (write_decode put the A10's first: one order let "this machine's" go unread)
+    # whichever comes first (write_decode put the A10's first: one order let "this machine's" go unread)
+    for _ in range(2):
         layout, priced = priced_for_setup(DecodeConfig(3, tree="dynamic"), cfg, 2, "stock", device="cuda", capture=True)
         assert layout.step_cost == ((1, 6.0), (16, 11.0)) and priced == a10
         cfg["step_costs"].reverse()
