@@ -236,7 +236,6 @@ def load(args) -> tuple:
 
     from .artifact import SPACE_CONFIG, artifact_folder, priced_for_setup, read_space_config
     from .decoding import DEFAULT_MASK_NUM, DecodeConfig, SpaceDecoder
-    from .decoding.tree import tree_flag
     from .eval.step_cost import price_at_load, trunk_dtype
     from .loader import load_space
     from .models import model_gpu
@@ -245,11 +244,7 @@ def load(args) -> tuple:
     adapter = adapter_path(args)
     model, tok, spec = load_space(args.model, adapter, args.mask_num or DEFAULT_MASK_NUM,
                                   device=args.device, kernels=args.kernels, step_cost="stored")  # priced below
-    decode = DecodeConfig.of_model(model, spec.mask_num).override(
-        mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
-        lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num),
-        datastore_branches=(args.datastore_branches or 1) if args.datastore else None)
-    decode.check_lookup_branches(args.lookup_branches)
+    decode = DecodeConfig.of_model(model, spec.mask_num).with_flags(args)
     datastore = None
     if args.datastore:
         from .decoding.datastore import Datastore

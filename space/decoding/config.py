@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from ..tokens import check_mask_num
 from .dynamic import StepCost
-from .tree import Tree, anchored_group, chain_depth, check_tree, prune
+from .tree import Tree, anchored_group, chain_depth, check_tree, prune, tree_flag
 
 DEFAULT_MASK_NUM = 5  # the paper's k (DESIGN §2); the only place a default k is written
 
@@ -159,6 +159,22 @@ class DecodeConfig:
         if "mask_num" in values and "tree" not in values and self.tree not in (None, "dynamic"):
             values["tree"] = prune(self.tree, values["mask_num"]) or None
         return replace(self, **values)
+
+    def with_flags(self, args) -> DecodeConfig:
+        """This layout under the layout flags ``space-eval`` and ``space-chat`` share (``--mask-num``,
+        ``--num-groups``, ``--lookup-tokens``, ``--lookup-branches``, ``--tree``, ``--datastore`` and
+        ``--datastore-branches``; a flag not given keeps the field, :meth:`override`). A datastore
+        without ``--datastore-branches`` verifies one continuation.
+
+        Raises:
+            ValueError: a malformed ``--tree`` (``tree_flag``), or ``--lookup-branches`` above 1
+                where one continuation is verified (:meth:`check_lookup_branches`).
+        """
+        decode = self.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
+                               lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num),
+                               datastore_branches=(args.datastore_branches or 1) if args.datastore else None)
+        decode.check_lookup_branches(args.lookup_branches)
+        return decode
 
     def check_lookup_branches(self, given: int | None) -> None:
         """Raises ValueError when ``--lookup-branches`` was ``given`` above 1 for a layout that verifies

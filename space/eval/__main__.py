@@ -389,7 +389,6 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
                             priced_for_setup)
     from ..cpu_kernels import PACKED_KERNELS, apply_kernels
     from ..decoding import DEFAULT_MASK_NUM, DecodeConfig, SamplingConfig, SpaceDecoder
-    from ..decoding.tree import tree_flag
     from ..loader import load_space
     from ..models import SMOLLM2, model_gpu
     from .bench import PLD_NGRAM, PLD_TOKENS, Target, run_bench
@@ -429,10 +428,7 @@ def evaluate(args: argparse.Namespace, shard: Shard | None, methods: list[str], 
     where = folder / SPACE_CONFIG if folder else None
     adapter_cfg = read_record(where) if where else {}
     tuned = adapter_decode_config(adapter_cfg, where) if where else DecodeConfig.of_model(model, spec.mask_num)
-    decode = tuned.override(mask_num=args.mask_num, num_groups=args.num_groups, lookup_tokens=args.lookup_tokens,
-                            lookup_branches=args.lookup_branches, tree=tree_flag(args.tree, args.mask_num),
-                            datastore_branches=(args.datastore_branches or 1) if args.datastore else None)
-    decode.check_lookup_branches(args.lookup_branches)
+    decode = tuned.with_flags(args)
     datastore = None
     if args.datastore:
         from ..decoding.datastore import Datastore
