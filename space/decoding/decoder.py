@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -306,16 +306,20 @@ class StepLayout:
             row = self.parents[row]
         return out[::-1]
 
-    def draft_rows(self, best: int) -> tuple[int, int, int, int] | None:
+    def draft_rows(self, best: int, tokens: Sequence[int]) -> tuple[int, int, int, int] | None:
         """Where the next drafts come from after the path to ``best`` is accepted: the group-shift
         rule (``tree.anchored_group``, DESIGN §3.5) on this block, whose groups anchor on
-        x_{n-1} and down one chain (``group_rows``). Returns (group, shift, first row, end row) in
-        the block, or None without groups or when the group's masks all lie behind the path's end."""
+        x_{n-1} and down one chain (``group_rows``). ``tokens``: (N,) the node tokens on the host.
+        The path is on the chain as deep as it spells the chain's tokens, not only through its rows:
+        a static tree's lookup branch that repeats the top-1 drafts and runs deeper gives its groups
+        the same context, so their masks draft past the path's end as they would on the chain.
+        Returns (group, shift, first row, end row) in the block, or None without groups or when the
+        group's masks all lie behind the path's end."""
         if not self.group_rows:
             return None
-        path = self.path(best)
+        path, chain = self.path(best), self.group_rows[1:]
         on_chain = 0
-        while on_chain < min(len(path), len(self.group_rows) - 1) and path[on_chain] == self.group_rows[on_chain + 1]:
+        while on_chain < min(len(path), len(chain)) and tokens[path[on_chain] - 1] == tokens[chain[on_chain] - 1]:
             on_chain += 1
         g, shift = anchored_group(len(path), len(self.group_rows), on_chain)
         start, stop = self.group_start(g) + shift, self.group_start(g) + self.group_len[g]
@@ -673,7 +677,7 @@ class SpaceDecoder:
         # 6. keep x_0..x_{n-1} and the accepted path in the cache, drop the rest
         compact_cache(cache, L, path, L + lay.rows)
         # 7. draft from the deepest group anchored on the path, past the path's end (DESIGN §3.5)
-        rows = lay.draft_rows(best)
+        rows = lay.draft_rows(best, host_tokens)
         if rows is None:
             return bonus, None, emitted, path, host_tokens
         g, shift, start, stop = rows

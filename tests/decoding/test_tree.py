@@ -429,3 +429,23 @@ def test_replay_refuses_ranks_with_fewer_offsets_than_the_layout_drafts():
     with pytest.raises(ValueError, match="the ranks hold 2 offsets; a layout with mask_num 3 needs 3"):
         replay(ranks, 3, 2, None)
     assert replay(ranks, 2, 2, None).tokens == replay([torch.zeros(6, 3, dtype=torch.long)], 2, 2, None).tokens
+
+
+def test_a_lookup_branch_that_spells_the_chain_drafts_from_the_deepest_group(tiny):
+    """A static chain of 3 with a lookup branch of 3 repeating its first two tokens: when the branch
+    is accepted to its end, the groups anchored down the chain saw the same context, so the next
+    drafts come from the deepest group (G_2, past its offset 0), as on the chain. Compared by rows,
+    the path was off the chain and drafted from G_0 shifted past all its masks: no drafts at all.
+    A branch that leaves the chain's tokens drafts from the group where it left."""
+    from space.decoding.decoder import Drafts
+
+    model, _, spec = tiny
+    dec = SpaceDecoder(model, spec, DecodeConfig(3, 3, lookup_tokens=3))
+    lay, tokens, _ = dec.static_block(10, Drafts(torch.tensor([[5], [6], [9]])), [5, 6, 7])
+    nodes = tokens.tolist()
+    assert lay.parents == (-1, 0, 1, 2, 0, 4, 5) and nodes == [5, 6, 9, 5, 6, 7]  # chain 5 6 9, branch 5 6 7
+    assert lay.draft_rows(6, nodes)[:2] == (2, 1)  # the branch's end: G_2, from its mask 1
+    assert lay.draft_rows(3, nodes)[:2] == (2, 1)  # the chain's end, the same
+    assert lay.draft_rows(5, nodes)[:2] == (2, 0)  # the branch at depth 2: G_2 from its first mask
+    assert lay.draft_rows(6, [5, 6, 9, 5, 8, 7])[:2] == (1, 2)  # the branch leaves the chain after one token
+    assert lay.draft_rows(6, [5, 6, 9, 4, 6, 7]) is None  # ... at once: G_0 holds nothing past depth 3
