@@ -100,9 +100,11 @@ def test_t60c_trains_for_what_its_stage_has_left(budget, minutes):
     """The trainer's clock was the config's 6.3 minutes whatever the call's budget: a budget that cut the
     460 s stage shorter killed torchrun before final/ was written, and 6 minutes of training came back as
     logs alone. Its clock is now the stage's seconds (its cap, or what the budget leaves) less the 82 s
-    that loading and saving take, at most the config's."""
+    that loading and saving take, at most the config's. SECONDS is a plain variable here, held at 0:
+    bash's own ticks at a wall-clock second boundary, and one crossed during the shell's start made
+    400 read 4.78."""
     lib = ROOT / "scripts" / "gpu_lib.sh"
-    script = (f"out=/tmp; stash=/tmp; budget={budget}; PACK_MARGIN=30\n"
+    script = (f"unset SECONDS; SECONDS=0; out=/tmp; stash=/tmp; budget={budget}; PACK_MARGIN=30\n"
               f"TRAIN_CONFIG=configs/train/smollm2_gpu_40k.yaml TRAIN_MARGIN=82\n{_function('train_minutes')}\n"
               "train_minutes 460")
     run = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -131,16 +133,21 @@ def test_a_stage_is_cut_before_the_calls_budget_and_a_spent_one_skips(tmp_path):
     """A call the run tool cuts at its timeout loses what its running stage had not packed. With
     SPACE_GPU_BUDGET a stage is cut PACK_MARGIN (30) seconds before the budget ends, whatever its
     own cap, and a stage with no time left is skipped (rc 124, the call then fails); without one
-    the caps alone hold."""
+    the caps alone hold. The clock is set by hand (SECONDS a plain variable) and the cap is read
+    from the timeout call: bash's SECONDS ticks at wall-clock second boundaries, so a 2 s stage
+    read 3 s when it started late in a second (about 1 run in 20 on a loaded machine)."""
     lib = ROOT / "scripts" / "gpu_lib.sh"
-    script = (f"source {lib}; pack() {{ :; }}\n"
-              "stage slow 60 sleep 20; echo \"slow=$?\"; stage next 60 true; echo \"next=$? failed=$failed\"")
+    script = (f"source {lib}; pack() {{ :; }}; unset SECONDS; SECONDS=0\n"
+              "timeout() { echo \"cap=$1\"; command timeout \"$@\"; }\n"  # its output goes to the stage's log
+              "stage slow 60 sleep 20; echo \"slow=$?\"; SECONDS=2\n"
+              "stage next 60 true; echo \"next=$? failed=$failed\"")
     env = {**os.environ, "OUT": str(tmp_path / "out"), "SPACE_GPU_STASH": str(tmp_path / "stash"),
            "SPACE_GPU_BUDGET": "32"}
     run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert "slow=124" in run.stdout and "next=124 failed=1" in run.stdout, run.stdout + run.stderr
     status = (tmp_path / "stash" / "res" / "status.txt").read_text()
-    assert re.search(r"^slow rc=124 seconds=[12]$", status, re.M) and "next rc=124 seconds=0 skipped" in status, status
+    assert "slow rc=124 seconds=0\n" in status and "next rc=124 seconds=0 skipped" in status, status
+    assert (tmp_path / "stash" / "res" / "slow.log").read_text().startswith("cap=2\n")  # 32 - 0 - 30
     env.pop("SPACE_GPU_BUDGET")
     script = f"source {lib}; pack() {{ :; }}\nstage quick 60 sleep 1; echo \"quick=$? failed=$failed\""
     run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
