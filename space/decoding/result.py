@@ -201,15 +201,19 @@ def check_prompt(input_ids: torch.Tensor | list[int], max_new_tokens: int, conte
 @contextmanager
 def model_time(*modules: torch.nn.Module) -> Iterator[list[float]]:
     """Seconds spent inside ``modules``' forward calls while the block runs, accumulated in the
-    yielded one-item list (read it before and after a step for that step's share). Forward hooks,
-    removed on exit; the list is the caller's, no module keeps it."""
+    yielded one-item list (read it before and after a step for that step's share). A call inside
+    another of them counts once, in the outer one (the input embedding a sampler head also calls
+    alone runs inside the trunk's forward too). Forward hooks, removed on exit; the list is the
+    caller's, no module keeps it."""
     spent, starts = [0.0], []
 
     def pre(*_):
         starts.append(time.perf_counter())
 
     def post(*_):
-        spent[0] += time.perf_counter() - starts.pop()
+        start = starts.pop()
+        if not starts:  # the outermost call: the inner ones lie inside its time
+            spent[0] += time.perf_counter() - start
 
     handles = [h for m in modules for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:

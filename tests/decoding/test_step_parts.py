@@ -292,3 +292,40 @@ def test_step_times_count_the_prefill_once_and_host_time_leaves_the_model_out(ti
     assert all(1 <= t < 1.5 for t in out.step_times[1:]), out.step_times
     assert len(out.step_host) == out.num_steps and all(0 <= h < 0.5 for h in out.step_host), out.step_host
     assert all(0 <= p <= h for p, h in zip(out.step_plan, out.step_host))
+
+
+def test_model_time_counts_a_call_inside_another_once(monkeypatch):
+    """model_time over a trunk and its own embedding (as a sampler head's decoder passes both): the
+    embedding's 2 s inside the trunk's 5 s count once, and its 3 s called alone count too, so the
+    model's time is 8 s (counting the nested call twice made it 10 and host time 2 s short)."""
+    import types
+
+    import space.decoding.result as result_mod
+    from space.decoding.result import model_time
+
+    now = [0.0]
+    monkeypatch.setattr(result_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Embed(torch.nn.Module):
+        def forward(self, x, seconds):
+            now[0] += seconds
+            return x
+
+    class Trunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = Embed()
+
+        def forward(self, x):
+            now[0] += 1.5
+            x = self.embed(x, 2.0)
+            now[0] += 1.5
+            return x
+
+    trunk = Trunk()
+    with model_time(trunk, trunk.embed) as spent:
+        trunk(torch.zeros(1))
+        now[0] += 4.0  # host work between the calls
+        trunk.embed(torch.zeros(1), 3.0)
+    assert spent[0] == 8.0
+    assert not trunk._forward_hooks and not trunk.embed._forward_pre_hooks  # removed on exit
