@@ -7,6 +7,15 @@ from space.tokens import add_mask_tokens
 from space.train.loss import space_loss
 
 
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """A CLI run in-process with ``--threads N`` sets torch's threads for the whole process: each test
+    gives back the count it found, so the tests after a ``--threads 1`` run do not run on one thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer, MaskSpec): tiny random Llama (fp32) with one mask token, k up to 8."""

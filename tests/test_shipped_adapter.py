@@ -15,7 +15,8 @@ from space.models import load_model
 ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space"
 # Measured with the shipped layout's mask drafts alone (lookup off) on these 2 prompts x 64 tokens:
 # 1.68 tokens/step with issue 30's drafter (2,000 steps on 8,195 self-distilled samples) in the
-# dynamic tree (k <= 3, <= 4 groups); the earlier drafter gave 1.54 there. Deterministic because
+# dynamic tree (k <= 3, <= 4 groups) when the floor was set, 1.91 with its tuned layout and step-cost
+# curves of 2026-12-06 (at 1 or 2 threads, either packed kernel); the earlier drafter gave 1.54. Deterministic because
 # the planner prices rows by the stored step-cost curve, not by the clock.
 # The floor leaves room for kernel rounding, not for an untrained adapter, whose drafts are almost
 # never accepted (about 1.0); lookup is switched off for it because lookup alone accepts drafts.
