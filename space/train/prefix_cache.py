@@ -58,7 +58,8 @@ def checkpoint_with_prefix_cache(model) -> None:
             module._can_checkpoint_with_cache = True
             func = getattr(module, "_gradient_checkpointing_func", None)
             if func is not None and not getattr(func, "in_mask_rows", False):
-                if getattr(func, "keywords", {}).get("use_reentrant", False):
+                # left out, torch's checkpoint runs the reentrant variant (its default), which takes no context_fn
+                if getattr(func, "keywords", {}).get("use_reentrant", True):
                     raise ValueError("SPACE training needs activation_checkpointing_kwargs use_reentrant: false "
                                      "(a reentrant recompute cannot re-enter the mask rows' context)")
                 module._gradient_checkpointing_func = _in_mask_rows(func)

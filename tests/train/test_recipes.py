@@ -193,6 +193,16 @@ def test_reentrant_checkpointing_is_refused():
         checkpoint_with_prefix_cache(peft)
 
 
+def test_checkpointing_kwargs_without_use_reentrant_are_refused():
+    """Catches kwargs that leave ``use_reentrant`` out taken as non-reentrant: torch's checkpoint
+    then defaults to the reentrant variant, which takes no ``context_fn``, so the run failed at
+    its first forward with torch's own error instead of this refusal naming the setting."""
+    peft, _ = tiny_batch("frozen-base")
+    peft.get_base_model().activation_checkpointing_enable({"preserve_rng_state": False})
+    with pytest.raises(ValueError, match="use_reentrant: false"):
+        checkpoint_with_prefix_cache(peft)
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_bf16_training_step_masks_and_loss(impl):
     """bf16 on the GPU path, run on CPU: SDPA gets the collator's boolean mask as it is, eager an
