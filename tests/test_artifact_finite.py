@@ -107,3 +107,76 @@ def test_load_space_refuses_a_full_checkpoint_missing_a_layer_weight(tmp_path):
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"missing {key}"):
         load_space(model=str(out))
+
+
+def test_gathered_gathers_when_any_parameter_is_partitioned(monkeypatch):
+    """Catches ``zero3.gathered`` doing nothing unless every parameter is partitioned: a list
+    mixing a ZeRO-3 partition with a plain tensor (or a None) must still be gathered, or the code
+    inside reads a (0,)-shaped partition; with no partition at all it must not import DeepSpeed.
+    DeepSpeed is stood in for by a module that records the call."""
+    import sys
+    import types
+    from contextlib import nullcontext
+
+    from space.zero3 import gathered
+
+    calls = []
+    fake = types.ModuleType("deepspeed")
+    fake.zero = types.SimpleNamespace(GatheredParameters=lambda params, modifier_rank=None: (
+        calls.append((params, modifier_rank)) or nullcontext()))
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    plain, part = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.empty(0))
+    part.ds_id = 7
+    with gathered([plain, None]):
+        pass
+    assert calls == []
+    with gathered([plain, part, None], modifier_rank=0):
+        pass
+    assert len(calls) == 1 and calls[0][0] == [plain, part] and calls[0][1] == 0
+
+
+def test_shape_check_reads_every_shard_of_a_sharded_checkpoint(tmp_path):
+    """Catches ``zero3.saved_shapes`` reading only some files of a sharded checkpoint
+    (``model-00001-of-00002.safetensors``, ...): the layer weights in the other shards counted as
+    missing and a good full checkpoint was refused, or a partition saved in a later shard passed."""
+    from space.zero3 import check_saved_shapes, saved_shapes
+
+    model, _ = tiny_random_llama(seed=0)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 2
+    check_saved_shapes(tmp_path)
+    assert saved_shapes(tmp_path) == {k: tuple(v.shape) for k, v in load_file(shards[0]).items()} | {
+        k: tuple(v.shape) for shard in shards[1:] for k, v in load_file(shard).items()}
+    weights = load_file(shards[-1])
+    key = next(k for k in weights if ".layers." in k)
+    weights[key] = torch.empty(0)
+    save_file(weights, shards[-1], metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"empty tensors .*{key}"):
+        check_saved_shapes(tmp_path)
+
+
+def test_shape_check_calls_any_tensor_with_a_zero_dimension_a_partition():
+    """Catches ``zero3.check_shapes`` taking only shape (0,) as empty: a tensor with a zero in any
+    dimension holds no weights either. Named as a ZeRO-3 partition it is refused even where the
+    config has no shape to compare (a tensor the model does not declare)."""
+    from space.zero3 import check_shapes
+
+    with pytest.raises(ValueError, match=r"f: 1 empty tensors \(extra\).*ZeRO-3"):
+        check_shapes({"extra": (0, 64)}, {}, "f")
+    with pytest.raises(ValueError, match=r"empty tensors \(w\).*ZeRO-3"):
+        check_shapes({"w": (64, 0)}, {"w": (64, 64)}, "f")
+    check_shapes({"w": (64, 64), "extra": (3,)}, {"w": (64, 64)}, "f")
+
+
+def test_shape_check_refuses_a_checkpoint_without_safetensors_by_name(tmp_path):
+    """Catches ``zero3.check_saved_shapes`` going on with no tensors read: a checkpoint saved as
+    ``pytorch_model.bin`` (or an empty folder) must be refused as having no safetensors weights,
+    not as a model whose every layer weight is missing."""
+    from space.zero3 import check_saved_shapes
+
+    model, _ = tiny_random_llama(seed=0)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
+        check_saved_shapes(tmp_path)

@@ -329,3 +329,12 @@ def test_model_time_counts_a_call_inside_another_once(monkeypatch):
         trunk.embed(torch.zeros(1), 3.0)
     assert spent[0] == 8.0
     assert not trunk._forward_hooks and not trunk.embed._forward_pre_hooks  # removed on exit
+
+
+def test_top_k_above_the_vocabulary_keeps_every_token():
+    """Catches ``logits_to_probs`` passing ``top_k`` to ``torch.topk`` unclamped: a top_k larger
+    than the vocabulary (a config written for a large model, run on a small one) raised instead
+    of keeping every token, which is what top_k = 0 gives."""
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    probs = logits_to_probs(logits, SamplingConfig(temperature=0.8, top_k=50))
+    torch.testing.assert_close(probs, logits_to_probs(logits, SamplingConfig(temperature=0.8)))

@@ -67,6 +67,29 @@ def test_chain_weights_take_no_gradient():
     assert not torch.allclose(grad, torch.autograd.grad(space_loss(logits, labels, offsets, 1.0, K)[0], logits)[0])
 
 
+
+def test_chain_weight_between_zero_and_one_mixes_plain_and_chain_weighted_rows():
+    """Catches a wrong mix of ``chain_weight`` alpha: each mask row's CE is weighted by
+    ``(1 - alpha) + alpha * chain``. The other loss tests run alpha = 0 (no weighting) or 1, where
+    a weight of ``alpha * chain`` (the ``1 - alpha`` term dropped) or ``(1 - alpha) * chain + alpha``
+    gives the same loss; at alpha = 0.3 they differ."""
+    logits, labels, offsets = batch(seed=3)
+    alpha = 0.3
+    loss, stats = space_loss(logits, labels, offsets, 1.0, K, chain_weight=alpha)
+    valid = (labels != IGNORE_INDEX) & (offsets >= 0)
+    p = torch.zeros(labels.shape)
+    p[valid] = torch.softmax(logits[valid].detach(), -1).gather(-1, labels[valid][:, None]).squeeze(-1)
+    w = chain_weights(p, offsets)[valid]
+    assert float(w.max() - w.min()) > 0.5  # the chain weights are far from all ones
+    ar_rows = (labels != IGNORE_INDEX) & (offsets < 0)
+    ce = torch.nn.functional.cross_entropy
+    per_row = ce(logits[valid], labels[valid], reduction="none")
+    mixed = (per_row * ((1 - alpha) + alpha * w)).sum()
+    manual = ce(logits[ar_rows], labels[ar_rows]) + mixed / w.numel()
+    assert torch.allclose(loss, manual)
+    assert float(stats["mask_loss_sum"]) == pytest.approx(float(mixed.detach()), rel=1e-5)
+    assert float(stats["chain_weight_sum"]) == pytest.approx(float(w.sum()), rel=1e-5)
+
 def test_consistency_loss_is_zero_when_hidden_states_match():
     h = torch.randn(6, 16, requires_grad=True)
     assert consistency_loss(h, h.detach().clone()).item() == 0.0

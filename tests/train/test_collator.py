@@ -286,3 +286,31 @@ def test_num_short_counts_only_samples_too_short_for_a_span():
     long = features([30, 30, 4], prompt_len=3)  # the third has no anchor (4 - 2 < 3)
     assert SpaceCollator(torch.tensor([MASK]), 3, PAD, mask_prob=0.0)(long)["num_short"] == 1
     assert SpaceCollator(torch.tensor([MASK]), 3, PAD, mask_prob=1.0)(long)["num_short"] == 1
+
+
+def test_truncate_span_is_one_uniform_draw_whatever_spans_per_sample():
+    """Catches the truncate layout drawing ``spans_per_sample`` spans and keeping the first (the
+    smallest, since spans are sorted): its one span per sample was then the minimum of several
+    draws, so the masks trained mostly on early response positions. With the default
+    ``spans_per_sample`` (4) the span must still be one uniform draw over [prompt_len, length-2]."""
+    col = SpaceCollator(torch.tensor([MASK]), 3, PAD, layout="truncate", seed=3)
+    assert col.spans_per_sample == 4
+    lo, hi = 5, 48  # length 50, prompt 5
+    draws = [col.draw_spans(50, 5, idx) for idx in range(600)]
+    assert all(len(d) == 1 and lo <= d[0] <= hi for d in draws)
+    starts = torch.tensor([d[0] for d in draws], dtype=torch.float64)
+    # uniform: mean (lo+hi)/2 = 26.5, sd of the mean ~0.5; the minimum of 4 draws has mean ~13.6
+    assert abs(float(starts.mean()) - (lo + hi) / 2) < 2.5
+    assert float((starts > (lo + hi) / 2).double().mean()) > 0.4
+    batch = col(features([50], prompt_len=5))
+    assert len(spans_of(batch, 0, 3)) == 1
+
+
+def test_a_sample_with_exactly_one_anchor_is_not_short():
+    """Catches an off-by-one in ``num_short``: a sample of prompt_len + 2 tokens has exactly one
+    anchor (s = prompt_len, mask 0's target the last token), so losing the mask_prob draw does not
+    make it short; one token less does."""
+    feats = features([5, 4], prompt_len=3)  # 5 tokens: anchor s = 3; 4 tokens: none
+    assert SpaceCollator(torch.tensor([MASK]), 3, PAD, mask_prob=1.0).draw_spans(5, 3, 0) == [3]
+    assert SpaceCollator(torch.tensor([MASK]), 3, PAD, mask_prob=0.0)(feats)["num_short"] == 1
+    assert SpaceCollator(torch.tensor([MASK]), 3, PAD, mask_prob=0.0)(feats[:1])["num_short"] == 0

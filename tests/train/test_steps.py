@@ -24,6 +24,17 @@ def test_eager_mask_under_autocast_is_in_the_compute_dtype():
     assert torch.equal(mask, to_additive_4d(allowed, torch.bfloat16))
 
 
+
+def test_an_additive_mask_reaches_eager_attention_as_it_is():
+    """Catches ``forward_mask`` converting every mask for eager attention: a mask that is already
+    additive (float, 0 / min) is passed through unchanged; converting it again fails (a float
+    tensor is no condition for ``torch.where``)."""
+    model, tok = tiny_random_llama(seed=0, attn_implementation="eager")
+    allowed = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    additive = to_additive_4d(allowed)
+    assert forward_mask(additive, model) is additive
+    assert torch.equal(forward_mask(allowed, model), additive)
+
 @pytest.mark.parametrize("mode", ["frozen-base", "lora", "full"])
 @pytest.mark.parametrize("chunk_rows", [0, 6])
 def test_a_batch_where_no_sample_drew_a_mask_group_trains(mode, chunk_rows):
@@ -40,3 +51,19 @@ def test_a_batch_where_no_sample_drew_a_mask_group_trains(mode, chunk_rows):
     step.loss.backward()
     assert torch.isfinite(step.loss) and float(step.stats["mask_rows"]) == 0
     assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+
+
+@pytest.mark.parametrize("k, chunk_rows, starts", [(3, 4, [0, 3, 6, 9]), (3, 7, [0, 6]), (2, 5, [0, 4]),
+                                                    (4, 3, [0, 4, 8, 12])])
+def test_mask_chunks_hold_whole_groups(k, chunk_rows, starts):
+    """Catches a wrong group size in ``mask_chunks`` (e.g. the largest offset, k-1, taken for k):
+    a chunk that splits a group cuts a mask row off from its group's earlier masks (the mask pass
+    leaves the other chunks' columns out), so the chunked loss silently trains another layout.
+    Chunk sizes round ``chunk_rows`` down to whole groups of k, at least one group."""
+    from space.train.steps import mask_chunks
+
+    offsets = torch.arange(k).repeat(4)[None].expand(2, -1)  # (batch, 4 groups of k)
+    chunks = mask_chunks(offsets, chunk_rows)
+    assert [c.start for c in chunks] == starts and chunks[-1].stop == 4 * k
+    assert all(c.start % k == 0 and (c.stop - c.start) % k == 0 for c in chunks)
+    assert mask_chunks(offsets, 0) == [slice(0, 4 * k)] == mask_chunks(offsets, 4 * k)

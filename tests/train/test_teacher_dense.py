@@ -113,6 +113,47 @@ def test_teacher_rows_are_the_base_at_row_e_plus_j(frozen):
     assert checked > 40
 
 
+
+def test_teacher_never_proposes_a_suppressed_token():
+    """Catches ``teacher_targets`` ignoring ``suppress_ids`` (the mask tokens): a base whose head
+    favours a mask token would teach the mask rows to draft it, a token decoding never emits. The
+    teacher is then the top-K of the other tokens, renormalized over those K. The frozen-base
+    tests above never see it: a fresh mask token's logit is never in the base's top K."""
+    col = SpaceCollator(torch.tensor([MASK]), K, PAD, span_density=1.0)
+    batch = col(features([12, 9]))
+    T = batch["num_real"]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, T, 8, generator=g)
+    head = torch.nn.Linear(8, 20)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(20, 8, generator=g))
+        head.bias.zero_()
+        head.bias[[7, 3]] = torch.tensor([100.0, 50.0])  # the two suppressed tokens top every row
+    scored = (batch["labels"][:, T:] != IGNORE_INDEX) & (batch["mask_offset"][:, T:] >= 0)
+    assert int(scored.sum()) > 10
+    plain, _ = teacher_targets(head, hidden, batch, topk=4)
+    assert (plain[scored][:, :2] == torch.tensor([7, 3])).all()  # the control: they would be taught
+    ids, probs = teacher_targets(head, hidden, batch, topk=4, suppress_ids=(7, 3))
+    assert not torch.isin(ids[scored], torch.tensor([7, 3])).any()
+    torch.testing.assert_close(probs[scored].sum(-1), torch.ones(int(scored.sum())))
+    with torch.no_grad():
+        b, m = scored.nonzero(as_tuple=True)
+        logits = head(hidden[b, batch["position_ids"][:, T:][b, m]])
+        logits[:, [7, 3]] = float("-inf")
+    assert torch.equal(ids[scored], logits.topk(4).indices)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_teacher_refuses_the_truncate_layout_by_name(k):
+    """Catches an off-by-one in ``teacher_targets``' check that every mask row's real row e+j lies
+    in the sample: the truncate layout cuts the sample at s, so even mask 0 (row s) has no teacher
+    row. With k = 1 that row is exactly T: a ``> T`` check let it through to an IndexError."""
+    col = SpaceCollator(torch.tensor([MASK]), k, PAD, layout="truncate")
+    batch = col(features([12, 9]))
+    hidden = torch.zeros(2, batch["num_real"], 8)
+    with pytest.raises(ValueError, match="efficient layout"):
+        teacher_targets(torch.nn.Linear(8, 20), hidden, batch, topk=2)
+
 @pytest.mark.parametrize("arch, overrides", [("Granite", dict(logits_scaling=8.0)), ("Cohere", dict(logit_scale=0.0625))])
 def test_teacher_rows_are_the_models_own_distribution_where_it_scales_its_logits(arch, overrides):
     """The teacher was softmax(lm_head(h)), skipping what the causal-LM forward does after the head
