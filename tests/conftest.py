@@ -8,12 +8,12 @@ from space.train.loss import space_loss
 
 
 @pytest.fixture(autouse=True)
-def restore_threads():
-    """A CLI run in-process with ``--threads N`` sets torch's threads for the whole process: each test
-    gives back the count it found, so the tests after a ``--threads 1`` run do not run on one thread."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+def two_threads():
+    """Every test starts on 2 threads (CI's cores; the model fixtures set the same): a CLI run
+    in-process with ``--threads N`` sets torch's threads for the whole process, and left every later
+    test on one thread after a ``--threads 1`` run. Not the count a test found: a fixture built
+    lazily inside a test (``request.getfixturevalue``) sets it there."""
+    torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")

@@ -120,16 +120,16 @@ def test_gathered_gathers_when_any_parameter_is_partitioned(monkeypatch):
 
     from space.zero3 import gathered
 
+    plain, part = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.empty(0))
+    part.ds_id = 7
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # an import of it raises ImportError
+    with gathered([plain, None]):
+        pass
     calls = []
     fake = types.ModuleType("deepspeed")
     fake.zero = types.SimpleNamespace(GatheredParameters=lambda params, modifier_rank=None: (
         calls.append((params, modifier_rank)) or nullcontext()))
     monkeypatch.setitem(sys.modules, "deepspeed", fake)
-    plain, part = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.empty(0))
-    part.ds_id = 7
-    with gathered([plain, None]):
-        pass
-    assert calls == []
     with gathered([plain, part, None], modifier_rank=0):
         pass
     assert len(calls) == 1 and calls[0][0] == [plain, part] and calls[0][1] == 0

@@ -312,14 +312,16 @@ class StepLayout:
         x_{n-1} and down one chain (``group_rows``). ``tokens``: (N,) the node tokens on the host.
         The path is on the chain as deep as it spells the chain's tokens, not only through its rows:
         a static tree's lookup branch that repeats the top-1 drafts and runs deeper gives its groups
-        the same context, so their masks draft past the path's end as they would on the chain.
+        the same context, so their masks draft past the path's end as they would on the chain. Only
+        as deep as the anchors do form a chain down from x_{n-1} (a custom planner's may not).
         Returns (group, shift, first row, end row) in the block, or None without groups or when the
         group's masks all lie behind the path's end."""
         if not self.group_rows:
             return None
         path, chain = self.path(best), self.group_rows[1:]
         on_chain = 0
-        while on_chain < min(len(path), len(chain)) and tokens[path[on_chain] - 1] == tokens[chain[on_chain] - 1]:
+        while (on_chain < min(len(path), len(chain)) and self.parents[chain[on_chain]] == self.group_rows[on_chain]
+               and tokens[path[on_chain] - 1] == tokens[chain[on_chain] - 1]):
             on_chain += 1
         g, shift = anchored_group(len(path), len(self.group_rows), on_chain)
         start, stop = self.group_start(g) + shift, self.group_start(g) + self.group_len[g]

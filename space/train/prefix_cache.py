@@ -46,7 +46,8 @@ def checkpoint_with_prefix_cache(model) -> None:
 
     Raises:
         ValueError: a transformers version without that switch (it appeared in 5.24), or
-            reentrant checkpointing (``use_reentrant: true``), which takes no ``context_fn``.
+            reentrant checkpointing (``use_reentrant: true``, or settings that leave it out: torch's
+            default), which takes no ``context_fn``.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 

@@ -66,21 +66,28 @@ def test_verify_rejection_three_candidates_vectorized():
         assert chi2_pvalue(dict(enumerate(counts)), expected, int(rows.sum())) > ALPHA, j
 
 
-
 def test_verify_rejection_without_residual_mass_draws_from_p():
-    """Catches the guard for a rejection that leaves no residual mass being dropped: when
-    p <= q everywhere (p == q up to rounding; here p = 0.6 q, so it shows at a fixed seed) a
-    rejected candidate leaves max(0, p - q) = 0, and ``torch.multinomial`` raises on an all-zero
-    row. The bonus must then come from p itself (exact, since the rows agree up to a factor)."""
+    """Catches the guard for a rejection that leaves no residual mass being dropped or drawing from
+    anything but p: when p <= q everywhere (p == q up to rounding; here p = 0.6 q, so it shows at a
+    fixed seed) a rejected candidate leaves max(0, p - q) = 0, and ``torch.multinomial`` raises on
+    an all-zero row. The bonus must then come from p itself (exact, since the rows agree up to a
+    factor): q and p are 0 on the last two tokens, so a uniform draw shows there, and the bonuses'
+    counts fit p's."""
     gen = torch.Generator().manual_seed(0)
     n, V = 2000, 5
-    q = torch.softmax(torch.randn(n, 1, V, generator=gen), -1)
+    logits = torch.randn(n, 1, V, generator=gen)
+    logits[..., 3:] = float("-inf")  # outside the support of q and p
+    q = torch.softmax(logits, -1)
     p = torch.cat([0.6 * q, q], 1)  # row 0 scores c_1; row 1 (after c_1) is not used on a rejection
     cands = torch.multinomial(q[:, 0], 1, generator=gen)
     a, bonus = verify_rejection(p, q, cands, gen)
     rejected = a == 0
     assert 0.3 < float(rejected.double().mean()) < 0.5  # accepted with probability 0.6
-    assert bool((q[rejected, 0].gather(-1, bonus[rejected, None]) > 0).all())
+    assert bool((bonus[rejected] < 3).all())
+    expected = q[rejected, 0].sum(0) / int(rejected.sum())  # p's row 0, normalized: q's
+    counts = dict(enumerate(torch.bincount(bonus[rejected], minlength=V).tolist()))
+    assert chi2_pvalue(counts, dict(enumerate(expected.tolist())), int(rejected.sum())) > ALPHA
+
 
 @pytest.fixture(scope="module")
 def small_vocab_model():

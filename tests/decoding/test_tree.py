@@ -449,3 +449,7 @@ def test_a_lookup_branch_that_spells_the_chain_drafts_from_the_deepest_group(tin
     assert lay.draft_rows(5, nodes)[:2] == (2, 0)  # the branch at depth 2: G_2 from its first mask
     assert lay.draft_rows(6, [5, 6, 9, 5, 8, 7])[:2] == (1, 2)  # the branch leaves the chain after one token
     assert lay.draft_rows(6, [5, 6, 9, 4, 6, 7]) is None  # ... at once: G_0 holds nothing past depth 3
+    # a custom planner's anchors off any chain (G_1 on a depth-2 row): a depth-1 node spelling that
+    # row's token did not see its context, so it drafts from G_0 (shift 1), not from G_1's mask 0
+    lay, _ = dec.block_layout((-1, 0, 1, 0), (0, 2), (3, 3), 10)
+    assert lay.draft_rows(3, [11, 12, 12])[:2] == (0, 1)

@@ -9,12 +9,12 @@ from space.train.metrics import MetricSums
 K = 3
 
 
-
 def logged(stats):
     """What the trainer would log for one micro-batch's stats."""
     sums = MetricSums()
     sums.add(stats)
     return sums.reduce()
+
 
 def batch(seed=0, groups=4, real=5, vocab=50):
     """Logits, labels and offsets of a batch: ``real`` AR rows then ``groups`` groups of K masks."""
@@ -67,7 +67,6 @@ def test_chain_weights_take_no_gradient():
     assert not torch.allclose(grad, torch.autograd.grad(space_loss(logits, labels, offsets, 1.0, K)[0], logits)[0])
 
 
-
 def test_chain_weight_between_zero_and_one_mixes_plain_and_chain_weighted_rows():
     """Catches a wrong mix of ``chain_weight`` alpha: each mask row's CE is weighted by
     ``(1 - alpha) + alpha * chain``. The other loss tests run alpha = 0 (no weighting) or 1, where
@@ -89,6 +88,7 @@ def test_chain_weight_between_zero_and_one_mixes_plain_and_chain_weighted_rows()
     assert torch.allclose(loss, manual)
     assert float(stats["mask_loss_sum"]) == pytest.approx(float(mixed.detach()), rel=1e-5)
     assert float(stats["chain_weight_sum"]) == pytest.approx(float(w.sum()), rel=1e-5)
+
 
 def test_consistency_loss_is_zero_when_hidden_states_match():
     h = torch.randn(6, 16, requires_grad=True)

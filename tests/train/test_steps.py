@@ -24,7 +24,6 @@ def test_eager_mask_under_autocast_is_in_the_compute_dtype():
     assert torch.equal(mask, to_additive_4d(allowed, torch.bfloat16))
 
 
-
 def test_an_additive_mask_reaches_eager_attention_as_it_is():
     """Catches ``forward_mask`` converting every mask for eager attention: a mask that is already
     additive (float, 0 / min) is passed through unchanged; converting it again fails (a float
@@ -34,6 +33,7 @@ def test_an_additive_mask_reaches_eager_attention_as_it_is():
     additive = to_additive_4d(allowed)
     assert forward_mask(additive, model) is additive
     assert torch.equal(forward_mask(allowed, model), additive)
+
 
 @pytest.mark.parametrize("mode", ["frozen-base", "lora", "full"])
 @pytest.mark.parametrize("chunk_rows", [0, 6])

@@ -113,7 +113,6 @@ def test_teacher_rows_are_the_base_at_row_e_plus_j(frozen):
     assert checked > 40
 
 
-
 def test_teacher_never_proposes_a_suppressed_token():
     """Catches ``teacher_targets`` ignoring ``suppress_ids`` (the mask tokens): a base whose head
     favours a mask token would teach the mask rows to draft it, a token decoding never emits. The
@@ -153,6 +152,7 @@ def test_teacher_refuses_the_truncate_layout_by_name(k):
     hidden = torch.zeros(2, batch["num_real"], 8)
     with pytest.raises(ValueError, match="efficient layout"):
         teacher_targets(torch.nn.Linear(8, 20), hidden, batch, topk=2)
+
 
 @pytest.mark.parametrize("arch, overrides", [("Granite", dict(logits_scaling=8.0)), ("Cohere", dict(logit_scale=0.0625))])
 def test_teacher_rows_are_the_models_own_distribution_where_it_scales_its_logits(arch, overrides):
