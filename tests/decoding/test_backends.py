@@ -129,3 +129,12 @@ def test_on_the_cpu_a_masked_grouped_call_gives_sdpa_the_grouped_keys(monkeypatc
     out, _ = sdpa_gqa_attention(module, query, key, value, mask)
     assert calls == [(2, 6, True)]  # the 2 key/value heads, 6 keys: the mask's width
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "meta"])
+def test_a_half_model_on_another_accelerator_leaves_cudnn_alone(cudnn_flag, device):
+    """cuDNN attention is CUDA's alone: a bf16 model on any other device records nothing and
+    leaves the process-wide CUDA switch as it was. Catches the CUDA test written as "not the CPU"
+    (an MPS or XPU model turned a CUDA setting off and recorded a cudnn_sdp it never used)."""
+    assert choose_sdpa(device, torch.bfloat16) == {}
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -207,6 +207,21 @@ def test_a_member_without_a_bias_reports_none_in_a_mixed_group():
     assert torch.equal(attn.k_proj.bias, want)
 
 
+def test_a_group_whose_members_differ_in_dtype_or_input_is_left_unfused():
+    """``fuse_projections`` fuses a group only when its members share input size, dtype and device.
+    Catches the dtype check dropped: ``torch.cat`` promotes mixed weights silently, so a member kept
+    in another dtype (an fp32 ``k_proj`` under a bf16 trunk, a ``keep_in_fp32_modules`` layer) was
+    fused into one GEMM of the promoted dtype, and every member's output changed dtype."""
+    model, _ = tiny_random_llama(seed=0)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    attn.k_proj.double()
+    mlp.up_proj = torch.nn.Linear(mlp.up_proj.in_features + 1, mlp.up_proj.out_features, bias=False)
+    assert fuse_projections(model) == 2  # layer 1's two groups only
+    assert type(attn.q_proj) is type(attn.k_proj) is type(mlp.gate_proj) is torch.nn.Linear
+    assert attn.k_proj.weight.dtype == torch.float64 and attn.q_proj.weight.dtype == torch.float32
+    assert isinstance(model.model.layers[1].self_attn.k_proj, ProjectionSlice)
+
+
 def test_a_norm_swapped_to_rounding_must_agree_and_keep_each_rows_bits(monkeypatch):
     """``swap_rms_norms(exact=False)``, what the fused trunk does on CUDA, where the native norm is one
     kernel that rounds otherwise than transformers: a Llama norm is swapped in fp32 and bf16, a norm
@@ -315,3 +330,22 @@ def test_a_norm_of_another_formula_is_kept_whatever_its_weights_scale(dtype, sca
             m.weight.normal_(generator=torch.Generator().manual_seed(0)).mul_(scale)
     assert swap_rms_norms(model, exact=False) == 1
     assert [type(m).__name__ for m in model] == ["CohereLayerNorm", "NativeRMSNorm"]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_norm_whose_call_fails_is_kept_not_raised(exact):
+    """A module that looks like an RMSNorm (1-D weight, ``variance_epsilon``, one argument) but
+    whose probe call raises (a norm that needs state it lacks, or another input shape) is left as
+    it is, and the others are still swapped. Catches the probe's failure let out of
+    ``swap_rms_norms``: loading such a model failed instead of keeping that one norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from space.rms_norm import NativeRMSNorm, swap_rms_norms
+
+    class Broken(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            raise RuntimeError("needs more than its input")
+
+    model = torch.nn.Sequential(Broken(16), LlamaRMSNorm(16))
+    assert swap_rms_norms(model, exact=exact) == 1
+    assert type(model[0]) is Broken and isinstance(model[1], NativeRMSNorm)

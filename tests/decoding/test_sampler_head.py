@@ -234,3 +234,27 @@ def test_the_head_trains_in_fp32_and_returns_the_models_dtype():
     assert out.dtype == torch.bfloat16
     model.get_output_embeddings()(out).float().sum().backward()
     assert head.fc1.weight.grad.dtype == torch.float32 and head.fc1.weight.grad.abs().sum() > 0
+
+
+def test_the_head_computes_its_formula_by_hand():
+    """``SamplerHead(d, width)`` is ``hidden + W2 silu(W1 [hidden; prev_embeds] + b1) + b2`` with
+    W1 (width, 2d), width 0 meaning d, and a negative size refused as a ValueError naming the
+    sizes. Catches the concatenation's halves swapped (a saved head then reads the previous token
+    as the hidden state), another activation or a dropped bias, and width 0 kept as 0 (an MLP of
+    no units: a head that never learns anything)."""
+    from space.sampler_head import SamplerHead
+
+    assert SamplerHead(8).width == 8 and SamplerHead(8).fc1.out_features == 8
+    for bad in ((8, -1), (0, 4)):
+        with pytest.raises(ValueError, match="need hidden >= 1 and width >= 0"):
+            SamplerHead(*bad)
+    gen = torch.Generator().manual_seed(0)
+    head = SamplerHead(4, 3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    hidden, prev = torch.randn(2, 5, 4, generator=gen), torch.randn(2, 5, 4, generator=gen)
+    w1, b1, w2, b2 = head.fc1.weight, head.fc1.bias, head.fc2.weight, head.fc2.bias
+    pre = hidden @ w1[:, :4].T + prev @ w1[:, 4:].T + b1
+    want = hidden + (pre * torch.sigmoid(pre)) @ w2.T + b2
+    torch.testing.assert_close(head(hidden, prev).detach(), want.detach())

@@ -453,3 +453,18 @@ def test_a_lookup_branch_that_spells_the_chain_drafts_from_the_deepest_group(tin
     # row's token did not see its context, so it drafts from G_0 (shift 1), not from G_1's mask 0
     lay, _ = dec.block_layout((-1, 0, 1, 0), (0, 2), (3, 3), 10)
     assert lay.draft_rows(3, [11, 12, 12])[:2] == (0, 1)
+
+
+def test_replay_acceptance_counts_only_steps_with_a_candidate_at_the_offset():
+    """``ReplayResult.acceptance(j)`` is the share of steps whose tree reached offset j (depth > j)
+    that accepted a draft there (a > j): DESIGN §6's "over steps with a candidate", as
+    ``space.eval.report`` labels it (``scripts/compare_drafters.py``'s offset0_accept). Catches a
+    step with no candidate counted in the denominator (m >= j) and a step that accepted nothing
+    counted as accepting offset j (a >= j); a layout no step reached offset j of reads 0.0."""
+    from space.decoding.tree import ReplayResult
+
+    res = ReplayResult(tokens=7, steps=4, rows=[1, 8, 8, 5], accept_lengths=[0, 2, 1, 0], step_candidates=[0, 2, 2, 1])
+    assert res.acceptance(0) == 2 / 3 and res.acceptance() == 2 / 3
+    assert res.acceptance(1) == 1 / 2
+    assert res.acceptance(2) == 0.0
+    assert res.tokens_per_step == 7 / 4 and ReplayResult(0, 0, [], [], []).tokens_per_step == 0.0

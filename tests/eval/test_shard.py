@@ -324,3 +324,19 @@ def test_merge_keeps_the_kernels_timed_choices_only_where_the_ranks_agree(tmp_pa
     resumed = json.loads(config.read_text())
     assert resumed["ranks"] == 2
     assert all(resumed.get(k) in (None, alike[k]) for k in alike), {k: resumed.get(k) for k in alike}
+
+
+def test_shard_under_a_launcher_is_refused_and_i_n_must_be_integers(monkeypatch):
+    """``--shard`` with torchrun's ``WORLD_SIZE=2``: the launcher assigns the ranks, so two ranks
+    given one ``--shard`` would both run that shard's questions while the other's were never run.
+    Catches the check applied only from 3 processes on, and ``i/n`` parsed leniently (``1.5/3``
+    read as rank 1)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="--shard 0/2 under torchrun/accelerate \\(WORLD_SIZE=2\\)"):
+        current_shard("0/2")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert current_shard("1/2") == Shard(1, 2)
+    for bad in ("1.5/3", "1/2.0", "1/2/3"):
+        with pytest.raises(ValueError, match="expected i/n"):
+            parse_shard(bad)

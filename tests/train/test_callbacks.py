@@ -61,3 +61,24 @@ def test_a_checkpoint_is_marked_whole_only_after_every_rank_wrote_its_files(tmp_
     SpaceCheckpointCallback({"mask_num": 3}).on_save(SimpleNamespace(output_dir=str(tmp_path)),
                                                      SimpleNamespace(is_world_process_zero=True, global_step=3), None)
     assert marked_at_barrier == [False] and (ckpt / SETTINGS_FILE).is_file()
+
+
+def test_only_rank_0_writes_the_checkpoint_s_space_files(tmp_path):
+    """Every rank calls on_save; only the main process writes the mask rows, the sampler head and
+    the settings mark (two ranks writing one file raced). Catches the ``is_world_process_zero``
+    check dropped; rank 0 writes all three."""
+    import torch
+
+    from space.artifact import MASK_EMBEDDING, SAMPLER_HEAD
+    from space.sampler_head import SamplerHead
+    from space.train.callbacks import SETTINGS_FILE, SpaceCheckpointCallback
+
+    ckpt = tmp_path / "checkpoint-5"
+    ckpt.mkdir()
+    emb = SimpleNamespace(mask_rows=torch.nn.Parameter(torch.zeros(3, 4)))
+    cb = SpaceCheckpointCallback({"mask_num": 3}, mask_embedding=emb, sampler=SamplerHead(4, 2))
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    cb.on_save(args, SimpleNamespace(is_world_process_zero=False, global_step=5), None)
+    assert list(ckpt.iterdir()) == []
+    cb.on_save(args, SimpleNamespace(is_world_process_zero=True, global_step=5), None)
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted([MASK_EMBEDDING, SAMPLER_HEAD, SETTINGS_FILE])

@@ -163,3 +163,45 @@ def test_resume_from_a_named_checkpoint_of_another_run(tmp_path, capsys):
     train_main([*args, "--max_steps", "6", "--output_dir", str(other), "--resume_from_checkpoint",
                 str(whole / "checkpoint-2")])
     assert "resuming: 4 of 6 steps done" in capsys.readouterr().out
+
+
+def test_training_curves_plot_each_offset_in_order_on_the_token_axis(tmp_path, monkeypatch):
+    """``space.train.curves`` read by hand off the figure it saves, not only "a PNG exists".
+    Catches: entries without ``mask_loss`` (an eval or the train-end summary) plotted or crashing;
+    offsets sorted as strings (``mask_acc_10`` before ``mask_acc_2``) or returned unsorted; the
+    token axis losing the warm start's ``tokens_before`` or read off the step instead of the epoch;
+    the Trainer's loss plotted from a log where an entry lacks it (a KeyError) or not plotted at all;
+    the token axis chosen by ``tokens_before`` rather than ``tokens_per_epoch``; the legend of the
+    offsets dropped; a history with nothing to plot written as an empty figure instead of refused."""
+    from space.train import curves
+
+    history = [
+        {"loss": 2.0, "mask_loss": 3.0, "mask_acc_0": 0.5, "mask_acc_10": 0.1, "mask_acc_2": 0.3, "epoch": 0.5, "step": 4},
+        {"eval_loss": 1.0, "epoch": 0.5, "step": 4},
+        {"loss": 1.5, "mask_loss": 2.5, "mask_acc_0": 0.6, "mask_acc_10": 0.2, "mask_acc_2": 0.4, "epoch": 1.0, "step": 8},
+        {"train_runtime": 3.0, "epoch": 1.0, "step": 8},
+    ]
+    figs = []
+    monkeypatch.setattr(curves, "save_figure_atomic", lambda fig, png: figs.append(fig))
+    png = tmp_path / "c.png"
+    assert curves.plot_training_curves(history, png, tokens_per_epoch=100, tokens_before=1000) == [0, 2, 10]
+    acc, losses = figs[-1].axes
+    assert [line.get_label() for line in acc.get_lines()] == ["offset 0", "offset 2", "offset 10"]
+    assert [list(line.get_ydata()) for line in acc.get_lines()] == [[0.5, 0.6], [0.3, 0.4], [0.1, 0.2]]
+    assert all(list(line.get_xdata()) == [1050, 1100] for line in [*acc.get_lines(), *losses.get_lines()])
+    assert acc.get_xlabel() == "training tokens" and acc.get_legend() is not None
+    assert {line.get_label(): list(line.get_ydata()) for line in losses.get_lines()} == {
+        "mask loss": [3.0, 2.5], "training loss": [2.0, 1.5]}
+
+    curves.plot_training_curves(history, png, tokens_per_epoch=100)  # a fresh run: tokens from 0
+    assert list(figs[-1].axes[0].get_lines()[0].get_xdata()) == [50, 100]
+
+    del history[2]["loss"]  # frozen-base logs where the Trainer's loss is missing: mask loss alone
+    assert curves.plot_training_curves(history, png) == [0, 2, 10]
+    acc, losses = figs[-1].axes
+    assert acc.get_xlabel() == "optimizer step" and list(acc.get_lines()[0].get_xdata()) == [4, 8]
+    assert [line.get_label() for line in losses.get_lines()] == ["mask loss"]
+
+    with pytest.raises(ValueError, match="no training log entry with mask_loss"):
+        curves.plot_training_curves([{"eval_loss": 1.0, "step": 1}], png)
+    assert len(figs) == 3 and not png.exists()
