@@ -52,21 +52,6 @@ def test_every_results_entry_is_cited_and_has_its_command():
     assert not no_command, f"results/ folders without a README giving their command: {no_command}"
 
 
-def test_the_commands_the_docs_run_are_installed_and_the_readme_says_how_to_reach_them():
-    """A fresh user runs ``space-eval ...`` from the README after ``scripts/setup.sh``: each ``space-*``
-    command a document's shell block starts with is a console script of this package, and the README
-    says how to put ``.venv``'s on ``PATH`` (without it a bare ``space-eval`` is "command not found")."""
-    from importlib.metadata import distribution
-    scripts = {e.name for e in distribution("space-decoding").entry_points if e.group == "console_scripts"}
-    run = set()
-    for doc in DOCS:
-        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(encoding="utf-8"), re.S):
-            run |= set(re.findall(r"^(space-[a-z]+)", block, re.M))
-    assert run, "no space-* command found in the documents' shell blocks"
-    assert not run - scripts, f"documents run commands this package does not install: {sorted(run - scripts)}"
-    assert "source .venv/bin/activate" in (ROOT / "README.md").read_text(encoding="utf-8")
-
-
 def shell_commands(doc: Path) -> list[str]:
     """The commands in ``doc``'s fenced shell blocks, continuation lines joined, comments dropped."""
     lines, fence = [], None  # the open block's language, None outside a block
@@ -78,8 +63,21 @@ def shell_commands(doc: Path) -> list[str]:
     return [c.strip() for c in re.sub(r"\\\n\s*", " ", "\n".join(lines)).splitlines() if c.strip()]
 
 
-PARSERS = {"space-eval": "space.eval.__main__", "-m space.eval": "space.eval.__main__", "space-probe": "space.eval.probe",
-           "space-tree": "space.eval.tree_search", "space-chat": "space.chat"}
+def test_the_commands_the_docs_run_are_installed_and_the_readme_says_how_to_reach_them():
+    """A fresh user runs ``space-eval ...`` from the README after ``scripts/setup.sh``: each ``space-*``
+    command a document's shell block starts with is a console script of this package, and the README
+    says how to put ``.venv``'s on ``PATH`` (without it a bare ``space-eval`` is "command not found")."""
+    from importlib.metadata import distribution
+    scripts = {e.name for e in distribution("space-decoding").entry_points if e.group == "console_scripts"}
+    run = {found[1] for doc in DOCS for command in shell_commands(doc)
+           if (found := re.match(r"(space-[a-z]+)", command))}
+    assert run, "no space-* command found in the documents' shell blocks"
+    assert not run - scripts, f"documents run commands this package does not install: {sorted(run - scripts)}"
+    assert "source .venv/bin/activate" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+PARSERS = {"space-eval": "space.eval.__main__", "-m space.eval": "space.eval.__main__",
+           "space-probe": "space.eval.probe", "space-tree": "space.eval.tree_search", "space-chat": "space.chat"}
 
 
 def test_the_commands_the_front_door_documents_give_parse():
