@@ -1,19 +1,30 @@
 """Greedy SPACE == AR on the other LLaMA-family architectures (DESIGN §1): Qwen2 and Mistral, with
-and without a sliding window small enough to matter (16 tokens, prompts of 40, 40 new tokens).
+and without a sliding window small enough to matter (16 tokens, prompts of 40, 40 new tokens); the
+models that scale or soft-cap their logits; and Llama 3's scaled rotary, Qwen3, Gemma, OLMo 2, Phi-3
+and StarCoder2 at high acceptance, decoding and frozen-base training (:data:`FAMILIES`).
 
 SPACE keeps full-attention cache layers (it crops and compacts them) and applies a sliding window
 in its own 4-D mask; AR uses transformers' sliding cache layers, so the two paths are independent.
 """
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from space.adapter_layers import fuse_frozen_base, mask_embedding, prepare_model
+from space.config import SpaceSettings
+from space.cpu_kernels import optimize_for_cpu
+from space.data.collator import SpaceCollator
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.cache import attention_windows
+from space.decoding.fused import fuse_trunk
 from space.models import tiny_tokenizer
 from space.tokens import add_mask_tokens
+from space.train.steps import frozen_base_step, one_pass_step
+from tests.conftest import TRAINED_K, CycleLanguage, train_drafter
 from tests.decoding.test_lossless import oracle
 from tests.oracle import oracle_generate
 
@@ -150,8 +161,6 @@ def test_the_models_own_logit_scaling_and_soft_capping(arch, overrides):
     forward does after it (Granite divides by logits_scaling, Gemma 2 soft-caps, Cohere scales).
     Greedy output cannot show a miss (each is increasing), sampling drew from another
     distribution: compared here as logits, SPACE's and the captured AR step's."""
-    import transformers
-
     from space.decoding import SamplingConfig
     from space.decoding.graphs import StepGraphs
 
@@ -192,8 +201,6 @@ def test_a_mask_embedding_starts_as_the_models_own_embedding_of_its_row(mode):
     1/sqrt(hidden) of it in lora and frozen-base (8x too small here, 45x at Gemma 2 2B's size),
     where full mode's went through the scaled embedding."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    from space.adapter_layers import prepare_model
 
     config = Gemma2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -241,3 +248,106 @@ def test_every_model_of_a_scaled_family_gets_its_logit_scaling(model_type, field
     logits = torch.tensor([[1.0, -2.0, 3.0]])
     assert transform is not None
     torch.testing.assert_close(transform(logits), logits * factor)
+
+
+# Families our users fine-tune beyond Llama 2 / Mistral / Qwen2, each with what sets it apart on
+# SPACE's paths (the fused trunk, the norm swap, the gated LoRA, the frozen-base training passes):
+# (config class, model class, config overrides, frozen-base LoRA targets: None = the Llama names)
+FAMILIES = {
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(  # Llama 3.x's frequency bands
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)), None),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), None),  # RMSNorms on q and k per head
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16), None),  # (1 + weight) norms, scaled embedding
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, None),  # norms after attention and MLP, q/k norms
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0),  # q/k/v and gate/up already one linear each
+             ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {},  # LayerNorm, biases, a plain MLP
+                   ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_drafter(request):
+    """(family, model, MaskSpec, CycleLanguage): a 2-layer model of the family (hidden 64, std 0.02),
+    trained for about 10 s as the session's ``trained_drafter`` is, so its k=4 drafts are usually
+    right and exactness is checked at high acceptance, not on rejected drafts."""
+    config_cls, model_cls, overrides, _ = FAMILIES[request.param]
+    config = getattr(transformers, config_cls)(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=2048, tie_word_embeddings=True, **overrides)
+    torch.set_num_threads(2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(config)
+        spec = add_mask_tokens(model, tiny_tokenizer(), mask_num=TRAINED_K)
+        cycle = (11 + torch.randperm(200, generator=torch.Generator().manual_seed(0))[:40]).tolist()
+        train_drafter(model, spec, CycleLanguage(cycle, seed=0), TRAINED_K, steps=200)
+    return request.param, model, spec, CycleLanguage(cycle, seed=1)
+
+
+def test_exact_at_high_acceptance_on_more_families(family_drafter):
+    """Greedy SPACE == AR of the same weights on Llama 3's scaled rotary, Qwen3, Gemma, OLMo 2, Phi-3
+    and StarCoder2, at high acceptance: the trained model with stock kernels and as ``load_space``
+    runs it (the fused trunk and the CPU's fast kernels), and as a frozen base with its mask rows and
+    a random gated LoRA on the family's own projections (``fuse_frozen_base``: the LoRA acts on mask
+    rows only, so the output is still the base's), for a chain, two groups, a static tree and the
+    shipped kind of layout (the dynamic tree with prompt lookup)."""
+    name, model, spec, lang = family_drafter
+    K = TRAINED_K
+    fast = copy.deepcopy(model)
+    fuse_trunk(fast)
+    optimize_for_cpu(fast)
+    targets = FAMILIES[name][3]
+    peft_model, spec2 = prepare_model(copy.deepcopy(model), tiny_tokenizer(), "frozen-base", K, lora_r=4,
+                                      **({"lora_targets": targets} if targets else {}))
+    assert spec2.token_ids == spec.token_ids
+    with torch.no_grad():
+        mask_embedding(peft_model).mask_rows.copy_(model.get_input_embeddings().weight[list(spec.token_ids)])
+        for key, p in peft_model.named_parameters():
+            if "lora_B" in key:
+                p.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
+    gated = fuse_frozen_base(peft_model)
+    fuse_trunk(gated)
+    optimize_for_cpu(gated)
+    configs = [DecodeConfig(K), DecodeConfig(K, 2), DecodeConfig(K, 2, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+               DecodeConfig(3, 4, tree="dynamic", lookup_tokens=6)]
+    prompts = [torch.tensor(lang.sample(2 + 3 * i)) for i in range(3)]
+    truth = [ar_generate(model, p, 40, suppress_ids=spec.token_ids).new_ids for p in prompts]
+    for trunk, decoded in [("stock", model), ("fused+fast", fast), ("frozen-base", gated)]:
+        tokens = steps = 0
+        for config in configs:
+            dec = SpaceDecoder(decoded, spec, config)
+            for prompt, want in zip(prompts, truth):
+                out = dec.generate(prompt, 40)
+                assert out.new_ids == want, (name, trunk, config, prompt.tolist())
+                tokens, steps = tokens + len(out.new_ids), steps + out.num_steps
+        assert tokens / steps > 2.5, (name, trunk)  # the drafts were really accepted
+
+
+def test_frozen_base_training_passes_on_more_families(family_drafter):
+    """SAR-SFT's frozen-base step on each family: its two passes (a no-grad real pass into a prefix
+    cache, then the mask rows) give one gated forward's mask logits, and the teacher-target loss
+    reaches the LoRA and the mask rows, and nothing else."""
+    name, model, spec, _ = family_drafter
+    targets = FAMILIES[name][3]
+    peft_model, spec = prepare_model(copy.deepcopy(model), tiny_tokenizer(), "frozen-base", 3,
+                                     **({"lora_targets": targets} if targets else {}))
+    with torch.no_grad():
+        for key, p in peft_model.named_parameters():
+            if "lora_B" in key:
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+    collator = SpaceCollator(spec.ids_for(3), 3, 0, spans_per_sample=2)
+    batch = collator([{"input_ids": list(range(30, 60)), "prompt_len": 5, "idx": 0},
+                      {"input_ids": list(range(70, 90)), "prompt_len": 5, "idx": 1}])
+    T, rows = batch["num_real"], batch["mask_offset"][:, batch["num_real"]:] >= 0
+    with torch.no_grad():
+        one = one_pass_step(peft_model, batch, SpaceSettings(mask_num=3)).logits[:, T:][rows]
+        two = frozen_base_step(peft_model, batch, SpaceSettings(mask_num=3)).logits[rows]
+    assert (one - two).abs().max() < 1e-4
+    step = frozen_base_step(peft_model, batch, SpaceSettings(mask_num=3, mask_target="teacher", teacher_topk=5))
+    assert torch.isfinite(step.loss)
+    step.loss.backward()
+    graded = {key for key, p in peft_model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert graded and all("lora_" in key or "mask_rows" in key for key in graded), sorted(graded)
+    assert any("lora_A" in key for key in graded) and any("mask_rows" in key for key in graded)
