@@ -66,28 +66,58 @@ def static_cache(num_layers: int, max_len: int) -> Cache:
 
 
 class Slab:
-    """The one tensor behind a :class:`SlabCache`: (layers, 2, batch, kv_heads, slots, head_dim),
-    keys at [:, 0], values at [:, 1]; allocated at the first write (the shapes, dtype and device are
-    the first layer's keys')."""
+    """The tensor behind a :class:`SlabCache`: (layers, 2, batch, kv_heads, slots, head_dim), keys
+    at [:, 0], values at [:, 1]; allocated at the first write (the shapes, dtype and device are the
+    first layer's keys'). A model whose cached keys and values differ in shape (multi-head latent
+    attention: DeepSeek-V2/V3, MiniCPM3 and Mistral 4 cache a latent and a rotary key of other
+    widths) gets two tensors, keys (layers, batch, heads, slots, key_dim) and values (layers, batch,
+    heads, slots, value_dim): a grow or a gather then takes two ops where it takes one.
+
+    Attributes:
+        keys, values: (layers, batch, heads, slots, dim) views (None before the first write).
+        parts: the tensors a grow or a gather touches, their slots at dim -2.
+    """
 
     def __init__(self, num_layers: int, slots: int):
         self.num_layers, self.slots = num_layers, slots
-        self.tensor: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] = []
 
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if keys.shape != values.shape:
-            raise ValueError(f"a slab cache needs keys and values of one shape, got {tuple(keys.shape)} and "
-                             f"{tuple(values.shape)}")
-        b, h, _, d = keys.shape
-        self.tensor = keys.new_zeros(self.num_layers, 2, b, h, self.slots, d)
+        """Allocate for keys and values shaped as ``keys`` and ``values`` (batch, heads, tokens, dim).
+
+        Raises:
+            ValueError: keys and values of another batch or dtype."""
+        if keys.shape[0] != values.shape[0] or keys.dtype != values.dtype:
+            raise ValueError(f"a slab cache needs keys and values of one batch and dtype, got {tuple(keys.shape)} "
+                             f"{keys.dtype} and {tuple(values.shape)} {values.dtype}")
+        if keys.shape == values.shape:
+            b, h, _, d = keys.shape
+            self._hold([keys.new_zeros(self.num_layers, 2, b, h, self.slots, d)])
+        else:
+            self._hold([t.new_zeros(self.num_layers, *t.shape[:2], self.slots, t.shape[-1]) for t in (keys, values)])
+
+    def _hold(self, parts: list[torch.Tensor]) -> None:
+        self.parts, self.slots = parts, parts[0].shape[-2]
+        self.keys, self.values = (parts[0][:, 0], parts[0][:, 1]) if len(parts) == 1 else parts
 
     def grow(self, slots: int) -> None:
         """At least ``slots`` slots, the held tokens kept (a copy of the whole slab: a caller that
         sized it right never pays it). Every layer grows at once, so it is called by the first
         layer a forward writes, before any other layer has written its block."""
-        new = self.tensor.new_zeros(*self.tensor.shape[:-2], max(slots, 2 * self.slots), self.tensor.shape[-1])
-        new[..., : self.slots, :] = self.tensor
-        self.tensor, self.slots = new, new.shape[-2]
+        new = []
+        for t in self.parts:
+            bigger = t.new_zeros(*t.shape[:-2], max(slots, 2 * self.slots), t.shape[-1])
+            bigger[..., : self.slots, :] = t
+            new.append(bigger)
+        self._hold(new)
+
+    def gather(self, start: int, index: torch.Tensor) -> None:
+        """Write slots ``index`` (a (n,) long tensor on the slab's device) of every layer to slots
+        ``start..start+n``: one gather and one copy per part."""
+        for t in self.parts:
+            t[..., start: start + index.numel(), :] = t.index_select(-2, index)
 
 
 class SlabLayer(CacheLayerMixin):
@@ -103,16 +133,16 @@ class SlabLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor:
-        return self.slab.tensor[self.index, 0, ..., : self.length, :]
+        return self.slab.keys[self.index, ..., : self.length, :]
 
     @property
     def values(self) -> torch.Tensor:
-        return self.slab.tensor[self.index, 1, ..., : self.length, :]
+        return self.slab.values[self.index, ..., : self.length, :]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if self.slab.tensor is None:
+        if self.slab.keys is None:
             self.slab.allocate(key_states, value_states)
-        self.device, self.is_initialized = self.slab.tensor.device, True
+        self.device, self.is_initialized = self.slab.keys.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -120,8 +150,8 @@ class SlabLayer(CacheLayerMixin):
         q = key_states.shape[-2]
         if self.length + q > self.slab.slots:  # every layer holds `length` tokens: this is the forward's first write
             self.slab.grow(self.length + q)
-        self.slab.tensor[self.index, 0, ..., self.length: self.length + q, :] = key_states
-        self.slab.tensor[self.index, 1, ..., self.length: self.length + q, :] = value_states
+        self.slab.keys[self.index, ..., self.length: self.length + q, :] = key_states
+        self.slab.values[self.index, ..., self.length: self.length + q, :] = value_states
         self.length += q
         return self.keys, self.values
 
@@ -159,8 +189,7 @@ class SlabCache(Cache):
             write past them grows the slab (:meth:`Slab.grow`), a copy of it.
 
     Raises:
-        ValueError: slots < 1; at the first write, keys and values of different shapes (a model
-            whose value heads are not its key heads' size: decode it with a ``DynamicCache``).
+        ValueError: slots < 1; at the first write, keys and values of another batch or dtype.
     """
 
     def __init__(self, num_layers: int, slots: int):
@@ -171,13 +200,12 @@ class SlabCache(Cache):
 
     @property
     def device(self) -> torch.device:
-        return self.slab.tensor.device
+        return self.slab.keys.device
 
     def gather(self, start: int, index: torch.Tensor) -> None:
         """Write slots ``index`` (a (n,) long tensor on the slab's device) of every layer to slots
-        ``start..start+n``, in one gather and one copy."""
-        t = self.slab.tensor
-        t[..., start: start + index.numel(), :] = t.index_select(-2, index)
+        ``start..start+n``, in one gather and one copy (two where keys and values differ in shape)."""
+        self.slab.gather(start, index)
 
 
 class _SlabStaticLayer(StaticLayer):
@@ -231,8 +259,9 @@ class StaticSlabCache(Cache):
         """The slab, allocated at the first layer's initialization (its shapes, dtype, device)."""
         if self.slab is None:
             if keys.shape[:2] != values.shape[:2] or keys.shape[-1] != values.shape[-1]:
-                raise ValueError(f"a slab cache needs keys and values of one shape, got {tuple(keys.shape)} and "
-                                 f"{tuple(values.shape)}")
+                raise ValueError(f"captured steps need cached keys and values of one shape; this model caches "
+                                 f"{tuple(keys.shape)} and {tuple(values.shape)} (multi-head latent attention, "
+                                 f"say): decode it eagerly, without --capture")
             b, h, _, d = keys.shape
             self.slab = keys.new_zeros(len(self.layers), 2, b, h, self.slots, d)
             self.lengths = self.lengths.to(keys.device)

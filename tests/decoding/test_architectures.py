@@ -264,6 +264,13 @@ FAMILIES = {
              ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {},  # LayerNorm, biases, a plain MLP
                    ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")),
+    # multi-head latent attention: it caches a latent (kv_lora_rank wide) as keys and a rotary key as
+    # values, of other widths, which the slab cache refused; kv_b_proj runs on (batch, 1, seq, rank)
+    # rows, which a frozen-base LoRA refuses (its gate needs (batch, seq, features))
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, first_k_dense_replace=2, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=16), ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj",
+                                             "up_proj", "down_proj")),
 }
 
 
@@ -273,9 +280,9 @@ def family_drafter(request):
     trained for about 10 s as the session's ``trained_drafter`` is, so its k=4 drafts are usually
     right and exactness is checked at high acceptance, not on rejected drafts."""
     config_cls, model_cls, overrides, _ = FAMILIES[request.param]
-    config = getattr(transformers, config_cls)(vocab_size=320, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               max_position_embeddings=2048, tie_word_embeddings=True, **overrides)
+    config = getattr(transformers, config_cls)(**{**dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True), **overrides})
     torch.set_num_threads(2)
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -287,8 +294,8 @@ def family_drafter(request):
 
 
 def test_exact_at_high_acceptance_on_more_families(family_drafter):
-    """Greedy SPACE == AR of the same weights on Llama 3's scaled rotary, Qwen3, Gemma, OLMo 2, Phi-3
-    and StarCoder2, at high acceptance: the trained model with stock kernels and as ``load_space``
+    """Greedy SPACE == AR of the same weights on Llama 3's scaled rotary, Qwen3, Gemma, OLMo 2, Phi-3,
+    StarCoder2 and DeepSeek-V3's latent attention, at high acceptance: the trained model with stock kernels and as ``load_space``
     runs it (the fused trunk and the CPU's fast kernels), and as a frozen base with its mask rows and
     a random gated LoRA on the family's own projections (``fuse_frozen_base``: the LoRA acts on mask
     rows only, so the output is still the base's), for a chain, two groups, a static tree and the

@@ -221,6 +221,43 @@ def test_slab_cache_edges():
     assert [layer.keys.shape[-2] for layer in cache.layers] == [0] * LAYERS
 
 
+def test_slab_cache_holds_keys_and_values_of_other_widths():
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Mistral 4) caches a latent as keys and a
+    rotary key as values, of other widths (and heads): the slab holds them in two tensors, and a
+    write, a growth, a crop and a tree path's compaction keep both, each slot where it came from.
+    The slab refused them, so even AR stopped on such a model."""
+    cache = SlabCache(LAYERS, 4)
+    slot = torch.arange(8, dtype=torch.float32)[None, None, :, None]
+    for part in (slot[..., :4, :], slot[..., 4:, :]):  # 8 tokens into 4 slots: the second write grows both tensors
+        for layer in range(LAYERS):
+            cache.update((layer * 1000 + part).expand(1, 1, 4, 8), -(layer * 1000 + part).expand(1, HEADS, 4, 3), layer)
+    assert len(cache.slab.parts) == 2 and cache.slab.slots >= 8
+    compact_cache(cache, 2, [3, 5], 8)  # x_{n-1} at slot 2, a block of rows 0-5: the path's rows 3 and 5 kept
+    assert cache.get_seq_length() == 5
+    for layer in range(LAYERS):
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        assert keys.shape == (1, 1, 5, 8) and values.shape == (1, HEADS, 5, 3)
+        assert keys[0, 0, :, 0].tolist() == [layer * 1000 + s for s in (0, 1, 2, 5, 7)]
+        assert torch.equal(values[0, :, :, 0], -keys[0, 0, :, 0].expand(HEADS, 5))  # moved alike
+
+
+def test_captured_steps_refuse_a_cache_their_config_does_not_describe():
+    """Captured steps allocate the cache from the config's heads and head_dim; a latent-attention
+    model caches other shapes, and its first replay failed inside index_copy_. It is refused at
+    setup with what to do."""
+    import transformers
+
+    from space.decoding.graphs import StepGraphs
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="caches .* keys and .* values a token .*without --capture"):
+        StepGraphs(model, slots=32, sizes=[4])
+
+
 def test_slab_cache_forward_equals_the_dynamic_cache(tiny):
     """A model run on a SlabCache (prefill, then a 3-token block) gives the logits of a
     DynamicCache. Catches wrong mask sizes or views reported to the attention."""
