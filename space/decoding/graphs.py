@@ -156,9 +156,9 @@ class StepGraphs:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         cached = cached_shapes(self.trunk, self.device)
         if cached != ((1, kv_heads, 1, head_dim),) * 2:
-            raise ValueError(f"captured steps allocate the cache as {kv_heads} heads x {head_dim} for keys and values; "
-                             f"this model caches {cached[0]} keys and {cached[1]} values a token (multi-head latent "
-                             f"attention, say): decode it eagerly, without --capture")
+            raise ValueError(f"captured steps allocate the cache as {kv_heads} heads x {head_dim} for keys and "
+                             f"values; this model caches {cached[0]} keys and {cached[1]} values a token (multi-head "
+                             f"latent attention, say): decode it eagerly, without --capture")
         with torch.no_grad():  # built outside inference mode, normal tensors: writable in and out of it
             self.cache = StaticSlabCache(len(self.trunk.layers), slots)
             # allocated now, once: a graph holds the addresses it was captured with

@@ -295,11 +295,12 @@ def family_drafter(request):
 
 def test_exact_at_high_acceptance_on_more_families(family_drafter):
     """Greedy SPACE == AR of the same weights on Llama 3's scaled rotary, Qwen3, Gemma, OLMo 2, Phi-3,
-    StarCoder2 and DeepSeek-V3's latent attention, at high acceptance: the trained model with stock kernels and as ``load_space``
-    runs it (the fused trunk and the CPU's fast kernels), and as a frozen base with its mask rows and
-    a random gated LoRA on the family's own projections (``fuse_frozen_base``: the LoRA acts on mask
-    rows only, so the output is still the base's), for a chain, two groups, a static tree and the
-    shipped kind of layout (the dynamic tree with prompt lookup)."""
+    StarCoder2 and DeepSeek-V3's latent attention, at high acceptance: the trained model with stock
+    kernels and as ``load_space`` runs it (the fused trunk and the CPU's fast kernels), and as a
+    frozen base with its mask rows and a random gated LoRA on the family's own projections
+    (``fuse_frozen_base``: the LoRA acts on mask rows only, so the output is still the base's), for
+    a chain, two groups, a static tree and the shipped kind of layout (the dynamic tree with prompt
+    lookup)."""
     name, model, spec, lang = family_drafter
     K = TRAINED_K
     fast = copy.deepcopy(model)

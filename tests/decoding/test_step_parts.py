@@ -230,7 +230,8 @@ def test_slab_cache_holds_keys_and_values_of_other_widths():
     slot = torch.arange(8, dtype=torch.float32)[None, None, :, None]
     for part in (slot[..., :4, :], slot[..., 4:, :]):  # 8 tokens into 4 slots: the second write grows both tensors
         for layer in range(LAYERS):
-            cache.update((layer * 1000 + part).expand(1, 1, 4, 8), -(layer * 1000 + part).expand(1, HEADS, 4, 3), layer)
+            keys, values = layer * 1000 + part, -(layer * 1000 + part)
+            cache.update(keys.expand(1, 1, 4, 8), values.expand(1, HEADS, 4, 3), layer)
     assert len(cache.slab.parts) == 2 and cache.slab.slots >= 8
     compact_cache(cache, 2, [3, 5], 8)  # x_{n-1} at slot 2, a block of rows 0-5: the path's rows 3 and 5 kept
     assert cache.get_seq_length() == 5
