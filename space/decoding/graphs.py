@@ -59,7 +59,7 @@ import torch
 
 from ..masking import mask_rows
 from .backends import attends_mask_width
-from .cache import StaticSlabCache, attention_dtype, attention_windows, cache_input
+from .cache import StaticSlabCache, attention_dtype, attention_windows, cache_input, full_cache
 
 MIN_SLOTS = 256  # the smallest slot bucket's least size: the buckets halve the cache's slots down to it
 
@@ -80,10 +80,8 @@ def cached_shapes(trunk: torch.nn.Module, device: torch.device) -> tuple[tuple[i
     """The shapes of the first layer's cached keys and values after one token, ``(batch 1, heads,
     1, dim)`` each: what the trunk really caches, which a model with multi-head latent attention
     (DeepSeek-V2/V3, MiniCPM3, Mistral 4: a latent and a rotary key) does not read from its config's
-    heads and head_dim. One eager forward of one token on a ``DynamicCache``."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
+    heads and head_dim. One eager forward of one token on a ``cache.full_cache``."""
+    cache = full_cache()
     with torch.no_grad():
         trunk(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **cache_input(cache), use_cache=True)
     layer = cache.layers[0]
