@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -108,6 +110,31 @@ def trained(trained_drafter):
     a test's precondition (a rank-1 path accepted, a tokens/step floor) could fail."""
     model, tok, spec, language = trained_drafter
     return model, tok, spec, fresh_language(language)
+
+
+def random_frozen_base(model, tokenizer, spec, k: int, **lora):
+    """``model`` as a frozen base with its own mask rows and a random gated LoRA (rank 4; ``lora``:
+    more :func:`space.adapter_layers.prepare_model` arguments, e.g. ``lora_targets``), fused for
+    decoding (``fuse_frozen_base``). Its output is the base's; its drafts move with the LoRA, so
+    A (peft's init, from torch's global generator) and B (N(0, 0.02)) are both seeded: unseeded,
+    A depended on which tests ran before, and a family test's tokens/step ranged 2.45-3.43.
+
+    Returns:
+        (decoding model, MaskSpec of the frozen-base copy).
+    """
+    from space.adapter_layers import fuse_frozen_base, mask_embedding, prepare_model
+
+    rows = model.get_input_embeddings().weight[list(spec.token_ids)].detach().clone()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        peft_model, spec2 = prepare_model(copy.deepcopy(model), copy.deepcopy(tokenizer), "frozen-base", k,
+                                          lora_r=4, **lora)
+    with torch.no_grad():
+        mask_embedding(peft_model).mask_rows.copy_(rows)
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
+    return fuse_frozen_base(peft_model), spec2
 
 
 def assert_cache_matches_fresh(model, cache, ids: torch.Tensor) -> None:

@@ -4,18 +4,16 @@ On untrained masks almost nothing is accepted and an exactness test compares AR 
 most steps accept several drafts, so verification, the cache crop, group shifting and EOS inside
 a step all run on their real paths.
 """
-import copy
 
 import pytest
 import torch
 
-from space.adapter_layers import fuse_frozen_base, mask_embedding, prepare_model
 from space.cpu_kernels import optimize_for_cpu
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.decoding.fused import fuse_trunk
 from space.masking import to_additive_4d, train_layout
 from tests.conftest import TRAINED_K as K
-from tests.conftest import CycleLanguage
+from tests.conftest import CycleLanguage, random_frozen_base
 from tests.oracle import oracle_generate
 
 
@@ -106,15 +104,7 @@ def test_frozen_base_exact_at_high_acceptance(trained, kernels):
     kernels, and with the trunk ``load_space`` gives (``fused``: q/k/v and gate/up in one GEMM
     each, GQA attention, ``space.decoding.fused.fuse_trunk``)."""
     model, tok, spec, lang = trained
-    base = copy.deepcopy(model)
-    rows = base.get_input_embeddings().weight[list(spec.token_ids)].detach().clone()
-    peft_model, spec2 = prepare_model(base, copy.deepcopy(tok), "frozen-base", K, lora_r=4)
-    with torch.no_grad():
-        mask_embedding(peft_model).mask_rows.copy_(rows)
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
-    fused = fuse_frozen_base(peft_model)
+    fused, spec2 = random_frozen_base(model, tok, spec, K)
     if "fused" in kernels:
         assert fuse_trunk(fused)["fused_groups"] == 2 * fused.config.num_hidden_layers
     if "fast" in kernels:
