@@ -11,7 +11,7 @@ from space.data.collator import SpaceCollator
 from space.eval.probe import anchor_ranks
 from space.masking import previous_ids, to_additive_4d, train_layout
 from space.sampler_head import add_sampler_head, sampler_head
-from tests.conftest import TRAINED_K, fresh_language
+from tests.conftest import TRAINED_K, CycleLanguage, fresh_language
 from tests.decoding.test_sampling import ALPHA, chi2_pvalue, exact_distribution, sampled, small_vocab_model  # noqa: F401
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
@@ -21,16 +21,18 @@ TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 def headed(trained_drafter):
     """The trained tiny drafter plus a sampler head trained (alone, teacher-forced on the true
     previous token) on the same language: after a jump in the cycle the masks anchored before it
-    are wrong, the head given the token before the target is not."""
+    are wrong, the head given the token before the target is not. The head trains on the drafter's
+    own samples (seed 0); each test takes ``fresh_language``, so its prompts do not depend on which
+    tests of the module ran before it."""
     model, tok, spec, language = trained_drafter
-    model, language = copy.deepcopy(model).requires_grad_(False), fresh_language(language)
+    model, samples = copy.deepcopy(model).requires_grad_(False), CycleLanguage(language.tokens, seed=0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         head = add_sampler_head(model, 64)
         collator = SpaceCollator(spec.ids_for(TRAINED_K), TRAINED_K, pad_id=0, spans_per_sample=16)
         opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
         for step in range(150):
-            batch = collator([{"input_ids": language.sample(48), "prompt_len": 1, "idx": step * 16 + b}
+            batch = collator([{"input_ids": samples.sample(48), "prompt_len": 1, "idx": step * 16 + b}
                               for b in range(16)])
             T = batch["num_real"]
             hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
@@ -51,6 +53,7 @@ def headed(trained_drafter):
                          ids=["chain", "tree", "tree+lookup", "dynamic", "dynamic+lookup"])
 def test_greedy_with_head_equals_ar(headed, cfg):
     model, spec, language = headed
+    language = fresh_language(language)
     dec = SpaceDecoder(model, spec, cfg)
     assert dec.sampler is sampler_head(model) is not None
     accepts, steps, tokens = [], 0, 0
@@ -71,7 +74,7 @@ def test_head_lifts_accept_length(trained, headed):
     model, spec, language = headed
     per_step = {}
     for name, m in (("masks", trained[0]), ("head", model)):
-        dec, gen_lang = SpaceDecoder(m, spec, DecodeConfig(TRAINED_K)), copy.deepcopy(language)
+        dec, gen_lang = SpaceDecoder(m, spec, DecodeConfig(TRAINED_K)), fresh_language(language)
         outs = [dec.generate(torch.tensor(gen_lang.sample(n)), 60) for n in (1, 5, 13, 30)]
         per_step[name] = sum(len(o.new_ids) for o in outs) / sum(len(o.accept_lengths) for o in outs)
     assert per_step["head"] > 1.2 * per_step["masks"], per_step
@@ -170,7 +173,7 @@ def test_probe_ranks_with_head_by_hand(headed):
     """anchor_ranks with a head: mask j anchored at e is ranked by the head given the true x_{e+j};
     here each group runs alone, without a cache, and is ranked by hand."""
     model, spec, language = headed
-    ids = torch.tensor(language.sample(20))
+    ids = torch.tensor(fresh_language(language).sample(20))
     P, k = 6, 3
     got = anchor_ranks(model, ids, P, spec.ids_for(k), k, spec.token_ids, chunk_groups=5)
     head, n = sampler_head(model), ids.numel()
