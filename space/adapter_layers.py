@@ -238,7 +238,8 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     Raises:
         ValueError: unknown mode, mask_num out of range, or a LoRA target that names no module of the
             model (peft refuses only a list that matches none, and a misspelt one dropped silently
-            while adapter_config.json recorded it).
+            while adapter_config.json recorded it), or one that peft moved onto an MoE model's fused
+            experts (:func:`check_targets_kept`).
     """
     if mode not in MODES:
         raise ValueError(f"unknown training mode {mode!r}; choose one of {MODES}")
@@ -257,10 +258,37 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                      target_modules=list(lora_targets), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, cfg)
+    check_targets_kept(peft_model.peft_config["default"], lora_targets, model.config.model_type)
     emb.mask_rows.requires_grad_(True)  # peft froze everything that is not LoRA
     if mode == "frozen-base":
         _gate_lora(peft_model)
     return peft_model, spec
+
+
+def check_targets_kept(config: LoraConfig, lora_targets, model_type: str) -> None:
+    """Refuse a LoRA config that peft rewrote while injecting it. On the MoE models whose experts
+    transformers 5 stores fused (peft's weight-conversion table: DeepSeek-V2/V3, Qwen2/3-MoE,
+    OLMoE, GLM-4-MoE, ...), peft moves the ``gate_proj`` / ``up_proj`` / ``down_proj`` targets onto
+    the experts' stacked weights (``target_parameters``, rank and alpha doubled for the fused
+    gate/up). Then the dense layers' and shared experts' linears of those names get no LoRA, and the
+    experts' update reaches every row through the weight itself, where the frozen-base gate cannot
+    hold it back (a tiny DeepSeek-V3's real-row logits moved by 1.4), and SPACE's artifact cannot
+    store it: a run used to fail only when saving its final adapter.
+
+    Args:
+        config: the adapter's config as peft left it (``peft_model.peft_config["default"]``).
+        lora_targets: the module names asked for.
+
+    Raises:
+        ValueError: a target peft dropped from ``target_modules``, or any ``target_parameters``,
+            ``rank_pattern`` or ``alpha_pattern`` it added.
+    """
+    moved = sorted(set(lora_targets) - set(config.target_modules or ()))
+    if moved or config.target_parameters or config.rank_pattern or config.alpha_pattern:
+        raise ValueError(f"peft moved lora_targets {moved} of this {model_type} model onto its fused experts' "
+                         f"weights (target_parameters {sorted(config.target_parameters or ())}): the linears of "
+                         "those names would get no LoRA, the experts' would change every row (frozen-base cannot "
+                         f"gate it) and a SPACE artifact cannot store it; leave {moved} out of lora_targets")
 
 
 def _gate_lora(model) -> None:

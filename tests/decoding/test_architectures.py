@@ -266,11 +266,11 @@ FAMILIES = {
                    ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")),
     # multi-head latent attention: it caches a latent (kv_lora_rank wide) as keys and a rotary key as
     # values, of other widths, which the slab cache refused; kv_b_proj runs on (batch, 1, seq, rank)
-    # rows, which a frozen-base LoRA refuses (its gate needs (batch, seq, features))
+    # rows, which a frozen-base LoRA refuses (its gate needs (batch, seq, features)), and peft moves
+    # gate/up/down_proj onto the MoE experts' fused weights (prepare_model refuses that)
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         num_key_value_heads=4, first_k_dense_replace=2, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=16), ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj",
-                                             "up_proj", "down_proj")),
+        qk_rope_head_dim=8, v_head_dim=16), ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")),
 }
 
 

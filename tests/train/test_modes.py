@@ -228,3 +228,46 @@ def test_a_gated_lora_on_flattened_rows_is_refused():
     apply_lora(model, {name: (torch.randn(4, linear.in_features), torch.randn(linear.out_features, 4))}, "frozen-base", "x")
     with pytest.raises(ValueError, match="leave it out of lora_targets"):
         SpaceDecoder(model, spec, DecodeConfig(4)).generate(ids[0, :8], 6)
+
+
+@pytest.mark.parametrize("mode", ["frozen-base", "lora"])
+def test_targets_peft_moves_onto_fused_experts_are_refused_at_setup(mode):
+    """A DeepSeek-V3 with a dense layer and an MoE layer: peft under transformers 5 moves the
+    gate_proj / up_proj / down_proj targets onto the MoE experts' stacked weights. The dense layer's
+    MLP then got no LoRA, the experts' update moved real rows (1.4 in logits: frozen-base no longer
+    lossless), and the run failed only when it saved its final adapter. ``prepare_model`` refuses
+    it at setup; the attention-only LoRA it advises keeps a frozen base's real rows."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from space.models import tiny_tokenizer
+
+    def moe():
+        config = DeepseekV3Config(
+            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=16)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return DeepseekV3ForCausalLM(config).eval(), tiny_tokenizer()
+
+    attention = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
+    with pytest.raises(ValueError, match=r"peft moved lora_targets \['down_proj', 'gate_proj', 'up_proj'\] of this "
+                                         r"deepseek_v3 model .*leave \['down_proj', 'gate_proj', 'up_proj'\] out"):
+        prepare_model(*moe(), mode, 3, lora_targets=attention + ["gate_proj", "up_proj", "down_proj"])
+    model, tok = moe()
+    ids = torch.randint(11, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids[:, :8]).logits
+    peft_model, spec = prepare_model(model, tok, mode, 3, lora_targets=attention)
+    assert not peft_model.peft_config["default"].target_parameters
+    if mode == "frozen-base":
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+            ids[:, 8:] = spec.token_ids[0]
+            with mask_rows(8):
+                got = peft_model(input_ids=ids).logits[:, :8, :want.shape[-1]]
+        tokens = [i for i in range(want.shape[-1]) if i not in spec.token_ids]  # the mask's own row is new
+        assert (got - want)[..., tokens].abs().max() < 1e-5
