@@ -7,6 +7,7 @@ SPACE keeps full-attention cache layers (it crops and compacts them) and applies
 in its own 4-D mask; AR uses transformers' sliding cache layers, so the two paths are independent.
 """
 import copy
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -353,3 +354,41 @@ def test_frozen_base_training_passes_on_more_families(family_drafter):
     graded = {key for key, p in peft_model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert graded and all("lora_" in key or "mask_rows" in key for key in graded), sorted(graded)
     assert any("lora_A" in key for key in graded) and any("mask_rows" in key for key in graded)
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("phi3", {}),
+    ("deepseek-v3", dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         n_group=1, topk_group=1)),  # a dense layer and an MoE layer
+], ids=["phi3", "deepseek-v3-moe"])
+def test_space_train_then_space_eval_on_a_local_model_of_another_family(name, overrides, tmp_path, capsys):
+    """What a user of another family runs: ``space-train`` (frozen-base, the family's own
+    lora_targets) on a local HF folder, then ``space-eval`` of the artifact, exact against AR. A
+    DeepSeek-V3 with an MoE layer and gate/up/down_proj targets trained to the end and failed only
+    when it saved its adapter (peft had moved them onto the experts' fused weights); it is refused
+    before the first step now, leaving no checkpoint."""
+    from space.eval.__main__ import main as eval_main
+    from space.train.__main__ import main as train_main
+
+    config_cls, model_cls, family_overrides, targets = FAMILIES[name]
+    tok = tiny_tokenizer()
+    config = getattr(transformers, config_cls)(**{**dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), **family_overrides, **overrides})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        getattr(transformers, model_cls)(config).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    args = ["--config", "configs/train/tiny_smoke.yaml", "--model_name_or_path", str(tmp_path / "model"),
+            "--max_steps", "2", "--limit", "8"]
+    if "deepseek" in name:
+        with pytest.raises(ValueError, match=r"peft moved lora_targets \['down_proj', 'gate_proj', 'up_proj'\]"):
+            train_main([*args, "--output_dir", str(tmp_path / "moved"),
+                        "--lora_targets", ",".join([*targets, "gate_proj", "up_proj", "down_proj"])])
+        assert not list((tmp_path / "moved").glob("checkpoint-*"))
+    final = train_main([*args, "--output_dir", str(tmp_path / "run"), "--lora_targets", ",".join(targets)])
+    assert sorted(json.loads((final / "adapter_config.json").read_text())["target_modules"]) == sorted(targets)
+    summary = eval_main(["--adapter", str(final), "--dataset", "humaneval", "--limit", "2", "--max-new-tokens", "16",
+                         "--methods", "ar,space", "--threads", "2", "--out", str(tmp_path / "eval")])
+    assert summary["exact_match_rate"] == 1.0 and summary["methods"]["space"]["new_tokens"] > 0
