@@ -25,6 +25,7 @@ The artifact's files are ``space.artifact``'s; ``space.loader.load_space`` puts 
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 
@@ -238,8 +239,8 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     Raises:
         ValueError: unknown mode, mask_num out of range, or a LoRA target that names no module of the
             model (peft refuses only a list that matches none, and a misspelt one dropped silently
-            while adapter_config.json recorded it), or one that peft moved onto an MoE model's fused
-            experts (:func:`check_targets_kept`).
+            while adapter_config.json recorded it), or one that peft moves onto an MoE model's fused
+            experts (:func:`check_targets_kept`), before the model changes.
     """
     if mode not in MODES:
         raise ValueError(f"unknown training mode {mode!r}; choose one of {MODES}")
@@ -249,46 +250,74 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
         if unknown:
             linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ValueError(f"lora_targets {unknown} name no module of this model; its linears: {linears}")
+        cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                         target_modules=list(lora_targets), task_type="CAUSAL_LM")
+        rewritten = peft_rewrite(cfg, model)  # refused before the model changes
+        if rewritten is not None:
+            check_targets_kept(lora_targets, rewritten, model.config.model_type)
     spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
     if mode == "full":
         model.requires_grad_(True)
         return model, spec
     emb = MaskEmbedding(model.get_input_embeddings(), spec.token_ids)
     model.set_input_embeddings(emb)
-    cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                     target_modules=list(lora_targets), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, cfg)
-    check_targets_kept(peft_model.peft_config["default"], lora_targets, model.config.model_type)
+    check_targets_kept(lora_targets, peft_model.peft_config["default"], model.config.model_type)  # any other rewrite
     emb.mask_rows.requires_grad_(True)  # peft froze everything that is not LoRA
     if mode == "frozen-base":
         _gate_lora(peft_model)
     return peft_model, spec
 
 
-def check_targets_kept(config: LoraConfig, lora_targets, model_type: str) -> None:
-    """Refuse a LoRA config that peft rewrote while injecting it. On the MoE models whose experts
-    transformers 5 stores fused (peft's weight-conversion table: DeepSeek-V2/V3, Qwen2/3-MoE,
-    OLMoE, GLM-4-MoE, ...), peft moves the ``gate_proj`` / ``up_proj`` / ``down_proj`` targets onto
-    the experts' stacked weights (``target_parameters``, rank and alpha doubled for the fused
-    gate/up). Then the dense layers' and shared experts' linears of those names get no LoRA, and the
-    experts' update reaches every row through the weight itself, where the frozen-base gate cannot
-    hold it back (a tiny DeepSeek-V3's real-row logits moved by 1.4), and SPACE's artifact cannot
-    store it: a run used to fail only when saving its final adapter.
+def peft_rewrite(config: LoraConfig, model: nn.Module) -> LoraConfig | None:
+    """``config`` as peft will rewrite it when it injects the LoRA into ``model`` (a copy; the model
+    is only read), or None where this peft rewrites nothing (before its transformers-5 conversion).
+
+    Raises:
+        ValueError: peft refuses the targets for this model type (e.g. ``gate_proj`` without
+            ``up_proj`` on a model whose experts fuse the two), with SPACE's advice.
+    """
+    try:
+        from peft.import_utils import is_transformers_ge_v5
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return None
+    if not is_transformers_ge_v5:
+        return None
+    converted = copy.deepcopy(config)
+    try:
+        convert_peft_config_for_transformers(converted, model=model, conversions=None)
+    except ValueError as e:
+        raise ValueError(f"peft refuses lora_targets {sorted(config.target_modules)} on a {model.config.model_type} "
+                         f"model ({e}); it moves this model type's MoE projection names onto fused expert weights, "
+                         "which a SPACE LoRA cannot take: leave them out of lora_targets") from None
+    return converted
+
+
+def check_targets_kept(asked, config: LoraConfig, model_type: str) -> None:
+    """Refuse a LoRA config that peft rewrote (or will: :func:`peft_rewrite`). For the model types
+    in peft's transformers-5 conversion table (DeepSeek-V2/V3, Qwen3-MoE, OLMoE, GLM-4-MoE, ...),
+    peft moves ``gate_proj`` / ``up_proj`` / ``down_proj`` (and the router ``gate``) targets onto
+    the MoE experts' stacked weights (``target_parameters``, rank and alpha doubled for the fused
+    gate/up), whether or not the model has MoE layers. Then the linears of those names get no LoRA,
+    the experts' update reaches every row through the weight itself, where the frozen-base gate
+    cannot hold it back (a tiny DeepSeek-V3's real-row logits moved by 1.4), and SPACE's artifact
+    cannot store it: a run used to fail only when it saved its final adapter.
 
     Args:
-        config: the adapter's config as peft left it (``peft_model.peft_config["default"]``).
-        lora_targets: the module names asked for.
+        asked: the module names asked for (``lora_targets``).
+        config: the config as peft rewrites it (``peft_model.peft_config["default"]``).
+        model_type: the model's ``config.model_type``, for the message.
 
     Raises:
         ValueError: a target peft dropped from ``target_modules``, or any ``target_parameters``,
             ``rank_pattern`` or ``alpha_pattern`` it added.
     """
-    moved = sorted(set(lora_targets) - set(config.target_modules or ()))
+    moved = sorted(set(asked) - set(config.target_modules or ()))
     if moved or config.target_parameters or config.rank_pattern or config.alpha_pattern:
-        raise ValueError(f"peft moved lora_targets {moved} of this {model_type} model onto its fused experts' "
-                         f"weights (target_parameters {sorted(config.target_parameters or ())}): the linears of "
-                         "those names would get no LoRA, the experts' would change every row (frozen-base cannot "
-                         f"gate it) and a SPACE artifact cannot store it; leave {moved} out of lora_targets")
+        raise ValueError(f"peft retargets lora_targets {moved} of a {model_type} model to the parameters "
+                         f"{sorted(config.target_parameters or ())} (its conversion for fused MoE experts): those "
+                         f"names cannot take a SPACE LoRA on this model type; leave {moved} out of lora_targets")
 
 
 def _gate_lora(model) -> None:

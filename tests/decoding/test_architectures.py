@@ -308,7 +308,8 @@ def test_exact_at_high_acceptance_on_more_families(family_drafter):
     fuse_trunk(fast)
     optimize_for_cpu(fast)
     targets = FAMILIES[name][3]
-    gated, spec2 = random_frozen_base(model, tiny_tokenizer(), spec, K, **({"lora_targets": targets} if targets else {}))
+    gated, spec2 = random_frozen_base(model, tiny_tokenizer(), spec, K,
+                                      **({"lora_targets": targets} if targets else {}))
     assert spec2.token_ids == spec.token_ids
     fuse_trunk(gated)
     optimize_for_cpu(gated)
@@ -383,7 +384,7 @@ def test_space_train_then_space_eval_on_a_local_model_of_another_family(name, ov
     args = ["--config", "configs/train/tiny_smoke.yaml", "--model_name_or_path", str(tmp_path / "model"),
             "--max_steps", "2", "--limit", "8"]
     if "deepseek" in name:
-        with pytest.raises(ValueError, match=r"peft moved lora_targets \['down_proj', 'gate_proj', 'up_proj'\]"):
+        with pytest.raises(ValueError, match=r"peft retargets lora_targets \['down_proj', 'gate_proj', 'up_proj'\]"):
             train_main([*args, "--output_dir", str(tmp_path / "moved"),
                         "--lora_targets", ",".join([*targets, "gate_proj", "up_proj", "down_proj"])])
         assert not list((tmp_path / "moved").glob("checkpoint-*"))

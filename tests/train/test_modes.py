@@ -236,7 +236,8 @@ def test_targets_peft_moves_onto_fused_experts_are_refused_at_setup(mode):
     gate_proj / up_proj / down_proj targets onto the MoE experts' stacked weights. The dense layer's
     MLP then got no LoRA, the experts' update moved real rows (1.4 in logits: frozen-base no longer
     lossless), and the run failed only when it saved its final adapter. ``prepare_model`` refuses
-    it at setup; the attention-only LoRA it advises keeps a frozen base's real rows."""
+    it, and half of a fused pair (peft's own error advised adding the other half), before it changes
+    the model; the attention-only LoRA it advises keeps a frozen base's real rows."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from space.models import tiny_tokenizer
@@ -252,10 +253,16 @@ def test_targets_peft_moves_onto_fused_experts_are_refused_at_setup(mode):
             return DeepseekV3ForCausalLM(config).eval(), tiny_tokenizer()
 
     attention = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
-    with pytest.raises(ValueError, match=r"peft moved lora_targets \['down_proj', 'gate_proj', 'up_proj'\] of this "
-                                         r"deepseek_v3 model .*leave \['down_proj', 'gate_proj', 'up_proj'\] out"):
-        prepare_model(*moe(), mode, 3, lora_targets=attention + ["gate_proj", "up_proj", "down_proj"])
     model, tok = moe()
+    untouched = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"peft retargets lora_targets \['down_proj', 'gate_proj', 'up_proj'\] of a "
+                                         r"deepseek_v3 model .*leave \['down_proj', 'gate_proj', 'up_proj'\] out"):
+        prepare_model(model, tok, mode, 3, lora_targets=attention + ["gate_proj", "up_proj", "down_proj"])
+    with pytest.raises(ValueError, match=r"peft refuses lora_targets .* on a deepseek_v3 model \(Cannot convert .*"
+                                         r"leave them out of lora_targets"):
+        prepare_model(model, tok, mode, 3, lora_targets=attention + ["gate_proj"])  # half of a fused pair
+    state = model.state_dict()  # refused before the model changed: no mask token, no LoRA layer
+    assert state.keys() == untouched.keys() and all(torch.equal(state[k], v) for k, v in untouched.items())
     ids = torch.randint(11, 250, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(input_ids=ids[:, :8]).logits
