@@ -33,7 +33,9 @@ class ModelArgs:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scale numerator (update x alpha / r), > 0"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input, in [0, 1)"})
     lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                              metadata={"help": "comma list of the linear layers that get a LoRA"})
+                              metadata={"help": "comma list of the linear layers that get a LoRA, by the model's "
+                                                "own names (Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; an MoE "
+                                                "model whose experts peft fuses: attention only)"})
     dtype: str = field(default="float32", metadata={"help": "weights dtype when loading (bf16 is slower on CPU)"})
     init_adapter: str | None = field(default=None, metadata={
         "help": "lora / frozen-base: start from this SPACE artifact's LoRA weights and mask rows (same mode, "
