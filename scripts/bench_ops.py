@@ -6,9 +6,9 @@ move with the machine's load). Methods: AR, the chain (k 3 x 4 groups), a static
 groups) and the shipped layout (the adapter's dynamic tree + prompt lookup 10), over
 ``--prompts`` HumanEval prompts x ``--max-new-tokens``, each after a warm-up generation, in each
 ``--dtype``. The model is what ``space.loader.load_space`` gives with the stock kernels (the
-GPU's); ``--attention sdpa`` keeps transformers' attention and swaps in the one-call RMSNorm, the
-trunk CUDA loads (GQA through ``repeat_kv`` copies when a mask is given; each norm one kernel),
-where the default is the CPU's at load.
+GPU's); ``--attention cuda`` counts the trunk CUDA loads: the grouped query heads folded into the
+batch (``space.decoding.backends``: CUDA's memory-efficient SDPA has no GQA) and each norm one kernel
+(``space.rms_norm``), where the default is the CPU's at load.
 ``--capture`` counts what a captured step launches besides its graph (``space.decoding.graphs``:
 on a GPU the trunk is one replay; here it runs eagerly, its forward hooks pausing the counter), for
 AR, prompt lookup (PLD, HF's settings, over the same captured steps as ``space-eval --capture``) and
@@ -23,6 +23,7 @@ import argparse
 import json
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 from space.data.prompts import chat_ids, code_prompt  # noqa: E402
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate  # noqa: E402
 from space.decoding.graphs import StepGraphs  # noqa: E402
-from space.decoding.op_count import OpCounter  # noqa: E402
+from space.decoding.op_count import OpCounter, cuda_attention  # noqa: E402
 from space.eval.bench import PLD_NGRAM, PLD_TOKENS  # noqa: E402
 from space.eval.tasks import load_tasks  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
@@ -78,9 +79,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--attention", choices=["load", "sdpa"], default="load",
-                   help="load: what load_space sets on this device; sdpa: the trunk CUDA loads (transformers' own "
-                        "attention, the one-call RMSNorm of space.rms_norm)")
+    p.add_argument("--attention", choices=["load", "cuda"], default="load",
+                   help="load: what load_space sets on this device; cuda: the trunk CUDA loads (the query heads "
+                        "folded into the batch, masks in aligned rows, the one-call RMSNorm of space.rms_norm)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--capture", action="store_true",
                    help="count the ops of captured steps outside their graph (AR, PLD and the layouts)")
@@ -94,8 +95,7 @@ def main(argv=None) -> dict:
     for dtype in args.dtype:
         model, tok, spec = load_space(adapter=ADAPTER, dtype=dtype)
         trunk = dict(getattr(model, "space_trunk", None) or {})
-        if args.attention == "sdpa":  # the trunk CUDA loads: transformers' attention, the one-call RMSNorm
-            model.set_attn_implementation("sdpa")
+        if args.attention == "cuda":  # the trunk CUDA loads: the one-call RMSNorm (the attention's path below)
             trunk["rms_norms"] = swap_rms_norms(model, exact=False)
         record.setdefault("trunk", {})[dtype] = {**trunk, "attention": model.config._attn_implementation}
         prompts = [torch.tensor(chat_ids(tok, [{"role": "user", "content": code_prompt(t.problem["prompt"])}]))
@@ -118,7 +118,8 @@ def main(argv=None) -> dict:
             methods[name] = lambda ids, m, cb, dec=dec: dec.generate(ids, m or n, stop_token_ids=[tok.eos_token_id],
                                                                      on_tokens=cb)
         for name, generate in methods.items():
-            per_step, steps, by_op = count(generate, prompts, graphs.trunk if graphs is not None else None)
+            with cuda_attention() if args.attention == "cuda" else nullcontext():
+                per_step, steps, by_op = count(generate, prompts, graphs.trunk if graphs is not None else None)
             record["ops_per_step"].setdefault(name, {})[dtype] = round(per_step, 1)
             record["steps"].setdefault(name, {})[dtype] = steps
             record["by_op"].setdefault(name, {})[dtype] = {k: round(v / steps, 1) for k, v in

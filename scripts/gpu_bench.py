@@ -306,18 +306,47 @@ def cmd_host_time(args) -> dict:
             if unknown:
                 raise SystemExit(f"--layouts: unknown {sorted(unknown)}; known: {sorted(layouts)}")
             layouts = {name: layouts[name] for name in args.layouts.split(",")}
+        turns = [(on, gqa) for on in cudnn for gqa in GQA_CHOICES[args.gqa]]
         for name, cfg in layouts.items():
-            for on in cudnn:  # in turns per layout, so a drift of the machine touches both alike
+            for on, gqa in turns:  # in turns per layout, so a drift of the machine touches each alike
                 if on is not None:
                     torch.backends.cuda.enable_cudnn_sdp(on)
                 key = (name + ("" if setup == "eager" else f", {setup}")
-                       + ("" if on is None else f", cudnn sdp {'on' if on else 'off'}"))
-                out["layouts"][key] = entry = host_time(model, spec, cfg, prompts, args.new_tokens)
+                       + ("" if on is None else f", cudnn sdp {'on' if on else 'off'}")
+                       + ("" if args.gqa == "fold" else f", gqa {gqa}"))
+                with gqa_path(model, gqa):
+                    out["layouts"][key] = entry = host_time(model, spec, cfg, prompts, args.new_tokens)
                 print(f"host-time {what} {key}: {entry}", flush=True)
                 # each layout's entry kept as it comes: a stage cut at its time cap (g58 lost two) keeps
                 # what it timed; main writes the whole result, without "partial", at the end
                 write_text_atomic(Path(args.out), json.dumps({**header(), **out, "partial": True}, indent=1))
     return out
+
+
+GQA_CHOICES = {"fold": ["fold"], "copy": ["copy"], "both": ["fold", "copy"]}
+
+
+@contextlib.contextmanager
+def gqa_path(model, gqa: str):
+    """The attention a step runs: ``fold``, what the model loaded with (``space.decoding.backends``:
+    on CUDA a grouped call's query heads folded into the batch, each step's mask in aligned rows),
+    or ``copy``, what it ran before (transformers' own ``sdpa``, which copies a block's keys and
+    values to every query head, ``repeat_kv``, over masks of their own width, which CUDA's
+    memory-efficient kernel copies in every layer). An eager trunk's choice (a graph or a compiled
+    trunk keeps what it was made with)."""
+    from space.decoding import backends
+
+    if gqa == "fold":
+        yield
+        return
+    impl, align = model.config._attn_implementation, backends.MASK_ALIGN
+    model.set_attn_implementation("sdpa")
+    backends.MASK_ALIGN = {}
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)
+        backends.MASK_ALIGN = align
 
 
 def host_time(model, spec, cfg, prompts: list, new_tokens: int) -> dict:
@@ -449,6 +478,9 @@ def main(argv=None) -> dict:
     h.add_argument("--layouts", help="comma-separated names of the layouts to time (default: all)")
     h.add_argument("--cudnn-sdp", choices=["load", "on", "off", "both"], default="load",
                    help="cuDNN attention as chosen at load (space.decoding.backends), on, off, or both in turns")
+    h.add_argument("--gqa", choices=list(GQA_CHOICES), default="fold",
+                   help="grouped-query attention as loaded (fold: query heads in the batch, aligned masks), as "
+                        "transformers' sdpa runs it (copy: repeat_kv, masks padded by SDPA), or both in turns")
     for sp in (s, h):
         sp.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES,
                         help="then the same with the trunk compiled (space.decoding.compiled.compile_trunk; "

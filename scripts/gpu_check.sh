@@ -88,6 +88,10 @@ elif [ "$phase" = g58a ]; then
   stash_part
   # the compiled-trunk tests (issue 43) passed before and take most of 150 s: the captured ones run instead
   stage pytest_cuda 120 python3 -m pytest -m cuda -v -rA -s -p no:cacheprovider tests/test_cuda.py -k "not compiled_trunk"
+  # eager steps with grouped query heads folded into the batch over aligned masks, against repeat_kv's copies over
+  # masks SDPA pads (the path before; counted on the CPU: 60 + 60 launches a SPACE step), SmolLM2's heads, fp32
+  stage host_time_smollm2_gqa 45 python3 scripts/gpu_bench.py host-time --shape smollm2 --dtype float32 --prompts 2 \
+    --new-tokens 48 --layouts "ar,chain k3 4 groups" --gqa both --out "$stash/res/host_time_smollm2_gqa.json"
   stage step_cost_7b_fused 60 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
     --repeats 10 --capture --out "$stash/res/step_cost_7b_fused.json"
   # a captured fp32 SmolLM2-shaped step spent 7.6 of its 9.9 ms after 2,048 tokens in the memory-efficient attention

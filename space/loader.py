@@ -70,8 +70,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
 
     An eager model on one device gets the fused trunk (``space.decoding.fused.fuse_trunk``,
     issue 58: q/k/v and gate/up in one GEMM each, a frozen-base LoRA packed under them, an
-    attention that reads the keys up to the mask's width, GQA without ``repeat_kv`` on the CPU, on
-    CUDA one kernel per RMSNorm), which every method then runs, AR included; it
+    attention that reads the keys up to the mask's width, GQA without ``repeat_kv``, on CUDA one
+    kernel per RMSNorm), which every method then runs, AR included; it
     computes what ``load_model``'s model computes up to float rounding (other GEMM shapes), and
     ``model.space_trunk`` records it. On CUDA in bf16 / fp16, cuDNN attention is turned off
     (process-wide: ``space.decoding.backends``), recorded in ``model.space_sdpa``.

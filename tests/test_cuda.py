@@ -6,7 +6,8 @@ shipped adapter on the real SmolLM2 (TF32 pinned off, so fp32 means fp32); seede
 device; bf16 (finite logits, the step mask in bf16, tokens equal to AR up to the first near-tie,
 the rate printed); flash attention refused; a 2-way ``device_map`` equal to one device (needs 2
 GPUs); and the sync budget of ``tests/decoding/test_syncs.py`` checked by CUDA itself
-(``torch.cuda.set_sync_debug_mode``), as a marginal count per step between two lengths.
+(``torch.cuda.set_sync_debug_mode``), as a marginal count per step between two lengths; grouped
+query heads folded into the batch on the memory-efficient kernel, a step's aligned mask read in place.
 """
 import copy
 import json
@@ -79,6 +80,46 @@ def test_fused_trunk_swaps_the_norms_on_cuda_and_stays_exact(on_gpu):
             prompt = torch.tensor(lang.sample(4 + 3 * i))
             ar = ar_generate(fused, prompt, 48, suppress_ids=spec.token_ids)
             assert dec.generate(prompt, 48).new_ids == ar.new_ids, (layout, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_grouped_attention_runs_on_the_memory_efficient_kernel_and_reads_its_mask_in_place(dtype, rows):
+    """SDPA_GQA on CUDA (``space.decoding.backends``) folds a grouped call's query heads into the
+    batch: with only the memory-efficient kernel allowed it runs (a masked ``enable_gqa`` call
+    would find no kernel and fall to the math one), its output is transformers' ``sdpa``'s
+    (``repeat_kv``), and a step's mask in aligned rows (``mask_buffer``) is read in place, where the
+    same mask of its own width is padded (copied) by SDPA in every call. SmolLM2's heads: 9 query
+    heads on 3 key heads of 64."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding.backends import mask_buffer, sdpa_gqa_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    keys = 301  # not a multiple of 8, as most steps' widths
+    query, key, value = (torch.randn(1, h, n, 64, generator=gen, device="cuda", dtype=dtype)
+                         for h, n in ((9, rows), (3, keys), (3, keys)))
+    aligned = mask_buffer(rows, keys, dtype, "cuda")
+    aligned[..., keys - rows:] = torch.full((rows, rows), torch.finfo(dtype).min, device="cuda").triu(1)
+    assert aligned.stride(2) % 8 == 0
+    plain = aligned.contiguous()  # the same values at its own width
+    want, _ = sdpa_attention_forward(module, query, key, value, plain)
+
+    def pads(mask) -> list[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sdpa_gqa_attention(module, query, key, value, mask)
+        return [e.name for e in prof.events() if "pad" in e.name]
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out, _ = sdpa_gqa_attention(module, query, key, value, aligned)
+        in_place, copied = pads(aligned), pads(plain)
+    torch.testing.assert_close(out, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
+    assert not in_place and copied, (in_place, copied)
 
 
 def test_sampling_runs_on_the_device(on_gpu):

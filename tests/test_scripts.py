@@ -213,8 +213,10 @@ def test_gpu_bench_step_cost_as_g58a_runs_it(phase, argv, tmp_path):
 def check_host_time(written: dict, argv: list[str]) -> None:
     layouts = argv[argv.index("--layouts") + 1].split(",") if "--layouts" in argv else None
     cudnn = argv[argv.index("--cudnn-sdp") + 1] if "--cudnn-sdp" in argv else "load"
-    suffixes = {"both": [", cudnn sdp on", ", cudnn sdp off"], "on": [", cudnn sdp on"],
-                "off": [", cudnn sdp off"], "load": [""]}[cudnn]
+    gqa = argv[argv.index("--gqa") + 1] if "--gqa" in argv else "fold"
+    suffixes = [c + g for c in {"both": [", cudnn sdp on", ", cudnn sdp off"], "on": [", cudnn sdp on"],
+                                "off": [", cudnn sdp off"], "load": [""]}[cudnn]
+                for g in {"both": [", gqa fold", ", gqa copy"], "copy": [", gqa copy"], "fold": [""]}[gqa]]
     if layouts:
         assert list(written["layouts"]) == [name + s for name in layouts for s in suffixes]
     assert "cudnn_sdp" in written["sdpa_at_load"]
@@ -425,7 +427,7 @@ def test_bench_ops_cuda_attention_both_dtypes(tiny_adapter, tmp_path, monkeypatc
     ops = load_script("bench_ops")
     monkeypatch.setattr(ops, "ADAPTER", tiny_adapter)
     out = tmp_path / "ops.json"
-    ops.main(["--prompts", "1", "--max-new-tokens", "4", "--dtype", "float32", "bfloat16", "--attention", "sdpa",
+    ops.main(["--prompts", "1", "--max-new-tokens", "4", "--dtype", "float32", "bfloat16", "--attention", "cuda",
               "--threads", "1", "--out", str(out)])
     written = json.loads(out.read_text())
     names = ["AR", "chain", "static tree", "dynamic tree (shipped)"]
@@ -435,7 +437,7 @@ def test_bench_ops_cuda_attention_both_dtypes(tiny_adapter, tmp_path, monkeypatc
         assert all(v > 0 for v in finite_numbers(written["ops_per_step"][name]))
         assert all(v > 0 for v in finite_numbers(written["steps"][name]))
     assert written["over_ar"]["AR"] == {"float32": 1.0, "bfloat16": 1.0}
-    assert written["attention"] == "sdpa" and set(written["trunk"]) == {"float32", "bfloat16"}
+    assert written["attention"] == "cuda" and set(written["trunk"]) == {"float32", "bfloat16"}
 
 
 def test_bench_ops_capture_counts_outside_the_graph(tiny_adapter, tmp_path, monkeypatch):

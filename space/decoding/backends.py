@@ -19,7 +19,15 @@ The attention function itself is chosen at load too (:data:`SDPA_GQA`, set on an
 CPU's compiled trunk): it reads the keys only up to the 4-D mask's width, so that a step over a static
 cache attends over the slots that hold tokens (``space.decoding.decoder.mask_slots``; the captured
 steps' slot buckets, ``space.decoding.graphs``), and it hands grouped key/value heads to SDPA
-where the device has a kernel for them with a mask (:data:`GQA_WITH_MASK`).
+where the device has a kernel for them with a mask (:data:`GQA_WITH_MASK`). Elsewhere (CUDA) it
+folds each key/value head's group of query heads into the batch, as views, so SDPA sees as many
+query as key heads and takes its memory-efficient kernel, which has no GQA, without copying the
+keys and values to every query head (transformers' ``repeat_kv``: two copies of the cache a layer).
+
+On CUDA the memory-efficient kernel copies a mask in every call unless each of its strides is a
+multiple of 8 (PyTorch's ``preprocess_mask``, ``pad_bias``), and a step's mask is as wide as the
+cache plus its block: the masks the decoders build are views into rows padded to that
+(:func:`mask_buffer`, :data:`MASK_ALIGN`).
 """
 from __future__ import annotations
 
@@ -32,10 +40,25 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 HALF = (torch.bfloat16, torch.float16)
 SDPA_GQA = "space_sdpa_gqa"
 # devices whose SDPA runs grouped key/value heads under a mask on a fast kernel. On CUDA with torch
-# 2.11 the memory-efficient kernel has no GQA, so a masked grouped call lands on the math kernel
-# (issue 58): there transformers' own sdpa copies the keys instead (repeat_kv), or folds one query
-# row's heads into rows (pack_gqa)
+# 2.11 the memory-efficient kernel has no GQA, so a masked grouped call (and an fp32 one without a
+# mask: flash takes half precision only) lands on the math kernel (issue 58): there the query heads
+# are folded into the batch instead (_folded_sdpa)
 GQA_WITH_MASK = ("cpu",)
+# the row alignment, in elements, of the masks a step builds on a device (mask_buffer): CUDA's
+# memory-efficient SDPA pads (copies) a mask whose strides are not multiples of 8, in every layer
+MASK_ALIGN = {"cuda": 8}
+
+
+def mask_buffer(rows: int, width: int, dtype: torch.dtype, device: torch.device | str,
+                fill: float = 0.0) -> torch.Tensor:
+    """A (1, 1, rows, width) additive mask of ``fill``, a view into rows of ``width`` rounded up to
+    the device's :data:`MASK_ALIGN`, so that SDPA reads it where it is (no copy per layer).
+
+    Raises:
+        RuntimeError: from torch, for a negative size.
+    """
+    align = MASK_ALIGN.get(torch.device(device).type, 1)
+    return torch.full((1, 1, rows, -(-width // align) * align), fill, dtype=dtype, device=device)[..., :width]
 
 
 def choose_sdpa(device_type: str, dtype: torch.dtype) -> dict:
@@ -59,8 +82,9 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function (:data:`SDPA_GQA`): SDPA over the keys up to the 4-D mask's
     width, the grouped key/value heads handed to SDPA (``enable_gqa``) on the devices of
-    :data:`GQA_WITH_MASK`; elsewhere, or with a ``position_bias`` or ``softcap`` (which only
-    transformers' function applies or refuses), transformers' own ``sdpa`` on the keys kept.
+    :data:`GQA_WITH_MASK`, and elsewhere folded into the batch (one prompt, a mask shared by the
+    heads); otherwise, or with a ``position_bias`` or ``softcap`` (which only transformers'
+    function applies or refuses), transformers' own ``sdpa`` on the keys kept.
 
     Args:
         query: (batch, heads, q, head_dim); key, value: (batch, kv_heads, kv, head_dim).
@@ -74,10 +98,15 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     # :func:`attends_mask_width`): the empty slots past it would only cost attention time
     width = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 4 else None
     bias = kwargs.get("position_bias")
-    delegate = query.device.type not in GQA_WITH_MASK or bias is not None or kwargs.get("softcap") is not None
-    # delegated, cut only where the mask is narrower: an eager CUDA step is launch-bound, and a slice
-    # is a dispatched op; on the CPU always (a compiled trunk's symbolic widths would guard on a branch)
-    if width is not None and (not delegate or width < key.shape[-2]):
+    grouped = key.shape[1] != query.shape[1]
+    own = bias is None and kwargs.get("softcap") is None
+    on_gqa_device = query.device.type in GQA_WITH_MASK
+    fold = own and grouped and not on_gqa_device and query.shape[0] == key.shape[0] == 1 and (
+        attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[:2] == (1, 1)))
+    delegate = not (own and on_gqa_device) and not fold
+    # cut only where the mask is narrower off the CPU: an eager CUDA step is launch-bound, and a
+    # slice is a dispatched op; on the CPU always (a compiled trunk's symbolic widths would guard on a branch)
+    if width is not None and (on_gqa_device or width < key.shape[-2]):
         key, value = key[:, :, :width], value[:, :, :width]
         if bias is not None:
             kwargs["position_bias"] = bias[..., :width]
@@ -86,13 +115,39 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                                       is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
-    # a Python bool under torch.compile too (space.decoding.compiled): the comparison of two symbolic
-    # head counts is a SymBool, which SDPA refuses, and a branch on it is a guard
-    grouped = True if key.shape[1] != query.shape[1] else False
+    if fold:
+        return _folded_sdpa(query, key, value, attention_mask, dropout, scaling, causal), None
     out = nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
-        enable_gqa=grouped)
+        # a Python bool under torch.compile too (space.decoding.compiled): the comparison of two
+        # symbolic head counts is a SymBool, which SDPA refuses, and a branch on it is a guard
+        enable_gqa=True if grouped else False)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _folded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                 dropout: float, scaling: float | None, causal: bool) -> torch.Tensor:
+    """Grouped-query attention of one prompt as plain multi-head SDPA: query head ``h`` of key head
+    ``h // group`` becomes batch ``h % group``, head ``h // group``; the keys and values are the
+    same tensors expanded over that batch (stride 0: nothing copied), the mask broadcast over it.
+
+    Args:
+        query: (1, heads, q, head_dim); key, value: (1, kv_heads, kv, head_dim), heads a multiple
+            of kv_heads; mask: None or (1, 1, q, kv).
+
+    Returns:
+        (1, q, heads, head_dim) contiguous: what transformers' ``sdpa`` returns for these inputs.
+    """
+    _, heads, rows, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    # transformers' repeat_kv order: query head h reads key head h // group
+    folded = query[0].unflatten(0, (kv_heads, group)).transpose(0, 1)  # (group, kv_heads, q, head_dim)
+    out = nn.functional.scaled_dot_product_attention(
+        folded, key.expand(group, -1, -1, -1), value.expand(group, -1, -1, -1), attn_mask=mask, dropout_p=dropout,
+        scale=scaling, is_causal=causal)  # (group, kv_heads, q, head_dim)
+    # back to (1, q, heads, head_dim), head = kv head * group + batch: one copy, as transformers' own
+    return out.permute(2, 1, 0, 3).reshape(1, rows, heads, head_dim).contiguous()
 
 
 def attends_mask_width(model: nn.Module) -> bool:

@@ -88,7 +88,7 @@ from functools import cached_property
 import torch
 from transformers import Cache
 
-from .backends import attends_mask_width
+from .backends import attends_mask_width, mask_buffer
 from ..masking import (check_parents, host_block, in_window, mask_rows, pack_rows, to_additive_4d, tree_parents,
                        unpack_rows)
 from ..sampler_head import sampler_head
@@ -228,15 +228,24 @@ def with_cache(block_mask: torch.Tensor, position_ids: torch.Tensor, cache_len: 
         transformers' hybrid models take.
     """
     q = block_mask.shape[-1]
-    tail = [] if slots is None else [block_mask.new_full((1, 1, q, slots - cache_len - q), torch.finfo(block_mask.dtype).min)]
-    full = torch.cat([block_mask.new_zeros(1, 1, q, cache_len), block_mask, *tail], dim=-1)
+    width = cache_len + q if slots is None else slots
+    low = torch.finfo(block_mask.dtype).min
+    # written into a row-aligned buffer (mask_buffer): CUDA's SDPA would copy an unaligned mask in every layer
+    full = mask_buffer(q, width, block_mask.dtype, block_mask.device)
+    full[..., cache_len:cache_len + q].copy_(block_mask)
+    if slots is not None:
+        full[..., cache_len + q:].fill_(low)
     if all(w is None for w in windows.values()):
         return full
     query_pos = position_ids + cache_len
     key_pos = torch.cat([torch.arange(cache_len, device=query_pos.device), query_pos,
-                         *(torch.arange(cache_len + q, slots, device=query_pos.device) for _ in tail)])
-    masks = {kind: full if w is None else full.masked_fill(~in_window(query_pos, key_pos, w), torch.finfo(full.dtype).min)
-             for kind, w in windows.items()}
+                         torch.arange(cache_len + q, width, device=query_pos.device)])
+
+    def windowed(w: int) -> torch.Tensor:
+        hidden = mask_buffer(q, width, full.dtype, full.device, fill=low)
+        return torch.where(in_window(query_pos, key_pos, w), full, hidden, out=hidden)
+
+    masks = {kind: full if w is None else windowed(w) for kind, w in windows.items()}
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 

@@ -222,11 +222,11 @@ def fuse_trunk(model: nn.Module) -> dict:
     ``space.decoding.backends.SDPA_GQA`` (registered with transformers here, at load, never at
     import). That attention reads the keys only up to the mask's width, so a step over a static
     cache attends over the slots that hold tokens (a captured step over its slot bucket,
-    ``space.decoding.graphs``), and on the CPU it runs grouped-query attention without
-    ``repeat_kv``: transformers' ``sdpa`` turns GQA off whenever a mask is given, which a SPACE
-    step's always is, and then copies the keys and values, the whole cache included, in every
-    layer. On CUDA that copy stays (of the kept keys): with torch 2.11 the memory-efficient kernel
-    has no GQA, and a masked GQA call lands on the math kernel. On CUDA the RMSNorms become one
+    ``space.decoding.graphs``), and it runs grouped-query attention without ``repeat_kv``:
+    transformers' ``sdpa`` turns GQA off whenever a mask is given, which a SPACE step's always
+    is, and then copies the keys and values, the whole cache included, in every layer. On the CPU
+    SDPA takes the grouped heads as they are; on CUDA, whose memory-efficient kernel has no GQA
+    (torch 2.11), the query heads are folded into the batch. On CUDA the RMSNorms become one
     kernel each (``space.rms_norm.swap_rms_norms`` with ``exact=False``, :data:`ONE_KERNEL_NORM`: their fp32
     output is transformers' to rounding, every method runs the same trunk, and each row's bits do not
     depend on the others).

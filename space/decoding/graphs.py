@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masking import mask_rows
-from .backends import attends_mask_width
+from .backends import attends_mask_width, mask_buffer
 from .cache import StaticSlabCache, attention_dtype, attention_windows, cache_input, full_cache
 
 MIN_SLOTS = 256  # the smallest slot bucket's least size: the buckets halve the cache's slots down to it
@@ -175,7 +175,7 @@ class StepGraphs:
         dev = self.device
         return _Inputs(ids=torch.zeros(1, q, dtype=torch.long, device=dev),
                        positions=torch.zeros(1, q, dtype=torch.long, device=dev),
-                       mask=torch.zeros(1, 1, q, slots, dtype=self.dtype, device=dev),
+                       mask=mask_buffer(q, slots, self.dtype, dev),  # row-aligned: SDPA reads it in place
                        gate=torch.zeros(q, 1, dtype=self.dtype, device=dev))
 
     @property

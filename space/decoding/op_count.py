@@ -29,15 +29,23 @@ and the last (the first step, which holds the prompt's forward, is left out), an
 :meth:`OpCounter.resume` leave a region out: a captured step's trunk (``space.decoding.graphs``),
 one graph replay on a GPU, runs eagerly on the CPU, so what a captured step launches besides it
 is counted with the trunk's forward hooks pausing the counter.
+
+:func:`cuda_attention` runs the attention path a CUDA device takes (``space.decoding.backends``:
+grouped query heads folded into the batch, masks in aligned rows) on the CPU, so that its ops
+can be counted here.
 """
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from . import backends
 
 aten = torch.ops.aten
 # allocations, and the host-side copy into pinned memory that precedes a CUDA upload
@@ -156,3 +164,18 @@ class OpCounter(TorchDispatchMode):
             raise ValueError(f"need at least 2 steps to count ops per step, got {len(self.marks)}")
         first, last = self._by_op_at_marks
         return {name: n / steps for name, n in (last - first).most_common()}
+
+
+@contextmanager
+def cuda_attention() -> Iterator[None]:
+    """Inside it, the CPU takes the attention path CUDA takes: off ``backends.GQA_WITH_MASK`` (the
+    grouped query heads folded into the batch) and with CUDA's ``backends.MASK_ALIGN`` (each step's
+    mask in aligned rows). Both are restored on exit. Pair it with CUDA's one-call norms
+    (``space.rms_norm.swap_rms_norms(model, exact=False)``) to count the trunk CUDA loads."""
+    saved = backends.GQA_WITH_MASK, backends.MASK_ALIGN
+    backends.GQA_WITH_MASK = tuple(d for d in saved[0] if d != "cpu")
+    backends.MASK_ALIGN = {**saved[1], "cpu": saved[1]["cuda"]}
+    try:
+        yield
+    finally:
+        backends.GQA_WITH_MASK, backends.MASK_ALIGN = saved

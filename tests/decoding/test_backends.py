@@ -138,3 +138,75 @@ def test_a_half_model_on_another_accelerator_leaves_cudnn_alone(cudnn_flag, devi
     (an MPS or XPU model turned a CUDA setting off and recorded a cudnn_sdp it never used)."""
     assert choose_sdpa(device, torch.bfloat16) == {}
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize("rows,masked", [(5, True), (1, True), (1, False), (5, False)])
+def test_off_the_gqa_devices_a_grouped_call_folds_its_heads_into_the_batch(monkeypatch, rows, masked):
+    """Off :data:`GQA_WITH_MASK` (CUDA) SDPA_GQA folds each key head's group of query heads into
+    the batch: SDPA sees as many query as key heads, which CUDA's memory-efficient kernel takes
+    (it has no GQA), the keys expanded over the batch, not copied, and no ``enable_gqa``. Its
+    output is transformers' ``sdpa``'s on the same inputs: a block with its mask, one row, and a
+    prefill without a mask (causal). Catches a fold that pairs a query head with another key head,
+    or puts the heads back in another order (the end-to-end tests' tiny models emit the same
+    tokens either way), and the keys copied per head."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding import backends
+
+    gen = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    keys = 9
+    query, key, value = (torch.randn(1, h, q, 8, generator=gen) for h, q in ((6, rows), (2, keys), (2, keys)))
+    query = query.transpose(1, 2).contiguous().transpose(1, 2)  # as a model makes it: (batch, q, heads, dim) viewed
+    mask = None
+    if masked:
+        mask = torch.zeros(1, 1, rows, 7)
+        mask[..., 2] = mask[..., 0, -1] = torch.finfo(torch.float32).min
+    cut = 7 if masked else keys  # a prefill's causal rows see keys up to their own (transformers cuts at rows)
+    want, _ = sdpa_attention_forward(module, query, key[:, :, :cut], value[:, :, :cut], mask)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, enable_gqa=False, **kwargs):
+        calls.append((query.shape[:2], key.shape[:3], key.stride(0), enable_gqa))
+        return sdpa(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    out, _ = backends.sdpa_gqa_attention(module, query, key, value, mask)
+    assert calls == [((3, 2), (3, 2, cut), 0, False)]  # 3 query heads a key head in the batch, 2 heads each
+    assert out.shape == (1, rows, 6, 8) and out.is_contiguous()
+    torch.testing.assert_close(out, want)
+    assert (want[0, :, 0] - want[0, :, 1]).abs().max() > 1e-2  # two heads of a group differ: a swap shows
+
+
+@pytest.mark.parametrize("slots", [None, 29])
+def test_a_step_mask_is_written_into_rows_aligned_for_the_device(monkeypatch, slots):
+    """CUDA's memory-efficient SDPA copies a mask in every layer unless its strides are multiples of
+    8 (PyTorch's ``preprocess_mask``), and a step's mask is as wide as the cache plus the block, so
+    ``with_cache`` writes it, and each sliding window's, into rows padded to ``MASK_ALIGN``: the
+    same values as a mask built whole (the cache seen, the block's own mask, the slots past it
+    and the keys out of a window hidden), every stride a multiple of 8. Run here with CUDA's
+    alignment given to the CPU. Catches a mask concatenated (or a window's filled) into a tensor
+    of its own width."""
+    from space.decoding import backends
+    from space.decoding.decoder import with_cache
+    from space.masking import in_window
+
+    monkeypatch.setattr(backends, "MASK_ALIGN", {"cpu": 8})
+    low = torch.finfo(torch.float32).min
+    block = torch.zeros(1, 1, 3, 3)
+    block[..., 0, 1:] = block[..., 1, 2] = low  # causal rows
+    pos, cached = torch.arange(3), 10
+    width = cached + 3 if slots is None else slots
+    whole = torch.cat([torch.zeros(1, 1, 3, cached), block, torch.full((1, 1, 3, width - cached - 3), low)], -1)
+    keys = torch.cat([torch.arange(cached), pos + cached, torch.arange(cached + 3, width)])
+    sliding = whole.masked_fill(~in_window(pos + cached, keys, 4), low)
+    masks = with_cache(block, pos, cached, {"full_attention": None, "sliding_attention": 4}, slots)
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    for got, want in ((masks["full_attention"], whole), (masks["sliding_attention"], sliding)):
+        assert torch.equal(got, want) and all(s % 8 == 0 for s in got.stride()[:-1]) and got.stride(-1) == 1
+    assert width % 8  # the widths themselves are not multiples of 8
+    alone = with_cache(block, pos, cached, {"full_attention": None}, slots)
+    assert torch.equal(alone, whole) and alone.stride(2) % 8 == 0

@@ -383,12 +383,16 @@ def test_slot_buckets_only_where_the_attention_reads_the_mask_width(trained):
         StepGraphs(model, slots=200, sizes=[1, 4], min_slots=0)
 
 
-def test_off_the_gqa_devices_the_kept_keys_go_through_transformers_sdpa(bucketed, monkeypatch):
-    """On CUDA (torch 2.11) a masked grouped SDPA call would land on the math kernel, so there the
-    attention hands the keys it kept (the slot bucket's) to transformers' own ``sdpa``, which
-    copies them to every query head for a block and folds one row's heads into rows (pack_gqa).
-    Run here by taking the CPU off ``backends.GQA_WITH_MASK``: still AR's tokens, still the
-    bucket's keys alone, and no masked grouped call reaches SDPA."""
+def test_off_the_gqa_devices_grouped_heads_fold_into_the_batch(bucketed, monkeypatch):
+    """On CUDA (torch 2.11) a grouped SDPA call with a mask (or in fp32) would land on the math
+    kernel, and transformers' own ``sdpa`` copies a block's keys and values to every query head
+    (``repeat_kv``). There the attention folds each key head's group of query heads into the batch:
+    plain multi-head SDPA, which the memory-efficient kernel takes, over the keys expanded (not
+    copied); and the masks it gets are rows aligned to 8 elements, which that kernel would
+    otherwise copy in every layer. Run here by taking the CPU off ``backends.GQA_WITH_MASK`` and
+    giving it CUDA's ``MASK_ALIGN``: still AR's tokens, eager and captured, still the bucket's keys
+    alone. Catches ``repeat_kv`` back (keys copied per head), a fold that pairs a query head with
+    another key head (other tokens), and a step's mask built unaligned."""
     from space.decoding import backends
 
     model, spec, lang, graphs = bucketed
@@ -398,26 +402,37 @@ def test_off_the_gqa_devices_the_kept_keys_go_through_transformers_sdpa(bucketed
     sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
 
     def spy(query, key, value, attn_mask=None, enable_gqa=False, **kwargs):
-        calls.append((query.shape[1], query.shape[2], key.shape[1], key.shape[2], attn_mask is not None, enable_gqa,
-                      None if attn_mask is None else attn_mask.shape[-1]))
+        calls.append({"batch": query.shape[0], "heads": query.shape[1], "kv_heads": key.shape[1], "keys": key.shape[2],
+                      "key_strides": key.stride(), "gqa": enable_gqa,
+                      "mask": None if attn_mask is None else (attn_mask.shape[-1], attn_mask.stride())})
         return sdpa(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     prompt = torch.tensor(lang.sample(20))
     truth = ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids
     monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    monkeypatch.setattr(backends, "MASK_ALIGN", {"cpu": 8})
+    graphs = StepGraphs(model, slots=graphs.slots, sizes=graphs.sizes, min_slots=16)  # its buffers aligned
     calls.clear()
+    assert ar_generate(model, prompt, 60, suppress_ids=spec.token_ids).new_ids == truth
+    assert SpaceDecoder(model, spec, LAYOUTS["chain"]).generate(prompt, 60).new_ids == truth
+    assert SpaceDecoder(model, spec, LAYOUTS["dynamic+lookup"]).generate(prompt, 60).new_ids == truth
+    eager = len(calls)
     assert ar_generate(model, prompt, 60, suppress_ids=spec.token_ids, graphs=graphs).new_ids == truth
     assert SpaceDecoder(model, spec, LAYOUTS["chain"], graphs=graphs).generate(prompt, 60).new_ids == truth
-    masked = [c for c in calls if c[4]]
-    assert masked and not any(c[5] for c in masked)  # (a prefill without a mask may group: flash has GQA)
-    blocks = [c for c in masked if c[1] > 1 and c[0] == heads]  # a block's rows: the keys copied per head
-    packed = [c for c in masked if c[0] == kv_heads]  # AR's row: its heads folded into rows
-    assert blocks and all(c[2] == heads for c in blocks)
-    assert packed and all(c[1] == heads // kv_heads and c[2] == kv_heads for c in packed)
-    # the bucket's keys alone: as many as the mask is wide, and the cache's 200 slots not always
-    assert all(c[3] == c[6] for c in masked) and {c[3] for c in masked} <= set(graphs.slot_sizes)
-    assert min(c[3] for c in masked) < graphs.slots
+    group = heads // kv_heads
+    # every call plain multi-head, the groups in the batch, the keys expanded over it (stride 0)
+    assert all(c["batch"] == group and c["heads"] == c["kv_heads"] == kv_heads and not c["gqa"]
+               and c["key_strides"][0] == 0 for c in calls)
+    masked = [c for c in calls if c["mask"] is not None]
+    assert masked
+    # each mask's strides multiples of 8 though its width mostly is not: no copy per layer on CUDA
+    assert all(all(s % 8 == 0 for s in strides[:-1]) for _, strides in (c["mask"] for c in masked))
+    assert any(w % 8 for w, _ in (c["mask"] for c in masked))
+    # the bucket's keys alone when captured: as many as the mask is wide, the cache's 200 slots not always
+    captured = [c for c in calls[eager:] if c["mask"] is not None]
+    assert all(c["keys"] == c["mask"][0] for c in captured) and {c["keys"] for c in captured} <= set(graphs.slot_sizes)
+    assert min(c["keys"] for c in captured) < graphs.slots
 
 
 def test_the_smallest_slot_bucket_may_hold_exactly_min_slots():
