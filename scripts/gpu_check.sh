@@ -24,8 +24,8 @@
 # both fit a session's 15 minutes of device time with the start; `bash scripts/gpu_pack.sh` builds .gpu/ and .gpu2/
 # and says how to keep the tree small): g58a carries .gpu/ and runs `pytest -m cuda` (the compiled trunks left
 # out), the 7B-shaped 16-row against 1-row step (fused trunk, bf16; eager and captured), SmolLM2's shape in fp32
-# on SDPA's default kernel and on its math path (eager and captured), and the 7B-shaped bf16 host time with cuDNN
-# attention on and off; g58b carries .gpu2/, joins the real model and times it in bf16 with cuDNN attention on and
+# on SDPA's default kernel and on its math path (eager and captured), and SmolLM2-shaped fp32 eager steps with the
+# query heads folded against repeat_kv; g58b carries .gpu2/, joins the real model and times it in bf16 with cuDNN attention on and
 # off (AR, shipped layout), then space-eval on HumanEval: eager fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE) on 8
 # questions, and over captured steps (--capture: one CUDA graph per row and slot bucket, space/decoding/graphs.py)
 # on 12 in fp32 (AR, PLD, SPACE) and bf16 (AR, SPACE).
@@ -89,7 +89,8 @@ elif [ "$phase" = g58a ]; then
   # the compiled-trunk tests (issue 43) passed before and take most of 150 s: the captured ones run instead
   stage pytest_cuda 120 python3 -m pytest -m cuda -v -rA -s -p no:cacheprovider tests/test_cuda.py -k "not compiled_trunk"
   # eager steps with grouped query heads folded into the batch over aligned masks, against repeat_kv's copies over
-  # masks SDPA pads (the path before; counted on the CPU: 60 + 60 launches a SPACE step), SmolLM2's heads, fp32
+  # masks SDPA pads (the path before), SmolLM2's heads, fp32. It replaces the 7B shape's cuDNN on/off timing (no
+  # GQA there): g58b times cuDNN on and off on the real SmolLM2 in bf16, the case that was slow
   stage host_time_smollm2_gqa 45 python3 scripts/gpu_bench.py host-time --shape smollm2 --dtype float32 --prompts 2 \
     --new-tokens 48 --layouts "ar,chain k3 4 groups" --gqa both --out "$stash/res/host_time_smollm2_gqa.json"
   stage step_cost_7b_fused 60 python3 scripts/gpu_bench.py step-cost --shape llama2-7b --rows 1,2,8,16 --caches 512 \
@@ -98,8 +99,6 @@ elif [ "$phase" = g58a ]; then
   # kernel, 1.2 of 3.3 ms after 256 (results/gpu60): against SDPA's math path, captured and eager
   stage step_cost_smollm2_sdp 60 python3 scripts/gpu_bench.py step-cost --shape smollm2 --rows 1,16 --caches 256,2048 \
     --repeats 10 --dtype float32 --capture --sdp both --out "$stash/res/step_cost_smollm2_sdp.json"
-  stage host_time_7b_cudnn 60 python3 scripts/gpu_bench.py host-time --shape llama2-7b --prompts 2 --new-tokens 48 \
-    --layouts "ar,chain k3 4 groups" --cudnn-sdp both --out "$stash/res/host_time_7b_cudnn.json"
 elif [ "$phase" = g58b ]; then
   join_model
   # cut at 90 s last time, with nothing written: it now writes each layout as it is timed, SPACE's first (cuDNN on,

@@ -235,7 +235,7 @@ def check_host_time(written: dict, argv: list[str]) -> None:
 @pytest.mark.parametrize("phase, argv", [  # the real SmolLM2's: slow, as every test that loads it
     pytest.param(p, a, marks=[pytest.mark.slow] if "--adapter" in a else [], id=p) for p, a in g58("host-time")])
 def test_gpu_bench_host_time_as_g58_runs_it(phase, argv, tmp_path, monkeypatch):
-    """g58a's host-time (7B shape -> tiny; layouts, --cudnn-sdp both) and g58b's (the real SmolLM2
+    """g58a's host-time (SmolLM2's shape -> tiny; layouts, --gqa both) and g58b's (the real SmolLM2
     with the shipped adapter, bf16, its shipped layout), with 2 prompts x 4 new tokens."""
     argv = with_flags(local_paths(argv, tmp_path), prompts=2, new_tokens=4, device="cpu")
     if "--adapter" in argv:  # g58b: the real model (bf16 is slow on this CPU: one prompt is timed twice)
