@@ -285,6 +285,9 @@ def cmd_host_time(args) -> dict:
     dtype = getattr(torch, args.dtype)
     what = f"SmolLM2 + {args.adapter}" if args.adapter else f"random {args.shape}"
     cudnn = {"on": [True], "off": [False], "both": [True, False], "load": [None]}[args.cudnn_sdp]
+    if args.gqa != "fold" and args.compile:
+        raise SystemExit("--gqa copy / both time an eager trunk's attention: a compiled trunk keeps transformers' own "
+                         "sdpa (drop --compile)")
     out = {"model": what, "dtype": args.dtype, "new_tokens": args.new_tokens, "layouts": {}}
     for setup, model, spec, tok in setups(args, dtype):
         out["sdpa_at_load"] = {"cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled()}
@@ -332,8 +335,8 @@ def gqa_path(model, gqa: str):
     on CUDA a grouped call's query heads folded into the batch, each step's mask in aligned rows),
     or ``copy``, what it ran before (transformers' own ``sdpa``, which copies a block's keys and
     values to every query head, ``repeat_kv``, over masks of their own width, which CUDA's
-    memory-efficient kernel copies in every layer). An eager trunk's choice (a graph or a compiled
-    trunk keeps what it was made with)."""
+    memory-efficient kernel copies in every layer). An eager trunk's choice: ``cmd_host_time`` refuses
+    ``copy`` with ``--compile``."""
     from space.decoding import backends
 
     if gqa == "fold":

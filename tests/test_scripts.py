@@ -836,3 +836,14 @@ def test_bench_decode_times_the_same_ids_for_a_seed(tmp_path, monkeypatch):
     assert first.shape == (8,) and torch.equal(first, second)
     written = json.loads((tmp_path / "2.json").read_text())  # what it was run with, not the defaults
     assert (written["seed"], written["repeats"], written["gen_tokens"], written["cache"]) == (3, 1, 1, 8)
+
+
+def test_gpu_bench_host_time_refuses_the_gqa_comparison_on_a_compiled_trunk(tmp_path):
+    """``--gqa copy`` / ``both`` switch an eager trunk's attention; a compiled trunk keeps
+    transformers' own ``sdpa``, so its "fold" timing would be the copy's under another name:
+    refused before any model loads."""
+    bench = load_script("gpu_bench")
+    with pytest.raises(SystemExit, match="drop --compile"):
+        bench.main(["host-time", "--shape", "tiny", "--gqa", "both", "--compile", "--device", "cpu",
+                    "--out", str(tmp_path / "h.json")])
+    assert not (tmp_path / "h.json").exists()

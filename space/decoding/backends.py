@@ -55,8 +55,10 @@ def mask_buffer(rows: int, width: int, dtype: torch.dtype, device: torch.device 
     the device's :data:`MASK_ALIGN`, so that SDPA reads it where it is (no copy per layer).
 
     Raises:
-        RuntimeError: from torch, for a negative size.
+        ValueError: a negative ``rows`` or ``width``.
     """
+    if rows < 0 or width < 0:
+        raise ValueError(f"a mask has at least 0 rows and 0 keys, got {rows} x {width}")
     align = MASK_ALIGN.get(torch.device(device).type, 1)
     return torch.full((1, 1, rows, -(-width // align) * align), fill, dtype=dtype, device=device)[..., :width]
 
@@ -132,22 +134,24 @@ def _folded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     same tensors expanded over that batch (stride 0: nothing copied), the mask broadcast over it.
 
     Args:
-        query: (1, heads, q, head_dim); key, value: (1, kv_heads, kv, head_dim), heads a multiple
-            of kv_heads; mask: None or (1, 1, q, kv).
+        query: (1, heads, q, head_dim); key: (1, kv_heads, kv, head_dim); value: (1, kv_heads, kv,
+            value head_dim); heads a multiple of kv_heads; mask: None or (1, 1, q, kv).
 
     Returns:
-        (1, q, heads, head_dim) contiguous: what transformers' ``sdpa`` returns for these inputs.
+        (1, q, heads, value head_dim) contiguous: what transformers' ``sdpa`` returns for these inputs.
     """
-    _, heads, rows, head_dim = query.shape
+    _, heads, rows, _ = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
+    if causal and key.shape[2] > rows:  # as transformers' sdpa: the rows see no key past their own (top-left)
+        key, value = key[:, :, :rows], value[:, :, :rows]
     # transformers' repeat_kv order: query head h reads key head h // group
     folded = query[0].unflatten(0, (kv_heads, group)).transpose(0, 1)  # (group, kv_heads, q, head_dim)
     out = nn.functional.scaled_dot_product_attention(
         folded, key.expand(group, -1, -1, -1), value.expand(group, -1, -1, -1), attn_mask=mask, dropout_p=dropout,
-        scale=scaling, is_causal=causal)  # (group, kv_heads, q, head_dim)
-    # back to (1, q, heads, head_dim), head = kv head * group + batch: one copy, as transformers' own
-    return out.permute(2, 1, 0, 3).reshape(1, rows, heads, head_dim).contiguous()
+        scale=scaling, is_causal=causal)  # (group, kv_heads, q, value head_dim)
+    # back to (1, q, heads, value head_dim), head = kv head * group + batch: one copy, as transformers' own
+    return out.permute(2, 1, 0, 3).reshape(1, rows, heads, value.shape[-1]).contiguous()
 
 
 def attends_mask_width(model: nn.Module) -> bool:

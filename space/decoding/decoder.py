@@ -226,9 +226,14 @@ def with_cache(block_mask: torch.Tensor, position_ids: torch.Tensor, cache_len: 
         holds position i: the cache is full-attention and compacted), which is what AR decoding
         sees. A model mixing full and sliding layers gets ``{layer type: mask}``, the form
         transformers' hybrid models take.
+
+    Raises:
+        ValueError: ``slots`` fewer than ``cache_len`` + the block's rows.
     """
     q = block_mask.shape[-1]
     width = cache_len + q if slots is None else slots
+    if width < cache_len + q:
+        raise ValueError(f"a static cache of {slots} slots cannot hold {cache_len} cached tokens and a block of {q}")
     low = torch.finfo(block_mask.dtype).min
     # written into a row-aligned buffer (mask_buffer): CUDA's SDPA would copy an unaligned mask in every layer
     full = mask_buffer(q, width, block_mask.dtype, block_mask.device)

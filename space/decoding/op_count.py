@@ -173,9 +173,9 @@ def cuda_attention() -> Iterator[None]:
     mask in aligned rows). Both are restored on exit. Pair it with CUDA's one-call norms
     (``space.rms_norm.swap_rms_norms(model, exact=False)``) to count the trunk CUDA loads."""
     saved = backends.GQA_WITH_MASK, backends.MASK_ALIGN
-    backends.GQA_WITH_MASK = tuple(d for d in saved[0] if d != "cpu")
-    backends.MASK_ALIGN = {**saved[1], "cpu": saved[1]["cuda"]}
+    cuda = tuple(d for d in saved[0] if d != "cpu"), {**saved[1], "cpu": saved[1].get("cuda", 1)}
     try:
+        backends.GQA_WITH_MASK, backends.MASK_ALIGN = cuda
         yield
     finally:
         backends.GQA_WITH_MASK, backends.MASK_ALIGN = saved

@@ -164,8 +164,10 @@ def test_off_the_gqa_devices_a_grouped_call_folds_its_heads_into_the_batch(monke
     if masked:
         mask = torch.zeros(1, 1, rows, 7)
         mask[..., 2] = mask[..., 0, -1] = torch.finfo(torch.float32).min
-    cut = 7 if masked else keys  # a prefill's causal rows see keys up to their own (transformers cuts at rows)
-    want, _ = sdpa_attention_forward(module, query, key[:, :, :cut], value[:, :, :cut], mask)
+    # a mask's width; a causal prefill's rows see no key past their own, so the keys are cut there (as transformers')
+    cut = 7 if masked else rows if rows > 1 else keys
+    want, _ = sdpa_attention_forward(module, query, key[:, :, :cut if masked else keys],
+                                     value[:, :, :cut if masked else keys], mask)
     sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
 
     def spy(query, key, value, attn_mask=None, enable_gqa=False, **kwargs):
@@ -210,3 +212,52 @@ def test_a_step_mask_is_written_into_rows_aligned_for_the_device(monkeypatch, sl
     assert width % 8  # the widths themselves are not multiples of 8
     alone = with_cache(block, pos, cached, {"full_attention": None}, slots)
     assert torch.equal(alone, whole) and alone.stride(2) % 8 == 0
+
+
+@pytest.mark.parametrize("case", ["batch of 2", "mask per head", "position bias", "value width"])
+def test_off_the_gqa_devices_what_the_fold_cannot_take_goes_to_transformers(monkeypatch, case):
+    """Off :data:`GQA_WITH_MASK` the fold takes one prompt with a mask shared by its heads; a batch
+    of prompts, a mask per head and a position bias go to transformers' ``sdpa`` (its output,
+    bit for bit), and values of another width than the keys fold with their own width. Catches the
+    fold taken for a batch (its rows would read the first prompt's keys: stride 0) or for a
+    per-head mask, a bias dropped, and the output shaped by the keys' width."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding import backends
+
+    gen = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    batch = 2 if case == "batch of 2" else 1
+    value_dim = 6 if case == "value width" else 8
+    query, key = (torch.randn(batch, h, q, 8, generator=gen) for h, q in ((4, 3), (2, 6)))
+    value = torch.randn(batch, 2, 6, value_dim, generator=gen)
+    mask = torch.zeros(1, 4 if case == "mask per head" else 1, 3, 6)  # broadcast over a batch
+    mask[..., 0, 4:] = torch.finfo(torch.float32).min
+    if case == "mask per head":
+        mask[:, 1, 1, :2] = torch.finfo(torch.float32).min
+    extra = {"position_bias": torch.randn(1, 4, 3, 6, generator=gen)} if case == "position bias" else {}
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, **extra)
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    out, _ = backends.sdpa_gqa_attention(module, query, key, value, mask, **extra)
+    assert out.shape == (batch, 3, 4, value_dim)
+    if case == "value width":
+        torch.testing.assert_close(out, want)
+    else:
+        assert torch.equal(out, want)
+
+
+def test_a_step_mask_refuses_a_static_cache_too_small_for_its_block():
+    """A block that would run past a static cache's slots is refused with the sizes named, not
+    masked wrongly: with one row, its own slot would have been left out of the mask (a copy into
+    an empty slice), and with more a broadcast error named no cause."""
+    from space.decoding.backends import mask_buffer
+    from space.decoding.decoder import with_cache
+
+    for rows in (1, 3):
+        with pytest.raises(ValueError, match="10 slots cannot hold 10 cached tokens and a block of"):
+            with_cache(torch.zeros(1, 1, rows, rows), torch.arange(rows), 10, {"full_attention": None}, slots=10)
+    assert with_cache(torch.zeros(1, 1, 1, 1), torch.arange(1), 9, {"full_attention": None}, slots=10).shape[-1] == 10
+    with pytest.raises(ValueError, match="-1"):
+        mask_buffer(2, -1, torch.float32, "cpu")

@@ -391,8 +391,9 @@ def test_off_the_gqa_devices_grouped_heads_fold_into_the_batch(bucketed, monkeyp
     copied); and the masks it gets are rows aligned to 8 elements, which that kernel would
     otherwise copy in every layer. Run here by taking the CPU off ``backends.GQA_WITH_MASK`` and
     giving it CUDA's ``MASK_ALIGN``: still AR's tokens, eager and captured, still the bucket's keys
-    alone. Catches ``repeat_kv`` back (keys copied per head), a fold that pairs a query head with
-    another key head (other tokens), and a step's mask built unaligned."""
+    alone. Catches ``repeat_kv`` back (keys copied per head) and a step's mask built unaligned (a
+    fold that pairs a query head with another key head gives this tiny model's tokens all the same:
+    ``test_backends`` catches that)."""
     from space.decoding import backends
 
     model, spec, lang, graphs = bucketed
