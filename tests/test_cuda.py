@@ -122,6 +122,29 @@ def test_grouped_attention_runs_on_the_memory_efficient_kernel_and_reads_its_mas
     assert not in_place and copied, (in_place, copied)
 
 
+@pytest.mark.parametrize("rows", [1, 16])
+def test_grouped_attention_without_a_mask_runs_on_flash_in_bf16(rows):
+    """AR's one-row step and a prefill pass no mask: in bf16 the folded call (stride-0 keys over
+    the batch) runs with only flash attention allowed, as transformers' grouped call did, and
+    equals transformers' output (a prefill causal, its rows seeing no key past their own)."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding.backends import sdpa_gqa_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    keys = rows if rows > 1 else 301
+    query, key, value = (torch.randn(1, h, n, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+                         for h, n in ((9, rows), (3, keys), (3, keys)))
+    want, _ = sdpa_attention_forward(module, query, key, value, None)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out, _ = sdpa_gqa_attention(module, query, key, value, None)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+
+
 def test_sampling_runs_on_the_device(on_gpu):
     model, _, spec, lang = on_gpu
     dec = SpaceDecoder(model, spec, DecodeConfig(K, 2))
