@@ -425,18 +425,48 @@ def to_additive_4d(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) ->
 
 
 def in_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """(q, kv) bool, True where a key lies less than ``window`` positions behind its query.
+    """(..., q, kv) bool, True where a key lies less than ``window`` positions behind its query.
 
     This is a sliding-window layer's rule (transformers' ``sliding_window_overlay``: key > query -
     window), applied by position ids, so it holds for a layout's rows in any order. Combine it
     with a layout's ``allowed`` (which rows may see which) for a sliding-window model.
 
     Args:
-        query_pos: (q,) position id of each query row.
-        key_pos: (kv,) position id of each key.
+        query_pos: (..., q) position id of each query row (a batch: (batch, q)).
+        key_pos: (..., kv) position id of each key.
         window: the model's ``sliding_window`` in tokens.
     """
-    return query_pos[:, None] - key_pos[None, :] < window
+    return query_pos[..., :, None] - key_pos[..., None, :] < window
+
+
+def windowed(allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+             windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A layout's mask for each kind of attention layer of a model: on a sliding layer a row also
+    sees only the keys less than the window behind its position (:func:`in_window`), as the
+    decoder's steps do (``space.decoding.decoder.with_cache``), so SAR-SFT trains the mask rows on
+    what decoding shows them.
+
+    Args:
+        allowed: (batch, 1, q, kv) mask, boolean (True: may attend) or additive.
+        query_pos: (batch, q) position ids of the rows; key_pos: (batch, kv) of the keys.
+        windows: ``{layer type: window in tokens, or None}`` (``space.decoding.cache.attention_windows``).
+
+    Returns:
+        ``allowed`` itself when no layer slides; one mask when every layer slides alike (Mistral,
+        Phi-3, StarCoder2, which take a 4-D mask as it is); else ``{layer type: mask}``, the form
+        transformers' hybrid models (Gemma 2 and 3, Qwen2 with ``use_sliding_window``) take.
+    """
+    if all(w is None for w in windows.values()):
+        return allowed
+
+    def slide(w: int) -> torch.Tensor:
+        seen = in_window(query_pos, key_pos, w)[:, None]
+        if allowed.dtype == torch.bool:
+            return allowed & seen
+        return allowed.masked_fill(~seen, torch.finfo(allowed.dtype).min)
+
+    masks = {kind: allowed if w is None else slide(w) for kind, w in windows.items()}
+    return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
 _ROWS = threading.local()  # per thread: a plain attribute read, which torch.compile can trace

@@ -130,6 +130,27 @@ def test_to_additive_4d_shape():
     assert (m == 0).sum() == lay.allowed.sum()
 
 
+def test_windowed_masks_per_kind_of_layer():
+    """A batch's mask with each kind of layer's window applied by position (SAR-SFT's and the
+    probe's rule, ``in_window``): unchanged without a window, one mask when every layer slides,
+    ``{layer type: mask}`` for a hybrid model; boolean and additive masks alike."""
+    from space.masking import windowed
+
+    allowed = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    query_pos = torch.tensor([[4, 5, 6], [2, 3, 9]])
+    key_pos = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 8]])
+    assert windowed(allowed, query_pos, key_pos, {"full_attention": None}) is allowed
+    seen = windowed(allowed, query_pos, key_pos, {"sliding_attention": 3})
+    # row (batch 0, position 5) sees positions 3 and 4; (batch 1, position 9) sees 8 only
+    assert seen[0, 0, 1].tolist() == [False, False, False, True, True]
+    assert seen[1, 0, 2].tolist() == [False, False, False, False, True]
+    assert seen[1, 0, 0].tolist() == [True, True, True, True, True]  # a key ahead of its query: the layout's to hide
+    both = windowed(allowed, query_pos, key_pos, {"full_attention": None, "sliding_attention": 3})
+    assert both["full_attention"] is allowed and torch.equal(both["sliding_attention"], seen)
+    additive = windowed(to_additive_4d(allowed), query_pos, key_pos, {"sliding_attention": 3})
+    assert torch.equal(additive, to_additive_4d(seen))
+
+
 def test_space_layout_dynamic_example(capsys):
     """``space-layout --tree dynamic``: the planner's step from given draft probabilities, drawn."""
     from space.layout_cli import main

@@ -316,25 +316,24 @@ def attention_windows(config) -> dict[str, int | None]:
     types = getattr(config, "layer_types", None) or [FULL if window is None else SLIDING]
     unknown = sorted(set(types) - {FULL, SLIDING})
     if unknown:
-        raise ValueError(f"SPACE decoding supports full and sliding-window attention layers, "
+        raise ValueError(f"SPACE (SAR-SFT and decoding) supports full and sliding-window attention layers, "
                          f"this model has {unknown}")
     return {kind: window if kind == SLIDING else None for kind in dict.fromkeys(types)}
 
 
-def refuse_sliding_window(config, what: str, length: int | None = None) -> None:
+def refuse_sliding_window(config, what: str, length: int) -> None:
     """Refuse a sliding-window model where ``what`` keeps transformers' plain 4-D masks without the
-    window (the acceptance probe, the step-cost curve, SAR-SFT training). With ``length``, only
-    sequences as long as the window are refused: shorter ones never reach past it.
+    window (the step-cost curve) and its sequences reach ``length`` tokens: shorter ones never reach
+    past the window. SAR-SFT, the acceptance probe and decoding apply the window in their masks.
 
     Raises:
-        ValueError: the model has a sliding window (of at most ``length`` tokens), naming it.
+        ValueError: the model slides over at most ``length`` tokens, naming its window.
     """
     windows = [w for w in attention_windows(config).values() if w is not None]
     # a window-w cache keeps w - 1 past tokens: a length of w already loses one
-    if windows and (length is None or length >= min(windows)):
-        raise ValueError(f"{what} does not apply a sliding window (this model slides over {min(windows)} tokens"
-                         + (f", sequences here reach {length}" if length is not None else "")
-                         + "); SPACE decoding and space-eval do")
+    if windows and length >= min(windows):
+        raise ValueError(f"{what} does not apply a sliding window (this model slides over {min(windows)} tokens, "
+                         f"sequences here reach {length}); SPACE decoding and space-eval do")
 
 
 def attention_dtype(decoder) -> torch.dtype:

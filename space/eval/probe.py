@@ -65,10 +65,8 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
         (anchors, k) long: 0 = top-1; -1 where offset j has no token (e+j+1 >= n).
     """
     import torch
-    from transformers import DynamicCache
-
-    from ..decoding.cache import attention_dtype, cache_input, crop_cache, refuse_sliding_window
-    from ..masking import IGNORE_INDEX, mask_rows, previous_ids, targets, to_additive_4d, train_layout
+    from ..decoding.cache import attention_dtype, attention_windows, cache_input, crop_cache, full_cache
+    from ..masking import IGNORE_INDEX, mask_rows, previous_ids, targets, to_additive_4d, train_layout, windowed
     from ..sampler_head import sampler_head
 
     with torch.inference_mode():
@@ -79,18 +77,23 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
         anchors = list(range(max(prompt_len, 1), n - 1))
         if not anchors:
             return torch.empty(0, k, dtype=torch.long)
-        refuse_sliding_window(base.config, "the acceptance probe")
-        cache = DynamicCache(config=base.config)
+        windows = attention_windows(base.config)
+        cache = full_cache()  # every layer keeps every token: a sliding layer's window is applied in the mask
         decoder(input_ids=ids[None], **cache_input(cache), use_cache=True)  # the real tokens, once
         out = []
         for start in range(0, len(anchors), chunk_groups):
             groups = anchors[start:start + chunk_groups]
             lay = train_layout(n, groups, k)  # rows :n are the cached real tokens, n: the groups
+            pos = lay.position_ids[None].to(device)
+            # a sliding layer's rows see only the keys within its window, as a decode step's do
+            allowed = windowed(lay.allowed[None, None, n:].to(device), pos[:, n:], pos, windows)
             # the trunk's dtype, not the LM head's (an fp32 head on a bf16 trunk), as SpaceDecoder's mask
-            attn = to_additive_4d(lay.allowed[n:], attention_dtype(decoder)).to(device)  # (1, 1, G*k, n + G*k)
+            dtype = attention_dtype(decoder)
+            attn = ({kind: to_additive_4d(m, dtype) for kind, m in allowed.items()} if isinstance(allowed, dict)
+                    else to_additive_4d(allowed, dtype))  # (1, 1, G*k, n + G*k)
             with mask_rows(0):
                 hidden = decoder(input_ids=lay.input_ids(ids, mask_ids.to(device))[None, n:],
-                                 position_ids=lay.position_ids[None, n:].to(device), attention_mask=attn,
+                                 position_ids=pos[:, n:], attention_mask=attn,
                                  **cache_input(cache), use_cache=True).last_hidden_state[0]  # (G*k, hidden)
             crop_cache(cache, n)
             if sampler is not None:  # teacher-forced: given the true token before each target
@@ -331,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
     from tqdm import tqdm
 
-    from ..decoding.cache import attention_dtype, refuse_sliding_window
+    from ..decoding.cache import attention_dtype, attention_windows
     from ..decoding.config import DEFAULT_MASK_NUM
     from ..loader import load_space
     from ..tokens import MAX_MASK_NUM
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = probe_prompts(a.dataset, a.data_root, a.limit)
     model, tok, spec = load_space(a.model, a.adapter, a.mask_num or DEFAULT_MASK_NUM, a.dtype, a.device,
                                   step_cost="stored")  # the probe ranks drafts: no tree is priced
-    refuse_sliding_window(model.config, "the acceptance probe")  # before hours of greedy answers
+    attention_windows(model.config)  # a layer type the masks cannot express, refused before hours of greedy answers
     k = a.mask_num or spec.mask_num or DEFAULT_MASK_NUM
     tree = read_tree(a.tree, k, a.model, a.adapter)
     mask_ids = spec.ids_for(k)

@@ -22,7 +22,7 @@ from ..config import SpaceSettings, check_train_args
 from ..data.collator import SpaceCollator
 from ..data.dev_set import dev_keys, held_out_key
 from ..data.sft import data_lists, load_examples, tokenize
-from ..decoding.cache import refuse_sliding_window
+from ..decoding.cache import attention_windows
 from ..jsonl import held, write_text_atomic
 from ..loader import warm_start
 from ..models import load_model, stop_ids
@@ -313,7 +313,9 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
 
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     model, tok = load_model(model_args.model_name_or_path, model_args.dtype)
-    refuse_sliding_window(model.config, "SAR-SFT training", data_args.max_length)
+    # a layer type SPACE's masks cannot express (chunked attention, ...) is refused before training;
+    # sliding windows are applied in each batch's masks (space.train.steps.forward_mask)
+    attention_windows(model.config)
     if mask_args.mask_target == "teacher" and mask_args.teacher_topk > model.config.vocab_size:
         raise ValueError(f"teacher_topk {mask_args.teacher_topk} exceeds the vocabulary of "
                          f"{model_args.model_name_or_path} ({model.config.vocab_size} tokens)")

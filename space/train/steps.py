@@ -17,10 +17,10 @@ from typing import Callable
 import torch
 
 from ..config import SpaceSettings
-from ..decoding.cache import cache_input
+from ..decoding.cache import attention_windows, cache_input
 from ..decoding.decoder import check_attention
 from ..decoding.sampling import logit_transform
-from ..masking import IGNORE_INDEX, mask_rows, previous_ids, to_additive_4d
+from ..masking import IGNORE_INDEX, mask_rows, previous_ids, to_additive_4d, windowed
 from ..sampler_head import sampler_head
 from .loss import consistency_loss, space_loss, teacher_targets
 from .prefix_cache import PrefixCache
@@ -77,9 +77,10 @@ def one_pass_step(model, inputs: dict, settings: SpaceSettings, unwrapped=None,
     """Real rows ``:T`` and mask rows ``T:`` in one forward (the gate matters to a frozen-base LoRA only)."""
     unwrapped = model if unwrapped is None else unwrapped
     labels, offsets, T = inputs["labels"], inputs["mask_offset"], inputs["num_real"]
+    pos = inputs["position_ids"]
     with mask_rows(T):
-        out = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                    attention_mask=forward_mask(inputs["attention_mask"], unwrapped))
+        out = model(input_ids=inputs["input_ids"], position_ids=pos,
+                    attention_mask=forward_mask(inputs["attention_mask"], unwrapped, pos, pos))
     ar_total, mask_total = (None, None) if totals is None else totals
     loss, stats = space_loss(out.logits, labels, offsets, settings.mask_loss_weight, settings.mask_num,
                              mask_rows_total=mask_total, chain_weight=settings.chain_weight, ar_rows_total=ar_total)
@@ -130,23 +131,37 @@ def frozen_base_step(model, inputs: dict, settings: SpaceSettings, unwrapped=Non
     return Step(loss + done, stats, out.logits, labels[:, chunks[-1]], offsets[:, chunks[-1]])
 
 
-def forward_mask(allowed: torch.Tensor, model) -> torch.Tensor:
+def forward_mask(allowed: torch.Tensor, model, query_pos: torch.Tensor,
+                 key_pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
     """The collator's boolean 4-D mask (True: may attend) in the form ``model``'s attention takes.
 
-    SDPA takes it as it is (its memory-efficient kernel accepts a boolean mask in bf16 too); eager
-    attention adds the mask to its scores, so it gets an additive mask in the compute dtype (the
-    autocast dtype under mixed precision, else the weights'). Flash attention takes no 4-D mask.
+    On a sliding-window model each sliding layer gets the mask with its window applied by
+    position (``space.masking.windowed``), as a decode step's mask has it: transformers passes a
+    4-D mask to attention as it is, so the window is SPACE's to apply. SDPA takes the mask as it
+    is (its memory-efficient kernel accepts a boolean mask in bf16 too); eager attention adds the
+    mask to its scores, so it gets an additive mask in the compute dtype (the autocast dtype under
+    mixed precision, else the weights'). Flash attention takes no 4-D mask.
+
+    Args:
+        allowed: (batch, 1, q, kv) the rows' mask over the keys.
+        query_pos: (batch, q) the rows' position ids; key_pos: (batch, kv) the keys'.
+
+    Returns:
+        the mask, or ``{layer type: mask}`` for a model that mixes full and sliding layers.
 
     Raises:
-        ValueError: a flash-attention model.
+        ValueError: a flash-attention model; a layer type other than full or sliding attention.
     """
     check_attention(model, "SAR-SFT training")
+    masks = windowed(allowed, query_pos, key_pos, attention_windows(model.config))
     impl = str(getattr(model.config, "_attn_implementation", "sdpa"))
     if impl == "sdpa" or allowed.dtype != torch.bool:
-        return allowed
+        return masks
     kind = allowed.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else model.get_input_embeddings().weight.dtype
-    return to_additive_4d(allowed, dtype)
+    if isinstance(masks, dict):
+        return {layer: to_additive_4d(m, dtype) for layer, m in masks.items()}
+    return to_additive_4d(masks, dtype)
 
 
 def causal_lm_head(unwrapped) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -170,14 +185,16 @@ def real_pass(unwrapped, inputs: dict) -> tuple[PrefixCache, torch.Tensor]:
     """
     T = inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
-    cache = PrefixCache(config=unwrapped.config)
+    # full layers, as decoding's cache (``decoding.cache.full_cache``): a sliding-window model's
+    # sliding layers would keep only its last window of tokens, which the mask's keys would outrun
+    cache = PrefixCache()
     decoder = unwrapped.get_base_model().get_decoder()
     training = decoder.training
     try:
         decoder.eval()
         with torch.no_grad(), unwrapped.disable_adapter():
             hidden = decoder(input_ids=ids[:, :T], position_ids=pos[:, :T],
-                             attention_mask=forward_mask(attn[:, :, :T, :T], unwrapped),
+                             attention_mask=forward_mask(attn[:, :, :T, :T], unwrapped, pos[:, :T], pos[:, :T]),
                              **cache_input(cache), use_cache=True).last_hidden_state
     finally:
         decoder.train(training)
@@ -199,7 +216,8 @@ def mask_pass(model, unwrapped, inputs: dict, cache: PrefixCache, rows: slice, h
     T = inputs["num_real"]
     ids, pos, attn = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
     q = slice(T + rows.start, T + rows.stop)
-    mask = forward_mask(torch.cat([attn[:, :, q, :T], attn[:, :, q, q]], dim=-1), unwrapped)  # (batch, 1, rows, T + rows)
+    mask = forward_mask(torch.cat([attn[:, :, q, :T], attn[:, :, q, q]], dim=-1), unwrapped,  # (batch, 1, rows, T + rows)
+                        pos[:, q], torch.cat([pos[:, :T], pos[:, q]], dim=-1))
     head = sampler_head(unwrapped)
     # with a sampler head the model's own LM head is skipped (no logits kept): the head's output feeds it
     skip = {} if head is None else {"logits_to_keep": torch.empty(0, dtype=torch.long, device=ids.device)}

@@ -24,6 +24,7 @@ from space.decoding.cache import attention_windows
 from space.decoding.fused import fuse_trunk
 from space.models import tiny_tokenizer
 from space.tokens import add_mask_tokens
+from space.masking import mask_rows
 from space.train.steps import frozen_base_step, one_pass_step
 from tests.conftest import TRAINED_K, CycleLanguage, random_frozen_base, train_drafter
 from tests.decoding.test_lossless import oracle
@@ -121,20 +122,63 @@ def test_attention_windows():
         attention_windows(SimpleNamespace(layer_types=["full_attention", "chunked_attention"], sliding_window=8))
 
 
-def test_probe_and_training_refuse_a_window_they_would_ignore():
-    """The probe, the step-cost curve and SAR-SFT keep plain 4-D masks: a sliding window is refused
-    (training only when its sequences reach past the window)."""
+def _causal_reference(model, ids: torch.Tensor, pos: torch.Tensor, start: int | None = None) -> torch.Tensor:
+    """The model's own logits for the last of ``ids`` as one causal sequence at positions 0.. (transformers
+    applies a sliding window there itself), the frozen-base LoRA acting from row ``start``."""
+    assert pos.tolist() == list(range(len(ids)))  # a row and what it sees form one causal sequence
+    with mask_rows(start):
+        return model(input_ids=ids[None]).logits[0, -1]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["mistral-sliding", "qwen2-sliding-upper-layer", "qwen2-sliding-all-layers"])
+def test_sar_sft_sees_what_decoding_sees_past_a_sliding_window(arch, attn):
+    """SAR-SFT on sequences up to three windows long. Every real row scores as the model's own
+    causal forward scores it. Every mask row scores as a causal forward of the tokens up to its
+    anchor and its group's masks up to itself: what a decode step's mask rows see. Both passes of
+    a frozen-base step with a non-zero LoRA are checked. Before, the collator's plain 4-D mask let rows past the window see
+    too far back, and the frozen-base prefix cache kept only a window of real tokens on sliding layers."""
+    model, spec = tiny_model(arch)
+    model.set_attn_implementation(attn)
+    peft_model, spec = prepare_model(model, tiny_tokenizer(), "frozen-base", 3)
+    with torch.no_grad():
+        for key, p in peft_model.named_parameters():
+            if "lora_B" in key:
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(11, 250, (n,), generator=gen).tolist() for n in (3 * WINDOW, 2 * WINDOW + 5)]
+    batch = SpaceCollator(spec.ids_for(3), 3, 0, spans_per_sample=8)(
+        [{"input_ids": s, "prompt_len": 2, "idx": i} for i, s in enumerate(seqs)])
+    T, ids, pos, allowed = batch["num_real"], batch["input_ids"], batch["position_ids"], batch["attention_mask"][:, 0]
+    rows = batch["mask_offset"][:, T:] >= 0
+    with torch.no_grad():
+        one = one_pass_step(peft_model, batch, SpaceSettings(mask_num=3)).logits
+        two = frozen_base_step(peft_model, batch, SpaceSettings(mask_num=3)).logits
+        assert (one[:, T:][rows] - two[rows]).abs().max() < 1e-4
+        checked = 0
+        for b, seq in enumerate(seqs):
+            real = peft_model(input_ids=torch.tensor([seq])).logits[0]
+            assert (one[b, :len(seq)] - real).abs().max() < 1e-4, b
+            for c in (T + rows[b].nonzero()[:, 0]).tolist():
+                seen = allowed[b, c].nonzero()[:, 0]  # its anchor's prefix, then its group's masks up to itself
+                want = _causal_reference(peft_model, ids[b, seen], pos[b, seen], start=int((seen < T).sum()))
+                assert (one[b, c] - want).abs().max() < 1e-4, (b, c)
+                checked += pos[b, c] >= WINDOW
+        assert checked >= 8  # mask rows past the window were compared
+
+
+def test_the_step_cost_curve_refuses_a_window_it_would_ignore():
+    """The step-cost curve keeps plain 4-D masks: a sliding window is refused when its sequences
+    reach past the window."""
     from space.decoding.cache import refuse_sliding_window
 
     cfg = MistralConfig(sliding_window=16)
-    with pytest.raises(ValueError, match="slides over 16 tokens"):
-        refuse_sliding_window(cfg, "the acceptance probe")
-    with pytest.raises(ValueError, match="sequences here reach 512"):
-        refuse_sliding_window(cfg, "SAR-SFT training", 512)
+    with pytest.raises(ValueError, match="slides over 16 tokens, sequences here reach 512"):
+        refuse_sliding_window(cfg, "the step-cost measurement", 512)
     with pytest.raises(ValueError, match="sequences here reach 16"):  # the cache keeps 15 past tokens
-        refuse_sliding_window(cfg, "SAR-SFT training", 16)
-    refuse_sliding_window(cfg, "SAR-SFT training", 15)  # never past the window: the same masks
-    refuse_sliding_window(MistralConfig(sliding_window=None), "the acceptance probe")
+        refuse_sliding_window(cfg, "the step-cost measurement", 16)
+    refuse_sliding_window(cfg, "the step-cost measurement", 15)  # never past the window: the same masks
+    refuse_sliding_window(MistralConfig(sliding_window=None), "the step-cost measurement", 4096)
 
 
 def test_the_step_cost_is_measured_short_of_a_sliding_window():
@@ -359,15 +403,17 @@ def test_frozen_base_training_passes_on_more_families(family_drafter):
 
 @pytest.mark.parametrize("name, overrides", [
     ("phi3", {}),
+    ("phi3", dict(sliding_window=16)),  # configs/train/tiny_smoke.yaml's sequences reach 384 tokens
     ("deepseek-v3", dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                          n_group=1, topk_group=1)),  # a dense layer and an MoE layer
-], ids=["phi3", "deepseek-v3-moe"])
+], ids=["phi3", "phi3-sliding-window", "deepseek-v3-moe"])
 def test_space_train_then_space_eval_on_a_local_model_of_another_family(name, overrides, tmp_path, capsys):
     """What a user of another family runs: ``space-train`` (frozen-base, the family's own
     lora_targets) on a local HF folder, then ``space-eval`` of the artifact, exact against AR. A
     DeepSeek-V3 with an MoE layer and gate/up/down_proj targets trained to the end and failed only
     when it saved its adapter (peft had moved them onto the experts' fused weights); it is refused
-    before the first step now, leaving no checkpoint."""
+    before the first step now, leaving no checkpoint. A sliding window shorter than the sequences
+    was refused before training; SAR-SFT applies it in its masks now."""
     from space.eval.__main__ import main as eval_main
     from space.train.__main__ import main as train_main
 

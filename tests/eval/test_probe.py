@@ -65,6 +65,19 @@ def test_ranks_match_plain_per_group_forward(tiny_model):
     assert (ranks[-1, 1:] == -1).all() and (ranks[-2, 2:] == -1).all() and (ranks[:-2] >= 0).all()
 
 
+@pytest.mark.parametrize("arch", ["mistral-sliding", "qwen2-sliding-upper-layer"])
+def test_ranks_match_plain_per_group_forward_past_a_sliding_window(arch):
+    """On a sliding-window model (a window of 16, answers of 40 tokens) each group's rows see only
+    the keys within the window, as transformers' own causal forward and a decode step do. The probe
+    refused such models before; without the window its ranks past it would be another model's."""
+    from tests.decoding.test_architectures import WINDOW, tiny_model as arch_model
+
+    model, spec = arch_model(arch)
+    ids = torch.randint(11, 250, (2 * WINDOW + 8,), generator=torch.Generator().manual_seed(1))
+    ranks = check_against_hand(model, spec, ids, prompt_len=4, k=K)
+    assert (ranks[WINDOW:] >= 0).any()  # groups past the window were ranked
+
+
 def test_summary_bounds_by_hand():
     ranks = torch.tensor([[0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, -1]])
     s = summarize(ranks, [[0], [1], [0, 0], [0, 1]])

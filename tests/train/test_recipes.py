@@ -213,7 +213,7 @@ def test_bf16_training_step_masks_and_loss(impl):
     model, spec = prepare_model(model, tok, "full", 3)
     collator = SpaceCollator(spec.ids_for(3), 3, tok.pad_token_id, spans_per_sample=2)
     batch = collator([{"input_ids": list(range(10, 50)), "prompt_len": 4, "idx": 0}])
-    mask = forward_mask(batch["attention_mask"], model)
+    mask = forward_mask(batch["attention_mask"], model, batch["position_ids"], batch["position_ids"])
     assert mask.dtype == (torch.bool if impl == "sdpa" else torch.bfloat16)
     if impl == "eager":
         assert torch.equal(mask, to_additive_4d(batch["attention_mask"], torch.bfloat16))

@@ -17,10 +17,11 @@ def test_eager_mask_under_autocast_is_in_the_compute_dtype():
     model, tok = tiny_random_llama(seed=0, attn_implementation="eager")
     model, spec = prepare_model(model, tok, "full", 3)
     collator = SpaceCollator(spec.ids_for(3), 3, tok.pad_token_id, spans_per_sample=2)
-    allowed = collator([{"input_ids": list(range(10, 50)), "prompt_len": 4, "idx": 0}])["attention_mask"]
-    assert forward_mask(allowed, model).dtype == torch.float32
+    batch = collator([{"input_ids": list(range(10, 50)), "prompt_len": 4, "idx": 0}])
+    allowed, pos = batch["attention_mask"], batch["position_ids"]
+    assert forward_mask(allowed, model, pos, pos).dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mask = forward_mask(allowed, model)
+        mask = forward_mask(allowed, model, pos, pos)
     assert torch.equal(mask, to_additive_4d(allowed, torch.bfloat16))
 
 
@@ -30,9 +31,9 @@ def test_an_additive_mask_reaches_eager_attention_as_it_is():
     tensor is no condition for ``torch.where``)."""
     model, tok = tiny_random_llama(seed=0, attn_implementation="eager")
     allowed = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
-    additive = to_additive_4d(allowed)
-    assert forward_mask(additive, model) is additive
-    assert torch.equal(forward_mask(allowed, model), additive)
+    additive, pos = to_additive_4d(allowed), torch.arange(4)[None]
+    assert forward_mask(additive, model, pos, pos) is additive
+    assert torch.equal(forward_mask(allowed, model, pos, pos), additive)
 
 
 @pytest.mark.parametrize("mode", ["frozen-base", "lora", "full"])
