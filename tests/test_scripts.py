@@ -847,3 +847,55 @@ def test_gpu_bench_host_time_refuses_the_gqa_comparison_on_a_compiled_trunk(tmp_
         bench.main(["host-time", "--shape", "tiny", "--gqa", "both", "--compile", "--device", "cpu",
                     "--out", str(tmp_path / "h.json")])
     assert not (tmp_path / "h.json").exists()
+
+
+def test_gpu_bench_gqa_copy_runs_transformers_sdpa_and_restores_the_fold():
+    """``host-time --gqa copy`` times what ran before the fold: inside ``gqa_path(model, "copy")``
+    the model runs transformers' own ``sdpa`` and masks are built at their own width (no
+    ``MASK_ALIGN``); on leaving it, also after an error, the model's attention and the alignment are
+    back, so the next turn's ``fold`` times the fold. ``fold`` changes nothing. Catches a "copy"
+    timing that still ran the fold (or aligned masks), and a fold turn left on ``sdpa``."""
+    from space.decoding import backends
+    from space.decoding.backends import SDPA_GQA
+    from space.decoding.fused import fuse_trunk
+    from space.models import tiny_random_llama
+
+    bench = load_script("gpu_bench")
+    model, _ = tiny_random_llama()
+    fuse_trunk(model)
+    align = dict(backends.MASK_ALIGN)
+    assert model.config._attn_implementation == SDPA_GQA and align
+    with bench.gqa_path(model, "fold"):
+        assert model.config._attn_implementation == SDPA_GQA and backends.MASK_ALIGN == align
+    with pytest.raises(KeyboardInterrupt), bench.gqa_path(model, "copy"):
+        assert model.config._attn_implementation == "sdpa" and backends.MASK_ALIGN == {}
+        raise KeyboardInterrupt  # a stage cut at its time cap
+    assert model.config._attn_implementation == SDPA_GQA and backends.MASK_ALIGN == align
+
+
+def test_bench_ops_cuda_attention_counts_under_cudas_path(tiny_adapter, tmp_path, monkeypatch):
+    """``bench_ops --attention cuda`` counts every method's generation inside
+    ``op_count.cuda_attention`` (the fold, aligned masks) with the one-call norms swapped in; the
+    default (``load``) does neither. Catches counts of the CPU's attention recorded as CUDA's."""
+    from contextlib import contextmanager
+
+    ops = load_script("bench_ops")
+    monkeypatch.setattr(ops, "ADAPTER", tiny_adapter)
+    entered = []
+
+    @contextmanager
+    def spy():
+        entered.append(1)
+        yield
+
+    monkeypatch.setattr(ops, "cuda_attention", spy)
+    for attention in ("load", "cuda"):
+        entered.clear()
+        out = tmp_path / f"{attention}.json"
+        ops.main(["--prompts", "1", "--max-new-tokens", "4", "--dtype", "float32", "--attention", attention,
+                  "--threads", "1", "--out", str(out)])
+        written = json.loads(out.read_text())
+        methods = len(written["ops_per_step"])
+        assert len(entered) == (methods if attention == "cuda" else 0), (attention, len(entered))
+        # the load swaps no norm on the CPU; CUDA's trunk swaps every one
+        assert (written["trunk"]["float32"]["rms_norms"] > 0) == (attention == "cuda"), written["trunk"]

@@ -261,3 +261,157 @@ def test_a_step_mask_refuses_a_static_cache_too_small_for_its_block():
     assert with_cache(torch.zeros(1, 1, 1, 1), torch.arange(1), 9, {"full_attention": None}, slots=10).shape[-1] == 10
     with pytest.raises(ValueError, match="-1"):
         mask_buffer(2, -1, torch.float32, "cpu")
+
+
+def _grouped_call(heads=4, kv_heads=2, rows=3, keys=6, value_dim=8, batch=1, gen_seed=0):
+    """(module, query, key, value) of a grouped-query call, as a model hands them to SDPA_GQA."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(gen_seed)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    query = torch.randn(batch, heads, rows, 8, generator=gen)
+    key = torch.randn(batch, kv_heads, keys, 8, generator=gen)
+    value = torch.randn(batch, kv_heads, keys, value_dim, generator=gen)
+    return module, query, key, value
+
+
+def _sdpa_spy(monkeypatch) -> list:
+    """Record (query shape, key shape, value shape, enable_gqa, scale) of every SDPA call."""
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, enable_gqa=False, scale=None, **kwargs):
+        calls.append((tuple(query.shape), tuple(key.shape), tuple(value.shape), enable_gqa, scale))
+        return sdpa(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, scale=scale, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["batch of 2", "mask per head"])
+def test_off_the_gqa_devices_what_the_fold_cannot_take_reaches_sdpa_with_the_heads_repeated(monkeypatch, case):
+    """Off :data:`GQA_WITH_MASK` (CUDA) a call the fold cannot take goes to transformers' ``sdpa``,
+    which repeats the key heads (``repeat_kv``) and hands SDPA no ``enable_gqa``: on CUDA a masked
+    grouped SDPA call lands on the math kernel. Catches such a call sent to SDPA with the grouped
+    heads and ``enable_gqa`` (the same values on the CPU, so the output comparison cannot tell)."""
+    from space.decoding import backends
+
+    module, query, key, value = _grouped_call(batch=2 if case == "batch of 2" else 1)
+    mask = torch.zeros(1, 4 if case == "mask per head" else 1, 3, 6)
+    mask[..., 0, 4:] = torch.finfo(torch.float32).min
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    calls = _sdpa_spy(monkeypatch)
+    backends.sdpa_gqa_attention(module, query, key, value, mask)
+    assert len(calls) == 1 and calls[0][1][1] == 4 and calls[0][3] is False, calls
+
+
+@pytest.mark.parametrize("gqa_devices", [("cpu",), ()], ids=["cpu", "folded"])
+def test_an_explicit_is_causal_overrides_the_modules(monkeypatch, gqa_devices):
+    """transformers passes ``is_causal`` to the attention function where a call's causality is not
+    the module's (an encoder pass, a bidirectional prefill): SDPA_GQA takes it over the module's
+    attribute, as transformers' ``sdpa`` does, on the CPU's grouped call and on the fold. Catches
+    the argument ignored (a non-causal prefill without a mask run causally)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding import backends
+
+    module, query, key, value = _grouped_call(rows=6, keys=6)
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", gqa_devices)
+    for is_causal in (False, True):
+        want, _ = sdpa_attention_forward(module, query, key, value, None, is_causal=is_causal)
+        out, _ = backends.sdpa_gqa_attention(module, query, key, value, None, is_causal=is_causal)
+        torch.testing.assert_close(out, want)
+    causal, _ = backends.sdpa_gqa_attention(module, query, key, value, None, is_causal=True)
+    plain, _ = backends.sdpa_gqa_attention(module, query, key, value, None, is_causal=False)
+    assert (plain - causal).abs().max() > 1e-3  # the two differ: an ignored flag shows
+
+
+def test_a_folded_causal_prefill_cuts_the_values_with_the_keys(monkeypatch):
+    """A causal prefill without a mask over more keys than rows: the fold cuts the keys to the rows
+    (as transformers' ``sdpa``), and the values with them, so SDPA gets keys and values of one
+    length. Catches the values left whole (the CPU's SDPA reads only the keys' length of them, so
+    the output cannot show it; CUDA's kernels refuse or read past)."""
+    from space.decoding import backends
+
+    module, query, key, value = _grouped_call(rows=4, keys=9)
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    calls = _sdpa_spy(monkeypatch)
+    backends.sdpa_gqa_attention(module, query, key, value, None)
+    assert [(k[2], v[2]) for _, k, v, _, _ in calls] == [(4, 4)]
+
+
+def test_the_fold_keeps_the_models_attention_scale(monkeypatch):
+    """The fold hands SDPA the module's ``scaling`` (Gemma's ``query_pre_attn_scalar``, Granite's
+    ``attention_multiplier``: not 1/sqrt(head_dim)), as transformers' ``sdpa`` does. Catches the
+    scale dropped on the folded call (the tests' Llama-like models use the default scale, where it
+    cannot show)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding import backends
+
+    module, query, key, value = _grouped_call()
+    mask = torch.zeros(1, 1, 3, 6)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.05)
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    out, _ = backends.sdpa_gqa_attention(module, query, key, value, mask, scaling=0.05)
+    torch.testing.assert_close(out, want)
+    default, _ = backends.sdpa_gqa_attention(module, query, key, value, mask)
+    assert (out - default).abs().max() > 1e-3
+
+
+def test_a_folded_multi_query_call_returns_a_contiguous_output(monkeypatch):
+    """One key/value head (multi-query attention): the folded output is still contiguous (the
+    documented layout, what transformers' ``sdpa`` returns) and equals transformers'. Catches the
+    final copy dropped: with one key head the fold's reshape is a strided view."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from space.decoding import backends
+
+    module, query, key, value = _grouped_call(heads=4, kv_heads=1)
+    mask = torch.zeros(1, 1, 3, 6)
+    mask[..., 1, 5] = torch.finfo(torch.float32).min
+    want, _ = sdpa_attention_forward(module, query, key, value, mask)
+    monkeypatch.setattr(backends, "GQA_WITH_MASK", ())
+    out, _ = backends.sdpa_gqa_attention(module, query, key, value, mask)
+    assert out.shape == (1, 3, 4, 8) and out.is_contiguous()
+    torch.testing.assert_close(out, want)
+
+
+def test_mask_buffer_sizes_its_edges():
+    """``mask_buffer`` takes 0 rows or 0 keys (an empty mask) and refuses a negative count of rows,
+    as it does keys, with the sizes named. Catches the rows left unchecked (torch's own error named
+    no cause) and an empty mask refused."""
+    from space.decoding.backends import mask_buffer
+
+    assert mask_buffer(0, 0, torch.float32, "cpu").shape == (1, 1, 0, 0)
+    assert mask_buffer(2, 0, torch.float32, "cpu").shape == (1, 1, 2, 0)
+    with pytest.raises(ValueError, match=r"-1 x 4"):
+        mask_buffer(-1, 4, torch.float32, "cpu")
+
+
+def test_cuda_attention_gives_the_cpu_cudas_path_and_restores_it(monkeypatch):
+    """``op_count.cuda_attention`` (what ``test_op_budget`` and ``bench_ops --attention cuda`` count
+    under): inside it a grouped masked call on the CPU folds its query heads into the batch (no
+    ``enable_gqa``) and ``mask_buffer`` pads rows to CUDA's alignment of 8; on exit, also after an
+    error, the CPU's own path is back. Catches the CPU left on ``GQA_WITH_MASK`` or without CUDA's
+    alignment (the CUDA op counts were then the CPU's), CUDA's alignment changed, and a leak into
+    every later test."""
+    from space.decoding import backends
+    from space.decoding.backends import mask_buffer
+    from space.decoding.op_count import cuda_attention
+
+    before = backends.GQA_WITH_MASK, dict(backends.MASK_ALIGN)
+    assert before[1].get("cuda") == 8  # CUDA's memory-efficient kernel copies masks not aligned to 8
+    module, query, key, value = _grouped_call()
+    mask = torch.zeros(1, 1, 3, 6)
+    want, _ = backends.sdpa_gqa_attention(module, query, key, value, mask)
+    calls = _sdpa_spy(monkeypatch)
+    with cuda_attention():
+        assert mask_buffer(3, 13, torch.float32, "cpu").stride(2) == 16
+        out, _ = backends.sdpa_gqa_attention(module, query, key, value, mask)
+    # 2 query heads a key head in the batch, 2 key heads, no enable_gqa
+    assert [(q[:2], gqa) for q, _, _, gqa, _ in calls] == [((2, 2), False)]
+    torch.testing.assert_close(out, want)
+    with pytest.raises(KeyError), cuda_attention():
+        raise KeyError("an error inside")
+    assert (backends.GQA_WITH_MASK, backends.MASK_ALIGN) == before
+    assert mask_buffer(3, 13, torch.float32, "cpu").stride(2) == 13

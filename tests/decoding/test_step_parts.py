@@ -242,6 +242,30 @@ def test_slab_cache_holds_keys_and_values_of_other_widths():
         assert torch.equal(values[0, :, :, 0], -keys[0, 0, :, 0].expand(HEADS, 5))  # moved alike
 
 
+def test_slab_cache_of_one_shape_is_one_tensor_and_refuses_another_batch_or_dtype():
+    """Keys and values of one shape share one tensor (a gather or a grow is one op, the op budget's
+    premise), keys at [:, 0] and values at [:, 1]; keys and values of another batch or dtype are
+    refused at the first write with both shapes named. Catches every model given two tensors, and
+    a mismatch let through (a batch or a dtype the two tensors would not share)."""
+    cache = SlabCache(LAYERS, 8)
+    cache.update(torch.ones(1, HEADS, 2, DIM), -torch.ones(1, HEADS, 2, DIM), 0)
+    (slab,) = cache.slab.parts
+    assert slab.shape == (LAYERS, 2, 1, HEADS, 8, DIM)
+    assert cache.slab.keys.data_ptr() == slab[:, 0].data_ptr() and cache.slab.values.data_ptr() == slab[:, 1].data_ptr()
+    for keys, values in [(torch.ones(1, HEADS, 2, DIM), torch.ones(2, HEADS, 2, DIM)),
+                         (torch.ones(1, HEADS, 2, DIM), torch.ones(1, HEADS, 2, 3, dtype=torch.float64))]:
+        with pytest.raises(ValueError, match="one batch and dtype"):
+            SlabCache(LAYERS, 8).update(keys, values, 0)
+
+
+def test_static_slab_cache_refuses_keys_and_values_of_other_widths():
+    """The captured steps' cache holds keys and values in one slab: written keys and values of other
+    widths (multi-head latent attention) are refused at the first write, with what to do. Catches
+    the check dropped (the values would be written into key-wide slots) or narrowed to the heads."""
+    with pytest.raises(ValueError, match="one shape.*without --capture"):
+        StaticSlabCache(LAYERS, 8).update(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 3), 0)
+
+
 def test_captured_steps_refuse_a_cache_their_config_does_not_describe():
     """Captured steps allocate the cache from the config's heads and head_dim; a latent-attention
     model caches other shapes, and its first replay failed inside index_copy_. It is refused at

@@ -278,3 +278,25 @@ def test_targets_peft_moves_onto_fused_experts_are_refused_at_setup(mode):
                 got = peft_model(input_ids=ids).logits[:, :8, :want.shape[-1]]
         tokens = [i for i in range(want.shape[-1]) if i not in spec.token_ids]  # the mask's own row is new
         assert (got - want)[..., tokens].abs().max() < 1e-5
+
+
+def test_peft_rewrite_leaves_the_config_it_is_given():
+    """``peft_rewrite`` answers how peft will rewrite a LoRA config on a model, on a copy: the config
+    ``prepare_model`` then hands to peft is the one asked for. Catches the rewrite done in place
+    (peft's conversion is in place: the caller's targets would be the rewritten ones)."""
+    from peft import LoraConfig
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from space.adapter_layers import peft_rewrite
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1, kv_lora_rank=16,
+                              q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    model = DeepseekV3ForCausalLM(config)
+    targets = ["q_a_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg = LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM")
+    rewritten = peft_rewrite(cfg, model)
+    assert rewritten is not None and rewritten is not cfg
+    assert set(rewritten.target_modules) == {"q_a_proj"} and rewritten.target_parameters  # what peft does
+    assert sorted(cfg.target_modules) == sorted(targets) and not cfg.target_parameters
+    assert not cfg.rank_pattern and not cfg.alpha_pattern
