@@ -312,11 +312,13 @@ def attention_windows(config) -> dict[str, int | None]:
     Raises:
         ValueError: a layer type other than full or sliding attention (chunked attention, ...).
     """
+    if hasattr(config, "get_text_config"):  # a multimodal model's (Gemma 3 4B+) windows are its text model's
+        config = config.get_text_config(decoder=True)
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or [FULL if window is None else SLIDING]
     unknown = sorted(set(types) - {FULL, SLIDING})
     if unknown:
-        raise ValueError(f"SPACE (SAR-SFT and decoding) supports full and sliding-window attention layers, "
+        raise ValueError(f"SPACE (SAR-SFT, the probe and decoding) supports full and sliding-window attention layers, "
                          f"this model has {unknown}")
     return {kind: window if kind == SLIDING else None for kind in dict.fromkeys(types)}
 

@@ -120,6 +120,11 @@ def test_attention_windows():
         "full_attention": None, "sliding_attention": WINDOW}
     with pytest.raises(ValueError, match="chunked_attention"):
         attention_windows(SimpleNamespace(layer_types=["full_attention", "chunked_attention"], sliding_window=8))
+    # transformers loads Gemma 3 from 4B up as Gemma3ForConditionalGeneration: its config keeps the
+    # window in text_config, and read from the top it had none
+    multimodal = transformers.Gemma3Config(text_config=dict(
+        sliding_window=5, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
+    assert attention_windows(multimodal) == {"sliding_attention": 5, "full_attention": None}
 
 
 def _causal_reference(model, ids: torch.Tensor, pos: torch.Tensor, start: int | None = None) -> torch.Tensor:
