@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .choices import ALIASES, DEVICE_MAP_STRATEGIES, SMOLLM2, TINY  # noqa: F401  (re-exported)
 from .jsonl import publish_folder
@@ -88,6 +88,19 @@ def model_gpu(model) -> str | None:
     return gpu_identity(device) if device.type == "cuda" else None
 
 
+def refuse_multimodal(config, path) -> None:
+    """Refuse a model whose text model is one part of it (Gemma 3 from 4B up loads as
+    ``Gemma3ForConditionalGeneration``): SPACE trains and decodes a text-only causal LM, and such a
+    model's config keeps the text model's settings (context, layers, window) in a sub-config.
+
+    Raises:
+        ValueError: ``config``'s text config is not itself, naming the model's type.
+    """
+    if config.get_text_config(decoder=True) is not config:
+        raise ValueError(f"{path} is a multimodal model ({config.model_type}): SPACE trains and decodes text-only "
+                         "causal LMs; save its language model as one (e.g. Gemma3ForCausalLM) and load that folder")
+
+
 def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu",
                device_map: str | dict | None = None):
     """Load a causal LM and its tokenizer by alias or local path.
@@ -108,7 +121,7 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
         ModuleNotFoundError: the embedded model's package is missing (prints the install command).
         ValueError: a device map that names modules the model lacks, misses some, or offloads
             (see :func:`dispatch`); a folder whose model does not load (no config.json, no weights,
-            a damaged config.json or weights file).
+            a damaged config.json or weights file); a multimodal model (:func:`refuse_multimodal`).
     """
     torch_dtype = parse_dtype(dtype)
     if name == TINY:
@@ -117,6 +130,7 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
     else:
         path = _model_dir(name)
         try:
+            refuse_multimodal(AutoConfig.from_pretrained(path), path)
             tok = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
         except (OSError, SafetensorError) as e:  # no weights, a damaged config or weights file: name the folder

@@ -347,6 +347,28 @@ def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_a_multimodal_model_is_refused_by_name(tmp_path):
+    """Gemma 3 from 4B up loads as ``Gemma3ForConditionalGeneration``, whose context, layers and
+    sliding window sit in ``text_config``: it failed in the decoders with an ``AttributeError`` on
+    ``max_position_embeddings``. It is refused at load with what to do; a text-only folder loads."""
+    import transformers
+
+    from space.models import load_model, tiny_tokenizer
+
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, num_hidden_layers=2, sliding_window=5),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                           patch_size=14), mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "multimodal")
+    tiny_tokenizer().save_pretrained(tmp_path / "multimodal")
+    with pytest.raises(ValueError, match=r"multimodal model \(gemma3\).*Gemma3ForCausalLM"):
+        load_model(str(tmp_path / "multimodal"))
+    transformers.Gemma3ForCausalLM(config.text_config).save_pretrained(tmp_path / "text")
+    tiny_tokenizer().save_pretrained(tmp_path / "text")
+    assert type(load_model(str(tmp_path / "text"))[0]).__name__ == "Gemma3ForCausalLM"
+
+
 def test_a_folder_without_config_json_is_named_as_no_model_folder(tmp_path):
     """Catches dropping ``_model_dir``'s config.json check: a folder holding only a tokenizer (or
     nothing) failed later in the tokenizer or the weights' load, blaming another cause."""
