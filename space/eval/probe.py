@@ -85,12 +85,10 @@ def anchor_ranks(model, ids: torch.Tensor, prompt_len: int, mask_ids: torch.Tens
             groups = anchors[start:start + chunk_groups]
             lay = train_layout(n, groups, k)  # rows :n are the cached real tokens, n: the groups
             pos = lay.position_ids[None].to(device)
+            # the trunk's dtype, not the LM head's (an fp32 head on a bf16 trunk), as SpaceDecoder's mask;
             # a sliding layer's rows see only the keys within its window, as a decode step's do
-            allowed = windowed(lay.allowed[None, None, n:].to(device), pos[:, n:], pos, windows)
-            # the trunk's dtype, not the LM head's (an fp32 head on a bf16 trunk), as SpaceDecoder's mask
-            dtype = attention_dtype(decoder)
-            attn = ({kind: to_additive_4d(m, dtype) for kind, m in allowed.items()} if isinstance(allowed, dict)
-                    else to_additive_4d(allowed, dtype))  # (1, 1, G*k, n + G*k)
+            attn = windowed(to_additive_4d(lay.allowed[n:], attention_dtype(decoder)).to(device), pos[:, n:], pos,
+                            windows)  # (1, 1, G*k, n + G*k), or one such per kind of layer
             with mask_rows(0):
                 hidden = decoder(input_ids=lay.input_ids(ids, mask_ids.to(device))[None, n:],
                                  position_ids=pos[:, n:], attention_mask=attn,

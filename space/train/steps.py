@@ -153,15 +153,12 @@ def forward_mask(allowed: torch.Tensor, model, query_pos: torch.Tensor,
         ValueError: a flash-attention model; a layer type other than full or sliding attention.
     """
     check_attention(model, "SAR-SFT training")
-    masks = windowed(allowed, query_pos, key_pos, attention_windows(model.config))
     impl = str(getattr(model.config, "_attn_implementation", "sdpa"))
-    if impl == "sdpa" or allowed.dtype != torch.bool:
-        return masks
-    kind = allowed.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else model.get_input_embeddings().weight.dtype
-    if isinstance(masks, dict):
-        return {layer: to_additive_4d(m, dtype) for layer, m in masks.items()}
-    return to_additive_4d(masks, dtype)
+    if impl != "sdpa" and allowed.dtype == torch.bool:
+        kind = allowed.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else model.get_input_embeddings().weight.dtype
+        allowed = to_additive_4d(allowed, dtype)
+    return windowed(allowed, query_pos, key_pos, attention_windows(model.config))
 
 
 def causal_lm_head(unwrapped) -> Callable[[torch.Tensor], torch.Tensor]:
