@@ -9,6 +9,7 @@ there with a FutureWarning on every call and goes away in 5.40. We support trans
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -305,7 +306,8 @@ def attention_windows(config) -> dict[str, int | None]:
     """The model's kinds of attention layer, ``{layer type: sliding window in tokens, or None}``.
 
     ``{"full_attention": None}`` for a model without a sliding window (Llama); Mistral with
-    ``sliding_window`` set slides on every layer; Qwen2 with ``use_sliding_window`` lists its kinds
+    ``sliding_window`` set slides on every layer, even where its config lists ``layer_types``
+    (Ministral-8B), which its forward does not read; Qwen2 with ``use_sliding_window`` lists its kinds
     in ``config.layer_types`` (``max_window_layers``). A query at position p sees a key at
     position p' only when ``p - p' < window``, as transformers' ``sliding_window_overlay``.
 
@@ -315,11 +317,15 @@ def attention_windows(config) -> dict[str, int | None]:
     if hasattr(config, "get_text_config"):  # a multimodal model's (Gemma 3 4B+) windows are its text model's
         config = config.get_text_config(decoder=True)
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or [FULL if window is None else SLIDING]
-    unknown = sorted(set(types) - {FULL, SLIDING})
+    listed = getattr(config, "layer_types", None) or []
+    unknown = sorted(set(listed) - {FULL, SLIDING})
     if unknown:
         raise ValueError(f"SPACE (SAR-SFT, the probe and decoding) supports full and sliding-window attention layers, "
                          f"this model has {unknown}")
+    # a config class that does not declare layer_types keeps a listed one unread: Mistral slides on every
+    # layer whatever Ministral-8B's config lists (transformers warns), and its forward takes one mask
+    declared = not dataclasses.is_dataclass(config) or "layer_types" in {f.name for f in dataclasses.fields(config)}
+    types = (listed if declared else None) or [FULL if window is None else SLIDING]
     return {kind: window if kind == SLIDING else None for kind in dict.fromkeys(types)}
 
 
