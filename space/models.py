@@ -9,7 +9,8 @@ DESIGN §4. ``load_model(name)`` returns ``(model, tokenizer)`` in eval mode.
   the GGUF's SHA-256, so a cache made from another release of the package is converted again.
 * ``tiny-random-llama``: built in code from a fixed seed (2 layers, hidden 64, byte-level
   tokenizer with a ChatML template), for tests and smoke runs. No files.
-* anything else: a local HF model directory (``from_pretrained``).
+* anything else: a local HF model directory (``from_pretrained``). A multimodal model's (Gemma 3
+  from 4B up) language model is loaded alone, as a text-only causal LM (:func:`text_part`).
 
 ``device_map`` (``space-eval --device-map``) spreads a model too large for one device over the
 visible GPUs with accelerate's big-model inference: each placed module gets an accelerate hook
@@ -19,12 +20,14 @@ scale, not speed).
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import functools
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -88,17 +91,64 @@ def model_gpu(model) -> str | None:
     return gpu_identity(device) if device.type == "cuda" else None
 
 
-def refuse_multimodal(config, path) -> None:
-    """Refuse a model whose text model is one part of it (Gemma 3 from 4B up loads as
-    ``Gemma3ForConditionalGeneration``): SPACE trains and decodes a text-only causal LM, and such a
-    model's config keeps the text model's settings (context, layers, window) in a sub-config.
+# where a multimodal checkpoint keeps its language model's weights, as ``from_pretrained`` key
+# mappings onto a text-only causal LM: the layout transformers saves (Gemma 3 and Mistral Small 3.1
+# on the hub), then the names transformers 5 gives them in memory
+TEXT_PART_LAYOUTS = ({r"^language_model\.": ""}, {r"^model\.language_model\.": "model."})
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """The weight names of the safetensors checkpoint in ``path`` (one file or an index), read
+    without the weights; empty when it holds none."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    if (path / "model.safetensors").is_file():
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return set(f.keys())
+    return set()
+
+
+def text_part(config, path: Path):
+    """How to load the language model of a multimodal model (Gemma 3 from 4B up loads as
+    ``Gemma3ForConditionalGeneration``, Mistral Small 3.1 as ``Mistral3ForConditionalGeneration``)
+    on its own: SPACE trains and decodes a text-only causal LM, and the text model's settings
+    (context, layers, window) live in ``config``'s text sub-config.
+
+    Returns:
+        None for a text-only model; else ``(causal LM class, text config, key_mapping)`` for
+        ``from_pretrained``: the text config ties the LM head as the whole model does, and the
+        mapping is the :data:`TEXT_PART_LAYOUTS` entry under which the checkpoint holds every
+        weight of the text model.
 
     Raises:
-        ValueError: ``config``'s text config is not itself, naming the model's type.
+        ValueError: no text-only causal LM class for the text model's type, or the checkpoint's
+            weights are in no known layout (a ``.bin`` checkpoint, say), naming the model's type.
     """
-    if config.get_text_config(decoder=True) is not config:
-        raise ValueError(f"{path} is a multimodal model ({config.model_type}): SPACE trains and decodes text-only "
-                         "causal LMs; save its language model as one (e.g. Gemma3ForCausalLM) and load that folder")
+    text = config.get_text_config(decoder=True)
+    if text is config:
+        return None
+    text = copy.deepcopy(text)
+    # the whole model ties its head by its own config (transformers' tie_weights), not its text config's
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    refuse = (f"{path} is a multimodal model ({config.model_type}) whose language model SPACE cannot load on its own "
+              "(SPACE trains and decodes text-only causal LMs)")
+    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{refuse}: no causal LM class for its text model type {text.model_type}")
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+    with torch.device("meta"):  # the names it needs, without memory; tied weights once
+        needed = {name for name, _ in cls(text).named_parameters()}
+    saved = checkpoint_keys(path)
+    for layout in TEXT_PART_LAYOUTS:
+        renamed = {functools.reduce(lambda k, rule: re.sub(rule[0], rule[1], k), layout.items(), key) for key in saved}
+        if needed <= renamed:
+            return cls, text, layout
+    raise ValueError(f"{refuse}: its safetensors weights are in no layout it knows ({list(TEXT_PART_LAYOUTS)}); "
+                     "save its language model as a text-only causal LM (e.g. Gemma3ForCausalLM) and load that folder")
 
 
 def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -121,7 +171,8 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
         ModuleNotFoundError: the embedded model's package is missing (prints the install command).
         ValueError: a device map that names modules the model lacks, misses some, or offloads
             (see :func:`dispatch`); a folder whose model does not load (no config.json, no weights,
-            a damaged config.json or weights file); a multimodal model (:func:`refuse_multimodal`).
+            a damaged config.json or weights file); a multimodal model whose language model does not
+            load on its own (:func:`text_part`).
     """
     torch_dtype = parse_dtype(dtype)
     if name == TINY:
@@ -130,9 +181,17 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
     else:
         path = _model_dir(name)
         try:
-            refuse_multimodal(AutoConfig.from_pretrained(path), path)
+            part = text_part(AutoConfig.from_pretrained(path), path)
             tok = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
+            if part is None:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
+            else:  # a multimodal model's language model alone; the other towers' weights are not read
+                cls, text, layout = part
+                model = cls.from_pretrained(path, config=text, key_mapping=layout, dtype=torch_dtype, device_map=device_map)
+                # transformers keeps a load's key mapping to save under the names it loaded from: a full
+                # SAR-SFT checkpoint of this text-only model would hold the multimodal names. It saves
+                # as one built in code instead (its class's own conversions)
+                model._weight_conversions = None
         except (OSError, SafetensorError) as e:  # no weights, a damaged config or weights file: name the folder
             raise ValueError(f"model folder {path} does not load: {' '.join(str(e).split())[:400]}") from None
     if device_map is None:

@@ -347,26 +347,70 @@ def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_a_multimodal_model_is_refused_by_name(tmp_path):
-    """Gemma 3 from 4B up loads as ``Gemma3ForConditionalGeneration``, whose context, layers and
-    sliding window sit in ``text_config``: it failed in the decoders with an ``AttributeError`` on
-    ``max_position_embeddings``. It is refused at load with what to do; a text-only folder loads."""
+def _multimodal(kind: str, tied: bool):
+    """A tiny random multimodal model of ``kind`` ("gemma3" or "mistral3"), its head tied or not."""
     import transformers
 
-    from space.models import load_model, tiny_tokenizer
+    text = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, num_hidden_layers=2, initializer_range=0.2)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    if kind == "gemma3":
+        config = transformers.Gemma3Config(text_config=dict(text, sliding_window=5), vision_config=vision,
+                                           mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+                                           eoi_token_index=298, tie_word_embeddings=tied)
+        cls = transformers.Gemma3ForConditionalGeneration
+    else:
+        config = transformers.Mistral3Config(text_config=dict(text, model_type="mistral"),
+                                             vision_config=dict(vision, model_type="pixtral", head_dim=8),
+                                             image_token_index=299, tie_word_embeddings=tied)
+        cls = transformers.Mistral3ForConditionalGeneration
+    torch.manual_seed(0)
+    return cls(config).eval()
 
-    config = transformers.Gemma3Config(
-        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, num_hidden_layers=2, sliding_window=5),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                           patch_size=14), mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
-    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "multimodal")
-    tiny_tokenizer().save_pretrained(tmp_path / "multimodal")
-    with pytest.raises(ValueError, match=r"multimodal model \(gemma3\).*Gemma3ForCausalLM"):
-        load_model(str(tmp_path / "multimodal"))
-    transformers.Gemma3ForCausalLM(config.text_config).save_pretrained(tmp_path / "text")
-    tiny_tokenizer().save_pretrained(tmp_path / "text")
-    assert type(load_model(str(tmp_path / "text"))[0]).__name__ == "Gemma3ForCausalLM"
+
+@pytest.mark.parametrize("tied", [True, False])  # each the opposite of its text config's default in one kind
+@pytest.mark.parametrize("kind, text_class", [("gemma3", "Gemma3ForCausalLM"), ("mistral3", "MistralForCausalLM")])
+def test_a_multimodal_models_language_model_loads_alone(tmp_path, kind, tied, text_class):
+    """Gemma 3 from 4B up loads as ``Gemma3ForConditionalGeneration`` (Mistral Small 3.1 as
+    ``Mistral3ForConditionalGeneration``), whose context, layers and window sit in ``text_config``:
+    it failed in the decoders (an ``AttributeError`` on ``max_position_embeddings``), then was refused.
+    Its language model now loads alone, from the layout transformers saves and from its in-memory
+    names, with the whole model's logits on text and its head tied as the whole model ties it; saved
+    (a full SAR-SFT checkpoint), it keeps its own names; SPACE decodes it as AR does. A checkpoint
+    without the language model's weights is refused by name."""
+    from safetensors.torch import save_file
+
+    from space.models import tiny_tokenizer
+
+    whole = _multimodal(kind, tied)
+    ids = torch.randint(0, 290, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = whole(input_ids=ids).logits
+    saved, in_memory = tmp_path / "saved", tmp_path / "in_memory"
+    whole.save_pretrained(saved)
+    whole.config.save_pretrained(in_memory)
+    save_file({k: v.clone() for k, v in whole.state_dict().items()}, str(in_memory / "model.safetensors"))
+    for folder in (saved, in_memory):
+        tiny_tokenizer().save_pretrained(folder)
+        model, _ = load_model(str(folder))
+        assert type(model).__name__ == text_class
+        assert (model.get_input_embeddings().weight is model.get_output_embeddings().weight) == tied
+        with torch.no_grad():
+            assert (model(input_ids=ids).logits - want).abs().max() < 1e-5, folder
+    model.save_pretrained(tmp_path / "text_only")  # a full SAR-SFT checkpoint: the text model's own names
+    tiny_tokenizer().save_pretrained(tmp_path / "text_only")
+    with torch.no_grad():
+        assert (load_model(str(tmp_path / "text_only"))[0](input_ids=ids).logits - want).abs().max() < 1e-5
+    spec = add_mask_tokens(model, tiny_tokenizer(), mask_num=4)
+    prompt = ids[0, :12]
+    ar = ar_generate(model, prompt, 24, suppress_ids=spec.token_ids).new_ids
+    for config in (DecodeConfig(3), DecodeConfig(3, 2, tree="dynamic", lookup_tokens=4)):
+        assert SpaceDecoder(model, spec, config).generate(prompt, 24).new_ids == ar
+    keys = {k: v.clone() for k, v in whole.state_dict().items() if "layers.1." not in k}
+    save_file(keys, str(in_memory / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"multimodal model \({kind}\).*no layout it knows"):
+        load_model(str(in_memory))
 
 
 def test_a_folder_without_config_json_is_named_as_no_model_folder(tmp_path):

@@ -163,9 +163,10 @@ def family(model: str) -> Family:
     path = Path(model)
     if (path / "config.json").is_file():
         cfg = AutoConfig.from_pretrained(path)
-        heads = cfg.num_attention_heads
-        return Family(cfg.model_type, bool(getattr(cfg, "tie_word_embeddings", False)), heads,
-                      getattr(cfg, "num_key_value_heads", None) or heads, path)
+        text = cfg.get_text_config(decoder=True)  # a multimodal model trains its language model (models.text_part)
+        heads = text.num_attention_heads
+        return Family(text.model_type, bool(getattr(cfg, "tie_word_embeddings", False)), heads,
+                      getattr(text, "num_key_value_heads", None) or heads, path)
     for key, known in FAMILIES:
         if key in model.lower():
             return Family(*known, None)

@@ -47,6 +47,23 @@ def test_stand_in_reads_the_model_directory(tmp_path):
     assert stand_in_heads(71, 1) == (8, 1) and stand_in_heads(32, 8) == (8, 2)
 
 
+def test_stand_in_of_a_multimodal_model_is_its_language_model(tmp_path):
+    """Gemma 3 4B+ trains its language model alone (``models.text_part``): the smoke's stand-in is a
+    text-only Gemma 3 with the text model's heads, tied as the whole model ties (it failed on the
+    top-level config's missing ``num_attention_heads``)."""
+    import transformers
+
+    from space.models import tiny_tokenizer
+
+    model = tmp_path / "gemma-3-4b-it"
+    transformers.Gemma3Config(text_config=dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=320),
+                              tie_word_embeddings=True).save_pretrained(model)
+    tiny_tokenizer().save_pretrained(model)
+    assert family(str(model))[:4] == ("gemma3_text", True, 8, 4)
+    build_stand_in(str(model), tmp_path / "stand-in")
+    assert json.loads((tmp_path / "stand-in" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+
+
 def test_smoke_config_says_what_it_changes(tmp_path):
     """One line per setting changed; sources (which filters a replaced data file) and init_adapter
     are left out with a line each; max_train_minutes is kept."""
