@@ -118,14 +118,15 @@ def text_part(config, path: Path):
     (context, layers, window) live in ``config``'s text sub-config.
 
     Returns:
-        None for a text-only model; else ``(causal LM class, text config, key_mapping)`` for
-        ``from_pretrained``: the text config ties the LM head as the whole model does, and the
-        mapping is the :data:`TEXT_PART_LAYOUTS` entry under which the checkpoint holds every
-        weight of the text model.
+        None for a text-only model; else ``(causal LM class, text config, key_mapping, refusal)``:
+        the text config ties the LM head as the whole model does and keeps its quantization; the
+        mapping is the :data:`TEXT_PART_LAYOUTS` entry under which most of the text model's weight
+        names are in the checkpoint (its class's own conversions, such as fused experts, apply
+        after it); ``refusal`` is the error's text should weights still be missing once loaded.
 
     Raises:
-        ValueError: no text-only causal LM class for the text model's type, or the checkpoint's
-            weights are in no known layout (a ``.bin`` checkpoint, say), naming the model's type.
+        ValueError: no text-only causal LM class for the text model's type, or no weight of it
+            under any known layout (a ``.bin`` checkpoint, say), naming the model's type.
     """
     text = config.get_text_config(decoder=True)
     if text is config:
@@ -133,6 +134,8 @@ def text_part(config, path: Path):
     text = copy.deepcopy(text)
     # the whole model ties its head by its own config (transformers' tie_weights), not its text config's
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+    if getattr(config, "quantization_config", None) is not None:  # pre-quantized weights (FP8, ...) stay so
+        text.quantization_config = config.quantization_config
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     refuse = (f"{path} is a multimodal model ({config.model_type}) whose language model SPACE cannot load on its own "
@@ -143,12 +146,13 @@ def text_part(config, path: Path):
     with torch.device("meta"):  # the names it needs, without memory; tied weights once
         needed = {name for name, _ in cls(text).named_parameters()}
     saved = checkpoint_keys(path)
-    for layout in TEXT_PART_LAYOUTS:
-        renamed = {functools.reduce(lambda k, rule: re.sub(rule[0], rule[1], k), layout.items(), key) for key in saved}
-        if needed <= renamed:
-            return cls, text, layout
-    raise ValueError(f"{refuse}: its safetensors weights are in no layout it knows ({list(TEXT_PART_LAYOUTS)}); "
-                     "save its language model as a text-only causal LM (e.g. Gemma3ForCausalLM) and load that folder")
+    found = [len(needed & {functools.reduce(lambda k, rule: re.sub(rule[0], rule[1], k), layout.items(), key)
+                           for key in saved}) for layout in TEXT_PART_LAYOUTS]
+    refuse += (f": its weights are in no layout it knows ({list(TEXT_PART_LAYOUTS)}); save its language model as a "
+               "text-only causal LM (e.g. Gemma3ForCausalLM) and load that folder")
+    if not any(found):
+        raise ValueError(refuse)
+    return cls, text, TEXT_PART_LAYOUTS[found.index(max(found))], refuse
 
 
 def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -186,8 +190,11 @@ def load_model(name: str = SMOLLM2, dtype: str | torch.dtype = "float32", device
             if part is None:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
             else:  # a multimodal model's language model alone; the other towers' weights are not read
-                cls, text, layout = part
-                model = cls.from_pretrained(path, config=text, key_mapping=layout, dtype=torch_dtype, device_map=device_map)
+                cls, text, layout, refuse = part
+                model, info = cls.from_pretrained(path, config=text, key_mapping=layout, dtype=torch_dtype,
+                                                  device_map=device_map, output_loading_info=True)
+                if info["missing_keys"]:  # never train or decode freshly initialised weights
+                    raise ValueError(f"{refuse} (missing: {', '.join(sorted(info['missing_keys'])[:3])})")
                 # transformers keeps a load's key mapping to save under the names it loaded from: a full
                 # SAR-SFT checkpoint of this text-only model would hold the multimodal names. It saves
                 # as one built in code instead (its class's own conversions)

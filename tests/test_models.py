@@ -394,7 +394,7 @@ def test_a_multimodal_models_language_model_loads_alone(tmp_path, kind, tied, te
     for folder in (saved, in_memory):
         tiny_tokenizer().save_pretrained(folder)
         model, _ = load_model(str(folder))
-        assert type(model).__name__ == text_class
+        assert type(model).__name__ == text_class and model.config.tie_word_embeddings == tied
         assert (model.get_input_embeddings().weight is model.get_output_embeddings().weight) == tied
         with torch.no_grad():
             assert (model(input_ids=ids).logits - want).abs().max() < 1e-5, folder
@@ -409,8 +409,54 @@ def test_a_multimodal_models_language_model_loads_alone(tmp_path, kind, tied, te
         assert SpaceDecoder(model, spec, config).generate(prompt, 24).new_ids == ar
     keys = {k: v.clone() for k, v in whole.state_dict().items() if "layers.1." not in k}
     save_file(keys, str(in_memory / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"multimodal model \({kind}\).*no layout it knows"):
+    with pytest.raises(ValueError, match=rf"multimodal model \({kind}\).*no layout it knows.*missing: model\.layers\.1"):
         load_model(str(in_memory))
+
+
+def test_a_multimodal_language_model_keeps_its_conversions_and_quantization(tmp_path):
+    """Two loads the layout check got wrong (a review): a mixture-of-experts language model whose
+    class fuses its experts on load (Qwen 3.5 MoE: the checkpoint holds each expert, the model one
+    stacked weight) was refused, and a pre-quantized checkpoint (block FP8, its
+    ``quantization_config`` in the top-level config) loaded its FP8 values unscaled (q_proj up to
+    448 where the model has 0.75). Both now give the whole model's logits on text."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from space.models import tiny_tokenizer
+
+    ids = torch.randint(0, 290, (1, 16), generator=torch.Generator().manual_seed(1))
+    text = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, num_hidden_layers=2, initializer_range=0.2)
+    moe = transformers.Qwen3_5MoeConfig(
+        text_config=dict(text, layer_types=["full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=2,
+                         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=16),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14),
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    fp8 = _multimodal("gemma3", True)
+    for name, whole in (("moe", transformers.Qwen3_5MoeForConditionalGeneration(moe).eval()), ("fp8", fp8)):
+        folder = tmp_path / name
+        whole.save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+        if name == "fp8":  # the language model's projections in FP8 blocks of 16, with their scales
+            weights, block = load_file(str(folder / "model.safetensors")), 16
+            for key in [k for k in weights if k.startswith("language_model.") and k.endswith("_proj.weight")]:
+                w = weights[key]
+                blocks = w.reshape(w.shape[0] // block, block, w.shape[1] // block, block)
+                scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+                weights[key] = (blocks / scale[:, None, :, None]).reshape(w.shape).to(torch.float8_e4m3fn)
+                weights[key.removesuffix("weight") + "weight_scale_inv"] = scale
+            save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            config = json.loads((folder / "config.json").read_text())
+            config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                             "weight_block_size": [block, block],
+                                             "modules_to_not_convert": ["vision_tower", "multi_modal_projector", "lm_head"]}
+            (folder / "config.json").write_text(json.dumps(config))
+            whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        model, _ = load_model(str(folder))
+        with torch.no_grad():
+            assert (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max() < 1e-5, name
 
 
 def test_a_folder_without_config_json_is_named_as_no_model_folder(tmp_path):

@@ -5,9 +5,9 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
-from transformers import DynamicCache
 
-from .cache import SlabCache, attention_dtype, attention_windows, cache_input, static_cache as preallocated
+from .cache import (SlabCache, attention_dtype, attention_windows, cache_input, one_slab, sliding_cache,
+                    static_cache as preallocated)
 from .compiled import eager, is_compiled
 from .decoder import mask_slots, with_cache
 from .result import DecodeResult, check_prompt, clock
@@ -68,10 +68,10 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
         # first parameter is its fp32 mask rows)
         one_row = torch.zeros(1, 1, 1, 1, dtype=attention_dtype(model.get_decoder()), device=device)
         row_pos = torch.zeros(1, dtype=torch.long, device=device)
-    elif len({p.device for p in model.parameters()}) == 1 and set(attention_windows(model.config).values()) == {None}:
+    elif one_slab(model.get_decoder()) and set(attention_windows(model.config).values()) == {None}:
         cache = SlabCache(model.config.num_hidden_layers, slots)
     else:  # a sliding window needs transformers' own sliding layers here (AR builds no mask of its own)
-        cache = DynamicCache(config=model.config)
+        cache = sliding_cache(model.config)
     step_in, seen, cached = ids[None].to(device), None, 0  # seen: every token so far, for logits_processor
     while True:
         t0 = clock(device)

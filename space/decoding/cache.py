@@ -9,6 +9,7 @@ there with a FutureWarning on every call and goes away in 5.40. We support trans
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 
@@ -293,13 +294,24 @@ class StaticSlabCache(Cache):
     reorder_cache = batch_repeat_interleave = batch_select_indices = offload = prefetch = _refused
 
 
+def one_slab(trunk: torch.nn.Module) -> bool:
+    """Whether a slab (:class:`SlabCache`, :class:`StaticSlabCache`) can hold ``trunk``'s cache:
+    every parameter on one device, and every decoder layer's attention with parameters of the same
+    names and shapes, so that each caches keys (and values) of one shape. Gemma 4's full-attention
+    layers have other head dims than its sliding ones; a model spread over devices has layers on
+    several."""
+    if len({p.device for p in trunk.parameters()}) != 1:
+        return False
+    kinds = {tuple((name, p.shape) for name, p in getattr(layer, "self_attn", layer).named_parameters())
+             for layer in trunk.layers}
+    return len(kinds) == 1
+
+
 def eager_cache(trunk: torch.nn.Module, slots: int) -> Cache:
-    """The cache an eager decode step runs on: a :class:`SlabCache` of ``slots`` when every
-    parameter of ``trunk`` (the decoder module, with its ``layers``) is on one device, else
-    :func:`full_cache` (a model spread over devices: the slab is one tensor)."""
-    if len({p.device for p in trunk.parameters()}) == 1:
-        return SlabCache(len(trunk.layers), slots)
-    return full_cache()
+    """The cache an eager decode step runs on: a :class:`SlabCache` of ``slots`` where one slab
+    holds it (:func:`one_slab`; ``trunk`` is the decoder module, with its ``layers``), else
+    :func:`full_cache`, a tensor per layer."""
+    return SlabCache(len(trunk.layers), slots) if one_slab(trunk) else full_cache()
 
 
 def attention_windows(config) -> dict[str, int | None]:
@@ -322,11 +334,27 @@ def attention_windows(config) -> dict[str, int | None]:
     if unknown:
         raise ValueError(f"SPACE (SAR-SFT, the probe and decoding) supports full and sliding-window attention layers, "
                          f"this model has {unknown}")
-    # a config class that does not declare layer_types keeps a listed one unread: Mistral slides on every
-    # layer whatever Ministral-8B's config lists (transformers warns), and its forward takes one mask
-    declared = not dataclasses.is_dataclass(config) or "layer_types" in {f.name for f in dataclasses.fields(config)}
-    types = (listed if declared else None) or [FULL if window is None else SLIDING]
+    types = (listed if reads_layer_types(config) else None) or [FULL if window is None else SLIDING]
     return {kind: window if kind == SLIDING else None for kind in dict.fromkeys(types)}
+
+
+def reads_layer_types(config) -> bool:
+    """Whether the model reads ``config.layer_types``: where its config class declares the field.
+    A class that does not keeps a listed one unread: Mistral slides on every layer whatever
+    Ministral-8B's config lists (transformers warns), and its forward takes one mask. A config that
+    is no dataclass (transformers before its dataclass configs) is taken at its word."""
+    return not dataclasses.is_dataclass(config) or "layer_types" in {f.name for f in dataclasses.fields(config)}
+
+
+def sliding_cache(config) -> DynamicCache:
+    """transformers' own cache for a sliding-window model, its layers sliding as the model's
+    forward slides (``DynamicCache(config=...)`` keeps an unread ``layer_types`` list's full layers,
+    and the forward's sliding masks then stop fitting past the window)."""
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "layer_types", None) is not None and not reads_layer_types(text):
+        text = copy.copy(text)
+        text.layer_types = [FULL if text.sliding_window is None else SLIDING] * text.num_hidden_layers
+    return DynamicCache(config=text)
 
 
 def refuse_sliding_window(config, what: str, length: int) -> None:

@@ -76,16 +76,17 @@ class _Inputs:
     gate: torch.Tensor
 
 
-def cached_shapes(trunk: torch.nn.Module, device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of the first layer's cached keys and values after one token, ``(batch 1, heads,
-    1, dim)`` each: what the trunk really caches, which a model with multi-head latent attention
-    (DeepSeek-V2/V3, MiniCPM3, Mistral 4: a latent and a rotary key) does not read from its config's
-    heads and head_dim. One eager forward of one token on a ``cache.full_cache``."""
+def cached_shapes(trunk: torch.nn.Module, device: torch.device) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The shapes of every layer's cached keys and values after one token, ``(batch 1, heads, 1,
+    dim)`` each, as a set: what the trunk really caches, which a model with multi-head latent
+    attention (DeepSeek-V2/V3, MiniCPM3, Mistral 4: a latent and a rotary key) does not read from
+    its config's heads and head_dim, and Gemma 4 caches in two head dims (its full layers' own).
+    Layers that read another layer's cache (Gemma 3n's, Gemma 4's shared ones) cache nothing. One
+    eager forward of one token on a ``cache.full_cache``."""
     cache = full_cache()
     with torch.no_grad():
         trunk(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **cache_input(cache), use_cache=True)
-    layer = cache.layers[0]
-    return tuple(layer.keys.shape), tuple(layer.values.shape)
+    return {(tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in cache.layers if layer.is_initialized}
 
 
 class StepGraphs:
@@ -153,10 +154,11 @@ class StepGraphs:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         cached = cached_shapes(self.trunk, self.device)
-        if cached != ((1, kv_heads, 1, head_dim),) * 2:
+        if cached != {((1, kv_heads, 1, head_dim),) * 2}:
             raise ValueError(f"captured steps allocate the cache as {kv_heads} heads x {head_dim} for keys and "
-                             f"values; this model caches {cached[0]} keys and {cached[1]} values a token (multi-head "
-                             f"latent attention, say): decode it eagerly, without --capture")
+                             f"values on every layer; this model caches {sorted(cached)} (keys, values) a token "
+                             f"(multi-head latent attention, layers of other head dims, say): decode it eagerly, "
+                             f"without --capture")
         with torch.no_grad():  # built outside inference mode, normal tensors: writable in and out of it
             self.cache = StaticSlabCache(len(self.trunk.layers), slots)
             # allocated now, once: a graph holds the addresses it was captured with

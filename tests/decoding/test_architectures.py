@@ -43,7 +43,6 @@ ARCHS = {  # name: (model class, config class, overrides)
     "mistral-listing-layer-types": (MistralForCausalLM, MistralConfig,
                                     dict(sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"])),
 }
-SAME_AS = {"mistral-listing-layer-types": "mistral-sliding"}  # the same forward, for its AR reference
 CONFIGS = [DecodeConfig(4), DecodeConfig(4, 2), DecodeConfig(3, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
            DecodeConfig(3, 2, lookup_tokens=6),
            DecodeConfig(3, 4, tree="dynamic", lookup_tokens=6)]  # the shipped kind of layout (issue 44: untested here)
@@ -74,12 +73,11 @@ def prompts(n_cases: int, seed: int):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_exact_other_architectures(arch):
     """A Mistral config listing layer_types crashed SPACE (a mask per kind of layer for a forward that
-    takes one); its AR reference is the same weights without the list (transformers' own generate
-    fails on such a config past the window: its cache keeps the listed kinds, its masks slide)."""
+    takes one) and our AR loop past the window (transformers' cache kept the listed full layers, as
+    in transformers' own generate, while the forward's masks slide on every layer)."""
     model, spec = tiny_model(arch)
-    reference = tiny_model(SAME_AS[arch])[0] if arch in SAME_AS else model
     for prompt in prompts(2, seed=1):
-        ar = ar_generate(reference, prompt, 40, suppress_ids=spec.token_ids)
+        ar = ar_generate(model, prompt, 40, suppress_ids=spec.token_ids)
         for config in CONFIGS:
             assert SpaceDecoder(model, spec, config).generate(prompt, 40).new_ids == ar.new_ids, (arch, config)
 
@@ -124,7 +122,12 @@ def test_the_window_matters_and_ar_matches_transformers():
 def test_attention_windows():
     assert attention_windows(tiny_model("qwen2")[0].config) == {"full_attention": None}
     assert attention_windows(tiny_model("mistral-sliding")[0].config) == {"sliding_attention": WINDOW}
-    assert attention_windows(tiny_model("mistral-listing-layer-types")[0].config) == {"sliding_attention": WINDOW}
+    listing = tiny_model("mistral-listing-layer-types")[0]
+    assert attention_windows(listing.config) == {"sliding_attention": WINDOW}
+    # the same weights without the list: the same AR answer (past the window)
+    prompt = next(prompts(1, seed=1))
+    assert (ar_generate(listing, prompt, 40).new_ids == ar_generate(tiny_model("mistral-sliding")[0], prompt, 40).new_ids
+            != ar_generate(tiny_model("mistral-sliding", sliding_window=None)[0], prompt, 40).new_ids)
     assert attention_windows(tiny_model("qwen2-sliding-upper-layer")[0].config) == {
         "full_attention": None, "sliding_attention": WINDOW}
     with pytest.raises(ValueError, match="chunked_attention"):
@@ -331,6 +334,12 @@ FAMILIES = {
     "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         num_key_value_heads=4, first_k_dense_replace=2, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=16), ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")),
+    # full-attention layers of another head dim than the sliding ones (one slab could not hold them),
+    # the last layer reading the last full layer's cache (no k/v of its own), per-layer input embeddings
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_hidden_layers=5, head_dim=16, global_head_dim=32, num_kv_shared_layers=1, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2 + ["full_attention"], hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=320), None),
 }
 
 
@@ -355,7 +364,7 @@ def family_drafter(request):
 
 def test_exact_at_high_acceptance_on_more_families(family_drafter):
     """Greedy SPACE == AR of the same weights on Llama 3's scaled rotary, Qwen3, Gemma, OLMo 2, Phi-3,
-    StarCoder2 and DeepSeek-V3's latent attention, at high acceptance: the trained model with stock
+    StarCoder2, DeepSeek-V3's latent attention and Gemma 4's layers of two head dims, at high acceptance: the trained model with stock
     kernels and as ``load_space`` runs it (the fused trunk and the CPU's fast kernels), and as a
     frozen base with its mask rows and a random gated LoRA on the family's own projections
     (``fuse_frozen_base``: the LoRA acts on mask rows only, so the output is still the base's), for

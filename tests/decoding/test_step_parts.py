@@ -268,8 +268,8 @@ def test_static_slab_cache_refuses_keys_and_values_of_other_widths():
 
 def test_captured_steps_refuse_a_cache_their_config_does_not_describe():
     """Captured steps allocate the cache from the config's heads and head_dim; a latent-attention
-    model caches other shapes, and its first replay failed inside index_copy_. It is refused at
-    setup with what to do."""
+    model caches other shapes, and its first replay failed inside index_copy_; a model whose layers
+    cache two head dims passed the check of its first layer. Both are refused at setup with what to do."""
     import transformers
 
     from space.decoding.graphs import StepGraphs
@@ -279,7 +279,16 @@ def test_captured_steps_refuse_a_cache_their_config_does_not_describe():
         num_key_value_heads=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with pytest.raises(ValueError, match="caches .* keys and .* values a token .*without --capture"):
+    with pytest.raises(ValueError, match=r"caches \[\(\(1, 1, 1, 16\), \(1, 1, 1, 8\)\)\] .*without --capture"):
+        StepGraphs(model, slots=32, sizes=[4])
+    # a second layer caching other shapes (Gemma 4's full layers have their own head dim, but its
+    # sliding layers are refused first): the first layer's shapes are the config's, and only it was checked
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.model.layers[1].self_attn = transformers.models.llama.modeling_llama.LlamaAttention(
+        transformers.LlamaConfig(**{**config.to_dict(), "num_key_value_heads": 1}), layer_idx=1)
+    with pytest.raises(ValueError, match=r"caches \[\(\(1, 1, 1, 16\), .*\(1, 2, 1, 16\), .*without --capture"):
         StepGraphs(model, slots=32, sizes=[4])
 
 
