@@ -130,6 +130,8 @@ def compact_cache(cache: Cache, start: int, rows: list[int], length: int | None 
         else:
             on: dict[torch.device, torch.Tensor] = {}  # the slots to gather, once per device (not per layer)
             for layer in cache.layers:
+                if not layer.is_initialized:  # it reads another layer's cache (Gemma 3n's, 4's last layers)
+                    continue
                 idx = on.get(layer.keys.device)
                 if idx is None:
                     idx = on[layer.keys.device] = upload(slots, layer.keys.device)

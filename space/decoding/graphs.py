@@ -150,15 +150,15 @@ class StepGraphs:
         self.device = next(base.parameters()).device
         self.dtype = attention_dtype(self.trunk)
         self.use_graphs = self.device.type == "cuda"
-        cfg = base.config
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # the cache is allocated from what the trunk really caches, not the config's heads and head_dim
+        # (a Gemma 4 config answers head_dim per layer only)
         cached = cached_shapes(self.trunk, self.device)
-        if cached != {((1, kv_heads, 1, head_dim),) * 2}:
-            raise ValueError(f"captured steps allocate the cache as {kv_heads} heads x {head_dim} for keys and "
-                             f"values on every layer; this model caches {sorted(cached)} (keys, values) a token "
-                             f"(multi-head latent attention, layers of other head dims, say): decode it eagerly, "
-                             f"without --capture")
+        keys, values = next(iter(cached))
+        if len(cached) != 1 or keys != values:
+            raise ValueError(f"captured steps hold keys and values of one shape on every layer; this model caches "
+                             f"{sorted(cached)} (keys, values) a token (multi-head latent attention, layers of other "
+                             f"head dims, say): decode it eagerly, without --capture")
+        _, kv_heads, _, head_dim = keys
         with torch.no_grad():  # built outside inference mode, normal tensors: writable in and out of it
             self.cache = StaticSlabCache(len(self.trunk.layers), slots)
             # allocated now, once: a graph holds the addresses it was captured with

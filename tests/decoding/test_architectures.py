@@ -119,6 +119,18 @@ def test_the_window_matters_and_ar_matches_transformers():
     assert hf == ar
 
 
+def test_ar_decodes_a_model_whose_blocks_are_not_layers():
+    """Our AR loop (every method's reference) on GPT-2, whose decoder keeps its blocks as ``.h``:
+    choosing its cache read ``.layers`` and failed (SPACE itself needs ``.layers``)."""
+    config = transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).eval()
+    prompt = next(prompts(1, seed=1))
+    hf = model.generate(prompt[None], max_new_tokens=20, do_sample=False, pad_token_id=0)[0, prompt.numel():].tolist()
+    assert ar_generate(model, prompt, 20).new_ids == hf
+
+
 def test_attention_windows():
     assert attention_windows(tiny_model("qwen2")[0].config) == {"full_attention": None}
     assert attention_windows(tiny_model("mistral-sliding")[0].config) == {"sliding_attention": WINDOW}
@@ -364,12 +376,13 @@ def family_drafter(request):
 
 def test_exact_at_high_acceptance_on_more_families(family_drafter):
     """Greedy SPACE == AR of the same weights on Llama 3's scaled rotary, Qwen3, Gemma, OLMo 2, Phi-3,
-    StarCoder2, DeepSeek-V3's latent attention and Gemma 4's layers of two head dims, at high acceptance: the trained model with stock
-    kernels and as ``load_space`` runs it (the fused trunk and the CPU's fast kernels), and as a
-    frozen base with its mask rows and a random gated LoRA on the family's own projections
-    (``fuse_frozen_base``: the LoRA acts on mask rows only, so the output is still the base's), for
-    a chain, two groups, a static tree and the shipped kind of layout (the dynamic tree with prompt
-    lookup)."""
+    StarCoder2, DeepSeek-V3's latent attention and Gemma 4's layers of two head dims, at high
+    acceptance: the trained model with stock kernels and as ``load_space`` runs it (the fused trunk
+    and the CPU's fast kernels), and as a frozen base with its mask rows and a random gated LoRA on
+    the family's own projections (``fuse_frozen_base``: the LoRA acts on mask rows only, so the
+    output is still the base's), for a chain, two groups, a static tree and the shipped kind of
+    layout (the dynamic tree with prompt lookup); the trees over a static cache too (Gemma 4's
+    shared-cache layer has no cache of its own to compact: it failed there)."""
     name, model, spec, lang = family_drafter
     K = TRAINED_K
     fast = copy.deepcopy(model)
@@ -393,6 +406,8 @@ def test_exact_at_high_acceptance_on_more_families(family_drafter):
                 out = dec.generate(prompt, 40)
                 assert out.new_ids == want, (name, trunk, config, prompt.tolist())
                 tokens, steps = tokens + len(out.new_ids), steps + out.num_steps
+        for config in configs[2:] if trunk == "stock" else ():  # trees over a static cache: paths compacted in it
+            assert SpaceDecoder(decoded, spec, config, static_cache=True).generate(prompts[-1], 40).new_ids == truth[-1]
         # the drafts were really accepted (about 3.6 a step; the frozen base's seeded random LoRA moves them)
         assert tokens / steps > 2.5, (name, trunk)
 

@@ -292,6 +292,38 @@ def test_captured_steps_refuse_a_cache_their_config_does_not_describe():
         StepGraphs(model, slots=32, sizes=[4])
 
 
+def test_captured_steps_take_the_cache_shape_from_the_trunk():
+    """A Gemma 4 config answers ``head_dim`` per layer only (transformers raises where captured steps
+    read it); its all-full layers cache their own head dim (16, the config's global one) and its last
+    layer reads another's cache. Captured steps allocated from what the trunk caches: SPACE over
+    them equals AR at every accept length up to k, and AR over them too."""
+    import transformers
+
+    from space.decoding import ar_generate
+    from space.decoding.graphs import StepGraphs
+    from space.models import tiny_tokenizer
+    from space.tokens import add_mask_tokens
+    from tests.decoding.test_lossless import oracle
+    from tests.oracle import oracle_generate
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, global_head_dim=16, layer_types=["full_attention"] * 3,
+        num_kv_shared_layers=1, hidden_size_per_layer_input=0, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    spec = add_mask_tokens(model, tiny_tokenizer(), mask_num=4)
+    prompt = torch.randint(11, 250, (20,), generator=torch.Generator().manual_seed(3))
+    truth = ar_generate(model, prompt, 30, suppress_ids=spec.token_ids).new_ids
+    layout = DecodeConfig(4)
+    graphs = StepGraphs(model, slots=128, sizes=SpaceDecoder(model, spec, layout, buckets=True).row_sizes)
+    for corrupt_at in (2, 4):
+        out = oracle_generate(SpaceDecoder(model, spec, layout, graphs=graphs), prompt, 30,
+                              override=oracle(truth, corrupt_at, 4))
+        assert out.new_ids == truth and max(out.accept_lengths) == corrupt_at
+    assert ar_generate(model, prompt, 30, suppress_ids=spec.token_ids, graphs=graphs).new_ids == truth
+
+
 def test_slab_cache_forward_equals_the_dynamic_cache(tiny):
     """A model run on a SlabCache (prefill, then a 3-token block) gives the logits of a
     DynamicCache. Catches wrong mask sizes or views reported to the attention."""
