@@ -92,9 +92,10 @@ def model_gpu(model) -> str | None:
 
 
 # where a multimodal checkpoint keeps its language model's weights, as ``from_pretrained`` key
-# mappings onto a text-only causal LM: the layout transformers saves (Gemma 3 and Mistral Small 3.1
-# on the hub), then the names transformers 5 gives them in memory
-TEXT_PART_LAYOUTS = ({r"^language_model\.": ""}, {r"^model\.language_model\.": "model."})
+# mappings onto a text-only causal LM: the layout transformers saves for most (Gemma 3 and Mistral
+# Small 3.1 on the hub), the names transformers 5 gives them in memory, and Idefics 3's and SmolVLM's
+TEXT_PART_LAYOUTS = ({r"^language_model\.": ""}, {r"^model\.language_model\.": "model."},
+                     {r"^model\.text_model\.": "model."})
 
 
 def checkpoint_keys(path: Path) -> set[str]:

@@ -348,7 +348,7 @@ def test_a_folder_with_a_damaged_weights_file_is_named(tmp_path):
 
 
 def _multimodal(kind: str, tied: bool):
-    """A tiny random multimodal model of ``kind`` ("gemma3" or "mistral3"), its head tied or not."""
+    """A tiny random multimodal model of ``kind`` ("gemma3", "mistral3" or "smolvlm"), its head tied or not."""
     import transformers
 
     text = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -360,20 +360,26 @@ def _multimodal(kind: str, tied: bool):
                                            mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
                                            eoi_token_index=298, tie_word_embeddings=tied)
         cls = transformers.Gemma3ForConditionalGeneration
-    else:
+    elif kind == "mistral3":
         config = transformers.Mistral3Config(text_config=dict(text, model_type="mistral"),
                                              vision_config=dict(vision, model_type="pixtral", head_dim=8),
                                              image_token_index=299, tie_word_embeddings=tied)
         cls = transformers.Mistral3ForConditionalGeneration
+    else:  # SmolVLM keeps its language model as model.text_model
+        config = transformers.SmolVLMConfig(text_config=dict(text, model_type="llama"), vision_config=vision,
+                                            image_token_id=299, scale_factor=1, tie_word_embeddings=tied)
+        cls = transformers.SmolVLMForConditionalGeneration
     torch.manual_seed(0)
     return cls(config).eval()
 
 
 @pytest.mark.parametrize("tied", [True, False])  # each the opposite of its text config's default in one kind
-@pytest.mark.parametrize("kind, text_class", [("gemma3", "Gemma3ForCausalLM"), ("mistral3", "MistralForCausalLM")])
+@pytest.mark.parametrize("kind, text_class", [("gemma3", "Gemma3ForCausalLM"), ("mistral3", "MistralForCausalLM"),
+                                              ("smolvlm", "LlamaForCausalLM")])
 def test_a_multimodal_models_language_model_loads_alone(tmp_path, kind, tied, text_class):
     """Gemma 3 from 4B up loads as ``Gemma3ForConditionalGeneration`` (Mistral Small 3.1 as
-    ``Mistral3ForConditionalGeneration``), whose context, layers and window sit in ``text_config``:
+    ``Mistral3ForConditionalGeneration``, SmolVLM with its language model at ``model.text_model``),
+    whose context, layers and window sit in ``text_config``:
     it failed in the decoders (an ``AttributeError`` on ``max_position_embeddings``), then was refused.
     Its language model now loads alone, from the layout transformers saves and from its in-memory
     names, with the whole model's logits on text and its head tied as the whole model ties it; saved
