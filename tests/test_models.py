@@ -465,6 +465,55 @@ def test_a_multimodal_language_model_keeps_its_conversions_and_quantization(tmp_
             assert (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max() < 1e-5, name
 
 
+def test_a_multimodal_language_model_loads_from_a_sharded_checkpoint(tmp_path):
+    """Catches reading a sharded checkpoint's names from anything but its index's ``weight_map``
+    (``models.checkpoint_keys``): a large multimodal model (Gemma 3 27B) is saved in shards with
+    ``model.safetensors.index.json``, and its language model was refused as in no known layout."""
+    from space.models import checkpoint_keys, tiny_tokenizer
+
+    whole = _multimodal("gemma3", False)
+    ids = torch.randint(0, 290, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = whole(input_ids=ids).logits
+    whole.save_pretrained(tmp_path, max_shard_size="40KB")
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    assert "language_model.model.embed_tokens.weight" in checkpoint_keys(tmp_path)  # the names as saved
+    model, _ = load_model(str(tmp_path))
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - want).abs().max() < 1e-5
+
+
+def test_a_multimodal_checkpoint_without_safetensors_is_refused_before_loading(tmp_path):
+    """Catches dropping ``text_part``'s no-known-layout refusal: a ``.bin`` checkpoint (its names
+    unread) loaded with the first layout's key mapping, whichever layout it holds; it is refused by
+    name, as documented, before any weight is read."""
+    from safetensors.torch import load_file
+
+    from space.models import tiny_tokenizer
+
+    _multimodal("gemma3", True).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    torch.save(load_file(str(tmp_path / "model.safetensors")), tmp_path / "pytorch_model.bin")  # the saved layout
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"multimodal model \(gemma3\).*no layout it knows") as refused:
+        load_model(str(tmp_path))
+    assert "missing" not in str(refused.value)
+
+
+def test_a_multimodal_model_whose_text_model_has_no_causal_lm_is_refused_by_name(tmp_path):
+    """Catches dropping ``text_part``'s check for a causal LM class: CLIP's text model has none, and
+    the lookup failed with a bare KeyError instead of naming the model and its text model type."""
+    import transformers
+
+    from space.models import tiny_tokenizer
+
+    transformers.CLIPConfig().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"multimodal model \(clip\).*no causal LM class.*clip_text_model"):
+        load_model(str(tmp_path))
+
+
 def test_a_folder_without_config_json_is_named_as_no_model_folder(tmp_path):
     """Catches dropping ``_model_dir``'s config.json check: a folder holding only a tokenizer (or
     nothing) failed later in the tokenizer or the weights' load, blaming another cause."""

@@ -151,6 +151,24 @@ def test_attention_windows():
     assert attention_windows(multimodal) == {"sliding_attention": 5, "full_attention": None}
 
 
+def test_layer_types_are_read_where_the_model_reads_them_and_the_config_is_left_alone():
+    """Catches ``reads_layer_types`` ignoring a config that is no dataclass (transformers before its
+    dataclass configs, or any stand-in object): its listed kinds are taken at their word. And
+    catches our AR loop's sliding cache overwriting the model's own config: a Mistral config listing
+    layer_types (Ministral-8B) keeps its list after decoding (a model saved after a decode kept
+    every layer sliding)."""
+    from space.decoding.cache import reads_layer_types
+
+    plain = SimpleNamespace(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    assert reads_layer_types(plain)
+    assert attention_windows(plain) == {"full_attention": None, "sliding_attention": 8}
+    listing = tiny_model("mistral-listing-layer-types")[0]
+    assert not reads_layer_types(listing.config)
+    assert reads_layer_types(tiny_model("qwen2-sliding-upper-layer")[0].config)
+    ar_generate(listing, next(prompts(1, seed=1)), 24)
+    assert listing.config.layer_types == ["full_attention", "sliding_attention"]
+
+
 def _causal_reference(model, ids: torch.Tensor, pos: torch.Tensor, start: int | None = None) -> torch.Tensor:
     """The model's own logits for the last of ``ids`` as one causal sequence at positions 0.. (transformers
     applies a sliding window there itself), the frozen-base LoRA acting from row ``start``."""

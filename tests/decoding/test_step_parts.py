@@ -292,6 +292,28 @@ def test_captured_steps_refuse_a_cache_their_config_does_not_describe():
         StepGraphs(model, slots=32, sizes=[4])
 
 
+def test_one_slab_only_where_every_layer_caches_one_shape_on_one_device():
+    """Catches ``one_slab`` answering without looking at the layers: a Llama's layers cache one shape
+    (a slab holds them), GPT-2's blocks are no ``.layers`` (AR's slab), a Gemma 4 whose full layers
+    have their own head dim does not, nor a model with a layer on another device."""
+    import transformers
+
+    from space.decoding.cache import SlabCache, eager_cache, full_cache, one_slab
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)).eval()
+    assert one_slab(llama.model) and isinstance(eager_cache(llama.model, 8), SlabCache)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2))
+    assert one_slab(gpt2.get_decoder())
+    gemma4 = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, global_head_dim=16, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8, hidden_size_per_layer_input=0)).eval()
+    assert not one_slab(gemma4.model) and type(eager_cache(gemma4.model, 8)) is type(full_cache())
+    llama.model.layers[1].to("meta")  # a layer placed elsewhere (a device map)
+    assert not one_slab(llama.model)
+
+
 def test_captured_steps_take_the_cache_shape_from_the_trunk():
     """A Gemma 4 config answers ``head_dim`` per layer only (transformers raises where captured steps
     read it); its all-full layers cache their own head dim (16, the config's global one) and its last

@@ -64,6 +64,21 @@ def test_stand_in_of_a_multimodal_model_is_its_language_model(tmp_path):
     assert json.loads((tmp_path / "stand-in" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
 
 
+def test_stand_in_of_a_multimodal_model_reads_every_head_count_from_its_text_config(tmp_path):
+    """Catches reading a multimodal model's query heads anywhere but its text config (the top-level
+    config has none; a default of the text config's own 8 passed the test above): Mistral Small 3.1's
+    stand-in is a Mistral with its text model's 4 query and 1 KV heads, tied as the whole model."""
+    import transformers
+
+    from space.models import tiny_tokenizer
+
+    model = tmp_path / "mistral-small-3.1"
+    transformers.Mistral3Config(text_config=dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1,
+                                                 vocab_size=320), tie_word_embeddings=True).save_pretrained(model)
+    tiny_tokenizer().save_pretrained(model)
+    assert family(str(model))[:4] == ("mistral", True, 4, 1)
+
+
 def test_smoke_config_says_what_it_changes(tmp_path):
     """One line per setting changed; sources (which filters a replaced data file) and init_adapter
     are left out with a line each; max_train_minutes is kept."""
