@@ -144,6 +144,11 @@ def test_attention_windows():
         "full_attention": None, "sliding_attention": WINDOW}
     with pytest.raises(ValueError, match="chunked_attention"):
         attention_windows(SimpleNamespace(layer_types=["full_attention", "chunked_attention"], sliding_window=8))
+    # a list of other kinds is refused even where the config class does not declare it (the model may
+    # read it all the same: remote code, a subclass), not only where SPACE would use it
+    with pytest.raises(ValueError, match="chunked_attention"):
+        attention_windows(transformers.MistralConfig(layer_types=["full_attention", "chunked_attention"],
+                                                     sliding_window=8, num_hidden_layers=2))
     # transformers loads Gemma 3 from 4B up as Gemma3ForConditionalGeneration: its config keeps the
     # window in text_config, and read from the top it had none
     multimodal = transformers.Gemma3Config(text_config=dict(
@@ -167,6 +172,26 @@ def test_layer_types_are_read_where_the_model_reads_them_and_the_config_is_left_
     assert reads_layer_types(tiny_model("qwen2-sliding-upper-layer")[0].config)
     ar_generate(listing, next(prompts(1, seed=1)), 24)
     assert listing.config.layer_types == ["full_attention", "sliding_attention"]
+
+
+def test_ar_sliding_cache_slides_as_the_forward_does():
+    """Catches ``sliding_cache`` building its layers from anything but the layer kinds the forward
+    uses: a Mistral config listing ``layer_types`` slides on every layer (and on none without a
+    window), also as the text config of a multimodal Mistral 3, whose top-level config lists none;
+    a Qwen2 config that declares its list keeps it (transformers' own cache kept the listed full
+    layer whole while the forward slid it, and AR's masks stopped fitting past the window)."""
+    from space.decoding.cache import sliding_cache
+
+    def kinds(config):
+        return [type(layer).__name__ for layer in sliding_cache(config).layers]
+
+    listed = dict(layer_types=["full_attention", "sliding_attention"], num_hidden_layers=2)
+    slides = ["DynamicSlidingWindowLayer"] * 2
+    assert kinds(transformers.MistralConfig(sliding_window=8, **listed)) == slides
+    assert kinds(transformers.MistralConfig(sliding_window=None, **listed)) == ["DynamicLayer"] * 2
+    assert kinds(transformers.Mistral3Config(text_config=dict(model_type="mistral", sliding_window=8, **listed))) == slides
+    assert kinds(transformers.Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                          num_hidden_layers=2)) == ["DynamicLayer", "DynamicSlidingWindowLayer"]
 
 
 def _causal_reference(model, ids: torch.Tensor, pos: torch.Tensor, start: int | None = None) -> torch.Tensor:
