@@ -206,6 +206,9 @@ def test_two_way_device_map_equals_one_device(trained):
     prompt = torch.tensor(lang.sample(8))
     want = SpaceDecoder(one, spec, DecodeConfig(K, 2)).generate(prompt, 32).new_ids
     assert SpaceDecoder(two, spec, DecodeConfig(K, 2)).generate(prompt, 32).new_ids == want
+    # AR's cache too: its slab holds one device's layers (cache.one_slab), a split model keeps a tensor per layer
+    assert (ar_generate(two, prompt, 32, suppress_ids=spec.token_ids).new_ids
+            == ar_generate(one, prompt, 32, suppress_ids=spec.token_ids).new_ids)
 
 
 def cuda_syncs(dec: SpaceDecoder, prompt: torch.Tensor, new: int) -> tuple[int, int]:
