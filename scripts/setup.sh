@@ -14,18 +14,18 @@ VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PYTHON=${PYTHON:-python3}
 
-# transformers >= 5.24 (requirements.txt) needs Python >= 3.11: on 3.10 pip would only say that no
+# transformers >= 5.25 (requirements.txt) needs Python >= 3.11: on 3.10 pip would only say that no
 # such transformers exists, after installing torch
 python_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo "not a working Python"; }
 python_ok() { local major minor; IFS=. read -r major minor <<< "$1"; [[ $major =~ ^[0-9]+$ && $minor =~ ^[0-9]+$ ]] && (( major > 3 || (major == 3 && minor >= 11) )); }
 if [ ! -x "$VENV/bin/python" ]; then
   version=$(python_version "$PYTHON")
-  python_ok "$version" || { echo "[setup] error: SPACE needs Python >= 3.11 (transformers >= 5.24 does); $PYTHON is $version. Run with PYTHON=python3.11 (or newer)." >&2; exit 1; }
+  python_ok "$version" || { echo "[setup] error: SPACE needs Python >= 3.11 (transformers >= 5.21 does); $PYTHON is $version. Run with PYTHON=python3.11 (or newer)." >&2; exit 1; }
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
 version=$(python_version "$PY")
-python_ok "$version" || { echo "[setup] error: SPACE needs Python >= 3.11 (transformers >= 5.24 does); $VENV has $version. Remove $VENV and run with PYTHON=python3.11 (or newer), or set VENV." >&2; exit 1; }
+python_ok "$version" || { echo "[setup] error: SPACE needs Python >= 3.11 (transformers >= 5.21 does); $VENV has $version. Remove $VENV and run with PYTHON=python3.11 (or newer), or set VENV." >&2; exit 1; }
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # an older torch too: requirements.txt asks for >= 2.11, and pip would replace it by its default build

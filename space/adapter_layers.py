@@ -252,9 +252,7 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
             raise ValueError(f"lora_targets {unknown} name no module of this model; its linears: {linears}")
         cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                          target_modules=list(lora_targets), task_type="CAUSAL_LM")
-        rewritten = peft_rewrite(cfg, model)  # refused before the model changes
-        if rewritten is not None:
-            check_targets_kept(lora_targets, rewritten, model.config.model_type)
+        check_targets_kept(lora_targets, peft_rewrite(cfg, model), model.config.model_type)  # before the model changes
     spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
     if mode == "full":
         model.requires_grad_(True)
@@ -269,21 +267,16 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     return peft_model, spec
 
 
-def peft_rewrite(config: LoraConfig, model: nn.Module) -> LoraConfig | None:
-    """``config`` as peft will rewrite it when it injects the LoRA into ``model`` (a copy; the model
-    is only read), or None where this peft rewrites nothing (before its transformers-5 conversion).
+def peft_rewrite(config: LoraConfig, model: nn.Module) -> LoraConfig:
+    """``config`` as peft (>= 0.19, its transformers-5 conversion) will rewrite it when it injects the
+    LoRA into ``model`` (a copy; the model is only read).
 
     Raises:
         ValueError: peft refuses the targets for this model type (e.g. ``gate_proj`` without
             ``up_proj`` on a model whose experts fuse the two), with SPACE's advice.
     """
-    try:
-        from peft.import_utils import is_transformers_ge_v5
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:
-        return None
-    if not is_transformers_ge_v5:
-        return None
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
     converted = copy.deepcopy(config)
     try:
         convert_peft_config_for_transformers(converted, model=model, conversions=None)

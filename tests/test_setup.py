@@ -111,7 +111,7 @@ def fake_python(path: Path, version: str, log: Path) -> Path:
 
 @pytest.mark.parametrize("where", ["PYTHON", "VENV"])
 def test_setup_refuses_a_python_older_than_3_11(tmp_path, where):
-    """transformers >= 5.24 needs Python >= 3.11 (5.21 dropped 3.10). On 3.10, setup.sh made the venv,
+    """transformers >= 5.25 needs Python >= 3.11 (5.21 dropped 3.10). On 3.10, setup.sh made the venv,
     installed torch, and then pip said only that no such transformers exists. Catches the check missing
     for the interpreter that makes a new venv (PYTHON) or for a venv that is kept (VENV)."""
     log, venv = tmp_path / "calls.log", tmp_path / "venv"
@@ -135,3 +135,35 @@ def test_setup_makes_the_venv_with_python(tmp_path):
                    env={"PATH": "/usr/bin:/bin", "VENV": str(venv), "PYTHON": str(python)})
     calls = log.read_text().splitlines()
     assert f"-m venv {venv}" in calls and any("-m pip install" in c and "-r requirements.txt" in c for c in calls)
+
+
+def test_pyproject_asks_for_what_requirements_txt_asks_for():
+    """``pip install -e .`` (pyproject) and setup.sh (requirements.txt) name the same ranges; the
+    pyproject's had kept floors that requirements.txt had raised. torch is left to setup.sh."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    def ranges(lines):
+        return {r.name.lower(): str(r.specifier) for r in map(Requirement, lines) if r.name != "torch"}
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *(d for extra in project["optional-dependencies"].values() for d in extra)]
+    required = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    assert ranges(declared) == ranges(line for line in required if line)
+
+
+def test_lowest_versions_pins_every_lower_bound():
+    """scripts/lowest_versions.sh installs each requirement at its lower bound (requirements.txt says
+    every one was tested so). Catches a requirement it drops or pins at another version, e.g. an
+    upper bound or a trailing comment read as part of the version."""
+    from packaging.requirements import Requirement
+
+    printed = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "lowest_versions.sh"), "--print"],
+                             check=True, capture_output=True, text=True).stdout.split()
+    pins = {(r := Requirement(line)).name: str(r.specifier) for line in printed}
+    floors = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        if line.split("#")[0].strip() and (r := Requirement(line.split("#")[0])).name != "torch":
+            floors[r.name] = "==" + next(s.version for s in r.specifier if s.operator == ">=")
+    assert pins == floors and "transformers" in pins

@@ -296,7 +296,7 @@ def test_peft_rewrite_leaves_the_config_it_is_given():
     targets = ["q_a_proj", "gate_proj", "up_proj", "down_proj"]
     cfg = LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM")
     rewritten = peft_rewrite(cfg, model)
-    assert rewritten is not None and rewritten is not cfg
+    assert rewritten is not cfg
     assert set(rewritten.target_modules) == {"q_a_proj"} and rewritten.target_parameters  # what peft does
     assert sorted(cfg.target_modules) == sorted(targets) and not cfg.target_parameters
     assert not cfg.rank_pattern and not cfg.alpha_pattern
