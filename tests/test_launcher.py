@@ -135,13 +135,14 @@ def test_launcher_multi_node_command(tmp_path):
 
 
 def test_torchrun_failure_is_one_line():
-    """A worker that fails (json.tool exits 2 on a missing file): its own output, then one line and its
-    exit code, not torchrun's 30-line ChildFailedError report."""
+    """A worker that fails (json.tool's argparse exits 2 on an unknown option; a missing file is a
+    traceback and exit 1 from Python 3.13): its own output, then one line and its exit code, not
+    torchrun's 30-line ChildFailedError report."""
     out = subprocess.run([sys.executable, "-m", "space.train.torchrun", "--standalone", "--nproc_per_node", "1",
-                          "-m", "json.tool", "/no/such/file.json"], cwd=ROOT, capture_output=True, text=True,
+                          "-m", "json.tool", "--no-such-option"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and "No such file" in out.stderr, out.stderr
+    assert out.returncode == 2 and "unrecognized arguments: --no-such-option" in out.stderr, out.stderr
     assert lines[-1] == "run_sft_multi_node.sh: training failed: rank 0 exited 2 (its output is above)", lines
     assert not any(word in out.stderr for word in ("Traceback", "ChildFailedError", "failed (exitcode")), out.stderr
 
