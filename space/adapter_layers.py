@@ -252,7 +252,7 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
             raise ValueError(f"lora_targets {unknown} name no module of this model; its linears: {linears}")
         cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                          target_modules=list(lora_targets), task_type="CAUSAL_LM")
-        check_targets_kept(lora_targets, peft_rewrite(cfg, model), model.config.model_type)  # before the model changes
+        check_targets_kept(lora_targets, peft_rewrite(cfg, model), model)  # before the model changes
     spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
     if mode == "full":
         model.requires_grad_(True)
@@ -260,7 +260,7 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     emb = MaskEmbedding(model.get_input_embeddings(), spec.token_ids)
     model.set_input_embeddings(emb)
     peft_model = get_peft_model(model, cfg)
-    check_targets_kept(lora_targets, peft_model.peft_config["default"], model.config.model_type)  # any other rewrite
+    check_targets_kept(lora_targets, peft_model.peft_config["default"])  # any other rewrite
     emb.mask_rows.requires_grad_(True)  # peft froze everything that is not LoRA
     if mode == "frozen-base":
         _gate_lora(peft_model)
@@ -287,30 +287,50 @@ def peft_rewrite(config: LoraConfig, model: nn.Module) -> LoraConfig:
     return converted
 
 
-def check_targets_kept(asked, config: LoraConfig, model_type: str) -> None:
+def check_targets_kept(asked, config: LoraConfig, model: nn.Module | None = None) -> None:
     """Refuse a LoRA config that peft rewrote (or will: :func:`peft_rewrite`). For the model types
     in peft's transformers-5 conversion table (DeepSeek-V2/V3, Qwen3-MoE, OLMoE, GLM-4-MoE, ...),
-    peft moves ``gate_proj`` / ``up_proj`` / ``down_proj`` (and the router ``gate``) targets onto
-    the MoE experts' stacked weights (``target_parameters``, rank and alpha doubled for the fused
-    gate/up), whether or not the model has MoE layers. Then the linears of those names get no LoRA,
-    the experts' update reaches every row through the weight itself, where the frozen-base gate
-    cannot hold it back (a tiny DeepSeek-V3's real-row logits moved by 1.4), and SPACE's artifact
-    cannot store it: a run used to fail only when it saved its final adapter.
+    peft puts ``gate_proj`` / ``up_proj`` / ``down_proj`` (and the router ``gate``) targets on the
+    MoE experts' stacked weights (``target_parameters``, rank and alpha doubled for the fused
+    gate/up). peft 0.19-0.21 do so whether or not the model has MoE layers and drop those names from
+    ``target_modules`` (a dense layer's MLP gets no LoRA); 0.22 does so only where there are experts
+    (Qwen2-MoE's too) and keeps the names for the linears. Either way the experts' update reaches
+    every row through the weight itself, where the frozen-base gate cannot hold it back (a tiny
+    DeepSeek-V3's real-row logits moved by 1.4), and SPACE's artifact cannot store it: a run used to
+    fail only when it saved its final adapter.
 
     Args:
         asked: the module names asked for (``lora_targets``).
         config: the config as peft rewrites it (``peft_model.peft_config["default"]``).
-        model_type: the model's ``config.model_type``, for the message.
+        model: the model before peft changes it; with it the message names the targets that peft's
+            conversion takes alone (:func:`retargeted`), without it the ones it dropped, or all.
 
     Raises:
         ValueError: a target peft dropped from ``target_modules``, or any ``target_parameters``,
             ``rank_pattern`` or ``alpha_pattern`` it added.
     """
-    moved = sorted(set(asked) - set(config.target_modules or ()))
-    if moved or config.target_parameters or config.rank_pattern or config.alpha_pattern:
-        raise ValueError(f"peft retargets lora_targets {moved} of a {model_type} model to the parameters "
+    dropped = sorted(set(asked) - set(config.target_modules or ()))
+    if dropped or config.target_parameters or config.rank_pattern or config.alpha_pattern:
+        names = sorted(set(dropped) | set(retargeted(asked, model) if model is not None else ())) or sorted(asked)
+        model_type = f"a {model.config.model_type} model" if model is not None else "this model"
+        raise ValueError(f"peft retargets lora_targets {names} of {model_type} to the parameters "
                          f"{sorted(config.target_parameters or ())} (its conversion for fused MoE experts): those "
-                         f"names cannot take a SPACE LoRA on this model type; leave {moved} out of lora_targets")
+                         f"names cannot take a SPACE LoRA on this model type; leave {names} out of lora_targets")
+
+
+def retargeted(asked, model: nn.Module) -> list[str]:
+    """The names in ``asked`` that peft's conversion (:func:`peft_rewrite`) changes when each is the
+    only target: dropped, joined to parameters, given its own rank, or refused (half of a fused
+    pair). Named one by one because peft 0.22 keeps them in ``target_modules`` while it adds the
+    experts' parameters, so the rewritten config alone does not say which target brought them.
+    """
+    def changed(target):
+        try:
+            c = peft_rewrite(LoraConfig(target_modules=[target]), model)
+        except ValueError:
+            return True
+        return target not in (c.target_modules or ()) or bool(c.target_parameters or c.rank_pattern or c.alpha_pattern)
+    return sorted(t for t in asked if changed(t))
 
 
 def _gate_lora(model) -> None:

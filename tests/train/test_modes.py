@@ -194,7 +194,8 @@ def test_time_budget_stops_saves_and_writes_the_artifact(tmp_path):
 
 def test_a_gated_lora_on_flattened_rows_is_refused():
     """Qwen2-MoE's shared expert runs its gate/up/down on (tokens, features), which the default
-    targets match: the gate then took columns for rows. Decoding failed with a shape error, and
+    targets match (peft 0.22 refuses those names on Qwen2-MoE for its routed experts, so they are
+    named through the shared expert here): the gate then took columns for rows. Decoding failed with a shape error, and
     frozen-base training applied the LoRA to every row of a batch's second sequence (its real
     rows changed: no longer lossless). Both now say which layer to leave out."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
@@ -212,7 +213,8 @@ def test_a_gated_lora_on_flattened_rows_is_refused():
             return Qwen2MoeForCausalLM(config).eval(), tiny_tokenizer()
 
     model, tok = moe()
-    peft_model, spec = prepare_model(model, tok, "frozen-base", 4)
+    shared = [f"shared_expert.{name}" for name in ("gate_proj", "up_proj", "down_proj")]
+    peft_model, spec = prepare_model(model, tok, "frozen-base", 4, lora_targets=["q_proj", "v_proj", *shared])
     ids = torch.randint(11, 250, (2, 12), generator=torch.Generator().manual_seed(0))
     ids[:, 8:] = spec.token_ids[0]
     with pytest.raises(ValueError, match=r"got input of shape \(24, 64\).*leave it out of lora_targets"), mask_rows(8):
@@ -232,9 +234,9 @@ def test_a_gated_lora_on_flattened_rows_is_refused():
 
 @pytest.mark.parametrize("mode", ["frozen-base", "lora"])
 def test_targets_peft_moves_onto_fused_experts_are_refused_at_setup(mode):
-    """A DeepSeek-V3 with a dense layer and an MoE layer: peft under transformers 5 moves the
-    gate_proj / up_proj / down_proj targets onto the MoE experts' stacked weights. The dense layer's
-    MLP then got no LoRA, the experts' update moved real rows (1.4 in logits: frozen-base no longer
+    """A DeepSeek-V3 with a dense layer and an MoE layer: peft under transformers 5 puts the
+    gate_proj / up_proj / down_proj targets on the MoE experts' stacked weights (peft 0.19-0.21 also
+    took them off the dense layer's MLP). The experts' update moved real rows (1.4 in logits: frozen-base no longer
     lossless), and the run failed only when it saved its final adapter. ``prepare_model`` refuses
     it, and half of a fused pair (peft's own error advised adding the other half), before it changes
     the model; the attention-only LoRA it advises keeps a frozen base's real rows."""
@@ -289,14 +291,43 @@ def test_peft_rewrite_leaves_the_config_it_is_given():
 
     from space.adapter_layers import peft_rewrite
 
-    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1, kv_lora_rank=16,
-                              q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1, n_routed_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+                              kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
     model = DeepseekV3ForCausalLM(config)
     targets = ["q_a_proj", "gate_proj", "up_proj", "down_proj"]
     cfg = LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM")
     rewritten = peft_rewrite(cfg, model)
     assert rewritten is not cfg
-    assert set(rewritten.target_modules) == {"q_a_proj"} and rewritten.target_parameters  # what peft does
+    assert rewritten.target_parameters  # what peft does (0.19-0.21 also drop the MLP names from target_modules)
     assert sorted(cfg.target_modules) == sorted(targets) and not cfg.target_parameters
     assert not cfg.rank_pattern and not cfg.alpha_pattern
+
+
+@pytest.mark.parametrize("peft_keeps_the_names", [False, True], ids=["peft-0.21", "peft-0.22"])
+def test_a_refusal_names_the_targets_peft_moves_whichever_peft_rewrote(peft_keeps_the_names):
+    """peft 0.19-0.21 drop ``gate_proj`` / ``up_proj`` / ``down_proj`` from ``target_modules`` when
+    they add the experts' parameters; 0.22 keeps them there. The refusal must name those three either
+    way, not the attention targets and not an empty list (under 0.22 it said "leave [] out")."""
+    from peft import LoraConfig
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from space.adapter_layers import check_targets_kept, retargeted
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1, n_routed_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+                              kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    model = DeepseekV3ForCausalLM(config)
+    asked = ["q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj"]
+    kept = asked if peft_keeps_the_names else asked[:2]
+    rewritten = LoraConfig(target_modules=kept, target_parameters=["gate_up_proj", "down_proj"],
+                           rank_pattern={r".*\.gate_up_proj": 16}, alpha_pattern={r".*\.gate_up_proj": 32})
+    mlp = r"\['down_proj', 'gate_proj', 'up_proj'\]"
+    refusal = rf"peft retargets lora_targets {mlp} of a deepseek_v3 model .*leave {mlp} out"
+    with pytest.raises(ValueError, match=refusal):
+        check_targets_kept(asked, rewritten, model)
+    assert retargeted(asked, model) == ["down_proj", "gate_proj", "up_proj"]
+    assert retargeted(["q_a_proj", "o_proj"], model) == []
+    check_targets_kept(asked[:2], LoraConfig(target_modules=asked[:2]), model)  # nothing rewritten: no refusal
