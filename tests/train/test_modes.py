@@ -195,8 +195,8 @@ def test_time_budget_stops_saves_and_writes_the_artifact(tmp_path):
 def test_a_gated_lora_on_flattened_rows_is_refused():
     """Qwen2-MoE's shared expert runs its gate/up/down on (tokens, features), which the default
     targets match (peft 0.22 refuses those names on Qwen2-MoE for its routed experts, so they are
-    named through the shared expert here): the gate then took columns for rows. Decoding failed with a shape error, and
-    frozen-base training applied the LoRA to every row of a batch's second sequence (its real
+    named through the shared expert here): the gate then took columns for rows. Decoding failed
+    with a shape error, and frozen-base training applied the LoRA to every row of a batch's second sequence (its real
     rows changed: no longer lossless). Both now say which layer to leave out."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -236,8 +236,8 @@ def test_a_gated_lora_on_flattened_rows_is_refused():
 def test_targets_peft_moves_onto_fused_experts_are_refused_at_setup(mode):
     """A DeepSeek-V3 with a dense layer and an MoE layer: peft under transformers 5 puts the
     gate_proj / up_proj / down_proj targets on the MoE experts' stacked weights (peft 0.19-0.21 also
-    took them off the dense layer's MLP). The experts' update moved real rows (1.4 in logits: frozen-base no longer
-    lossless), and the run failed only when it saved its final adapter. ``prepare_model`` refuses
+    took them off the dense layer's MLP). The experts' update moved real rows (1.4 in logits:
+    frozen-base no longer lossless), and the run failed only when it saved its final adapter. ``prepare_model`` refuses
     it, and half of a fused pair (peft's own error advised adding the other half), before it changes
     the model; the attention-only LoRA it advises keeps a frozen base's real rows."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -282,20 +282,26 @@ def test_targets_peft_moves_onto_fused_experts_are_refused_at_setup(mode):
         assert (got - want)[..., tokens].abs().max() < 1e-5
 
 
+def small_deepseek_moe():
+    """A DeepSeek-V3 with a dense layer and an MoE layer (peft 0.22 converts targets only where there
+    are experts), random weights: for what peft's conversion does to LoRA targets."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8))
+
+
 def test_peft_rewrite_leaves_the_config_it_is_given():
     """``peft_rewrite`` answers how peft will rewrite a LoRA config on a model, on a copy: the config
     ``prepare_model`` then hands to peft is the one asked for. Catches the rewrite done in place
     (peft's conversion is in place: the caller's targets would be the rewritten ones)."""
     from peft import LoraConfig
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     from space.adapter_layers import peft_rewrite
 
-    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1, n_routed_experts=4,
-                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
-                              kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
-    model = DeepseekV3ForCausalLM(config)
+    model = small_deepseek_moe()
     targets = ["q_a_proj", "gate_proj", "up_proj", "down_proj"]
     cfg = LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM")
     rewritten = peft_rewrite(cfg, model)
@@ -311,15 +317,9 @@ def test_a_refusal_names_the_targets_peft_moves_whichever_peft_rewrote(peft_keep
     they add the experts' parameters; 0.22 keeps them there. The refusal must name those three either
     way, not the attention targets and not an empty list (under 0.22 it said "leave [] out")."""
     from peft import LoraConfig
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     from space.adapter_layers import check_targets_kept, retargeted
 
-    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1, n_routed_experts=4,
-                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
-                              kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
-    model = DeepseekV3ForCausalLM(config)
+    model = small_deepseek_moe()
     asked = ["q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj"]
     kept = asked if peft_keeps_the_names else asked[:2]
     rewritten = LoraConfig(target_modules=kept, target_parameters=["gate_up_proj", "down_proj"],
