@@ -167,3 +167,49 @@ def test_lowest_versions_pins_every_lower_bound():
     floors = {r.name: "==" + next(s.version for s in r.specifier if s.operator == ">=")
               for r in requirements() if r.name != "torch"}
     assert pins == floors and "transformers" in pins
+
+
+def run_setup(tmp_path, python: Path, **env) -> subprocess.CompletedProcess:
+    """setup.sh with ``python`` as PYTHON and ``tmp_path``/venv as VENV (``env``: more variables)."""
+    return subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "VENV": str(tmp_path / "venv"), "PYTHON": str(python), **env})
+
+
+@pytest.mark.parametrize("version, accepted", [("2.12", False), ("3.10", False), ("3.11", True), ("3.12", True),
+                                               ("4.0", True)])
+def test_setup_accepts_exactly_the_pythons_pyproject_requires(tmp_path, version, accepted):
+    """setup.sh's version check and pyproject's requires-python agree, 3.11 included, a Python 4 too.
+    Catches the check's edges (3.11 refused, 2.12 or 4.0 misread) and requires-python left at 3.10."""
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    python = fake_python(tmp_path / f"python{version}", version, tmp_path / "calls.log")
+    result = run_setup(tmp_path, python)
+    assert (result.returncode == 0) == accepted, result.stderr
+    assert accepted or f"{python} is {version}" in result.stderr, result.stderr
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert SpecifierSet(requires).contains(version) == accepted, requires
+
+
+@pytest.mark.parametrize("python_version, venv_version", [("3.12", "3.10"), ("3.10", "3.12")])
+def test_setup_checks_the_python_of_a_kept_venv_not_python(tmp_path, python_version, venv_version):
+    """A venv that exists is what setup.sh installs into: its Python is the one checked, whatever
+    PYTHON is. Catches the second check reading PYTHON (a 3.10 venv kept, an old python3 refused
+    for a good venv)."""
+    log = tmp_path / "calls.log"
+    python = fake_python(tmp_path / "python", python_version, log)
+    fake_python(tmp_path / "venv" / "bin" / "python", venv_version, log)
+    result = run_setup(tmp_path, python)
+    assert (result.returncode == 0) == (venv_version == "3.12"), result.stderr
+    assert venv_version == "3.12" or "has 3.10" in result.stderr, result.stderr
+
+
+def test_setup_refuses_a_python_that_does_not_run(tmp_path):
+    """PYTHON naming no working interpreter is refused by name, before any venv is made. Catches the
+    version read without its fallback (the message said "is .") or compared without its number check
+    (bash's own "unbound variable" under set -u, no message)."""
+    result = run_setup(tmp_path, tmp_path / "no-such-python")
+    assert result.returncode == 1, result.stderr
+    assert f"{tmp_path / 'no-such-python'} is not a working Python" in result.stderr, result.stderr
+    assert not (tmp_path / "venv").exists()

@@ -331,3 +331,83 @@ def test_a_refusal_names_the_targets_peft_moves_whichever_peft_rewrote(peft_keep
     assert retargeted(asked, model) == ["down_proj", "gate_proj", "up_proj"]
     assert retargeted(["q_a_proj", "o_proj"], model) == []
     check_targets_kept(asked[:2], LoraConfig(target_modules=asked[:2]), model)  # nothing rewritten: no refusal
+
+
+@pytest.mark.parametrize("moved", ["down_proj", "gate"])
+def test_an_moe_target_that_peft_only_adds_parameters_for_is_refused(moved):
+    """peft 0.22 keeps ``down_proj`` in ``target_modules`` and adds the experts' ``down_proj`` to
+    ``target_parameters``, with no rank or alpha pattern (those come with the fused gate/up pair);
+    the router ``gate`` becomes ``gate.weight``. Catches the refusal reading only dropped names and
+    rank/alpha patterns: down_proj alone trained the experts' weights unrefused."""
+    from space.models import tiny_tokenizer
+
+    with pytest.raises(ValueError, match=rf"peft retargets lora_targets \['{moved}'\] of a deepseek_v3 model .*"
+                                         rf"leave \['{moved}'\] out"):
+        prepare_model(small_deepseek_moe(), tiny_tokenizer(), "frozen-base", 3, lora_targets=["q_a_proj", moved])
+
+
+@pytest.mark.parametrize("rewrite", [dict(target_modules=["q_a_proj"]), dict(target_parameters=["down_proj"]),
+                                     dict(rank_pattern={r".*\.down_proj": 8}), dict(alpha_pattern={r".*\.down_proj": 8})],
+                         ids=["dropped", "target_parameters", "rank_pattern", "alpha_pattern"])
+def test_each_rewrite_peft_makes_is_refused_on_its_own(rewrite):
+    """``check_targets_kept`` refuses a config that peft changed in any one way: a target dropped, or
+    parameters, a rank pattern or an alpha pattern added. Catches a condition that needs one of the
+    others (peft adds the patterns only with parameters today, another release need not)."""
+    from peft import LoraConfig
+    from space.adapter_layers import check_targets_kept
+
+    asked = ["q_a_proj", "down_proj"]
+    with pytest.raises(ValueError, match="peft retargets lora_targets"):
+        check_targets_kept(asked, LoraConfig(**{"target_modules": asked, **rewrite}))
+
+
+def test_a_refusal_without_the_model_names_the_dropped_targets_else_every_target():
+    """Without the model (``prepare_model``'s check after peft), the refusal names the targets peft
+    dropped from ``target_modules``, or, where it dropped none (peft 0.22 keeps them), every target:
+    not the kept ones alone, not "leave [] out"."""
+    from peft import LoraConfig
+    from space.adapter_layers import check_targets_kept
+
+    asked = ["q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj"]
+    mlp = r"\['down_proj', 'gate_proj', 'up_proj'\]"
+    with pytest.raises(ValueError, match=rf"peft retargets lora_targets {mlp} of this model .*leave {mlp} out"):
+        check_targets_kept(asked, LoraConfig(target_modules=asked[:2], target_parameters=["down_proj"]))
+    every = r"\['down_proj', 'gate_proj', 'kv_a_proj_with_mqa', 'q_a_proj', 'up_proj'\]"
+    with pytest.raises(ValueError, match=rf"peft retargets lora_targets {every} of this model .*leave {every} out"):
+        check_targets_kept(asked, LoraConfig(target_modules=asked, target_parameters=["down_proj"]))
+
+
+def test_prepare_model_refuses_a_rewrite_that_peft_made_but_its_preview_missed(monkeypatch):
+    """``prepare_model`` checks the config peft actually used after ``get_peft_model`` too: a peft
+    whose conversion ``peft_rewrite`` does not foresee (played by a preview that rewrites nothing)
+    still cannot put a LoRA on the experts' stacked weights. Catches that second check dropped."""
+    import copy
+
+    from space import adapter_layers
+    from space.models import tiny_tokenizer
+
+    monkeypatch.setattr(adapter_layers, "peft_rewrite", lambda config, model: copy.deepcopy(config))
+    with pytest.raises(ValueError, match=r"peft retargets lora_targets .*'down_proj'.* of this model"):
+        prepare_model(small_deepseek_moe(), tiny_tokenizer(), "lora", 3, lora_targets=["q_a_proj", "down_proj"])
+
+
+def test_retargeted_counts_each_change_peft_can_make_to_one_target(monkeypatch):
+    """``retargeted`` names a target that peft's conversion, given it alone, drops, joins to
+    parameters, gives a rank or alpha pattern, or refuses; not one it leaves as it was. A stand-in
+    conversion makes each change to the target of that name (peft 0.22 adds parameters with every
+    other change, a release need not)."""
+    from peft import LoraConfig
+    from space import adapter_layers
+
+    def rewrite(config, model):
+        (target,) = config.target_modules
+        if target == "refused":
+            raise ValueError("half of a fused pair")
+        return LoraConfig(target_modules=[] if target == "dropped" else [target],
+                          target_parameters=["w"] if target == "parameters" else None,
+                          rank_pattern={"w": 8} if target == "rank" else {},
+                          alpha_pattern={"w": 8} if target == "alpha" else {})
+
+    monkeypatch.setattr(adapter_layers, "peft_rewrite", rewrite)
+    asked = ["kept", "dropped", "parameters", "rank", "alpha", "refused"]
+    assert adapter_layers.retargeted(asked, model=None) == sorted(asked[1:])
