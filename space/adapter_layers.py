@@ -239,20 +239,29 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     Raises:
         ValueError: unknown mode, mask_num out of range, or a LoRA target that names no module of the
             model (peft refuses only a list that matches none, and a misspelt one dropped silently
-            while adapter_config.json recorded it), or one that peft moves onto an MoE model's fused
-            experts (:func:`check_targets_kept`), before the model changes.
+            while adapter_config.json recorded it), one that peft moves onto an MoE model's fused
+            experts (:func:`check_targets_kept`), or one that names a module other than an
+            ``nn.Linear`` (an embedding, the experts), before the model changes.
     """
     if mode not in MODES:
         raise ValueError(f"unknown training mode {mode!r}; choose one of {MODES}")
     if mode != "full":  # peft's rule: a module's name is the target, or ends in "." + target
-        names = [n for n, _ in model.named_modules()]
-        unknown = [t for t in lora_targets if not any(n == t or n.endswith("." + t) for n in names)]
+        modules = dict(model.named_modules())
+        matched = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora_targets}
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, nn.Linear)})
+        unknown = [t for t in lora_targets if not matched[t]]
         if unknown:
-            linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ValueError(f"lora_targets {unknown} name no module of this model; its linears: {linears}")
         cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                          target_modules=list(lora_targets), task_type="CAUSAL_LM")
         check_targets_kept(lora_targets, peft_rewrite(cfg, model), model)  # before the model changes
+        # peft wraps embeddings and convolutions too, and refuses other modules (an MoE's experts) only
+        # inside get_peft_model; SPACE's artifact stores and applies a LoRA on an nn.Linear alone
+        others = {t: sorted({type(m).__name__ for m in ms if not isinstance(m, nn.Linear)}) for t, ms in matched.items()}
+        others = {t: kinds for t, kinds in others.items() if kinds}
+        if others:
+            raise ValueError(f"lora_targets {sorted(others)} name modules that are not linear layers ({others}): "
+                             f"a SPACE LoRA goes on nn.Linear only; this model's linears: {linears}")
     spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
     if mode == "full":
         model.requires_grad_(True)

@@ -164,6 +164,28 @@ def test_a_lora_target_that_names_no_module_is_refused():
             prepare_model(model, tok, mode, 3, lora_targets=["q_proj", bad])
 
 
+def test_a_lora_target_that_names_no_linear_is_refused_before_the_model_changes():
+    """A SPACE LoRA goes on linears only (its artifact stores and applies nothing else): peft wraps
+    ``embed_tokens`` (whose LoRA the artifact then could not apply) and refused a DeepSeek-V3's
+    ``experts`` only inside ``get_peft_model``, after the mask tokens had grown the vocabulary.
+    Both are refused by name first; a target matching linears alone still passes."""
+    from space.adapter_layers import prepare_model
+    from space.models import tiny_random_llama, tiny_tokenizer
+    from tests.train.test_modes import small_deepseek_moe
+
+    for model, tok, bad, kind in ((*tiny_random_llama(), "embed_tokens", "Embedding"),
+                                  (small_deepseek_moe(), tiny_tokenizer(), "experts", "Experts"),
+                                  (*tiny_random_llama(), "mlp", "LlamaMLP")):
+        vocab = model.get_input_embeddings().num_embeddings
+        with pytest.raises(ValueError, match=rf"lora_targets \['{bad}'\] name modules that are not linear layers "
+                                             rf"\(\{{'{bad}': \['\w*{kind}'\]\}}\): a SPACE LoRA goes on nn.Linear only; "
+                                             r"this model's linears: \[.*'o_proj'"):
+            prepare_model(model, tok, "frozen-base", 3, lora_targets=["o_proj", bad])
+        assert model.get_input_embeddings().num_embeddings == vocab  # no mask token added
+    model, tok = tiny_random_llama()
+    prepare_model(model, tok, "lora", 3, lora_targets=["o_proj", "mlp.down_proj"])
+
+
 def test_every_shipped_training_config_has_values_of_its_fields_types():
     from space.config import check_config_types, read_config_file
 
