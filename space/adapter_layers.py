@@ -241,7 +241,8 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
             model (peft refuses only a list that matches none, and a misspelt one dropped silently
             while adapter_config.json recorded it), one that peft moves onto an MoE model's fused
             experts (:func:`check_targets_kept`), or one that names a module other than an
-            ``nn.Linear`` (an embedding, the experts), before the model changes.
+            ``nn.Linear`` (an embedding, the experts), or the LM head in mode frozen-base or tied
+            to the input embeddings, before the model changes.
     """
     if mode not in MODES:
         raise ValueError(f"unknown training mode {mode!r}; choose one of {MODES}")
@@ -262,6 +263,17 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
         if others:
             raise ValueError(f"lora_targets {sorted(others)} name modules that are not linear layers ({others}): "
                              f"a SPACE LoRA goes on nn.Linear only; this model's linears: {linears}")
+        out = model.get_output_embeddings()
+        head = [t for t, ms in matched.items() if any(m is out for m in ms)]
+        tied = out is not None and out.weight is model.get_input_embeddings().weight
+        if head and mode == "frozen-base":  # it trained, then every decoder failed on the head's weight
+            raise ValueError(f"lora_targets {head} name the LM head, which cannot take a SPACE LoRA in mode frozen-base "
+                             "(the decoders read its weight itself); leave it out"
+                             + ("" if tied else ", or train in mode lora (merged)"))
+        if head and tied:  # merged into the shared weight, the update moved the input embeddings too (a tiny
+            # Llama's logits by 1.9): a model other than the one trained
+            raise ValueError(f"lora_targets {head} name the LM head, which cannot take a SPACE LoRA tied to the input "
+                             "embeddings (merging it would change both); leave it out")
     spec = add_mask_tokens(model, tokenizer, mask_num, mask_diff)
     if mode == "full":
         model.requires_grad_(True)

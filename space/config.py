@@ -282,10 +282,12 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
 
     Raises:
         ValueError: unknown mode, layout or mask_target, mask_num outside 1..MAX_MASK_NUM,
-            spans_per_sample, limit, max_length, mask_chunk_rows, teacher_topk or lora_r too small,
+            a datasets list naming no dataset, spans_per_sample, limit, max_length, mask_chunk_rows,
+            teacher_topk or lora_r too small,
             mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
             a negative mask_loss_weight, max_train_minutes, max_nonfinite_steps, learning_rate, weight_decay,
-            num_train_epochs, max_grad_norm or sampler_width, NaN or inf in any number, a teacher,
+            num_train_epochs, max_grad_norm, sampler_width, adam_epsilon or dataloader_num_workers,
+            adam_beta1 or adam_beta2 outside [0, 1), NaN or inf in any number, a teacher,
             consistency or sampler head without frozen-base + efficient, a sampler head with
             ddp_find_unused_parameters true, init_adapter with mode full, an output_dir that is a
             file, dataloader_persistent_workers with workers, or DeepSpeed settings
@@ -303,7 +305,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     initializations, never a trained model).
     """
     SpaceSettings.from_args(model_args, mask_args, train_args)
-    data_lists(data_args.datasets, data_args.sources)
+    # an empty list failed only after the model loaded, and said that no sample fit max_length
+    if not data_lists(data_args.datasets, data_args.sources)[0]:
+        raise ValueError(f"datasets={data_args.datasets!r} names no dataset")
     for name, value, minimum in (("spans_per_sample", mask_args.spans_per_sample, 1),
                                  ("limit", data_args.limit, 1), ("max_length", data_args.max_length, 2),
                                  ("lora_r", model_args.lora_r, 1),
@@ -312,6 +316,12 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
                                    ("learning_rate", "weight_decay", "num_train_epochs", "max_grad_norm"))):
         check_number(name, value, minimum)  # NaN and inf too: they pass every comparison below
     check_number("sampler_width", mask_args.sampler_width, 0)
+    # the optimizer's and loader's own checks ran only once training started, and named no option
+    for name in ("adam_epsilon", "dataloader_num_workers"):
+        check_number(name, getattr(train_args, name, 0), 0)
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(train_args, name, 0) < 1:  # False for NaN
+            raise ValueError(f"{name} must lie in [0, 1), got {getattr(train_args, name)}")
     for name, value in (("mask_prob", mask_args.mask_prob), ("span_density", mask_args.span_density),
                         ("lora_dropout", model_args.lora_dropout)):
         if not 0 <= value <= 1:  # False for NaN

@@ -25,7 +25,7 @@ from ..data.sft import data_lists, load_examples, tokenize
 from ..decoding.cache import attention_windows
 from ..jsonl import held, write_text_atomic
 from ..loader import warm_start
-from ..models import load_model, stop_ids
+from ..models import load_model, model_identity, stop_ids
 from ..sampler_head import add_sampler_head
 from .curves import plot_training_curves
 from .callbacks import (SETTINGS_FILE, EpochSeedCallback, NothingToTrain, SpaceCheckpointCallback,
@@ -173,6 +173,8 @@ def check_checkpoint(last: str, settings: dict) -> None:
                          "short?); use another output_dir, or delete the checkpoint to resume from the one before")
     recorded = json.loads(path.read_text(encoding="utf-8"))
     saved = {**SETTINGS_BEFORE, **recorded}
+    if isinstance(saved.get("model"), str) and model_identity(saved["model"]) == model_identity(settings["model"]):
+        saved["model"] = settings["model"]  # one model however it is spelt (a trailing slash, a relative path)
     if "zero_stage" in settings and "zero_stage" not in saved:
         # saved before the stage was recorded: DeepSpeed's engine writes a "latest" file, which
         # says DeepSpeed, not which stage
@@ -243,8 +245,11 @@ def run_sft(model_args, data_args, mask_args, train_args) -> Path | None:
         ValueError / FileNotFoundError: a setting out of range (``space.config.check_train_args``),
             an init_adapter that is not a SPACE artifact, bad dataset name or rows (an empty file
             included), or a checkpoint in ``output_dir`` made with other SPACE or LoRA settings
-            or missing its mask rows, or an output_dir another run is writing; all raised before
-            the model loads; after it, a teacher_topk above the model's vocabulary.
+            or missing its mask rows, or an output_dir another run is writing, or one holding an
+            earlier run's ``final`` and no checkpoint (this run would replace it); all raised before
+            the model loads; after it, a teacher_topk above the model's vocabulary, a max_length
+            that lets samples past the model's positions, or dataloader_drop_last with fewer
+            samples than one batch (nothing would train).
         TrainingDiverged: too many NaN or inf steps in a row, or training ended inside such a run
             (:func:`refuse_a_bad_end`); no artifact is written.
     """
@@ -287,6 +292,12 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
     # the weights as they load, deepspeed.zero.Init, which needs the world size)
     train_args.device  # noqa: B018
     last = agree_on_checkpoint(last_whole_checkpoint(train_args.output_dir, train_args.process_index == 0))
+    final = Path(train_args.output_dir) / "final"
+    if not last and final.is_dir() and train_args.process_index == 0:
+        # an earlier run's artifact with no checkpoint of it to go on from (save_strategy no, or its
+        # checkpoints deleted): this run would replace it, settings unchecked
+        raise ValueError(f"output_dir {train_args.output_dir} holds the artifact of an earlier run ({final}) and no "
+                         "checkpoint to resume it from; use another output_dir, or delete that final/ to train again")
     if train_args.resume_from_checkpoint and not last:
         # a checkpoint the user names, perhaps of another run, starts this one; once this run has
         # checkpoints of its own, a rerun (preempted, the key still in its config) goes on from them
@@ -329,6 +340,17 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
     dataset = tokenize(examples, tok, data_args.max_length)
     if len(dataset) == 0:
         raise ValueError(f"no sample of {names} fits max_length={data_args.max_length} (each prompt leaves its response fewer than 2 tokens)")
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(map(len, dataset["input_ids"]))
+    if context and longest > context:  # trained on positions the model never had, which decoding then refuses
+        raise ValueError(f"max_length {data_args.max_length} lets samples reach {longest} tokens, past the "
+                         f"{context} positions of {model_args.model_name_or_path} (max_position_embeddings); "
+                         f"set max_length <= {context}")
+    batch = train_args.per_device_train_batch_size * train_args.world_size
+    if train_args.dataloader_drop_last and len(dataset) < batch:  # no whole batch: 0 steps, an untrained final/
+        raise ValueError(f"dataloader_drop_last with {len(dataset)} samples and a batch of {batch} "
+                         f"(per_device_train_batch_size x processes): every batch would be dropped and nothing "
+                         "trained; lower the batch or drop dataloader_drop_last")
     collator = SpaceCollator(spec.ids_for(mask_args.mask_num), mask_args.mask_num, tok.pad_token_id,
                              mask_args.mask_prob, mask_args.spans_per_sample, mask_args.layout, train_args.seed,
                              span_density=mask_args.span_density)
@@ -347,7 +369,9 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
         with_ids = sum(ex.response_ids is not None for ex in examples)
         own = (f"; {sum(dataset['own_ids'])} samples on their generated token ids ({with_ids} rows carry ids; "
                "ids that do not spell the text in this tokenizer are not used)" if with_ids else "")
-        print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out){own}; "
+        cut = len(examples) - len(dataset)
+        cut = f", {cut} whose prompt leaves its response < 2 of max_length's tokens dropped" if cut else ""
+        print(f"[space] {len(dataset)} samples from {names} ({held_out} dev-set prompts held out{cut}){own}; "
               f"mode {model_args.mode}; k={mask_args.mask_num}; "
               f"trainable params {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,}"
               + (f"; resuming: {done} of {total} steps done ({last})" if last else ""), flush=True)
@@ -355,7 +379,6 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
         result = trainer.train(resume_from_checkpoint=last)
     except NothingToTrain:  # resumed at max_steps: the checkpoint's weights are loaded, none trained
         result = None
-    final = Path(train_args.output_dir) / "final"
     if last and trainer.state.global_step == done and final.is_dir():
         # nothing trained: saving again would append a train_loss of 0.0 and rewrite the artifact
         if trainer.is_world_process_zero():

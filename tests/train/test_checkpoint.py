@@ -71,6 +71,20 @@ def test_a_checkpoint_of_other_settings_is_refused(tmp_path, key, value):
         check_checkpoint(str(tmp_path), {**SETTINGS, key: value})
 
 
+def test_a_model_path_spelt_another_way_resumes(tmp_path, monkeypatch):
+    """The same model folder with a trailing slash or as a relative path is one model: a job script
+    that spelt it from $PWD was refused and told to delete the checkpoint. Another folder still is."""
+    model = tmp_path / "base"
+    model.mkdir()
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps({**SETTINGS, "model": str(model)}))
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    for spelt in (f"{model}/", "base", "./base/"):
+        check_checkpoint(str(tmp_path), {**SETTINGS, "model": spelt})
+    with pytest.raises(ValueError, match=r"other SPACE settings.*'model': \('.*base', 'base2'\)"):
+        check_checkpoint(str(tmp_path), {**SETTINGS, "model": "base2"})
+
+
 def test_a_checkpoint_from_before_the_run_keys_resumes_and_one_with_them_is_compared(tmp_path):
     """The data, loss and schedule keys (``RUN_KEYS``) are compared where the checkpoint recorded
     them; one saved before they were recorded resumes as it did."""

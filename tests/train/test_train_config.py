@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from space.config import parse_train_args
 
@@ -79,6 +80,13 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
     (["--mode", "full", "--dtype", "bfloat16"], "mode full with dtype bfloat16 and no DeepSpeed"),
     # fp16 weights alike (a check of bf16 names alone let fp16 through)
     (["--mode", "full", "--dtype", "float16"], "mode full with dtype float16 and no DeepSpeed"),
+    # refused by torch's optimizer or loader once training started, without the option's name
+    (["--adam_beta1", "1.5"], r"adam_beta1 must lie in \[0, 1\), got 1.5"),
+    (["--adam_beta2", "1"], r"adam_beta2 must lie in \[0, 1\), got 1"),
+    (["--adam_epsilon", "-1"], "adam_epsilon must be >= 0, got -1"),
+    (["--dataloader_num_workers", "-1"], "dataloader_num_workers must be >= 0, got -1"),
+    # an empty list failed after the model loaded, saying no sample fit max_length
+    (["--datasets", ","], "datasets=',' names no dataset"),
 ])
 def test_out_of_range_values_are_refused_while_parsing(tmp_path, flags, match):
     """Each range check of check_train_args / SpaceSettings fires on its own (a dropped one let the
@@ -186,6 +194,27 @@ def test_a_lora_target_that_names_no_linear_is_refused_before_the_model_changes(
     prepare_model(model, tok, "lora", 3, lora_targets=["o_proj", "mlp.down_proj"])
 
 
+def test_the_lm_head_takes_a_lora_in_mode_lora_only_and_untied():
+    """A frozen-base LoRA on ``lm_head`` trained, then every decoder failed on the head's weight (a
+    gated layer has none). In mode lora the artifact merges it into the head's weight: tied to the
+    input embeddings (SmolLM2, the tiny Llama), that moved the embeddings too, a silently other model.
+    An untied head in mode lora takes it."""
+    from space.adapter_layers import prepare_model
+    from space.models import tiny_random_llama
+
+    for mode, why in (("frozen-base", "in mode frozen-base"), ("lora", "tied to the input embeddings")):
+        model, tok = tiny_random_llama()
+        vocab = model.get_input_embeddings().num_embeddings
+        with pytest.raises(ValueError, match=rf"lora_targets \['lm_head'\] name the LM head, which cannot take a "
+                                             rf"SPACE LoRA {why}"):
+            prepare_model(model, tok, mode, 3, lora_targets=["q_proj", "lm_head"])
+        assert model.get_input_embeddings().num_embeddings == vocab  # refused before the mask tokens
+    model, tok = tiny_random_llama()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    prepare_model(model, tok, "lora", 3, lora_targets=["q_proj", "lm_head"])
+
+
 def test_every_shipped_training_config_has_values_of_its_fields_types():
     from space.config import check_config_types, read_config_file
 
@@ -216,6 +245,48 @@ def test_a_max_length_that_leaves_no_response_room_is_refused_by_its_cause(tmp_p
     with pytest.raises(ValueError, match=r"fits max_length=8 \(each prompt leaves its response fewer than 2 tokens\)"):
         run_sft(*args)
     assert not (tmp_path / "run").exists()
+
+
+def test_samples_past_the_models_positions_are_refused_before_training(tmp_path):
+    """A max_length above the model's max_position_embeddings trained on positions the model never
+    had (decoding then refuses prompts that long), and exited 0."""
+    from space.models import tiny_random_llama
+    from space.train.run import run_sft
+
+    model, tok = tiny_random_llama()
+    model.config.max_position_embeddings = 64
+    model.save_pretrained(tmp_path / "short")
+    tok.save_pretrained(tmp_path / "short")
+    args = parse(tmp_path, "--model_name_or_path", str(tmp_path / "short"), "--max_length", "384")
+    with pytest.raises(ValueError, match=r"max_length 384 lets samples reach \d+ tokens, past the 64 positions of "
+                                         r".*short \(max_position_embeddings\); set max_length <= 64"):
+        run_sft(*args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_dataloader_drop_last_with_no_whole_batch_is_refused(tmp_path):
+    """Every batch dropped: the run trained 0 steps, exited 0 and wrote an untrained final/. A batch
+    the samples fill still trains."""
+    from space.train.run import run_sft
+
+    args = parse(tmp_path, "--limit", "3", "--dataloader_drop_last", "true", "--max_steps", "1")
+    with pytest.raises(ValueError, match=r"dataloader_drop_last with 3 samples and a batch of 4 "):
+        run_sft(*args)
+    assert not (tmp_path / "run").exists()
+    assert run_sft(*parse(tmp_path, "--limit", "4", "--dataloader_drop_last", "true", "--max_steps", "1")).is_dir()
+
+
+def test_an_earlier_runs_artifact_with_no_checkpoint_is_not_replaced(tmp_path):
+    """A rerun into an output_dir whose run kept no checkpoint (save_strategy no, or checkpoints
+    deleted) trained afresh, with any settings, and replaced its final/ without a word."""
+    from space.train.run import run_sft
+
+    final = run_sft(*parse(tmp_path, "--save_strategy", "no", "--max_steps", "1"))
+    before = {p.name: p.read_bytes() for p in final.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match=r"holds the artifact of an earlier run \(.*final\) and no checkpoint to "
+                                         r"resume it from; use another output_dir, or delete that final/"):
+        run_sft(*parse(tmp_path, "--save_strategy", "no", "--max_steps", "1", "--mask_num", "2"))
+    assert {p.name: p.read_bytes() for p in final.iterdir() if p.is_file()} == before
 
 
 def test_a_yaml_string_for_a_number_or_a_flag_is_converted_as_argparse_converts_it(tmp_path):
