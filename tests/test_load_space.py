@@ -486,3 +486,15 @@ def test_a_full_checkpoint_compiles_its_trunk_and_an_adapter_outranks_it(tmp_pat
     adapter = tmp_path / "adapter"
     assert artifact_folder(str(ckpt), adapter) == adapter and artifact_folder(str(ckpt), None) == ckpt
     assert artifact_folder(str(tmp_path), None) is None and artifact_folder(TINY, None) is None
+
+
+@pytest.mark.parametrize("device, match", [("gpu", r"unknown --device 'gpu'"),
+                                           ("cuda:7", r"--device cuda:7: (no CUDA GPU is usable|only \d+ CUDA device)")])
+def test_a_device_this_machine_lacks_is_refused_before_the_weights_load(monkeypatch, device, match):
+    """The Python API checks its device as the CLIs' --device does: torch's own refusal (a bare
+    AssertionError for cuda on a CPU build) came from ``model.to`` after the weights had loaded."""
+    from space import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(ValueError, match=match):
+        load_space(TINY, device=device)
