@@ -87,6 +87,8 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
     (["--dataloader_num_workers", "-1"], "dataloader_num_workers must be >= 0, got -1"),
     # an empty list failed after the model loaded, saying no sample fit max_length
     (["--datasets", ","], "datasets=',' names no dataset"),
+    # HF's callback refused it after the model loaded and the data was tokenized
+    (["--report_to", "no-such-tracker"], r"report_to \['no-such-tracker'\]: no such integration is installed here"),
 ])
 def test_out_of_range_values_are_refused_while_parsing(tmp_path, flags, match):
     """Each range check of check_train_args / SpaceSettings fires on its own (a dropped one let the
