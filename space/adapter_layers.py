@@ -249,7 +249,9 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
     if mode != "full":  # peft's rule: a module's name is the target, or ends in "." + target
         modules = dict(model.named_modules())
         matched = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora_targets}
-        linears = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, nn.Linear)})
+        # exactly nn.Linear, as the artifact's loader (apply_lora) takes: Falcon's FalconLinear, a router
+        # subclass or a quantized linear trained, then every load refused the artifact
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if type(m) is nn.Linear})
         unknown = [t for t in lora_targets if not matched[t]]
         if unknown:
             raise ValueError(f"lora_targets {unknown} name no module of this model; its linears: {linears}")
@@ -258,7 +260,7 @@ def prepare_model(model, tokenizer, mode: str, mask_num: int, mask_diff: bool = 
         check_targets_kept(lora_targets, peft_rewrite(cfg, model), model)  # before the model changes
         # peft wraps embeddings and convolutions too, and refuses other modules (an MoE's experts) only
         # inside get_peft_model; SPACE's artifact stores and applies a LoRA on an nn.Linear alone
-        others = {t: sorted({type(m).__name__ for m in ms if not isinstance(m, nn.Linear)}) for t, ms in matched.items()}
+        others = {t: sorted({type(m).__name__ for m in ms if type(m) is not nn.Linear}) for t, ms in matched.items()}
         others = {t: kinds for t, kinds in others.items() if kinds}
         if others:
             raise ValueError(f"lora_targets {sorted(others)} name modules that are not linear layers ({others}): "

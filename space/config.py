@@ -287,7 +287,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
             a negative mask_loss_weight, max_train_minutes, max_nonfinite_steps, learning_rate, weight_decay,
             num_train_epochs, max_grad_norm, sampler_width, adam_epsilon or dataloader_num_workers,
-            adam_beta1 or adam_beta2 outside [0, 1), a report_to integration not installed, NaN or inf
+            adam_beta1 or adam_beta2 outside [0, 1), a report_to integration unknown or not installed, NaN or inf
             in any number, a teacher,
             consistency or sampler head without frozen-base + efficient, a sampler head with
             ddp_find_unused_parameters true, init_adapter with mode full, an output_dir that is a
@@ -320,12 +320,19 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     # the trainer's own check came after the model loaded and the data was tokenized, as a bare traceback
     report = [r for r in getattr(train_args, "report_to", None) or [] if r not in ("all", "none")]
     if report:
-        from transformers.integrations import get_available_reporting_integrations
+        from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
+                                                                 get_available_reporting_integrations)
 
-        missing = sorted(set(report) - set(get_available_reporting_integrations()))
+        installed = get_available_reporting_integrations()
+        unknown = sorted(set(report) - set(INTEGRATION_TO_CALLBACK))
+        if unknown:
+            raise ValueError(f"report_to {unknown}: no such integration (transformers has "
+                             f"{sorted(INTEGRATION_TO_CALLBACK)}; installed here: {installed})")
+        # HF's list of installed ones never names flyte, nor azure_ml beside mlflow: their callbacks decide
+        missing = sorted(set(report) - set(installed) - {"flyte", "azure_ml"})
         if missing:
-            raise ValueError(f"report_to {missing}: no such integration is installed here (installed: "
-                             f"{get_available_reporting_integrations()}); install it, or use report_to none")
+            raise ValueError(f"report_to {missing}: not installed here (installed: {installed}); install it, "
+                             "or use report_to none")
     # the optimizer's and loader's own checks ran only once training started, and named no option
     for name in ("adam_epsilon", "dataloader_num_workers"):
         check_number(name, getattr(train_args, name, 0), 0)

@@ -21,7 +21,7 @@ from .artifact import (LORA_WEIGHTS, MASK_EMBEDDING, SAMPLER_HEAD, SPACE_CONFIG,
                        load_mask_rows, load_sampler_head, priced_for_setup, read_lora, read_space_config,
                        read_tensors, sampler_width)
 from .choices import COMPILE_MODES, STEP_COST_CHOICES
-from .cli import check_device
+from .cli import device_flag
 from .cpu_kernels import KERNEL_CHOICES, apply_kernels
 from .decoding.compiled import compile_trunk
 from .decoding.config import DEFAULT_MASK_NUM
@@ -97,7 +97,8 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
             artifact file (space_config.json not a JSON object or lacking a key, a truncated or
             garbage safetensors file; the file is named); a NaN or inf weight (the tensor named);
             LoRA weights that do not fit the model;
-            a ``device`` torch does not know or this machine lacks (``space.cli.check_device``);
+            a ``device`` torch does not know or this machine lacks (``space.cli.device_flag``;
+            ``"auto"`` is the GPU when there is one);
             a bad device map (``space.models.dispatch``); kernels not in ``KERNEL_CHOICES``; a
             ``compile`` this machine cannot run (:func:`check_compile`); ``step_cost`` not in
             ``STEP_COST_CHOICES``, or ``"measure"`` with ``compile`` (its graphs build first, minutes:
@@ -106,7 +107,7 @@ def load_space(model: str | None = None, adapter: str | os.PathLike | None = Non
     if kernels not in KERNEL_CHOICES:  # before the load, not after it
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if device_map is None:  # torch's own refusal came after the weights had loaded (an AssertionError for cuda)
-        check_device(device)
+        device = device_flag(device)  # "auto" as the CLIs take it: the GPU when there is one
     check_compile(compile, device, device_map)
     if step_cost not in STEP_COST_CHOICES:
         raise ValueError(f"step_cost must be one of {STEP_COST_CHOICES}, got {step_cost!r}")

@@ -488,8 +488,9 @@ def test_a_full_checkpoint_compiles_its_trunk_and_an_adapter_outranks_it(tmp_pat
     assert artifact_folder(str(tmp_path), None) is None and artifact_folder(TINY, None) is None
 
 
-@pytest.mark.parametrize("device, match", [("gpu", r"unknown --device 'gpu'"),
-                                           ("cuda:7", r"--device cuda:7: (no CUDA GPU is usable|only \d+ CUDA device)")])
+@pytest.mark.parametrize("device, match", [
+    ("gpu", r"unknown --device 'gpu'"),
+    (f"cuda:{torch.cuda.device_count()}", r"--device cuda:\d+: (no CUDA GPU is usable|only \d+ CUDA device)")])
 def test_a_device_this_machine_lacks_is_refused_before_the_weights_load(monkeypatch, device, match):
     """The Python API checks its device as the CLIs' --device does: torch's own refusal (a bare
     AssertionError for cuda on a CPU build) came from ``model.to`` after the weights had loaded."""
@@ -498,3 +499,9 @@ def test_a_device_this_machine_lacks_is_refused_before_the_weights_load(monkeypa
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     with pytest.raises(ValueError, match=match):
         load_space(TINY, device=device)
+
+
+def test_device_auto_is_the_gpu_when_there_is_one():
+    """``device="auto"``, every CLI's default, means to the Python API what it means there."""
+    model, _, _ = load_space(TINY, device="auto")
+    assert model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")

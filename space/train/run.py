@@ -151,13 +151,24 @@ def agree_on_checkpoint(last: str | None) -> str | None:
         return last
     chosen = [last]
     dist.broadcast_object_list(chosen, src=0)
-    same = torch.tensor([int(chosen[0] == last)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)  # every rank stops, or none: one alone would leave the rest waiting
-    if not same.item():
+    if any_rank(chosen[0] != last):  # every rank stops, or none: one alone would leave the rest waiting
         raise ValueError(f"the ranks see different checkpoints in output_dir (rank 0: {chosen[0]}, rank "
                          f"{dist.get_rank()}: {last}): every node must see the same output_dir (a shared "
                          "filesystem) to resume")
     return last
+
+
+def any_rank(flag: bool) -> bool:
+    """``flag`` of any rank of the process group (each may look at its own filesystem), on every
+    rank: a refusal on one rank alone left the others waiting in a collective. Without a process
+    group, ``flag``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    found = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
 
 
 def check_checkpoint(last: str, settings: dict) -> None:
@@ -293,7 +304,7 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
     train_args.device  # noqa: B018
     last = agree_on_checkpoint(last_whole_checkpoint(train_args.output_dir, train_args.process_index == 0))
     final = Path(train_args.output_dir) / "final"
-    if not last and final.is_dir() and train_args.process_index == 0:
+    if any_rank(not last and final.is_dir()):  # every rank stops (last is agreed): none is left waiting
         # an earlier run's artifact with no checkpoint of it to go on from (save_strategy no, or its
         # checkpoints deleted): this run would replace it, settings unchecked
         raise ValueError(f"output_dir {train_args.output_dir} holds the artifact of an earlier run ({final}) and no "
@@ -346,10 +357,10 @@ def _train(model_args, data_args, mask_args, train_args) -> Path | None:
         raise ValueError(f"max_length {data_args.max_length} lets samples reach {longest} tokens, past the "
                          f"{context} positions of {model_args.model_name_or_path} (max_position_embeddings); "
                          f"set max_length <= {context}")
-    batch = train_args.per_device_train_batch_size * train_args.world_size
+    batch = train_args.train_batch_size * train_args.world_size  # train_batch_size counts DataParallel's GPUs
     if train_args.dataloader_drop_last and len(dataset) < batch:  # no whole batch: 0 steps, an untrained final/
         raise ValueError(f"dataloader_drop_last with {len(dataset)} samples and a batch of {batch} "
-                         f"(per_device_train_batch_size x processes): every batch would be dropped and nothing "
+                         f"(per_device_train_batch_size x GPUs x processes): every batch would be dropped and nothing "
                          "trained; lower the batch or drop dataloader_drop_last")
     collator = SpaceCollator(spec.ids_for(mask_args.mask_num), mask_args.mask_num, tok.pad_token_id,
                              mask_args.mask_prob, mask_args.spans_per_sample, mask_args.layout, train_args.seed,

@@ -382,6 +382,31 @@ def test_ranks_that_see_different_checkpoints_all_stop(tmp_path, lasts):
         assert f"rank 0: {lasts[0]}, rank 1: {lasts[1]}" in out[1][1] and "shared" in out[0][1]
 
 
+def _any_rank(rank, world, init, flags, out):
+    """One rank of test_a_refusal_one_rank_sees_stops_every_rank (module level: spawned)."""
+    import torch.distributed as dist
+
+    from space.train.run import any_rank
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        out[rank] = any_rank(flags[rank])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flags", [[True, False], [False, True], [False, False]])
+def test_a_refusal_one_rank_sees_stops_every_rank(tmp_path, flags):
+    """An earlier run's final/ is looked for on each rank's filesystem; only rank 0 refused it and the
+    others went on into the model load's collectives (waiting up to ddp_timeout on other nodes).
+    Every rank gets any rank's answer (two gloo processes on this CPU)."""
+    import torch.multiprocessing as mp
+
+    out = mp.Manager().dict()
+    mp.spawn(_any_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", flags, out), nprocs=2, join=True)
+    assert dict(out) == {0: any(flags), 1: any(flags)}
+
+
 def test_distilled_rows_that_name_no_end_are_warned_of_where_the_model_ends_otherwise():
     """Sets distilled before rows carried ``stop_id`` train the tokenizer's EOS as every answer's
     end: on a model whose turns also end with another id (Llama-3-Instruct's <|eot_id|>) that teaches
