@@ -112,6 +112,12 @@ def fake_python(path: Path, version: str, log: Path) -> Path:
     return path
 
 
+def run_setup(tmp_path, python: Path, **env) -> subprocess.CompletedProcess:
+    """setup.sh with ``python`` as PYTHON and ``tmp_path``/venv as VENV (``env``: more variables)."""
+    return subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "VENV": str(tmp_path / "venv"), "PYTHON": str(python), **env})
+
+
 @pytest.mark.parametrize("where", ["PYTHON", "VENV"])
 def test_setup_refuses_a_python_older_than_3_11(tmp_path, where):
     """transformers >= 5.25 needs Python >= 3.11 (5.21 dropped 3.10). On 3.10, setup.sh made the venv,
@@ -121,8 +127,7 @@ def test_setup_refuses_a_python_older_than_3_11(tmp_path, where):
     python = fake_python(tmp_path / "python3.10", "3.10", log)
     if where == "VENV":
         fake_python(venv / "bin" / "python", "3.10", log)
-    result = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
-                            env={"PATH": "/usr/bin:/bin", "VENV": str(venv), "PYTHON": str(python)})
+    result = run_setup(tmp_path, python)
     assert result.returncode == 1 and "needs Python >= 3.11" in result.stderr, result.stderr
     assert ("has 3.10" if where == "VENV" else f"{python} is 3.10") in result.stderr, result.stderr
     assert not [c for c in log.read_text().splitlines() if c.startswith("-m ")]  # no venv made, nothing installed
@@ -134,8 +139,7 @@ def test_setup_makes_the_venv_with_python(tmp_path):
     enough one goes on to install the requirements."""
     log, venv = tmp_path / "calls.log", tmp_path / "venv"
     python = fake_python(tmp_path / "python3.13", "3.13", log)
-    subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], check=True, capture_output=True,
-                   env={"PATH": "/usr/bin:/bin", "VENV": str(venv), "PYTHON": str(python)})
+    run_setup(tmp_path, python).check_returncode()
     calls = log.read_text().splitlines()
     assert f"-m venv {venv}" in calls and any("-m pip install" in c and "-r requirements.txt" in c for c in calls)
 
@@ -167,12 +171,6 @@ def test_lowest_versions_pins_every_lower_bound():
     floors = {r.name: "==" + next(s.version for s in r.specifier if s.operator == ">=")
               for r in requirements() if r.name != "torch"}
     assert pins == floors and "transformers" in pins
-
-
-def run_setup(tmp_path, python: Path, **env) -> subprocess.CompletedProcess:
-    """setup.sh with ``python`` as PYTHON and ``tmp_path``/venv as VENV (``env``: more variables)."""
-    return subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "VENV": str(tmp_path / "venv"), "PYTHON": str(python), **env})
 
 
 @pytest.mark.parametrize("version, accepted", [("2.12", False), ("3.10", False), ("3.11", True), ("3.12", True),
