@@ -287,8 +287,9 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
             a negative mask_loss_weight, max_train_minutes, max_nonfinite_steps, learning_rate, weight_decay,
             num_train_epochs, max_grad_norm, sampler_width, adam_epsilon or dataloader_num_workers,
-            adam_beta1 or adam_beta2 outside [0, 1), a report_to integration unknown or not installed, NaN or inf
-            in any number, a teacher,
+            adam_beta1 or adam_beta2 outside [0, 1), a report_to integration unknown or not installed, an
+            optim whose package is not installed (:func:`_check_optimizer_installed`), NaN or inf in any
+            number, a teacher,
             consistency or sampler head without frozen-base + efficient, a sampler head with
             ddp_find_unused_parameters true, init_adapter with mode full, an output_dir that is a
             file, dataloader_persistent_workers with workers, or DeepSpeed settings
@@ -333,6 +334,7 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         if missing:
             raise ValueError(f"report_to {missing}: not installed here (installed: {installed}); install it, "
                              "or use report_to none")
+    _check_optimizer_installed(train_args)
     # the optimizer's and loader's own checks ran only once training started, and named no option
     for name in ("adam_epsilon", "dataloader_num_workers"):
         check_number(name, getattr(train_args, name, 0), 0)
@@ -387,6 +389,30 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
                          "from the epoch the main process sets, which persistent workers never see (they would "
                          "keep epoch 0's spans)")
     check_deepspeed(getattr(train_args, "deepspeed", None), mask_args)
+
+
+def _check_optimizer_installed(train_args) -> None:
+    """Refuse an ``optim`` whose package is not installed (bitsandbytes' 8-bit Adam, GaLore, LOMO,
+    schedule-free, ...): HF's Trainer found out only when it built the optimizer, after the model
+    loaded and the data was tokenized. A DeepSpeed config with its own ``optimizer`` section
+    replaces HF's optimizer, so then nothing is checked (:func:`check_train_args`).
+
+    Raises:
+        ValueError: naming the optim and what to install (transformers' ImportError message).
+    """
+    deepspeed = getattr(train_args, "deepspeed", None)
+    if deepspeed:
+        from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+        if "optimizer" in HfDeepSpeedConfig(deepspeed).config:
+            return
+    from transformers import Trainer
+
+    try:  # the class lookup the Trainer does when it builds the optimizer; it builds nothing
+        Trainer.get_optimizer_cls_and_kwargs(train_args)
+    except ImportError as e:
+        optim = getattr(train_args.optim, "value", train_args.optim)
+        raise ValueError(f"optim {optim}: {e}") from None
 
 
 def _check_trains_something(model_args, mask_args, train_args) -> None:

@@ -92,6 +92,11 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
     (["--report_to", "no-such-tracker"], r"report_to \['no-such-tracker'\]: no such integration \(transformers has"),
     *([(["--report_to", "wandb"], r"report_to \['wandb'\]: not installed here")]
       if importlib.util.find_spec("wandb") is None else []),
+    # HF's Trainer refused it when it built the optimizer, after the model loaded and the data was tokenized
+    *([(["--optim", "adamw_bnb_8bit"], "optim adamw_bnb_8bit: You need to install `bitsandbytes`")]
+      if importlib.util.find_spec("bitsandbytes") is None else []),
+    *([(["--optim", "schedule_free_adamw"], "optim schedule_free_adamw: You need to install `schedulefree`")]
+      if importlib.util.find_spec("schedulefree") is None else []),
 ])
 def test_out_of_range_values_are_refused_while_parsing(tmp_path, flags, match):
     """Each range check of check_train_args / SpaceSettings fires on its own (a dropped one let the
@@ -110,6 +115,20 @@ def test_what_trains_nothing_only_in_one_mode_passes_in_the_others(tmp_path):
     parse(tmp_path, "--mode", "full", "--dtype", "bfloat16", "--deepspeed", "configs/deepspeed/zero2.json")
     with pytest.warns(UserWarning, match="learning_rate 0"):
         parse(tmp_path, "--learning_rate", "0")
+
+
+def test_an_optimizer_deepspeed_replaces_is_not_checked(tmp_path):
+    """A DeepSpeed config with its own optimizer section replaces HF's optim, so a missing package
+    behind the optim named is no error then (a check that ignored the config refused it); without
+    that section the same optim is refused."""
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed: no optim here lacks its package")
+    config = json.loads(open("configs/deepspeed/zero2.json").read())
+    assert "optimizer" not in config
+    with pytest.raises(ValueError, match="optim adamw_bnb_8bit"):
+        parse(tmp_path, "--optim", "adamw_bnb_8bit", "--deepspeed", json.dumps(config))
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto"}}
+    parse(tmp_path, "--optim", "adamw_bnb_8bit", "--deepspeed", json.dumps(config))
 
 
 def test_output_dir_given_as_key_equals_value_or_with_an_empty_yaml(tmp_path):
