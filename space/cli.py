@@ -96,13 +96,17 @@ def add_device_flag(parser: argparse.ArgumentParser, help: str = "torch device: 
 
 
 def check_device(device: str) -> None:
-    """Raises ValueError for a device string torch does not know, or one this machine lacks."""
+    """Raises ValueError for a device string torch does not know, a device type other than cpu, cuda
+    and mps (torch's xpu, meta, hpu: they failed inside torch after the weights moved), or one this
+    machine lacks."""
     import torch  # lazy: --help stays fast
 
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise ValueError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    if dev.type not in ("cpu", "cuda", "mps"):  # xpu, meta, hpu, ...: torch knows them, no decoder here ran on them
+        raise ValueError(f"--device {device}: not supported (the decoders run on cpu, cuda, cuda:N or mps)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA GPU is usable here (torch {torch.__version__}"
                          f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu")

@@ -86,6 +86,8 @@ CASES = [  # (command, args, exit code, fragment of stderr)
     ("space-eval", [*EVAL, "--compile", "reduce-overhead", "--device", "cpu"], 2,
      "compile mode reduce-overhead records CUDA graphs and needs a CUDA"),
     ("space-eval", [*EVAL, "--device", "banana"], 2, "unknown --device 'banana'"),
+    ("space-eval", [*EVAL, "--device", "hpu"], 2, "--device hpu: not supported"),  # torch's ModuleNotFoundError
+    ("space-eval", [*EVAL, "--device-map", '{{"": "meta"}}'], 2, "--device meta: not supported"),
     ("space-eval", [*EVAL, "--dtype", "banana"], 2, "unknown dtype 'banana'"),
     ("space-eval", [*EVAL, "--temperature", "-1"], 2, "--temperature must be >= 0, got -1.0"),
     ("space-eval", [*EVAL, "--adapter", "{tmp}/adapter_empty"], 2,

@@ -490,6 +490,9 @@ def test_a_full_checkpoint_compiles_its_trunk_and_an_adapter_outranks_it(tmp_pat
 
 @pytest.mark.parametrize("device, match", [
     ("gpu", r"unknown --device 'gpu'"),
+    # torch knows them, so they passed: an AssertionError (xpu) or .item() on a meta tensor, from inside torch
+    ("xpu", r"--device xpu: not supported \(the decoders run on cpu, cuda, cuda:N or mps\)"),
+    ("meta", r"--device meta: not supported"),
     (f"cuda:{torch.cuda.device_count()}", r"--device cuda:\d+: (no CUDA GPU is usable|only \d+ CUDA device)")])
 def test_a_device_this_machine_lacks_is_refused_before_the_weights_load(monkeypatch, device, match):
     """The Python API checks its device as the CLIs' --device does: torch's own refusal (a bare
