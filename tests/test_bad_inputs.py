@@ -520,6 +520,11 @@ NOT_UTF8 = b"\xff\xfe{\"question_id\": \"q\", \"turns\": [\"hi\"]}\n"
 EVAL_TRAIN_CASES = [
     ("space-eval", [*EVAL, "--temperature", "nan"], "--temperature must be a finite number, got nan"),
     ("space-eval", [*EVAL, "--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    # inf once in float32: SPACE's verification then drew from NaN probabilities (a traceback from torch)
+    ("space-eval", [*EVAL, "--temperature", "4e38"], "--temperature must be <= 3.40282"),
+    # HF's warper divides the logits unshifted: a traceback from transformers' sampling (SPACE and AR shift first)
+    ("space-eval", [*EVAL, "--temperature", "1e-40", "--methods", "ar,pld"],
+     "--temperature 1e-40 with pld: transformers divides the float32 logits by it, which overflows below 1e-30"),
     ("space-eval", [*EVAL, "--top-p", "nan"], "--top-p must be a finite number, got nan"),
     ("space-eval", [*EVAL, "--top-p", "0"], "--top-p must lie in (0, 1], got 0.0"),
     ("space-eval", [*EVAL, "--top-p", "1.5"], "--top-p must be <= 1, got 1.5"),
@@ -685,6 +690,8 @@ DECODING_CONFIG_CASES = [
     (SamplingConfig, {"temperature": NAN}, "temperature must be a finite number, got nan"),
     (SamplingConfig, {"temperature": INF}, "temperature must be a finite number, got inf"),
     (SamplingConfig, {"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    (SamplingConfig, {"temperature": 4e38},
+     "temperature must be <= 3.403e+38 (float32's largest value: the logits are float32), got 4e+38"),
     (SamplingConfig, {"top_p": NAN}, "top_p must be a finite number, got nan"),
     (SamplingConfig, {"top_p": 0.0}, "top_p must lie in (0, 1], got 0.0"),
     (SamplingConfig, {"top_p": 1.5}, "top_p must lie in (0, 1], got 1.5"),

@@ -11,7 +11,7 @@ from .cache import (SlabCache, attention_dtype, attention_windows, cache_input, 
 from .compiled import eager, is_compiled
 from .decoder import mask_slots, with_cache
 from .result import DecodeResult, check_prompt, clock
-from .sampling import SamplingConfig, logit_transform, logits_to_probs, sample
+from .sampling import SamplingConfig, check_sampling, logit_transform, logits_to_probs, sample
 
 
 @torch.inference_mode()
@@ -45,7 +45,10 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     Raises:
         ValueError: see ``check_prompt``; a prompt and max_new_tokens that overflow ``graphs``'s cache;
             ``graphs`` captured from another model.
+        TypeError: ``sampling`` that is not a SamplingConfig; ``stop_token_ids`` given as text or
+            holding non-integers (``result.DecodeResult``).
     """
+    check_sampling(sampling)
     ids = check_prompt(input_ids, max_new_tokens, model.config.max_position_embeddings,
                        model.get_output_embeddings().weight.shape[0])
     device = model.device

@@ -100,7 +100,7 @@ from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, STORE, StepCost, 
 from .lookup import PromptLookup
 from .planner import DynamicPlanner, StaticPlanner, StepOutcome, StepPlanner
 from .result import DecodeResult, check_prompt, model_time
-from .sampling import SamplingConfig, logit_transform, logits_to_probs, sample
+from .sampling import SamplingConfig, check_sampling, logit_transform, logits_to_probs, sample
 from .tree import anchored_group, chain_depth, group_rows, prune
 from .verify import verify_rejection, verify_tree_greedy, verify_tree_sampling
 
@@ -509,7 +509,10 @@ class SpaceDecoder:
             ValueError: empty prompt, batch > 1, a max_new_tokens that is not an integer >= 1, a
                 prompt id outside the vocabulary, prompt + max_new_tokens over the context
                 (``result.check_prompt``), or a ``planner`` with a sampled chain.
+            TypeError: ``sampling`` that is not a SamplingConfig; ``stop_token_ids`` given as text or
+                holding non-integers (``result.DecodeResult``).
         """
+        check_sampling(sampling)
         ids = check_prompt(input_ids, max_new_tokens, self.context, self.head.weight.shape[0])
         res = DecodeResult(ids.numel(), max_new_tokens, stop_token_ids, on_tokens)
         gen = None if sampling.greedy else torch.Generator(device=self.device).manual_seed(sampling.seed)

@@ -30,7 +30,7 @@ class DecodeResult:
     Attributes:
         prompt_len: tokens in the prompt.
         stop_token_ids: the ids that end the generation, as ints (given as one int, any iterable of
-            ints, or a tensor).
+            ints, a tensor, or None for none). TypeError for text or ids that are not integers.
         new_ids: generated token ids (EOS included when it stopped the generation).
         accept_lengths: per SPACE step, candidates accepted (0..m), bonus not counted; empty for AR.
         step_candidates: per SPACE step, the depth of the candidates it verified (m for a chain;
@@ -73,10 +73,17 @@ class DecodeResult:
 
     def __post_init__(self):
         # as ints: a tensor's elements hash by identity, so a stop id given as a tensor never matched
-        ids = self.stop_token_ids
+        ids = () if self.stop_token_ids is None else self.stop_token_ids  # None: no stop id, as HF's eos_token_id
         if isinstance(ids, numbers.Integral):  # one id, as HF's eos_token_id takes it (was a TypeError)
             ids = [ids]
-        self.stop_token_ids = frozenset(int(t) for t in (ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids))
+        if isinstance(ids, (str, bytes)):  # read one character at a time: "67" stopped at token 6
+            raise TypeError(f"stop_token_ids must be token ids (ints), got the text {ids!r}")
+        ids = ids.flatten().tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        ids = [t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else t for t in ids]  # [tensor(5)]
+        wrong = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if wrong:  # int() took 6.7 as token 6
+            raise TypeError(f"stop_token_ids must be token ids (ints), got {wrong[:3]!r}")
+        self.stop_token_ids = frozenset(int(t) for t in ids)
 
     def emit(self, tokens: list[int], seconds: float, accepted: int | None = None,
              candidates: int | None = None, rows: int | None = None, host: float | None = None,

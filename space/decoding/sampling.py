@@ -19,7 +19,8 @@ class SamplingConfig:
     """How tokens are chosen.
 
     Attributes:
-        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature); at most
+            float32's largest value (3.4e38).
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set whose probability reaches top_p (1.0 = off).
         seed: seed of the torch.Generator that drives sampling and acceptance, 0..2**64-1.
@@ -35,6 +36,9 @@ class SamplingConfig:
 
     def __post_init__(self):
         check_real("temperature", self.temperature, 0)
+        if self.temperature > torch.finfo(torch.float32).max:  # inf in the float32 logits: NaN probabilities
+            raise ValueError(f"temperature must be <= {torch.finfo(torch.float32).max:.4g} (float32's largest value: "
+                             f"the logits are float32), got {self.temperature}")
         check_real("top_p", self.top_p, 0, 1, min_open=True)
         check_int("top_k", self.top_k, 0)
         check_int("seed", self.seed, 0, 2**64 - 1)  # the range torch.Generator.manual_seed takes
@@ -42,6 +46,13 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_sampling(sampling) -> None:
+    """Raise TypeError unless ``sampling`` is a :class:`SamplingConfig` (a bare temperature given
+    in its place failed later, as an AttributeError)."""
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, e.g. SamplingConfig(temperature=0.7), got {sampling!r}")
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

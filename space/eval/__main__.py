@@ -24,7 +24,7 @@ from pathlib import Path
 from ..cli import (HelpFormatter, add_debug_flag, add_threads_flag, check_device, check_number,
                    check_threads, console, device_flag, set_threads)
 from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2, STEP_COST_CHOICES
-from .bench import METHODS
+from .bench import HF_MIN_TEMPERATURE, METHODS
 from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model_files, read_record, report
 from .shard import Shard, current_shard, join, wait_for_all
 from .tasks import DATASETS, datastore_questions, load_tasks, trained_questions
@@ -133,7 +133,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
 
     Raises:
         ValueError: unknown or repeated method, a count below its minimum, a temperature, top-p or
-            seed out of range (NaN and inf included), a bad --tree, num_samples > 1 when greedy, an
+            seed out of range (NaN and inf included; a temperature above float32's range, or below
+            ``HF_MIN_TEMPERATURE`` for hf and pld), a bad --tree, num_samples > 1 when greedy, an
             unknown dtype, kernels or device (space.cli.check_device), a CUDA/MPS device this torch
             cannot use (in the device map too), a bad device map, a --tree or --device-map file that
             is not UTF-8, a device map shared by several torchrun processes of one node that have
@@ -161,9 +162,15 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
                           ("temperature", 0), ("top_p", 0)):
         check_number(f"--{name.replace('_', '-')}", getattr(args, name), minimum)  # None: the adapter's default
     check_number("--top-p", args.top_p, maximum=1)
+    check_number("--temperature", args.temperature, maximum=torch.finfo(torch.float32).max)  # inf in float32 logits
     if args.top_p == 0:
         raise ValueError("--top-p must lie in (0, 1], got 0.0 (no token would be kept)")
     check_number("--seed", args.seed, 0, 2**32 - 1)
+    sampled_by_hf = sorted({"hf", "pld"} & set(methods))
+    if 0 < args.temperature < HF_MIN_TEMPERATURE and sampled_by_hf:
+        raise ValueError(f"--temperature {args.temperature} with {', '.join(sampled_by_hf)}: transformers divides the "
+                         f"float32 logits by it, which overflows below {HF_MIN_TEMPERATURE} (NaN probabilities); use 0 "
+                         "for greedy, or a larger temperature")
     if args.num_samples > 1 and args.temperature == 0:
         raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
     if args.datastore_branches is not None and not args.datastore:

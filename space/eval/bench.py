@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # torch and the decoders load in the functions below: space-e
     from ..tokens import MaskSpec
 
 METHODS = ("ar", "hf", "pld", "space")
+# transformers' sampling divides the float32 logits by the temperature unshifted: logits near 1e8 at most
+# stay finite above this (SPACE and AR shift them first, space.decoding.sampling.logits_to_probs)
+HF_MIN_TEMPERATURE = 1e-30
 PLD_TOKENS, PLD_NGRAM = 10, 2  # prompt lookup's candidates per step and longest n-gram (transformers' default)
 
 

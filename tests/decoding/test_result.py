@@ -116,6 +116,31 @@ def test_stop_ids_given_as_a_tensor_stop_the_generation(tiny):
         assert decoder.generate(prompt, 8, stop_token_ids=given).new_ids == want
 
 
+def test_stop_ids_as_text_or_non_integers_are_refused_and_none_means_no_stop(tiny):
+    """A string was read one character at a time (``"67"`` stopped at token 6), a float was cut to
+    an int (6.7 stopped at 6), and None failed as 'not iterable'; a bare SamplingConfig's
+    temperature in its place failed as an AttributeError deep in the decoder."""
+    import torch
+
+    from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
+
+    model, _, spec = tiny
+    prompt = torch.arange(11, 20)
+    free = ar_generate(model, prompt, 8, suppress_ids=spec.token_ids).new_ids
+    decoder = SpaceDecoder(model, spec, DecodeConfig(3))
+    for generate in (lambda **kw: ar_generate(model, prompt, 8, suppress_ids=spec.token_ids, **kw),
+                     lambda **kw: decoder.generate(prompt, 8, **kw)):
+        assert generate(stop_token_ids=None).new_ids == free
+        with pytest.raises(TypeError, match="stop_token_ids must be token ids \\(ints\\), got the text '67'"):
+            generate(stop_token_ids="67")
+        with pytest.raises(TypeError, match=r"got \[6.7\]"):
+            generate(stop_token_ids=[free[0], 6.7])
+        with pytest.raises(TypeError, match=r"got \[True\]"):
+            generate(stop_token_ids=[True])
+        with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
+            generate(sampling=0.7)
+
+
 def test_ar_step_times_are_per_step_not_cumulative(tiny, monkeypatch):
     """ar_generate times each step from its own start (a clock read once before the loop made
     step_times cumulative, so tokens/s fell with length). A fake clock that ticks 1 s per read
