@@ -109,11 +109,21 @@ def greedy_batches(model, tok, prompts: list[dict], batch_size: int = 16, max_ne
         The end ids are the tokenizer's and the model's (``space.models.stop_ids``), as space-eval
         stops; the model's other generation settings are left out (``space.models.plain_generate``):
         the answers are its greedy AR output, the decoders' own.
+
+    Raises:
+        ValueError: a prompt whose ids and max_new_tokens exceed the model's
+            max_position_embeddings (checked for every prompt before the first batch).
     """
     import torch
 
     from .models import plain_generate, stop_ids
 
+    context = getattr(model.config, "max_position_embeddings", None)
+    over = [p for p in prompts if context is not None and len(p["ids"]) + max_new_tokens > context]
+    if over:  # HF's generate ran on past the context (RoPE extrapolates): answers no decoder gives
+        raise ValueError(f"{len(over)} prompt(s) ({over[0]['id']}: {len(over[0]['ids'])} tokens) + max_new_tokens "
+                         f"{max_new_tokens} exceed the model's context of {context} tokens: lower max_new_tokens "
+                         "(or the prompts' length)")
     stops = stop_ids(model, tok)
     side, tok.padding_side = tok.padding_side, "left"
     try:

@@ -491,6 +491,20 @@ def test_bad_input_tree_probe_chat(command, args, fragment, tmp_path, capsys):
     assert not (tmp_path / "probe").exists()  # every case fails before the model runs
 
 
+def test_probe_answers_past_the_context_are_refused_before_generating(tmp_path, capsys):
+    """HF's generate ran on past the tiny model's 2048-token context (RoPE extrapolates) and the
+    probe scored those answers, exit 0; now every prompt is checked before the first batch."""
+    import re
+
+    with pytest.raises(SystemExit) as exit_info:
+        ENTRY["space-probe"]([a.format(tmp=tmp_path) for a in PROBE] + ["--max-new-tokens", "2040"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    assert re.search(r"3 prompt\(s\) \(\S+: \d+ tokens\) \+ max_new_tokens 2040 exceed the model's context of "
+                     r"2048 tokens", err), err
+    assert not (tmp_path / "probe" / "answers.jsonl").exists()
+
+
 def test_chat_survives_input_that_is_not_utf8(monkeypatch, capsys):
     """A piped line of bytes that are not UTF-8 is answered (with U+FFFD), not a crash."""
     import io

@@ -3,6 +3,7 @@ skipped, single-turn prompts only, and a plain .jsonl output that resumes after 
 without losing or repeating a row."""
 import json
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ class StubModel:
 
         self.tok, self.answers, self.unfinished = tok, answers, set(unfinished)
         self.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id)
+        self.config = SimpleNamespace(max_position_embeddings=2048)  # what greedy_batches checks prompts against
 
     def generate(self, input_ids, attention_mask, **kwargs):
         tok, rows = self.tok, []
