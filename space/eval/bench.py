@@ -71,6 +71,49 @@ class Target:
 STEP_KEYS = ("accept_lengths", "step_tokens", "candidates", "rows", "padding", "host_ms", "plan_ms", "sources", "offered")
 
 
+CHOICE_LISTS = ("turns", "new_tokens", "wall_time", "steps", "token_ids")  # one entry per turn in every choice
+
+
+def read_samples(path: Path, repair: bool = True) -> list[dict]:
+    """The records of a samples file (:func:`run_bench`'s), each checked for what the report and a
+    resume read: a dict with ``question_id``, ``category`` and ``model_id``, and either
+    ``skipped`` or ``choices``, a non-empty list of samples each holding the CHOICE_LISTS, one
+    entry per turn. ``repair``: as ``space.jsonl.read_jsonl_resumable`` (a torn last line dropped).
+
+    Raises:
+        ValueError: a line that is not JSON (``read_jsonl_resumable``), or a record that is not a
+            sample record (file, record number and the field named): an empty ``choices`` made the
+            method's totals cover other questions than the others' (speedups off, exit 0), and a
+            missing field failed as a KeyError after every question was decoded.
+    """
+    rows = read_jsonl_resumable(path, repair=repair)
+    for i, row in enumerate(rows, 1):
+        why = _not_a_record(row)
+        if why:
+            raise ValueError(f"{path}: record {i} is not a space-eval sample record ({why}): delete it (a rerun "
+                             "decodes that question again) or pass another --out")
+    return rows
+
+
+def _not_a_record(row) -> str | None:
+    """What makes ``row`` no sample record (:func:`read_samples`), or None."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    for key in ("question_id", "category", "model_id"):
+        if not isinstance(row.get(key), str):
+            return f"{key} missing or not text"
+    if "skipped" in row:
+        return None
+    choices = row.get("choices")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
+        return "choices missing, empty or not a list of objects"
+    for c in choices:
+        lists = [c.get(key) for key in CHOICE_LISTS]
+        if not all(isinstance(v, list) for v in lists) or len({len(v) for v in lists}) != 1 or not lists[0]:
+            return f"a choice without one entry per turn in each of {', '.join(CHOICE_LISTS)}"
+    return None
+
+
 def generate(method: str, target: Target, ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> dict:
     """One generation: new token ids, wall time (s), target forward passes ("steps", counted for
     every method), and for SPACE per step the accepted drafts, the tokens emitted and the
@@ -230,9 +273,10 @@ def run_bench(target: Target, tasks: list[EvalTask], methods: list[str], out_fil
 
     Raises:
         ValueError: ``out_file`` holds records of a question asked now whose fingerprint differs (its
-            text or tests changed since), naming them; records written before fingerprints pass.
+            text or tests changed since), naming them; records written before fingerprints pass; a
+            record that is not a sample record (:func:`read_samples`).
     """
-    rows = read_jsonl_resumable(out_file)
+    rows = read_samples(out_file)
     asked = {t.question_id: question_sha256(t) for t in tasks}
     changed = sorted({r["question_id"] for r in rows if r.get("question_sha256")
                       and r["question_sha256"] != asked.get(r["question_id"], r["question_sha256"])})

@@ -18,7 +18,8 @@ import re
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from ..jsonl import held, read_jsonl_resumable, write_jsonl, write_text_atomic
+from ..jsonl import held, write_jsonl, write_text_atomic
+from .bench import read_samples
 from .shard import Shard
 
 # settings that shape every sample's tokens: a folder's samples are only resumed under the same
@@ -182,7 +183,7 @@ def _drop_duplicates(samples: Path) -> None:
     went (two runs that wrote one folder at once, before runs held their samples file)."""
     if not samples.is_file():
         return
-    rows, first = read_jsonl_resumable(samples), {}
+    rows, first = read_samples(samples), {}
     for row in rows:
         first.setdefault((row["question_id"], row["model_id"]), row)
     kept = list(first.values())
@@ -306,7 +307,7 @@ def merge(out: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict]:
         # read only: the rank may still be appending to its file (a torn last line is its to repair).
         # The first record of a (question, method), as a resume keeps (_drop_duplicates)
         rows = {}
-        for r in read_jsonl_resumable(out / Shard(rank, n).samples, repair=False):
+        for r in read_samples(out / Shard(rank, n).samples, repair=False):
             rows.setdefault((r["question_id"], r["model_id"]), r)
         missing = [(q, m) for q in questions for m in methods if (q, m) not in rows]
         if missing:
@@ -332,7 +333,7 @@ def _beyond_ranks(out: Path, records: list[dict], meta: dict, keys: tuple[str, .
     """The records of ``out/samples.jsonl`` that no rank wrote, checked against ``run_config.json``
     (which says how they were made); widens ``meta``'s question count to cover them."""
     ours = {(r["question_id"], r["model_id"]) for r in records}
-    extra = [r for r in read_jsonl_resumable(out / "samples.jsonl") if (r["question_id"], r["model_id"]) not in ours]
+    extra = [r for r in read_samples(out / "samples.jsonl") if (r["question_id"], r["model_id"]) not in ours]
     if not extra:
         return []
     recorded = read_record(out / "run_config.json") if (out / "run_config.json").is_file() else {}

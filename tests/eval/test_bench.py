@@ -270,3 +270,30 @@ def test_run_bench_times_each_question_warm(monkeypatch, tmp_path):
                            SamplingConfig())
     assert [(r["question_id"], r["run"]) for r in rows] == [("q0", 2), ("q1", 3)]
     assert calls == [("q0", "pld"), ("q0", "pld"), ("q1", "pld")]
+
+
+def test_a_samples_file_holding_what_is_no_sample_record_is_refused(target, tmp_path):
+    """A record with ``choices: []`` made AR's totals cover other questions than SPACE's (speedups
+    off, exit 0); one without ``choices``, a choice without ``new_tokens``, or a JSON that is no
+    object failed as a KeyError / TypeError after every question had been decoded. A real
+    record, and a skipped one, are read back as they are."""
+    from space.eval.bench import read_samples
+
+    task = EvalTask("q1", "c", ["say hi"])
+    good = {"question_id": "q1", "category": "c", "model_id": "ar",
+            **run_question("ar", target, task, 4, SamplingConfig(), 1)}
+    skipped = {"question_id": "q2", "category": "c", "model_id": "ar", "skipped": "too long"}
+    path = tmp_path / "samples.jsonl"
+    write_jsonl(path, [good, skipped])
+    assert read_samples(path) == [good, skipped]
+    choice = good["choices"][0]
+    for bad, why in [({**good, "choices": []}, "choices missing, empty or not a list of objects"),
+                     ({k: v for k, v in good.items() if k != "choices"}, "choices missing"),
+                     ({**good, "choices": [{k: v for k, v in choice.items() if k != "new_tokens"}]},
+                      "a choice without one entry per turn in each of turns, new_tokens"),
+                     ({**good, "choices": [{**choice, "steps": []}]}, "a choice without one entry per turn"),
+                     ({k: v for k, v in good.items() if k != "model_id"}, "model_id missing or not text"),
+                     ([1, 2], "a JSON list, not an object")]:
+        write_jsonl(path, [good, bad])
+        with pytest.raises(ValueError, match=rf"samples.jsonl: record 2 is not a space-eval sample record \({why}"):
+            read_samples(path)

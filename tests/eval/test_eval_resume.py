@@ -34,6 +34,15 @@ def meta() -> dict:
             "sdpa": None, "commits": ["abc"]}
 
 
+def record(question: str, method: str) -> dict:
+    """A sample record as a resume reads it (``space.eval.bench.read_samples``): a skipped one."""
+    return {"question_id": question, "category": "c", "model_id": method, "skipped": "made by hand"}
+
+
+def line(question: str, method: str) -> str:
+    return json.dumps(record(question, method)) + "\n"
+
+
 def test_every_key_is_checked():
     assert set(CHANGES) == set(RESUME_KEYS)
 
@@ -41,7 +50,7 @@ def test_every_key_is_checked():
 @pytest.mark.parametrize("key", sorted(CHANGES))
 def test_resume_refuses_a_change_of_any_key(tmp_path, key):
     check_resume(tmp_path, meta())
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     check_resume(tmp_path, meta())  # the same settings resume
     with pytest.raises(ValueError, match=rf"other settings.*'{key}': \("):
         check_resume(tmp_path, {**meta(), key: CHANGES[key]})
@@ -55,7 +64,7 @@ def test_a_trunk_recorded_before_the_norm_swap_resumes_as_one_without_swapped_no
     old = meta()
     old["trunk"] = {k: v for k, v in old["trunk"].items() if k != "rms_norms"}
     check_resume(tmp_path, old)
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     check_resume(tmp_path, meta())  # rms_norms 0
     (tmp_path / "run_config.json").write_text(json.dumps(old))
     with pytest.raises(ValueError, match="'trunk'"):
@@ -113,7 +122,7 @@ def test_resume_drops_duplicate_records(tmp_path, capsys):
     """Two runs that wrote one folder at once left every record twice: the resume keeps the first
     of each (question, method), in order, and says how many went."""
     check_resume(tmp_path, meta())
-    rows = [{"question_id": q, "model_id": m, "n": i} for i, (q, m) in enumerate(
+    rows = [{**record(q, m), "n": i} for i, (q, m) in enumerate(
         [("q1", "ar"), ("q1", "space"), ("q1", "ar"), ("q2", "ar"), ("q1", "space"), ("q2", "ar")])]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     check_resume(tmp_path, meta())
@@ -147,7 +156,7 @@ def test_a_failed_record_write_keeps_the_old_record(tmp_path, monkeypatch, reque
     full disk) leaves the previous record whole, where writing in place left it torn and every
     later resume refused as "damaged"."""
     check_resume(tmp_path, meta())
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     before = (tmp_path / "run_config.json").read_text()
     request.getfixturevalue("torn_writes")
     with pytest.raises(OSError, match="No space left"):
@@ -161,7 +170,7 @@ def test_a_rank_is_checked_against_the_merged_samples_too(tmp_path):
     """A rank started in a folder whose merged samples.jsonl was made with other settings is refused
     (its records would be merged in beside them), though it has no samples of its own yet."""
     check_resume(tmp_path, meta())
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     rank = {**meta(), "max_new_tokens": 99, "shard": {"rank": 0, "world_size": 2, "questions": ["q"]}}
     with pytest.raises(ValueError, match=r"other settings \(run_config.json\).*'max_new_tokens': \(12, 99\)"):
         check_resume(tmp_path, rank, Shard(0, 2))
@@ -175,8 +184,8 @@ def test_merge_refuses_extra_records_made_with_other_settings(tmp_path):
     rank = {**meta(), "num_questions": 1, "shard": {"rank": 0, "world_size": 1, "questions": ["q1"]}}
     (tmp_path / "run_config.rank0.json").write_text(json.dumps(rank))
     (tmp_path / "samples.rank0.jsonl").write_text(
-        "".join(json.dumps({"question_id": "q1", "model_id": m}) + "\n" for m in ("ar", "space")))
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q2", "model_id": "ar"}\n')
+        "".join(line("q1", m) for m in ("ar", "space")))
+    (tmp_path / "samples.jsonl").write_text(line("q2", "ar"))
     (tmp_path / "run_config.json").write_text(json.dumps({**meta(), "num_questions": 2}))
     records, _ = merge(tmp_path, MERGE_KEYS)
     assert [(r["question_id"], r["model_id"]) for r in records] == [("q1", "ar"), ("q1", "space"), ("q2", "ar")]
@@ -194,7 +203,7 @@ def test_merge_keeps_the_first_record_of_a_pair_and_holds_the_samples(tmp_path):
 
     rank = {**meta(), "num_questions": 1, "shard": {"rank": 0, "world_size": 1, "questions": ["q1"]}}
     (tmp_path / "run_config.rank0.json").write_text(json.dumps(rank))
-    rows = [{"question_id": "q1", "model_id": m, "n": i} for i, m in enumerate(("ar", "space", "ar"))]
+    rows = [{**record("q1", m), "n": i} for i, m in enumerate(("ar", "space", "ar"))]
     torn = "".join(json.dumps(r) + "\n" for r in rows) + '{"question_id": "q1", "mod'
     (tmp_path / "samples.rank0.jsonl").write_text(torn)
     with hold_samples(tmp_path / "samples.jsonl"):
@@ -212,8 +221,8 @@ def sharded_folder(out) -> None:
     rank = {**meta(), "num_questions": 1, "shard": {"rank": 0, "world_size": 1, "questions": ["q1"]}}
     (out / "run_config.rank0.json").write_text(json.dumps(rank))
     (out / "samples.rank0.jsonl").write_text(
-        "".join(json.dumps({"question_id": "q1", "model_id": m}) + "\n" for m in ("ar", "space")))
-    (out / "samples.jsonl").write_text('{"question_id": "q2", "model_id": "ar"}\n')
+        "".join(line("q1", m) for m in ("ar", "space")))
+    (out / "samples.jsonl").write_text(line("q2", "ar"))
     (out / "run_config.json").write_text(json.dumps({**meta(), "num_questions": 2}))
 
 
@@ -240,11 +249,11 @@ def test_merge_holds_the_samples_from_its_read_to_its_writes(tmp_path, monkeypat
             return real(path, *args, **kwargs)
         monkeypatch.setattr(resume, name, call)
 
-    for name in ("read_jsonl_resumable", "write_jsonl", "write_text_atomic"):
+    for name in ("read_samples", "write_jsonl", "write_text_atomic"):
         spy(name, getattr(resume, name))
     monkeypatch.setattr(resume, "report", lambda records, meta, out: meta)  # no plots: the files are the point
     resume.merge_run(tmp_path)
-    assert seen == [("read_jsonl_resumable", "samples.jsonl", True), ("write_jsonl", "samples.jsonl", True),
+    assert seen == [("read_samples", "samples.jsonl", True), ("write_jsonl", "samples.jsonl", True),
                     ("write_text_atomic", "run_config.json", True)]
     assert [json.loads(line)["question_id"] for line in samples.read_text().splitlines()] == ["q1", "q1", "q2"]
 
@@ -283,7 +292,7 @@ def test_a_merged_run_resumes_on_any_device_of_its_ranks_type_and_on_their_machi
     run repeats: a plain run resumes it on one of those machines on a device of their type, any
     index (its timings are comparable), and is refused on another device type or machine."""
     merged = {**meta(), "ranks": 2, "device": "cuda:0; cuda:1", "machine": "host a; host b"}
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     for device, machine in (("cuda:1", "host b"), ("cuda", "host a"), ("cuda:3", "host b")):
         (tmp_path / "run_config.json").write_text(json.dumps(merged))
         check_resume(tmp_path, {**meta(), "device": device, "machine": machine})
@@ -333,7 +342,7 @@ def test_damaged_records_name_their_file_instead_of_a_traceback(tmp_path):
     file and exits 2 (``space-eval: error``)."""
     from space.eval.resume import merge_run
 
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     for damaged in ("null", "[]", "7"):
         (tmp_path / "run_config.json").write_text(damaged)
         with pytest.raises(ValueError, match="run_config.json: damaged run record"):
@@ -357,7 +366,7 @@ def test_a_resume_tells_two_cpus_of_one_name_apart_by_their_vector_isa(tmp_path)
 
     here = machine("cpu")
     assert re.search(r" cores, .+ \((AVX512|AVX2|DEFAULT|[A-Z0-9_]+)\)$", here), here
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     older = re.sub(r" \([A-Z0-9_]+\)$", "", here)
     for recorded, resumes in ((here, True), (older, True), (older + " (AVX2)" if "(AVX2)" not in here else older + " (AVX512)", False),
                               (older + ", NVIDIA H200", False)):
@@ -384,7 +393,7 @@ def test_a_record_made_before_a_setting_resumes_with_its_default(tmp_path, key):
     """A run record written before lookup branches, the datastore and per-turn seeds lacks their
     keys; it resumes under their defaults (one lookup branch, no datastore, one seed per sample), as
     OLD_DEFAULTS says those runs had them: a wrong default refused every older folder."""
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     (tmp_path / "run_config.json").write_text(json.dumps({k: v for k, v in meta().items() if k != key}))
     check_resume(tmp_path, meta())
     (tmp_path / "run_config.json").write_text(json.dumps({k: v for k, v in meta().items() if k != key}))
@@ -398,7 +407,7 @@ def test_a_plain_resume_of_a_merged_run_keeps_the_timed_choices_it_shares(tmp_pa
     otherwise; dropping them always lost the pin after one resume."""
     timed = {"packed_min_rows": 4, "kernel_paths": {"576x576": {"stock_rows": 2}}}
     merged = {**meta(), "ranks": 2, "device": "cuda:0; cuda:1", "machine": "host a; host b", **timed}
-    (tmp_path / "samples.jsonl").write_text('{"question_id": "q", "model_id": "ar"}\n')
+    (tmp_path / "samples.jsonl").write_text(line("q", "ar"))
     (tmp_path / "run_config.json").write_text(json.dumps(merged))
     check_resume(tmp_path, {**meta(), "device": "cuda:0", "machine": "host a", **timed})
     kept = json.loads((tmp_path / "run_config.json").read_text())
