@@ -491,6 +491,20 @@ def test_bad_input_tree_probe_chat(command, args, fragment, tmp_path, capsys):
     assert not (tmp_path / "probe").exists()  # every case fails before the model runs
 
 
+@pytest.mark.parametrize("command, args", [("space-eval", [*EVAL, "--mask-num", "40"]),
+                                           ("space-probe", [*PROBE, "-k", "40"])])
+def test_a_mask_num_past_the_maximum_is_refused_before_the_model_loads(command, args, tmp_path, monkeypatch, capsys):
+    """space-eval and space-probe refused k = 40 only once load_space had loaded the weights
+    (seconds here, minutes for a 7B model); space-chat already refused it while parsing."""
+    import space.loader
+
+    monkeypatch.setattr(space.loader, "load_space", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit) as exit_info:
+        ENTRY[command]([a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "mask_num (k) = 40 exceeds the maximum 16" in err, err
+
+
 def test_probe_answers_past_the_context_are_refused_before_generating(tmp_path, capsys):
     """HF's generate ran on past the tiny model's 2048-token context (RoPE extrapolates) and the
     probe scored those answers, exit 0; now every prompt is checked before the first batch."""

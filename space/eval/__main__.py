@@ -148,6 +148,7 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
 
     from ..decoding.tree import tree_flag
     from ..loader import check_compile
+    from ..tokens import check_mask_num
     from ..models import parse_device_map, parse_dtype
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -162,6 +163,8 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
                           ("temperature", 0), ("top_p", 0)):
         check_number(f"--{name.replace('_', '-')}", getattr(args, name), minimum)  # None: the adapter's default
     check_number("--top-p", args.top_p, maximum=1)
+    if args.mask_num is not None:
+        check_mask_num(args.mask_num)  # past MAX_MASK_NUM it was refused only after the weights loaded
     check_number("--temperature", args.temperature, maximum=torch.finfo(torch.float32).max)  # inf in float32 logits
     if args.top_p == 0:
         raise ValueError("--top-p must lie in (0, 1], got 0.0 (no token would be kept)")

@@ -335,8 +335,10 @@ def main(argv: list[str] | None = None) -> dict:
     from ..decoding.cache import attention_dtype, attention_windows
     from ..decoding.config import DEFAULT_MASK_NUM
     from ..loader import load_space
-    from ..tokens import MAX_MASK_NUM
+    from ..tokens import MAX_MASK_NUM, check_mask_num
 
+    if a.mask_num is not None:
+        check_mask_num(a.mask_num)  # past MAX_MASK_NUM it was refused only after the weights loaded
     read_tree(a.tree, a.mask_num or MAX_MASK_NUM, a.model, a.adapter)  # before loading; rechecked against k below
     target = target_name(a.model, a.adapter)
     base = base_model_name(a.model, a.adapter)
