@@ -29,8 +29,18 @@ for a in "$@"; do  # the user's --model, --dataset and --adapter (then the defau
   case "$a" in --adapter|--adapter=*) ADAPTER=none;; esac
   prev=$a
 done
-base=$([ -f "$ADAPTER/space_config.json" ] && "$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model"])' "$ADAPTER/space_config.json" || true)
-[ -n "$model" ] && [ "$model" != "$base" ] && ADAPTER=none  # another model: the adapter does not fit it
+# another model: the adapter does not fit it. Its own base spelt another way (a path for the alias, ./m/ for m)
+# keeps it; a config that cannot be read keeps it too, and space-eval says what is wrong with it
+if [ -n "$model" ] && [ -f "$ADAPTER/space_config.json" ] && ! "$py" -c '
+import json, sys
+from space.models import model_identity
+try:
+    base = json.load(open(sys.argv[1]))["base_model"]
+except (OSError, ValueError, KeyError, TypeError):
+    sys.exit(0)
+sys.exit(model_identity(sys.argv[2]) != model_identity(str(base)))' "$ADAPTER/space_config.json" "$model"; then
+  ADAPTER=none
+fi
 # --device auto: the GPU when there is one (space-eval records the device it chose)
 # a folder per dataset (a .jsonl's by its name), model and adapter: a folder's samples resume only a run with the
 # same settings, and a second dataset there stopped at the first's

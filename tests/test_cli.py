@@ -38,6 +38,34 @@ def test_run_eval_sh_on_another_model(tmp_path):
     assert (tmp_path / "used").is_file()
 
 
+def test_run_eval_sh_keeps_the_adapter_for_its_base_spelt_another_way(tmp_path):
+    """run_eval.sh compared --model with the adapter's base_model as text: its base given as
+    ``./m/`` (or the alias's cache folder) ran without the adapter, said only by a warning; a
+    space_config.json that is not JSON printed a Python traceback before space-eval's one-line
+    error. A python that prints the arguments it would hand space-eval stands in for the run."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(
+        f'#!/bin/sh\nif [ "$1" = -m ]; then echo "$@"; exit 0; fi\nexec {sys.executable} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (tmp_path / "m").mkdir()
+    for name, config in (("adapter", json.dumps({"base_model": str(tmp_path / "m")})), ("broken", "{not json")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "space_config.json").write_text(config)
+
+    def passed(model: str, adapter: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / "run_eval.sh"), "--model", model], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "VENV": str(venv), "ADAPTER": adapter,
+                                                           "PYTHONPATH": str(ROOT)})
+
+    for model in ("./m/", "m", str(tmp_path / "m")):
+        out = passed(model, str(tmp_path / "adapter"))
+        assert out.returncode == 0 and f"--adapter {tmp_path / 'adapter'}" in out.stdout, (model, out.stdout, out.stderr)
+    assert "--adapter" not in passed("tiny-random-llama", str(tmp_path / "adapter")).stdout
+    broken = passed("tiny-random-llama", str(tmp_path / "broken"))
+    assert "--adapter" in broken.stdout and "Traceback" not in broken.stderr, broken.stderr
+
+
 def test_run_eval_sh_reads_paths_from_where_it_runs_and_refuses_a_wrong_adapter(tmp_path):
     """Catches the script's cd into the repo: a relative --dataset or --out was read from the repo,
     not from where the user ran it; and a mistyped ADAPTER was dropped without a word (the run went
