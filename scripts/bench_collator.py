@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from space.cli import output_file, positive_int
 from space.data.collator import SpaceCollator
 from space.jsonl import write_text_atomic
 
@@ -71,19 +72,19 @@ def same_batch(got: dict, want: dict) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=2, help="samples per micro-batch")
-    ap.add_argument("--length", type=int, default=2048, help="tokens per sample")
-    ap.add_argument("--mask-num", type=int, default=5, help="k, masks per group")
-    ap.add_argument("--spans-per-sample", type=int, default=1, help="mask groups per sample")
+    ap.add_argument("--batch", type=positive_int, default=2, help="samples per micro-batch")
+    ap.add_argument("--length", type=positive_int, default=2048, help="tokens per sample")
+    ap.add_argument("--mask-num", type=positive_int, default=5, help="k, masks per group")
+    ap.add_argument("--spans-per-sample", type=positive_int, default=1, help="mask groups per sample")
     ap.add_argument("--span-density", type=float, default=0.0,
                     help="dense groups: share of answer positions that anchor one (overrides --spans-per-sample; 0 = off)")
     ap.add_argument("--layout", choices=["efficient", "truncate"], default="efficient")
-    ap.add_argument("--repeats", type=int, default=20, help="timed calls (median reported)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a dataloader worker)")
+    ap.add_argument("--repeats", type=positive_int, default=20, help="timed calls (median reported)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (1: a dataloader worker)")
     ap.add_argument("--baseline", type=Path, default=None, help="another collator.py to time against")
     ap.add_argument("--baseline-masking", type=Path, default=None,
                     help="the baseline's own masking.py (default: this checkout's)")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     feats = features(a.batch, a.length, seed=0)

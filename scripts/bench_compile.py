@@ -40,6 +40,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 from space.choices import COMPILE_MODES
+from space.cli import positive_int
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder
 from space.eval.bench import Target, generate
@@ -54,9 +55,9 @@ ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--adapter", default=str(ADAPTER))
-    p.add_argument("--prompts", type=int, default=10, help="HumanEval prompts (default 10)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompts", type=positive_int, default=10, help="HumanEval prompts (default 10)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both copies)")
     p.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                    help="the compiled copy's torch.compile mode (reduce-overhead: CUDA graphs, a GPU)")
@@ -70,7 +71,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, required=True, help="folder for compile.json and compile.md")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [int(r) for r in args.rows.split(",") if r]
+    rows = [int(r) for r in args.rows.split(",") if r]  # none: no step-cost curve
     setups = tuple(s for s in args.setups.split(",") if s)
     if not setups or set(setups) - {"eager", "eager-static", "compiled"}:
         p.error(f"--setups: choose among eager, eager-static, compiled, got {args.setups!r}")

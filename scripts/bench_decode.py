@@ -23,6 +23,7 @@ import transformers
 from transformers import DynamicCache, GenerationConfig
 
 from space.choices import KERNEL_CHOICES
+from space.cli import output_file, positive_int
 from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
@@ -70,12 +71,12 @@ def step_fn(model, prefix: torch.Tensor, lay, mask_id: int, head_rows: torch.Ten
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--cache", type=int, default=200, help="tokens in the KV cache")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--gen-tokens", type=int, default=128, help="new tokens for the AR vs HF comparison")
+    ap.add_argument("--cache", type=positive_int, default=200, help="tokens in the KV cache")
+    ap.add_argument("--repeats", type=positive_int, default=7)
+    ap.add_argument("--gen-tokens", type=positive_int, default=128, help="new tokens for the AR vs HF comparison")
     ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids the steps are timed on")
-    ap.add_argument("--out", type=Path, default=Path("results/bench_decode.json"))
+    ap.add_argument("--out", type=output_file, default=Path("results/bench_decode.json"))
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     model, tok = load_model(a.model)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's space/ and tests/, not an insta
 
 import torch  # noqa: E402
 
+from space.cli import output_file, positive_int  # noqa: E402
 from space.decoding import DecodeConfig, SpaceDecoder  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
 from space.models import tiny_random_llama  # noqa: E402
@@ -37,11 +38,11 @@ from tests.conftest import TRAINED_K, CycleLanguage, train_drafter  # noqa: E402
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=24, help="timed prompts, after --warmup more (default 24)")
+    p.add_argument("--prompts", type=positive_int, default=24, help="timed prompts, after --warmup more (default 24)")
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--out", type=output_file, help="JSON file to write")
     args = p.parse_args(argv)
 
     with torch.random.fork_rng():  # the `trained` fixture's recipe

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from space.cli import output_file, positive_int
 from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids, code_prompt
 from space.decoding import SpaceDecoder, ar_generate
@@ -36,10 +37,10 @@ ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-space
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--adapter", default=str(ADAPTER))
-    p.add_argument("--prompts", type=int, default=6, help="HumanEval prompts (default 6)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", type=positive_int, default=6, help="HumanEval prompts (default 6)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96)
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--out", type=output_file, required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 

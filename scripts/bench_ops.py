@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's space/, not an installed copy
 
 import torch  # noqa: E402
 
+from space.cli import output_file, positive_int  # noqa: E402
 from space.data.prompts import chat_ids, code_prompt  # noqa: E402
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate  # noqa: E402
 from space.decoding.graphs import StepGraphs  # noqa: E402
@@ -76,16 +77,16 @@ def count(generate, prompts, trunk=None) -> tuple[float, int, dict]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--prompts", type=positive_int, default=2)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--attention", choices=["load", "cuda"], default="load",
                    help="load: what load_space sets on this device; cuda: the trunk CUDA loads (the query heads "
                         "folded into the batch, masks in aligned rows, the one-call RMSNorm of space.rms_norm)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--capture", action="store_true",
                    help="count the ops of captured steps outside their graph (AR, PLD and the layouts)")
-    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--out", type=output_file, help="JSON file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's space/, not an installed copy
 
 import torch  # noqa: E402
 
+from space.cli import output_file, positive_int, positive_ints  # noqa: E402
 from space.cpu_kernels import PACKED_KERNELS, cpu_model, has_kernel, optimize_for_cpu  # noqa: E402
 from space.eval.step_cost import time_steps  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
@@ -36,15 +37,15 @@ ADAPTER = ROOT / "adapters" / "smollm2-135m-space"
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,4,16,32", help="step row counts, comma-separated (default 1,4,16,32)")
-    p.add_argument("--cache", type=int, default=300, help="cached tokens before the step (default 300)")
-    p.add_argument("--rounds", type=int, default=6, help="turns of the kernels (default 6)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--rows", type=positive_ints, default="1,4,16,32", help="step row counts, comma-separated (default 1,4,16,32)")
+    p.add_argument("--cache", type=positive_int, default=300, help="cached tokens before the step (default 300)")
+    p.add_argument("--rounds", type=positive_int, default=6, help="turns of the kernels (default 6)")
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--out", type=output_file, help="JSON file to write")
     args = p.parse_args(argv)
-    rows = sorted({int(r) for r in args.rows.split(",")})
+    rows = sorted(set(args.rows))
     if rows[0] != 1:
-        p.error(f"--rows {args.rows}: must hold 1 (the AR step the ratios divide by) and no count below it")
+        p.error(f"--rows {','.join(map(str, rows))}: must hold 1 (the AR step the ratios divide by)")
     kernels = [k for k in PACKED_KERNELS if has_kernel(k)]
     if len(kernels) < 2:
         p.error(f"this torch build has {kernels or 'no'} packed kernel(s): nothing to compare")

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
 
+from space.cli import output_file, positive_int  # noqa: E402
 from space.cpu_kernels import apply_kernels, cpu_model  # noqa: E402
 from space.eval.step_cost import time_steps  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
@@ -59,11 +60,11 @@ def no_attention(module, query, key, value, attention_mask, *args, **kwargs):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=16, help="the many-row step's rows (default 16)")
-    p.add_argument("--cache", type=int, default=300, help="cached tokens before the step (default 300)")
-    p.add_argument("--rounds", type=int, default=8, help="turns of the five setups (default 8)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--rows", type=positive_int, default=16, help="the many-row step's rows (default 16)")
+    p.add_argument("--cache", type=positive_int, default=300, help="cached tokens before the step (default 300)")
+    p.add_argument("--rounds", type=positive_int, default=8, help="turns of the five setups (default 8)")
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--out", type=output_file, help="JSON file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _, _ = load_space(adapter=ADAPTER)

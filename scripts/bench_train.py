@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from space.adapter_layers import prepare_model
+from space.cli import output_file, positive_int
 from space.data.collator import SpaceCollator
 from space.data.sft import load_examples, tokenize
 from space.jsonl import write_text_atomic
@@ -41,12 +42,12 @@ def time_steps(model, batch, settings: SpaceSettings, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--mask-num", type=int, default=5)
-    ap.add_argument("--spans", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("results/bench_train.json"))
+    ap.add_argument("--seq", type=positive_int, default=512)
+    ap.add_argument("--batch", type=positive_int, default=2)
+    ap.add_argument("--mask-num", type=positive_int, default=5)
+    ap.add_argument("--spans", type=positive_int, default=8)
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--out", type=output_file, default=Path("results/bench_train.json"))
     a = ap.parse_args()
     res = {"seq": a.seq, "batch": a.batch, "mask_num": a.mask_num, "spans_per_sample": a.spans,
            "threads": torch.get_num_threads(), "torch": torch.__version__}

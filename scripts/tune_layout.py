@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from space.choices import KERNEL_CHOICES
+from space.cli import output_file, positive_int, positive_ints
 from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
@@ -31,23 +32,26 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapter", default=None)
     ap.add_argument("--dataset", default="mbpp", help="prompt source (a training set, not an evaluation set)")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--mask-nums", default="2,3,4,5")
+    ap.add_argument("--prompts", type=positive_int, default=4)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=96)
+    ap.add_argument("--mask-nums", type=positive_ints, default="2,3,4,5", help="comma list of k")
     ap.add_argument("--lookup-tokens", default="0", help="comma list of SpaceDecoder lookup_tokens (0 = pure SPACE)")
     ap.add_argument("--search", type=Path, default=None, help="a space-tree tree_search.json: also time its best layouts")
-    ap.add_argument("--top", type=int, default=4, help="with --search: how many of its layouts")
+    ap.add_argument("--top", type=positive_int, default=4, help="with --search: how many of its layouts")
     ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
-    ap.add_argument("--out", type=Path, default=Path("results/tune_layout.json"))
+    ap.add_argument("--out", type=output_file, default=Path("results/tune_layout.json"))
     a = ap.parse_args()
-    for flag, value in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens), ("--top", a.top)):
-        if value < 1:  # --prompts 0 took every example ([-0:]), and no AR time to divide by
-            ap.error(f"{flag} must be >= 1, got {value}")
+    # counts are >= 1 (space.cli.positive_int): --prompts 0 took every example ([-0:]), and no AR time to divide by
+    try:  # before the model loads
+        lookups = [int(t) for t in a.lookup_tokens.split(",")]
+    except ValueError:
+        lookups = [-1]
+    if min(lookups) < 0:
+        ap.error(f"--lookup-tokens must be a comma list of integers >= 0, got {a.lookup_tokens!r}")
     model, tok, spec = load_space(a.model, a.adapter)
     kernels = apply_kernels(model, a.kernels)
     prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]
-    lookups = list(map(int, a.lookup_tokens.split(",")))
-    grid = [DecodeConfig(k, g, lookup_tokens=lt) for k in map(int, a.mask_nums.split(","))
+    grid = [DecodeConfig(k, g, lookup_tokens=lt) for k in a.mask_nums
             for g in sorted({1, 2, 3, k + 1}) if g <= k + 1 for lt in lookups]
     if a.search is not None:
         found = json.loads(a.search.read_text())["layouts"][: a.top]

@@ -23,6 +23,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import yaml
 
@@ -47,6 +48,39 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or isinstance(action, argparse._StoreTrueAction) or "default" in text:
             return text
         return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1 (a repeat, prompt, token or row count); argparse exits 2
+    naming the flag otherwise (0 and negatives failed deep inside the benchmark scripts)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse ``type``: a comma list of integers >= 1 (``"2,4,8"``), each as :func:`positive_int`."""
+    try:
+        values = [positive_int(t) for t in text.split(",") if t.strip()]
+    except ValueError:  # not an integer (positive_int's refusal names the value)
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"must be a comma list of integers >= 1, got {text!r}")
+    return values
+
+
+def output_file(text: str) -> Path:
+    """argparse ``type``: a file to write results to, its folder made now: a path under a file, or
+    a folder given for the file, fails while parsing, not after minutes of timing."""
+    path = Path(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot make its folder {path.parent}: {e.strerror}") from None
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder; name a file")
+    return path
 
 
 def check_number(flag: str, value: float | None, minimum: float | None = None, maximum: float | None = None) -> None:

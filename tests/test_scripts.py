@@ -551,7 +551,31 @@ def test_tune_layout_refuses_a_count_below_one(tmp_path, monkeypatch, capsys, fl
     decoded all 974 MBPP prompts with every layout."""
     with pytest.raises(SystemExit):
         run_as_main("tune_layout", ["--model", "tiny-random-llama", flag, "0", "--out", tmp_path / "t.json"], monkeypatch)
-    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+    assert f"argument {flag}: must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, argv, said", [
+    # each failed deep inside the run (StatisticsError, a torch RuntimeError, transformers' ValueError after
+    # three sections were timed), or wrote nothing after the whole run (an --out under a file)
+    ("bench_decode", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+    ("bench_decode", ["--cache", "-5"], "argument --cache: must be an integer >= 1, got -5"),
+    ("bench_decode", ["--gen-tokens", "0"], "argument --gen-tokens: must be an integer >= 1, got 0"),
+    ("bench_decode", ["--out", "{tmp}/afile/bd.json"], "argument --out: cannot make its folder"),
+    ("bench_train", ["--out", "{tmp}"], "is a folder; name a file"),
+    ("tune_layout", ["--mask-nums", "abc"], "argument --mask-nums: must be a comma list of integers >= 1, got 'abc'"),
+    ("tune_layout", ["--lookup-tokens", "2,x"], "--lookup-tokens must be a comma list of integers >= 0, got '2,x'"),
+])
+def test_benchmark_scripts_refuse_bad_arguments_before_the_model_loads(script, argv, said, tmp_path, monkeypatch,
+                                                                        capsys):
+    import space.loader
+    import space.models
+
+    (tmp_path / "afile").write_text("")
+    for module, name in ((space.models, "load_model"), (space.loader, "load_space")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit) as exit_info:
+        run_as_main(script, ["--model", "tiny-random-llama", *(a.format(tmp=tmp_path) for a in argv)], monkeypatch)
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_tune_layout_tiny(tiny_adapter, tmp_path, monkeypatch):
