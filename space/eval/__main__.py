@@ -25,7 +25,8 @@ from ..cli import (HelpFormatter, add_debug_flag, add_threads_flag, check_device
                    check_threads, console, device_flag, set_threads)
 from ..choices import ALIASES, COMPILE_MODES, DEVICE_MAP_STRATEGIES, KERNEL_CHOICES, SMOLLM2, STEP_COST_CHOICES
 from .bench import HF_MIN_TEMPERATURE, METHODS
-from .resume import adapter_sha256, check_resume, hold_samples, merge_run, model_files, read_record, report
+from .resume import (adapter_sha256, check_flags_resume, check_resume, hold_samples, merge_run, model_files,
+                     read_record, report)
 from .shard import Shard, current_shard, join, wait_for_all
 from .tasks import DATASETS, datastore_questions, load_tasks, trained_questions
 
@@ -356,6 +357,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     mine = shard.select(tasks) if shard else tasks
     out = make_out(args.out or default_out(args.dataset))
     with hold_samples(out / (shard.samples if shard else "samples.jsonl")), compile_progress(bool(args.compile)):
+        # as the run records them (evaluate's meta), compared before the model loads
+        check_flags_resume(out, {"dataset": args.dataset, "methods": methods, "num_samples": args.num_samples,
+                                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "dtype": args.dtype},
+                           shard)
         return evaluate(args, shard, methods, placement, tasks, mine, out)
 
 

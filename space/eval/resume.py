@@ -36,6 +36,8 @@ SAMPLE_KEYS = ("model", "model_files", "adapter_sha256", "dataset", "methods", "
 SETUP_KEYS = ("threads", "device", "device_map", "machine", "torch", "transformers", "compile", "buckets", "capture",
               "slot_buckets", "trunk", "sdpa")
 RESUME_KEYS = SAMPLE_KEYS + SETUP_KEYS
+# the resume keys the command line gives as they are recorded (check_flags_resume: checked before the model loads)
+FLAG_KEYS = ("dataset", "methods", "num_samples", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype")
 MERGE_KEYS = tuple(k for k in RESUME_KEYS if k not in ("device", "machine"))
 # the fast kernels' timed choices a record holds (``__main__.recorded_paths`` pins them on a resume): a record
 # naming several machines keeps them only where those machines chose alike
@@ -197,8 +199,47 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
     """The commits that wrote ``out/samples`` ([] when there is none) and the record read (None
     then), once its recorded settings (the first of ``records`` present) are found equal to
     ``meta``'s. Raises as check_resume."""
-    if not (out / samples).is_file():
+    found = _record_of(out, samples, records)
+    if found is None:
         return [], None
+    recorded, old = found
+    # a merged record names every rank's device and machine ("cuda:0; cuda:1"), which no single run
+    # repeats: a run resuming it must be on one of those machines, on a device of their type
+    merged = old.get("ranks", 1) > 1
+    keys = MERGE_KEYS if merged else RESUME_KEYS
+    diff = _differing(old, meta, [k for k in keys if k != "machine"])
+    machines = str(old.get("machine")).split("; ") if merged else [old.get("machine")]
+    if not any(same_machine(m, meta["machine"]) for m in machines):
+        diff["machine"] = (old.get("machine"), meta["machine"])
+    if merged:
+        devices = str(old.get("device")).split("; ")
+        if str(meta["device"]).split(":")[0] not in {d.split(":")[0] for d in devices}:
+            diff["device"] = (old.get("device"), meta["device"])
+    _refuse(out, recorded, diff)
+    return old.get("commits") or ([old["commit"]] if old.get("commit") else []), old  # older runs kept one
+
+
+def check_flags_resume(out: Path, flags: dict, shard: Shard | None = None) -> None:
+    """The resume check of the settings the command line alone gives (``flags``, FLAG_KEYS),
+    made before the model loads: :func:`check_resume` made it only after loading, capturing and
+    timing (minutes for a 7B model). A damaged record is refused here too. The other keys are
+    :func:`check_resume`'s, which repeats these.
+
+    Raises:
+        ValueError: as :func:`check_resume`, for these keys.
+    """
+    for samples, records in (("samples.jsonl", ("run_config.json", "summary.json")),
+                             *([(shard.samples, (shard.config,))] if shard is not None else [])):
+        found = _record_of(out, samples, records)
+        if found is not None:
+            _refuse(out, found[0], _differing(found[1], flags, list(flags)))
+
+
+def _record_of(out: Path, samples: str, records: tuple[str, ...]) -> tuple[Path, dict] | None:
+    """(the record's path, its settings with OLD_DEFAULTS filled in) of ``out/samples``; None when
+    there are no samples. Raises ValueError for samples without a record, or a damaged record."""
+    if not (out / samples).is_file():
+        return None
     recorded = next((out / name for name in records if (out / name).is_file()), None)
     if recorded is None:
         raise ValueError(f"{out} holds {samples} but no {records[0]} saying how they were made; "
@@ -207,22 +248,25 @@ def _recorded_commits(out: Path, meta: dict, samples: str, records: tuple[str, .
     old = {**OLD_DEFAULTS, **old.get("meta", old)}
     if isinstance(old["trunk"], dict):  # recorded before the norm swap (5d4b329), which swapped none
         old["trunk"] = {"rms_norms": 0, **old["trunk"]}
-    # a merged record names every rank's device and machine ("cuda:0; cuda:1"), which no single run
-    # repeats: a run resuming it must be on one of those machines, on a device of their type
-    merged = old.get("ranks", 1) > 1
-    keys = MERGE_KEYS if merged else RESUME_KEYS
-    diff = {k: (old.get(k), meta[k]) for k in keys if old.get(k) != meta[k] and k != "machine"}
-    machines = str(old.get("machine")).split("; ") if merged else [old.get("machine")]
-    if not any(same_machine(m, meta["machine"]) for m in machines):
-        diff["machine"] = (old.get("machine"), meta["machine"])
-    if merged:
-        devices = str(old.get("device")).split("; ")
-        if str(meta["device"]).split(":")[0] not in {d.split(":")[0] for d in devices}:
-            diff["device"] = (old.get("device"), meta["device"])
+    return recorded, old
+
+
+def _differing(old: dict, meta: dict, keys: list[str]) -> dict:
+    """{key: (recorded, now)} for each of ``keys`` whose value differs. A --dataset file counts by
+    the file it names: ``q.jsonl`` and ``../w/q.jsonl`` are one dataset (its questions' fingerprints
+    catch a changed file, ``bench.run_bench``)."""
+    def same(key, a, b):
+        if key == "dataset" and isinstance(a, str) and isinstance(b, str) and Path(a).is_file() and Path(b).is_file():
+            return Path(a).resolve() == Path(b).resolve()
+        return a == b
+
+    return {k: (old.get(k), meta[k]) for k in keys if not same(k, old.get(k), meta[k])}
+
+
+def _refuse(out: Path, recorded: Path, diff: dict) -> None:
     if diff:
         raise ValueError(f"{out} holds samples made with other settings ({recorded.name}); "
                          f"(theirs, now): {diff}. Use another --out, or delete it to start over")
-    return old.get("commits") or ([old["commit"]] if old.get("commit") else []), old  # older runs kept one
 
 
 def same_machine(recorded, now: str) -> bool:

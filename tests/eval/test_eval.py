@@ -77,6 +77,34 @@ def test_resume_skips_finished_samples(tmp_path):
     assert (tmp_path / "samples.jsonl").read_text().split("\n")[:-1] == lines
 
 
+def test_a_resume_with_other_flags_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """The settings the command line gives (resume.FLAG_KEYS) and a damaged run record were
+    refused only after loading, capturing and timing (minutes for a 7B model); a --dataset file
+    named by another path is the same dataset (it was refused as other settings)."""
+    import space.loader
+    from space.eval.resume import FLAG_KEYS, SAMPLE_KEYS
+
+    assert set(FLAG_KEYS) <= set(SAMPLE_KEYS)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": "a", "turns": ["Say hi."]}) + "\n")
+    args = ["--model", "tiny-random-llama", "--dataset", "q.jsonl", "--max-new-tokens", "4", "--mask-num", "2",
+            "--methods", "ar", "--threads", "1", "--out", "o"]
+    eval_main(args)
+    again = [*args[:3], str(tmp_path / "q.jsonl"), *args[4:]]
+    assert eval_main(again)["meta"]["dataset"] == str(tmp_path / "q.jsonl")  # resumed: one record, not refused
+    assert len((tmp_path / "o" / "samples.jsonl").read_text().splitlines()) == 1
+    monkeypatch.setattr(space.loader, "load_space", lambda *a, **k: pytest.fail("loaded the model first"))
+    for flag, value, diff in (("--max-new-tokens", "5", r"'max_new_tokens': \(4, 5\)"),
+                              ("--methods", "ar,space", r"'methods': \(\['ar'\], \['ar', 'space'\]\)"),
+                              ("--dtype", "bfloat16", r"'dtype': \('float32', 'bfloat16'\)"),
+                              ("--seed", "3", r"'seed': \(0, 3\)")):
+        with pytest.raises(ValueError, match=rf"holds samples made with other settings \(run_config.json\).*{diff}"):
+            eval_main([*args, flag, value])
+    (tmp_path / "o" / "run_config.json").write_text("{torn")
+    with pytest.raises(ValueError, match="run_config.json: damaged run record"):
+        eval_main(args)
+
+
 def test_a_rerun_with_a_smaller_limit_reports_only_its_questions(tmp_path):
     """The folder keeps the samples of an earlier, longer run (--limit is no resume key): the
     summary of --limit 1 is over that one question, not over every record in the file."""
