@@ -105,7 +105,8 @@ def load_tasks(name: str, root=None, limit: int | None = None) -> list[EvalTask]
     seen = Counter(t.question_id for t in tasks)
     dup = next((q for q, n in seen.items() if n > 1), None)
     if dup is not None:
-        raise ValueError(f"{source}: question_id {dup!r} appears {seen[dup]} times; ids must be unique")
+        raise ValueError(f"{source}: question_id {dup!r} appears {seen[dup]} times; ids must be unique (a row "
+                         "without a question_id takes its index, counted from 0)")
     return tasks[:limit]
 
 
@@ -213,6 +214,10 @@ def _question_task(row: dict, path: Path, line: int) -> EvalTask:
     turns = row.get("turns") if isinstance(row, dict) else None
     if turns is None and isinstance(row, dict) and isinstance(row.get("prompt"), str):
         turns = [row["prompt"]]
-    if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
-        raise ValueError(f"{path}: line {line + 1}: needs 'turns' (non-empty list of strings) or a 'prompt' string")
-    return EvalTask(str(row.get("question_id", line)), str(row.get("category", "default")), turns)
+    if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)):
+        raise ValueError(f"{path}: line {line + 1}: needs 'turns' (non-empty list of strings, none blank) or a "
+                         "'prompt' string")
+    qid = row.get("question_id", line)  # none given: the row's index, as Spec-Bench's loader numbers rows
+    if isinstance(qid, bool) or not isinstance(qid, (str, int)):  # null became the id 'None'
+        raise ValueError(f"{path}: line {line + 1}: question_id must be text or an integer, got {qid!r}")
+    return EvalTask(str(qid), str(row.get("category", "default")), turns)

@@ -23,6 +23,16 @@ def test_question_file_takes_prompt_rows_and_numbers_them_by_line(tmp_path):
     path.write_text('{"prompt": "hi"}\n{"turns": ["a", ""]}\n')
     with pytest.raises(ValueError, match="line 2: needs 'turns'"):
         load_tasks(str(path))
+    path.write_text('{"prompt": "hi"}\n{"turns": ["a", "  \\n "]}\n')  # blank: accepted, and the model asked nothing
+    with pytest.raises(ValueError, match="line 2: needs 'turns' \\(non-empty list of strings, none blank\\)"):
+        load_tasks(str(path))
+    path.write_text('{"prompt": "hi"}\n{"question_id": null, "prompt": "yo"}\n')  # it became the id 'None'
+    with pytest.raises(ValueError, match="line 2: question_id must be text or an integer, got None"):
+        load_tasks(str(path))
+    path.write_text('{"question_id": "1", "prompt": "hi"}\n{"prompt": "yo"}\n')  # the second is numbered 1 too
+    with pytest.raises(ValueError, match="question_id '1' appears 2 times; .*a row without a question_id takes its "
+                                         "index, counted from 0"):
+        load_tasks(str(path))
 
 
 def test_humaneval_x_bad_language_missing_and_damaged_files(tmp_path):
