@@ -175,6 +175,9 @@ def check_args(args: argparse.Namespace, shard: Shard | None = None) -> tuple[li
         raise ValueError(f"--temperature {args.temperature} with {', '.join(sampled_by_hf)}: transformers divides the "
                          f"float32 logits by it, which overflows below {HF_MIN_TEMPERATURE} (NaN probabilities); use 0 "
                          "for greedy, or a larger temperature")
+    if args.temperature == 0 and (args.top_p != 1 or args.top_k):  # said, as training says what it ignores
+        warnings.warn(f"--top-p {args.top_p} / --top-k {args.top_k} with --temperature 0: greedy decoding ignores "
+                      "them", stacklevel=2)
     if args.num_samples > 1 and args.temperature == 0:
         raise ValueError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
     if args.datastore_branches is not None and not args.datastore:

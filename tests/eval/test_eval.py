@@ -732,3 +732,21 @@ def test_a_resume_keeps_a_curve_measured_at_load_only_for_the_same_trunk_dtype(m
     assert priced.step_cost == ((1, 7.0), (32, 8.0)) and kept == how
     with pytest.raises(ValueError, match=r"measured at load on .*dtype float32"):
         eval_module.price_here(args, decode, None, model.to(torch.bfloat16), None, None, ["space"], recorded, True)
+
+
+def test_sampling_settings_greedy_decoding_ignores_are_said():
+    """--top-p / --top-k with --temperature 0 were ignored without a word (and recorded as resume
+    keys); sampling takes them without a warning."""
+    import warnings
+
+    import space.eval.__main__ as eval_module
+
+    def checked(*flags):
+        eval_module.check_args(eval_module.build_parser().parse_args(["--model", "tiny-random-llama", *flags]), None)
+
+    with pytest.warns(UserWarning, match=r"--top-p 0.5 / --top-k 3 with --temperature 0: greedy decoding ignores them"):
+        checked("--top-p", "0.5", "--top-k", "3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checked("--top-p", "0.5", "--top-k", "3", "--temperature", "0.7")
+        checked()
