@@ -65,6 +65,8 @@ def parse_shard(spec: str) -> Shard:
         rank, world = (int(x) for x in spec.split("/"))
     except ValueError:
         raise ValueError(f"--shard {spec!r}: expected i/n (rank i of n processes, 0 <= i < n), e.g. 0/8") from None
+    if world < 1:  # "rank 0 is not in 0..-1" named no fault
+        raise ValueError(f"--shard {spec}: n must be a process count >= 1 (i/n: rank i of n processes)")
     if not 0 <= rank < world:
         raise ValueError(f"--shard {spec}: rank {rank} is not in 0..{world - 1} (i/n needs 0 <= i < n)")
     return Shard(rank, world)

@@ -167,6 +167,7 @@ def test_eval_with_a_device_map_gives_the_one_process_ids(tmp_path, reference):
 
 @pytest.mark.parametrize("extra,message", [
     (["--shard", "3/2"], "--shard 3/2: rank 3 is not in 0..1"),
+    (["--shard", "0/0"], "--shard 0/0: n must be a process count >= 1"),  # it said "rank 0 is not in 0..-1"
     (["--shard=-1/2"], "rank -1 is not in 0..1"),
     (["--shard", "1"], "--shard '1': expected i/n"),
     (["--shard", "a/b"], "expected i/n"),
