@@ -88,7 +88,9 @@ def check_args(args) -> None:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.datastore_branches is not None and not args.datastore:
         raise ValueError("--datastore-branches counts the continuations of a --datastore: give one")
-    check_number("--temperature", args.temperature, 0)
+    import torch
+
+    check_number("--temperature", args.temperature, 0, torch.finfo(torch.float32).max)  # inf in float32 logits
     if not 0 < args.top_p <= 1:  # NaN fails too
         raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
     from .choices import KERNEL_CHOICES

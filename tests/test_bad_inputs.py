@@ -456,6 +456,7 @@ TREE_CASES = [
     ("space-chat", [*TINY_CHAT, "--temperature", "nan"], "--temperature must be a finite number, got nan"),
     ("space-chat", [*TINY_CHAT, "--temperature", "inf"], "--temperature must be a finite number, got inf"),
     ("space-chat", [*TINY_CHAT, "--temperature", "-1"], "--temperature must be >= 0"),
+    ("space-chat", [*TINY_CHAT, "--temperature", "4e38"], "--temperature must be <= 3.40282"),  # after the load
     ("space-chat", [*TINY_CHAT, "--top-p", "nan"], "--top-p must lie in (0, 1], got nan"),
     ("space-chat", [*TINY_CHAT, "--top-p", "0"], "--top-p must lie in (0, 1], got 0.0"),
     ("space-chat", [*TINY_CHAT, "--mask-num", "0"], "--mask-num must be >= 1, got 0"),
