@@ -30,15 +30,13 @@ for a in "$@"; do  # the user's --model, --dataset and --adapter (then the defau
   prev=$a
 done
 # another model: the adapter does not fit it. Its own base spelt another way (a path for the alias, ./m/ for m)
-# keeps it; a config that cannot be read keeps it too, and space-eval says what is wrong with it
-if [ -n "$model" ] && [ -f "$ADAPTER/space_config.json" ] && ! "$py" -c '
+# keeps it; so does any failure to tell (a config that cannot be read: space-eval says what is wrong with it)
+if [ -n "$model" ] && [ -f "$ADAPTER/space_config.json" ] && [ "$("$py" -c '
 import json, sys
 from space.models import model_identity
-try:
-    base = json.load(open(sys.argv[1]))["base_model"]
-except (OSError, ValueError, KeyError, TypeError):
-    sys.exit(0)
-sys.exit(model_identity(sys.argv[2]) != model_identity(str(base)))' "$ADAPTER/space_config.json" "$model"; then
+base = json.load(open(sys.argv[1]))["base_model"]
+print("other" if model_identity(sys.argv[2]) != model_identity(str(base)) else "same")' \
+    "$ADAPTER/space_config.json" "$model" 2>/dev/null)" = other ]; then
   ADAPTER=none
 fi
 # --device auto: the GPU when there is one (space-eval records the device it chose)

@@ -25,6 +25,7 @@ from space.data.sft import load_examples
 from space.decoding import DecodeConfig, SpaceDecoder, ar_generate
 from space.jsonl import write_text_atomic
 from space.loader import load_space
+from space.tokens import check_mask_num
 
 
 def main() -> None:
@@ -48,6 +49,11 @@ def main() -> None:
         lookups = [-1]
     if min(lookups) < 0:
         ap.error(f"--lookup-tokens must be a comma list of integers >= 0, got {a.lookup_tokens!r}")
+    try:
+        for k in a.mask_nums:
+            check_mask_num(k)
+    except ValueError as e:
+        ap.error(f"--mask-nums: {e}")
     model, tok, spec = load_space(a.model, a.adapter)
     kernels = apply_kernels(model, a.kernels)
     prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]

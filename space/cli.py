@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import math
+import os
 import signal
 import sys
 import traceback
@@ -71,15 +72,18 @@ def positive_ints(text: str) -> list[int]:
 
 
 def output_file(text: str) -> Path:
-    """argparse ``type``: a file to write results to, its folder made now: a path under a file, or
-    a folder given for the file, fails while parsing, not after minutes of timing."""
+    """argparse ``type``: a file to write results to, checked while parsing (made nothing): a
+    folder given for the file, or a path whose nearest existing folder is a file or not writable,
+    failed only when the results were written, after minutes of timing. The caller makes the
+    folder when it writes."""
     path = Path(text)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot make its folder {path.parent}: {e.strerror}") from None
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a folder; name a file")
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} lies under the file {existing}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{existing} is not writable, so {path} cannot be written")
     return path
 
 

@@ -393,9 +393,10 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
 
 def _check_optimizer_installed(train_args) -> None:
     """Refuse an ``optim`` whose package is not installed (bitsandbytes' 8-bit Adam, GaLore, LOMO,
-    schedule-free, ...): HF's Trainer found out only when it built the optimizer, after the model
-    loaded and the data was tokenized. A DeepSpeed config with its own ``optimizer`` section
-    replaces HF's optimizer, so then nothing is checked (:func:`check_train_args`).
+    schedule-free, ...: those transformers reports with an ImportError): HF's Trainer found out only
+    when it built the optimizer, after the model loaded and the data was tokenized. A DeepSpeed
+    config with its own ``optimizer`` section replaces HF's optimizer, so then nothing is checked
+    (:func:`check_train_args`).
 
     Raises:
         ValueError: naming the optim and what to install (transformers' ImportError message).
@@ -413,6 +414,8 @@ def _check_optimizer_installed(train_args) -> None:
     except ImportError as e:
         optim = getattr(train_args.optim, "value", train_args.optim)
         raise ValueError(f"optim {optim}: {e}") from None
+    except ValueError:  # installed, and the lookup wants the model (GaLore, APOLLO, LOMO): the Trainer's to check
+        pass
 
 
 def _check_trains_something(model_args, mask_args, train_args) -> None:

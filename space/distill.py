@@ -257,6 +257,13 @@ class Distiller:
     def run(self, model, tok) -> dict:
         static = collect_prompts(self.sources, self.data_root)  # before any answer: a bad dataset fails at once
         self.model, self.tok = model, tok
+        # before any answer: greedy_batches checks each batch, but a set of several sources stopped part way
+        context, longest = getattr(model.config, "max_position_embeddings", None), sum(
+            self.settings[k] for k in ("max_prompt_tokens", "max_new_tokens"))
+        if context is not None and longest > context:
+            raise ValueError(f"--max-prompt-tokens {self.settings['max_prompt_tokens']} + --max-new-tokens "
+                             f"{self.settings['max_new_tokens']} exceed the model's context of {context} tokens: "
+                             "lower either")
         done = len(self.rows)
         print(f"[distill] resuming: {done} rows done -> {self.out}" if done else f"[distill] -> {self.out}", flush=True)
         self.write_manifest(complete=False)  # the settings, before any row: a run stopped later resumes checked

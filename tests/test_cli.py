@@ -156,3 +156,23 @@ def test_train_help_lists_space_options_first(capsys):
     assert "YAML file setting any of the keys" in text and "(default: None)" not in " ".join(text.split())
     # Python 3.13's argparse writes the metavar once: "--lora_r, --lora-r LORA_R"
     assert re.search(r"--lora_r( LORA_R)?, --lora-r LORA_R\n +lora / frozen-base: LoRA rank", text), text
+
+
+def test_output_file_checks_a_results_path_and_makes_nothing(tmp_path):
+    """``space.cli.output_file`` (the benchmark scripts' --out) refuses a folder, a path under a file
+    and an unwritable folder while parsing, and makes no folder: one made while parsing stayed
+    behind after --help or a later bad flag."""
+    import argparse
+
+    from space.cli import output_file
+
+    (tmp_path / "afile").write_text("")
+    assert output_file(str(tmp_path / "new" / "deeper" / "r.json")) == tmp_path / "new" / "deeper" / "r.json"
+    assert not (tmp_path / "new").exists()
+    for path, said in ((tmp_path, "is a folder; name a file"), (tmp_path / "afile" / "r.json", "lies under the file")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            output_file(str(path))
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "locked").mkdir(mode=0o500)
+        with pytest.raises(argparse.ArgumentTypeError, match="is not writable"):
+            output_file(str(tmp_path / "locked" / "sub" / "r.json"))

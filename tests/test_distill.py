@@ -317,3 +317,18 @@ def test_a_set_records_its_dtype_and_device_and_resumes_only_in_its_dtype(tmp_pa
         with pytest.raises(ValueError, match=match):
             main(["--model", "tiny-random-llama", "--out", str(tmp_path / "x.jsonl"), flag, value])
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_set_whose_longest_prompt_and_answer_exceed_the_context_is_refused_before_any_answer(tmp_path):
+    """--max-prompt-tokens + --max-new-tokens past the model's context: each batch's check
+    (greedy_batches) stopped a set of several sources part way, after the earlier ones were written;
+    refused before the first answer and before the manifest."""
+    tok = tiny_tokenizer()
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "Hiya", "response": "-"}) + "\n")
+    out = tmp_path / "set.jsonl"
+    with pytest.raises(ValueError, match="--max-prompt-tokens 64 \\+ --max-new-tokens 2000 exceed the model's context "
+                                         "of 2048 tokens"):
+        Distiller(out, "stub", {str(source): None}, 2, 2000, 64, None, MagpieSettings()).run(
+            StubModel(tok, {"Hiya": "Hello"}), tok)
+    assert not out.exists() and not (tmp_path / "set.manifest.json").exists()

@@ -560,10 +560,11 @@ def test_tune_layout_refuses_a_count_below_one(tmp_path, monkeypatch, capsys, fl
     ("bench_decode", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
     ("bench_decode", ["--cache", "-5"], "argument --cache: must be an integer >= 1, got -5"),
     ("bench_decode", ["--gen-tokens", "0"], "argument --gen-tokens: must be an integer >= 1, got 0"),
-    ("bench_decode", ["--out", "{tmp}/afile/bd.json"], "argument --out: cannot make its folder"),
+    ("bench_decode", ["--out", "{tmp}/afile/bd.json"], "bd.json lies under the file"),
     ("bench_train", ["--out", "{tmp}"], "is a folder; name a file"),
     ("tune_layout", ["--mask-nums", "abc"], "argument --mask-nums: must be a comma list of integers >= 1, got 'abc'"),
     ("tune_layout", ["--lookup-tokens", "2,x"], "--lookup-tokens must be a comma list of integers >= 0, got '2,x'"),
+    ("tune_layout", ["--mask-nums", "2,17"], "--mask-nums: mask_num (k) = 17 exceeds the maximum 16"),
 ])
 def test_benchmark_scripts_refuse_bad_arguments_before_the_model_loads(script, argv, said, tmp_path, monkeypatch,
                                                                         capsys):

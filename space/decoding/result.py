@@ -79,7 +79,9 @@ class DecodeResult:
         if isinstance(ids, (str, bytes)):  # read one character at a time: "67" stopped at token 6
             raise TypeError(f"stop_token_ids must be token ids (ints), got the text {ids!r}")
         ids = ids.flatten().tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        ids = [t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else t for t in ids]  # [tensor(5)]
+        # one-element tensors and numpy arrays ([tensor(5)], [np.array(5)]) as their value
+        ids = [t.item() if not isinstance(t, numbers.Number) and hasattr(t, "item") and getattr(t, "shape", None)
+               in ((), (1,)) else t for t in ids]
         wrong = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if wrong:  # int() took 6.7 as token 6
             raise TypeError(f"stop_token_ids must be token ids (ints), got {wrong[:3]!r}")

@@ -111,7 +111,10 @@ def test_stop_ids_given_as_a_tensor_stop_the_generation(tiny):
     want = free[: free.index(stop) + 1]
     decoder = SpaceDecoder(model, spec, DecodeConfig(3))
     # a bare int, as HF's eos_token_id takes it, failed with "'int' object is not iterable"
-    for given in (torch.tensor([stop, 7]), [torch.tensor(stop)], torch.tensor(stop), stop):
+    import numpy as np
+
+    for given in (torch.tensor([stop, 7]), [torch.tensor(stop)], torch.tensor(stop), stop, [np.array(stop)],
+                  (np.int64(stop),), {stop}):
         assert ar_generate(model, prompt, 8, suppress_ids=spec.token_ids, stop_token_ids=given).new_ids == want
         assert decoder.generate(prompt, 8, stop_token_ids=given).new_ids == want
 

@@ -131,6 +131,18 @@ def test_an_optimizer_deepspeed_replaces_is_not_checked(tmp_path):
     parse(tmp_path, "--optim", "adamw_bnb_8bit", "--deepspeed", json.dumps(config))
 
 
+def test_an_installed_optimizer_that_needs_the_model_passes(tmp_path, monkeypatch):
+    """GaLore, APOLLO and LOMO, once installed, make the Trainer's optimizer lookup ask for the model
+    (a ValueError): a check that took that for a refusal refused every valid such run."""
+    from transformers import Trainer
+
+    def lookup(args, model=None):
+        raise ValueError("You need to pass a model in order to correctly initialize a LOMO optimizer.")
+
+    monkeypatch.setattr(Trainer, "get_optimizer_cls_and_kwargs", staticmethod(lookup))
+    parse(tmp_path, "--optim", "lomo")
+
+
 def test_output_dir_given_as_key_equals_value_or_with_an_empty_yaml(tmp_path):
     """--output_dir=PATH and --output-dir PATH count as passing output_dir, and an empty YAML is no keys (all defaults),
     not a config that is not a mapping."""
