@@ -85,6 +85,17 @@ def test_a_model_path_spelt_another_way_resumes(tmp_path, monkeypatch):
         check_checkpoint(str(tmp_path), {**SETTINGS, "model": "base2"})
 
 
+def test_a_checkpoint_that_names_no_model_is_refused_as_another_models(tmp_path):
+    """Settings with no model (or a null one: a hand-edited space_settings.json) are another model's:
+    refused by name, not a TypeError from resolving None as a path. Catches the spelling check run
+    on a recorded model that is not a string."""
+    (tmp_path / artifact.MASK_EMBEDDING).write_bytes(b"")
+    for recorded in ({k: v for k, v in SETTINGS.items() if k != "model"}, {**SETTINGS, "model": None}):
+        (tmp_path / SETTINGS_FILE).write_text(json.dumps(recorded))
+        with pytest.raises(ValueError, match=r"other SPACE settings.*'model': \(None, 'tiny-random-llama'\)"):
+            check_checkpoint(str(tmp_path), SETTINGS)
+
+
 def test_a_checkpoint_from_before_the_run_keys_resumes_and_one_with_them_is_compared(tmp_path):
     """The data, loss and schedule keys (``RUN_KEYS``) are compared where the checkpoint recorded
     them; one saved before they were recorded resumes as it did."""

@@ -1,6 +1,7 @@
 """Settings that would fail hours into a run are refused before it starts (issue 59, finding 8)."""
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,9 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
     # refused by torch's optimizer or loader once training started, without the option's name
     (["--adam_beta1", "1.5"], r"adam_beta1 must lie in \[0, 1\), got 1.5"),
     (["--adam_beta2", "1"], r"adam_beta2 must lie in \[0, 1\), got 1"),
+    # a check of the upper end alone let a negative beta (and NaN, which fails every comparison) through
+    (["--adam_beta1", "-0.1"], r"adam_beta1 must lie in \[0, 1\), got -0.1"),
+    (["--adam_beta2", "nan"], r"adam_beta2 must lie in \[0, 1\), got nan"),
     (["--adam_epsilon", "-1"], "adam_epsilon must be >= 0, got -1"),
     (["--dataloader_num_workers", "-1"], "dataloader_num_workers must be >= 0, got -1"),
     # an empty list failed after the model loaded, saying no sample fit max_length
@@ -141,6 +145,22 @@ def test_an_installed_optimizer_that_needs_the_model_passes(tmp_path, monkeypatc
 
     monkeypatch.setattr(Trainer, "get_optimizer_cls_and_kwargs", staticmethod(lookup))
     parse(tmp_path, "--optim", "lomo")
+
+
+def test_the_edges_of_the_optimizer_loader_and_report_to_checks_pass(tmp_path, monkeypatch):
+    """The parse-time checks refuse only what the optimizer, loader or trainer would: a beta of 0
+    (Adam without momentum, RMSprop-like), an epsilon of 0 and no loader workers are valid; an
+    integration installed here passes, and so do flyte and azure_ml, which HF's list of installed
+    ones never names (their callbacks decide). Catches ``0 < beta``, a minimum above 0, and a
+    report_to check that compares against the wrong list."""
+    from transformers.integrations import integration_utils
+
+    # tensorboard installed, whatever this machine holds (check_train_args asks HF's list at each call)
+    monkeypatch.setattr(integration_utils, "get_available_reporting_integrations", lambda: ["tensorboard"])
+    for flags in (["--adam_beta1", "0", "--adam_beta2", "0"], ["--adam_epsilon", "0"],
+                  ["--dataloader_num_workers", "0"], ["--report_to", "tensorboard"], ["--report_to", "flyte"],
+                  ["--report_to", "azure_ml"]):
+        parse(tmp_path, *flags)
 
 
 def test_output_dir_given_as_key_equals_value_or_with_an_empty_yaml(tmp_path):
@@ -231,8 +251,11 @@ def test_a_lora_target_that_names_no_linear_is_refused_before_the_model_changes(
     for layer in model.model.layers:
         layer.self_attn.q_proj.__class__ = type("FalconLinear", (torch.nn.Linear,), {})
     with pytest.raises(ValueError, match=r"lora_targets \['q_proj'\] name modules that are not linear layers "
-                                         r"\(\{'q_proj': \['FalconLinear'\]\}\)"):
+                                         r"\(\{'q_proj': \['FalconLinear'\]\}\)") as refused:
         prepare_model(model, tok, "frozen-base", 3, lora_targets=["o_proj", "q_proj"])
+    # nor does the message then list it among the linears a LoRA may go on (isinstance listed it)
+    linears = str(refused.value).split("this model's linears: ")[1]
+    assert "'o_proj'" in linears and "'q_proj'" not in linears
     model, tok = tiny_random_llama()
     prepare_model(model, tok, "lora", 3, lora_targets=["o_proj", "mlp.down_proj"])
 
@@ -262,6 +285,24 @@ def test_the_lm_head_takes_a_lora_in_mode_lora_only_and_untied():
                                          r"or train in mode lora \(merged\)"):
         prepare_model(*untied(), "frozen-base", 3, lora_targets=["q_proj", "lm_head"])
     prepare_model(*untied(), "lora", 3, lora_targets=["q_proj", "lm_head"])
+
+
+def test_an_lm_head_of_another_name_is_known_by_the_module_not_the_name():
+    """The head is the model's output embedding, whatever its name: BioGPT calls it
+    ``output_projection``. A LoRA on it in frozen-base is refused as on Llama's ``lm_head`` (every
+    decoder then failed on the head's weight). Catches the head found by the name "lm_head"."""
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    from space.adapter_layers import prepare_model
+    from space.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = BioGptForCausalLM(BioGptConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, intermediate_size=64))
+    assert model.get_output_embeddings() is model.output_projection
+    with pytest.raises(ValueError, match=r"lora_targets \['output_projection'\] name the LM head, which cannot take "
+                                         r"a SPACE LoRA in mode frozen-base"):
+        prepare_model(model, tok, "frozen-base", 3, lora_targets=["q_proj", "output_projection"])
 
 
 def test_every_shipped_training_config_has_values_of_its_fields_types():
@@ -361,3 +402,145 @@ def test_a_source_that_matches_no_row_is_refused_before_the_model_loads(tmp_path
     with pytest.raises(ValueError, match=r"sources \['lma'\] match no row of .* \(their sources: \['stdlib'\]\)"):
         run_sft(*parse_train_args([*argv, "--sources", "stdlib,lma"]))
     assert not (tmp_path / "run").exists()
+
+
+def rows_file(path, long_prompts=0, response_words=40):
+    """A JSONL of 6 short prompts with ``response_words``-word answers, and ``long_prompts`` prompts
+    that leave no room for a response at max_length 384."""
+    rows = [{"prompt": f"q{i}", "response": " ".join(["word"] * response_words)} for i in range(6)]
+    rows += [{"prompt": "long " * 400, "response": "a b c d"} for _ in range(long_prompts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_the_run_says_how_many_prompts_left_no_room_for_a_response(tmp_path, capsys):
+    """Samples whose prompt leaves its response fewer than 2 of max_length's tokens are dropped;
+    the run's summary line counts them apart from the dev-set prompts held out (and names none when
+    none was). Catches the count left out, printed as 0, or counting the held-out prompts too."""
+    from space.train.run import run_sft
+
+    for long_prompts, said in ((2, "6 samples from .* \\(0 dev-set prompts held out, 2 whose prompt leaves its "
+                                   "response < 2 of max_length's tokens dropped\\)"),
+                               (0, "6 samples from .* \\(0 dev-set prompts held out\\);")):
+        out = tmp_path / f"run{long_prompts}"
+        run_sft(*parse_train_args([*BASE, "--output_dir", str(out), "--max_steps", "1", "--save_strategy", "no",
+                                   "--datasets", rows_file(tmp_path / f"rows{long_prompts}.jsonl", long_prompts)]))
+        printed = capsys.readouterr().out
+        assert re.search(said, printed), printed
+        assert long_prompts or "dropped" not in printed
+    # the smoke config's MBPP rows: one is a dev-set prompt, held out before the count, and one prompt is too long
+    run_sft(*parse(tmp_path, "--max_steps", "1", "--save_strategy", "no"))
+    assert ("14 samples from ['mbpp'] (1 dev-set prompts held out, 1 whose prompt leaves its response < 2 of "
+            "max_length's tokens dropped)") in capsys.readouterr().out
+
+
+def test_samples_exactly_as_long_as_the_models_positions_train(tmp_path):
+    """The longest sample may fill the model's max_position_embeddings, not one token more: at
+    max_length = 64 on a 64-position model the run trains, at 65 it is refused (a sample of 65
+    tokens and shorter ones beside it). Catches ``>=`` for ``>``, an off-by-one the other way, and
+    the shortest sample measured instead of the longest."""
+    from space.models import tiny_random_llama
+    from space.train.run import run_sft
+
+    model, tok = tiny_random_llama()
+    model.config.max_position_embeddings = 64
+    model.save_pretrained(tmp_path / "short")
+    tok.save_pretrained(tmp_path / "short")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"q{i}", "response": " ".join(["word"] * (3 if i else 80))}) + "\n"
+                            for i in range(4)))
+
+    def args(max_length):
+        return parse_train_args([*BASE, "--output_dir", str(tmp_path / f"run{max_length}"), "--datasets", str(rows),
+                                 "--model_name_or_path", str(tmp_path / "short"), "--max_length", str(max_length),
+                                 "--max_steps", "1", "--save_strategy", "no"])
+
+    with pytest.raises(ValueError, match=r"max_length 65 lets samples reach 65 tokens, past the 64 positions"):
+        run_sft(*args(65))
+    assert run_sft(*args(64)).is_dir()
+
+
+def test_fewer_samples_than_a_batch_train_without_dataloader_drop_last(tmp_path):
+    """The drop_last refusal is for drop_last alone: without it the partial batch trains (3 samples,
+    a batch of 4). Catches the refusal made whenever the samples fill no batch."""
+    from space.train.run import run_sft
+
+    assert run_sft(*parse(tmp_path, "--limit", "3", "--max_steps", "1", "--save_strategy", "no")).is_dir()
+
+
+def test_a_model_that_names_no_position_limit_trains(tmp_path, monkeypatch):
+    """A config that states no position limit (Bloom's and MPT's, ALiBi, have no max_position_embeddings)
+    has no positions to check the samples against: the run trains. Catches ``longest > None`` (a
+    TypeError after the model loaded)."""
+    import space.train.run as run
+
+    load = run.load_model
+
+    def unlimited(*args, **kwargs):
+        model, tok = load(*args, **kwargs)
+        object.__setattr__(model.config, "max_position_embeddings", None)  # past the config's int-only check
+        return model, tok
+
+    monkeypatch.setattr(run, "load_model", unlimited)
+    assert run.run_sft(*parse(tmp_path, "--max_steps", "1", "--save_strategy", "no")).is_dir()
+
+
+@pytest.mark.parametrize("processes, gpus", [(2, 0), (1, 2)])
+def test_dataloader_drop_last_counts_every_process_and_dataparallel_gpu(tmp_path, monkeypatch, processes, gpus):
+    """A batch is per_device_train_batch_size on each process (torchrun) and, in one process with
+    several GPUs, on each GPU (DataParallel: HF's train_batch_size): 5 samples and a per-device
+    batch of 4 fill no batch of 8. Catches the world size or the GPUs left out of the count."""
+    from transformers import TrainingArguments
+
+    import space.train.run as run
+
+    args = parse(tmp_path, "--limit", "5", "--dataloader_drop_last", "true", "--max_steps", "1")
+    train = args[3]
+    train.device  # noqa: B018 (sets _n_gpu, which HF caches)
+    train._n_gpu = gpus
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: processes))
+    monkeypatch.setattr(run, "SpaceCollator", lambda *a, **k: pytest.fail("passed the drop_last check"))
+    with pytest.raises(ValueError, match=r"dataloader_drop_last with 5 samples and a batch of 8 "):
+        run.run_sft(*args)
+
+
+def test_dataloader_drop_last_counts_the_samples_not_the_rows(tmp_path, monkeypatch):
+    """Rows whose prompt leaves no room for a response are dropped before batching: 3 short prompts
+    and 2 too long are 3 samples, no whole batch of 4. Catches the rows counted instead."""
+    import space.train.run as run
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "long " * 400 if i > 2 else f"q{i}", "response": "a b c d"}) + "\n"
+                            for i in range(5)))
+    monkeypatch.setattr(run, "SpaceCollator", lambda *a, **k: pytest.fail("passed the drop_last check"))
+    with pytest.raises(ValueError, match=r"dataloader_drop_last with 3 samples and a batch of 4 "):
+        run.run_sft(*parse(tmp_path, "--datasets", str(rows), "--dataloader_drop_last", "true", "--max_steps", "1"))
+
+
+def test_an_earlier_final_another_rank_sees_stops_this_rank_too(tmp_path, monkeypatch):
+    """Each rank looks for an earlier run's final/ on its own filesystem and the ranks decide together
+    (``any_rank``): a rank that sees none stops when another does, before the model loads. A check on
+    rank 0 alone left the others waiting in the load's collectives."""
+    import space.train.run as run
+
+    seen = []
+    monkeypatch.setattr(run, "any_rank", lambda flag: seen.append(flag) or True)  # another rank holds final/
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(ValueError, match=r"holds the artifact of an earlier run"):
+        run.run_sft(*parse(tmp_path, "--max_steps", "1"))
+    assert seen == [False]  # this rank sees no final/ (and no checkpoint): it asked, and was told to stop
+
+
+def test_a_named_checkpoint_does_not_replace_an_earlier_runs_artifact(tmp_path, monkeypatch):
+    """resume_from_checkpoint (perhaps another run's checkpoint) into an output_dir holding an earlier
+    run's final/ and no checkpoint of its own would replace that final/ as well: refused first,
+    before the model loads. Catches the check made after the named checkpoint stands in for one."""
+    import space.train.run as run
+
+    other = tmp_path / "other" / "checkpoint-1"
+    other.mkdir(parents=True)
+    (other / "trainer_state.json").write_text("{}")
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with pytest.raises(ValueError, match=r"holds the artifact of an earlier run"):
+        run.run_sft(*parse(tmp_path, "--max_steps", "1", "--resume_from_checkpoint", str(other)))
