@@ -287,7 +287,8 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
             mask_prob or span_density outside [0, 1], lora_dropout outside [0, 1), lora_alpha <= 0,
             a negative mask_loss_weight, max_train_minutes, max_nonfinite_steps, learning_rate, weight_decay,
             num_train_epochs, max_grad_norm, sampler_width, adam_epsilon or dataloader_num_workers,
-            adam_beta1 or adam_beta2 outside [0, 1), a report_to integration unknown or not installed, an
+            adam_beta1 or adam_beta2 outside [0, 1), a report_to integration unknown or not installed (or
+            all / none beside others), an output_dir whose final is a file, an
             optim whose package is not installed (:func:`_check_optimizer_installed`), NaN or inf in any
             number, a teacher,
             consistency or sampler head without frozen-base + efficient, a sampler head with
@@ -320,6 +321,8 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
     check_number("sampler_width", mask_args.sampler_width, 0)
     # the trainer's own check came after the model loaded and the data was tokenized, as a bare traceback
     report = [r for r in getattr(train_args, "report_to", None) or [] if r not in ("all", "none")]
+    if report and len(report) < len(train_args.report_to):  # HF takes all / none alone, and refused them late
+        raise ValueError(f"report_to {train_args.report_to}: all and none stand alone, not beside other integrations")
     if report:
         from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
                                                                  get_available_reporting_integrations)
@@ -360,6 +363,10 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
         raise ValueError("init_adapter needs mode lora or frozen-base (a full run starts from its model path)")
     if os.path.exists(train_args.output_dir) and not os.path.isdir(train_args.output_dir):
         raise ValueError(f"output_dir {train_args.output_dir} is a file; pass a folder")
+    final = os.path.join(train_args.output_dir, "final")
+    if os.path.lexists(final) and not os.path.isdir(final):  # the save after the whole training failed on it
+        raise ValueError(f"{final} is a file where the run saves its artifact (a folder); move it, or use another "
+                         "output_dir")
     # settings this run ignores, set away from their defaults: said, not refused (a sweep's arm in mode full
     # inherits its base config's LoRA settings)
     defaults = {f.name: f.default for cls in (ModelArgs, MaskArgs) for f in dataclasses.fields(cls)}

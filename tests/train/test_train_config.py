@@ -544,3 +544,27 @@ def test_a_named_checkpoint_does_not_replace_an_earlier_runs_artifact(tmp_path, 
     monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     with pytest.raises(ValueError, match=r"holds the artifact of an earlier run"):
         run.run_sft(*parse(tmp_path, "--max_steps", "1", "--resume_from_checkpoint", str(other)))
+
+
+def test_a_file_named_final_in_output_dir_is_refused_while_parsing(tmp_path):
+    """A plain file where the run saves its artifact let every step train, then the save failed on it
+    (IsADirectoryError) and left .old-final-* and .tmp-final-* folders behind."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "final").write_text("x")
+    with pytest.raises(ValueError, match=r"run/final is a file where the run saves its artifact"):
+        parse(tmp_path)
+
+
+@pytest.mark.parametrize("alone", ["all", "none"])
+def test_report_to_all_or_none_beside_other_integrations_is_refused_while_parsing(tmp_path, alone):
+    """HF takes ``all`` and ``none`` only alone; in a config's list beside another integration the
+    Trainer refused them after the model loaded and the data was tokenized."""
+    import yaml
+
+    from space.config import parse_train_args
+
+    config = yaml.safe_load(open("configs/train/tiny_smoke.yaml"))
+    config["report_to"] = [alone, "tensorboard"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=rf"report_to \['{alone}', 'tensorboard'\]: all and none stand alone"):
+        parse_train_args(["--config", str(tmp_path / "c.yaml"), "--output_dir", str(tmp_path / "run")])
