@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         ValueError, FileNotFoundError, PermissionError: bad arguments, dataset, adapter, device map,
             shard or output folder, or a folder holding samples made otherwise (see check_args,
             load_tasks, check_resume), or an ``--out`` another run is writing (its pid named:
-            resume.hold_samples); all raised before any generation. ``--merge``: see resume.merge_run.
+            resume.hold_samples); all raised before any generation. ValueError after the report
+            when every question was skipped (resume.report). ``--merge``: see resume.merge_run.
     """
     args = build_parser().parse_args(argv)
     if args.merge is not None:

@@ -295,7 +295,8 @@ def merge_run(out: Path) -> dict:
         FileNotFoundError: no sharded run in ``out``.
         ValueError: a rank that has not run or not finished, ranks with different settings,
             records in samples.jsonl made with settings other than the ranks', or another run
-            writing samples.jsonl (:func:`hold_samples`).
+            writing samples.jsonl (:func:`hold_samples`); after writing, every question skipped
+            (:func:`report`).
     """
     # held: a plain run appending to samples.jsonl between the merge's read and its rewrite would
     # lose its records (no folder: merge raises that there is no run to merge)
@@ -391,10 +392,21 @@ def _beyond_ranks(out: Path, records: list[dict], meta: dict, keys: tuple[str, .
 
 
 def report(records: list[dict], meta: dict, out: Path) -> dict:
-    """Write and print the summary of ``records``; returns it."""
+    """Write and print the summary of ``records``; returns it.
+
+    Raises:
+        ValueError: after writing, when every question was skipped (its prompt + ``max_new_tokens``
+            past the context, ``bench.context_overflow``): the report measured nothing, and a run
+            that exits 0 on it reads as a result.
+    """
     from .report import write_reports
 
     summary = write_reports(records, meta, out)
     print((out / "summary.md").read_text())
     print(f"[space-eval] wrote {out}/samples.jsonl, summary.json, summary.md and plots")
+    questions = {r["question_id"] for r in records}
+    if questions and questions == {r["question_id"] for r in records if "skipped" in r}:
+        raise ValueError(f"all {len(questions)} question(s) were skipped, so no method was measured: each prompt + "
+                         f"--max-new-tokens {meta.get('max_new_tokens')} outgrew the context ({out}/summary.md says "
+                         "where for each); lower --max-new-tokens")
     return summary

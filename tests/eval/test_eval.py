@@ -105,6 +105,23 @@ def test_a_resume_with_other_flags_is_refused_before_the_model_loads(tmp_path, m
         eval_main(args)
 
 
+def test_a_run_whose_every_question_is_skipped_is_an_error_not_a_result(monkeypatch, tmp_path):
+    """--max-new-tokens near the context skipped every question (each with its record, listed in
+    summary.md), measured nothing and exited 0 like a run that measured. Now it writes the report
+    and then fails saying so; a run with one question left to measure still succeeds."""
+    monkeypatch.chdir(tmp_path)
+    rows = [{"question_id": "short", "turns": ["Hi."]}, {"question_id": "long", "turns": ["word " * 300]}]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--model", "tiny-random-llama", "--dataset", "q.jsonl", "--mask-num", "2", "--methods", "ar,space",
+            "--threads", "1"]
+    with pytest.raises(ValueError, match=r"all 2 question\(s\) were skipped, so no method was measured.*"
+                                         r"--max-new-tokens 2047"):
+        eval_main([*args, "--max-new-tokens", "2047", "--out", "all"])
+    assert "Skipped 2 question(s)" in (tmp_path / "all" / "summary.md").read_text()
+    s = eval_main([*args, "--max-new-tokens", "1900", "--out", "one"])  # "long" (1,500+ tokens) skipped alone
+    assert s["skipped"]["count"] == 1 and "long" in s["skipped"]["questions"]
+
+
 def test_a_rerun_with_a_smaller_limit_reports_only_its_questions(tmp_path):
     """The folder keeps the samples of an earlier, longer run (--limit is no resume key): the
     summary of --limit 1 is over that one question, not over every record in the file."""
