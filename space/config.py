@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -400,13 +401,15 @@ def check_train_args(model_args, data_args, mask_args, train_args) -> None:
 
 def _check_optimizer_installed(train_args) -> None:
     """Refuse an ``optim`` whose package is not installed (bitsandbytes' 8-bit Adam, GaLore, LOMO,
-    schedule-free, ...: those transformers reports with an ImportError): HF's Trainer found out only
-    when it built the optimizer, after the model loaded and the data was tokenized. A DeepSpeed
-    config with its own ``optimizer`` section replaces HF's optimizer, so then nothing is checked
-    (:func:`check_train_args`).
+    schedule-free: an ImportError from transformers; GrokAdamW, AnyPrecision: a ValueError), or
+    whose settings its lookup refuses (GaLore without ``optim_target_modules``): HF's Trainer found
+    out only when it built the optimizer, after the model loaded and the data was tokenized. A
+    lookup that asks for the model (GaLore, APOLLO, LOMO, installed) passes: the Trainer checks the
+    rest. A DeepSpeed config with its own ``optimizer`` section replaces HF's optimizer, so then
+    nothing is checked (:func:`check_train_args`).
 
     Raises:
-        ValueError: naming the optim and what to install (transformers' ImportError message).
+        ValueError: naming the optim and what to install or set (transformers' message).
     """
     deepspeed = getattr(train_args, "deepspeed", None)
     if deepspeed:
@@ -418,11 +421,11 @@ def _check_optimizer_installed(train_args) -> None:
 
     try:  # the class lookup the Trainer does when it builds the optimizer; it builds nothing
         Trainer.get_optimizer_cls_and_kwargs(train_args)
-    except ImportError as e:
+    except (ImportError, ValueError) as e:
+        if isinstance(e, ValueError) and re.search(r"pass a `?model", str(e)):
+            return  # installed, and the lookup wants the model (GaLore, APOLLO, LOMO): the Trainer's to check
         optim = getattr(train_args.optim, "value", train_args.optim)
         raise ValueError(f"optim {optim}: {e}") from None
-    except ValueError:  # installed, and the lookup wants the model (GaLore, APOLLO, LOMO): the Trainer's to check
-        pass
 
 
 def _check_trains_something(model_args, mask_args, train_args) -> None:

@@ -101,6 +101,11 @@ def test_a_deepspeed_config_given_as_text_is_read_as_transformers_reads_it(form)
       if importlib.util.find_spec("bitsandbytes") is None else []),
     *([(["--optim", "schedule_free_adamw"], "optim schedule_free_adamw: You need to install `schedulefree`")]
       if importlib.util.find_spec("schedulefree") is None else []),
+    # transformers says these are missing with a ValueError, which the check took for a lookup wanting the model
+    *([(["--optim", "grokadamw"], "optim grokadamw: Please install grokadamw")]
+      if importlib.util.find_spec("grokadamw") is None else []),
+    *([(["--optim", "adamw_anyprecision"], "optim adamw_anyprecision: Please install https://github.com/pytorch/torchdistx")]
+      if importlib.util.find_spec("torchdistx") is None else []),
 ])
 def test_out_of_range_values_are_refused_while_parsing(tmp_path, flags, match):
     """Each range check of check_train_args / SpaceSettings fires on its own (a dropped one let the
@@ -137,7 +142,8 @@ def test_an_optimizer_deepspeed_replaces_is_not_checked(tmp_path):
 
 def test_an_installed_optimizer_that_needs_the_model_passes(tmp_path, monkeypatch):
     """GaLore, APOLLO and LOMO, once installed, make the Trainer's optimizer lookup ask for the model
-    (a ValueError): a check that took that for a refusal refused every valid such run."""
+    (a ValueError): a check that took that for a refusal refused every valid such run. A ValueError
+    of another kind (a setting the lookup refuses before it asks for the model) is refused."""
     from transformers import Trainer
 
     def lookup(args, model=None):
@@ -145,6 +151,13 @@ def test_an_installed_optimizer_that_needs_the_model_passes(tmp_path, monkeypatc
 
     monkeypatch.setattr(Trainer, "get_optimizer_cls_and_kwargs", staticmethod(lookup))
     parse(tmp_path, "--optim", "lomo")
+
+    def galore_lookup(args, model=None):  # asked before the model: a setting HF refuses whatever the model
+        raise ValueError("You need to define `optim_target_modules` to use GaLore optimizers")
+
+    monkeypatch.setattr(Trainer, "get_optimizer_cls_and_kwargs", staticmethod(galore_lookup))
+    with pytest.raises(ValueError, match="optim galore_adamw: You need to define `optim_target_modules`"):
+        parse(tmp_path, "--optim", "galore_adamw")
 
 
 def test_the_edges_of_the_optimizer_loader_and_report_to_checks_pass(tmp_path, monkeypatch):
