@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from space.cli import console
 from space.decoding.tree import replay
 from space.eval.tree_search import load_ranks
 from space.jsonl import write_text_atomic
@@ -54,4 +55,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    console("compare_drafters", main)()

@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from space.cli import console
 from space.decoding.dynamic import StepCost
 from space.jsonl import read_jsonl
 
@@ -63,4 +64,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    console("compare_planners", main)()

@@ -9,8 +9,10 @@ one that trains on them through a commit).
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
+from space.cli import console
 from space.data import set_archive
 
 
@@ -26,6 +28,8 @@ def main(argv: list[str] | None = None) -> dict | list[Path]:
     a_unpack.add_argument("archive", type=Path, help="a folder `pack` wrote")
     a_unpack.add_argument("--out", type=Path, required=True, help="folder for the rebuilt sets")
     a = p.parse_args(argv)
+    if a.command == "pack" and not (math.isfinite(a.max_mb) and a.max_mb > 0):
+        p.error(f"--max-mb must be a finite number > 0, got {a.max_mb}")
     if a.command == "pack":
         index = set_archive.pack(a.sets, a.out, max_bytes=int(a.max_mb * 1e6))
         for name, entry in index["sets"].items():
@@ -39,4 +43,4 @@ def main(argv: list[str] | None = None) -> dict | list[Path]:
 
 
 if __name__ == "__main__":
-    main()
+    console("distilled_sets", main)()

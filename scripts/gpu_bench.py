@@ -55,6 +55,7 @@ from space.adapter_layers import apply_lora  # noqa: E402
 from space.decoding.backends import choose_sdpa  # noqa: E402
 from space.decoding.fused import fuse_trunk  # noqa: E402
 from space.choices import COMPILE_MODES  # noqa: E402
+from space.cli import console, output_file, positive_int, positive_ints  # noqa: E402
 from space.jsonl import write_text_atomic  # noqa: E402
 from space.models import parse_dtype, tiny_tokenizer  # noqa: E402
 from space.tokens import add_mask_tokens  # noqa: E402
@@ -463,7 +464,7 @@ def main(argv=None) -> dict:
     s.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
     s.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,96,128")
     s.add_argument("--caches", default="512,2048")
-    s.add_argument("--repeats", type=int, default=20)
+    s.add_argument("--repeats", type=positive_int, default=20)
     s.add_argument("--dtype", type=dtype_name, default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     s.add_argument("--capture", action="store_true",
                    help="also time the eager trunk's steps replayed from CUDA graphs (space.decoding.graphs)")
@@ -474,9 +475,9 @@ def main(argv=None) -> dict:
     h = sub.add_parser("host-time", help="host time against GPU busy time per decoding step")
     h.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
     h.add_argument("--adapter", help="the real SmolLM2 with this adapter instead of a random --shape")
-    h.add_argument("--prompts", type=int, default=3)
-    h.add_argument("--prompt-len", type=int, default=200)
-    h.add_argument("--new-tokens", type=int, default=128)
+    h.add_argument("--prompts", type=positive_int, default=3)
+    h.add_argument("--prompt-len", type=positive_int, default=200)
+    h.add_argument("--new-tokens", type=positive_int, default=128)
     h.add_argument("--dtype", type=dtype_name, default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     h.add_argument("--layouts", help="comma-separated names of the layouts to time (default: all)")
     h.add_argument("--cudnn-sdp", choices=["load", "on", "off", "both"], default="load",
@@ -491,17 +492,30 @@ def main(argv=None) -> dict:
     t = sub.add_parser("train", help="SAR-SFT tokens/s and peak memory of a random 1B-class Llama")
     t.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
     t.add_argument("--mode", choices=["frozen-base", "full"], default="frozen-base")
-    t.add_argument("--mask-num", type=int, default=5)
-    t.add_argument("--batch", type=int, default=4)
-    t.add_argument("--seq-len", type=int, default=1024)
-    t.add_argument("--spans", type=int, default=8)
-    t.add_argument("--steps", type=int, default=8)
+    t.add_argument("--mask-num", type=positive_int, default=5)
+    t.add_argument("--batch", type=positive_int, default=4)
+    t.add_argument("--seq-len", type=positive_int, default=1024)
+    t.add_argument("--spans", type=positive_int, default=8)
+    t.add_argument("--steps", type=positive_int, default=8,
+                   help="optimizer steps, 3 or more (the first 2 warm the kernels and are not timed)")
     t.add_argument("--checkpointing", action="store_true")
     for sp in (s, h, t):
-        sp.add_argument("--out", required=True)
+        sp.add_argument("--out", type=output_file, required=True)
         sp.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a dry run of the command (tiny shapes make sense there)")
     args = p.parse_args(argv)
+    # checked before the model is built and timed: each failed after the work (a KeyError after the first
+    # curve without a 1-row step, a median of no step after training 2 steps)
+    if args.cmd == "step-cost":
+        for flag, text in (("--rows", args.rows), ("--caches", args.caches)):
+            try:
+                values = positive_ints(text)
+            except argparse.ArgumentTypeError as e:
+                p.error(f"argument {flag}: {e}")
+            if flag == "--rows" and 1 not in values:
+                p.error(f"argument --rows: must include 1 (each curve is read against the 1-row step), got {text!r}")
+    if args.cmd == "train" and args.steps < 3:
+        p.error(f"argument --steps: must be >= 3 (the first 2 steps warm the kernels and are not timed), got {args.steps}")
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -512,4 +526,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    console("gpu_bench", main)()

@@ -14,17 +14,27 @@ import argparse
 import json
 from pathlib import Path
 
+from space.cli import console, output_file
 from space.train.curves import plot_training_curves
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("log_history", type=Path, help="a Trainer log_history.json")
-    p.add_argument("png", type=Path, help="the figure to write")
+    p.add_argument("png", type=output_file, help="the figure to write")
     p.add_argument("--tokens-per-epoch", type=int, default=0, help="x axis in training tokens (default 0: optimizer steps)")
     p.add_argument("--tokens-before", type=int, default=0, help="tokens trained before this run (warm start; default 0)")
     a = p.parse_args(argv)
-    history = json.loads(a.log_history.read_text(encoding="utf-8"))
+    if a.tokens_per_epoch < 0 or a.tokens_before < 0:
+        p.error("--tokens-per-epoch and --tokens-before must be >= 0")
+    if a.tokens_before and not a.tokens_per_epoch:  # the x axis is optimizer steps then: it was dropped unsaid
+        p.error("--tokens-before shifts a training-tokens axis: give --tokens-per-epoch too")
+    try:
+        history = json.loads(a.log_history.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        p.error(f"{a.log_history}: not JSON ({e.msg}); is this a Trainer log_history.json?")
+    if not isinstance(history, list):
+        p.error(f"{a.log_history}: not a list of log entries; is this a Trainer log_history.json?")
     try:
         offsets = plot_training_curves(history, a.png, a.tokens_per_epoch, a.tokens_before)
     except ValueError as e:
@@ -34,4 +44,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    console("plot_mask_accuracy", main)()

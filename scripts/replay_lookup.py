@@ -23,6 +23,7 @@ from space.decoding.lookup import PromptLookup
 from space.eval.tasks import load_tasks
 from space.jsonl import write_text_atomic
 from space.choices import SMOLLM2
+from space.cli import console, positive_ints
 from space.models import smollm2_dir
 
 
@@ -40,7 +41,9 @@ def answers(run: Path, tokenizer, data_root: str | None) -> list[tuple[list[int]
     out = []
     for line in (run / "samples.jsonl").open():
         record = json.loads(line)
-        if record["model_id"] != "ar":
+        # a skipped question has no answer; one past the run's --limit (an earlier run's, kept in the
+        # file) is not in the run (space.eval.report.summarize counts neither)
+        if record["model_id"] != "ar" or "skipped" in record or record["question_id"] not in tasks:
             continue
         messages, choice = [], record["choices"][0]
         for turn, ids, text in zip(tasks[record["question_id"]].turns, choice["token_ids"], choice["turns"]):
@@ -98,7 +101,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--datastore-branches", type=int, default=1, help="datastore continuations a step, with --datastore")
     p.add_argument("--out", type=Path, default=None, help="JSON file for the table")
     a = p.parse_args(argv)
-    counts = [int(b) for b in a.branches.split(",")]
+    try:  # before the tokenizer loads: PromptLookup refused them with a traceback
+        counts = positive_ints(a.branches)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"argument --branches: {e}")
+    for flag, value, least in (("--lookup-tokens", a.lookup_tokens, 1), ("--lookup-ngram", a.lookup_ngram, 1),
+                               ("--datastore-branches", a.datastore_branches, 0)):
+        if value < least:
+            p.error(f"argument {flag}: must be >= {least}, got {value}")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     store = None
     if a.datastore:
@@ -121,4 +131,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    console("replay_lookup", main)()

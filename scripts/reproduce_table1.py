@@ -113,11 +113,23 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"{missing[0]}: not a directory, or (--checkpoint) not a SPACE model with space_config.json")
     if a.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {a.nproc}")
+    # the evaluation's flags, checked before hours of training (space-eval refused them after it, and
+    # --max-steps 0 was dropped: the config's whole run)
+    for flag, value in (("--limit", a.limit), ("--max-new-tokens", a.max_new_tokens), ("--max-steps", a.max_steps)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    from space.eval.tasks import LANGUAGES
+    from space.models import parse_dtype
+
+    unknown = [lang for lang in a.languages.split(",") if lang not in LANGUAGES]
+    if unknown:
+        raise ValueError(f"--languages: unknown {unknown}; choose from {', '.join(LANGUAGES)}")
+    parse_dtype(a.dtype)
     finals = {}
     for name in names:
         run_dir = a.out / name
         finals[name] = run_dir / "final"
-        extra = ["--output_dir", str(run_dir)] + (["--max_steps", str(a.max_steps)] if a.max_steps else [])
+        extra = ["--output_dir", str(run_dir)] + (["--max_steps", str(a.max_steps)] if a.max_steps is not None else [])
         extra += ["--model_name_or_path", str(paths[name])] if name in paths else []
         train = [MODELS[name], *extra, *a.train_args.split()]
         record = run_dir / "train_command.json"  # what made final/: a rerun with other flags trains again

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from space.cli import console
 from space.decoding.tree import replay
 from space.eval.tree_search import load_ranks
 from space.jsonl import write_text_atomic
@@ -42,6 +43,45 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE_ANSWERS = ROOT / "results/probe_stage1/answers.jsonl"
 TRAIN_KEYS = ("mode", "global_step", "train_runtime_s")  # copied from the artifact's space_config.json
 LAYOUTS = {"chain k=3, 4 groups": (3, 4, None), "shipped (lookup off)": (1, 2, ((0,), (1,), (2,)))}
+
+
+RECIPE = "recipe.json"  # <runs>/<arm>/: what trained the arm (base config, minutes, flags)
+
+
+def recipe(cfg: dict, flags: list[str]) -> dict:
+    """What makes an arm: the base config, the minutes and the arm's own flags."""
+    return {"base_config": str(cfg["base_config"]), "minutes": cfg["minutes"], "flags": [str(f) for f in flags]}
+
+
+def recorded_recipe(path: Path) -> dict | None:
+    """The recipe in ``path`` (``<runs>/<arm>/recipe.json``, or the ``"recipe"`` of ``<out>/<arm>/train.json``),
+    None when the file or the key is missing (an arm made before recipes were recorded)."""
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data.get("recipe") if path.name == "train.json" else data
+
+
+def check_recipes(arms: dict, cfg: dict, a: argparse.Namespace) -> None:
+    """Refuse an arm done (probed in <out>, or trained in <runs>) with another recipe than the sweep file's
+    now: it would be reused, and the table would show its numbers under this file's minutes and flags.
+
+    Raises:
+        ValueError: the arm, what it was made with and what the file says now.
+    """
+    unchecked = []
+    for name, flags in arms.items():
+        want = recipe(cfg, flags or [])
+        for path in (a.out / name / "train.json", a.runs / name / RECIPE):
+            made = recorded_recipe(path)
+            if made is not None and made != want:
+                raise ValueError(f"arm {name!r} was made with {made} ({path}), but {a.sweep} now says {want}: "
+                                 "rename the arm, or pass another --out and --runs")
+        if (a.out / name / "train.json").is_file() and recorded_recipe(a.out / name / "train.json") is None:
+            unchecked.append(name)
+    if unchecked:
+        print(f"[sweep] warning: arms {', '.join(unchecked)} were made before recipes were recorded: their minutes "
+              f"and flags are not checked against {a.sweep}", file=sys.stderr, flush=True)
 
 
 def run(cmd: list[str]) -> None:
@@ -55,10 +95,13 @@ def train_and_probe(name: str, flags: list[str], cfg: dict, a: argparse.Namespac
     if not artifact.is_dir():
         run(["bash", "run_sft_multi_node.sh", cfg["base_config"], "--output_dir", str(a.runs / name),
              "--max_train_minutes", str(cfg["minutes"]), *flags])
+        write_text_atomic(a.runs / name / RECIPE, json.dumps(recipe(cfg, flags), indent=1) + "\n")
     # what the table needs from training travels into <out>, so a clone without runs/ can rebuild it
     meta = json.loads((artifact / "space_config.json").read_text())
     (a.out / name).mkdir(parents=True, exist_ok=True)
-    write_text_atomic(a.out / name / "train.json", json.dumps({k: meta[k] for k in TRAIN_KEYS}, indent=1) + "\n")
+    made = recorded_recipe(a.runs / name / RECIPE)  # None: trained before recipes were recorded
+    write_text_atomic(a.out / name / "train.json", json.dumps({**{k: meta[k] for k in TRAIN_KEYS},
+                                                               **({"recipe": made} if made else {})}, indent=1) + "\n")
     write_text_atomic(a.out / name / "log_history.json", (a.runs / name / "log_history.json").read_text())
     answers = ["--answers", str(a.answers)] if meta["mode"] == "frozen-base" and a.answers else []
     # a full-mode artifact is a whole HF checkpoint: the probe loads it as the model
@@ -124,6 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(chosen) - set(arms))
     if unknown:
         p.error(f"unknown arms {unknown}; {a.sweep} has {list(arms)}")
+    check_recipes(arms, cfg, a)  # before any training: a done arm of another recipe would be reused
     a.out.mkdir(parents=True, exist_ok=True)
     rows = write_table(arms, cfg, a)
     for name in chosen:
@@ -135,4 +179,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    console("sweep_recipes", main)()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from space.choices import KERNEL_CHOICES
-from space.cli import output_file, positive_int, positive_ints
+from space.cli import console, output_file, positive_int, positive_ints
 from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
@@ -28,7 +28,7 @@ from space.loader import load_space
 from space.tokens import check_mask_num
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapter", default=None)
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--top", type=positive_int, default=4, help="with --search: how many of its layouts")
     ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
     ap.add_argument("--out", type=output_file, default=Path("results/tune_layout.json"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     # counts are >= 1 (space.cli.positive_int): --prompts 0 took every example ([-0:]), and no AR time to divide by
     try:  # before the model loads
         lookups = [int(t) for t in a.lookup_tokens.split(",")]
@@ -54,14 +54,23 @@ def main() -> None:
             check_mask_num(k)
     except ValueError as e:
         ap.error(f"--mask-nums: {e}")
+    # the prompts and the --search file read before the model loads: a bad one failed after it
+    examples = load_examples(a.dataset)[-a.prompts:]
+    searched = []
+    if a.search is not None:
+        try:
+            found = json.loads(a.search.read_text())["layouts"][: a.top]
+            searched = [DecodeConfig.from_dict(r["decode"]) for r in found]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            ap.error(f"--search {a.search}: not a space-tree tree_search.json ({type(e).__name__}: {e})")
+        if not searched:
+            ap.error(f"--search {a.search}: holds no layout")
     model, tok, spec = load_space(a.model, a.adapter)
     kernels = apply_kernels(model, a.kernels)
-    prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in load_examples(a.dataset)[-a.prompts:]]
+    prompts = [torch.tensor(chat_ids(tok, ex.context)) for ex in examples]
     grid = [DecodeConfig(k, g, lookup_tokens=lt) for k in a.mask_nums
             for g in sorted({1, 2, 3, k + 1}) if g <= k + 1 for lt in lookups]
-    if a.search is not None:
-        found = json.loads(a.search.read_text())["layouts"][: a.top]
-        grid += [DecodeConfig.from_dict(r["decode"]).override(lookup_tokens=lt) for r in found for lt in lookups]
+    grid += [cfg.override(lookup_tokens=lt) for cfg in searched for lt in lookups]
     grid = list(dict.fromkeys(grid))
     stats = {cfg: [0, 0.0, 0] for cfg in grid}
     ar_tokens = ar_time = 0.0
@@ -80,11 +89,12 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(a.out, json.dumps({"kernels": kernels, "prompts": a.prompts,
-                                 "max_new_tokens": a.max_new_tokens, "ar_tokens_per_s": round(ar_tps, 2), "ranking": rows}, indent=2))
+    # the prompts decoded: the set may hold fewer than --prompts
+    write_text_atomic(a.out, json.dumps({"kernels": kernels, "prompts": len(prompts),
+                                         "max_new_tokens": a.max_new_tokens, "ar_tokens_per_s": round(ar_tps, 2), "ranking": rows}, indent=2))
     best = rows[0]
     print(f"best: {json.dumps(best['decode'])} -> {a.out}")
 
 
 if __name__ == "__main__":
-    main()
+    console("tune_layout", main)()

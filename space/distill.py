@@ -202,6 +202,14 @@ class Distiller:
         self.turns_sampled = (dict(Counter(f"turn {t['turn']}" for t in self.turns)) if self.turns
                               else dict(old.get("magpie_turns_sampled") or {}))
         self.done = {row["key"] for row in self.rows}
+        # a lower limit cannot unmake rows: the manifest would record the new limit over more rows than it allows
+        held_rows = Counter(row["source"] for row in self.rows)
+        over = [(name, limit, held_rows[name]) for name, limit in sources.items()
+                if limit is not None and held_rows[name] > limit]
+        if over:
+            name, limit, n = over[0]
+            raise ValueError(f"{out} already holds {n} {name} rows, more than --{name}-limit {limit}: a lower limit "
+                             "cannot drop them; pass the set's own limit or another --out")
         self.skipped: Counter = Counter()
         # a rerun without magpie keeps what sampled the turns already in the set, and their verdicts
         # (erased, a later magpie resume was refused as made with other settings)
@@ -220,7 +228,9 @@ class Distiller:
         place: a rerun has nothing to do (a set restored from ``space.data.set_archive`` comes
         without its ``.magpie`` turns, which a rerun would otherwise sample again)."""
         old = self.old_manifest
-        return bool(old.get("complete")) and old.get("sources") == self.sources and old.get("rows") == len(self.rows)
+        # an empty set is never complete (a manifest written so before the run refused it): tried again
+        return (bool(old.get("complete")) and old.get("sources") == self.sources and bool(self.rows)
+                and old.get("rows") == len(self.rows))
 
     def _check_resume(self) -> dict:
         """Refuse to resume a set made with other settings (they would mix two distributions), or
@@ -272,10 +282,9 @@ class Distiller:
                 self._magpie()
             else:
                 self._answer([p for p in static if p["source"] == name], desc=f"answers: {name}")
-        summary = self.write_manifest(complete=True)
-        if not self.rows:
+        if not self.rows:  # not marked complete: a rerun would find "nothing to do" and exit 0 on an empty set
             raise ValueError(f"no rows written to {self.out}: every prompt was skipped ({dict(self.skipped) or 'no prompts'})")
-        return summary
+        return self.write_manifest(complete=True)
 
     def _answer(self, prompts: list[dict], desc: str) -> None:
         todo = []

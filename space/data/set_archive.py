@@ -154,7 +154,8 @@ def unpack(archive: Path, out: Path, tok=None) -> list[Path]:
     Raises:
         FileNotFoundError: no ``archive.json`` in ``archive``, or a file it lists is missing.
         ValueError: a rebuilt set's sha256 differs from the index's (another tokenizer, a damaged
-            file); nothing of that set is written.
+            file); nothing is written.
+        FileExistsError: a set or manifest file in ``out`` differs from the archive's (nothing written).
     """
     index_path = archive / INDEX
     if not index_path.is_file():
@@ -164,17 +165,23 @@ def unpack(archive: Path, out: Path, tok=None) -> list[Path]:
         from ..models import load_tokenizer
 
         tok = load_tokenizer(index["model"])
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, entry in index["sets"].items():
+    files: dict[Path, bytes] = {}
+    for name, entry in index["sets"].items():  # every set rebuilt and checked before any file is written
         lean = _rows(lzma.decompress((archive / entry["lean"]).read_bytes()).decode())
         text = _lines(rebuild(lean, tok))
         if hashlib.sha256(text.encode()).hexdigest() != entry["sha256"] or len(lean) != entry["rows"]:
             raise ValueError(f"{archive / entry['lean']}: the rebuilt {entry['file']} differs from the one packed "
                              f"(sha256 or row count); another tokenizer than {index['model']!r}'s, or a damaged file")
         data = text.encode()  # a .gz set comes back gzipped, as write_jsonl writes one (no timestamp)
-        write_bytes_atomic(out / entry["file"], gzip.compress(data, mtime=0) if entry["file"].endswith(".gz") else data)
+        files[out / entry["file"]] = gzip.compress(data, mtime=0) if entry["file"].endswith(".gz") else data
         manifest = f"{name}.manifest.json"
-        write_bytes_atomic(out / manifest, (archive / manifest).read_bytes())
-        written.append(out / entry["file"])
-    return written
+        files[out / manifest] = (archive / manifest).read_bytes()
+    # a file already there that is not the archive's (a set resumed since, or another set of that name) is
+    # the user's: replaced, its rows were lost
+    clash = [p for p, data in files.items() if p.exists() and (not p.is_file() or p.read_bytes() != data)]
+    if clash:
+        raise FileExistsError(f"{clash[0]} exists and differs from the archive's: move it, or unpack into another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    for path, data in files.items():
+        write_bytes_atomic(path, data)
+    return [out / entry["file"] for entry in index["sets"].values()]

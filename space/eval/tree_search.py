@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..choices import COMPILE_MODES
-from ..cli import add_debug_flag, add_device_flag, add_threads_flag, console, device_flag, set_threads
+from ..cli import (add_debug_flag, add_device_flag, add_threads_flag, console, device_flag, output_file,
+                   set_threads)
 from ..jsonl import write_text_atomic
 from .probe import base_model_name
 from .resume import adapter_sha256, model_files
@@ -312,6 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
                                ("--cache-len", a.cache_len, 1)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if a.max_rows < 3:  # found after the curve was timed: the smallest static layout, x + 1 candidate + 1 mask
+        raise ValueError(f"no static layout fits in --max-rows {a.max_rows} rows (the smallest needs 3)")
+    try:  # a file given for the folder, or one under a file: found when the results were written, after the timing
+        output_file(str(a.out / "tree_search.json"))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--out {a.out}: {e}") from None
     from ..artifact import artifact_folder
 
     folder = artifact_folder(a.model, a.adapter)  # the adapter, or a full SAR-SFT checkpoint as --model
