@@ -8,6 +8,7 @@ import importlib.util
 import json
 import runpy
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
