@@ -20,14 +20,15 @@ from pathlib import Path
 def read_jsonl_resumable(path: Path, repair: bool = True) -> list[dict]:
     """Complete rows of ``path`` ([] when missing); rewrites the file without a torn last line.
 
-    Only the last line may be torn (an interrupted append); it is dropped, and with ``repair`` the
+    Only the last line may be torn (an interrupted append: no ``"\n"`` after it); it is dropped, and with ``repair`` the
     file rewritten without it, atomically (:func:`write_text_atomic`: a run stopped during the
     rewrite leaves every complete row), so the next append starts on a fresh line. ``repair=False``
     reads a file that another process may be appending to, and leaves it as it is.
 
     Raises:
-        ValueError: a line other than the last is not valid JSON or not UTF-8 (file and line
-            named): the file was damaged some other way, and dropping that line would lose a record.
+        ValueError: a line other than a last one without its newline is not valid JSON or not
+            UTF-8 (file and line named): the file was damaged some other way, or is not this
+            program's, and dropping that line would lose a record.
     """
     if not path.is_file():
         return []
@@ -44,7 +45,9 @@ def read_jsonl_resumable(path: Path, repair: bool = True) -> list[dict]:
             rows.append(json.loads(line.decode("utf-8")))
             good.append(line)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            if i < last:
+            # an interrupted append is a prefix of rows that each end in "\n": its torn line is the last
+            # and has none. Anything else (a user's file of other text named by mistake) is not ours to drop
+            if i < last or i < len(lines) - 1:
                 why = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8: {e.reason}"
                 raise ValueError(f"{path}: line {i + 1} is not valid JSON ({why}); fix or delete the file") from None
             # else: the torn last line of an interrupted write, dropped

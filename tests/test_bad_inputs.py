@@ -359,6 +359,18 @@ def test_jsonl_refuses_a_damaged_middle_line(tmp_path):
     assert path.read_text() == '{"a": 1}\n{"a": 3}\n'
 
 
+def test_jsonl_keeps_a_file_whose_last_line_ends_in_a_newline_but_is_not_json(tmp_path):
+    """An interrupted append leaves a last line without its newline. A file of other text (a user's
+    notes named as space-probe's --answers) has one: its line was dropped as torn, the file
+    rewritten as an answers cache and the run exited 0. Now it is refused and left as it was."""
+    path = tmp_path / "notes.txt"
+    for text in ("hi\n", '{"a": 1}\n{"a": \n'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="is not valid JSON"):
+            read_jsonl_resumable(path)
+        assert path.read_text() == text
+
+
 def test_eval_resume_keeps_a_record_with_line_separators(tmp_path):
     assert _eval(tmp_path) == 0
     rows = [json.loads(line) for line in _lines(tmp_path / "samples.jsonl")]
