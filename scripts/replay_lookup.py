@@ -23,7 +23,7 @@ from space.decoding.lookup import PromptLookup
 from space.eval.tasks import load_tasks
 from space.jsonl import write_text_atomic
 from space.choices import SMOLLM2
-from space.cli import console, positive_ints
+from space.cli import console, given_flags, positive_ints
 from space.models import smollm2_dir
 
 
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--datastore-branches", type=int, default=1, help="datastore continuations a step, with --datastore")
     p.add_argument("--out", type=Path, default=None, help="JSON file for the table")
     a = p.parse_args(argv)
+    if not a.datastore and "datastore_branches" in given_flags(p, argv):
+        p.error("--datastore-branches counts a datastore's continuations: give --datastore with it")
     try:  # before the tokenizer loads: PromptLookup refused them with a traceback
         counts = positive_ints(a.branches)
     except argparse.ArgumentTypeError as e:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from space.choices import KERNEL_CHOICES
-from space.cli import console, output_file, positive_int, positive_ints
+from space.cli import console, given_flags, output_file, positive_int, positive_ints
 from space.cpu_kernels import apply_kernels
 from space.data.prompts import chat_ids
 from space.data.sft import load_examples
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", choices=KERNEL_CHOICES, default="fast", help="as in space-eval")
     ap.add_argument("--out", type=output_file, default=Path("results/tune_layout.json"))
     a = ap.parse_args(argv)
+    if a.search is None and "top" in given_flags(ap, argv):
+        ap.error("--top counts the --search file's layouts: give --search with it")
     # counts are >= 1 (space.cli.positive_int): --prompts 0 took every example ([-0:]), and no AR time to divide by
     try:  # before the model loads
         lookups = [int(t) for t in a.lookup_tokens.split(",")]

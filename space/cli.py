@@ -87,6 +87,16 @@ def output_file(text: str) -> Path:
     return path
 
 
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The ``dest`` names of the options ``argv`` gives (abbreviated or not), default or not: a
+    second parse into a namespace whose every field is already set, where argparse fills no
+    default. For refusing a flag that the other flags leave unread."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parsed = parser.parse_args(argv, namespace)
+    return {dest for dest, value in vars(parsed).items() if value is not unset}
+
+
 def check_number(flag: str, value: float | None, minimum: float | None = None, maximum: float | None = None) -> None:
     """Raises ValueError when ``value`` is NaN, infinite or outside [minimum, maximum] (None: the
     default, not checked), naming ``flag``: NaN slips through every ``<`` check on its own."""

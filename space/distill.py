@@ -46,7 +46,7 @@ from tqdm import tqdm
 # torch, transformers, datasets and the modules that import them load inside the functions that
 # need them, so that --help answers at once
 from .choices import SMOLLM2
-from .cli import add_debug_flag, add_threads_flag, console, set_threads
+from .cli import add_debug_flag, add_threads_flag, console, given_flags, set_threads
 from .data.prompts import chat_ids
 from .jsonl import append_jsonl, held, read_jsonl, read_jsonl_resumable, write_jsonl, write_text_atomic
 
@@ -476,7 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Parse and check the arguments, then distill; returns the manifest.
 
     Raises:
-        ValueError: an unknown source, a count below its minimum, or ``--out`` that is a folder.
+        ValueError: an unknown source, a count below its minimum, a source's setting (``--lima-limit``,
+            ``--magpie-seed``, ...) given without the source, or ``--out`` that is a folder.
         FileNotFoundError: a missing dataset or model.
     """
     ap = argparse.ArgumentParser(prog="space-distill",
@@ -524,6 +525,12 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = sorted(set(names) - set(SOURCES))
     if unknown or not names:
         raise ValueError(f"--sources: unknown {unknown or 'empty list'}; choose from {', '.join(SOURCES)}")
+    # a source's settings without the source were unread: the set came out without what they asked for, exit 0
+    unread = sorted(f"--{dest.replace('_', '-')}" for dest in given_flags(ap, argv)
+                    if any(dest.startswith(n + "_") for n in SOURCES if n not in names) or
+                    (dest == "no_follow_ups" and "magpie" not in names))
+    if unread:
+        raise ValueError(f"{', '.join(unread)} given, but --sources {a.sources} leaves them unread: add their source")
     from .cli import device_flag
     from .models import parse_dtype
 

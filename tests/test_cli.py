@@ -176,3 +176,20 @@ def test_output_file_checks_a_results_path_and_makes_nothing(tmp_path):
         (tmp_path / "locked").mkdir(mode=0o500)
         with pytest.raises(argparse.ArgumentTypeError, match="is not writable"):
             output_file(str(tmp_path / "locked" / "sub" / "r.json"))
+
+
+def test_given_flags_names_what_the_command_line_gave_not_the_defaults():
+    """``space.cli.given_flags``: a flag given at its default value counts, an abbreviated one counts
+    under its own name, a store_true counts, a flag left out does not (a check on the parsed values
+    alone cannot tell a default from a flag given)."""
+    import argparse
+
+    from space.cli import given_flags
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--magpie-seed", type=int, default=0)
+    p.add_argument("--lima-limit", type=int, default=400)
+    p.add_argument("--no-follow-ups", action="store_true")
+    assert given_flags(p, []) == set()
+    assert given_flags(p, ["--magpie-seed", "0"]) == {"magpie_seed"}
+    assert given_flags(p, ["--lima-l", "5", "--no-follow-ups"]) == {"lima_limit", "no_follow_ups"}

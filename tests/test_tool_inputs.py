@@ -89,6 +89,27 @@ def test_distill_refuses_a_limit_below_the_rows_a_set_holds(tmp_path):
     assert run(None)["rows"] == 3 and run(5)["rows"] == 3  # as many or more: resumed
 
 
+def test_distill_refuses_a_sources_settings_without_the_source(tmp_path, capsys, monkeypatch):
+    """Catches --magpie-seed, --magpie-limit, --no-follow-ups or --lima-limit given while --sources
+    leaves their source out: unread, the set came out without what they asked for, exit 0. Given with
+    their source they pass on to the run."""
+    from space.distill import cli, main
+
+    no_model(monkeypatch)
+    for argv, said in ((["--sources", "lima", "--magpie-seed", "3", "--no-follow-ups"],
+                        "--magpie-seed, --no-follow-ups given, but --sources lima leaves them unread"),
+                       (["--sources", "magpie", "--lima-lim", "10"], "--lima-limit given")):
+        with pytest.raises(SystemExit) as info:
+            cli([*argv, "--out", str(tmp_path / "s.jsonl")])
+        assert info.value.code == 2 and said in capsys.readouterr().err
+    ran = []
+    summary = {"rows": 0, "new_rows_this_run": 0, "seconds_this_run": 0, "rows_by_source": {},
+               "skipped_this_run": {}, "filter_verdicts": {}}
+    monkeypatch.setattr("space.distill.distill", lambda out, model, limits, *a: ran.append(limits) or summary)
+    main(["--sources", "lima,magpie", "--lima-limit", "5", "--magpie-seed", "3", "--out", str(tmp_path / "s.jsonl")])
+    assert ran == [{"lima": 5, "magpie": 1000}]
+
+
 # ---- scripts/distilled_sets.py ----
 
 
@@ -219,6 +240,8 @@ def test_replay_lookup_skips_skipped_questions_and_those_past_the_limit(tmp_path
     ("sweep_recipes", ["{tmp}/none.yaml"], "sweep_recipes: error:"),
     ("replay_lookup", ["{tmp}", "--branches", "0"], "argument --branches: must be an integer >= 1, got 0"),
     ("replay_lookup", ["{tmp}", "--lookup-ngram", "0"], "argument --lookup-ngram: must be >= 1, got 0"),
+    ("replay_lookup", ["{tmp}", "--datastore-branches", "2"], "--datastore-branches counts a datastore's"),
+    ("tune_layout", ["--model", "tiny-random-llama", "--top", "2"], "--top counts the --search file's layouts"),
     ("reproduce_table1", ["--checkpoint", "t={ad}", "--max-steps", "0"], "--max-steps must be >= 1, got 0"),
     ("reproduce_table1", ["--checkpoint", "t={ad}", "--limit", "0"], "--limit must be >= 1, got 0"),
     ("reproduce_table1", ["--checkpoint", "t={ad}", "--languages", "pyton"], "--languages: unknown ['pyton']"),
