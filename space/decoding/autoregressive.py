@@ -6,8 +6,8 @@ from contextlib import nullcontext
 
 import torch
 
-from .cache import (SlabCache, attention_dtype, attention_windows, cache_input, one_slab, sliding_cache,
-                    static_cache as preallocated)
+from .cache import (SlabCache, attention_dtype, attention_windows, cache_input, cache_rebuild_at, crop_cache, one_slab,
+                    sliding_cache, static_cache as preallocated)
 from .compiled import eager, is_compiled
 from .decoder import mask_slots, with_cache
 from .result import DecodeResult, check_prompt, clock
@@ -76,8 +76,15 @@ def ar_generate(model, input_ids, max_new_tokens: int = 256, sampling: SamplingC
     else:  # a sliding window needs transformers' own sliding layers here (AR builds no mask of its own)
         cache = sliding_cache(model.config)
     step_in, seen, cached = ids[None].to(device), None, 0  # seen: every token so far, for logits_processor
+    # transformers' generate of a Phi-3 forwards the whole sequence again once the cache holds this many
+    # tokens (LongRoPE's switch, cache.cache_rebuild_at), as here
+    rebuild_at = cache_rebuild_at(model.config)
+    rebuild_at = rebuild_at if rebuild_at is not None and ids.numel() <= rebuild_at else None
     while True:
         t0 = clock(device)
+        if cached == rebuild_at:
+            crop_cache(cache, 0, cached)
+            step_in, seen, cached = torch.tensor([ids.tolist() + res.new_ids], device=device), None, 0
         if graphs is not None and step_in.shape[1] == 1:  # a captured step, then the head on its row
             logits = head(graphs.step(step_in[0], None, None, cached, None))  # (1, vocab)
             if transform is not None:  # what the model's own forward does after its head (Gemma 2's soft-capping, ...)

@@ -357,6 +357,48 @@ def sliding_cache(config) -> DynamicCache:
     return DynamicCache(config=text)
 
 
+def longrope_switch(config) -> int | None:
+    """Where a LongRoPE model (Phi-3/3.5-mini-128k, Phi-4-mini, any config with ``rope_type="longrope"``)
+    switches from its short to its long rotary factors, or None for any other RoPE.
+
+    transformers picks the factors once per forward, from the largest position id in it: long when
+    ``max(position_ids) + 1 > original_max_position_embeddings``, for every row of that forward. AR's
+    step holds one row, so the token after a sequence of n tokens is scored with the short factors
+    while n <= this value; a SPACE block also holds candidates and mask rows further ahead, which
+    would switch every row of the block, the verification rows included, earlier than AR does.
+    (``dynamic`` NTK scaling grows only past ``max_position_embeddings``, which no step reaches.)
+
+    Returns:
+        ``original_max_position_embeddings`` of the longrope entry (the smallest, per layer kind), or None.
+    """
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return None
+    entries = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    found = [e.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+             for e in entries if (e.get("rope_type") or e.get("type")) == "longrope"]
+    found = [int(f) for f in found if f]
+    return min(found) if found else None
+
+
+# model types whose generate() recomputes the whole KV cache the first time the sequence passes
+# config.original_max_position_embeddings (transformers' prepare_inputs_for_generation of Phi-3,
+# PhiMoE and Phi-4-multimodal), so that every cached key holds the long LongRoPE factors from then on
+REBUILD_AT_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
+
+
+def cache_rebuild_at(config) -> int | None:
+    """The cache length at which transformers' generate drops the cache of this model and
+    forwards the whole sequence again (:data:`REBUILD_AT_SWITCH`), or None. AR and SPACE decoding
+    do the same there, so their tokens stay ``generate``'s past the LongRoPE switch."""
+    if getattr(config, "model_type", None) not in REBUILD_AT_SWITCH:
+        return None
+    at = getattr(config, "original_max_position_embeddings", None)
+    return int(at) if at else None
+
+
 def refuse_sliding_window(config, what: str, length: int) -> None:
     """Refuse a sliding-window model where ``what`` keeps transformers' plain 4-D masks without the
     window (the step-cost curve) and its sequences reach ``length`` tokens: shorter ones never reach

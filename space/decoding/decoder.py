@@ -93,7 +93,8 @@ from ..masking import (check_parents, host_block, in_window, mask_rows, pack_row
                        unpack_rows)
 from ..sampler_head import sampler_head
 from ..tokens import MaskSpec, check_mask_num, warn_untrained_offsets
-from .cache import SlabCache, StaticSlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache, static_cache
+from .cache import (SlabCache, StaticSlabCache, attention_dtype, attention_windows, cache_input, crop_cache, eager_cache,
+                    cache_rebuild_at, longrope_switch, static_cache)
 from .compiled import eager, is_compiled
 from .config import DecodeConfig
 from .dynamic import BUCKETS, DEFAULT_STEP_COST, LOOKUP, MASK, STORE, StepCost, bucket
@@ -419,6 +420,10 @@ class SpaceDecoder:
         self.mask = mask
         self.context = base.config.max_position_embeddings
         self.windows = attention_windows(base.config)  # sliding windows go into the step's 4-D mask
+        # a LongRoPE model switches its rotary factors by the largest position of a forward (cache.longrope_switch),
+        # and transformers' generate recomputes a Phi-3's cache there (cache.cache_rebuild_at): no block straddles either
+        self.rebuild_at = cache_rebuild_at(base.config)
+        self.switches = tuple(sorted({longrope_switch(base.config), self.rebuild_at} - {None}))
         self.device = self.head.weight.device
         self.mask_dtype = attention_dtype(self.decoder)  # the trunk's, not the LM head's
         ids = mask.ids_for(self.config.mask_num).tolist()
@@ -475,6 +480,15 @@ class SpaceDecoder:
         ``end``: the sequence length the generation may reach (prompt + max_new_tokens), past which
         a dynamic tree plans no node or mask (None: the model's context)."""
         return DynamicPlanner(self, end) if self.dynamic else StaticPlanner(self)
+
+    def room(self, L: int) -> int:
+        """The deepest depth a row of a step after ``L`` cached tokens may take (x_{n-1} sits at
+        position L): below the model's context, and on a LongRoPE model (:attr:`switches`) while
+        the step's own token is scored with the short factors (n = L + 1 <= the switch), below the
+        switch too, so no row of the block moves the forward to the long factors before AR would
+        (and a Phi-3's cache is rebuilt at the step AR's generate rebuilds it)."""
+        end = min([self.context, *(s for s in self.switches if L < s)])
+        return end - L - 1
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, sampling: SamplingConfig = SamplingConfig(),
@@ -544,7 +558,13 @@ class SpaceDecoder:
         ids = ids.to(self.device)
         if ids.numel() > 1:  # prefill x_0..x_{n-2}; x_{n-1} enters the first step
             with eager():  # a compiled trunk would make a graph per prompt length
-                self._forward(ids[:-1], None, None, cache, None)
+                if not self.switches:
+                    self._forward(ids[:-1], None, None, cache, None)
+                else:  # the whole prompt, as AR's prefill: its rotary factors are chosen by n, not n - 1 tokens
+                    self._forward(ids, None, None, cache, None)
+                    crop_cache(cache, L, L + 1)
+        # generate() of a Phi-3 forwards the whole sequence again once its cache holds rebuild_at tokens
+        rebuild_at = self.rebuild_at if self.rebuild_at is not None and ids.numel() <= self.rebuild_at else None
         prefill_s = time.perf_counter() - t0
         last = ids[-1:]
         drafts = self._no_drafts(pq)
@@ -554,6 +574,12 @@ class SpaceDecoder:
         with model_time(self.decoder, self.head, *([self.sampler, self.embed] if self.sampler is not None else [])) as spent:
             while True:
                 t0, model0 = time.perf_counter(), spent[0] + self._graph_s()
+                if L == rebuild_at:  # x_0..x_{n-1} again in one forward (long factors), then x_{n-1} dropped
+                    crop_cache(cache, 0, L)
+                    with eager():
+                        self._forward(torch.cat([ids, upload(res.new_ids, self.device)]), None, None, cache, None)
+                    crop_cache(cache, L, L + 1)
+                    rebuild_at = None
                 block = planner.propose(drafts, found, L)
                 lay, plan_s = block.layout, time.perf_counter() - t0
                 q = drafts.q[: block.tokens.numel()] if pq else None
@@ -590,7 +616,7 @@ class SpaceDecoder:
         context nodes, groups and masks shrink so no row reaches position ``context``. The layout
         is built once per shape and kept on the device. Returns (layout, node tokens on the device,
         node sources): :class:`planner.StaticPlanner`'s block."""
-        room = self.context - L - 1  # deepest depth that fits
+        room = self.room(L)  # deepest depth that fits
         found = found[:room]
         tree = prune(self.tree, min(drafts.ids.shape[0], room))
         groups = min(self.config.groups, chain_depth(tree) + 1, room)  # G_g's mask 0 sits at depth g+1

@@ -115,7 +115,7 @@ class DynamicPlanner:
         # depth d sits at position cache_len + d < context; the step emits its d accepted tokens and a
         # bonus, and the sequence (cache_len + 1 tokens now) ends at self.end. Never below 1 while the
         # context allows: a 1-row block is a shape of its own for a compiled trunk (a graph of minutes)
-        room = dec.context - cache_len - 1
+        room = dec.room(cache_len)
         if self.end is not None:
             room = max(min(room, self.end - cache_len - 2), min(room, 1))
         plan = plan_step(ids, probs, drafts.offset, first, self.stats, cfg.row_budget, cfg.mask_num, cfg.groups,
