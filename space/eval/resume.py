@@ -407,6 +407,6 @@ def report(records: list[dict], meta: dict, out: Path) -> dict:
     questions = {r["question_id"] for r in records}
     if questions and questions == {r["question_id"] for r in records if "skipped" in r}:
         raise ValueError(f"all {len(questions)} question(s) were skipped, so no method was measured: each prompt + "
-                         f"--max-new-tokens {meta.get('max_new_tokens')} outgrew the context ({out}/summary.md says "
-                         "where for each); lower --max-new-tokens")
+                         f"--max-new-tokens {meta.get('max_new_tokens')} outgrew the context or the captured cache "
+                         f"({out}/summary.md says which for each); lower --max-new-tokens")
     return summary

@@ -289,8 +289,10 @@ def test_space_eval_capture_flag_is_recorded_and_a_resume_key(tmp_path, capsys):
         tmp_path / "summary.md").read_text()
     with pytest.raises(ValueError, match="'capture': \\(600, None\\)"):
         eval_main(args)  # the same run eager: its timings would mix
-    # a prompt that fits the model but not the captured cache is skipped with why, not a crash mid-run
-    eval_main([*args[:-1], str(tmp_path / "short"), "--capture", "--capture-len", "40"])
+    # a prompt that fits the model but not the captured cache is skipped with why, not a crash mid-run;
+    # every question skipped, the run then fails, after its report (nothing was measured)
+    with pytest.raises(ValueError, match=r"all 1 question\(s\) were skipped.*or the captured cache"):
+        eval_main([*args[:-1], str(tmp_path / "short"), "--capture", "--capture-len", "40"])
     records = [json.loads(line) for line in (tmp_path / "short" / "samples.jsonl").read_text().splitlines()]
     assert {r["model_id"] for r in records} == {"ar", "pld", "space"}
     assert all("exceeds the captured cache's 40 slots less a step's" in r["skipped"] for r in records)
